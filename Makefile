@@ -1,0 +1,26 @@
+# Set-up, demo and tests. `make demo` and `make test` create the virtual environment on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# The CPU build of torch first, so that resolving the other dependencies never pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m autopar plan --model llama2-7b --cluster 8xA100-80GB --global-batch-size 64 --seq-len 2048 --explain
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/train_llama.py --steps 5
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check autopar passes cost_model triton_kernels tests examples
+
+clean:
+	rm -rf $(VENV) *.egg-info

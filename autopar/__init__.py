@@ -1,0 +1,35 @@
+"""autopar: a compiler-style auto-parallelizer for PyTorch training.
+
+`autopar.plan(model, cluster, ...)` traces a model, prices every way to split it across the
+cluster and returns the fastest plan that fits; `autopar.compile(...)` turns a plan into a
+parallel program that trains on `torch.distributed`.
+"""
+
+from autopar.api import compile, parse_bytes, plan
+from autopar.cluster import ClusterSpec
+from autopar.errors import (
+    AutoparError,
+    ConfigError,
+    InfeasiblePlanError,
+    LoweringError,
+    PlanFormatError,
+    TraceError,
+)
+from autopar.plan import Plan, Predicted
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutoparError",
+    "ClusterSpec",
+    "ConfigError",
+    "InfeasiblePlanError",
+    "LoweringError",
+    "Plan",
+    "PlanFormatError",
+    "Predicted",
+    "TraceError",
+    "compile",
+    "parse_bytes",
+    "plan",
+]

@@ -1,0 +1,236 @@
+"""The public entry points: `plan` (price and choose a layout) and `compile` (build the parallel program)."""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import ConfigError
+from autopar.ir import OpGraph, output_meta
+from autopar.plan import Plan, Predicted
+from autopar.trace import trace_model
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_CONSTRAINT_KEYS = {"tp", "dp", "zero"}
+
+
+def parse_bytes(value) -> float:
+    """`20e9`, "20GB" (10^9) or "20GiB" (2^30) -> bytes."""
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
+    m = _SIZE.match(str(value))
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError(f"memory size {value!r} not understood: give bytes or a string like '20GB' or '16GiB'")
+    return float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()]
+
+
+def _as_cluster(cluster) -> ClusterSpec:
+    if isinstance(cluster, ClusterSpec):
+        return cluster
+    if isinstance(cluster, str):
+        return ClusterSpec.parse(cluster)
+    raise ConfigError(f"cluster must be a ClusterSpec or a string like '8xA100-80GB', got {type(cluster).__name__}")
+
+
+def _default_precision(cluster: ClusterSpec) -> str:
+    return "bf16" if cluster.device.kind == "gpu" else "fp32"
+
+
+def _resolve_model(model, precision, example_inputs, example_kwargs, global_batch_size, seq_len):
+    """(module, args, kwargs, name) from a preset name, a config.json path, or a module with inputs."""
+    if isinstance(model, str):
+        from autopar import presets
+
+        if global_batch_size is None or seq_len is None:
+            raise ConfigError(f"planning preset {model!r} needs global_batch_size= and seq_len=")
+        config = presets.load_config(model)
+        dtype = torch.bfloat16 if precision in ("bf16", "fp16") else torch.float32
+        module = presets.build_model(config, device="meta", dtype=dtype)
+        args, kwargs = presets.example_batch(config, global_batch_size, seq_len, device="meta")
+        return module, args, kwargs, model
+    if isinstance(model, torch.nn.Module):
+        if not example_inputs and not example_kwargs:
+            raise ConfigError("planning an nn.Module needs example_inputs= (and example_kwargs=): one global batch")
+        return model, tuple(example_inputs), dict(example_kwargs or {}), type(model).__name__
+    raise ConfigError(f"model must be an nn.Module, a preset name or a config.json path, got {type(model).__name__}")
+
+
+def _batch_size(args, kwargs) -> int:
+    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
+            return int(leaf.shape[0])
+    raise ConfigError("the example inputs hold no tensor with a batch dimension")
+
+
+def _estimator(kind, cluster: ClusterSpec, precision: str):
+    from autopar.cost_model import AnalyticEstimator, DType
+
+    if kind in (None, "analytic"):
+        return AnalyticEstimator(cluster.device, DType(precision))
+    if kind == "profile":
+        from autopar.cost_model.profiler import ProfiledEstimator
+
+        return ProfiledEstimator()
+    if hasattr(kind, "forward_time_s"):
+        return kind
+    raise ConfigError(f"estimator {kind!r}: expected 'analytic', 'profile' or a ComputeEstimator")
+
+
+def _flops(graph: OpGraph, tokens: int) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one step: 6 per parameter per token plus attention; all executed FLOPs."""
+    from autopar.cost_model.compute import estimate_node_cost
+
+    attention = 0.0
+    hardware = 0.0
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        cost = estimate_node_cost(node)
+        hardware += cost.flops + cost.backward_flops
+        if node.target == torch.ops.aten.scaled_dot_product_attention.default:
+            attention += cost.flops + cost.backward_flops
+    return 6.0 * graph.num_parameters() * tokens + attention, hardware
+
+
+def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch_size: int | None = None,
+         seq_len: int | None = None, constraints: dict | None = None, memory_budget=None, offload: bool | None = None,
+         precision: str | None = None, estimator=None, progress: Callable[[str], None] | None = None) -> Plan:  # fmt: skip
+    """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
+
+    Args:
+        model: an nn.Module (real, fake or meta parameters), a preset name ("llama2-70b") or a config.json path.
+        cluster: a ClusterSpec or its string form ("4x8xA100-80GB", "cpu:4").
+        example_inputs, example_kwargs: one global batch for a module (shapes matter, values do not).
+        global_batch_size, seq_len: the batch for a preset.
+        constraints: pins: "tp", "dp" (axis sizes), "zero" (0-3).
+        memory_budget: per-device cap, bytes or "20GB"; defaults to the device memory.
+        offload: host offload is not planned yet; True warns, False is the behaviour.
+        precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32"; default bf16 on GPUs, fp32 on CPUs.
+        estimator: "analytic" (roofline, default), "profile" (time ops on this machine), or an estimator object.
+        progress: callable told about each step of planning.
+    """
+    from autopar.passes.sharding_solver import solve_sharding, solver_name
+
+    cluster = _as_cluster(cluster)
+    constraints = dict(constraints or {})
+    unknown = set(constraints) - _CONSTRAINT_KEYS
+    if unknown:
+        raise ConfigError(f"unknown constraints {sorted(unknown)}: supported are {sorted(_CONSTRAINT_KEYS)}")
+    if offload:
+        warnings.warn("offload=True is not planned yet: the plan keeps every state on the device", stacklevel=2)
+    precision = precision or _default_precision(cluster)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
+                                                global_batch_size, seq_len)  # fmt: skip
+    say(f"tracing {name}")
+    traced = trace_model(module, args, kwargs)
+    frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
+    graph = OpGraph.from_traced(traced, frozen_params=frozen)
+    t_trace = time.perf_counter() - t0
+    batch = _batch_size(args, kwargs)
+    say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} deduplicated)")
+    est = _estimator(estimator, cluster, precision)
+    sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=constraints,
+                         memory_budget_bytes=budget, batch_size=batch, progress=say)  # fmt: skip
+    tokens = _tokens(args, kwargs)
+    model_flops, hw_flops = _flops(graph, tokens)
+    peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
+    world = cluster.world_size
+    step = sol.step_time_s
+    predicted = Predicted(
+        step_time_s=step,
+        tflops_per_device=model_flops / step / world / 1e12 if step else 0.0,
+        mfu=model_flops / (step * world * peak) if step else 0.0,
+        hardware_flops_utilization=hw_flops / (step * world * peak) if step else 0.0,
+        peak_memory_bytes=sum(sol.memory.values()),
+        memory_breakdown=dict(sol.memory),
+        compute_s=sol.compute_s,
+        reshard_s=sol.reshard_s,
+        grad_sync_s=sol.grad_sync_s,
+        tokens_per_s=tokens / step if step else 0.0,
+    )
+    alternatives = tuple(
+        {"dp": r.dp, "tp": r.tp, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
+         "compute_s": r.compute_s, "reshard_s": r.reshard_s, "grad_sync_s": r.grad_sync_s,
+         "zero_stage": r.zero_stage, "memory": r.memory, "solve_time_s": r.solve_time_s}
+        for r in sol.candidates
+    )  # fmt: skip
+    stats = {
+        "trace_time_s": round(t_trace, 3),
+        "solve_time_s": round(sol.solve_time_s, 3),
+        "total_time_s": round(time.perf_counter() - t0, 3),
+        "solver": solver_name(),
+        "graph_nodes": len(graph.graph.nodes),
+        "decision_groups": sol.num_groups,
+        "layers": graph.num_layers,
+        "deduplicated_layers": graph.deduplicated_layers,
+        "estimator": type(est).__name__,
+    }
+    return Plan(
+        model_name=name,
+        cluster=cluster,
+        mesh={"dp": sol.dp, "tp": sol.tp},
+        zero_stage=sol.zero_stage,
+        precision=precision,
+        global_batch_size=batch,
+        tokens_per_step=tokens,
+        num_parameters=graph.num_parameters(),
+        model_flops_per_step=model_flops,
+        hardware_flops_per_step=hw_flops,
+        predicted=predicted,
+        param_placements=sol.param_placements,
+        node_output=sol.node_output,
+        node_inputs=sol.node_inputs,
+        node_strategy=sol.node_strategy,
+        alternatives=alternatives,
+        unruled_ops=sol.unruled_ops,
+        stats=stats,
+    )
+
+
+def _dtype_of(precision: str):
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+def _tokens(args, kwargs) -> int:
+    """Tokens per step: the size of the first integer input (input ids), else the batch size."""
+    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and not leaf.dtype.is_floating_point and leaf.ndim >= 1:
+            return int(leaf.numel())
+    return _batch_size(args, kwargs)
+
+
+def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=None, *, optimizer=None,
+            plan: Plan | None = None, **plan_kwargs):  # fmt: skip
+    """Plan (unless `plan` is given) and build the parallel program; call inside torchrun.
+
+    Every rank must call it with the same model (same initial parameters) and inputs. The world
+    size of the process group must equal the cluster's.
+
+    Args:
+        model: the single-device model with real parameters on the CPU.
+        cluster: ClusterSpec or string; its world size must match the launch.
+        example_inputs, example_kwargs: one global batch, as `train_step` will get it.
+        optimizer: callable(params) -> torch.optim.Optimizer over the local shards (default AdamW, lr 1e-3).
+        plan: a plan from `autopar.plan` / `Plan.from_json` to use instead of planning.
+        plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, ...).
+    """
+    from autopar.runtime import ParallelModule, ensure_process_group
+
+    cluster = _as_cluster(cluster)
+    ensure_process_group(cluster)
+    traced = trace_model(model, tuple(example_inputs), dict(example_kwargs or {}))
+    if plan is None:
+        plan = globals()["plan"](model, cluster, example_inputs, example_kwargs, **plan_kwargs)
+    return ParallelModule(model, traced, plan, cluster, optimizer=optimizer)
+
+
+__all__ = ["plan", "compile", "parse_bytes", "output_meta"]

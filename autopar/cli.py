@@ -1,0 +1,97 @@
+"""Command line: `autopar plan`, `autopar explain`, `autopar bench` (also `python -m autopar ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from autopar.errors import AutoparError
+
+
+def _plan_cmd(args) -> int:
+    import autopar
+
+    constraints = {k: v for k, v in (("tp", args.tp), ("dp", args.dp), ("zero", args.zero)) if v is not None}
+    cluster = autopar.ClusterSpec.from_file(args.cluster) if Path(args.cluster).is_file() else args.cluster
+    plan = autopar.plan(
+        args.model,
+        cluster,
+        global_batch_size=args.global_batch_size,
+        seq_len=args.seq_len,
+        constraints=constraints,
+        memory_budget=args.memory_budget,
+        precision=args.precision,
+        estimator=args.estimator,
+        progress=(lambda msg: print(f"[autopar] {msg}", file=sys.stderr)) if not args.quiet else None,
+    )
+    if args.json:
+        Path(args.json).write_text(plan.to_json())
+        print(f"[autopar] wrote {args.json}", file=sys.stderr)
+    if args.report:
+        fmt = "html" if args.report.endswith((".html", ".htm")) else "markdown"
+        Path(args.report).write_text(plan.explain(fmt))
+        print(f"[autopar] wrote {args.report}", file=sys.stderr)
+    print(plan.explain() if args.explain else plan.summary())
+    return 0
+
+
+def _explain_cmd(args) -> int:
+    from autopar.plan import Plan
+
+    try:
+        text = Path(args.plan).read_text()
+    except OSError as e:
+        from autopar.errors import ConfigError
+
+        raise ConfigError(f"cannot read plan file {args.plan}: {e.strerror}") from e
+    print(Plan.from_json(text).explain(args.format))
+    return 0
+
+
+def _bench_cmd(args) -> int:
+    from autopar.errors import ConfigError
+
+    raise ConfigError("`autopar bench` suites are not part of this version yet")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="autopar", description="Plan and run parallel training of PyTorch models.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="choose a parallel layout for a model on a cluster")
+    p.add_argument("--model", required=True, help="preset name (e.g. llama2-70b) or path to a config.json")
+    p.add_argument("--cluster", required=True, help="NODESxDEVICESxKIND, DEVICESxKIND, cpu:N, or a YAML/JSON file")
+    p.add_argument("--global-batch-size", type=int, required=True)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--tp", type=int, help="pin the tensor-parallel axis size")
+    p.add_argument("--dp", type=int, help="pin the data-parallel axis size")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="pin the ZeRO stage")
+    p.add_argument("--memory-budget", help="per-device memory cap, e.g. 20GB")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--estimator", choices=["analytic", "profile"], default="analytic")
+    p.add_argument("--json", help="write the plan as JSON to this file")
+    p.add_argument("--report", help="write the report to this file (.md or .html)")
+    p.add_argument("--explain", action="store_true", help="print the full report instead of the summary")
+    p.add_argument("--quiet", action="store_true", help="no progress messages")
+    p.set_defaults(fn=_plan_cmd)
+    e = sub.add_parser("explain", help="print the report of a saved plan")
+    e.add_argument("plan", help="a plan JSON file")
+    e.add_argument("--format", choices=["markdown", "html"], default="markdown")
+    e.set_defaults(fn=_explain_cmd)
+    b = sub.add_parser("bench", help="benchmark suites")
+    b.add_argument("suite", nargs="?")
+    b.set_defaults(fn=_bench_cmd)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except AutoparError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Strategy-explain reports: what the plan chose, what it predicts, and what it was chosen over."""
+
+from __future__ import annotations
+
+import html
+from collections import Counter
+
+GIB = 1024**3
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _linear_summary(plan) -> list[list[str]]:
+    """How the parameters of each kind are laid out on the tensor axis (names with layer indices folded)."""
+    groups: dict[str, Counter] = {}
+    for name, pl in plan.param_placements.items():
+        parts = [("*" if p.isdigit() else p) for p in name.split(".")]
+        key = ".".join(parts)
+        groups.setdefault(key, Counter())[pl] += 1
+    rows = []
+    for key, cnt in groups.items():
+        rows.append([f"`{key}`", ", ".join(f"{pl} x{n}" if n > 1 else pl for pl, n in cnt.items())])
+    return rows
+
+
+def render_markdown(plan) -> str:
+    p = plan.predicted
+    mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
+    lines = [f"# autopar plan: {plan.model_name}", "", f"Cluster: {plan.cluster.describe()}.", ""]
+    lines += [
+        "## Summary",
+        "",
+        *_table(["", ""], [
+            ["mesh", mesh],
+            ["ZeRO stage (over dp)", str(plan.zero_stage)],
+            ["precision", plan.precision],
+            ["parameters", f"{plan.num_parameters / 1e6:,.1f} M"],
+            ["global batch", f"{plan.global_batch_size} ({plan.tokens_per_step:,} tokens)"],
+            ["predicted step time", f"{p.step_time_s * 1e3:,.2f} ms (compute {p.compute_s * 1e3:,.2f}, "
+                                    f"resharding {p.reshard_s * 1e3:,.2f}, gradient sync {p.grad_sync_s * 1e3:,.2f})"],
+            ["TFLOP/s per device", f"{p.tflops_per_device:,.2f}"],
+            ["MFU (model FLOPs)", f"{p.mfu:.1%}"],
+            ["hardware FLOPs utilisation", f"{p.hardware_flops_utilization:.1%}"],
+            ["peak memory per device", f"{p.peak_memory_bytes / GIB:,.2f} GiB"],
+        ]),  # fmt: skip
+        "",
+        "## Memory per device (peak, at the turn from forward to backward)",
+        "",
+        *_table(["part", "GiB"], [[k, f"{v / GIB:,.3f}"] for k, v in p.memory_breakdown.items()]),
+        "",
+        "## Why this mesh",
+        "",
+        "Every factorisation of the world size into dp x tp was solved; each row is the optimum for that mesh.",
+        "",
+    ]
+    rows = []
+    for alt in sorted(plan.alternatives, key=lambda a: a["step_time_s"]):
+        chosen = alt["dp"] == plan.mesh.get("dp") and alt["tp"] == plan.mesh.get("tp")
+        rows.append([
+            f"dp={alt['dp']} tp={alt['tp']}" + (" (chosen)" if chosen else ""),
+            f"{alt['step_time_s'] * 1e3:,.2f}" if alt["feasible"] else "-",
+            f"{alt['compute_s'] * 1e3:,.2f}", f"{alt['reshard_s'] * 1e3:,.2f}", f"{alt['grad_sync_s'] * 1e3:,.2f}",
+            str(alt["zero_stage"]) if alt["feasible"] else "-",
+            f"{sum(alt['memory'].values()) / GIB:,.2f}" if alt["feasible"] else "does not fit",
+        ])  # fmt: skip
+    lines += _table(["mesh", "step ms", "compute ms", "reshard ms", "grad sync ms", "ZeRO", "memory GiB"], rows)
+    lines += ["", "## Parameter placements on the tensor axis", ""]
+    lines += _table(["parameter", "placement"], _linear_summary(plan))
+    strategies = Counter(s for s in plan.node_strategy.values() if not s.startswith("follows"))
+    lines += ["", "## Op strategies", ""]
+    lines += _table(["strategy", "ops"], [[s or "(single choice)", str(n)] for s, n in strategies.most_common()])
+    if plan.unruled_ops:
+        lines += ["", "## Ops without a sharding rule (run replicated on the tensor axis)", ""]
+        lines += [f"- `{op}`" for op in plan.unruled_ops]
+    st = plan.stats
+    if st:
+        lines += ["", "## Planning", ""]
+        lines += [f"- {k}: {v}" for k, v in st.items()]
+    return "\n".join(lines) + "\n"
+
+
+def render_html(plan) -> str:
+    """A self-contained page: the Markdown report with its tables rendered."""
+    body = []
+    in_table = False
+    for line in render_markdown(plan).splitlines():
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if set("".join(cells)) <= set("-"):
+                continue
+            if not in_table:
+                body.append("<table>")
+                in_table = True
+            body.append("<tr>" + "".join(f"<td>{html.escape(c).replace('`', '')}</td>" for c in cells) + "</tr>")
+            continue
+        if in_table:
+            body.append("</table>")
+            in_table = False
+        if line.startswith("## "):
+            body.append(f"<h2>{html.escape(line[3:])}</h2>")
+        elif line.startswith("# "):
+            body.append(f"<h1>{html.escape(line[2:])}</h1>")
+        elif line.startswith("- "):
+            body.append(f"<li>{html.escape(line[2:]).replace('`', '')}</li>")
+        elif line:
+            body.append(f"<p>{html.escape(line)}</p>")
+    if in_table:
+        body.append("</table>")
+    style = "body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}" \
+            "td{border:1px solid #ccc;padding:2px 8px}"  # fmt: skip
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>autopar plan</title><style>{style}</style>" \
+           f"</head><body>{''.join(body)}</body></html>\n"  # fmt: skip

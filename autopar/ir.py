@@ -1,0 +1,220 @@
+"""OpGraph: a typed view over the traced fx graph.
+
+The fx graph of the exported program stays the source of truth; `OpGraph` adds what the
+solvers need and fx does not say directly: which placeholder is a parameter, buffer or user
+input (and under which original name), the tensor arguments of every op in a fixed order, the
+repeated layer each node belongs to, and the mapping of every node of a repeated layer to the
+node at the same position of the first layer (so identical layers are solved once).
+
+Terms:
+- *tensor argument*: an argument leaf of a node (in `args`, then `kwargs`, flattened in pytree
+  order) that is another node producing a tensor. A node using the same producer twice has two
+  tensor arguments; strategies give one placement per tensor argument.
+- *representative*: for a node of layer i, the node of the first isomorphic layer at the same
+  position; nodes outside repeated layers are their own representative.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.trace import TracedModel, layer_of
+
+
+class NodeKind(StrEnum):
+    PARAM = "param"
+    BUFFER = "buffer"
+    CONSTANT = "constant"
+    INPUT = "input"
+    COMPUTE = "compute"
+    OUTPUT = "output"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Shape and dtype of one tensor value."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """A trainable parameter of the traced model, under its original (Hugging Face) name."""
+
+    name: str
+    node_name: str
+    meta: TensorMeta
+    requires_grad: bool
+    layer: tuple[str | None, int | None]
+
+
+def tensor_meta_of(value) -> TensorMeta | None:
+    """The TensorMeta of a meta/fake tensor value, or None for non-tensors."""
+    if isinstance(value, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in value.shape), value.dtype)
+    return None
+
+
+def output_meta(node: fx.Node) -> TensorMeta | None:
+    """The meta of a node's output when it is one tensor (the first tensor of a tuple otherwise)."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        for v in val:
+            if isinstance(v, torch.Tensor):
+                return tensor_meta_of(v)
+        return None
+    return tensor_meta_of(val)
+
+
+def is_tensor_node(node) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return any(isinstance(v, torch.Tensor) for v in val)
+    return isinstance(val, torch.Tensor)
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """The tensor arguments of `node`, in pytree order of (args, kwargs), duplicates kept."""
+    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if is_tensor_node(a)]
+
+
+def is_getitem(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """The traced model as the planner sees it.
+
+    Attributes:
+        traced: the TracedModel it was built from (fx graph, signature).
+        kinds: node name -> NodeKind.
+        params: every parameter placeholder, keyed by node name.
+        input_nodes: names of the user-input placeholders, in order.
+        representative: node name -> name of its representative node.
+        layer_count: representative node name -> how many nodes it stands for.
+    """
+
+    traced: TracedModel
+    kinds: dict[str, NodeKind]
+    params: dict[str, ParamInfo]
+    input_nodes: tuple[str, ...]
+    representative: dict[str, str]
+    layer_count: dict[str, int]
+    num_layers: int
+    deduplicated_layers: int
+    _nodes: dict[str, fx.Node] = field(repr=False)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.traced.exported.graph
+
+    def node(self, name: str) -> fx.Node:
+        return self._nodes[name]
+
+    def nodes(self) -> list[fx.Node]:
+        return list(self.graph.nodes)
+
+    def num_parameters(self) -> int:
+        return sum(p.meta.numel for p in self.params.values() if p.requires_grad)
+
+    @classmethod
+    def from_traced(cls, traced: TracedModel, *, frozen_params: frozenset[str] = frozenset()) -> OpGraph:
+        """Build the view; `frozen_params` names parameters with requires_grad=False."""
+        nodes = {n.name: n for n in traced.exported.graph.nodes}
+        placeholders = [n for n in traced.exported.graph.nodes if n.op == "placeholder"]
+        kinds: dict[str, NodeKind] = {}
+        params: dict[str, ParamInfo] = {}
+        inputs: list[str] = []
+        param_iter = iter(traced.param_names)
+        for ph, kind in zip(placeholders, traced.placeholder_kinds, strict=True):
+            kinds[ph.name] = NodeKind(kind)
+            if kind == "param":
+                fqn = next(param_iter)
+                params[ph.name] = ParamInfo(
+                    fqn, ph.name, output_meta(ph), fqn not in frozen_params, _layer_of_fqn(fqn, traced)
+                )
+            elif kind == "input":
+                inputs.append(ph.name)
+        for n in traced.exported.graph.nodes:
+            if n.op == "call_function":
+                kinds[n.name] = NodeKind.COMPUTE
+            elif n.op == "output":
+                kinds[n.name] = NodeKind.OUTPUT
+        rep, count, num_layers, dedup = _deduplicate_layers(traced.exported.graph, params)
+        return cls(traced, kinds, params, tuple(inputs), rep, count, num_layers, dedup, nodes)
+
+
+def _layer_of_fqn(fqn: str, traced: TracedModel) -> tuple[str | None, int | None]:
+    """Layer of a parameter from its name ("model.layers.3.mlp.up_proj.weight" -> ("model.layers", 3))."""
+    parts = fqn.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[:i]), int(parts[i])
+    return None, None
+
+
+def _node_layer(node: fx.Node, params: dict[str, ParamInfo]) -> tuple[str | None, int | None]:
+    if node.op == "placeholder":
+        return params[node.name].layer if node.name in params else (None, None)
+    if node.op != "call_function":
+        return None, None
+    return layer_of(node)
+
+
+def _signature(node: fx.Node) -> tuple:
+    """What must agree for two nodes at the same position of two layers to be solved as one."""
+    meta = output_meta(node)
+    target = node.op if node.op == "placeholder" else str(node.target)
+    return (target, meta.shape if meta else None, meta.dtype if meta else None, len(tensor_args(node)))
+
+
+def _deduplicate_layers(graph: fx.Graph, params: dict[str, ParamInfo]):
+    """Map the nodes of every layer isomorphic to the first layer of its container onto it."""
+    by_layer: dict[tuple[str, int], list[fx.Node]] = defaultdict(list)
+    for n in graph.nodes:
+        container, idx = _node_layer(n, params)
+        if container is not None:
+            by_layer[(container, idx)].append(n)
+    rep = {n.name: n.name for n in graph.nodes}
+    count = {n.name: 1 for n in graph.nodes}
+    containers: dict[str, list[int]] = defaultdict(list)
+    for container, idx in by_layer:
+        containers[container].append(idx)
+    num_layers = max((len(v) for v in containers.values()), default=0)
+    dedup = 0
+    for container, idxs in containers.items():
+        idxs.sort()
+        first = by_layer[(container, idxs[0])]
+        first_sig = [_signature(n) for n in first]
+        for idx in idxs[1:]:
+            layer_nodes = by_layer[(container, idx)]
+            if [_signature(n) for n in layer_nodes] != first_sig:
+                continue
+            dedup += 1
+            for a, b in zip(layer_nodes, first, strict=True):
+                rep[a.name] = b.name
+                count[b.name] += 1
+                count[a.name] = 0
+    return rep, count, num_layers, dedup

@@ -1,0 +1,161 @@
+"""Plan: the solver's answer, serialisable, with the predictions and the alternatives it beat.
+
+A plan names the device mesh (axis name -> size, product = world size), the ZeRO stage, the
+placement of every parameter and of every op's arguments and output on the tensor axis, and
+what the cost model predicts for one training step: time, TFLOP/s per device, MFU (model FLOPs:
+6 per parameter per token plus attention; recompute not counted), hardware FLOPs utilisation
+(every FLOP the step executes), and peak memory per device with its breakdown.
+
+`to_json()` writes a versioned document; `Plan.from_json()` refuses other versions and corrupt
+text with a `PlanFormatError` that says what to do.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import asdict, dataclass, field
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import PlanFormatError
+
+FORMAT_VERSION = 1
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class Predicted:
+    """What the cost model predicts for one training step (per device where it says so)."""
+
+    step_time_s: float
+    tflops_per_device: float
+    mfu: float
+    hardware_flops_utilization: float
+    peak_memory_bytes: float
+    memory_breakdown: dict = field(default_factory=dict)
+    compute_s: float = 0.0
+    reshard_s: float = 0.0
+    grad_sync_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A parallel layout for one model on one cluster (see the module docstring)."""
+
+    model_name: str
+    cluster: ClusterSpec
+    mesh: dict
+    zero_stage: int
+    precision: str
+    global_batch_size: int
+    tokens_per_step: int
+    num_parameters: int
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    predicted: Predicted
+    param_placements: dict
+    node_output: dict
+    node_inputs: dict
+    node_strategy: dict
+    alternatives: tuple = ()
+    unruled_ops: tuple = ()
+    stats: dict = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self):
+        size = 1
+        for v in self.mesh.values():
+            size *= v
+        if size != self.cluster.world_size:
+            raise PlanFormatError(f"plan mesh {self.mesh} has {size} devices but the cluster has "
+                                  f"{self.cluster.world_size}")  # fmt: skip
+
+    # --------------------------------------------------------------------------- serialisation
+
+    def to_json(self, indent: int | None = 1) -> str:
+        d = {
+            "format": "autopar-plan",
+            "format_version": self.format_version,
+            "model_name": self.model_name,
+            "cluster": self.cluster.to_dict(),
+            "mesh": self.mesh,
+            "zero_stage": self.zero_stage,
+            "precision": self.precision,
+            "global_batch_size": self.global_batch_size,
+            "tokens_per_step": self.tokens_per_step,
+            "num_parameters": self.num_parameters,
+            "model_flops_per_step": self.model_flops_per_step,
+            "hardware_flops_per_step": self.hardware_flops_per_step,
+            "predicted": asdict(self.predicted),
+            "param_placements": self.param_placements,
+            "node_output": self.node_output,
+            "node_inputs": {k: list(v) for k, v in self.node_inputs.items()},
+            "node_strategy": self.node_strategy,
+            "alternatives": list(self.alternatives),
+            "unruled_ops": list(self.unruled_ops),
+            "stats": self.stats,
+        }
+        return json.dumps(d, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Read a plan written by `to_json`; PlanFormatError for anything else."""
+        try:
+            d = json.loads(text)
+        except (json.JSONDecodeError, TypeError) as e:
+            raise PlanFormatError(f"not a plan file: invalid JSON ({e}); write plans with `autopar plan --json`") from e
+        if not isinstance(d, dict) or d.get("format") != "autopar-plan":
+            raise PlanFormatError("not an autopar plan (no 'format': 'autopar-plan' field)")
+        ver = d.get("format_version")
+        if ver != FORMAT_VERSION:
+            raise PlanFormatError(f"plan format version {ver!r} is not supported (this autopar reads version "
+                                  f"{FORMAT_VERSION}); re-run `autopar plan` to write a new plan")  # fmt: skip
+        try:
+            return cls(
+                model_name=d["model_name"],
+                cluster=ClusterSpec.from_dict(d["cluster"]),
+                mesh=dict(d["mesh"]),
+                zero_stage=int(d["zero_stage"]),
+                precision=d["precision"],
+                global_batch_size=int(d["global_batch_size"]),
+                tokens_per_step=int(d["tokens_per_step"]),
+                num_parameters=int(d["num_parameters"]),
+                model_flops_per_step=float(d["model_flops_per_step"]),
+                hardware_flops_per_step=float(d["hardware_flops_per_step"]),
+                predicted=Predicted(**d["predicted"]),
+                param_placements=dict(d["param_placements"]),
+                node_output=dict(d["node_output"]),
+                node_inputs={k: tuple(v) for k, v in d["node_inputs"].items()},
+                node_strategy=dict(d["node_strategy"]),
+                alternatives=tuple(d.get("alternatives", ())),
+                unruled_ops=tuple(d.get("unruled_ops", ())),
+                stats=dict(d.get("stats", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, PlanFormatError):
+                raise
+            raise PlanFormatError(f"corrupt plan file: {type(e).__name__}: {e}") from e
+
+    # ------------------------------------------------------------------------------ reporting
+
+    def explain(self, fmt: str = "markdown") -> str:
+        """A report of what was chosen and why: Markdown, or a self-contained HTML page (fmt="html")."""
+        from autopar.explain import render_html, render_markdown
+
+        if fmt in ("markdown", "md"):
+            return render_markdown(self)
+        if fmt == "html":
+            return render_html(self)
+        raise ValueError(f"unknown report format {fmt!r}: expected 'markdown' or 'html'")
+
+    def summary(self) -> str:
+        p = self.predicted
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}, "
+                f"step {p.step_time_s * 1e3:.1f} ms, {p.tflops_per_device:.1f} TFLOP/s/device, MFU {p.mfu:.1%}, "
+                f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device")  # fmt: skip
+
+
+def escape(text: str) -> str:
+    return html.escape(text)

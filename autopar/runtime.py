@@ -1,0 +1,216 @@
+"""ParallelModule: the emitted parallel program and its training step.
+
+It holds this rank's local shards of the parameters (what `parameters()` returns and the
+optimizer updates), binds the traced graph to the plan through the rewrite pass
+(`passes.parallelize`), and runs `train_step`: forward on this rank's share of the global
+batch, backward (gradient reductions over the data axis happen in the backward of the
+parameters' `from_local`), and the optimizer step on the local shards.
+
+`state_dict()` gathers full tensors under the original (Hugging Face) names, tied names included.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import ConfigError, LoweringError
+from autopar.passes.parallelize import dp_placement, local_shard, shard_pass
+from autopar.passes.sharding_rules import parse_placement
+from autopar.plan import Plan
+from autopar.trace import TracedModel
+
+R = Replicate()
+
+
+def ensure_process_group(cluster: ClusterSpec) -> None:
+    """Join the process group torchrun set up (or a one-rank group), and check its size against the cluster."""
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            backend = "nccl" if cluster.device.kind == "gpu" else "gloo"
+            dist.init_process_group(backend, timeout=timedelta(minutes=5))
+        elif cluster.world_size == 1:
+            store = dist.HashStore()
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        else:
+            raise LoweringError(f"the cluster has {cluster.world_size} devices but no process group is running: "
+                                f"launch with `torchrun --nproc_per_node {cluster.world_size} ...`")  # fmt: skip
+    if dist.get_world_size() != cluster.world_size:
+        raise LoweringError(f"the process group has {dist.get_world_size()} ranks but the cluster "
+                            f"{cluster.describe()} has {cluster.world_size}; launch one rank per device")  # fmt: skip
+
+
+def _device_type(cluster: ClusterSpec) -> str:
+    if cluster.device.kind == "gpu":
+        if not torch.cuda.is_available():
+            raise LoweringError(f"the cluster is {cluster.describe()} but this machine has no CUDA device; "
+                                f"plan for GPUs here, run on GPUs there, or compile for 'cpu:N'")  # fmt: skip
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return "cuda"
+    return "cpu"
+
+
+class ParallelModule(torch.nn.Module):
+    """The parallel program of one plan on this rank (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, traced: TracedModel, plan: Plan, cluster: ClusterSpec, *,
+                 optimizer=None):  # fmt: skip
+        super().__init__()
+        dp, tp = plan.mesh["dp"], plan.mesh["tp"]
+        if dp * tp != cluster.world_size:
+            raise LoweringError(f"plan mesh {plan.mesh} does not match the cluster's {cluster.world_size} devices")
+        self.plan, self.traced = plan, traced
+        self.device_type = _device_type(cluster)
+        self.mesh: DeviceMesh = init_device_mesh(self.device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        self._check_plan_matches(traced)
+        named = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        self._param_names = list(traced.param_names)
+        self._placements: list[tuple] = []
+        shards = []
+        for fqn in self._param_names:
+            p = named[fqn]
+            tp_pl = parse_placement(plan.param_placements.get(fqn, "R"))
+            pl = (dp_placement(tuple(p.shape), dp, plan.zero_stage >= 1), tp_pl)
+            self._placements.append(pl)
+            local = local_shard(p.detach().to(self.device_type), self.mesh, pl)
+            shards.append(torch.nn.Parameter(local, requires_grad=p.requires_grad))
+        self.shards = torch.nn.ParameterList(shards)
+        self._shapes = [tuple(named[n].shape) for n in self._param_names]
+        self._buffers = [buffers[n].detach().to(self.device_type) for n in traced.buffer_names]
+        self._constants = self._graph_constants(traced)
+        self._aliases = dict(traced.param_aliases)
+        self._state_names = list(model.state_dict().keys())
+        self._interp = shard_pass(traced.graph_module, None, mesh=self.mesh, node_inputs=plan.node_inputs,
+                                  node_output=plan.node_output)  # fmt: skip
+        make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+        self.optimizer = make_opt(list(self.shards))
+
+    def _check_plan_matches(self, traced: TracedModel) -> None:
+        names = {n.name for n in traced.exported.graph.nodes}
+        missing = [n for n in self.plan.node_output if n not in names]
+        if missing:
+            raise LoweringError(f"the plan does not belong to this model: {len(missing)} of its nodes "
+                                f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again")  # fmt: skip
+
+    def _graph_constants(self, traced: TracedModel) -> dict:
+        ep = traced.exported
+        return {k: v.to(self.device_type) if isinstance(v, torch.Tensor) else v for k, v in ep.constants.items()}
+
+    # -------------------------------------------------------------------------------- execution
+
+    def _param_dtensors(self) -> list[DTensor]:
+        out = []
+        for local, pl, shape in zip(self.shards, self._placements, self._shapes, strict=True):
+            out.append(DTensor.from_local(local, self.mesh, pl, run_check=False, shape=torch.Size(shape),
+                                          stride=_contiguous_stride(shape)))  # fmt: skip
+        return out
+
+    def _inputs(self, args, kwargs) -> list:
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        expected = self.traced.exported.call_spec.in_spec
+        if expected is not None and spec != expected:
+            raise ConfigError(f"the inputs do not have the structure the model was compiled with: expected "
+                              f"{expected}, got {spec}")  # fmt: skip
+        dp = self.plan.mesh["dp"]
+        out = []
+        for t in flat:
+            if not isinstance(t, torch.Tensor):
+                out.append(t)
+                continue
+            t = t.to(self.device_type)
+            if t.ndim and t.shape[0] % dp:
+                raise ConfigError(f"the batch of {t.shape[0]} does not divide over the data axis (dp={dp}); "
+                                  f"pass a global batch that is a multiple of {dp}")  # fmt: skip
+            pl = (Shard(0) if t.ndim and dp > 1 else R, R)
+            rank = self.mesh.get_local_rank("dp")
+            local = t.chunk(dp, dim=0)[rank] if t.ndim and dp > 1 else t
+            out.append(DTensor.from_local(local.contiguous(), self.mesh, pl, run_check=False))
+        return out
+
+    def _placeholders(self, args, kwargs) -> list:
+        params = iter(self._param_dtensors())
+        buffers = iter(self._buffers)
+        inputs = iter(self._inputs(args, kwargs))
+        sig = self.traced.exported.graph_signature
+        constants = iter(spec.target for spec in sig.input_specs if self._kind(spec) == "constant")
+        values = []
+        for kind in self.traced.placeholder_kinds:
+            if kind == "param":
+                values.append(next(params))
+            elif kind == "buffer":
+                values.append(DTensor.from_local(next(buffers), self.mesh, (R, R), run_check=False))
+            elif kind == "constant":
+                c = self._constants[next(constants)]
+                values.append(DTensor.from_local(c, self.mesh, (R, R), run_check=False) if isinstance(c, torch.Tensor) else c)
+            else:
+                values.append(next(inputs))
+        return values
+
+    @staticmethod
+    def _kind(spec) -> str:
+        name = spec.kind.name
+        return {"PARAMETER": "param", "BUFFER": "buffer", "CONSTANT_TENSOR": "constant", "CUSTOM_OBJ": "constant"}.get(
+            name, "input"
+        )
+
+    def _run(self, args, kwargs):
+        outs = self._interp.run(*self._placeholders(args, kwargs))
+        sig = self.traced.exported.graph_signature
+        n_mut = len(sig.buffers_to_mutate) + len(getattr(sig, "user_inputs_to_mutate", {}))
+        return list(outs)[n_mut:]
+
+    def forward(self, *args, **kwargs):
+        """Run the model on a global batch; tensors in the output are whole (gathered) tensors."""
+        outs = self._run(args, kwargs)
+        full = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
+        return pytree.tree_unflatten(full, self.traced.exported.call_spec.out_spec)
+
+    def train_step(self, *args, **kwargs) -> float:
+        """One optimizer step on a global batch (every rank passes the same batch); returns the loss."""
+        outs = self._run(args, kwargs)
+        loss = outs[0]
+        if not isinstance(loss, DTensor) or loss.ndim != 0:
+            raise LoweringError("the model's first output is not a scalar loss: pass labels so the model computes one")
+        loss = loss.redistribute(self.mesh, (R, R))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.to_local().detach())
+
+    # ---------------------------------------------------------------------------------- states
+
+    def full_parameter(self, fqn: str) -> torch.Tensor:
+        fqn = self._aliases.get(fqn, fqn)
+        i = self._param_names.index(fqn)
+        local = self.shards[i].detach()
+        dt = DTensor.from_local(local, self.mesh, self._placements[i], run_check=False,
+                                shape=torch.Size(self._shapes[i]), stride=_contiguous_stride(self._shapes[i]))  # fmt: skip
+        return dt.full_tensor()
+
+    def state_dict(self, *args, **kwargs) -> dict:  # noqa: ARG002 - the nn.Module signature
+        """Full tensors under the original names (parameters gathered from every rank; buffers as they are)."""
+        out = {}
+        buffers = dict(zip(self.traced.buffer_names, self._buffers, strict=True))
+        for name in self._state_names:
+            key = self._aliases.get(name, name)
+            if key in self._param_names:
+                out[name] = self.full_parameter(key).cpu()
+            elif name in buffers:
+                out[name] = buffers[name].cpu()
+        return out
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))

@@ -1,0 +1,190 @@
+"""Rewrite: run the traced graph as a parallel program, following the plan's placements.
+
+`ShardedInterpreter` is an `fx.Interpreter` over the exported (ATen training IR) graph whose
+values are DTensors on the 2-D mesh (dp, tp). For every op it
+
+1. brings each tensor argument to the placement the plan chose for it on the tensor axis
+   (`redistribute`, which is autograd-aware: the backward runs the transposed collective),
+2. runs the op: DTensor's own ATen rules for most ops; attention locally on each rank's
+   heads or batch rows (it is independent across both), which is where a fused kernel plugs in;
+   ops DTensor has no rule for run on gathered full tensors (correct, and reported),
+3. brings the output to the plan's placement.
+
+The graph's shape constants are global (it was traced on the global batch), and DTensor works
+in global shapes, so no shape in the graph needs rewriting. Values created inside the graph
+from nothing (`arange`, masks) are plain tensors, identical on every rank: they enter the mesh
+replicated.
+
+Input: an exported program's graph module, the plan's per-node placements, the mesh.
+Output: the graph's outputs as DTensors; gradients reach each parameter's local shard through
+`DTensor.from_local`, with the data-axis reduction done by the backward of that call.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils import _pytree as pytree
+
+from autopar.ir import is_tensor_node
+from autopar.passes.sharding_rules import parse_placement
+
+aten = torch.ops.aten
+R = Replicate()
+
+# Ops that only check metadata of global tensors; DTensor cannot run them and they compute nothing.
+_SKIPPED = {aten._assert_tensor_metadata.default}
+_LOCAL_OPS = {aten.scaled_dot_product_attention.default}
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous.
+
+    The backward of a view views the gradient; a gradient that arrives transposed (as after a
+    transpose or a redistribution) cannot be viewed, so views get their gradients contiguous.
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):  # DTensor judges contiguity by the global strides; the local piece matters
+            local = grad.to_local()
+            if local.is_contiguous():
+                return grad
+            return DTensor.from_local(local.contiguous(), grad.device_mesh, grad.placements, run_check=False,
+                                      shape=grad.shape, stride=grad.stride())  # fmt: skip
+        return grad.contiguous()
+
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+class ShardedInterpreter(fx.Interpreter):
+    """Interpret `gm` on DTensors, enforcing the tensor-axis placements of the plan.
+
+    Args:
+        gm: the exported graph module (parameters and buffers as placeholders).
+        mesh: a 2-D DeviceMesh with axes ("dp", "tp").
+        node_inputs: node name -> placement string per tensor argument on the tp axis.
+        node_output: node name -> placement string of the output on the tp axis.
+        local_ops: op overload -> callable run on local tensors for ops executed per rank.
+    """
+
+    def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
+                 local_ops: dict | None = None):  # fmt: skip
+        super().__init__(gm, garbage_collect_values=True)
+        self.mesh = mesh
+        self.need = {k: tuple(parse_placement(p) for p in v) for k, v in node_inputs.items()}
+        self.out = {k: parse_placement(v) for k, v in node_output.items()}
+        self.local_ops = {op: op for op in _LOCAL_OPS}
+        self.local_ops.update(local_ops or {})
+        self.fallback_ops: set[str] = set()
+
+    def _to(self, value, tp_placement: Placement):
+        if not isinstance(value, DTensor):
+            return value
+        dp_pl = value.placements[0]
+        want = (dp_pl, tp_placement)
+        if tuple(value.placements) == want:
+            return value
+        return value.redistribute(self.mesh, want)
+
+    def _replicated(self, t: torch.Tensor) -> DTensor:
+        return DTensor.from_local(t, self.mesh, (R, R), run_check=False)
+
+    def run_node(self, n: fx.Node):
+        if n.op != "call_function":
+            return super().run_node(n)
+        need = self.need.get(n.name, ())
+        position = itertools.count()
+
+        def load(arg: fx.Node):
+            v = self.env[arg]
+            if is_tensor_node(arg):
+                j = next(position)
+                if j < len(need):
+                    v = self._to(v, need[j])
+            return v
+
+        args = fx.node.map_arg(n.args, load)
+        kwargs = fx.node.map_arg(n.kwargs, load)
+        if any(isinstance(v, DTensor) for v in pytree.tree_leaves((args, kwargs))):
+            wrap = lambda v: self._replicated(v) if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v  # noqa: E731
+            args, kwargs = pytree.tree_map(wrap, (args, kwargs))
+            out = self._call(n.target, args, kwargs, distributed=True)
+        else:
+            out = self._call(n.target, args, kwargs, distributed=False)
+        want = self.out.get(n.name)
+        if want is None:
+            return out
+        return pytree.tree_map(lambda v: self._to(v, want) if isinstance(v, DTensor) else v, out)
+
+    def _call(self, target, args, kwargs, *, distributed: bool):
+        if target in _SKIPPED:
+            return None
+        if not distributed:
+            return target(*args, **kwargs)
+        if target in _VIEWS:
+            # after a redistribution the local piece may be laid out differently than the traced tensor was
+            out = aten.reshape.default(*args, **kwargs)
+            return _ContiguousGrad.apply(out) if out.requires_grad else out
+        if target in self.local_ops:
+            return self._run_local(target, args, kwargs)
+        if str(target) in self.fallback_ops:
+            return self._run_gathered(target, args, kwargs)
+        try:
+            return target(*args, **kwargs)
+        except NotImplementedError:
+            self.fallback_ops.add(str(target))
+            return self._run_gathered(target, args, kwargs)
+
+    def _run_local(self, target, args, kwargs):
+        """Run an op independently on each rank's slice (valid for attention split on batch or heads)."""
+        q = args[0]
+        placements = tuple(q.placements)
+        batch = q.shape[0]
+
+        def local(v):
+            if not isinstance(v, DTensor):
+                return v
+            dp_pl = placements[0] if v.ndim and v.shape[0] == batch else R
+            tp_pl = v.placements[1]
+            return v.redistribute(self.mesh, (dp_pl, tp_pl)).to_local()
+
+        la, lk = pytree.tree_map(local, (args, kwargs))
+        out = self.local_ops[target](*la, **lk)
+        return DTensor.from_local(out, self.mesh, placements, run_check=False)
+
+    def _run_gathered(self, target, args, kwargs):
+        fa, fk = pytree.tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v, (args, kwargs))
+        out = target(*fa, **fk)
+        return pytree.tree_map(lambda v: self._replicated(v) if isinstance(v, torch.Tensor) else v, out)
+
+
+def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
+               local_ops: dict | None = None) -> ShardedInterpreter:  # fmt: skip
+    """The rewrite pass: bind `gm` to the plan and mesh; the result runs the parallel program."""
+    del example_inputs  # placements come from the plan; shapes from the graph
+    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops)
+
+
+def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:
+    """This rank's piece of `full` under `placements`, cut locally (every rank holds the same full tensor)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.detach(), mesh, placements, src_data_rank=None).to_local().clone()
+
+
+def dp_placement(shape: tuple[int, ...], dp: int, sharded: bool) -> Placement:
+    """Placement of a parameter on the data axis: Shard(0) under ZeRO when dim 0 splits, else replicated."""
+    if sharded and dp > 1 and shape and shape[0] >= dp:
+        return Shard(0)
+    return R

@@ -1,0 +1,652 @@
+r"""Intra-op sharding as one integer program per 2-D device mesh (dp x tp).
+
+The mesh has a data axis `dp` (outer) and a tensor axis `tp` (inner, so it stays inside a node
+while it fits). Activations are split on their batch dimension over `dp`; on `tp` every op picks
+one strategy from `sharding_rules`. Parameters pick a placement on `tp`, and one ZeRO stage for
+the whole model decides what is sharded over `dp`. Every factorisation dp * tp = world size is
+solved, and the cheapest feasible one wins.
+
+Sets:
+    G          decision groups: a parameter, an input, or an op with the followers merged into it
+               (views and unary ops whose placement follows from their producer's);
+               identical layers share the groups of the first layer
+    K_g        strategies of group g;  n_g  how many nodes of the model group g stands for
+    E          edges (producer group a, consumer group c, argument i), with multiplicity n_e
+    W          parameter groups;  Z = {0, 1, 2, 3}  ZeRO stages
+
+Variables:
+    x[g,k] in {0,1}      group g runs strategy k
+    y[e,k,l] in [0,1]    edge e joins producer strategy k with consumer strategy l
+    z[s] in {0,1}        ZeRO stage s is used
+    u[w,k,s] in [0,1]    parameter w has placement k under stage s (u = x[w,k] * z[s])
+
+Objective (predicted step time, seconds; no overlap of communication with compute assumed):
+    min  sum_g n_g sum_k x[g,k] (T_fwd[g,k] + T_bwd[g,k])                       compute
+       + sum_e n_e sum_{k,l} y[e,k,l] (Rf[e,k,l] + Rb[e,k,l])                   resharding
+       + sum_w n_w sum_{k,s} u[w,k,s] Sync[w,k,s]                               gradient sync over dp
+
+    T_*   roofline (or profiled) time of the op's share of work: work / (dp * divisor_k)
+    Rf    time to bring the producer's output placement to the placement argument i needs
+    Rb    time to bring the gradient the consumer returns to the producer's layout
+    Sync  all-reduce of the local gradient over dp (stage 0), reduce-scatter + all-gather of
+          the parameters (stages 1, 2), and one more all-gather for the backward (stage 3)
+
+Constraints:
+    one strategy:   sum_k x[g,k] = 1                                     for all g
+    edge marginals: sum_l y[e,k,l] = x[a,k],  sum_k y[e,k,l] = x[c,l]    for all e
+    one stage:      sum_s z[s] = 1   (z[s] = 1 for a pinned stage)
+    product:        u[w,k,s] >= x[w,k] + z[s] - 1,  u <= x[w,k],  u <= z[s]
+    memory (peak, at the turn from forward to backward, where every saved activation is live):
+        sum_w n_w sum_{k,s} u[w,k,s] M_state[w,k,s]
+      + sum_g n_g sum_k x[g,k] M_saved[g,k]  + M_transient   <=  budget
+
+    M_state   parameter, gradient and optimizer bytes of w's local shard under stage s
+    M_saved   bytes of the group's outputs kept for backward, split over dp and, where the
+              output is sharded, over tp
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pulp
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import Collective, estimate_collective_time
+from autopar.cost_model.devices import LinkSpec
+from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
+from autopar.passes import sharding_rules as rules
+from autopar.passes.sharding_rules import OpStrategy, placement_str
+
+R = Replicate()
+GIB = 1024**3
+
+# Ops that keep none of their inputs for the backward pass (the gradient does not need them).
+_NO_SAVE = {
+    "aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default", "aten.view.default", "aten.reshape.default",
+    "aten.transpose.int", "aten.permute.default", "aten.unsqueeze.default", "aten.squeeze.dim",
+    "aten.expand.default", "aten.slice.Tensor", "aten.select.int", "aten.split.Tensor", "aten.cat.default",
+    "aten.clone.default", "aten.contiguous.default", "aten.alias.default", "aten.to.dtype",
+    "aten.to.dtype_layout", "aten._to_copy.default", "aten._assert_tensor_metadata.default", "aten.t.default",
+    "<built-in function getitem>", "aten.detach.default", "aten.dropout.default", "aten.add.Scalar",
+    "aten.sub.Scalar", "aten.mul.Scalar", "aten.div.Scalar", "aten.to.device", "aten._unsafe_view.default",
+}  # fmt: skip
+_VIEW_OPS = {
+    "aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.permute.default",
+    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.expand.default", "aten.slice.Tensor", "aten.select.int",
+    "aten.split.Tensor", "aten.alias.default", "aten.t.default", "<built-in function getitem>",
+    "aten._assert_tensor_metadata.default", "aten.detach.default", "aten._unsafe_view.default",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """Bytes per parameter of each model state (AdamW)."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+    @classmethod
+    def get(cls, name: str) -> Precision:
+        if name in ("bf16", "fp16"):
+            # bf16 weights and gradients, fp32 master weights and two fp32 moments (ZeRO paper: 2 + 2 + 12)
+            return cls(name, 2, 2, 12)
+        if name == "fp32":
+            return cls(name, 4, 4, 8)
+        raise ConfigError(f"unknown precision {name!r}: expected 'bf16', 'fp16' or 'fp32'")
+
+
+@dataclass
+class Group:
+    """A decision group: a leader node and the followers whose placement derives from it."""
+
+    leader: str
+    strategies: list[OpStrategy]
+    count: int
+    members: list[str] = field(default_factory=list)
+    # per member node: per strategy k, output placement / required argument placements / argument gradients
+    out: dict[str, list[Placement]] = field(default_factory=dict)
+    need: dict[str, list[tuple[Placement, ...]]] = field(default_factory=dict)
+    grads: dict[str, list[tuple[Placement, ...]]] = field(default_factory=dict)
+    divisor: dict[str, list[int]] = field(default_factory=dict)
+    extra_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class MeshResult:
+    """The optimum of one mesh's program (or why it has none)."""
+
+    dp: int
+    tp: int
+    feasible: bool
+    step_time_s: float
+    compute_s: float
+    reshard_s: float
+    grad_sync_s: float
+    zero_stage: int
+    memory: dict[str, float]
+    solve_time_s: float
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class ShardingSolution:
+    """The chosen layout: mesh, ZeRO stage and per-node placements on the tensor axis."""
+
+    dp: int
+    tp: int
+    zero_stage: int
+    step_time_s: float
+    compute_s: float
+    reshard_s: float
+    grad_sync_s: float
+    memory: dict[str, float]
+    node_output: dict[str, str]
+    node_inputs: dict[str, tuple[str, ...]]
+    node_strategy: dict[str, str]
+    param_placements: dict[str, str]
+    candidates: tuple[MeshResult, ...]
+    unruled_ops: tuple[str, ...]
+    num_groups: int
+    solve_time_s: float
+
+
+def redistribute_time(src: Placement, dst: Placement, nbytes: float, tp: int, link: LinkSpec) -> float:
+    """Time to turn a tensor of `nbytes` (full size) from placement `src` into `dst` on the tensor axis."""
+    if tp == 1 or src == dst:
+        return 0.0
+    if dst.is_replicate():
+        kind = Collective.ALL_REDUCE if src.is_partial() else Collective.ALL_GATHER
+    elif isinstance(dst, Shard):
+        if src.is_replicate():
+            return 0.0  # each rank keeps its slice
+        kind = Collective.REDUCE_SCATTER if src.is_partial() else Collective.ALL_TO_ALL
+    else:  # to Partial: replicated values are zeroed on all but one rank; shards are gathered first
+        if src.is_replicate():
+            return 0.0
+        kind = Collective.ALL_GATHER
+    return estimate_collective_time(kind, nbytes, tp, link)
+
+
+def grad_layout(p: Placement) -> Placement:
+    """The layout a producer needs its output's gradient in (the gradient of a Partial value is replicated)."""
+    return R if p.is_partial() else p
+
+
+def factorizations(world_size: int) -> list[tuple[int, int]]:
+    """Every (dp, tp) with dp * tp == world_size, tp ascending."""
+    return [(world_size // t, t) for t in range(1, world_size + 1) if world_size % t == 0]
+
+
+class ShardingProgram:
+    """The integer program of one (dp, tp) mesh; see the module docstring for the math."""
+
+    def __init__(self, graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, *, estimator, precision: Precision,
+                 zero_stage: int | None, memory_budget_bytes: float, batch_dim_size: int):  # fmt: skip
+        self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
+        self.estimator, self.precision = estimator, precision
+        self.zero_choices = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
+        if dp == 1:
+            self.zero_choices = self.zero_choices[:1] if zero_stage is not None else [0]
+        self.budget = memory_budget_bytes
+        self.batch = batch_dim_size
+        self.tp_link = cluster.link_for_axis(tp, 1)
+        self.dp_link = cluster.link_for_axis(dp, tp)
+        self.groups: dict[str, Group] = {}
+        self.group_of: dict[str, str] = {}
+        self.prob = pulp.LpProblem(f"sharding_dp{dp}_tp{tp}", pulp.LpMinimize)
+        self.x: dict[str, list[pulp.LpVariable]] = {}
+        self.z: dict[int, pulp.LpVariable] = {}
+        self.u: dict[tuple[str, int, int], pulp.LpVariable] = {}
+        self.cost_terms: dict[str, list] = defaultdict(list)
+        self.memory_terms: dict[str, list] = defaultdict(list)
+        self._build_groups()
+
+    # ------------------------------------------------------------------ groups and their strategies
+
+    def _rep(self, name: str) -> str:
+        return self.graph.representative[name]
+
+    def _build_groups(self) -> None:
+        g = self.graph
+        for node in g.graph.nodes:
+            if g.representative[node.name] != node.name or node.op == "output":
+                continue
+            kind = g.kinds[node.name]
+            if kind == NodeKind.PARAM:
+                self._new_group(node, self._param_strategies(node))
+            elif kind == NodeKind.INPUT:
+                self._new_group(node, self._input_strategies(node))
+            elif kind in (NodeKind.BUFFER, NodeKind.CONSTANT):
+                self._new_group(node, [OpStrategy((), R)])
+            elif rules.is_follower(node) and self._can_merge(node):
+                self._merge_follower(node)
+            else:
+                self._new_group(node, rules.strategies_for(node, self.tp))
+
+    def _param_strategies(self, node: fx.Node) -> list[OpStrategy]:
+        meta = output_meta(node)
+        out = [OpStrategy((), R)]
+        if self.tp > 1:
+            out += [OpStrategy((), Shard(d)) for d, s in enumerate(meta.shape) if s % self.tp == 0]
+        return out
+
+    def _input_strategies(self, node: fx.Node) -> list[OpStrategy]:
+        meta = output_meta(node)
+        out = [OpStrategy((), R)]
+        if self.tp > 1 and meta is not None and meta.shape and (meta.shape[0] // self.dp) % self.tp == 0:
+            out.append(OpStrategy((), Shard(0)))
+        return out
+
+    def _new_group(self, node: fx.Node, strategies: list[OpStrategy]) -> None:
+        grp = Group(node.name, strategies, self.graph.layer_count[node.name])
+        grp.extra_s = [0.0] * len(strategies)
+        self._add_member(grp, node, [s.output for s in strategies], [s.inputs for s in strategies],
+                         [s.grad_placements() for s in strategies], [s.divisor for s in strategies])  # fmt: skip
+        self.groups[node.name] = grp
+
+    def _add_member(self, grp, node, out, need, grads, divisor) -> None:
+        grp.members.append(node.name)
+        grp.out[node.name], grp.need[node.name] = out, need
+        grp.grads[node.name], grp.divisor[node.name] = grads, divisor
+        self.group_of[node.name] = grp.leader
+
+    def _can_merge(self, node: fx.Node) -> bool:
+        (arg,) = tensor_args(node)
+        src = self._rep(arg.name)
+        return (
+            src == arg.name
+            and src in self.group_of
+            and self.graph.layer_count[src] == self.graph.layer_count[node.name]
+            and self.graph.kinds[src] == NodeKind.COMPUTE
+        )
+
+    def _merge_follower(self, node: fx.Node) -> None:
+        (arg,) = tensor_args(node)
+        grp = self.groups[self.group_of[arg.name]]
+        nbytes = self._act_bytes(arg)
+        out, need, grads, div = [], [], [], []
+        for k, src in enumerate(grp.out[arg.name]):
+            o = rules.follow(node, src, self.tp)
+            if o is None:  # the follower cannot keep this layout: gather first, then run replicated
+                grp.extra_s[k] += redistribute_time(src, R, nbytes, self.tp, self.tp_link) * grp.count
+                o, src = R, R
+            out.append(o)
+            need.append((src,))
+            grads.append((grad_layout(src),))
+            div.append(self.tp if isinstance(o, Shard) else 1)
+        self._add_member(grp, node, out, need, grads, div)
+
+    # ---------------------------------------------------------------------------------- sizes
+
+    def _act_bytes(self, node: fx.Node) -> float:
+        """Full bytes of a value on one dp rank (activations are split over dp; parameters are not)."""
+        meta = output_meta(node)
+        if meta is None:
+            return 0.0
+        kind = self.graph.kinds.get(node.name)
+        if kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.CONSTANT):
+            return float(meta.nbytes)
+        if meta.shape and meta.shape[0] == self.batch:
+            return meta.nbytes / self.dp
+        return float(meta.nbytes)
+
+    def _compute_times(self, node: fx.Node, divisor: int) -> float:
+        if node.op != "call_function":
+            return 0.0
+        meta = output_meta(node)
+        dp_div = self.dp if self._carries_batch(node) else 1
+        d = dp_div * divisor
+        return self.estimator.forward_time_s(node, d) + self.estimator.backward_time_s(node, d) * (
+            1.0 if meta is not None and meta.dtype.is_floating_point else 0.0
+        )
+
+    def _carries_batch(self, node: fx.Node) -> bool:
+        meta = output_meta(node)
+        if meta is not None and meta.shape and meta.shape[0] == self.batch:
+            return True
+        return any((m := output_meta(a)) is not None and m.shape and m.shape[0] == self.batch for a in tensor_args(node))
+
+    def _saved_for_backward(self) -> set[str]:
+        """Producers (view chains resolved to their base) whose output some consumer keeps for backward."""
+        saved = set()
+        for node in self.graph.graph.nodes:
+            if node.op != "call_function" or str(node.target) in _NO_SAVE:
+                continue
+            for a in tensor_args(node):
+                while a.op == "call_function" and str(a.target) in _VIEW_OPS and tensor_args(a):
+                    a = tensor_args(a)[0]
+                if self.graph.kinds.get(a.name) in (NodeKind.COMPUTE, NodeKind.INPUT):
+                    meta = output_meta(a)
+                    if meta is not None and meta.dtype.is_floating_point or a.op == "placeholder":
+                        saved.add(a.name)
+        return saved
+
+    # --------------------------------------------------------------------------------- the program
+
+    def build(self) -> None:
+        """Create the variables and every constraint family."""
+        for name, grp in self.groups.items():
+            self.x[name] = [pulp.LpVariable(f"x_{name}_{k}", cat="Binary") for k in range(len(grp.strategies))]
+        for s in self.zero_choices:
+            self.z[s] = pulp.LpVariable(f"z_{s}", cat="Binary")
+        self.add_one_strategy_constraint()
+        self.add_one_stage_constraint()
+        self.add_compute_cost()
+        self.add_edge_constraint()
+        self.add_stage_product_constraint()
+        self.add_memory_constraint()
+        self.prob += pulp.lpSum(t for terms in self.cost_terms.values() for t in terms)
+
+    def add_one_strategy_constraint(self) -> None:
+        """sum_k x[g,k] = 1 for every group g."""
+        for name, xs in self.x.items():
+            self.prob += pulp.lpSum(xs) == 1, f"one_strategy_{name}"
+
+    def add_one_stage_constraint(self) -> None:
+        """sum_s z[s] = 1: one ZeRO stage for the whole model."""
+        self.prob += pulp.lpSum(self.z.values()) == 1, "one_zero_stage"
+
+    def add_compute_cost(self) -> None:
+        """Objective term sum_g n_g sum_k x[g,k] (T_fwd + T_bwd), plus resharding inside merged groups."""
+        for name, grp in self.groups.items():
+            for k in range(len(grp.strategies)):
+                t = sum(self._compute_times(self.graph.node(m), grp.divisor[m][k]) for m in grp.members)
+                self.cost_terms["compute"].append(grp.count * t * self.x[name][k])
+                if grp.extra_s[k]:
+                    self.cost_terms["reshard"].append(grp.extra_s[k] * self.x[name][k])
+
+    def _edges(self):
+        """(producer group, producer node, consumer group, consumer node, argument index) -> multiplicity."""
+        edges: dict[tuple[str, str, str, str, int], int] = defaultdict(int)
+        for node in self.graph.graph.nodes:
+            if node.op != "call_function":
+                continue
+            c = self._rep(node.name)
+            if c not in self.group_of:
+                continue
+            for i, a in enumerate(tensor_args(node)):
+                p = self._rep(a.name)
+                if p not in self.group_of:
+                    continue
+                gp, gc = self.group_of[p], self.group_of[c]
+                if gp == gc and self.groups[gc].leader != c and i == 0 and rules.is_follower(self.graph.node(c)):
+                    continue  # a follower's own input: priced when it was merged
+                edges[(gp, p, gc, c, i)] += 1
+        return edges
+
+    def add_edge_constraint(self) -> None:
+        """y marginals sum_l y[e,k,l] = x[a,k], sum_k y[e,k,l] = x[c,l]; objective n_e * (Rf + Rb) * y."""
+        for idx, ((gp, p, gc, c, i), mult) in enumerate(self._edges().items()):
+            gpr, gcr = self.groups[gp], self.groups[gc]
+            nbytes = self._act_bytes(self.graph.node(p))
+            cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
+            for k, src in enumerate(gpr.out[p]):
+                for l in range(len(gcr.strategies)):
+                    need, grad = gcr.need[c][l][i], gcr.grads[c][l][i]
+                    fwd = redistribute_time(src, need, nbytes, self.tp, self.tp_link)
+                    bwd = redistribute_time(grad, grad_layout(src), nbytes, self.tp, self.tp_link)
+                    cost[k][l] = mult * (fwd + bwd)
+            if not any(v for row in cost for v in row):
+                continue
+            if gp == gc:  # both ends in one group: the strategy index is shared
+                self.cost_terms["reshard"] += [cost[k][k] * self.x[gp][k] for k in range(len(cost)) if cost[k][k]]
+                continue
+            if len(gpr.strategies) == 1 or len(gcr.strategies) == 1:
+                for k, row in enumerate(cost):
+                    for l, v in enumerate(row):
+                        if v:
+                            var = self.x[gc][l] if len(gpr.strategies) == 1 else self.x[gp][k]
+                            self.cost_terms["reshard"].append(v * var)
+                continue
+            y = [[pulp.LpVariable(f"y_{idx}_{k}_{l}", 0, 1) for l in range(len(gcr.strategies))]
+                 for k in range(len(gpr.strategies))]  # fmt: skip
+            for k in range(len(gpr.strategies)):
+                self.prob += pulp.lpSum(y[k]) == self.x[gp][k], f"edge_src_{idx}_{k}"
+            for l in range(len(gcr.strategies)):
+                self.prob += pulp.lpSum(y[k][l] for k in range(len(gpr.strategies))) == self.x[gc][l], f"edge_dst_{idx}_{l}"
+            self.cost_terms["reshard"] += [cost[k][l] * y[k][l] for k in range(len(cost)) for l in range(len(cost[0]))
+                                           if cost[k][l]]  # fmt: skip
+
+    def _param_groups(self) -> list[str]:
+        return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
+
+    def state_bytes(self, name: str, k: int, stage: int) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes of one parameter's local shard under `stage`."""
+        info = self.graph.params[name]
+        pl = self.groups[name].strategies[k].output
+        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        pr = self.precision
+        params = local * pr.param_bytes / (self.dp if stage >= 3 else 1)
+        if not info.requires_grad:
+            return params, 0.0, 0.0
+        grads = local * pr.grad_bytes / (self.dp if stage >= 2 else 1)
+        opt = local * pr.optimizer_bytes / (self.dp if stage >= 1 else 1)
+        return params, grads, opt
+
+    def sync_time(self, name: str, k: int, stage: int) -> float:
+        """Gradient synchronisation (and ZeRO parameter gathers) of one parameter over the data axis."""
+        info = self.graph.params[name]
+        if self.dp == 1 or not info.requires_grad:
+            return 0.0
+        pl = self.groups[name].strategies[k].output
+        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        grad_bytes, param_bytes = local * self.precision.grad_bytes, local * self.precision.param_bytes
+        if stage == 0:
+            return estimate_collective_time(Collective.ALL_REDUCE, grad_bytes, self.dp, self.dp_link)
+        rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
+        ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
+        return rs + ag * (2 if stage == 3 else 1)
+
+    def add_stage_product_constraint(self) -> None:
+        """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u."""
+        for name in self._param_groups():
+            grp = self.groups[name]
+            for k in range(len(grp.strategies)):
+                for s, zs in self.z.items():
+                    u = pulp.LpVariable(f"u_{name}_{k}_{s}", 0, 1)
+                    self.u[(name, k, s)] = u
+                    if len(self.z) > 1:
+                        self.prob += u >= self.x[name][k] + zs - 1, f"zero_product_lo_{name}_{k}_{s}"
+                        self.prob += u <= zs, f"zero_product_hi_{name}_{k}_{s}"
+                    else:
+                        self.prob += u >= self.x[name][k], f"zero_product_lo_{name}_{k}_{s}"
+                    self.prob += u <= self.x[name][k], f"zero_product_x_{name}_{k}_{s}"
+                    t = self.sync_time(name, k, s)
+                    if t:
+                        self.cost_terms["grad_sync"].append(grp.count * t * u)
+
+    def transient_bytes(self) -> float:
+        """Working memory of the largest op: its output plus its gradient, unsharded on tp (an upper bound)."""
+        best = 0.0
+        for node in self.graph.graph.nodes:
+            if node.op == "call_function":
+                best = max(best, 2 * self._act_bytes(node))
+        return best
+
+    def add_memory_constraint(self) -> None:
+        """sum n_w u M_state + sum n_g x M_saved + M_transient <= budget (peak at the forward/backward turn)."""
+        for name in self._param_groups():
+            grp = self.groups[name]
+            for (w, k, s), u in self.u.items():
+                if w != name:
+                    continue
+                p, g, o = self.state_bytes(name, k, s)
+                self.memory_terms["params"].append(grp.count * p * u)
+                self.memory_terms["grads"].append(grp.count * g * u)
+                self.memory_terms["optimizer"].append(grp.count * o * u)
+        saved = self._saved_for_backward()
+        for name, grp in self.groups.items():
+            for k in range(len(grp.strategies)):
+                b = 0.0
+                for m in grp.members:
+                    if m in saved:
+                        pl = grp.out[m][k]
+                        b += self._act_bytes(self.graph.node(m)) / (self.tp if isinstance(pl, Shard) else 1)
+                if b:
+                    self.memory_terms["activations"].append(grp.count * b * self.x[name][k])
+        self.transient = self.transient_bytes()
+        total = pulp.lpSum(t for terms in self.memory_terms.values() for t in terms) + self.transient
+        if math.isfinite(self.budget):
+            self.prob += total <= self.budget, "memory_peak"
+
+    # ---------------------------------------------------------------------------------- solving
+
+    def solve(self, time_limit_s: float = 60.0) -> MeshResult:
+        t0 = time.perf_counter()
+        self.prob.solve(_solver(time_limit_s))
+        dt = time.perf_counter() - t0
+        status = pulp.LpStatus[self.prob.status]
+        if status != "Optimal":
+            return MeshResult(self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, dt, f"solver status {status}")
+        val = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.cost_terms.items()}
+        mem = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.memory_terms.items()}
+        mem["transient"] = self.transient
+        stage = next(s for s, z in self.z.items() if (pulp.value(z) or 0) > 0.5)
+        step = sum(val.values())
+        return MeshResult(self.dp, self.tp, True, step, val.get("compute", 0.0), val.get("reshard", 0.0),
+                          val.get("grad_sync", 0.0), stage, mem, dt)  # fmt: skip
+
+    def chosen(self) -> dict[str, int]:
+        return {g: max(range(len(xs)), key=lambda k: pulp.value(xs[k]) or 0.0) for g, xs in self.x.items()}
+
+
+def _solver(time_limit_s: float):
+    highs = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
+    if highs.available():
+        return highs
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+
+
+def solver_name() -> str:
+    return "HiGHS" if pulp.HiGHS(msg=False).available() else "CBC"
+
+
+def _pinned(constraints: dict, world_size: int, batch: int) -> list[tuple[int, int]]:
+    meshes = factorizations(world_size)
+    tp, dp = constraints.get("tp"), constraints.get("dp")
+    for key, v in (("tp", tp), ("dp", dp)):
+        if v is not None and (not isinstance(v, int) or v < 1 or world_size % v):
+            raise ConfigError(f"constraints[{key!r}]={v!r} does not divide the world size {world_size}; "
+                              f"choose one of {[t for _, t in meshes]}")  # fmt: skip
+    meshes = [(d, t) for d, t in meshes if (tp is None or t == tp) and (dp is None or d == dp)]
+    if not meshes:
+        raise ConfigError(f"constraints tp={tp}, dp={dp} do not multiply to the world size {world_size}")
+    ok = [(d, t) for d, t in meshes if batch % d == 0]
+    if not ok:
+        raise ConfigError(f"the global batch of {batch} does not divide over the data axis "
+                          f"(dp={meshes[0][0]}); use a batch size that is a multiple of it")  # fmt: skip
+    return ok
+
+
+def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision: str = "fp32",
+                   constraints: dict | None = None, memory_budget_bytes: float | None = None,
+                   batch_size: int, progress=None) -> ShardingSolution:  # fmt: skip
+    """Solve every allowed (dp, tp) mesh and return the fastest feasible layout.
+
+    Args:
+        graph: the traced model.
+        cluster: the devices and links.
+        estimator: a ComputeEstimator (analytic roofline or profiled).
+        precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32".
+        constraints: optional pins: "tp", "dp", "zero" (0-3).
+        memory_budget_bytes: per-device cap; defaults to the device memory.
+        batch_size: the global batch (dim 0 of the inputs), split over dp.
+        progress: optional callable(str) told about each mesh as it is solved.
+    Raises:
+        InfeasiblePlanError: no mesh fits, with the memory the best layout needs.
+    """
+    constraints = dict(constraints or {})
+    zero = constraints.get("zero")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise ConfigError(f"constraints['zero']={zero!r}: expected 0, 1, 2 or 3")
+    budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
+    prec = Precision.get(precision)
+    rules.UNRULED_OPS.clear()
+    t0 = time.perf_counter()
+    results, programs = [], {}
+    for dp, tp in _pinned(constraints, cluster.world_size, batch_size):
+        prog = ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
+                               memory_budget_bytes=budget, batch_dim_size=batch_size)  # fmt: skip
+        prog.build()
+        res = prog.solve()
+        if progress:
+            progress(f"mesh dp={dp} tp={tp}: " + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible"))
+        results.append(res)
+        programs[(dp, tp)] = prog
+    feasible = [r for r in results if r.feasible]
+    if not feasible:
+        raise InfeasiblePlanError(_infeasible_message(graph, cluster, estimator, prec, constraints, batch_size, budget))
+    best = min(feasible, key=lambda r: r.step_time_s)
+    prog = programs[(best.dp, best.tp)]
+    unruled = tuple(sorted(rules.UNRULED_OPS))
+    if unruled and best.tp > 1:
+        warnings.warn(f"no sharding rule for {', '.join(unruled)}: these ops run replicated on the tensor axis",
+                      stacklevel=2)  # fmt: skip
+    return _solution(prog, best, tuple(results), unruled, time.perf_counter() - t0)
+
+
+def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> ShardingSolution:
+    chosen = prog.chosen()
+    out, ins, strat, params = {}, {}, {}, {}
+    graph = prog.graph
+    for node in graph.graph.nodes:
+        rep = graph.representative[node.name]
+        if rep not in prog.group_of:
+            continue
+        gname = prog.group_of[rep]
+        grp, k = prog.groups[gname], chosen[gname]
+        out[node.name] = placement_str(grp.out[rep][k])
+        ins[node.name] = tuple(placement_str(p) for p in grp.need[rep][k])
+        strat[node.name] = grp.strategies[k].name if gname == rep else "follows " + gname
+        if node.name in graph.params:
+            params[graph.params[node.name].name] = out[node.name]
+    return ShardingSolution(best.dp, best.tp, best.zero_stage, best.step_time_s, best.compute_s, best.reshard_s,
+                            best.grad_sync_s, best.memory, out, ins, strat, params, results, unruled,
+                            len(prog.groups), dt)  # fmt: skip
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (so small budgets do not read as 0.00 GiB)."""
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _infeasible_message(graph, cluster, estimator, prec, constraints, batch, budget) -> str:
+    """Say how much memory the leanest layout needs per device, next to the budget."""
+    best = None
+    for dp, tp in _pinned(constraints, cluster.world_size, batch):
+        prog = ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=prec,
+                               zero_stage=constraints.get("zero"), memory_budget_bytes=float("inf"),
+                               batch_dim_size=batch)  # fmt: skip
+        prog.build()
+        mem = pulp.lpSum(t for terms in prog.memory_terms.values() for t in terms)
+        prog.prob.setObjective(mem)
+        prog.prob.solve(_solver(60))
+        if pulp.LpStatus[prog.prob.status] != "Optimal":
+            continue
+        parts = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in prog.memory_terms.items()}
+        total = sum(parts.values()) + prog.transient
+        if best is None or total < best[0]:
+            best = (total, dp, tp, parts)
+    if best is None:
+        return "no layout satisfies the constraints"
+    total, dp, tp, parts = best
+    states = parts.get("params", 0) + parts.get("grads", 0) + parts.get("optimizer", 0)
+    return (f"the model needs at least {format_bytes(total)} per device (model states {format_bytes(states)}, "
+            f"activations {format_bytes(parts.get('activations', 0))}, working memory "
+            f"{format_bytes(prog.transient)}, at dp={dp} tp={tp} with states sharded as far as allowed), but the "
+            f"budget is {format_bytes(budget)} per device; raise memory_budget, use more devices or a smaller "
+            f"batch")  # fmt: skip

@@ -1,0 +1,49 @@
+"""Tiny Hugging Face models for tests, built from configs (no weights downloaded), dropout off."""
+
+from __future__ import annotations
+
+import torch
+from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+VOCAB = 128
+
+
+def tiny_llama(num_layers: int = 2) -> torch.nn.Module:
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                      attn_implementation="sdpa")  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def tiny_gpt2(num_layers: int = 2) -> torch.nn.Module:
+    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=num_layers, n_head=4, n_positions=64, use_cache=False,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
+def tiny_bert(num_layers: int = 2) -> torch.nn.Module:
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, attn_implementation="sdpa")  # fmt: skip
+    return BertForMaskedLM(cfg)
+
+
+BUILDERS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "bert": tiny_bert}
+
+
+def make_model(name: str, seed: int = 0, **kw) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return BUILDERS[name](**kw)
+
+
+def make_batch(name: str, batch: int = 8, seq: int = 16, seed: int = 1) -> tuple[tuple, dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+    labels = ids.clone()
+    if name == "bert":  # masked-LM: most positions ignored, unevenly across rows
+        keep = torch.rand(batch, seq, generator=g) < 0.3
+        labels[~keep] = -100
+    else:  # some padded rows so that ignored labels are spread unevenly over the batch
+        labels[: batch // 2, seq // 2 :] = -100
+    return (ids,), {"labels": labels}

@@ -1,0 +1,64 @@
+"""Plan: predictions are consistent, JSON round-trips, bad files get clear errors, the report says why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import PlanFormatError
+from tests.models import make_batch, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def plan():
+    model = tiny_llama().to("meta")
+    (ids,), kw = make_batch("llama", batch=16, seq=32)
+    return autopar.plan(model, "2x4xA100-80GB", (ids.to("meta"),), {"labels": kw["labels"].to("meta")})
+
+
+def test_predictions_are_consistent(plan):
+    p = plan.predicted
+    assert plan.mesh["dp"] * plan.mesh["tp"] == 8
+    assert p.step_time_s == pytest.approx(p.compute_s + p.reshard_s + p.grad_sync_s, rel=1e-6)
+    world, peak = 8, plan.cluster.device.peak_matmul_flops(torch.bfloat16)
+    assert p.mfu == pytest.approx(plan.model_flops_per_step / (p.step_time_s * world * peak), rel=1e-9)
+    assert p.tflops_per_device == pytest.approx(plan.model_flops_per_step / p.step_time_s / world / 1e12, rel=1e-9)
+    # hardware FLOPs count every executed FLOP (lm head, norms, ...); model FLOPs are 6 per parameter per token
+    assert plan.hardware_flops_per_step > 0
+    assert plan.model_flops_per_step >= 6 * plan.num_parameters * plan.tokens_per_step
+    assert p.peak_memory_bytes == pytest.approx(sum(p.memory_breakdown.values()))
+    assert set(p.memory_breakdown) >= {"params", "grads", "optimizer", "activations", "transient"}
+
+
+def test_json_round_trip(plan):
+    text = plan.to_json()
+    again = autopar.Plan.from_json(text)
+    assert again == plan
+    assert again.to_json() == text
+
+
+def test_corrupt_and_wrong_version_files(plan):
+    with pytest.raises(PlanFormatError, match="invalid JSON"):
+        autopar.Plan.from_json(plan.to_json()[:-40])
+    d = json.loads(plan.to_json())
+    d["format_version"] = 99
+    with pytest.raises(PlanFormatError, match="version 99"):
+        autopar.Plan.from_json(json.dumps(d))
+    with pytest.raises(PlanFormatError, match="not an autopar plan"):
+        autopar.Plan.from_json('{"hello": 1}')
+    d = json.loads(plan.to_json())
+    del d["mesh"]
+    with pytest.raises(PlanFormatError, match="corrupt"):
+        autopar.Plan.from_json(json.dumps(d))
+
+
+def test_explain_reports(plan):
+    md = plan.explain()
+    assert "# autopar plan" in md and "Why this mesh" in md and "(chosen)" in md
+    page = plan.explain("html")
+    assert page.startswith("<!doctype html>") and "<table>" in page
+    with pytest.raises(ValueError):
+        plan.explain("pdf")
