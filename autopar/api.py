@@ -100,7 +100,8 @@ def _flops(graph: OpGraph, tokens: int) -> tuple[float, float]:
 
 def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch_size: int | None = None,
          seq_len: int | None = None, constraints: dict | None = None, memory_budget=None, offload: bool | None = None,
-         precision: str | None = None, estimator=None, progress: Callable[[str], None] | None = None) -> Plan:  # fmt: skip
+         precision: str | None = None, estimator=None, progress: Callable[[str], None] | None = None,
+         _traced=None) -> Plan:  # fmt: skip
     """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
 
     Args:
@@ -114,6 +115,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32"; default bf16 on GPUs, fp32 on CPUs.
         estimator: "analytic" (roofline, default), "profile" (time ops on this machine), or an estimator object.
         progress: callable told about each step of planning.
+        _traced: the TracedModel of `model` when the caller has one already (compile does).
     """
     from autopar.passes.sharding_solver import solve_sharding, solver_name
 
@@ -131,7 +133,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
                                                 global_batch_size, seq_len)  # fmt: skip
     say(f"tracing {name}")
-    traced = trace_model(module, args, kwargs)
+    traced = _traced if _traced is not None else trace_model(module, args, kwargs)
     frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
     graph = OpGraph.from_traced(traced, frozen_params=frozen)
     t_trace = time.perf_counter() - t0
@@ -229,7 +231,7 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     ensure_process_group(cluster)
     traced = trace_model(model, tuple(example_inputs), dict(example_kwargs or {}))
     if plan is None:
-        plan = globals()["plan"](model, cluster, example_inputs, example_kwargs, **plan_kwargs)
+        plan = globals()["plan"](model, cluster, example_inputs, example_kwargs, _traced=traced, **plan_kwargs)
     return ParallelModule(model, traced, plan, cluster, optimizer=optimizer)
 
 

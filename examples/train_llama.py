@@ -26,13 +26,16 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=None, help="pin the tensor-parallel axis size")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # one CPU "node" per torchrun agent: `--nnodes 2` on one machine prices the link between them as a network
+    cluster = f"cpu:{world}" if per_node == world else f"{world // per_node}x{per_node}xcpu"
     torch.manual_seed(0)
     config = presets.load_config("tiny-llama")
     model = presets.build_model(config, device="cpu")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), generator=g)
     constraints = {"tp": args.tp} if args.tp else None
-    pm = autopar.compile(model, f"cpu:{world}", (ids,), {"labels": ids}, constraints=constraints,
+    pm = autopar.compile(model, cluster, (ids,), {"labels": ids}, constraints=constraints,
                          optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3))  # fmt: skip
     rank = dist.get_rank()
     if rank == 0:

@@ -27,7 +27,7 @@ import itertools
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
@@ -39,7 +39,6 @@ R = Replicate()
 
 # Ops that only check metadata of global tensors; DTensor cannot run them and they compute nothing.
 _SKIPPED = {aten._assert_tensor_metadata.default}
-_LOCAL_OPS = {aten.scaled_dot_product_attention.default}
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -84,12 +83,13 @@ class ShardedInterpreter(fx.Interpreter):
         self.mesh = mesh
         self.need = {k: tuple(parse_placement(p) for p in v) for k, v in node_inputs.items()}
         self.out = {k: parse_placement(v) for k, v in node_output.items()}
-        self.local_ops = {op: op for op in _LOCAL_OPS}
+        self.local_ops = {aten.scaled_dot_product_attention.default: self._run_local,
+                          aten.cross_entropy_loss.default: self._cross_entropy}
         self.local_ops.update(local_ops or {})
         self.fallback_ops: set[str] = set()
 
     def _to(self, value, tp_placement: Placement):
-        if not isinstance(value, DTensor):
+        if not isinstance(value, DTensor) or (tp_placement.is_partial() and not value.placements[1].is_partial()):
             return value
         dp_pl = value.placements[0]
         want = (dp_pl, tp_placement)
@@ -137,7 +137,7 @@ class ShardedInterpreter(fx.Interpreter):
             out = aten.reshape.default(*args, **kwargs)
             return _ContiguousGrad.apply(out) if out.requires_grad else out
         if target in self.local_ops:
-            return self._run_local(target, args, kwargs)
+            return self.local_ops[target](target, args, kwargs)
         if str(target) in self.fallback_ops:
             return self._run_gathered(target, args, kwargs)
         try:
@@ -147,21 +147,48 @@ class ShardedInterpreter(fx.Interpreter):
             return self._run_gathered(target, args, kwargs)
 
     def _run_local(self, target, args, kwargs):
-        """Run an op independently on each rank's slice (valid for attention split on batch or heads)."""
+        """Run an op independently on each rank's slice (valid for attention split on batch or heads).
+
+        The data axis is put back on the batch dimension first: DTensor's view rules may have moved
+        it to another dimension on the way.
+        """
         q = args[0]
-        placements = tuple(q.placements)
-        batch = q.shape[0]
+        batch, dp = q.shape[0], self.mesh.size(0)
 
-        def local(v):
-            if not isinstance(v, DTensor):
-                return v
-            dp_pl = placements[0] if v.ndim and v.shape[0] == batch else R
-            tp_pl = v.placements[1]
-            return v.redistribute(self.mesh, (dp_pl, tp_pl)).to_local()
+        def placements(v: DTensor):
+            dp_pl = Shard(0) if dp > 1 and v.ndim and v.shape[0] == batch and batch % dp == 0 else R
+            return (dp_pl, v.placements[1])
 
-        la, lk = pytree.tree_map(local, (args, kwargs))
-        out = self.local_ops[target](*la, **lk)
-        return DTensor.from_local(out, self.mesh, placements, run_check=False)
+        out_pl = placements(q)
+        la, lk = pytree.tree_map(
+            lambda v: v.redistribute(self.mesh, placements(v)).to_local() if isinstance(v, DTensor) else v,
+            (args, kwargs),
+        )
+        return DTensor.from_local(target(*la, **lk), self.mesh, out_pl, run_check=False)
+
+    def _cross_entropy(self, target, args, kwargs):
+        """Mean cross-entropy over rows split on the data axis: global sum / global count of kept labels.
+
+        DTensor would average the per-rank means, which is wrong once ranks hold different numbers
+        of ignored labels; summing both parts over the ranks is exact.
+        """
+        names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        logits, labels = bound["input"], bound["target"]
+        reduction = bound.get("reduction", 1)
+        dp = self.mesh.size(0)
+        if bound.get("weight") is not None or reduction != 1 or dp == 1 or logits.shape[0] % dp:
+            return self._run_gathered(target, args, kwargs) if dp > 1 else target(*args, **kwargs)
+        ignore = bound.get("ignore_index", -100)
+        rows = (Shard(0), R)
+        local_logits = logits.redistribute(self.mesh, rows).to_local()
+        local_labels = labels.redistribute(self.mesh, rows).to_local()
+        total = target(local_logits, local_labels, None, 2, ignore, bound.get("label_smoothing", 0.0))
+        count = (local_labels != ignore).sum().to(total.dtype)
+        partial = (Partial(), R)
+        total = DTensor.from_local(total, self.mesh, partial, run_check=False).redistribute(self.mesh, (R, R))
+        count = DTensor.from_local(count, self.mesh, partial, run_check=False).redistribute(self.mesh, (R, R))
+        return total / count
 
     def _run_gathered(self, target, args, kwargs):
         fa, fk = pytree.tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v, (args, kwargs))

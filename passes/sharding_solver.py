@@ -48,6 +48,8 @@ Constraints:
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -69,6 +71,8 @@ from autopar.passes.sharding_rules import OpStrategy, placement_str
 
 R = Replicate()
 GIB = 1024**3
+BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's default)
+FORBIDDEN_S = 1e6  # the price of a conversion the runtime cannot do: no optimum ever pays it
 
 # Ops that keep none of their inputs for the backward pass (the gradient does not need them).
 _NO_SAVE = {
@@ -172,10 +176,10 @@ def redistribute_time(src: Placement, dst: Placement, nbytes: float, tp: int, li
         if src.is_replicate():
             return 0.0  # each rank keeps its slice
         kind = Collective.REDUCE_SCATTER if src.is_partial() else Collective.ALL_TO_ALL
-    else:  # to Partial: replicated values are zeroed on all but one rank; shards are gathered first
-        if src.is_replicate():
-            return 0.0
-        kind = Collective.ALL_GATHER
+    else:
+        # Nothing turns a value into a Partial one at run time (DTensor keeps that for its own
+        # ops), so a consumer that wants Partial inputs can only follow a Partial producer.
+        return FORBIDDEN_S
     return estimate_collective_time(kind, nbytes, tp, link)
 
 
@@ -338,9 +342,9 @@ class ShardingProgram:
     def build(self) -> None:
         """Create the variables and every constraint family."""
         for name, grp in self.groups.items():
-            self.x[name] = [pulp.LpVariable(f"x_{name}_{k}", cat="Binary") for k in range(len(grp.strategies))]
+            self.x[name] = [self.prob.add_variable(f"x_{name}_{k}", cat="Binary") for k in range(len(grp.strategies))]
         for s in self.zero_choices:
-            self.z[s] = pulp.LpVariable(f"z_{s}", cat="Binary")
+            self.z[s] = self.prob.add_variable(f"z_{s}", cat="Binary")
         self.add_one_strategy_constraint()
         self.add_one_stage_constraint()
         self.add_compute_cost()
@@ -410,7 +414,7 @@ class ShardingProgram:
                             var = self.x[gc][l] if len(gpr.strategies) == 1 else self.x[gp][k]
                             self.cost_terms["reshard"].append(v * var)
                 continue
-            y = [[pulp.LpVariable(f"y_{idx}_{k}_{l}", 0, 1) for l in range(len(gcr.strategies))]
+            y = [[self.prob.add_variable(f"y_{idx}_{k}_{l}", 0, 1) for l in range(len(gcr.strategies))]
                  for k in range(len(gpr.strategies))]  # fmt: skip
             for k in range(len(gpr.strategies)):
                 self.prob += pulp.lpSum(y[k]) == self.x[gp][k], f"edge_src_{idx}_{k}"
@@ -444,10 +448,28 @@ class ShardingProgram:
         local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
         grad_bytes, param_bytes = local * self.precision.grad_bytes, local * self.precision.param_bytes
         if stage == 0:
-            return estimate_collective_time(Collective.ALL_REDUCE, grad_bytes, self.dp, self.dp_link)
-        rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
-        ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
+            return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
+        rs = self._bucketed(Collective.REDUCE_SCATTER, grad_bytes)
+        ag = self._bucketed(Collective.ALL_GATHER, param_bytes)
         return rs + ag * (2 if stage == 3 else 1)
+
+    def _bucketed(self, kind: Collective, nbytes: float) -> float:
+        """A parameter's share of bucketed collectives: its bytes at full bandwidth, latency pro rata.
+
+        Gradients travel in buckets of BUCKET_BYTES (as DDP and FSDP send them), so a small tensor
+        pays a fraction of one collective's latency, not a whole one; `sync_floor` adds the
+        latency of the one bucket every step pays at least.
+        """
+        full = estimate_collective_time(kind, nbytes, self.dp, self.dp_link)
+        latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link)
+        return full - latency + latency * nbytes / BUCKET_BYTES
+
+    def sync_floor(self, stage: int) -> float:
+        """Latency of the one bucket per collective kind that a step with any gradient pays."""
+        if self.dp == 1:
+            return 0.0
+        kinds = [Collective.ALL_REDUCE] if stage == 0 else [Collective.REDUCE_SCATTER, Collective.ALL_GATHER]
+        return sum(estimate_collective_time(k, 1.0, self.dp, self.dp_link) for k in kinds)
 
     def add_stage_product_constraint(self) -> None:
         """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u."""
@@ -455,7 +477,7 @@ class ShardingProgram:
             grp = self.groups[name]
             for k in range(len(grp.strategies)):
                 for s, zs in self.z.items():
-                    u = pulp.LpVariable(f"u_{name}_{k}_{s}", 0, 1)
+                    u = self.prob.add_variable(f"u_{name}_{k}_{s}", 0, 1)
                     self.u[(name, k, s)] = u
                     if len(self.z) > 1:
                         self.prob += u >= self.x[name][k] + zs - 1, f"zero_product_lo_{name}_{k}_{s}"
@@ -466,6 +488,9 @@ class ShardingProgram:
                     t = self.sync_time(name, k, s)
                     if t:
                         self.cost_terms["grad_sync"].append(grp.count * t * u)
+        for s, zs in self.z.items():
+            if self.sync_floor(s):
+                self.cost_terms["grad_sync"].append(self.sync_floor(s) * zs)
 
     def transient_bytes(self) -> float:
         """Working memory of the largest op: its output plus its gradient, unsharded on tp (an upper bound)."""
@@ -505,7 +530,7 @@ class ShardingProgram:
 
     def solve(self, time_limit_s: float = 60.0) -> MeshResult:
         t0 = time.perf_counter()
-        self.prob.solve(_solver(time_limit_s))
+        _quiet_solve(self.prob, time_limit_s)
         dt = time.perf_counter() - t0
         status = pulp.LpStatus[self.prob.status]
         if status != "Optimal":
@@ -520,6 +545,19 @@ class ShardingProgram:
 
     def chosen(self) -> dict[str, int]:
         return {g: max(range(len(xs)), key=lambda k: pulp.value(xs[k]) or 0.0) for g, xs in self.x.items()}
+
+
+def _quiet_solve(prob: pulp.LpProblem, time_limit_s: float) -> None:
+    """Solve without the banner HiGHS writes straight to the process's stdout when it starts."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            prob.solve(_solver(time_limit_s))
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _solver(time_limit_s: float):
@@ -634,7 +672,7 @@ def _infeasible_message(graph, cluster, estimator, prec, constraints, batch, bud
         prog.build()
         mem = pulp.lpSum(t for terms in prog.memory_terms.values() for t in terms)
         prog.prob.setObjective(mem)
-        prog.prob.solve(_solver(60))
+        _quiet_solve(prog.prob, 60)
         if pulp.LpStatus[prog.prob.status] != "Optimal":
             continue
         parts = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in prog.memory_terms.items()}

@@ -1,0 +1,292 @@
+"""ClusterSpec: how many devices of which kind, and the links between them.
+
+A cluster is written as a string (`ClusterSpec.parse`):
+
+- ``NODESxDEVICESxKIND``: "4x8xA100-80GB" is 4 nodes of 8 A100-80GB each;
+- ``DEVICESxKIND``: "8xH100-80GB" is one node of 8;
+- ``cpu:N``: N local CPU ranks talking gloo over localhost (one node of N "cpu" devices).
+
+or as a YAML/JSON file (`ClusterSpec.from_file`) that names such a string and overrides
+figures of the device preset and its links, e.g. with what `python -m
+autopar.cost_model.calibrate` measured::
+
+    cluster: 4x8xA100-80GB
+    device: {memory_bytes: 40GB, matmul_efficiency: 0.7}
+    inter_node_link: {bandwidth_bytes_per_s: 12.5GB/s}
+    host_memory_bytes: 2TB
+
+Sizes and rates may be numbers or strings with units; "GB" is 10^9 bytes (datasheet units)
+and "GiB" is 2^30.
+
+Ranks are numbered node-major: ranks 0..D-1 are node 0, and so on. A device-mesh axis laid
+out with stride `inner_size` (the product of the sizes of the axes inside it) therefore
+stays inside a node exactly when its groups of consecutive-stride ranks never straddle a
+node boundary (`link_for_axis`).
+
+CPU ranks of one node share the host's memory, so a "cpu" cluster gives each rank
+``memory_bytes / devices_per_node`` of the measured RAM (and a file that sets
+`host_memory_bytes` of a cpu cluster divides that figure the same way, unless it also sets
+`device.memory_bytes`, which is then taken as the per-rank figure).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import yaml
+
+from autopar.cost_model.devices import DEVICE_PRESETS, DeviceSpec, LinkSpec, _matmul_table, get_device
+from autopar.errors import ConfigError
+
+_EXPECTED = "NODESxDEVICESxKIND (e.g. '4x8xA100-80GB'), DEVICESxKIND (e.g. '8xH100-80GB') or cpu:N (e.g. 'cpu:4')"
+_NODES_DEVICES_KIND = re.compile(r"^(\d+)[xX](\d+)[xX]([A-Za-z][\w.-]*)$")
+_DEVICES_KIND = re.compile(r"^(\d+)[xX]([A-Za-z][\w.-]*)$")
+_CPU = re.compile(r"^cpu:(\d+)$", re.IGNORECASE)
+
+# Host RAM per node: the DGX systems these GPUs ship in (DGX A100 320GB: 1 TB; DGX A100 640GB,
+# DGX H100 and DGX H200: 2 TB). The "cpu" preset's memory is the measured RAM of the machine.
+_HOST_MEMORY_BYTES = {"A100-40GB": 1e12, "A100-80GB": 2e12, "H100-80GB": 2e12, "H200-141GB": 2e12}
+
+_FILE_KEYS = ("cluster", "device", "intra_node_link", "inter_node_link", "host_link", "host_memory_bytes")
+_LINK_KEYS = ("intra_node_link", "inter_node_link", "host_link")
+
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*([A-Za-zµ/]*)\s*$")
+_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+           "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50}  # fmt: skip
+_TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_quantity(value, field: str) -> float:
+    """A number, or a string with the unit `field` implies: "80GB", "25 GB/s", "312TFLOP/s", "2us"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field}: expected a number, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = _QUANTITY.match(str(value))
+    if not m:
+        raise ConfigError(f"{field}: {value!r} is not a number or a quantity such as '80GB', '25GB/s' or '2us'")
+    number, unit = float(m.group(1)), m.group(2)
+    if field.endswith("_s") and not field.endswith("_per_s"):
+        if unit and unit not in _TIME:
+            raise ConfigError(f"{field}: unit {unit!r} is not a time unit (s, ms, us, ns)")
+        return number * _TIME.get(unit, 1.0)
+    base = "FLOP/s" if "flops" in field else "B/s" if field.endswith("_per_s") else "B"
+    if unit and not unit.endswith(base):
+        raise ConfigError(f"{field}: unit {unit!r} does not end in {base!r} (e.g. '80GB', '25GB/s', '312TFLOP/s')")
+    prefix = unit[: -len(base)] if unit else ""
+    if prefix not in _PREFIX:
+        raise ConfigError(f"{field}: unknown prefix {prefix!r} in {value!r}; use k, M, G, T or Ki, Mi, Gi, Ti")
+    return number * _PREFIX[prefix]
+
+
+def _known_devices() -> str:
+    return ", ".join(DEVICE_PRESETS)
+
+
+def _count(text: str, value: str, what: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise ConfigError(f"cluster {text!r}: the number of {what} must be at least 1, got {n}; expected {_EXPECTED}")
+    return n
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """`num_nodes` nodes of `devices_per_node` devices each, and the links priced between them."""
+
+    num_nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node_link: LinkSpec
+    inter_node_link: LinkSpec
+    host_link: LinkSpec
+    host_memory_bytes: int
+
+    def __post_init__(self):
+        for name in ("num_nodes", "devices_per_node", "host_memory_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"cluster: {name} must be a positive integer, got {value!r}")
+        for name in ("device", *_LINK_KEYS):
+            expected = DeviceSpec if name == "device" else LinkSpec
+            if not isinstance(getattr(self, name), expected):
+                raise ConfigError(f"cluster: {name} must be a {expected.__name__}, got {getattr(self, name)!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    # ------------------------------------------------------------------------------ building
+
+    @classmethod
+    def build(cls, num_nodes: int, devices_per_node: int, device: DeviceSpec | str) -> ClusterSpec:
+        """A cluster of preset defaults: the device's own links and its node's host memory."""
+        spec = get_device(device) if isinstance(device, str) else device
+        host = _HOST_MEMORY_BYTES.get(spec.name, spec.memory_bytes)
+        if spec.kind == "cpu":  # the ranks of a node share its RAM
+            host = spec.memory_bytes
+            spec = replace(spec, memory_bytes=max(spec.memory_bytes // devices_per_node, 1))
+        return cls(num_nodes=num_nodes, devices_per_node=devices_per_node, device=spec,
+                   intra_node_link=spec.intra_node_link, inter_node_link=spec.inter_node_link,
+                   host_link=spec.host_link, host_memory_bytes=int(host))  # fmt: skip
+
+    @classmethod
+    def parse(cls, text: str) -> ClusterSpec:
+        """"4x8xA100-80GB", "8xH100-80GB" or "cpu:4"; ConfigError says what was expected otherwise."""
+        if not isinstance(text, str):
+            raise ConfigError(f"cluster must be a string such as '8xA100-80GB', got {type(text).__name__}")
+        s = text.strip()
+        if m := _CPU.match(s):
+            return cls.build(1, _count(text, m.group(1), "CPU ranks"), "cpu")
+        if m := _NODES_DEVICES_KIND.match(s):
+            nodes, per_node, kind = m.groups()
+        elif m := _DEVICES_KIND.match(s):
+            nodes, (per_node, kind) = "1", m.groups()
+        else:
+            raise ConfigError(f"cluster {text!r} not understood: expected {_EXPECTED}; known devices: {_known_devices()}")
+        num_nodes, num_devices = _count(text, nodes, "nodes"), _count(text, per_node, "devices per node")
+        try:
+            device = get_device(kind)
+        except ConfigError:
+            raise ConfigError(f"cluster {text!r}: unknown device {kind!r}; known devices: {_known_devices()}") from None
+        return cls.build(num_nodes, num_devices, device)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ClusterSpec:
+        """A YAML or JSON cluster file (see the module docstring); ConfigError for unknown keys or bad values."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read cluster file {str(p)!r}: {e.strerror}") from e
+        try:  # YAML is a superset of JSON, so one loader reads both
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"cluster file {str(p)!r} is neither valid YAML nor JSON: {e}") from e
+        return cls.from_overrides(data, source=str(p))
+
+    @classmethod
+    def from_overrides(cls, data: Mapping, *, source: str = "cluster file") -> ClusterSpec:
+        """{"cluster": "<string>", "device": {...}, "<link>": {...}, "host_memory_bytes": ...} as a ClusterSpec."""
+        if not isinstance(data, Mapping) or "cluster" not in data:
+            raise ConfigError(f"{source}: expected a mapping with a 'cluster' key such as 'cluster: 4x8xA100-80GB'")
+        unknown = set(data) - set(_FILE_KEYS)
+        if unknown:
+            raise ConfigError(f"{source}: unknown keys {sorted(unknown)}; allowed keys are {list(_FILE_KEYS)}")
+        base = cls.parse(data["cluster"])
+        changes = {}
+        if "device" in data:
+            changes["device"] = _override_device(base, data["device"], source)
+        for key in _LINK_KEYS:
+            if key in data:
+                changes[key] = _override_link(getattr(base, key), data[key], f"{source}: {key}")
+        if "host_memory_bytes" in data:
+            host = int(parse_quantity(data["host_memory_bytes"], "host_memory_bytes"))
+            changes["host_memory_bytes"] = host
+            device_fields = data.get("device") or {}
+            if base.device.kind == "cpu" and "memory_bytes" not in device_fields:
+                # CPU ranks share the host's RAM: a new RAM figure gives each rank its share of it
+                device = changes.get("device", base.device)
+                changes["device"] = replace(device, memory_bytes=max(host // base.devices_per_node, 1))
+        return replace(base, **changes)
+
+    # ------------------------------------------------------------------------- serialisation
+
+    def to_dict(self) -> dict:
+        """Every field, JSON-ready; `from_dict` reads it back exactly."""
+        return {
+            "num_nodes": self.num_nodes,
+            "devices_per_node": self.devices_per_node,
+            "device": self.device.to_dict(),
+            **{key: getattr(self, key).to_dict() for key in _LINK_KEYS},
+            "host_memory_bytes": self.host_memory_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> ClusterSpec:
+        allowed = {f.name for f in fields(cls)}
+        if not isinstance(d, Mapping) or set(d) != allowed:
+            got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
+            raise ConfigError(f"cluster dict: expected the fields {sorted(allowed)}, got {got}")
+        return cls(num_nodes=int(d["num_nodes"]), devices_per_node=int(d["devices_per_node"]),
+                   device=DeviceSpec.from_dict(d["device"]),
+                   **{key: LinkSpec.from_dict(d[key]) for key in _LINK_KEYS},
+                   host_memory_bytes=int(d["host_memory_bytes"]))  # fmt: skip
+
+    # ----------------------------------------------------------------------------- queries
+
+    def link_for_axis(self, axis_size: int, inner_size: int) -> LinkSpec:
+        """The link a mesh axis of `axis_size` with stride `inner_size` crosses.
+
+        The axis's groups are ranks r, r + inner, ..., r + (axis - 1)·inner inside aligned
+        blocks of inner·axis consecutive ranks. Every group stays on one node exactly when
+        that block size divides devices_per_node (which covers the usual case
+        inner·axis <= devices_per_node with power-of-two sizes); if any group straddles a node
+        boundary the slowest link, the inter-node one, sets the pace. Size-1 axes and
+        one-node clusters never leave the node.
+        """
+        if axis_size < 1 or inner_size < 1:
+            raise ConfigError(f"mesh axis size {axis_size} and stride {inner_size} must both be at least 1")
+        if axis_size == 1 or self.num_nodes == 1:
+            return self.intra_node_link
+        block = axis_size * inner_size
+        return self.intra_node_link if self.devices_per_node % block == 0 else self.inter_node_link
+
+    def describe(self) -> str:
+        """"4 nodes x 8 A100-80GB (32 devices)"."""
+        nodes = f"{self.num_nodes} node{'s' if self.num_nodes != 1 else ''}"
+        devices = f"{self.world_size} device{'s' if self.world_size != 1 else ''}"
+        return f"{nodes} x {self.devices_per_node} {self.device.name} ({devices})"
+
+
+def _override_device(base: ClusterSpec, overrides, source: str) -> DeviceSpec:
+    allowed = {f.name for f in fields(DeviceSpec)} - set(_LINK_KEYS)
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"{source}: 'device' must be a mapping of DeviceSpec fields, got {overrides!r}")
+    misplaced = set(overrides) & set(_LINK_KEYS)
+    if misplaced:
+        raise ConfigError(f"{source}: set links with the top-level keys {sorted(misplaced)}, not under 'device'")
+    unknown = set(overrides) - allowed
+    if unknown:
+        raise ConfigError(f"{source}: unknown device fields {sorted(unknown)}; known fields are {sorted(allowed)}")
+    changes = {}
+    for key, value in overrides.items():
+        if key in ("name", "kind"):
+            changes[key] = str(value)
+        elif key == "matmul_flops_per_s":
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: matmul_flops_per_s must map dtype names to FLOP/s, e.g. {{bf16: 312e12}}")
+            merged = dict(base.device.matmul_flops_per_s)
+            merged.update(dict(_matmul_table({k: parse_quantity(v, key) for k, v in value.items()})))
+            changes[key] = _matmul_table(merged)
+        elif key == "memory_bytes":
+            changes[key] = int(parse_quantity(value, key))
+        else:
+            changes[key] = parse_quantity(value, key)
+    return replace(base.device, **changes)
+
+
+def _override_link(base: LinkSpec, overrides, where: str) -> LinkSpec:
+    allowed = {f.name for f in fields(LinkSpec)}
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of {sorted(allowed)}, got {overrides!r}")
+    unknown = set(overrides) - allowed
+    if unknown:
+        raise ConfigError(f"{where}: unknown link fields {sorted(unknown)}; known fields are {sorted(allowed)}")
+    changes = {k: (str(v) if k == "name" else parse_quantity(v, k)) for k, v in overrides.items()}
+    return replace(base, **changes)
+
+
+def load_cluster(value) -> ClusterSpec:
+    """A ClusterSpec from a ClusterSpec, a cluster string, or a path to a cluster file."""
+    if isinstance(value, ClusterSpec):
+        return value
+    if isinstance(value, Path) or (isinstance(value, str) and Path(value).suffix.lower() in (".yaml", ".yml", ".json")):
+        return ClusterSpec.from_file(value)
+    return ClusterSpec.parse(value)
+
+
+__all__ = ["ClusterSpec", "load_cluster", "parse_quantity"]

@@ -1,0 +1,84 @@
+"""Collective communication time: the alpha-beta model of ring algorithms.
+
+A collective over n ranks runs as a number of steps; each step pays the link's latency
+(alpha) and the collective moves some bytes through every rank's link, priced at the link's
+bus bandwidth (1/beta):
+
+    time = steps · alpha + moved_bytes / bandwidth
+
+with S the size of the full (unsharded) tensor:
+
+| collective      | moved bytes per rank | steps  |
+|-----------------|----------------------|--------|
+| all-reduce      | 2(n-1)/n · S         | 2(n-1) |
+| all-gather      | (n-1)/n · S          | n-1    |
+| reduce-scatter  | (n-1)/n · S          | n-1    |
+| all-to-all      | (n-1)/n · S          | n-1    |
+| broadcast       | (n-1)/n · S          | n-1    |
+| send/recv       | S                    | 1      |
+
+The moved-bytes factors are the ones nccl-tests uses to turn times into bus bandwidth, so a
+link's `bandwidth_bytes_per_s` is directly the bus bandwidth those tests report. Broadcast is
+priced like an all-gather (a pipelined ring broadcast). Tree algorithms, NVLink SHARP and
+the hierarchical algorithms NCCL uses across nodes are not modelled: the ring is the
+conservative, well-understood baseline.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from autopar.cost_model.devices import LinkSpec
+from autopar.errors import ConfigError
+
+
+class Collective(StrEnum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"
+    BROADCAST = "broadcast"
+
+
+def collective_steps(kind: Collective, num_ranks: int) -> int:
+    """Latency-bound steps of the ring algorithm of `kind` over `num_ranks` ranks."""
+    if num_ranks <= 1:
+        return 0
+    if kind == Collective.ALL_REDUCE:
+        return 2 * (num_ranks - 1)
+    if kind == Collective.SEND_RECV:
+        return 1
+    return num_ranks - 1
+
+
+def collective_moved_bytes(kind: Collective, num_bytes: float, num_ranks: int) -> float:
+    """Bytes each rank sends (and receives) for a collective on a full tensor of `num_bytes`."""
+    if num_ranks <= 1:
+        return 0.0
+    if kind == Collective.ALL_REDUCE:
+        return 2.0 * (num_ranks - 1) / num_ranks * num_bytes
+    if kind == Collective.SEND_RECV:
+        return float(num_bytes)
+    return (num_ranks - 1) / num_ranks * num_bytes
+
+
+def estimate_collective_time(kind: Collective, num_bytes: float, num_ranks: int, link: LinkSpec) -> float:
+    """Seconds for collective `kind` on a tensor of `num_bytes` (full, unsharded size) over `num_ranks` ranks.
+
+    Args:
+        kind: which collective.
+        num_bytes: size of the full tensor: the all-reduced tensor, the gathered result, the
+            input of a reduce-scatter, the tensor sent.
+        num_ranks: ranks taking part; 1 costs nothing.
+        link: the slowest link the ranks' ring crosses.
+    """
+    kind = Collective(kind)
+    if num_ranks < 1:
+        raise ConfigError(f"a collective needs at least one rank, got num_ranks={num_ranks}")
+    if num_bytes < 0:
+        raise ConfigError(f"a collective cannot move a negative number of bytes ({num_bytes})")
+    if num_ranks == 1:
+        return 0.0
+    steps = collective_steps(kind, num_ranks)
+    return steps * link.latency_s + collective_moved_bytes(kind, num_bytes, num_ranks) / link.bandwidth_bytes_per_s
