@@ -104,10 +104,13 @@ class ShardedInterpreter(fx.Interpreter):
         if n.op != "call_function":
             return super().run_node(n)
         need = self.need.get(n.name, ())
+        distributed = any(isinstance(v, DTensor) for a in n.all_input_nodes for v in pytree.tree_leaves(self.env[a]))
         position = itertools.count()
 
         def load(arg: fx.Node):
             v = self.env[arg]
+            if distributed and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                v = self._replicated(v)  # made inside the graph from nothing: the same on every rank
             if is_tensor_node(arg):
                 j = next(position)
                 if j < len(need):
@@ -116,12 +119,7 @@ class ShardedInterpreter(fx.Interpreter):
 
         args = fx.node.map_arg(n.args, load)
         kwargs = fx.node.map_arg(n.kwargs, load)
-        if any(isinstance(v, DTensor) for v in pytree.tree_leaves((args, kwargs))):
-            wrap = lambda v: self._replicated(v) if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) else v  # noqa: E731
-            args, kwargs = pytree.tree_map(wrap, (args, kwargs))
-            out = self._call(n.target, args, kwargs, distributed=True)
-        else:
-            out = self._call(n.target, args, kwargs, distributed=False)
+        out = self._call(n.target, args, kwargs, distributed=distributed)
         want = self.out.get(n.name)
         if want is None:
             return out
