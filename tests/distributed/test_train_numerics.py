@@ -75,8 +75,10 @@ def _check(world_size: int, cases) -> None:
         assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (name, constraints, got["mesh"])
         if "tp" in constraints:
             assert got["mesh"]["tp"] == constraints["tp"]
-        if budget is not None:  # the budget rules out replicated weights: the layout must shard them
-            assert got["sharded"] and got["tp_sharded"], (name, constraints)
+        if budget is not None:  # the budget rules out replicated states: the layout must shard them
+            assert got["sharded"], (name, constraints)
+            if got["mesh"]["dp"] == 1:  # nothing to shard over but the tensor axis
+                assert got["tp_sharded"], (name, constraints)
         assert set(got["state"]) == set(ref_state)
         for key, ref in ref_state.items():
             torch.testing.assert_close(got["state"][key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL,
