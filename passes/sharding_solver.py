@@ -166,6 +166,26 @@ class ShardingSolution:
     solve_time_s: float
 
 
+def batch_split_nodes(graph: OpGraph, batch: int) -> frozenset[str]:
+    """Nodes whose values are split over the data axis: those computed from the batch inputs.
+
+    A value derived from a batch-split value stays split while it still holds at least one
+    element per sample (views that flatten batch and sequence into tokens included); a loss
+    reduced to a scalar does not.
+    """
+    split: set[str] = set()
+    for node in graph.graph.nodes:
+        meta = output_meta(node)
+        if meta is None or not meta.shape or meta.numel % batch:
+            continue
+        if graph.kinds.get(node.name) == NodeKind.INPUT:
+            if meta.shape[0] == batch:
+                split.add(node.name)
+        elif node.op == "call_function" and any(a.name in split for a in tensor_args(node)):
+            split.add(node.name)
+    return frozenset(split)
+
+
 def redistribute_time(src: Placement, dst: Placement, nbytes: float, tp: int, link: LinkSpec) -> float:
     """Time to turn a tensor of `nbytes` (full size) from placement `src` into `dst` on the tensor axis."""
     if tp == 1 or src == dst:
@@ -205,6 +225,7 @@ class ShardingProgram:
             self.zero_choices = self.zero_choices[:1] if zero_stage is not None else [0]
         self.budget = memory_budget_bytes
         self.batch = batch_dim_size
+        self.batch_split = batch_split_nodes(graph, batch_dim_size)
         self.tp_link = cluster.link_for_axis(tp, 1)
         self.dp_link = cluster.link_for_axis(dp, tp)
         self.groups: dict[str, Group] = {}
@@ -302,7 +323,7 @@ class ShardingProgram:
         kind = self.graph.kinds.get(node.name)
         if kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.CONSTANT):
             return float(meta.nbytes)
-        if meta.shape and meta.shape[0] == self.batch:
+        if node.name in self.batch_split:
             return meta.nbytes / self.dp
         return float(meta.nbytes)
 
@@ -317,10 +338,7 @@ class ShardingProgram:
         )
 
     def _carries_batch(self, node: fx.Node) -> bool:
-        meta = output_meta(node)
-        if meta is not None and meta.shape and meta.shape[0] == self.batch:
-            return True
-        return any((m := output_meta(a)) is not None and m.shape and m.shape[0] == self.batch for a in tensor_args(node))
+        return node.name in self.batch_split or any(a.name in self.batch_split for a in tensor_args(node))
 
     def _saved_for_backward(self) -> set[str]:
         """Producers (view chains resolved to their base) whose output some consumer keeps for backward."""
@@ -678,13 +696,13 @@ def _infeasible_message(graph, cluster, estimator, prec, constraints, batch, bud
         parts = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in prog.memory_terms.items()}
         total = sum(parts.values()) + prog.transient
         if best is None or total < best[0]:
-            best = (total, dp, tp, parts)
+            best = (total, dp, tp, parts, prog.transient)
     if best is None:
         return "no layout satisfies the constraints"
-    total, dp, tp, parts = best
+    total, dp, tp, parts, transient = best
     states = parts.get("params", 0) + parts.get("grads", 0) + parts.get("optimizer", 0)
     return (f"the model needs at least {format_bytes(total)} per device (model states {format_bytes(states)}, "
             f"activations {format_bytes(parts.get('activations', 0))}, working memory "
-            f"{format_bytes(prog.transient)}, at dp={dp} tp={tp} with states sharded as far as allowed), but the "
+            f"{format_bytes(transient)}, at dp={dp} tp={tp} with states sharded as far as allowed), but the "
             f"budget is {format_bytes(budget)} per device; raise memory_budget, use more devices or a smaller "
             f"batch")  # fmt: skip
