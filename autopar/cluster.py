@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from autopar.cost_model.devices import DEVICE_PRESETS, DeviceSpec, LinkSpec, _matmul_table, get_device
+from autopar.cost_model.devices import DEVICE_PRESETS, DeviceSpec, LinkSpec, parse_matmul_table, get_device
 from autopar.errors import ConfigError
 
 _EXPECTED = "NODESxDEVICESxKIND (e.g. '4x8xA100-80GB'), DEVICESxKIND (e.g. '8xH100-80GB') or cpu:N (e.g. 'cpu:4')"
@@ -135,7 +135,7 @@ class ClusterSpec:
 
     @classmethod
     def parse(cls, text: str) -> ClusterSpec:
-        """"4x8xA100-80GB", "8xH100-80GB" or "cpu:4"; ConfigError says what was expected otherwise."""
+        """Read "4x8xA100-80GB", "8xH100-80GB" or "cpu:4"; ConfigError says what was expected otherwise."""
         if not isinstance(text, str):
             raise ConfigError(f"cluster must be a string such as '8xA100-80GB', got {type(text).__name__}")
         s = text.strip()
@@ -146,7 +146,9 @@ class ClusterSpec:
         elif m := _DEVICES_KIND.match(s):
             nodes, (per_node, kind) = "1", m.groups()
         else:
-            raise ConfigError(f"cluster {text!r} not understood: expected {_EXPECTED}; known devices: {_known_devices()}")
+            raise ConfigError(
+                f"cluster {text!r} not understood: expected {_EXPECTED}; known devices: {_known_devices()}"
+            )
         num_nodes, num_devices = _count(text, nodes, "nodes"), _count(text, per_node, "devices per node")
         try:
             device = get_device(kind)
@@ -236,7 +238,7 @@ class ClusterSpec:
         return self.intra_node_link if self.devices_per_node % block == 0 else self.inter_node_link
 
     def describe(self) -> str:
-        """"4 nodes x 8 A100-80GB (32 devices)"."""
+        """One line for reports: "4 nodes x 8 A100-80GB (32 devices)"."""
         nodes = f"{self.num_nodes} node{'s' if self.num_nodes != 1 else ''}"
         devices = f"{self.world_size} device{'s' if self.world_size != 1 else ''}"
         return f"{nodes} x {self.devices_per_node} {self.device.name} ({devices})"
@@ -260,8 +262,8 @@ def _override_device(base: ClusterSpec, overrides, source: str) -> DeviceSpec:
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{source}: matmul_flops_per_s must map dtype names to FLOP/s, e.g. {{bf16: 312e12}}")
             merged = dict(base.device.matmul_flops_per_s)
-            merged.update(dict(_matmul_table({k: parse_quantity(v, key) for k, v in value.items()})))
-            changes[key] = _matmul_table(merged)
+            merged.update(dict(parse_matmul_table({k: parse_quantity(v, key) for k, v in value.items()})))
+            changes[key] = parse_matmul_table(merged)
         elif key == "memory_bytes":
             changes[key] = int(parse_quantity(value, key))
         else:

@@ -1,18 +1,40 @@
-"""Compute cost per ATen op: FLOPs and bytes from the fx node's shapes, and roofline time.
+"""Compute cost per ATen op: FLOPs and bytes from an fx node's shapes, and roofline time.
 
-`estimate_node_cost(node)` reads `node.meta["val"]` of the node and of its tensor arguments and
-returns forward and backward FLOPs and bytes. Per-op knowledge lives in one registry, filled by
-`@register_op_cost(*targets)`; views and metadata ops are free; an op without an entry is priced
-like an elementwise op (one FLOP per output element, its inputs and outputs moved once) and
-recorded in `UNKNOWN_OPS` so reports can list it.
+`estimate_node_cost(node)` reads `node.meta["val"]` of a node of a `torch.export` training
+graph and of its argument nodes, and returns an `OpCost`: forward and backward FLOPs and bytes
+moved. Per-op knowledge lives in one registry keyed by ATen `OpOverload`, filled by
+`@register_op_cost(*targets)`.
 
-`estimate_compute_time` is a roofline: the larger of FLOPs over the achievable matrix (or
-vector) rate and bytes over the achievable memory bandwidth, plus a fixed launch overhead.
+Conventions (per op, M·N·K for a product of an M x K and a K x N matrix):
+
+- matmuls (linear, addmm, mm, bmm, matmul, baddbmm): 2·M·N·K forward; backward 2x forward
+  (dX = dY·Wᵀ and dW = Xᵀ·dY). A bias add rides in the GEMM epilogue and is not counted.
+- attention (scaled_dot_product_attention and its fused variants): forward 4·b·h·sq·sk·d
+  (QKᵀ and PV), half of that when `is_causal`; backward 2.5x forward. An explicit mask does
+  not halve anything: the kernel computes every score and masks afterwards. Bytes are those
+  of a fused kernel, which never writes the sq x sk scores.
+- elementwise ops: 1 FLOP per output element; normalisations and softmax a few per element
+  (stated at each). Bytes: every tensor input read once, every output written once; the
+  backward reads the output gradient and the saved inputs and writes one gradient per
+  floating input.
+- views and metadata ops (view, transpose, expand, slice, getitem, ...): free, no kernel.
+  Reshape and contiguous are free when they can return a view, and a copy otherwise; a dtype
+  conversion is free when the dtype does not change.
+- nodes with no floating output have no backward.
+
+Bytes use the element sizes of the graph's real dtypes. An op without an entry is priced
+like an elementwise op and its target recorded in `UNKNOWN_OPS`, so reports can list what was
+guessed.
+
+`estimate_compute_time` is a roofline: the larger of FLOPs over the achievable rate (the
+matrix rate of the dtype for matmuls, the vector rate otherwise) and bytes over the
+achievable memory bandwidth, plus a fixed launch overhead per kernel.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import operator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,7 +49,7 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True, slots=True)
 class OpCost:
-    """FLOPs and bytes of one op (forward, and its backward)."""
+    """FLOPs and bytes of one op, forward and backward (bytes: tensors read plus written)."""
 
     flops: float
     bytes_accessed: float
@@ -37,240 +59,425 @@ class OpCost:
     is_view: bool = False
 
 
-FREE = OpCost(0.0, 0.0, 0.0, 0.0, is_view=True)
+FREE = OpCost(0.0, 0.0, 0.0, 0.0, is_matmul=False, is_view=True)
+
 _REGISTRY: dict[object, Callable[[fx.Node], OpCost]] = {}
-UNKNOWN_OPS: set[str] = set()
+UNKNOWN_OPS: set[str] = set()  # str(target) of every op priced by the elementwise fallback
 
 
 def register_op_cost(*targets):
-    """Register `fn(node) -> OpCost` for the given ATen targets."""
+    """Decorator: register `fn(node) -> OpCost` as the cost of each ATen target in `targets`."""
 
-    def wrap(fn):
-        for t in targets:
-            _REGISTRY[t] = fn
+    def wrap(fn: Callable[[fx.Node], OpCost]) -> Callable[[fx.Node], OpCost]:
+        for target in targets:
+            _REGISTRY[target] = fn
         return fn
 
     return wrap
 
 
-def _vals(node: fx.Node) -> list[torch.Tensor]:
-    val = node.meta.get("val")
-    return [v for v in pytree.tree_leaves(val) if isinstance(v, torch.Tensor)]
+def _overloads(*names: str) -> list:
+    """ATen overloads by "packet.overload" name, skipping the ones this torch build lacks."""
+    found = []
+    for name in names:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(aten, packet, None), overload or "default", None)
+        if op is not None:
+            found.append(op)
+    return found
 
 
-def _tensor_args(node: fx.Node) -> list[torch.Tensor]:
-    out = []
+# ------------------------------------------------------------------------------------ reading nodes
+
+
+def tensors_of(value) -> list[torch.Tensor]:
+    """The tensors in a meta value: a node's `meta["val"]` (tensor, tuple, None) or a python value."""
+    if isinstance(value, fx.Node):
+        value = value.meta.get("val")
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def _input_tensors(node: fx.Node) -> list[torch.Tensor]:
+    """Meta tensors of every tensor argument, in pytree order of (args, kwargs)."""
+    found = []
     for a in pytree.tree_leaves((node.args, node.kwargs)):
         if isinstance(a, fx.Node):
-            out += _vals(a)
-    return out
+            found += tensors_of(a)
+    return found
 
 
-def _nbytes(ts) -> float:
+def node_arg(node: fx.Node, name: str, default=None):
+    """Argument `name` of a call to an OpOverload, positional or keyword; a node stands for its meta value."""
+    if name in node.kwargs:
+        value = node.kwargs[name]
+    else:
+        schema = getattr(node.target, "_schema", None)
+        names = [a.name for a in schema.arguments] if schema is not None else []
+        index = names.index(name) if name in names else None
+        value = node.args[index] if index is not None and index < len(node.args) else default
+    return value.meta.get("val") if isinstance(value, fx.Node) else value
+
+
+def _nbytes(ts: Iterable[torch.Tensor]) -> float:
     return float(sum(t.numel() * t.element_size() for t in ts))
 
 
-def _numel(ts) -> float:
+def _numel(ts: Iterable[torch.Tensor]) -> float:
     return float(sum(t.numel() for t in ts))
 
 
+def _floating(ts: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for t in ts if t.dtype.is_floating_point or t.dtype.is_complex]
+
+
+# ---------------------------------------------------------------------------------- entry point
+
+
 def estimate_node_cost(node: fx.Node) -> OpCost:
-    """Forward and backward FLOPs and bytes of one fx node."""
-    if node.op != "call_function":
-        return FREE
+    """Forward and backward FLOPs and bytes of one fx node (see the module docstring for the conventions)."""
+    if node.op != "call_function" or not tensors_of(node):
+        return FREE  # placeholders, outputs, asserts and symbolic-size ops launch no kernel
     fn = _REGISTRY.get(node.target)
     if fn is None:
         UNKNOWN_OPS.add(str(node.target))
-        return _elementwise(node)
+        return elementwise_cost(node)
     return fn(node)
 
 
-def _elementwise(node: fx.Node, flops_per_element: float = 1.0) -> OpCost:
-    ins, outs = _tensor_args(node), _vals(node)
+def elementwise_cost(node: fx.Node, flops_per_element: float = 1.0, backward_flops_per_element: float | None = None):
+    """Inputs read once, outputs written once; backward reads dY and saved inputs, writes dX per floating input."""
+    ins, outs = _input_tensors(node), tensors_of(node)
     flops = flops_per_element * _numel(outs)
     moved = _nbytes(ins) + _nbytes(outs)
-    # backward: read the output gradient (and inputs it needs), write one gradient per input
-    return OpCost(flops, moved, flops, moved + _nbytes(ins) - _nbytes(outs) + _nbytes(outs))
+    if not _floating(outs):
+        return OpCost(flops, moved, 0.0, 0.0)
+    bwd_per = flops_per_element if backward_flops_per_element is None else backward_flops_per_element
+    float_ins = _nbytes(_floating(ins))
+    return OpCost(flops, moved, bwd_per * _numel(outs), _nbytes(outs) + 2 * float_ins)
 
 
-_VIEWS = [
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
-    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.expand.default, aten.slice.Tensor,
-    aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.alias.default, aten.t.default,
-    aten.detach.default, aten._assert_tensor_metadata.default, aten.narrow.default, aten.flatten.using_ints,
-    aten.unflatten.int, aten.lift_fresh_copy.default, aten.to.device,
-]  # fmt: skip
-try:
-    import operator
-
-    _VIEWS.append(operator.getitem)
-except ImportError:  # pragma: no cover
-    pass
+def _copy_cost(node: fx.Node) -> OpCost:
+    ins, outs = _input_tensors(node)[:1], tensors_of(node)[:1]
+    moved = _nbytes(ins) + _nbytes(outs)
+    return OpCost(0.0, moved, 0.0, moved if _floating(outs) else 0.0)
 
 
-@register_op_cost(*_VIEWS)
-def _free(node):
+# ------------------------------------------------------------------------------ views and copies
+
+_VIEW_OPS = _overloads(
+    "view.default", "view.dtype", "_unsafe_view.default", "transpose.int", "permute.default", "unsqueeze.default",
+    "squeeze.default", "squeeze.dim", "squeeze.dims", "expand.default", "expand_as.default", "slice.Tensor",
+    "select.int", "split.Tensor", "split_with_sizes.default", "unbind.int", "chunk.default", "narrow.default",
+    "alias.default", "t.default", "detach.default", "_assert_tensor_metadata.default", "as_strided.default",
+    "view_as.default", "unflatten.int", "diagonal.default", "movedim.int", "lift_fresh.default",
+)  # fmt: skip
+
+
+@register_op_cost(operator.getitem, *_VIEW_OPS)
+def _free(node: fx.Node) -> OpCost:
     return FREE
 
 
-@register_op_cost(aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.contiguous.default,
-                  aten.clone.default, aten.type_as.default)  # fmt: skip
-def _copy(node):
-    ins, outs = _tensor_args(node), _vals(node)
-    if ins and outs and ins[0].dtype == outs[0].dtype and node.target != aten.clone.default:
-        if node.target != aten.contiguous.default or ins[0].is_contiguous():
-            return FREE
-    moved = _nbytes(ins[:1]) + _nbytes(outs)
-    return OpCost(0.0, moved, 0.0, moved)
+def _can_view(src: torch.Tensor, shape) -> bool:
+    """Whether `src`'s layout allows a view of `shape` (else reshape copies); decided on the meta device."""
+    probe = torch.empty_strided(tuple(src.shape), tuple(src.stride()), dtype=src.dtype, device="meta")
+    try:
+        probe.view(tuple(shape))
+    except RuntimeError:
+        return False
+    return True
 
 
-def _matmul_cost(m: float, n: float, k: float, ins, outs) -> OpCost:
-    flops = 2.0 * m * n * k
+@register_op_cost(*_overloads("reshape.default", "flatten.using_ints", "reshape_as.default"))
+def _reshape(node: fx.Node) -> OpCost:
+    ins, outs = _input_tensors(node), tensors_of(node)
+    if not ins or not outs or _can_view(ins[0], outs[0].shape):
+        return FREE
+    return _copy_cost(node)
+
+
+@register_op_cost(aten.contiguous.default)
+def _contiguous(node: fx.Node) -> OpCost:
+    ins = _input_tensors(node)
+    return FREE if not ins or ins[0].is_contiguous() else _copy_cost(node)
+
+
+@register_op_cost(*_overloads("to.dtype", "to.dtype_layout", "to.device", "to.other", "type_as.default"))
+def _to(node: fx.Node) -> OpCost:
+    ins, outs = _input_tensors(node), tensors_of(node)
+    same = ins and outs and ins[0].dtype == outs[0].dtype and ins[0].device == outs[0].device
+    return FREE if same else _copy_cost(node)
+
+
+@register_op_cost(*_overloads("_to_copy.default", "clone.default", "copy.default", "lift_fresh_copy.default"))
+def _copy(node: fx.Node) -> OpCost:
+    return _copy_cost(node)
+
+
+@register_op_cost(*_overloads(
+    "cat.default", "stack.default", "pad.default", "constant_pad_nd.default", "index.Tensor", "gather.default",
+    "index_select.default", "repeat.default", "roll.default", "flip.default", "tril.default", "triu.default",
+    "masked_fill.Scalar", "masked_fill.Tensor", "where.self", "where.ScalarSelf", "where.ScalarOther",
+    "where.Scalar", "expand_copy.default", "scatter.src", "scatter.value", "index_put.default",
+))  # fmt: skip
+def _data_movement(node: fx.Node) -> OpCost:
+    """Gathers, selections and concatenations: bytes, no arithmetic."""
+    return elementwise_cost(node, flops_per_element=0.0)
+
+
+@register_op_cost(*_overloads(
+    "arange.default", "arange.start", "arange.start_step", "full.default", "zeros.default", "ones.default",
+    "empty.memory_format", "new_ones.default", "new_zeros.default", "new_full.default", "new_empty.default",
+    "zeros_like.default", "ones_like.default", "full_like.default", "empty_like.default", "scalar_tensor.default",
+    "rand.default", "randn.default", "randint.default", "randint.low", "fill.Scalar", "fill.Tensor",
+))  # fmt: skip
+def _factory(node: fx.Node) -> OpCost:
+    """Creating a tensor writes it; it has no inputs worth a gradient."""
+    return OpCost(0.0, _nbytes(tensors_of(node)), 0.0, 0.0)
+
+
+# ---------------------------------------------------------------------------------- elementwise
+
+_ELEMENTWISE_OPS = _overloads(
+    "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Tensor", "rsub.Scalar", "mul.Tensor", "mul.Scalar",
+    "div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "neg.default", "pow.Tensor_Scalar",
+    "pow.Tensor_Tensor", "pow.Scalar", "rsqrt.default", "sqrt.default", "exp.default", "log.default",
+    "log1p.default", "expm1.default", "cos.default", "sin.default", "tanh.default", "sigmoid.default",
+    "silu.default", "gelu.default", "relu.default", "leaky_relu.default", "erf.default", "abs.default",
+    "sign.default", "reciprocal.default", "square.default", "clamp.default", "clamp.Tensor", "clamp_min.default",
+    "clamp_max.default", "minimum.default", "maximum.default", "lerp.Scalar", "addcmul.default", "addcdiv.default",
+    "floor_divide.default", "remainder.Scalar", "remainder.Tensor", "floor.default", "ceil.default",
+    "round.default", "trunc.default", "diff.default", "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar",
+    "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar", "gt.Tensor", "gt.Scalar", "ge.Tensor", "ge.Scalar",
+    "__and__.Tensor", "__or__.Tensor", "__xor__.Tensor", "bitwise_and.Tensor", "bitwise_or.Tensor",
+    "bitwise_not.default", "logical_and.default", "logical_or.default", "logical_not.default", "isnan.default",
+    "isinf.default", "bernoulli.p",
+)  # fmt: skip
+
+
+@register_op_cost(*_ELEMENTWISE_OPS)
+def _elementwise(node: fx.Node) -> OpCost:
+    return elementwise_cost(node)
+
+
+@register_op_cost(*_overloads("dropout.default", "native_dropout.default"))
+def _dropout(node: fx.Node) -> OpCost:
+    """Draw a mask and scale: one FLOP per element; the backward applies the saved mask to dY."""
+    ins, outs = _input_tensors(node)[:1], tensors_of(node)[:1]
+    mask = _numel(outs)  # one byte per element
+    moved = _nbytes(ins) + _nbytes(outs) + mask
+    return OpCost(_numel(outs), moved, _numel(outs), 2 * _nbytes(outs) + mask)
+
+
+# ------------------------------------------------------------------------- reductions and norms
+
+
+@register_op_cost(*_overloads(
+    "mean.dim", "mean.default", "sum.dim_IntList", "sum.default", "amax.default", "amin.default", "max.dim",
+    "min.dim", "argmax.default", "argmin.default", "cumsum.default", "prod.default", "var.correction",
+    "std.correction", "any.default", "any.dim", "all.default", "logsumexp.default", "norm.ScalarOpt_dim",
+))  # fmt: skip
+def _reduction(node: fx.Node) -> OpCost:
+    """One FLOP per input element; the backward broadcasts dY back to the input's size."""
+    ins, outs = _input_tensors(node)[:1], tensors_of(node)
     moved = _nbytes(ins) + _nbytes(outs)
-    # backward: dX = dY W^T and dW = X^T dY, each as large as the forward product
-    return OpCost(flops, moved, 2 * flops, 2 * moved, is_matmul=True)
+    if not _floating(outs):
+        return OpCost(_numel(ins), moved, 0.0, 0.0)
+    return OpCost(_numel(ins), moved, _numel(ins), _nbytes(outs[:1]) + 2 * _nbytes(ins))
 
 
-@register_op_cost(aten.linear.default)
-def _linear(node):
-    ins, outs = _tensor_args(node), _vals(node)
-    x, w = ins[0], ins[1]
-    m = x.numel() / x.shape[-1]
-    return _matmul_cost(m, w.shape[0], w.shape[1], ins, outs)
+def _norm_cost(node: fx.Node, flops_per_element: float) -> OpCost:
+    """Normalisation over the last dims; the backward is about twice the forward arithmetic."""
+    x, out = _input_tensors(node)[0], tensors_of(node)[0]
+    affine = [t for t in (node_arg(node, "weight"), node_arg(node, "bias")) if isinstance(t, torch.Tensor)]
+    n = float(x.numel())
+    moved = _nbytes([x, out, *affine])
+    # backward reads x, dY and the affine parameters, writes dX and the parameters' gradients
+    return OpCost(flops_per_element * n, moved, 2 * flops_per_element * n, 3 * _nbytes([x]) + 2 * _nbytes(affine))
 
 
-@register_op_cost(aten.addmm.default)
-def _addmm(node):
-    ins, outs = _tensor_args(node), _vals(node)
-    x, w = ins[1], ins[2]
-    return _matmul_cost(x.shape[0], w.shape[1], x.shape[1], ins, outs)
+@register_op_cost(*_overloads("layer_norm.default", "native_layer_norm.default"))
+def _layer_norm(node: fx.Node) -> OpCost:
+    """Mean, variance, normalise, scale, shift: 5 FLOPs per element."""
+    return _norm_cost(node, 5.0)
 
 
-@register_op_cost(aten.mm.default)
-def _mm(node):
-    ins, outs = _tensor_args(node), _vals(node)
-    a, b = ins[0], ins[1]
-    return _matmul_cost(a.shape[0], b.shape[1], a.shape[1], ins, outs)
+@register_op_cost(*_overloads("rms_norm.default", "_fused_rms_norm.default"))
+def _rms_norm(node: fx.Node) -> OpCost:
+    """Square, mean, normalise, scale: 4 FLOPs per element."""
+    return _norm_cost(node, 4.0)
 
 
-@register_op_cost(aten.bmm.default, aten.matmul.default, aten.baddbmm.default)
-def _bmm(node):
-    ins, outs = _tensor_args(node), _vals(node)
-    a, b = (ins[1], ins[2]) if node.target == aten.baddbmm.default else (ins[0], ins[1])
-    out = outs[0]
-    k = a.shape[-1]
-    batch_rows = out.numel() / out.shape[-1]
-    return _matmul_cost(batch_rows, out.shape[-1], k, ins, outs) if b.ndim else _elementwise(node)
+@register_op_cost(*_overloads("_softmax.default", "softmax.int", "_log_softmax.default", "log_softmax.int"))
+def _softmax(node: fx.Node) -> OpCost:
+    """Max, subtract, exp, sum, divide: 5 FLOPs per element; backward dX = Y·(dY - sum(dY·Y)): 4, reading Y and dY."""
+    x, out = _input_tensors(node)[0], tensors_of(node)[0]
+    n = float(out.numel())
+    return OpCost(5 * n, _nbytes([x, out]), 4 * n, 3 * _nbytes([out]))
 
 
-@register_op_cost(aten.scaled_dot_product_attention.default)
-def _sdpa(node):
-    ins, outs = _tensor_args(node), _vals(node)
-    q, k = ins[0], ins[1]
-    b, h, sq, d = q.shape
-    sk = k.shape[-2]
-    causal = bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
-    flops = 4.0 * b * h * sq * sk * d * (0.5 if causal else 1.0)
-    # a fused kernel never writes the sq x sk scores: q, k, v (and the mask) in, the output out
-    moved = _nbytes(ins) + _nbytes(outs)
-    return OpCost(flops, moved, 2.5 * flops, 2.5 * moved, is_matmul=True)
+@register_op_cost(aten.cross_entropy_loss.default)
+def _cross_entropy(node: fx.Node) -> OpCost:
+    """log_softmax over the logits then a gather: 5 FLOPs per logit; backward softmax - one_hot, 3 per logit.
+
+    Eager cross-entropy writes the log-probabilities and reads them back (2 logit-sized passes);
+    the backward writes the gradient of the log-probabilities and then of the logits (4 passes).
+    """
+    logits, target = _input_tensors(node)[:2]
+    n, lb = float(logits.numel()), _nbytes([logits])
+    return OpCost(5 * n, 2 * lb + _nbytes([target]), 3 * n, 4 * lb + _nbytes([target]))
+
+
+@register_op_cost(aten.nll_loss_forward.default)
+def _nll_loss(node: fx.Node) -> OpCost:
+    """Gather one log-probability per row; the backward zero-fills a gradient as large as the input."""
+    x, target = _input_tensors(node)[:2]
+    rows = float(target.numel())
+    picked = rows * x.element_size()
+    return OpCost(rows, _nbytes([target]) + picked, rows, _nbytes([x, target]))
 
 
 @register_op_cost(aten.embedding.default)
-def _embedding(node):
-    outs = _vals(node)
-    moved = 2 * _nbytes(outs)  # gather rows: read them, write them
-    return OpCost(0.0, moved, _numel(outs), 2 * moved)
+def _embedding(node: fx.Node) -> OpCost:
+    """Gather rows: read and write them. Backward zero-fills the table's gradient and scatter-adds dY into it."""
+    weight, indices = _input_tensors(node)[:2]
+    out = tensors_of(node)[0]
+    fwd = _nbytes([indices]) + 2 * _nbytes([out])
+    if not weight.dtype.is_floating_point:
+        return OpCost(0.0, fwd, 0.0, 0.0)
+    return OpCost(0.0, fwd, float(out.numel()), _nbytes([weight, indices]) + 2 * _nbytes([out]))
 
 
-@register_op_cost(aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default)
-def _norm(node):
-    return _elementwise(node, flops_per_element=8.0)
+# ------------------------------------------------------------------------------------ matmuls
 
 
-@register_op_cost(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int)
-def _softmax(node):
-    return _elementwise(node, flops_per_element=5.0)
+def matmul_cost(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, extra: Iterable[torch.Tensor] = ()) -> OpCost:
+    """2·(output elements)·K FLOPs, K the contracted size; backward twice that (dX and dW)."""
+    k = a.shape[-1] if a.ndim else 1
+    flops = 2.0 * out.numel() * k
+    operands = _nbytes([a, b])
+    moved = operands + _nbytes(extra) + _nbytes([out])
+    # each backward GEMM reads dY and one operand and writes the other operand's gradient
+    return OpCost(flops, moved, 2 * flops, 2 * (operands + _nbytes([out])), is_matmul=True)
 
 
-@register_op_cost(aten.cross_entropy_loss.default, aten.nll_loss_forward.default)
-def _cross_entropy(node):
-    ins = _tensor_args(node)
-    logits = ins[0]
-    n = float(logits.numel())
-    moved = _nbytes(ins[:1])
-    # log-softmax over the logits, then a gather; backward writes a gradient as large as the logits
-    return OpCost(5 * n, 2 * moved, 3 * n, 2 * moved)
+@register_op_cost(aten.linear.default)
+def _linear(node: fx.Node) -> OpCost:
+    """x [..., K] · Wᵀ with W [N, K]."""
+    x, w, out = node_arg(node, "input"), node_arg(node, "weight"), tensors_of(node)[0]
+    bias = node_arg(node, "bias")
+    return matmul_cost(x, w, out, [bias] if isinstance(bias, torch.Tensor) else [])
 
 
-@register_op_cost(aten.gelu.default, aten.silu.default, aten.tanh.default, aten.sigmoid.default, aten.exp.default,
-                  aten.rsqrt.default, aten.cos.default, aten.sin.default, aten.pow.Tensor_Scalar)  # fmt: skip
-def _transcendental(node):
-    return _elementwise(node, flops_per_element=4.0)
+@register_op_cost(*_overloads("addmm.default", "baddbmm.default"))
+def _addmm(node: fx.Node) -> OpCost:
+    first = "mat1" if node.target == aten.addmm.default else "batch1"
+    second = "mat2" if node.target == aten.addmm.default else "batch2"
+    a, b, out = node_arg(node, first), node_arg(node, second), tensors_of(node)[0]
+    return matmul_cost(a, b, out, [node_arg(node, "self")])
 
 
-@register_op_cost(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.cumsum.default, aten.sum.default,
-                  aten.mean.default)  # fmt: skip
-def _reduction(node):
-    ins, outs = _tensor_args(node), _vals(node)
-    return OpCost(_numel(ins), _nbytes(ins) + _nbytes(outs), _numel(ins), _nbytes(ins) + _nbytes(outs))
+@register_op_cost(*_overloads("mm.default", "bmm.default", "matmul.default"))
+def _mm(node: fx.Node) -> OpCost:
+    a, b = _input_tensors(node)[:2]
+    return matmul_cost(a, b, tensors_of(node)[0])
 
 
-@register_op_cost(aten.arange.default, aten.arange.start, aten.full.default, aten.zeros.default, aten.ones.default,
-                  aten.new_ones.default, aten.new_zeros.default, aten.empty.memory_format, aten.scalar_tensor.default)  # fmt: skip
-def _factory(node):
-    outs = _vals(node)
-    return OpCost(0.0, _nbytes(outs), 0.0, 0.0)
+_SDPA_OPS = _overloads(
+    "scaled_dot_product_attention.default", "_scaled_dot_product_flash_attention.default",
+    "_scaled_dot_product_flash_attention_for_cpu.default", "_scaled_dot_product_efficient_attention.default",
+    "_scaled_dot_product_cudnn_attention.default",
+)  # fmt: skip
 
 
-class ComputeEstimator(Protocol):
-    """Time of one node's forward and backward on one device, its work split `divisor` ways."""
+@register_op_cost(*_SDPA_OPS)
+def _sdpa(node: fx.Node) -> OpCost:
+    """q [..., h, sq, d], k [..., hk, sk, d], v [..., hk, sk, dv]: 2·b·h·sq·sk·(d + dv), halved when causal."""
+    q, k, v = (node_arg(node, name) for name in ("query", "key", "value"))
+    out = tensors_of(node)[0]
+    mask = node_arg(node, "attn_mask", node_arg(node, "attn_bias"))
+    sq, d, sk, dv = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+    heads_times_batch = q.numel() / (sq * d)
+    flops = 2.0 * heads_times_batch * sq * sk * (d + dv)
+    if node_arg(node, "is_causal", False):
+        flops *= 0.5
+    mask_bytes = _nbytes([mask]) if isinstance(mask, torch.Tensor) else 0.0
+    qkv = _nbytes([q, k, v])
+    # backward reads q, k, v, O, dO (and the mask) and writes dq, dk, dv
+    bwd_bytes = 2 * qkv + 2 * _nbytes([out]) + mask_bytes
+    return OpCost(flops, qkv + mask_bytes + _nbytes([out]), 2.5 * flops, bwd_bytes, is_matmul=True)
 
-    def forward_time_s(self, node: fx.Node, divisor: float) -> float: ...
 
-    def backward_time_s(self, node: fx.Node, divisor: float) -> float: ...
+# ------------------------------------------------------------------------------------- timing
 
 
 def estimate_compute_time(cost: OpCost, device: DeviceSpec, dtype: DType, *, divisor: float = 1.0,
                           backward: bool = False) -> float:  # fmt: skip
-    """Roofline time of `cost` on `device`: max(FLOPs / achievable rate, bytes / achievable bandwidth) + launch."""
+    """Roofline seconds of `cost` on `device`: max(FLOPs / achievable rate, bytes / achievable bandwidth) + launch.
+
+    Args:
+        cost: the op's FLOPs and bytes.
+        device: the device it runs on.
+        dtype: the format its matmuls run in (selects the matrix peak).
+        divisor: how many devices split the op's work evenly (FLOPs and bytes are divided by it).
+        backward: price the backward instead of the forward.
+
+    Non-matmul work is priced at the vector peak without an efficiency factor: such ops are
+    memory bound by an order of magnitude, so the byte term decides.
+    """
+    if divisor <= 0:
+        raise ValueError(f"divisor must be positive, got {divisor}")
     if cost.is_view:
         return 0.0
     flops = (cost.backward_flops if backward else cost.flops) / divisor
     moved = (cost.backward_bytes if backward else cost.bytes_accessed) / divisor
     if flops == 0 and moved == 0:
         return 0.0
-    if cost.is_matmul:
-        rate = device.peak_matmul_flops(dtype) * device.matmul_efficiency
-    else:
-        rate = device.vector_flops_per_s * device.matmul_efficiency
+    rate = device.peak_matmul_flops(dtype) * device.matmul_efficiency if cost.is_matmul else device.vector_flops_per_s
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
     return max(flops / rate, moved / bandwidth) + device.kernel_overhead_s
 
 
+class ComputeEstimator(Protocol):
+    """Time of one node's forward or backward on one device, its work split `divisor` ways."""
+
+    def forward_time_s(self, node: fx.Node, divisor: float) -> float: ...
+
+    def backward_time_s(self, node: fx.Node, divisor: float) -> float: ...
+
+
+_TORCH_FORMATS = {torch.float32: DType.FP32, torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
+
+
 class AnalyticEstimator:
-    """The roofline estimator: pure function of the node's shapes and the DeviceSpec."""
+    """The roofline estimator: a pure function of the node's shapes and the DeviceSpec.
+
+    Matmuls are priced in the format their tensors are in: a bf16 graph runs bf16 math, an
+    fp32 graph fp32 math (nothing autocasts it). `dtype` decides how fp32 matmuls run (FP32,
+    or TF32 when it is TF32) and stands in for nodes with no floating tensor.
+    """
 
     def __init__(self, device: DeviceSpec, dtype: DType | str):
         self.device = device
         self.dtype = DType.coerce(dtype)
-        self._cache: dict[str, OpCost] = {}
+        self._costs: dict[fx.Node, OpCost] = {}
 
-    def _cost(self, node: fx.Node) -> OpCost:
-        key = node.name
-        if key not in self._cache:
-            self._cache[key] = estimate_node_cost(node)
-        return self._cache[key]
+    def cost(self, node: fx.Node) -> OpCost:
+        found = self._costs.get(node)
+        if found is None:
+            found = self._costs[node] = estimate_node_cost(node)
+        return found
 
-    def _dtype(self, node: fx.Node) -> DType:
-        vals = _vals(node)
-        if vals and vals[0].dtype in (torch.float32, torch.bfloat16, torch.float16):
-            # the graph's own dtype, where it is a float: a fp32 model runs fp32 math
-            return DType.from_torch(vals[0].dtype) if self.dtype != DType.TF32 else self.dtype
-        return self.dtype
+    def matmul_dtype(self, node: fx.Node) -> DType:
+        floats = [t.dtype for t in tensors_of(node) if t.dtype in _TORCH_FORMATS]
+        if not floats:
+            return self.dtype
+        fmt = _TORCH_FORMATS[floats[0]]
+        return DType.TF32 if fmt == DType.FP32 and self.dtype == DType.TF32 else fmt
 
     def forward_time_s(self, node: fx.Node, divisor: float) -> float:
-        return estimate_compute_time(self._cost(node), self.device, self._dtype(node), divisor=divisor)
+        return estimate_compute_time(self.cost(node), self.device, self.matmul_dtype(node), divisor=divisor)
 
     def backward_time_s(self, node: fx.Node, divisor: float) -> float:
-        return estimate_compute_time(self._cost(node), self.device, self._dtype(node), divisor=divisor, backward=True)
+        cost = self.cost(node)
+        return estimate_compute_time(cost, self.device, self.matmul_dtype(node), divisor=divisor, backward=True)

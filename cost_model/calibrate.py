@@ -1,0 +1,207 @@
+"""Measure the local CPU and print the figures of the "cpu" device preset as a cluster file.
+
+    python -m autopar.cost_model.calibrate [--ranks 2] [--repeats 7] [--runs 1] > cpu-cluster.json
+
+What is measured, and how:
+
+- matmul FLOP/s per dtype: a square matmul (1024 for fp32, 512 for 16-bit) on one thread,
+  median of `repeats`; one thread because the gloo tests run one rank per core.
+- vector FLOP/s: a fused multiply-add (`torch.addcmul`) over a cache-resident fp32 vector,
+  counting 2 FLOPs per element.
+- memory bandwidth: copying a 256 MiB fp32 tensor, counting the bytes read and written.
+- kernel overhead: the time of an add of one-element tensors, one requiring grad (dispatch
+  and autograd recording, no work).
+- the loopback link: a gloo all-reduce among `ranks` processes over localhost at sizes from
+  4 B to 64 MiB, one call per sample after a barrier. alpha is the median time of the messages
+  up to 1 KiB divided by the ring's 2(n-1) steps; the bandwidth is the slope of time over
+  ring-moved bytes 2(n-1)/n·S, least-squares fitted on the sizes from 1 MiB.
+- host memory: physical RAM from `sysconf`.
+
+The output is a JSON cluster file (`autopar.ClusterSpec.from_file` reads it) overriding the
+preset with the measured figures; what was measured, on what, and when goes to stderr. The
+cost model itself never calls this module: measuring belongs to set-up, not to planning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_ALLREDUCE_SIZES_BYTES = tuple(4 * 4**k for k in range(0, 13))  # 4 B .. 64 MiB
+_FIT_MIN_BYTES = 1 << 20
+_LATENCY_MAX_BYTES = 1 << 10
+
+
+def _median_time_s(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_matmul_flops(dtype: torch.dtype, n: int, repeats: int) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` on the current thread count."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    return 2.0 * n**3 / _median_time_s(lambda: torch.mm(a, b, out=out), repeats)
+
+
+def measure_vector_flops(repeats: int, numel: int = 1 << 14) -> float:
+    """FLOP/s of an fp32 multiply-add on a vector that fits in L1/L2 (so memory does not bound it)."""
+    x, y, z = torch.randn(numel), torch.randn(numel), torch.randn(numel)
+    out = torch.empty(numel)
+    inner = 200  # many calls per sample so that dispatch overhead is amortised
+
+    def run():
+        for _ in range(inner):
+            torch.addcmul(x, y, z, out=out)
+
+    return 2.0 * numel * inner / _median_time_s(run, repeats)
+
+
+def measure_memory_bandwidth(repeats: int, num_bytes: int = 256 << 20) -> float:
+    """Bytes/s of a large copy, counting bytes read plus bytes written."""
+    src = torch.randn(num_bytes // 4)
+    dst = torch.empty_like(src)
+    return 2.0 * num_bytes / _median_time_s(lambda: dst.copy_(src), repeats)
+
+
+def measure_kernel_overhead(repeats: int) -> float:
+    """Seconds per op of a one-element add that autograd records: the fixed cost every training op pays."""
+    a, b = torch.ones(1, requires_grad=True), torch.ones(1)
+    inner = 1000
+
+    def run():
+        for _ in range(inner):
+            torch.add(a, b)
+
+    return _median_time_s(run, repeats) / inner
+
+
+def host_memory_bytes() -> int:
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _allreduce_worker(rank: int, world: int, init_file: str, repeats: int, result_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {}
+        for size in _ALLREDUCE_SIZES_BYTES:
+            t = torch.ones(max(size // 4, 1))
+            for _ in range(2):  # the first calls set up the algorithm's buffers
+                dist.all_reduce(t)
+            samples = []
+            # One call per sample, after a barrier, as in a training step where ranks arrive together.
+            # (Back-to-back calls measured slower on a 2-core machine: the ranks' threads contend.)
+            for _ in range(2 * repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                samples.append(time.perf_counter() - t0)
+            results[size] = statistics.median(samples)
+        if rank == 0:
+            with open(result_file, "w") as f:
+                json.dump(results, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_gloo_allreduce(num_ranks: int, repeats: int) -> dict[int, float]:
+    """{bytes: median seconds} of a gloo all-reduce among `num_ranks` local processes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, result_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
+        mp.spawn(_allreduce_worker, args=(num_ranks, init_file, repeats, result_file), nprocs=num_ranks, join=True)
+        with open(result_file) as f:
+            return {int(k): v for k, v in json.load(f).items()}
+
+
+def fit_ring_allreduce(times_s: dict[int, float], num_ranks: int) -> tuple[float, float]:
+    """(latency_s per step, bandwidth bytes/s) of the ring model t = 2(n-1)·alpha + 2(n-1)/n·S / bandwidth."""
+    steps = 2 * (num_ranks - 1)
+    moved = {s: 2 * (num_ranks - 1) / num_ranks * s for s in times_s}
+    alpha = statistics.median(t for s, t in times_s.items() if s <= _LATENCY_MAX_BYTES) / steps
+    big = [s for s in times_s if s >= _FIT_MIN_BYTES]
+    xs, ys = [moved[s] for s in big], [times_s[s] for s in big]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return alpha, 1.0 / slope
+
+
+def calibrate(num_ranks: int = 2, repeats: int = 7, runs: int = 1) -> dict:
+    """Every measurement, as a cluster-file dict for `cpu:<num_ranks>`.
+
+    With `runs` > 1 each figure is measured that many times and the best kept (highest rate,
+    lowest time): other processes on the machine only ever slow a measurement down, so the best
+    run is the least disturbed one.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        matmul = {
+            "fp32": max(measure_matmul_flops(torch.float32, 1024, repeats) for _ in range(runs)),
+            "bf16": max(measure_matmul_flops(torch.bfloat16, 512, repeats) for _ in range(runs)),
+            "fp16": max(measure_matmul_flops(torch.float16, 512, repeats) for _ in range(runs)),
+        }
+        matmul["tf32"] = matmul["fp32"]  # CPUs have no TF32 mode: fp32 matmuls stay fp32
+        device = {
+            "memory_bandwidth_bytes_per_s": max(measure_memory_bandwidth(repeats) for _ in range(runs)),
+            "matmul_flops_per_s": matmul,
+            "vector_flops_per_s": max(measure_vector_flops(repeats) for _ in range(runs)),
+            "kernel_overhead_s": min(measure_kernel_overhead(repeats) for _ in range(runs)),
+        }
+    finally:
+        torch.set_num_threads(previous)
+    samples = [measure_gloo_allreduce(num_ranks, repeats) for _ in range(runs)]
+    best = {size: min(run[size] for run in samples) for size in samples[0]}
+    alpha, bandwidth = fit_ring_allreduce(best, num_ranks)
+    ram = host_memory_bytes()  # the cluster file divides it among the ranks
+    return {
+        "cluster": f"cpu:{num_ranks}",
+        "device": device,
+        "intra_node_link": {"bandwidth_bytes_per_s": bandwidth, "latency_s": alpha},
+        "host_link": {"bandwidth_bytes_per_s": device["memory_bandwidth_bytes_per_s"] / 2},
+        "host_memory_bytes": ram,
+    }
+
+
+def _round(value):
+    if isinstance(value, dict):
+        return {k: _round(v) for k, v in value.items()}
+    if isinstance(value, float):
+        return float(f"{value:.3g}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2, help="gloo processes for the all-reduce fit (default 2)")
+    parser.add_argument("--repeats", type=int, default=7, help="samples per measurement; the median is kept")
+    parser.add_argument("--runs", type=int, default=1, help="measure everything this often and keep the best run")
+    args = parser.parse_args(argv)
+    if args.ranks < 2:
+        parser.error("--ranks must be at least 2: an all-reduce among one process moves nothing")
+    result = _round(calibrate(args.ranks, args.repeats, max(args.runs, 1)))
+    print(f"# measured {datetime.date.today().isoformat()} on {platform.node()} ({platform.processor() or 'cpu'}, "
+          f"{os.cpu_count()} cores), torch {torch.__version__}", file=sys.stderr, flush=True)  # fmt: skip
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Device and link specifications: the hardware tables the cost model prices against.
+
+Everything here is frozen data with units in the field names. The cost model never queries
+the machine it runs on: planning for 512 H100s happens on a laptop. The one preset measured
+on a real machine, "cpu", was measured once by `python -m autopar.cost_model.calibrate` and
+written down here; re-run that command to get figures for another machine and pass them in
+as overrides (see `autopar.cluster.ClusterSpec.from_file`).
+
+Sources of the GPU figures are the datasheets and measurements collected in the project's
+hardware notes:
+
+- Peak rates are dense (no sparsity). Matrix work runs at the tensor-core rate of its dtype;
+  plain fp32 matmuls (TF32 disabled, PyTorch's default for matmuls) run on the CUDA cores at
+  the non-tensor fp32 rate.
+- `matmul_efficiency` = 780/989.4: an 8192^3 bf16 matmul measured 769-798 TFLOP/s on one
+  H200. H100 has the same compute die and clocks; for A100 we have no measurement and assume
+  the same fraction.
+- `memory_efficiency` = 4.3/4.8: a device-to-device copy measured about 4.3 TB/s (bytes read
+  plus written) on one H200; assumed for the other GPUs too.
+- `kernel_overhead_s` = 5 µs for GPUs: eager PyTorch dispatch plus kernel launch, an assumed
+  round figure (not measured here).
+
+Link assumptions (bandwidth is the achievable ring "bus bandwidth" per device in one
+direction, so that an all-reduce of S bytes over n devices takes 2(n-1)/n·S / bandwidth):
+
+- NVLink inside a DGX A100: 230 GB/s achieved all-reduce bus bandwidth; inside an H100/H200
+  node 370 GB/s (rings; NVLink SHARP, at ~480 GB/s, is not assumed).
+- InfiniBand: one adapter per GPU; HDR (A100 nodes) 25 GB/s, NDR (H100/H200 nodes)
+  50 GB/s per adapter. These are line rates; achievable rates are a little lower.
+- Latency (alpha, per ring step): 2 µs inside a node ("a few µs" for small NVLink
+  messages); 23.5 µs between nodes, half of a ~47 µs small-message all-reduce measured
+  across 2 nodes, which a ring over 2 nodes runs in 2 steps.
+- Host link: PCIe Gen4 ~32 GB/s per direction for A100, Gen5 ~64 GB/s for H100/H200, 10 µs
+  latency per transfer (assumed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from enum import StrEnum
+from types import MappingProxyType
+
+import torch
+
+from autopar.errors import ConfigError
+
+
+class DType(StrEnum):
+    """Numeric formats the cost model prices (TF32 is fp32 storage with tensor-core matmuls)."""
+
+    FP32 = "fp32"
+    TF32 = "tf32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @classmethod
+    def from_torch(cls, dtype: torch.dtype) -> DType:
+        """The DType of a torch floating dtype (float32 maps to FP32: PyTorch does not use TF32 by default)."""
+        found = _FROM_TORCH.get(dtype)
+        if found is None:
+            raise ConfigError(
+                f"dtype {dtype} has no cost-model format: expected one of {sorted(map(str, _FROM_TORCH))}"
+            )
+        return found
+
+    @classmethod
+    def coerce(cls, dtype: DType | torch.dtype | str) -> DType:
+        """Accept a DType, a torch dtype or a name such as "bf16"."""
+        if isinstance(dtype, torch.dtype):
+            return cls.from_torch(dtype)
+        try:
+            return cls(str(dtype).lower())
+        except ValueError:
+            raise ConfigError(f"unknown dtype {dtype!r}: expected one of {[d.value for d in cls]}") from None
+
+    @property
+    def element_size_bytes(self) -> int:
+        return 4 if self in (DType.FP32, DType.TF32) else 2
+
+
+_FROM_TORCH = {torch.float32: DType.FP32, torch.bfloat16: DType.BF16, torch.float16: DType.FP16}
+
+
+def _check_positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ConfigError(f"{owner}: {name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkSpec:
+    """One kind of link, priced by the alpha-beta model: `latency_s` per step plus bytes / bandwidth."""
+
+    name: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self):
+        _check_positive(f"link {self.name!r}", bandwidth_bytes_per_s=self.bandwidth_bytes_per_s)
+        if not isinstance(self.latency_s, (int, float)) or self.latency_s < 0:
+            raise ConfigError(f"link {self.name!r}: latency_s must be >= 0, got {self.latency_s!r}")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> LinkSpec:
+        _check_keys("link", d, {f.name for f in fields(cls)}, required=True)
+        return cls(name=str(d["name"]), bandwidth_bytes_per_s=float(d["bandwidth_bytes_per_s"]),
+                   latency_s=float(d["latency_s"]))  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """One accelerator (or CPU rank) kind: peak rates, achievable fractions and its links."""
+
+    name: str
+    kind: str
+    memory_bytes: int
+    memory_bandwidth_bytes_per_s: float
+    matmul_flops_per_s: tuple[tuple[DType, float], ...]
+    vector_flops_per_s: float
+    matmul_efficiency: float
+    memory_efficiency: float
+    kernel_overhead_s: float
+    intra_node_link: LinkSpec
+    inter_node_link: LinkSpec
+    host_link: LinkSpec
+
+    def __post_init__(self):
+        owner = f"device {self.name!r}"
+        if self.kind not in ("gpu", "cpu"):
+            raise ConfigError(f"{owner}: kind must be 'gpu' or 'cpu', got {self.kind!r}")
+        _check_positive(owner, memory_bytes=self.memory_bytes, vector_flops_per_s=self.vector_flops_per_s,
+                        memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s)  # fmt: skip
+        for name in ("matmul_efficiency", "memory_efficiency"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ConfigError(f"{owner}: {name} must be in (0, 1], got {value!r}")
+        if not isinstance(self.kernel_overhead_s, (int, float)) or self.kernel_overhead_s < 0:
+            raise ConfigError(f"{owner}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s!r}")
+        if not self.matmul_flops_per_s:
+            raise ConfigError(f"{owner}: matmul_flops_per_s lists no dtype")
+        for dtype, rate in self.matmul_flops_per_s:
+            if not isinstance(dtype, DType):
+                raise ConfigError(f"{owner}: matmul_flops_per_s keys must be DType, got {dtype!r}")
+            _check_positive(owner, **{f"matmul_flops_per_s[{dtype}]": rate})
+
+    def peak_matmul_flops(self, dtype: DType | torch.dtype | str) -> float:
+        """Peak matrix-unit FLOP/s for `dtype` (a DType, a torch dtype or a name like "bf16")."""
+        dt = DType.coerce(dtype)
+        for d, rate in self.matmul_flops_per_s:
+            if d == dt:
+                return rate
+        known = [d.value for d, _ in self.matmul_flops_per_s]
+        raise ConfigError(f"device {self.name} has no matmul rate for {dt.value}: it lists {known}")
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["matmul_flops_per_s"] = {dt.value: rate for dt, rate in self.matmul_flops_per_s}
+        for name in _LINK_FIELDS:
+            d[name] = d[name].to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> DeviceSpec:
+        _check_keys("device", d, {f.name for f in fields(cls)}, required=True)
+        kw = dict(d)
+        kw["matmul_flops_per_s"] = parse_matmul_table(kw["matmul_flops_per_s"])
+        for name in _LINK_FIELDS:
+            kw[name] = kw[name] if isinstance(kw[name], LinkSpec) else LinkSpec.from_dict(kw[name])
+        kw["memory_bytes"] = int(kw["memory_bytes"])
+        return cls(**kw)
+
+
+_LINK_FIELDS = ("intra_node_link", "inter_node_link", "host_link")
+
+
+def parse_matmul_table(value) -> tuple[tuple[DType, float], ...]:
+    """A {dtype name: FLOP/s} mapping (or pairs) as the sorted tuple DeviceSpec stores."""
+    items = value.items() if isinstance(value, Mapping) else value
+    table = {DType.coerce(k): float(v) for k, v in items}
+    return tuple(sorted(table.items(), key=lambda kv: list(DType).index(kv[0])))
+
+
+def _check_keys(what: str, d, allowed: set[str], *, required: bool) -> None:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{what}: expected a mapping of fields, got {type(d).__name__}")
+    unknown = set(d) - allowed
+    if unknown:
+        raise ConfigError(f"{what}: unknown fields {sorted(unknown)}; known fields are {sorted(allowed)}")
+    missing = allowed - set(d) if required else set()
+    if missing:
+        raise ConfigError(f"{what}: missing fields {sorted(missing)}")
+
+
+def _gpu(name, memory_gb, bandwidth_tb_s, tensor_tflops, tf32_tflops, fp32_tflops, nvlink, ib, pcie) -> DeviceSpec:
+    return DeviceSpec(
+        name=name,
+        kind="gpu",
+        memory_bytes=int(memory_gb * 1e9),
+        memory_bandwidth_bytes_per_s=bandwidth_tb_s * 1e12,
+        matmul_flops_per_s=(
+            (DType.FP32, fp32_tflops * 1e12),
+            (DType.TF32, tf32_tflops * 1e12),
+            (DType.BF16, tensor_tflops * 1e12),
+            (DType.FP16, tensor_tflops * 1e12),
+        ),  # fmt: skip
+        vector_flops_per_s=fp32_tflops * 1e12,
+        matmul_efficiency=780.0 / 989.4,
+        memory_efficiency=4.3 / 4.8,
+        kernel_overhead_s=5e-6,
+        intra_node_link=nvlink,
+        inter_node_link=ib,
+        host_link=pcie,
+    )
+
+
+NVLINK3 = LinkSpec("nvlink3", bandwidth_bytes_per_s=230e9, latency_s=2e-6)
+NVLINK4 = LinkSpec("nvlink4", bandwidth_bytes_per_s=370e9, latency_s=2e-6)
+IB_HDR_8X = LinkSpec("ib-hdr-8x", bandwidth_bytes_per_s=25e9, latency_s=23.5e-6)
+IB_NDR_8X = LinkSpec("ib-ndr-8x", bandwidth_bytes_per_s=50e9, latency_s=23.5e-6)
+PCIE4 = LinkSpec("pcie4", bandwidth_bytes_per_s=32e9, latency_s=10e-6)
+PCIE5 = LinkSpec("pcie5", bandwidth_bytes_per_s=64e9, latency_s=10e-6)
+
+# Measured on this project's CI machine (2-core AMD EPYC under KVM, 23 GB RAM), 2026-12-02, with
+#   OMP_NUM_THREADS=1 .venv/bin/python -m autopar.cost_model.calibrate
+# matmuls on one thread (one rank per core, the way the gloo tests run); memory bandwidth from a
+# 256 MiB copy counting bytes read and written; the link is a gloo all-reduce between 2 processes
+# over localhost, alpha and beta fitted to the ring model. Efficiencies are 1 because the rates
+# are already achieved rates. The inter-node link is an assumption (10 GbE TCP), not a measurement.
+LOOPBACK_GLOO = LinkSpec("loopback-gloo", bandwidth_bytes_per_s=1.0e9, latency_s=30e-6)
+# Between machines gloo runs over TCP: assumed 10 GbE (1.25 GB/s, 50 µs), capped by gloo's own rate on loopback.
+TCP_10GBE = LinkSpec(
+    "tcp-10gbe",
+    bandwidth_bytes_per_s=min(1.25e9, LOOPBACK_GLOO.bandwidth_bytes_per_s),
+    latency_s=max(50e-6, LOOPBACK_GLOO.latency_s),
+)
+HOST_MEMORY = LinkSpec("host-memory", bandwidth_bytes_per_s=10e9, latency_s=1e-6)
+CPU = DeviceSpec(
+    name="cpu",
+    kind="cpu",
+    memory_bytes=23_000_000_000,
+    memory_bandwidth_bytes_per_s=10e9,
+    matmul_flops_per_s=((DType.FP32, 50e9), (DType.TF32, 50e9), (DType.BF16, 10e9), (DType.FP16, 10e9)),
+    vector_flops_per_s=5e9,
+    matmul_efficiency=1.0,
+    memory_efficiency=1.0,
+    kernel_overhead_s=5e-6,
+    intra_node_link=LOOPBACK_GLOO,
+    inter_node_link=TCP_10GBE,
+    host_link=HOST_MEMORY,
+)
+
+DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType(
+    {
+        "A100-40GB": _gpu("A100-40GB", 40, 1.555, 312, 156, 19.5, NVLINK3, IB_HDR_8X, PCIE4),
+        "A100-80GB": _gpu("A100-80GB", 80, 2.039, 312, 156, 19.5, NVLINK3, IB_HDR_8X, PCIE4),
+        "H100-80GB": _gpu("H100-80GB", 80, 3.35, 989.4, 494.7, 66.9, NVLINK4, IB_NDR_8X, PCIE5),
+        "H200-141GB": _gpu("H200-141GB", 141, 4.8, 989.4, 494.7, 66.9, NVLINK4, IB_NDR_8X, PCIE5),
+        "cpu": CPU,
+    }
+)
+
+
+def get_device(name: str) -> DeviceSpec:
+    """The preset named `name`, case-insensitively ("a100-80gb" works); ConfigError lists the known names."""
+    wanted = str(name).strip().lower()
+    for key, spec in DEVICE_PRESETS.items():
+        if key.lower() == wanted:
+            return spec
+    raise ConfigError(f"unknown device {name!r}: known devices are {', '.join(DEVICE_PRESETS)}")

@@ -1,0 +1,246 @@
+"""ProfiledEstimator: time each op on the local device once, and remember it.
+
+For a node of a traced graph, the profiler builds random inputs with the shapes, strides and
+dtypes of the node's arguments (from their `meta["val"]`), calls `node.target` on them and
+times the forward (median of `repeats` calls after warm-up) and the backward
+(`torch.autograd.grad` of the output, with a random output gradient, w.r.t. every floating
+input, on a retained graph so that only the backward is timed). Integer inputs are drawn in
+range of what they index: the rows of an embedding table, else the smallest dimension of the
+op's other tensor inputs; boolean inputs (masks) are all true. Non-tensor arguments are the
+node's own.
+
+Results are cached in a JSON file keyed by (target, argument shapes, strides, dtypes and
+non-tensor values, device, thread count), so a graph's repeated layers are timed once and a
+second estimator on the same file times nothing. The cache file is
+`~/.cache/autopar/profile-<device>.json` unless `cache_path` or the environment variable
+`AUTOPAR_PROFILE_CACHE` names another.
+
+`divisor` > 1 (the op's work split over that many devices) divides the measured time: an
+approximation that ignores how much less efficient a smaller kernel is, and so is optimistic
+for small shards. Views and metadata ops cost 0 without being timed. An op that cannot be run
+on random inputs is priced by a fallback estimator instead (the analytic roofline of the
+"cpu" preset unless another is given), with a warning naming it; fallback figures are cached
+like measured ones.
+
+This is the one part of the cost model that measures the machine it runs on; planning for
+another machine needs that machine's profile file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.cost_model.compute import AnalyticEstimator, estimate_node_cost
+from autopar.cost_model.devices import DType, get_device
+
+CACHE_ENV = "AUTOPAR_PROFILE_CACHE"
+_CACHE_VERSION = 1
+_WARMUP = 2
+
+
+def default_cache_path(device: str) -> Path:
+    """$AUTOPAR_PROFILE_CACHE, else ~/.cache/autopar/profile-<device>.json."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "autopar" / f"profile-{device.replace(':', '-')}.json"
+
+
+def _signature(value) -> object:
+    """A JSON-able description of one argument: tensors by layout and dtype, the rest by value."""
+    if isinstance(value, fx.Node):
+        value = value.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return ["tensor", list(value.shape), list(value.stride()), str(value.dtype)]
+    return repr(value)
+
+
+def profile_key(node: fx.Node, device: str, num_threads: int | None) -> str:
+    """The cache key of `node` on `device` with `num_threads` threads."""
+    args = [_signature(leaf) for leaf in pytree.tree_leaves((node.args, node.kwargs))]
+    return json.dumps([str(node.target), args, device, num_threads])
+
+
+def _index_bound(node: fx.Node, metas: list[torch.Tensor]) -> int:
+    """Exclusive upper bound for random integer inputs of `node` that keeps every index in range."""
+    if node.target == torch.ops.aten.embedding.default:
+        return int(metas[0].shape[0])
+    if node.target in (torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss_forward.default):
+        logits = metas[0]
+        return int(logits.shape[1] if logits.ndim > 1 else logits.shape[0])
+    dims = [int(s) for t in metas if t.dtype.is_floating_point for s in t.shape if s > 0]
+    return max(min(dims), 1) if dims else 2
+
+
+class ProfiledEstimator:
+    """A ComputeEstimator that times ops on the local device and caches what it measured.
+
+    Args:
+        cache_path: the JSON cache; default `default_cache_path(device)`.
+        device: the torch device to time on ("cpu", "cuda").
+        repeats: timed calls per measurement; the median is kept.
+        num_threads: intra-op threads while timing (1: one rank per core); None leaves torch's setting.
+        fallback: the ComputeEstimator for ops that cannot be timed; default the analytic roofline of
+            the "cpu" preset (for a CUDA device pass an AnalyticEstimator of its preset).
+    """
+
+    def __init__(self, cache_path: str | Path | None = None, *, device: str = "cpu", repeats: int = 5,
+                 num_threads: int | None = 1, fallback=None):  # fmt: skip
+        if repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {repeats}")
+        self.device = str(device)
+        self.repeats = repeats
+        self.num_threads = num_threads
+        self.cache_path = Path(cache_path) if cache_path is not None else default_cache_path(self.device)
+        self.num_timed = 0  # measurements taken by this estimator (not served from the cache)
+        self.failed_targets: set[str] = set()
+        self._entries: dict[str, dict[str, float]] = self._load()
+        self._fallback = fallback
+
+    # ---------------------------------------------------------------------------- public
+
+    def forward_time_s(self, node: fx.Node, divisor: float) -> float:
+        return self._measure(node)["forward_s"] / divisor
+
+    def backward_time_s(self, node: fx.Node, divisor: float) -> float:
+        return self._measure(node)["backward_s"] / divisor
+
+    # ----------------------------------------------------------------------------- cache
+
+    def _load(self) -> dict[str, dict[str, float]]:
+        try:
+            data = json.loads(self.cache_path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, json.JSONDecodeError) as e:
+            warnings.warn(f"ignoring unreadable profile cache {self.cache_path}: {e}", stacklevel=3)
+            return {}
+        if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION:
+            warnings.warn(f"ignoring profile cache {self.cache_path} of another format", stacklevel=3)
+            return {}
+        return dict(data.get("entries", {}))
+
+    def _save(self) -> None:
+        """Merge with what is on disk (another estimator may have added entries) and replace atomically."""
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        merged = {**self._load_quietly(), **self._entries}
+        fd, tmp = tempfile.mkstemp(dir=self.cache_path.parent, prefix=".profile-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": _CACHE_VERSION, "entries": merged}, f)
+        os.replace(tmp, self.cache_path)
+
+    def _load_quietly(self) -> dict[str, dict[str, float]]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self._load()
+
+    # -------------------------------------------------------------------------- measuring
+
+    def _measure(self, node: fx.Node) -> dict[str, float]:
+        if node.op != "call_function" or estimate_node_cost(node).is_view:
+            return {"forward_s": 0.0, "backward_s": 0.0}
+        key = profile_key(node, self.device, self.num_threads)
+        found = self._entries.get(key)
+        if found is None:
+            found = self._entries[key] = self._time_node(node)
+            self._save()
+        return found
+
+    def _time_node(self, node: fx.Node) -> dict[str, float]:
+        previous = torch.get_num_threads()
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
+        try:
+            result = self._run(node)
+            self.num_timed += 1
+            return result
+        except Exception as e:  # an op that random inputs cannot drive: fall back, and say so
+            target = str(node.target)
+            if target not in self.failed_targets:
+                warnings.warn(f"cannot time {target} on random inputs ({type(e).__name__}: {e}); "
+                              "using the analytic estimate of the local device instead", stacklevel=4)  # fmt: skip
+            self.failed_targets.add(target)
+            return self._analytic(node)
+        finally:
+            torch.set_num_threads(previous)
+
+    def _analytic(self, node: fx.Node) -> dict[str, float]:
+        if self._fallback is None:
+            self._fallback = AnalyticEstimator(get_device("cpu"), DType.FP32)
+        fb = self._fallback
+        return {"forward_s": fb.forward_time_s(node, 1.0), "backward_s": fb.backward_time_s(node, 1.0)}
+
+    def _inputs(self, node: fx.Node):
+        """(args, kwargs, floating leaf inputs) of random tensors shaped like the node's arguments."""
+        metas = [t for leaf in pytree.tree_leaves((node.args, node.kwargs))
+                 if isinstance(leaf, fx.Node) and isinstance(t := leaf.meta.get("val"), torch.Tensor)]  # fmt: skip
+        bound = _index_bound(node, metas)
+        generator = torch.Generator().manual_seed(0)
+        leaves: list[torch.Tensor] = []
+
+        def build(value):
+            if isinstance(value, fx.Node):
+                value = value.meta.get("val")
+                if not isinstance(value, torch.Tensor):
+                    return value
+                tensor = self._random_like(value, bound, generator)
+                if tensor.dtype.is_floating_point:
+                    leaves.append(tensor)
+                return tensor
+            return torch.device(self.device) if isinstance(value, torch.device) else value
+
+        args, kwargs = pytree.tree_map(build, (node.args, node.kwargs))
+        return args, kwargs, leaves
+
+    def _random_like(self, meta: torch.Tensor, bound: int, generator: torch.Generator) -> torch.Tensor:
+        """A tensor with `meta`'s shape, strides and dtype; floating ones are leaves that require grad."""
+        shape, stride = tuple(meta.shape), tuple(meta.stride())
+        storage = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) if all(shape) else 0
+        if meta.dtype.is_floating_point:
+            base = torch.randn(storage, generator=generator).to(meta.dtype)
+        elif meta.dtype == torch.bool:
+            base = torch.ones(storage, dtype=torch.bool)
+        else:
+            base = torch.randint(0, bound, (storage,), generator=generator).to(meta.dtype)
+        tensor = base.to(self.device).as_strided(shape, stride).detach()
+        return tensor.requires_grad_(True) if tensor.dtype.is_floating_point else tensor
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def _median_s(self, fn) -> float:
+        for _ in range(_WARMUP):
+            fn()
+        self._sync()
+        times = []
+        for _ in range(self.repeats):
+            t0 = time.perf_counter()
+            fn()
+            self._sync()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def _run(self, node: fx.Node) -> dict[str, float]:
+        args, kwargs, leaves = self._inputs(node)
+        forward_s = self._median_s(lambda: node.target(*args, **kwargs))
+        outs = [t for t in pytree.tree_leaves(node.target(*args, **kwargs))
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.dtype.is_floating_point]  # fmt: skip
+        if not outs or not leaves:
+            return {"forward_s": forward_s, "backward_s": 0.0}
+        grads = [torch.randn_like(t) for t in outs]
+
+        def backward():
+            torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+
+        return {"forward_s": forward_s, "backward_s": self._median_s(backward)}

@@ -1,0 +1,96 @@
+"""Device presets, dtype mapping, serialisation, and the calibration fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.cost_model import calibrate
+from autopar.cost_model.devices import DEVICE_PRESETS, DeviceSpec, DType, LinkSpec, get_device
+from autopar.errors import ConfigError
+
+
+def test_presets_cover_the_documented_devices():
+    assert set(DEVICE_PRESETS) == {"A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB", "cpu"}
+    for name, spec in DEVICE_PRESETS.items():
+        assert spec.name == name
+        assert spec.kind == ("cpu" if name == "cpu" else "gpu")
+
+
+def test_get_device_is_case_insensitive_and_lists_known_names():
+    assert get_device("a100-80gb") is DEVICE_PRESETS["A100-80GB"]
+    assert get_device(" H200-141GB ") is DEVICE_PRESETS["H200-141GB"]
+    with pytest.raises(ConfigError) as info:
+        get_device("B300")
+    assert "B300" in str(info.value) and "A100-80GB" in str(info.value) and "cpu" in str(info.value)
+
+
+def test_datasheet_figures_in_si_units():
+    a100 = get_device("A100-40GB")
+    assert a100.memory_bytes == 40 * 10**9  # datasheet GB are 10^9 bytes
+    assert a100.memory_bandwidth_bytes_per_s == pytest.approx(1.555e12)
+    assert a100.peak_matmul_flops(DType.BF16) == pytest.approx(312e12)
+    assert a100.peak_matmul_flops(torch.float16) == pytest.approx(312e12)
+    assert a100.peak_matmul_flops("tf32") == pytest.approx(156e12)
+    # plain fp32 matmuls run on the CUDA cores, not the tensor cores
+    assert a100.peak_matmul_flops(torch.float32) == pytest.approx(19.5e12)
+    h200 = get_device("H200-141GB")
+    assert h200.memory_bytes == 141 * 10**9
+    # the H200 measurement the efficiency comes from: ~780 of 989.4 TFLOP/s on a large bf16 GEMM
+    assert h200.peak_matmul_flops(DType.BF16) * h200.matmul_efficiency == pytest.approx(780e12)
+    assert h200.memory_bandwidth_bytes_per_s * h200.memory_efficiency == pytest.approx(4.3e12)
+
+
+def test_link_figures():
+    assert get_device("A100-80GB").intra_node_link.bandwidth_bytes_per_s == pytest.approx(230e9)
+    assert get_device("H100-80GB").intra_node_link.bandwidth_bytes_per_s == pytest.approx(370e9)
+    assert get_device("A100-80GB").inter_node_link.bandwidth_bytes_per_s == pytest.approx(25e9)
+    for spec in DEVICE_PRESETS.values():
+        # the network is slower than the node's own links
+        assert spec.inter_node_link.bandwidth_bytes_per_s <= spec.intra_node_link.bandwidth_bytes_per_s
+        assert spec.inter_node_link.latency_s >= spec.intra_node_link.latency_s
+
+
+def test_dtype_from_torch():
+    assert DType.from_torch(torch.float32) is DType.FP32
+    assert DType.from_torch(torch.bfloat16) is DType.BF16
+    assert DType.from_torch(torch.float16) is DType.FP16
+    assert DType("bf16").element_size_bytes == 2 and DType.FP32.element_size_bytes == 4
+    with pytest.raises(ConfigError):
+        DType.from_torch(torch.float64)
+    with pytest.raises(ConfigError):
+        get_device("cpu").peak_matmul_flops("int8")
+
+
+@pytest.mark.parametrize("name", sorted(DEVICE_PRESETS))
+def test_device_round_trips_through_dict(name):
+    spec = DEVICE_PRESETS[name]
+    assert DeviceSpec.from_dict(spec.to_dict()) == spec
+
+
+def test_invalid_specs_raise_config_error():
+    spec = get_device("H100-80GB")
+    with pytest.raises(ConfigError, match="matmul_efficiency"):
+        DeviceSpec.from_dict({**spec.to_dict(), "matmul_efficiency": 1.5})
+    with pytest.raises(ConfigError, match="unknown fields"):
+        DeviceSpec.from_dict({**spec.to_dict(), "tflops": 1})
+    with pytest.raises(ConfigError, match="bandwidth"):
+        LinkSpec("broken", bandwidth_bytes_per_s=0.0, latency_s=1e-6)
+
+
+def test_cpu_preset_holds_measured_rates():
+    cpu = get_device("cpu")
+    # measured figures, not datasheet ones: efficiencies are 1 and the rates are plausible for one core
+    assert cpu.matmul_efficiency == 1.0 and cpu.memory_efficiency == 1.0
+    assert 1e9 < cpu.peak_matmul_flops(DType.FP32) < 1e12
+    assert 1e9 < cpu.memory_bandwidth_bytes_per_s < 1e12
+    assert cpu.intra_node_link.name == "loopback-gloo"
+
+
+def test_ring_fit_recovers_alpha_and_beta():
+    alpha, bandwidth, n = 40e-6, 2e9, 2
+    times = {s: 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bandwidth for s in calibrate._ALLREDUCE_SIZES_BYTES}
+    fit_alpha, fit_bandwidth = calibrate.fit_ring_allreduce(times, n)
+    # the latency comes from messages up to 1 KiB, whose bandwidth term adds < 0.7% here
+    assert fit_alpha == pytest.approx(alpha, rel=0.01)
+    assert fit_bandwidth == pytest.approx(bandwidth, rel=1e-9)
