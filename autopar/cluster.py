@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from autopar.cost_model.devices import DEVICE_PRESETS, DeviceSpec, LinkSpec, parse_matmul_table, get_device
+from autopar.cost_model.devices import DEVICE_PRESETS, DeviceSpec, LinkSpec, get_device, parse_matmul_table
 from autopar.errors import ConfigError
 
 _EXPECTED = "NODESxDEVICESxKIND (e.g. '4x8xA100-80GB'), DEVICESxKIND (e.g. '8xH100-80GB') or cpu:N (e.g. 'cpu:4')"

@@ -224,30 +224,33 @@ IB_NDR_8X = LinkSpec("ib-ndr-8x", bandwidth_bytes_per_s=50e9, latency_s=23.5e-6)
 PCIE4 = LinkSpec("pcie4", bandwidth_bytes_per_s=32e9, latency_s=10e-6)
 PCIE5 = LinkSpec("pcie5", bandwidth_bytes_per_s=64e9, latency_s=10e-6)
 
-# Measured on this project's CI machine (2-core AMD EPYC under KVM, 23 GB RAM), 2026-12-02, with
-#   OMP_NUM_THREADS=1 .venv/bin/python -m autopar.cost_model.calibrate
-# matmuls on one thread (one rank per core, the way the gloo tests run); memory bandwidth from a
-# 256 MiB copy counting bytes read and written; the link is a gloo all-reduce between 2 processes
-# over localhost, alpha and beta fitted to the ring model. Efficiencies are 1 because the rates
-# are already achieved rates. The inter-node link is an assumption (10 GbE TCP), not a measurement.
-LOOPBACK_GLOO = LinkSpec("loopback-gloo", bandwidth_bytes_per_s=1.0e9, latency_s=30e-6)
+# Measured on this project's CI machine (2-vCPU AMD EPYC under KVM, 25.3 GB RAM, torch 2.13.0+cpu) on 2026-12-02 with
+#   OMP_NUM_THREADS=1 .venv/bin/python -m autopar.cost_model.calibrate --runs 3
+# run twice; each figure is the best of the 6 runs (other jobs shared the machine, and they only slow a run down).
+# Matmuls ran on one thread (one rank per core, the way the gloo tests run): fp32 1024^3 at 61-65 GFLOP/s; bf16 and
+# fp16 have no fast path on this CPU (no AVX-512 BF16/FP16) and ran at ~1.3 GFLOP/s. Memory bandwidth is a 256 MiB
+# copy counting bytes read and written (12.4-13.4 GB/s). The link is a gloo all-reduce between 2 processes over
+# localhost fitted to the ring model: 1.08 GB/s bus bandwidth, 281 µs per step (the latency varied from 281 to
+# 356 µs between runs). Efficiencies are 1 because the rates are already achieved rates. The host link of a CPU
+# rank is a memory copy (half the read+write bandwidth); the inter-node link is an assumption, not a measurement.
+LOOPBACK_GLOO = LinkSpec("loopback-gloo", bandwidth_bytes_per_s=1.08e9, latency_s=281e-6)
 # Between machines gloo runs over TCP: assumed 10 GbE (1.25 GB/s, 50 µs), capped by gloo's own rate on loopback.
 TCP_10GBE = LinkSpec(
     "tcp-10gbe",
     bandwidth_bytes_per_s=min(1.25e9, LOOPBACK_GLOO.bandwidth_bytes_per_s),
     latency_s=max(50e-6, LOOPBACK_GLOO.latency_s),
 )
-HOST_MEMORY = LinkSpec("host-memory", bandwidth_bytes_per_s=10e9, latency_s=1e-6)
+HOST_MEMORY = LinkSpec("host-memory", bandwidth_bytes_per_s=6.7e9, latency_s=0.0)
 CPU = DeviceSpec(
     name="cpu",
     kind="cpu",
-    memory_bytes=23_000_000_000,
-    memory_bandwidth_bytes_per_s=10e9,
-    matmul_flops_per_s=((DType.FP32, 50e9), (DType.TF32, 50e9), (DType.BF16, 10e9), (DType.FP16, 10e9)),
-    vector_flops_per_s=5e9,
+    memory_bytes=25_275_990_016,  # the whole RAM; a cpu:N cluster gives each rank 1/N of it
+    memory_bandwidth_bytes_per_s=13.4e9,
+    matmul_flops_per_s=((DType.FP32, 64.8e9), (DType.TF32, 64.8e9), (DType.BF16, 1.29e9), (DType.FP16, 1.31e9)),
+    vector_flops_per_s=6.56e9,
     matmul_efficiency=1.0,
     memory_efficiency=1.0,
-    kernel_overhead_s=5e-6,
+    kernel_overhead_s=2.51e-6,
     intra_node_link=LOOPBACK_GLOO,
     inter_node_link=TCP_10GBE,
     host_link=HOST_MEMORY,

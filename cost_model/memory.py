@@ -89,8 +89,9 @@ def estimate_model_state_bytes(num_params: float, *, mixed_precision: bool, zero
     )
 
 
-def estimate_transformer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, num_heads: int, *, tp: int = 1,
-                                          sequence_parallel: bool = False, recompute: str = "none") -> float:  # fmt: skip
+def estimate_transformer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, num_heads: int, *,
+                                          tp: int = 1, sequence_parallel: bool = False,
+                                          recompute: str = "none") -> float:  # fmt: skip
     """Activation bytes one transformer layer keeps for its backward (Korthikanti et al., 16-bit).
 
     Args:

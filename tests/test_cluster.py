@@ -36,8 +36,11 @@ def test_parse_cpu_ranks_share_the_host_memory():
     assert c.intra_node_link.name == "loopback-gloo"
 
 
-@pytest.mark.parametrize("text", ["4x", "0x8xA100-80GB", "4x0xA100-80GB", "cpu:0", "8xB300", "abc", "", "4x8x",
-                                  "x8xA100-80GB", "4x8xA100-80GBx", "cpu:", "-1xA100-80GB", "4 x 8 x A100-80GB"])  # fmt: skip
+MALFORMED = ["4x", "0x8xA100-80GB", "4x0xA100-80GB", "cpu:0", "8xB300", "abc", "", "4x8x", "x8xA100-80GB",
+             "4x8xA100-80GBx", "cpu:", "-1xA100-80GB", "4 x 8 x A100-80GB"]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", MALFORMED)
 def test_malformed_cluster_strings(text):
     with pytest.raises(ConfigError) as info:
         ClusterSpec.parse(text)
