@@ -56,7 +56,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import pulp
-import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -409,17 +408,17 @@ class ShardingProgram:
         return edges
 
     def add_edge_constraint(self) -> None:
-        """y marginals sum_l y[e,k,l] = x[a,k], sum_k y[e,k,l] = x[c,l]; objective n_e * (Rf + Rb) * y."""
+        """y marginals sum_l y[e,k,m] = x[a,k], sum_k y[e,k,m] = x[c,m]; objective n_e * (Rf + Rb) * y."""
         for idx, ((gp, p, gc, c, i), mult) in enumerate(self._edges().items()):
             gpr, gcr = self.groups[gp], self.groups[gc]
             nbytes = self._act_bytes(self.graph.node(p))
             cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
             for k, src in enumerate(gpr.out[p]):
-                for l in range(len(gcr.strategies)):
-                    need, grad = gcr.need[c][l][i], gcr.grads[c][l][i]
+                for m in range(len(gcr.strategies)):
+                    need, grad = gcr.need[c][m][i], gcr.grads[c][m][i]
                     fwd = redistribute_time(src, need, nbytes, self.tp, self.tp_link)
                     bwd = redistribute_time(grad, grad_layout(src), nbytes, self.tp, self.tp_link)
-                    cost[k][l] = mult * (fwd + bwd)
+                    cost[k][m] = mult * (fwd + bwd)
             if not any(v for row in cost for v in row):
                 continue
             if gp == gc:  # both ends in one group: the strategy index is shared
@@ -427,19 +426,19 @@ class ShardingProgram:
                 continue
             if len(gpr.strategies) == 1 or len(gcr.strategies) == 1:
                 for k, row in enumerate(cost):
-                    for l, v in enumerate(row):
+                    for m, v in enumerate(row):
                         if v:
-                            var = self.x[gc][l] if len(gpr.strategies) == 1 else self.x[gp][k]
+                            var = self.x[gc][m] if len(gpr.strategies) == 1 else self.x[gp][k]
                             self.cost_terms["reshard"].append(v * var)
                 continue
-            y = [[self.prob.add_variable(f"y_{idx}_{k}_{l}", 0, 1) for l in range(len(gcr.strategies))]
+            y = [[self.prob.add_variable(f"y_{idx}_{k}_{m}", 0, 1) for m in range(len(gcr.strategies))]
                  for k in range(len(gpr.strategies))]  # fmt: skip
             for k in range(len(gpr.strategies)):
                 self.prob += pulp.lpSum(y[k]) == self.x[gp][k], f"edge_src_{idx}_{k}"
-            for l in range(len(gcr.strategies)):
-                self.prob += pulp.lpSum(y[k][l] for k in range(len(gpr.strategies))) == self.x[gc][l], f"edge_dst_{idx}_{l}"
-            self.cost_terms["reshard"] += [cost[k][l] * y[k][l] for k in range(len(cost)) for l in range(len(cost[0]))
-                                           if cost[k][l]]  # fmt: skip
+            for m in range(len(gcr.strategies)):
+                self.prob += pulp.lpSum(y[k][m] for k in range(len(gpr.strategies))) == self.x[gc][m], f"edge_dst_{idx}_{m}"
+            self.cost_terms["reshard"] += [cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0]))
+                                           if cost[k][m]]  # fmt: skip
 
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]

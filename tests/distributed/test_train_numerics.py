@@ -82,7 +82,7 @@ def _check(world_size: int, cases) -> None:
         assert set(got["state"]) == set(ref_state)
         for key, ref in ref_state.items():
             torch.testing.assert_close(got["state"][key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL,
-                                       msg=lambda m, k=key: f"{name} {constraints} {k}: {m}")  # fmt: skip
+                                       msg=lambda m, k=key, n=name, c=constraints: f"{n} {c} {k}: {m}")  # fmt: skip
             if ref.is_floating_point():
                 mean_diff = (got["state"][key] - ref).abs().mean().item()
                 assert mean_diff <= PARAM_MEAN_ATOL, (name, constraints, key, mean_diff)
