@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
 from autopar.triton_kernels import kernels_interpreted  # noqa: E402
 
 

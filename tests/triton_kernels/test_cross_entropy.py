@@ -12,10 +12,11 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from autopar.triton_kernels import cross_entropy as ce_module
 from autopar.triton_kernels import linear_cross_entropy
 from autopar.triton_kernels.reference import linear_cross_entropy_reference
-from torch.utils._python_dispatch import TorchDispatchMode
 
 # Tolerance per dtype, relative: |error| <= tol * max|expected| + tol * |expected|. The matmuls run in the
 # input dtype (the logits chunk is rounded to it, as F.cross_entropy of 16-bit logits would see them); the
@@ -211,3 +212,21 @@ def test_opcheck_registration(device):
     """PyTorch's own checker: schema, fake (meta) implementation and autograd registration agree with the kernel."""
     hidden, weight, labels = _inputs((6,), 8, 20, torch.float32, device, seed=9, ignore_every=4)
     torch.library.opcheck(torch.ops.autopar.linear_cross_entropy.default, (hidden, weight, labels, -100, 4, True, True))
+
+
+def test_torch_compile_sees_one_op(device):
+    """Dynamo traces the op as one node (fullgraph: no graph break) and AOT autograd uses its backward formula."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = _LMHead(16, 50).to(device)
+    hidden, _, labels = _inputs((9,), 16, 50, torch.float32, device, seed=10, ignore_every=4)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch.compile(model, backend=counter, fullgraph=True)(hidden, labels).backward()
+    compiled_grads = [hidden.grad.clone(), model.proj.weight.grad.clone()]
+    targets = [node.target for node in counter.graphs[0].graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.autopar.linear_cross_entropy.default) == 1
+    hidden.grad = model.proj.weight.grad = None
+    model(hidden, labels).backward()
+    # The same kernel runs in both: identical bits.
+    torch.testing.assert_close(compiled_grads[0], hidden.grad, atol=0, rtol=0)
+    torch.testing.assert_close(compiled_grads[1], model.proj.weight.grad, atol=0, rtol=0)

@@ -13,9 +13,10 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from autopar.triton_kernels import flash_attention
 from autopar.triton_kernels.reference import attention_reference
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Tolerance per input dtype, relative: |error| <= tol * max|expected| + tol * |expected|. Scaling the absolute
 # part by the largest expected value keeps it meaningful for outputs and gradients of any size (here up to ~10;
@@ -197,3 +198,22 @@ def test_opcheck_registration(device):
     """PyTorch's own checker: schema, fake (meta) implementation and autograd registration agree with the kernel."""
     q, k, v = _random_qkv(1, 2, 1, 5, 7, 16, torch.float32, device, seed=9)
     torch.library.opcheck(torch.ops.autopar.flash_attention.default, (q, k, v, True, 0.25))
+
+
+def test_torch_compile_sees_one_op_and_matches_eager(device):
+    """Dynamo traces the op as one node (fullgraph: no graph break) and AOT autograd uses its backward formula."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    q, k, v = _random_qkv(1, 4, 2, 20, 20, 32, torch.float32, device, seed=12)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v: flash_attention(q, k, v, causal=True), backend=counter, fullgraph=True)
+    compiled(q, k, v).sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    targets = [node.target for node in counter.graphs[0].graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.autopar.flash_attention.default) == 1
+    for t in (q, k, v):
+        t.grad = None
+    flash_attention(q, k, v, causal=True).sum().backward()
+    for name, compiled_grad, t in zip(("dq", "dk", "dv"), grads, (q, k, v), strict=True):
+        # The same kernels run in both: identical bits.
+        torch.testing.assert_close(compiled_grad, t.grad, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")

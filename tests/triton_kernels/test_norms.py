@@ -12,6 +12,7 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
+
 from autopar.triton_kernels import layer_norm, rms_norm
 from autopar.triton_kernels.norms import MAX_COLS
 from autopar.triton_kernels.reference import layer_norm_reference, rms_norm_reference
@@ -184,3 +185,20 @@ def test_opcheck_registration(device):
     torch.library.opcheck(torch.ops.autopar.rms_norm.default, (x, weight, 1e-6))
     torch.library.opcheck(torch.ops.autopar.layer_norm.default, (x, weight, bias, 1e-5))
     torch.library.opcheck(torch.ops.autopar.layer_norm.default, (x, weight, None, 1e-5))
+
+
+def test_torch_compile_sees_one_op_each(device):
+    """Dynamo traces each op as one node (fullgraph: no graph break) and AOT autograd uses its backward formula."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = _Norms(48).to(device)
+    x = torch.randn(3, 48, device=device, requires_grad=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch.compile(model, backend=counter, fullgraph=True)(x).sum().backward()
+    compiled_grad = x.grad.clone()
+    targets = [node.target for node in counter.graphs[0].graph.nodes if node.op == "call_function"]
+    assert targets.count(torch.ops.autopar.rms_norm.default) == 1
+    assert targets.count(torch.ops.autopar.layer_norm.default) == 1
+    x.grad = None
+    model(x).sum().backward()
+    torch.testing.assert_close(compiled_grad, x.grad, atol=0, rtol=0)  # the same kernels run: identical bits
