@@ -11,7 +11,7 @@ import torch
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError
-from autopar.ir import OpGraph, output_meta
+from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted
 from autopar.trace import trace_model
 
@@ -235,4 +235,4 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     return ParallelModule(model, traced, plan, cluster, optimizer=optimizer)
 
 
-__all__ = ["plan", "compile", "parse_bytes", "output_meta"]
+__all__ = ["plan", "compile", "parse_bytes"]

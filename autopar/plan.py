@@ -12,7 +12,6 @@ text with a `PlanFormatError` that says what to do.
 
 from __future__ import annotations
 
-import html
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -155,7 +154,3 @@ class Plan:
         return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}, "
                 f"step {p.step_time_s * 1e3:.1f} ms, {p.tflops_per_device:.1f} TFLOP/s/device, MFU {p.mfu:.1%}, "
                 f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device")  # fmt: skip
-
-
-def escape(text: str) -> str:
-    return html.escape(text)
