@@ -50,9 +50,15 @@ def _explain_cmd(args) -> int:
 
 
 def _bench_cmd(args) -> int:
-    from autopar.errors import ConfigError
+    import warnings
 
-    raise ConfigError("`autopar bench` suites are not part of this version yet")
+    from autopar.bench import run_suite
+
+    if args.cluster is not None and args.suite != "run":
+        warnings.warn(f"--cluster applies to the run suite only; the {args.suite} suite ignores it", stacklevel=1)
+    run_suite(args.suite, args.out, quick=args.quick, cluster=args.cluster or "cpu:2", show_progress=not args.quiet)
+    print(f"[autopar] wrote {args.suite}.json, {args.suite}.md and {args.suite}.png to {args.out}", file=sys.stderr)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,8 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("plan", help="a plan JSON file")
     e.add_argument("--format", choices=["markdown", "html"], default="markdown")
     e.set_defaults(fn=_explain_cmd)
-    b = sub.add_parser("bench", help="benchmark suites")
-    b.add_argument("suite", nargs="?")
+    b = sub.add_parser("bench", help="benchmark suites: plans (predicted, vs baselines), compile (planning time), "
+                                     "run (measured on CPU ranks, vs DDP/FSDP2/TP)")
+    b.add_argument("suite", choices=["plans", "compile", "run"])
+    b.add_argument("--out", default="bench-results", help="folder for the JSON, Markdown and PNG results")
+    b.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
+    b.add_argument("--cluster", help="run suite: local CPU ranks, cpu:N (default cpu:2)")
+    b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     b.set_defaults(fn=_bench_cmd)
     return ap
 

@@ -1,0 +1,49 @@
+"""Benchmark suites behind `autopar bench SUITE --out DIR`.
+
+- `plans` (`autopar.bench.plans`): autopar's plan next to hand-configured layouts (data parallel,
+  ZeRO-1/2/3, tensor parallel inside the node, the best of a Megatron-style grid), all priced by
+  the same cost model, for GPT-3 and LLaMA-2 presets on 8 to 1024 simulated GPUs.
+- `compile` (`autopar.bench.compile_time`): planning time against model depth and cluster size.
+- `run` (`autopar.bench.execution`): measured training steps on local CPU ranks, autopar next to
+  DDP, FSDP2 and tensor parallelism configured by hand.
+
+Each suite writes a JSON document (with autopar and torch versions and a machine description), a
+Markdown table and a PNG plot into the output folder. `quick=True` runs a subset in about a minute.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SUITES = ("plans", "compile", "run")
+
+
+def run_suite(suite: str, out_dir: str | Path, *, quick: bool = False, cluster: str = "cpu:2",
+              show_progress: bool = True):  # fmt: skip
+    """Run one suite by name and return what it wrote to its JSON file.
+
+    Args:
+        suite: "plans", "compile" or "run".
+        out_dir: folder for the results.
+        quick: the subset that runs in about a minute.
+        cluster: "cpu:N" for the run suite (ignored by the others).
+        show_progress: progress on stderr.
+    """
+    from autopar.errors import ConfigError
+
+    if suite == "plans":
+        from autopar.bench import plans
+
+        return plans.run(out_dir, quick=quick, show_progress=show_progress)
+    if suite == "compile":
+        from autopar.bench import compile_time
+
+        return compile_time.run(out_dir, quick=quick, show_progress=show_progress)
+    if suite == "run":
+        from autopar.bench import execution
+
+        return execution.run(out_dir, cluster=cluster, quick=quick, show_progress=show_progress)
+    raise ConfigError(f"unknown bench suite {suite!r}: expected one of {', '.join(SUITES)}")
+
+
+__all__ = ["SUITES", "run_suite"]

@@ -1,0 +1,470 @@
+"""`autopar bench run`: real training steps on local CPU ranks, autopar next to PyTorch's own APIs.
+
+One spawned gloo job (one process per rank, one thread each, rendezvous through a file) trains
+each model with every method in turn: autopar (`autopar.compile` then `train_step`), DDP,
+FSDP2 (`fully_shard` per decoder block, then the whole model) and, for LLaMA, tensor parallelism
+with `parallelize_module` (Megatron's column-wise q/k/v and gate/up projections, row-wise o and
+down projections). GPT-2 gets no tensor-parallel baseline: its projections are `Conv1D`
+modules (weights stored transposed, which `ColwiseParallel`/`RowwiseParallel` do not accept) and
+its attention fuses q, k and v into one `c_attn` whose column split would cut across q, k and v.
+
+Every method starts from the same initial weights and trains on the same global batch (DDP and
+FSDP2 ranks take their slice, tensor-parallel ranks the whole batch, autopar takes its own
+share). After warm-up steps, the methods take turns, one repetition of a few steps each, with
+the order rotated every repetition so that no method always runs first; a repetition's time is
+the slowest rank's mean step time.
+
+Memory per rank, two figures: `state_bytes`, counted from the tensors a rank holds after a step
+(its parameters, gradients and optimizer states, local shards only), and `peak_rss_delta_bytes`,
+the growth of the process's resident set over a repetition (the kernel's high-water mark, reset
+through /proc/self/clear_refs before it; None where that file cannot be written).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from autopar.bench.common import environment, env_md, fmt_gib, fmt_ms, md_table, pyplot, write_json
+from autopar.errors import ConfigError
+
+LR = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class RunModel:
+    """A model trained in the run suite: a preset with config overrides and the global batch shape."""
+
+    name: str
+    preset: str
+    batch_size: int
+    seq_len: int
+    overrides: tuple[tuple[str, object], ...] = ()
+
+
+# Small enough that a step takes well under a second on one core per rank.
+MODELS: tuple[RunModel, ...] = (
+    RunModel("tiny-llama", "tiny-llama", 8, 64),
+    RunModel("tiny-gpt2", "tiny-gpt2", 8, 64),
+    RunModel("small-llama", "tiny-llama", 8, 128, (("hidden_size", 256), ("intermediate_size", 688),
+             ("num_hidden_layers", 4), ("num_attention_heads", 8), ("num_key_value_heads", 4),
+             ("vocab_size", 2048))),  # fmt: skip
+    RunModel("small-gpt2", "tiny-gpt2", 8, 128, (("n_embd", 256), ("n_layer", 4), ("n_head", 8),
+             ("vocab_size", 2048))),  # fmt: skip
+)
+QUICK_MODELS: tuple[RunModel, ...] = MODELS[:2]
+
+
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """How long to measure: steps before timing, repetitions, and steps per repetition."""
+
+    warmup_steps: int = 2
+    repetitions: int = 5
+    steps_per_repetition: int = 5
+
+
+QUICK_SETTINGS = RunSettings(warmup_steps=2, repetitions=3, steps_per_repetition=3)
+
+
+# ----------------------------------------------------------------------------------------- methods
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _state_bytes(params, optimizer) -> int:
+    """Bytes of this rank's parameter shards, their gradients and the optimizer's states."""
+    total = 0
+    for p in params:
+        total += _local(p).nbytes
+        if p.grad is not None:
+            total += _local(p.grad).nbytes
+    for state in optimizer.state.values():
+        total += sum(_local(v).nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+    return total
+
+
+class _Method:
+    """A model prepared for one method; `step()` runs one optimizer step on the global batch."""
+
+    name = ""
+
+    def __init__(self, model, ids, rank, world):
+        self.ids, self.rank, self.world = ids, rank, world
+        self.model = model
+        self.optimizer = None
+        self.setup_time_s = 0.0
+        self.last_loss = float("nan")
+
+    def _slice(self):
+        n = self.ids.shape[0] // self.world
+        return self.ids[self.rank * n:(self.rank + 1) * n]
+
+    def _torch_step(self, ids):
+        loss = self.model(ids, labels=ids).loss
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss
+
+    def state_bytes(self) -> int:
+        return _state_bytes(list(self.model.parameters()), self.optimizer)
+
+    def extra(self) -> dict:
+        return {}
+
+
+class _Autopar(_Method):
+    name = "autopar"
+
+    def __init__(self, model, ids, rank, world):
+        import autopar
+
+        super().__init__(model, ids, rank, world)
+        t0 = time.perf_counter()
+        self.pm = autopar.compile(model, f"cpu:{world}", example_inputs=(ids,), example_kwargs={"labels": ids},
+                                  optimizer=_optimizer)  # fmt: skip
+        self.setup_time_s = time.perf_counter() - t0
+        self.optimizer = self.pm.optimizer
+
+    def step(self):
+        self.last_loss = self.pm.train_step(self.ids, labels=self.ids)
+
+    def state_bytes(self) -> int:
+        return _state_bytes(list(self.pm.parameters()), self.optimizer)
+
+    def extra(self) -> dict:
+        plan = self.pm.plan
+        return {"predicted_step_time_s": plan.predicted.step_time_s, "mesh": dict(plan.mesh),
+                "zero_stage": plan.zero_stage, "plan_stats": dict(plan.stats)}  # fmt: skip
+
+
+class _DDP(_Method):
+    name = "ddp"
+
+    def __init__(self, model, ids, rank, world):
+        from torch.nn.parallel import DistributedDataParallel
+
+        super().__init__(model, ids, rank, world)
+        t0 = time.perf_counter()
+        self.model = DistributedDataParallel(model)
+        self.optimizer = _optimizer(self.model.parameters())
+        self.setup_time_s = time.perf_counter() - t0
+
+    def step(self):
+        self.last_loss = self._torch_step(self._slice()).item()
+
+
+class _FSDP2(_Method):
+    name = "fsdp2"
+
+    def __init__(self, model, ids, rank, world):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__(model, ids, rank, world)
+        t0 = time.perf_counter()
+        mesh = init_device_mesh("cpu", (world,))
+        for block in _blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.optimizer = _optimizer(model.parameters())
+        self.setup_time_s = time.perf_counter() - t0
+
+    def step(self):
+        # The loss is this rank's slice; the mean over ranks is the global batch's loss.
+        self.last_loss = self._torch_step(self._slice()).item()
+
+
+class _TensorParallel(_Method):
+    name = "tp"
+
+    def __init__(self, model, ids, rank, world):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        super().__init__(model, ids, rank, world)
+        t0 = time.perf_counter()
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(model, mesh, megatron_tp_plan(model))
+        self.optimizer = _optimizer(model.parameters())
+        self.setup_time_s = time.perf_counter() - t0
+
+    def step(self):
+        self.last_loss = self._torch_step(self.ids).item()
+
+
+def _blocks(model) -> list:
+    if hasattr(model, "model") and hasattr(model.model, "layers"):
+        return list(model.model.layers)
+    return list(model.transformer.h)
+
+
+def megatron_tp_plan(model) -> dict:
+    """Column-wise q/k/v and gate/up, row-wise o and down, in every LLaMA decoder block."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(len(model.model.layers)):
+        prefix = f"model.layers.{i}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{prefix}.{name}"] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"{prefix}.{name}"] = RowwiseParallel()
+    return plan
+
+
+def tp_skip_reason(config, world: int) -> str | None:
+    """Why the hand-written tensor-parallel baseline does not apply to this model, or None."""
+    if config.model_type != "llama":
+        return ("GPT-2's Conv1D projections (transposed weights) and fused q/k/v projection do not fit "
+                "ColwiseParallel/RowwiseParallel")  # fmt: skip
+    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        if getattr(config, attr) % world:
+            return f"{attr}={getattr(config, attr)} does not divide over {world} ranks"
+    return None
+
+
+METHODS = {"autopar": _Autopar, "ddp": _DDP, "fsdp2": _FSDP2, "tp": _TensorParallel}
+BASELINES = ("ddp", "fsdp2", "tp")
+
+
+# -------------------------------------------------------------------------------------- measuring
+
+
+def _rss_reset() -> int | None:
+    """Reset the resident-set high-water mark; return the current resident set, bytes (None if unsupported)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _proc_status("VmRSS")
+    except OSError:
+        return None
+
+
+def _proc_status(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _measure(method: _Method, steps: int) -> tuple[float, int | None]:
+    """Mean step time over `steps` (the slowest rank's) and this rank's resident-set growth."""
+    import torch.distributed as dist
+
+    rss0 = _rss_reset()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        method.step()
+    elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    hwm = _proc_status("VmHWM")
+    return float(elapsed), (hwm - rss0 if rss0 is not None and hwm is not None else None)
+
+
+def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, say) -> dict:
+    from autopar import presets
+
+    config = presets.load_config(spec.preset, **dict(spec.overrides))
+    torch.manual_seed(0)
+    base = presets.build_model(config, device="cpu", dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (spec.batch_size, spec.seq_len), generator=torch.Generator().manual_seed(1))
+    skip = {"tp": tp_skip_reason(config, world)}
+    methods = {n: cls(copy.deepcopy(base), ids, rank, world) for n, cls in METHODS.items() if not skip.get(n)}
+    for m in methods.values():
+        for _ in range(settings.warmup_steps):
+            m.step()
+    times = {n: [] for n in methods}
+    rss = {n: [] for n in methods}
+    order = list(methods)
+    for rep in range(settings.repetitions):
+        say(f"{spec.name}: repetition {rep + 1}/{settings.repetitions}")
+        for n in order[rep % len(order):] + order[:rep % len(order)]:
+            t, grow = _measure(methods[n], settings.steps_per_repetition)
+            times[n].append(t)
+            rss[n].append(grow)
+    out = {}
+    for n, m in methods.items():
+        out[n] = {"times_s": times[n], "rss_delta_bytes": rss[n], "state_bytes": m.state_bytes(),
+                  "setup_time_s": m.setup_time_s, "final_loss": m.last_loss} | m.extra()  # fmt: skip
+    return {"model": spec.name, "num_parameters": sum(p.numel() for p in base.parameters()), "methods": out,
+            "skipped": {n: r for n, r in skip.items() if r}}  # fmt: skip
+
+
+def _rank_main(rank: int, world: int, folder: str, models, settings, show_progress: bool) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+
+    def say(msg):
+        if rank == 0 and show_progress:
+            print(f"[autopar bench run] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        result = [_train_model(spec, settings, rank, world, say) for spec in models]
+        torch.save({"ok": True, "result": result}, f"{folder}/rank{rank}.pt")
+    except BaseException as e:  # the parent reports it with this rank's traceback
+        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}, f"{folder}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(world: int, models, settings: RunSettings, *, show_progress: bool = True) -> list[list[dict]]:
+    """Run the measurements on `world` spawned gloo ranks; each rank's list of per-model results."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        ctx = mp.start_processes(_rank_main, args=(world, folder, tuple(models), settings, show_progress),
+                                 nprocs=world, join=False, start_method="spawn")  # fmt: skip
+        while not ctx.join():
+            pass
+        out = []
+        for r in range(world):
+            data = torch.load(Path(folder) / f"rank{r}.pt", weights_only=False)
+            if not data["ok"]:
+                raise RuntimeError(f"bench run: rank {r} failed: {data['error']}")
+            out.append(data["result"])
+        return out
+
+
+# ---------------------------------------------------------------------------------------- reporting
+
+
+def _summarise(per_rank: list[list[dict]]) -> list[dict]:
+    """Combine the ranks' results per model: times (already the slowest rank's), memory as the max over ranks."""
+    results = []
+    for i, first in enumerate(per_rank[0]):
+        methods = {}
+        for name, m in first["methods"].items():
+            ranks = [pr[i]["methods"][name] for pr in per_rank]
+            median = statistics.median(m["times_s"])
+            deltas = [d for r in ranks for d in r["rss_delta_bytes"] if d is not None]
+            methods[name] = {
+                "median_step_time_s": median,
+                "min_step_time_s": min(m["times_s"]),
+                "max_step_time_s": max(m["times_s"]),
+                "spread": (max(m["times_s"]) - min(m["times_s"])) / median,
+                "times_s": m["times_s"],
+                "state_bytes_per_rank": max(r["state_bytes"] for r in ranks),
+                "peak_rss_delta_bytes": max(deltas) if deltas else None,
+                "setup_time_s": max(r["setup_time_s"] for r in ranks),
+                "final_loss": [r["final_loss"] for r in ranks],
+            } | {k: v for k, v in m.items() if k in ("predicted_step_time_s", "mesh", "zero_stage", "plan_stats")}
+        base = [methods[n]["median_step_time_s"] for n in BASELINES if n in methods]
+        best = min(base) if base else None
+        for m in methods.values():
+            m["ratio_to_best_baseline"] = m["median_step_time_s"] / best if best else None
+        results.append({"model": first["model"], "num_parameters": first["num_parameters"], "methods": methods,
+                        "skipped": first["skipped"]})  # fmt: skip
+    return results
+
+
+def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, models=None, settings=None,
+        show_progress: bool = True) -> dict:  # fmt: skip
+    """Run the run suite on local CPU ranks and write `run.json`, `run.md` and `run.png` into `out_dir`.
+
+    Args:
+        out_dir: folder for the results (created).
+        cluster: "cpu:N", the number of local gloo ranks to spawn.
+        quick: the tiny models, fewer repetitions.
+        models: RunModel objects to train instead of the built-in list.
+        settings: RunSettings to use instead of the built-in ones.
+        show_progress: rank 0 prints a line per repetition on stderr.
+    """
+    world = _cpu_world(cluster)
+    models = tuple(models) if models is not None else (QUICK_MODELS if quick else MODELS)
+    settings = settings or (QUICK_SETTINGS if quick else RunSettings())
+    t0 = time.perf_counter()
+    results = _summarise(spawn_ranks(world, models, settings, show_progress=show_progress))
+    doc = {"environment": environment(), "cluster": cluster, "world_size": world, "settings": asdict(settings),
+           "memory_measure": "state_bytes_per_rank: parameters + gradients + optimizer states held by a rank, "
+                             "counted from its tensors; peak_rss_delta_bytes: growth of the resident set "
+                             "(VmHWM after reset through /proc/self/clear_refs) over a repetition, max over ranks",
+           "time_measure": "median over repetitions of the mean step time of a repetition, slowest rank",
+           "wall_time_s": time.perf_counter() - t0, "results": results}  # fmt: skip
+    out = Path(out_dir)
+    write_json(out / "run.json", doc)
+    (out / "run.md").write_text(markdown(doc))
+    plot(results, out / "run.png")
+    return doc
+
+
+def _cpu_world(cluster: str) -> int:
+    text = str(cluster).strip().lower()
+    if not text.startswith("cpu:") or not text[4:].isdigit() or int(text[4:]) < 1:
+        raise ConfigError(f"bench run trains on local CPU ranks: --cluster must be 'cpu:N' (e.g. cpu:2), got {cluster!r}")
+    return int(text[4:])
+
+
+def markdown(doc: dict) -> str:
+    rows = []
+    for r in doc["results"]:
+        for name, m in r["methods"].items():
+            rows.append([r["model"], name, fmt_ms(m["median_step_time_s"]),
+                         f"{fmt_ms(m['min_step_time_s'])} – {fmt_ms(m['max_step_time_s'])} ({m['spread']:.0%})",
+                         fmt_gib(m["state_bytes_per_rank"]), fmt_gib(m["peak_rss_delta_bytes"]),
+                         None if m["ratio_to_best_baseline"] is None else f"{m['ratio_to_best_baseline']:.2f}",
+                         fmt_ms(m.get("predicted_step_time_s"))])  # fmt: skip
+        for name, reason in r["skipped"].items():
+            rows.append([r["model"], name, f"not run: {reason}", None, None, None, None, None])
+    s = doc["settings"]
+    return "\n\n".join([
+        f"# autopar bench run ({doc['cluster']})",
+        f"Measured on {doc['world_size']} gloo ranks, one thread each: {s['warmup_steps']} warm-up steps, then "
+        f"{s['repetitions']} repetitions of {s['steps_per_repetition']} steps per method, methods in rotating "
+        f"order. Step time: {doc['time_measure']}. Memory: {doc['memory_measure']}. " + env_md(doc["environment"]),
+        md_table(["model", "method", "median step", "range (spread)", "states per rank", "peak RSS growth",
+                  "time / best baseline", "autopar predicted step"], rows),
+    ]) + "\n"  # fmt: skip
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Grouped bars: median measured step time per method and model, with the min-max range."""
+    plt = pyplot()
+    if plt is None:
+        return
+    names = list(dict.fromkeys(n for r in results for n in r["methods"]))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        xs, ys, lo, hi = [], [], [], []
+        for i, r in enumerate(results):
+            m = r["methods"].get(name)
+            if m is None:
+                continue
+            xs.append(i + j * width)
+            ys.append(m["median_step_time_s"] * 1e3)
+            lo.append((m["median_step_time_s"] - m["min_step_time_s"]) * 1e3)
+            hi.append((m["max_step_time_s"] - m["median_step_time_s"]) * 1e3)
+        ax.bar(xs, ys, width, yerr=[lo, hi], label=name, capsize=2)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))], [r["model"] for r in results])
+    ax.set_ylabel("measured step time (ms)")
+    ax.set_title("autopar bench run")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
