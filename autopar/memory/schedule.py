@@ -1,0 +1,126 @@
+"""ChunkScheduler: gathers a store's chunks as a module's forward and backward reach them, and frees them after.
+
+Forward: before a module with parameters runs, its chunks are gathered (and the chunk after them
+in the order recorded on the first step is prefetched); once every parameter of a chunk has been
+used, the chunk is released. Backward: a hook on each module output gathers the module's chunks
+again when the output's gradient arrives; a hook after each parameter's gradient accumulation adds
+it into the chunk's staging buffer and, once the chunk's last gradient is in, reduce-scatters the
+chunk and releases it. At the end of backward, chunks with leftover gradients (parameters unused
+this step) are reduced and every transient payload is released.
+
+So on dp ranks one step issues, per chunk, one all-gather for forward, one for backward and one
+reduce-scatter: ZeRO-3's 3x parameter traffic, in collectives of a chunk each. A chunk is gathered
+again only if a parameter is used after its chunk was released (a tied embedding reused by the
+output layer, say).
+
+Parameters are gathered when the forward of the module that owns them runs; a module that reads
+another module's parameters directly needs those chunks gathered by hand (`store.gather`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.memory.store import Chunk, ChunkStore
+
+
+class ChunkScheduler:
+    """Hooks that drive a :class:`ChunkStore` through `module`'s forward and backward (see the module docstring).
+
+    Args:
+        store: the store whose parameters are bound into `module` (:meth:`ChunkStore.bind`).
+        module: the model.
+        prefetch: start gathering the next chunk (in the recorded order) while the current one computes.
+    """
+
+    def __init__(self, store: ChunkStore, module: torch.nn.Module, *, prefetch: bool = True):
+        self.store, self.prefetch = store, prefetch
+        self._handles: list = []
+        self._order: list[int] = []  # chunk indices in first-gather order, recorded on the first forward
+        self._recording = True
+        self._used: dict[int, set[str]] = {}
+        self._backward_queued = False
+        name_of = {id(p): n for n, p in store.params.items()}
+        self._module_params: dict[torch.nn.Module, list[str]] = {}
+        for mod in module.modules():
+            names = [name_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in name_of]
+            if names:
+                self._module_params[mod] = list(dict.fromkeys(names))
+                self._handles.append(mod.register_forward_pre_hook(self._before_forward))
+                self._handles.append(mod.register_forward_hook(self._after_forward))
+        for name, p in store.params.items():
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(name)))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _chunks(self, mod: torch.nn.Module) -> list[Chunk]:
+        return list({id(c): c for c in (self.store.chunk_of(n) for n in self._module_params[mod])}.values())
+
+    def _gather(self, chunk: Chunk, direction: int) -> None:
+        if not chunk.resident:
+            self.store.gather(chunk)
+            if self._recording and chunk.index not in self._order:
+                self._order.append(chunk.index)
+        if self.prefetch and not self._recording and chunk.index in self._order:
+            pos = self._order.index(chunk.index) + direction
+            if 0 <= pos < len(self._order):
+                self.store.prefetch(self.store.chunks[self._order[pos]])
+
+    # ------------------------------------------------------------------------- forward
+
+    def _before_forward(self, mod, args) -> None:
+        for chunk in self._chunks(mod):
+            self._gather(chunk, +1)
+
+    def _after_forward(self, mod, args, output):
+        for name in self._module_params[mod]:
+            chunk = self.store.chunk_of(name)
+            used = self._used.setdefault(chunk.index, set())
+            used.add(self.store.slot_of(name).name)
+            if len(used) == len(chunk.layout.slots):
+                self._used.pop(chunk.index)
+                self.store.release(chunk)
+        if torch.is_grad_enabled():
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._backward_hook(mod))
+        return output
+
+    # ------------------------------------------------------------------------- backward
+
+    def _backward_hook(self, mod):
+        def hook(grad):
+            self._queue_end_of_backward()
+            for chunk in self._chunks(mod):
+                self._gather(chunk, -1)
+
+        return hook
+
+    def _grad_hook(self, name: str):
+        def hook(p: torch.Tensor) -> None:
+            self._queue_end_of_backward()
+            chunk = self.store.add_grad(name, p.grad)
+            p.grad = None
+            if len(chunk.grads_seen) == len(chunk.layout.slots):
+                self.store.reduce_scatter_grads(chunk)
+                self.store.release(chunk)
+
+        return hook
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._backward_queued = False
+        self._recording = False
+        self._used.clear()
+        self.store.finish_grads()
+        for chunk in self.store.chunks:
+            self.store.release(chunk)
