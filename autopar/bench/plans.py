@@ -43,11 +43,14 @@ class PlanCase:
     seq_len: int
     # Config overrides (e.g. num_hidden_layers) for test-sized cases; empty for the published shapes.
     overrides: tuple[tuple[str, object], ...] = ()
+    # A per-device memory cap for every plan of the case ("20GB"); None: the device's memory.
+    memory_budget: str | None = None
 
     @property
     def name(self) -> str:
         extra = "".join(f",{k}={v}" for k, v in self.overrides)
-        return f"{self.model}{extra} on {self.cluster}, batch {self.global_batch_size}x{self.seq_len}"
+        budget = f", budget {self.memory_budget}" if self.memory_budget else ""
+        return f"{self.model}{extra} on {self.cluster}, batch {self.global_batch_size}x{self.seq_len}{budget}"
 
 
 # From 8 to 1024 simulated devices; batches of the GPT-3 paper's order, scaled to what fits without
@@ -123,7 +126,7 @@ class TracedCase:
         # The trace is shared: `_traced` is autopar.plan's hook for callers that traced already.
         cluster = ClusterSpec.parse(self.case.cluster)
         return autopar.plan(self.module, cluster, self.args, self.kwargs, constraints=constraints,
-                            precision="bf16", _traced=self.traced)  # fmt: skip
+                            precision="bf16", memory_budget=self.case.memory_budget, _traced=self.traced)  # fmt: skip
 
 
 def _priced(plan: autopar.Plan) -> dict:

@@ -1,0 +1,154 @@
+"""`autopar bench`: the quick suites on tiny cases, checked for structure and invariants.
+
+The suites are run once per module on test-sized inputs passed through their arguments (tiny
+presets, small clusters and grids, few repetitions), so the whole file stays well under 90 s on
+two cores. No timing is asserted beyond "measured, positive, not a constant".
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+from autopar import presets
+from autopar.bench import compile_time, execution, plans
+from autopar.bench.execution import RunModel, RunSettings
+from autopar.bench.plans import PlanCase
+from autopar.cli import main
+
+# Every baseline is a restriction of autopar's own search (same trace, same cost model, same
+# solver): its plan is one autopar considered, so autopar's step time can exceed a baseline's
+# only by floating-point rounding of the summed objective (~1e-15 relative). 1e-9 leaves room for
+# that and nothing else; a solver stopped early inside its MIP gap would show up here, as it should.
+REL_TOL = 1e-9
+
+TINY_CASES = (
+    PlanCase("tiny-llama", "2x4xA100-80GB", 8, 64),
+    PlanCase("tiny-gpt2", "4xH100-80GB", 8, 64),
+    # A budget no layout meets: every entry must be recorded as not fitting, none may crash.
+    PlanCase("tiny-llama", "2x4xA100-80GB", 8, 64, memory_budget="100KB"),
+)
+TINY_GRID = {"tp": lambda c: [1, 2], "num_microbatches": lambda c: [1, 2]}
+
+
+@pytest.fixture(scope="module")
+def plans_out(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plans")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ops without sharding rules warn; not what is tested here
+        results = plans.run(out, cases=TINY_CASES, grid=TINY_GRID, show_progress=False)
+    return out, results
+
+
+def test_plans_writes_json_markdown_and_plot(plans_out):
+    out, results = plans_out
+    doc = json.loads((out / "plans.json").read_text())
+    assert doc == json.loads(json.dumps(results))
+    assert [r["case"] for r in doc] == [c.name for c in TINY_CASES]
+    for r in doc:
+        assert set(r["autopar"]) >= {"step_time_s", "mfu", "peak_memory_bytes", "compile_time_s", "mesh"}
+        assert set(r["baselines"]) == {"dp", "zero1", "zero2", "zero3", "tp_intra_node", "megatron_grid"}
+        for b in r["baselines"].values():
+            assert set(b) >= {"step_time_s", "mfu", "peak_memory_bytes", "fits"}
+    meta = json.loads((out / "plans_meta.json").read_text())
+    assert meta["environment"]["torch_version"] and meta["environment"]["autopar_version"]
+    md = (out / "plans.md").read_text()
+    assert all(c.name in md for c in TINY_CASES)
+    assert (out / "plans.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_fitting_baseline_is_priced(plans_out):
+    _, results = plans_out
+    for r in results:
+        for name, b in r["baselines"].items():
+            if b["fits"]:
+                assert b["step_time_s"] > 0 and b["peak_memory_bytes"] > 0 and 0 < b["mfu"] < 1, (r["case"], name)
+                assert b["autopar_speedup"] == pytest.approx(b["step_time_s"] / r["autopar"]["step_time_s"])
+            else:
+                assert b["step_time_s"] is None and b["error"], (r["case"], name)
+
+
+def test_autopar_is_never_predicted_slower_than_a_baseline(plans_out):
+    _, results = plans_out
+    compared = 0
+    for r in results[:2]:
+        auto = r["autopar"]["step_time_s"]
+        assert r["autopar"]["fits"] and r["autopar"]["compile_time_s"] > 0
+        for name, b in r["baselines"].items():
+            if b["fits"]:
+                assert auto <= b["step_time_s"] * (1 + REL_TOL), (r["case"], name, auto, b["step_time_s"])
+                compared += 1
+        best = min(b["step_time_s"] for b in r["baselines"].values() if b["fits"])
+        assert r["speedup"] == pytest.approx(best / auto) and r["speedup"] >= 1 - REL_TOL
+    assert compared >= 8
+
+
+def test_infeasible_layouts_are_recorded_not_raised(plans_out):
+    _, results = plans_out
+    r = results[2]
+    assert not r["autopar"]["fits"] and "InfeasiblePlanError" in r["autopar"]["error"]
+    assert all(not b["fits"] and "InfeasiblePlanError" in b["error"] for b in r["baselines"].values())
+    assert r["speedup"] is None and r["best_baseline"] is None
+
+
+def test_grid_uses_only_accepted_constraints():
+    assert plans.accepted_constraint("tp")
+    assert not plans.accepted_constraint("no_such_axis")
+    points = plans.grid_points(plans.ClusterSpec.parse("2x4xA100-80GB"), TINY_GRID)
+    axes = {"tp", "num_microbatches"} if plans.accepted_constraint("num_microbatches") else {"tp"}
+    assert all(set(p) == axes for p in points)
+    assert len(points) == 2 ** len(axes)
+
+
+def test_compile_suite_splits_planning_time(tmp_path):
+    sweep = compile_time.CompileSweep("tiny-llama", (1, 3), "8xA100-80GB", 2, ("8xA100-80GB", "2x8xA100-80GB"),
+                                      8, 32)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        doc = compile_time.run(tmp_path, sweep=sweep, show_progress=False)
+    assert [p["num_layers"] for p in doc["layers"]] == [1, 3]
+    assert [p["world_size"] for p in doc["devices"]] == [8, 16]
+    for p in doc["layers"] + doc["devices"]:
+        assert p["trace_time_s"] > 0 and p["solve_time_s"] > 0 and p["rewrite_time_s"] == 0.0
+        # the stats round to milliseconds: allow that much
+        assert p["total_time_s"] >= p["trace_time_s"] + p["solve_time_s"] - 2e-3
+    assert doc["layers"][1]["graph_nodes"] > doc["layers"][0]["graph_nodes"]
+    assert json.loads((tmp_path / "compile.json").read_text())["environment"]["torch_version"]
+    assert (tmp_path / "compile.png").exists() and "## Devices" in (tmp_path / "compile.md").read_text()
+
+
+@pytest.mark.distributed
+def test_run_suite_measures_every_method(tmp_path):
+    model = RunModel("tiny-llama", "tiny-llama", 4, 32)
+    doc = execution.run(tmp_path, cluster="cpu:2", models=(model,), settings=RunSettings(1, 2, 2),
+                        show_progress=False)  # fmt: skip
+    (res,) = doc["results"]
+    assert set(res["methods"]) == {"autopar", "ddp", "fsdp2", "tp"}
+    times = []
+    for name, m in res["methods"].items():
+        assert len(m["times_s"]) == 2 and all(t > 0 for t in m["times_s"]), name
+        assert m["min_step_time_s"] <= m["median_step_time_s"] <= m["max_step_time_s"]
+        assert m["state_bytes_per_rank"] > 0 and m["ratio_to_best_baseline"] > 0
+        times += m["times_s"]
+    # Measured, not constants: eight timings from a live run are never all equal.
+    assert len(set(times)) > 1
+    auto = res["methods"]["autopar"]
+    assert auto["predicted_step_time_s"] > 0 and auto["mesh"]
+    # FSDP2 keeps half of the states on each of two ranks; DDP all of them.
+    assert res["methods"]["fsdp2"]["state_bytes_per_rank"] < res["methods"]["ddp"]["state_bytes_per_rank"]
+    assert doc["environment"]["torch_version"] and (tmp_path / "run.md").exists() and (tmp_path / "run.png").exists()
+
+
+def test_gpt2_has_no_hand_written_tensor_parallel_baseline():
+    assert "Conv1D" in execution.tp_skip_reason(presets.load_config("tiny-gpt2"), 2)
+    assert execution.tp_skip_reason(presets.load_config("tiny-llama"), 2) is None
+    assert "num_key_value_heads" in execution.tp_skip_reason(presets.load_config("tiny-llama"), 4)
+
+
+def test_cli_rejects_a_gpu_cluster_for_the_run_suite(tmp_path, capsys):
+    assert main(["bench", "run", "--cluster", "8xA100-80GB", "--out", str(tmp_path)]) == 2
+    assert "cpu:N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "no-such-suite"])
