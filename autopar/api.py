@@ -17,7 +17,7 @@ from autopar.trace import trace_model
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_CONSTRAINT_KEYS = {"tp", "dp", "zero"}
+_CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size"}
 
 
 def parse_bytes(value) -> float:
@@ -109,7 +109,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         cluster: a ClusterSpec or its string form ("4x8xA100-80GB", "cpu:4").
         example_inputs, example_kwargs: one global batch for a module (shapes matter, values do not).
         global_batch_size, seq_len: the batch for a preset.
-        constraints: pins: "tp", "dp" (axis sizes), "zero" (0-3).
+        constraints: pins: "tp", "dp" (axis sizes), "zero" (0-3), "num_microbatches" (gradient accumulation
+            steps per data-parallel rank) or "micro_batch_size" (samples per micro-batch per rank).
         memory_budget: per-device cap, bytes or "20GB"; defaults to the device memory.
         offload: host offload is not planned yet; True warns, False is the behaviour.
         precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32"; default bf16 on GPUs, fp32 on CPUs.
@@ -160,7 +161,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         tokens_per_s=tokens / step if step else 0.0,
     )
     alternatives = tuple(
-        {"dp": r.dp, "tp": r.tp, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
+        {"dp": r.dp, "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
          "compute_s": r.compute_s, "reshard_s": r.reshard_s, "grad_sync_s": r.grad_sync_s,
          "zero_stage": r.zero_stage, "memory": r.memory, "solve_time_s": r.solve_time_s}
         for r in sol.candidates
@@ -181,6 +182,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         cluster=cluster,
         mesh={"dp": sol.dp, "tp": sol.tp},
         zero_stage=sol.zero_stage,
+        num_microbatches=sol.num_microbatches,
         precision=precision,
         global_batch_size=batch,
         tokens_per_step=tokens,
@@ -232,7 +234,24 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     traced = trace_model(model, tuple(example_inputs), dict(example_kwargs or {}))
     if plan is None:
         plan = globals()["plan"](model, cluster, example_inputs, example_kwargs, _traced=traced, **plan_kwargs)
+    batch = _batch_size(tuple(example_inputs), dict(example_kwargs or {}))
+    if batch != plan.global_batch_size:
+        raise ConfigError(f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "
+                          f"{batch}; plan with the batch you will train on")  # fmt: skip
+    if plan.num_microbatches > 1:
+        # The graph runs once per micro-batch, and its shapes are those it was traced with.
+        args, kwargs = _micro_batch_example(tuple(example_inputs), dict(example_kwargs or {}), plan)
+        traced = trace_model(model, args, kwargs)
     return ParallelModule(model, traced, plan, cluster, optimizer=optimizer)
+
+
+def _micro_batch_example(args, kwargs, plan: Plan):
+    """The first micro-batch of an example global batch: every batch input cut along dim 0."""
+    rows = plan.global_batch_size // plan.num_microbatches
+    return torch.utils._pytree.tree_map(
+        lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == plan.global_batch_size else t,
+        (args, kwargs),
+    )
 
 
 __all__ = ["plan", "compile", "parse_bytes"]

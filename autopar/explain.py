@@ -37,6 +37,8 @@ def render_markdown(plan) -> str:
         *_table(["", ""], [
             ["mesh", mesh],
             ["ZeRO stage (over dp)", str(plan.zero_stage)],
+            ["micro-batches per step (gradient accumulation)",
+             f"{plan.num_microbatches} of {plan.micro_batch_size} sample(s) per data-parallel rank"],
             ["precision", plan.precision],
             ["parameters", f"{plan.num_parameters / 1e6:,.1f} M"],
             ["global batch", f"{plan.global_batch_size} ({plan.tokens_per_step:,} tokens)"],
@@ -54,20 +56,23 @@ def render_markdown(plan) -> str:
         "",
         "## Why this mesh",
         "",
-        "Every factorisation of the world size into dp x tp was solved; each row is the optimum for that mesh.",
+        "Every factorisation of the world size into dp x tp was solved; each row is the optimum for that mesh, "
+        "with the fewest micro-batches whose activations fit (more when that let the states stay less sharded).",
         "",
     ]
     rows = []
-    for alt in sorted(plan.alternatives, key=lambda a: a["step_time_s"]):
+    for alt in sorted(plan.alternatives, key=lambda a: (a["step_time_s"] is None, a["step_time_s"] or 0.0)):
         chosen = alt["dp"] == plan.mesh.get("dp") and alt["tp"] == plan.mesh.get("tp")
         rows.append([
             f"dp={alt['dp']} tp={alt['tp']}" + (" (chosen)" if chosen else ""),
+            str(alt.get("num_microbatches", 1)),
             f"{alt['step_time_s'] * 1e3:,.2f}" if alt["feasible"] else "-",
             f"{alt['compute_s'] * 1e3:,.2f}", f"{alt['reshard_s'] * 1e3:,.2f}", f"{alt['grad_sync_s'] * 1e3:,.2f}",
             str(alt["zero_stage"]) if alt["feasible"] else "-",
             f"{sum(alt['memory'].values()) / GIB:,.2f}" if alt["feasible"] else "does not fit",
         ])  # fmt: skip
-    lines += _table(["mesh", "step ms", "compute ms", "reshard ms", "grad sync ms", "ZeRO", "memory GiB"], rows)
+    lines += _table(["mesh", "micro-batches", "step ms", "compute ms", "reshard ms", "grad sync ms", "ZeRO",
+                     "memory GiB"], rows)  # fmt: skip
     lines += ["", "## Parameter placements on the tensor axis", ""]
     lines += _table(["parameter", "placement"], _linear_summary(plan))
     strategies = Counter(s for s in plan.node_strategy.values() if not s.startswith("follows"))

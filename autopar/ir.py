@@ -17,6 +17,7 @@ Terms:
 from __future__ import annotations
 
 import operator
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -74,9 +75,25 @@ def tensor_meta_of(value) -> TensorMeta | None:
     return None
 
 
+# Memo tables for the two questions the planner asks of every node many times over. An entry holds
+# the objects it was computed from (the node's args/kwargs tuples, its meta value) and is used only
+# while the node still holds those very objects, so a pass that rewrites a node invalidates it.
+_ARGS_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_META_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def output_meta(node: fx.Node) -> TensorMeta | None:
     """The meta of a node's output when it is one tensor (the first tensor of a tuple otherwise)."""
     val = node.meta.get("val")
+    hit = _META_MEMO.get(node)
+    if hit is not None and hit[0] is val:
+        return hit[1]
+    out = _output_meta(val)
+    _META_MEMO[node] = (val, out)
+    return out
+
+
+def _output_meta(val) -> TensorMeta | None:
     if isinstance(val, (tuple, list)):
         for v in val:
             if isinstance(v, torch.Tensor):
@@ -95,8 +112,14 @@ def is_tensor_node(node) -> bool:
 
 
 def tensor_args(node: fx.Node) -> list[fx.Node]:
-    """The tensor arguments of `node`, in pytree order of (args, kwargs), duplicates kept."""
-    return [a for a in pytree.tree_leaves((node.args, node.kwargs)) if is_tensor_node(a)]
+    """The tensor arguments of `node`, in pytree order of (args, kwargs), duplicates kept (a fresh list)."""
+    args, kwargs = node.args, node.kwargs
+    hit = _ARGS_MEMO.get(node)
+    if hit is not None and hit[0] is args and hit[1] is kwargs:
+        return list(hit[2])
+    out = tuple(a for a in pytree.tree_leaves((args, kwargs)) if is_tensor_node(a))
+    _ARGS_MEMO[node] = (args, kwargs, out)
+    return list(out)
 
 
 def is_getitem(node: fx.Node) -> bool:

@@ -60,7 +60,13 @@ class Plan:
     alternatives: tuple = ()
     unruled_ops: tuple = ()
     stats: dict = field(default_factory=dict)
+    num_microbatches: int = 1
     format_version: int = FORMAT_VERSION
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples in one micro-batch on one data-parallel rank."""
+        return self.global_batch_size // (self.mesh.get("dp", 1) * self.num_microbatches)
 
     def __post_init__(self):
         size = 1
@@ -80,6 +86,7 @@ class Plan:
             "cluster": self.cluster.to_dict(),
             "mesh": self.mesh,
             "zero_stage": self.zero_stage,
+            "num_microbatches": self.num_microbatches,
             "precision": self.precision,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
@@ -116,6 +123,7 @@ class Plan:
                 cluster=ClusterSpec.from_dict(d["cluster"]),
                 mesh=dict(d["mesh"]),
                 zero_stage=int(d["zero_stage"]),
+                num_microbatches=int(d.get("num_microbatches", 1)),
                 precision=d["precision"],
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
@@ -151,6 +159,7 @@ class Plan:
     def summary(self) -> str:
         p = self.predicted
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
-        return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}, "
+        accum = f", {self.num_microbatches} micro-batches of {self.micro_batch_size}" if self.num_microbatches > 1 else ""
+        return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}{accum}, "
                 f"step {p.step_time_s * 1e3:.1f} ms, {p.tflops_per_device:.1f} TFLOP/s/device, MFU {p.mfu:.1%}, "
                 f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device")  # fmt: skip

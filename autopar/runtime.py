@@ -89,7 +89,8 @@ class ParallelModule(torch.nn.Module):
         self._aliases = dict(traced.param_aliases)
         self._state_names = list(model.state_dict().keys())
         self._interp = shard_pass(traced.graph_module, None, mesh=self.mesh, node_inputs=plan.node_inputs,
-                                  node_output=plan.node_output)  # fmt: skip
+                                  node_output=plan.node_output,
+                                  batch_size=plan.global_batch_size // plan.num_microbatches)  # fmt: skip
         make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self.optimizer = make_opt(list(self.shards))
 
@@ -173,17 +174,50 @@ class ParallelModule(torch.nn.Module):
         full = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
         return pytree.tree_unflatten(full, self.traced.exported.call_spec.out_spec)
 
+    def _micro_batches(self, args, kwargs):
+        """Cut the global batch into the plan's micro-batches along dim 0 (every batch input alike)."""
+        m, batch = self.plan.num_microbatches, self.plan.global_batch_size
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] != batch:
+                raise ConfigError(f"the plan is for a global batch of {batch} but an input has {t.shape[0]} rows; "
+                                  f"pass the batch the model was compiled for")  # fmt: skip
+        if m == 1:
+            return [(args, kwargs)]
+        pieces = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim else [t] * m for t in flat]
+        return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(m)]
+
     def train_step(self, *args, **kwargs) -> float:
-        """One optimizer step on a global batch (every rank passes the same batch); returns the loss."""
-        outs = self._run(args, kwargs)
-        loss = outs[0]
-        if not isinstance(loss, DTensor) or loss.ndim != 0:
-            raise LoweringError("the model's first output is not a scalar loss: pass labels so the model computes one")
-        loss = loss.redistribute(self.mesh, (R, R))
+        """One optimizer step on a global batch (every rank passes the same batch); returns the loss.
+
+        With several micro-batches the gradients accumulate: micro-batch i contributes its loss times
+        its weight w_i (the labels its mean cross-entropy kept, or 1 for other losses), and the sum is
+        divided by sum w_i before the optimizer step, so the step equals one over the whole batch.
+        """
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        micro = self._micro_batches(args, kwargs)
+        losses, weights = [], []
+        for mb_args, mb_kwargs in micro:
+            outs = self._run(mb_args, mb_kwargs)
+            loss = outs[0]
+            if not isinstance(loss, DTensor) or loss.ndim != 0:
+                raise LoweringError("the model's first output is not a scalar loss: pass labels so the model "
+                                    "computes one")  # fmt: skip
+            loss = loss.redistribute(self.mesh, (R, R))
+            counts = self._interp.loss_counts
+            w = counts[0] if len(micro) > 1 and len(counts) == 1 else 1.0
+            (loss * w if w != 1.0 else loss).backward()
+            losses.append(float(loss.to_local().detach()))
+            weights.append(w)
+        total = sum(weights)
+        if len(micro) > 1 and total > 0:
+            for p in self.shards:
+                if p.grad is not None:
+                    p.grad.div_(total)
         self.optimizer.step()
-        return float(loss.to_local().detach())
+        if total <= 0:
+            return sum(losses) / len(losses)
+        return sum(loss * w for loss, w in zip(losses, weights, strict=True)) / total
 
     # ---------------------------------------------------------------------------------- states
 

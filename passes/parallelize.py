@@ -75,18 +75,31 @@ class ShardedInterpreter(fx.Interpreter):
         node_inputs: node name -> placement string per tensor argument on the tp axis.
         node_output: node name -> placement string of the output on the tp axis.
         local_ops: op overload -> callable run on local tensors for ops executed per rank.
+        batch_size: the batch the graph was traced with; a tensor the graph makes with it as its leading
+            dimension enters the mesh split over dp (each rank keeps its rows).
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
-                 local_ops: dict | None = None):  # fmt: skip
+                 local_ops: dict | None = None, batch_size: int | None = None):  # fmt: skip
         super().__init__(gm, garbage_collect_values=True)
         self.mesh = mesh
+        self.batch_size = batch_size
         self.need = {k: tuple(parse_placement(p) for p in v) for k, v in node_inputs.items()}
         self.out = {k: parse_placement(v) for k, v in node_output.items()}
         self.local_ops = {aten.scaled_dot_product_attention.default: self._run_local,
                           aten.cross_entropy_loss.default: self._cross_entropy}
+        flash_attention = getattr(torch.ops.autopar, "flash_attention", None)  # registered by autopar.triton_kernels
+        if flash_attention is not None:
+            self.local_ops[flash_attention.default] = self._run_local
         self.local_ops.update(local_ops or {})
         self.fallback_ops: set[str] = set()
+        # Kept labels counted by every mean cross-entropy of the last run: the weight of its loss when
+        # micro-batches are accumulated (a mean over kept labels is exact only with this weighting).
+        self.loss_counts: list[float] = []
+
+    def run(self, *args, **kwargs):
+        self.loss_counts = []
+        return super().run(*args, **kwargs)
 
     def _to(self, value, tp_placement: Placement):
         if not isinstance(value, DTensor) or (tp_placement.is_partial() and not value.placements[1].is_partial()):
@@ -100,6 +113,14 @@ class ShardedInterpreter(fx.Interpreter):
     def _replicated(self, t: torch.Tensor) -> DTensor:
         return DTensor.from_local(t, self.mesh, (R, R), run_check=False)
 
+    def _entering(self, t: torch.Tensor) -> DTensor:
+        """A tensor made inside the graph (the same on every rank) as a DTensor: batch rows split over dp."""
+        dp = self.mesh.size(0)
+        if dp > 1 and self.batch_size and t.ndim >= 2 and t.shape[0] == self.batch_size and t.shape[0] % dp == 0:
+            rows = t.chunk(dp, dim=0)[self.mesh.get_local_rank(0)]
+            return DTensor.from_local(rows, self.mesh, (Shard(0), R), run_check=False)
+        return self._replicated(t)
+
     def run_node(self, n: fx.Node):
         if n.op != "call_function":
             return super().run_node(n)
@@ -110,7 +131,7 @@ class ShardedInterpreter(fx.Interpreter):
         def load(arg: fx.Node):
             v = self.env[arg]
             if distributed and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
-                v = self._replicated(v)  # made inside the graph from nothing: the same on every rank
+                v = self._entering(v)  # made inside the graph from nothing: the same on every rank
             if is_tensor_node(arg):
                 j = next(position)
                 if j < len(need):
@@ -162,7 +183,10 @@ class ShardedInterpreter(fx.Interpreter):
             lambda v: v.redistribute(self.mesh, placements(v)).to_local() if isinstance(v, DTensor) else v,
             (args, kwargs),
         )
-        return DTensor.from_local(target(*la, **lk), self.mesh, out_pl, run_check=False)
+        # flash attention also returns its LSE (batch, heads, seq_q): split on batch and heads like the output
+        local = target(*la, **lk)
+        return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, self.mesh, out_pl, run_check=False),
+                                    local)  # fmt: skip
 
     def _cross_entropy(self, target, args, kwargs):
         """Mean cross-entropy over rows split on the data axis: global sum / global count of kept labels.
@@ -175,9 +199,12 @@ class ShardedInterpreter(fx.Interpreter):
         logits, labels = bound["input"], bound["target"]
         reduction = bound.get("reduction", 1)
         dp = self.mesh.size(0)
-        if bound.get("weight") is not None or reduction != 1 or dp == 1 or logits.shape[0] % dp:
-            return self._run_gathered(target, args, kwargs) if dp > 1 else target(*args, **kwargs)
         ignore = bound.get("ignore_index", -100)
+        if bound.get("weight") is not None or reduction != 1 or dp == 1 or logits.shape[0] % dp:
+            if bound.get("weight") is None and reduction == 1:
+                full = labels.full_tensor() if isinstance(labels, DTensor) else labels
+                self.loss_counts.append(float((full != ignore).sum()))
+            return self._run_gathered(target, args, kwargs) if dp > 1 else target(*args, **kwargs)
         rows = (Shard(0), R)
         local_logits = logits.redistribute(self.mesh, rows).to_local()
         local_labels = labels.redistribute(self.mesh, rows).to_local()
@@ -186,6 +213,7 @@ class ShardedInterpreter(fx.Interpreter):
         partial = (Partial(), R)
         total = DTensor.from_local(total, self.mesh, partial, run_check=False).redistribute(self.mesh, (R, R))
         count = DTensor.from_local(count, self.mesh, partial, run_check=False).redistribute(self.mesh, (R, R))
+        self.loss_counts.append(float(count.to_local()))
         return total / count
 
     def _run_gathered(self, target, args, kwargs):
@@ -195,10 +223,10 @@ class ShardedInterpreter(fx.Interpreter):
 
 
 def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
-               local_ops: dict | None = None) -> ShardedInterpreter:  # fmt: skip
+               local_ops: dict | None = None, batch_size: int | None = None) -> ShardedInterpreter:  # fmt: skip
     """The rewrite pass: bind `gm` to the plan and mesh; the result runs the parallel program."""
     del example_inputs  # placements come from the plan; shapes from the graph
-    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops)
+    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size)
 
 
 def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:

@@ -52,6 +52,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -141,6 +142,7 @@ class MeshResult:
     memory: dict[str, float]
     solve_time_s: float
     reason: str = ""
+    num_microbatches: int = 1
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class ShardingSolution:
 
     dp: int
     tp: int
+    num_microbatches: int
     zero_stage: int
     step_time_s: float
     compute_s: float
@@ -165,24 +168,47 @@ class ShardingSolution:
     solve_time_s: float
 
 
+_ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _analysis(graph: OpGraph) -> dict:
+    """Mesh-independent facts about `graph`, computed once and shared by every mesh's program."""
+    found = _ANALYSES.get(graph.graph)
+    if found is None:
+        found = _ANALYSES[graph.graph] = {}
+    return found
+
+
 def batch_split_nodes(graph: OpGraph, batch: int) -> frozenset[str]:
     """Nodes whose values are split over the data axis: those computed from the batch inputs.
 
     A value derived from a batch-split value stays split while it still holds at least one
     element per sample (views that flatten batch and sequence into tokens included); a loss
-    reduced to a scalar does not.
+    reduced to a scalar does not. A value the graph makes from no input at all (a causal mask
+    expanded to the batch) with the batch as its leading dimension is split too: it is the same
+    on every rank, so each rank keeps its rows (the rewrite does the same).
     """
+    cache = _analysis(graph)
+    if ("batch_split", batch) in cache:
+        return cache[("batch_split", batch)]
     split: set[str] = set()
+    made: set[str] = set()  # computed from no placeholder
     for node in graph.graph.nodes:
+        args = tensor_args(node)
+        if node.op == "call_function" and all(a.name in made for a in args):
+            made.add(node.name)
         meta = output_meta(node)
         if meta is None or not meta.shape or meta.numel % batch:
             continue
         if graph.kinds.get(node.name) == NodeKind.INPUT:
             if meta.shape[0] == batch:
                 split.add(node.name)
-        elif node.op == "call_function" and any(a.name in split for a in tensor_args(node)):
+        elif node.op == "call_function" and any(a.name in split for a in args):
             split.add(node.name)
-    return frozenset(split)
+        elif node.name in made and len(meta.shape) >= 2 and meta.shape[0] == batch:
+            split.add(node.name)
+    out = cache[("batch_split", batch)] = frozenset(split)
+    return out
 
 
 def redistribute_time(src: Placement, dst: Placement, nbytes: float, tp: int, link: LinkSpec) -> float:
@@ -216,8 +242,13 @@ class ShardingProgram:
     """The integer program of one (dp, tp) mesh; see the module docstring for the math."""
 
     def __init__(self, graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, *, estimator, precision: Precision,
-                 zero_stage: int | None, memory_budget_bytes: float, batch_dim_size: int):  # fmt: skip
+                 zero_stage: int | None, memory_budget_bytes: float, batch_dim_size: int,
+                 num_microbatches: int = 1):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
+        self.mb = num_microbatches
+        if batch_dim_size % (dp * num_microbatches):
+            raise ConfigError(f"the global batch of {batch_dim_size} does not split into dp={dp} x "
+                              f"{num_microbatches} micro-batches")  # fmt: skip
         self.estimator, self.precision = estimator, precision
         self.zero_choices = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
         if dp == 1:
@@ -225,11 +256,12 @@ class ShardingProgram:
         self.budget = memory_budget_bytes
         self.batch = batch_dim_size
         self.batch_split = batch_split_nodes(graph, batch_dim_size)
+        self.batch_div = dp * num_microbatches  # how many pieces a batch-split value is cut into
         self.tp_link = cluster.link_for_axis(tp, 1)
         self.dp_link = cluster.link_for_axis(dp, tp)
         self.groups: dict[str, Group] = {}
         self.group_of: dict[str, str] = {}
-        self.prob = pulp.LpProblem(f"sharding_dp{dp}_tp{tp}", pulp.LpMinimize)
+        self.prob = pulp.LpProblem(f"sharding_dp{dp}_tp{tp}_mb{num_microbatches}", pulp.LpMinimize)
         self.x: dict[str, list[pulp.LpVariable]] = {}
         self.z: dict[int, pulp.LpVariable] = {}
         self.u: dict[tuple[str, int, int], pulp.LpVariable] = {}
@@ -269,7 +301,7 @@ class ShardingProgram:
     def _input_strategies(self, node: fx.Node) -> list[OpStrategy]:
         meta = output_meta(node)
         out = [OpStrategy((), R)]
-        if self.tp > 1 and meta is not None and meta.shape and (meta.shape[0] // self.dp) % self.tp == 0:
+        if self.tp > 1 and meta is not None and meta.shape and (meta.shape[0] // self.batch_div) % self.tp == 0:
             out.append(OpStrategy((), Shard(0)))
         return out
 
@@ -304,7 +336,7 @@ class ShardingProgram:
         for k, src in enumerate(grp.out[arg.name]):
             o = rules.follow(node, src, self.tp)
             if o is None:  # the follower cannot keep this layout: gather first, then run replicated
-                grp.extra_s[k] += redistribute_time(src, R, nbytes, self.tp, self.tp_link) * grp.count
+                grp.extra_s[k] += redistribute_time(src, R, nbytes, self.tp, self.tp_link) * grp.count * self.mb
                 o, src = R, R
             out.append(o)
             need.append((src,))
@@ -315,7 +347,8 @@ class ShardingProgram:
     # ---------------------------------------------------------------------------------- sizes
 
     def _act_bytes(self, node: fx.Node) -> float:
-        """Full bytes of a value on one dp rank (activations are split over dp; parameters are not)."""
+        """Full bytes of a value on one dp rank for one micro-batch (activations are split over dp and
+        micro-batches; parameters are not)."""
         meta = output_meta(node)
         if meta is None:
             return 0.0
@@ -323,24 +356,27 @@ class ShardingProgram:
         if kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.CONSTANT):
             return float(meta.nbytes)
         if node.name in self.batch_split:
-            return meta.nbytes / self.dp
+            return meta.nbytes / self.batch_div
         return float(meta.nbytes)
 
     def _compute_times(self, node: fx.Node, divisor: int) -> float:
         if node.op != "call_function":
             return 0.0
+        # every op runs once per micro-batch, on 1 / (dp * micro-batches) of the batch when it carries it
         meta = output_meta(node)
-        dp_div = self.dp if self._carries_batch(node) else 1
-        d = dp_div * divisor
-        return self.estimator.forward_time_s(node, d) + self.estimator.backward_time_s(node, d) * (
-            1.0 if meta is not None and meta.dtype.is_floating_point else 0.0
-        )
+        d = (self.batch_div if self._carries_batch(node) else 1) * divisor
+        fwd = self.estimator.forward_time_s(node, d)
+        bwd = self.estimator.backward_time_s(node, d) if meta is not None and meta.dtype.is_floating_point else 0.0
+        return self.mb * (fwd + bwd)
 
     def _carries_batch(self, node: fx.Node) -> bool:
         return node.name in self.batch_split or any(a.name in self.batch_split for a in tensor_args(node))
 
     def _saved_for_backward(self) -> set[str]:
         """Producers (view chains resolved to their base) whose output some consumer keeps for backward."""
+        cache = _analysis(self.graph)
+        if "saved" in cache:
+            return cache["saved"]
         saved = set()
         for node in self.graph.graph.nodes:
             if node.op != "call_function" or str(node.target) in _NO_SAVE:
@@ -352,6 +388,7 @@ class ShardingProgram:
                     meta = output_meta(a)
                     if meta is not None and meta.dtype.is_floating_point or a.op == "placeholder":
                         saved.add(a.name)
+        cache["saved"] = saved
         return saved
 
     # --------------------------------------------------------------------------------- the program
@@ -389,7 +426,13 @@ class ShardingProgram:
                     self.cost_terms["reshard"].append(grp.extra_s[k] * self.x[name][k])
 
     def _edges(self):
-        """(producer group, producer node, consumer group, consumer node, argument index) -> multiplicity."""
+        """(producer group, producer node, consumer group, consumer node, argument index) -> multiplicity.
+
+        The grouping of nodes does not depend on the mesh, so the edges are found once per graph.
+        """
+        cache = _analysis(self.graph)
+        if "edges" in cache and cache["edges"][0] == self.group_of:
+            return cache["edges"][1]
         edges: dict[tuple[str, str, str, str, int], int] = defaultdict(int)
         for node in self.graph.graph.nodes:
             if node.op != "call_function":
@@ -405,6 +448,7 @@ class ShardingProgram:
                 if gp == gc and self.groups[gc].leader != c and i == 0 and rules.is_follower(self.graph.node(c)):
                     continue  # a follower's own input: priced when it was merged
                 edges[(gp, p, gc, c, i)] += 1
+        cache["edges"] = (dict(self.group_of), edges)
         return edges
 
     def add_edge_constraint(self) -> None:
@@ -418,7 +462,7 @@ class ShardingProgram:
                     need, grad = gcr.need[c][m][i], gcr.grads[c][m][i]
                     fwd = redistribute_time(src, need, nbytes, self.tp, self.tp_link)
                     bwd = redistribute_time(grad, grad_layout(src), nbytes, self.tp, self.tp_link)
-                    cost[k][m] = mult * (fwd + bwd)
+                    cost[k][m] = mult * self.mb * (fwd + bwd)
             if not any(v for row in cost for v in row):
                 continue
             if gp == gc:  # both ends in one group: the strategy index is shared
@@ -464,11 +508,14 @@ class ShardingProgram:
         pl = self.groups[name].strategies[k].output
         local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
         grad_bytes, param_bytes = local * self.precision.grad_bytes, local * self.precision.param_bytes
+        # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
+        # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
+        # the parameters for every micro-batch's forward and backward.
         if stage == 0:
             return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
-        rs = self._bucketed(Collective.REDUCE_SCATTER, grad_bytes)
+        rs = self._bucketed(Collective.REDUCE_SCATTER, grad_bytes) * (self.mb if stage >= 2 else 1)
         ag = self._bucketed(Collective.ALL_GATHER, param_bytes)
-        return rs + ag * (2 if stage == 3 else 1)
+        return rs + ag * (2 * self.mb if stage == 3 else 1)
 
     def _bucketed(self, kind: Collective, nbytes: float) -> float:
         """A parameter's share of bucketed collectives: its bytes at full bandwidth, latency pro rata.
@@ -510,12 +557,40 @@ class ShardingProgram:
                 self.cost_terms["grad_sync"].append(self.sync_floor(s) * zs)
 
     def transient_bytes(self) -> float:
-        """Working memory of the largest op: its output plus its gradient, unsharded on tp (an upper bound)."""
+        """Working memory of the largest op: its output plus its gradient, unsharded on tp (an upper bound).
+
+        Views (an expanded mask, a transposed weight) own no storage and are left out.
+        """
         best = 0.0
         for node in self.graph.graph.nodes:
-            if node.op == "call_function":
+            if node.op == "call_function" and str(node.target) not in _VIEW_OPS:
                 best = max(best, 2 * self._act_bytes(node))
         return best
+
+    def saved_bytes(self, name: str, k: int) -> float:
+        """Bytes group `name` keeps for backward under strategy k, on one device, for one micro-batch."""
+        grp, saved = self.groups[name], self._saved_for_backward()
+        b = 0.0
+        for m in grp.members:
+            if m in saved:
+                pl = grp.out[m][k]
+                b += self._act_bytes(self.graph.node(m)) / (self.tp if isinstance(pl, Shard) else 1)
+        return b
+
+    def memory_lower_bound(self) -> dict[str, float]:
+        """Per-device bytes below which no layout of this program can go, without solving it.
+
+        Every parameter at its leanest placement and ZeRO stage, every group at its leanest
+        strategy, each chosen on its own: a true lower bound of the program's memory term.
+        """
+        states = 0.0
+        for name in self._param_groups():
+            grp = self.groups[name]
+            states += grp.count * min(sum(self.state_bytes(name, k, s)) for k in range(len(grp.strategies))
+                                      for s in self.zero_choices)  # fmt: skip
+        acts = sum(grp.count * min(self.saved_bytes(name, k) for k in range(len(grp.strategies)))
+                   for name, grp in self.groups.items())  # fmt: skip
+        return {"states": states, "activations": acts, "transient": self.transient_bytes()}
 
     def add_memory_constraint(self) -> None:
         """sum n_w u M_state + sum n_g x M_saved + M_transient <= budget (peak at the forward/backward turn)."""
@@ -528,14 +603,9 @@ class ShardingProgram:
                 self.memory_terms["params"].append(grp.count * p * u)
                 self.memory_terms["grads"].append(grp.count * g * u)
                 self.memory_terms["optimizer"].append(grp.count * o * u)
-        saved = self._saved_for_backward()
         for name, grp in self.groups.items():
             for k in range(len(grp.strategies)):
-                b = 0.0
-                for m in grp.members:
-                    if m in saved:
-                        pl = grp.out[m][k]
-                        b += self._act_bytes(self.graph.node(m)) / (self.tp if isinstance(pl, Shard) else 1)
+                b = self.saved_bytes(name, k)
                 if b:
                     self.memory_terms["activations"].append(grp.count * b * self.x[name][k])
         self.transient = self.transient_bytes()
@@ -551,14 +621,15 @@ class ShardingProgram:
         dt = time.perf_counter() - t0
         status = pulp.LpStatus[self.prob.status]
         if status != "Optimal":
-            return MeshResult(self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, dt, f"solver status {status}")
+            return MeshResult(self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, dt, f"solver status {status}",
+                              self.mb)  # fmt: skip
         val = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.cost_terms.items()}
         mem = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.memory_terms.items()}
         mem["transient"] = self.transient
         stage = next(s for s, z in self.z.items() if (pulp.value(z) or 0) > 0.5)
         step = sum(val.values())
         return MeshResult(self.dp, self.tp, True, step, val.get("compute", 0.0), val.get("reshard", 0.0),
-                          val.get("grad_sync", 0.0), stage, mem, dt)  # fmt: skip
+                          val.get("grad_sync", 0.0), stage, mem, dt, num_microbatches=self.mb)  # fmt: skip
 
     def chosen(self) -> dict[str, int]:
         return {g: max(range(len(xs)), key=lambda k: pulp.value(xs[k]) or 0.0) for g, xs in self.x.items()}
@@ -598,11 +669,21 @@ def _pinned(constraints: dict, world_size: int, batch: int) -> list[tuple[int, i
     meshes = [(d, t) for d, t in meshes if (tp is None or t == tp) and (dp is None or d == dp)]
     if not meshes:
         raise ConfigError(f"constraints tp={tp}, dp={dp} do not multiply to the world size {world_size}")
+    for key in ("num_microbatches", "micro_batch_size"):
+        v = constraints.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"constraints[{key!r}]={v!r}: expected a positive integer")
     ok = [(d, t) for d, t in meshes if batch % d == 0]
     if not ok:
         raise ConfigError(f"the global batch of {batch} does not divide over the data axis "
                           f"(dp={meshes[0][0]}); use a batch size that is a multiple of it")  # fmt: skip
-    return ok
+    split = [(d, t) for d, t in ok if _microbatch_choices(batch // d, constraints)]
+    if not split:
+        what = {k: constraints[k] for k in ("num_microbatches", "micro_batch_size") if k in constraints}
+        raise ConfigError(f"the global batch of {batch} does not split into {what} on any data axis size "
+                          f"{sorted({d for d, _ in ok})}; the samples per data-parallel rank must be a multiple "
+                          f"of the micro-batch size (and of the micro-batch count)")  # fmt: skip
+    return split
 
 
 def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision: str = "fp32",
@@ -615,7 +696,8 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         cluster: the devices and links.
         estimator: a ComputeEstimator (analytic roofline or profiled).
         precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32".
-        constraints: optional pins: "tp", "dp", "zero" (0-3).
+        constraints: optional pins: "tp", "dp", "zero" (0-3), "num_microbatches" (gradient accumulation
+            steps per data-parallel rank) or "micro_batch_size" (samples per micro-batch per rank).
         memory_budget_bytes: per-device cap; defaults to the device memory.
         batch_size: the global batch (dim 0 of the inputs), split over dp.
         progress: optional callable(str) told about each mesh as it is solved.
@@ -630,19 +712,39 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
     prec = Precision.get(precision)
     rules.UNRULED_OPS.clear()
     t0 = time.perf_counter()
-    results, programs = [], {}
+    results, programs, bounds = [], {}, []
     for dp, tp in _pinned(constraints, cluster.world_size, batch_size):
-        prog = ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
-                               memory_budget_bytes=budget, batch_dim_size=batch_size)  # fmt: skip
-        prog.build()
-        res = prog.solve()
-        if progress:
-            progress(f"mesh dp={dp} tp={tp}: " + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible"))
-        results.append(res)
-        programs[(dp, tp)] = prog
+        for m in _microbatch_choices(batch_size // dp, constraints):
+            prog = ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
+                                   memory_budget_bytes=budget, batch_dim_size=batch_size, num_microbatches=m)  # fmt: skip
+            bound = prog.memory_lower_bound()
+            bounds.append((sum(bound.values()), dp, tp, m, bound))
+            if sum(bound.values()) <= budget:
+                break
+        else:
+            if progress:
+                progress(f"mesh dp={dp} tp={tp}: does not fit even with micro-batches of one sample")
+            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0, "memory lower bound over budget"))
+            continue
+        best_here = None
+        for m in [c for c in _microbatch_choices(batch_size // dp, constraints) if c >= prog.mb]:
+            if m != prog.mb:
+                prog = ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
+                                       memory_budget_bytes=budget, batch_dim_size=batch_size, num_microbatches=m)  # fmt: skip
+            prog.build()
+            res = prog.solve()
+            if progress:
+                progress(f"mesh dp={dp} tp={tp} micro-batches={m}: "
+                         + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible"))  # fmt: skip
+            if best_here is not None and (not res.feasible or res.step_time_s >= best_here.step_time_s):
+                break  # more micro-batches only pay more latency once the states have stopped shrinking
+            if res.feasible:
+                best_here = res
+                programs[(dp, tp)] = prog
+        results.append(best_here or res)
     feasible = [r for r in results if r.feasible]
     if not feasible:
-        raise InfeasiblePlanError(_infeasible_message(graph, cluster, estimator, prec, constraints, batch_size, budget))
+        raise InfeasiblePlanError(_infeasible_message(bounds, budget))
     best = min(feasible, key=lambda r: r.step_time_s)
     prog = programs[(best.dp, best.tp)]
     unruled = tuple(sorted(rules.UNRULED_OPS))
@@ -650,6 +752,16 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         warnings.warn(f"no sharding rule for {', '.join(unruled)}: these ops run replicated on the tensor axis",
                       stacklevel=2)  # fmt: skip
     return _solution(prog, best, tuple(results), unruled, time.perf_counter() - t0)
+
+
+def _microbatch_choices(per_rank: int, constraints: dict) -> list[int]:
+    """Micro-batch counts to try on a data-parallel rank holding `per_rank` samples, fewest first."""
+    m, b = constraints.get("num_microbatches"), constraints.get("micro_batch_size")
+    if m is not None:
+        return [m] if per_rank % m == 0 else []
+    if b is not None:
+        return [per_rank // b] if per_rank % b == 0 else []
+    return [d for d in range(1, per_rank + 1) if per_rank % d == 0]
 
 
 def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> ShardingSolution:
@@ -667,7 +779,7 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
         strat[node.name] = grp.strategies[k].name if gname == rep else "follows " + gname
         if node.name in graph.params:
             params[graph.params[node.name].name] = out[node.name]
-    return ShardingSolution(best.dp, best.tp, best.zero_stage, best.step_time_s, best.compute_s, best.reshard_s,
+    return ShardingSolution(best.dp, best.tp, best.num_microbatches, best.zero_stage, best.step_time_s, best.compute_s, best.reshard_s,
                             best.grad_sync_s, best.memory, out, ins, strat, params, results, unruled,
                             len(prog.groups), dt)  # fmt: skip
 
@@ -679,29 +791,17 @@ def format_bytes(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _infeasible_message(graph, cluster, estimator, prec, constraints, batch, budget) -> str:
-    """Say how much memory the leanest layout needs per device, next to the budget."""
-    best = None
-    for dp, tp in _pinned(constraints, cluster.world_size, batch):
-        prog = ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=prec,
-                               zero_stage=constraints.get("zero"), memory_budget_bytes=float("inf"),
-                               batch_dim_size=batch)  # fmt: skip
-        prog.build()
-        mem = pulp.lpSum(t for terms in prog.memory_terms.values() for t in terms)
-        prog.prob.setObjective(mem)
-        _quiet_solve(prog.prob, 60)
-        if pulp.LpStatus[prog.prob.status] != "Optimal":
-            continue
-        parts = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in prog.memory_terms.items()}
-        total = sum(parts.values()) + prog.transient
-        if best is None or total < best[0]:
-            best = (total, dp, tp, parts, prog.transient)
-    if best is None:
+def _infeasible_message(bounds, budget) -> str:
+    """Say how much memory the leanest layout needs per device, next to the budget.
+
+    `bounds` holds (bytes, dp, tp, micro-batches, parts) of every program considered; the figure
+    is each program's lower bound (every choice at its leanest), so "at least" is exact.
+    """
+    if not bounds:
         return "no layout satisfies the constraints"
-    total, dp, tp, parts, transient = best
-    states = parts.get("params", 0) + parts.get("grads", 0) + parts.get("optimizer", 0)
-    return (f"the model needs at least {format_bytes(total)} per device (model states {format_bytes(states)}, "
-            f"activations {format_bytes(parts.get('activations', 0))}, working memory "
-            f"{format_bytes(transient)}, at dp={dp} tp={tp} with states sharded as far as allowed), but the "
-            f"budget is {format_bytes(budget)} per device; raise memory_budget, use more devices or a smaller "
-            f"batch")  # fmt: skip
+    total, dp, tp, m, parts = min(bounds, key=lambda b: b[0])
+    return (f"the model needs at least {format_bytes(total)} per device (model states "
+            f"{format_bytes(parts['states'])}, activations {format_bytes(parts['activations'])}, working memory "
+            f"{format_bytes(parts['transient'])}, at dp={dp} tp={tp} with {m} micro-batch(es) and states sharded "
+            f"as far as allowed), but the budget is {format_bytes(budget)} per device; raise memory_budget, use "
+            f"more devices or a smaller batch")  # fmt: skip

@@ -59,7 +59,8 @@ def _train_cases(rank: int, world_size: int, cases):
             p != "R" for p in pm.plan.param_placements.values()
         )
         out.append({"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
-                    "local_numel": local, "full_numel": sum(p.numel() for p in model.parameters()),
+                    "local_numel": local, "num_microbatches": pm.plan.num_microbatches,
+                    "micro_batch_size": pm.plan.micro_batch_size, "full_numel": sum(p.numel() for p in model.parameters()),
                     "sharded": sharded,
                     "tp_sharded": any(p != "R" for p in pm.plan.param_placements.values())})  # fmt: skip
     return out
@@ -75,6 +76,10 @@ def _check(world_size: int, cases) -> None:
         assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (name, constraints, got["mesh"])
         if "tp" in constraints:
             assert got["mesh"]["tp"] == constraints["tp"]
+        if "num_microbatches" in constraints:
+            assert got["num_microbatches"] == constraints["num_microbatches"]
+        if "micro_batch_size" in constraints:
+            assert got["micro_batch_size"] == constraints["micro_batch_size"]
         if budget is not None:  # the budget rules out replicated states: the layout must shard them
             assert got["sharded"], (name, constraints)
             if got["mesh"]["dp"] == 1:  # nothing to shard over but the tensor axis
@@ -102,10 +107,14 @@ ZERO_BUDGET = {"llama": 3e6, "bert": 2.5e6}
 def test_cpu2_free_tp2_and_sharded():
     cases = [(m, c, None) for m in MODELS for c in ({}, {"tp": 2})]
     cases += [(m, {"tp": 2}, TP_BUDGET[m]) for m in MODELS]
+    # gradient accumulation: the llama batch has fewer kept labels in its first half, BERT's are uneven
+    # everywhere, so only micro-batches weighted by their kept labels give the whole-batch loss
+    cases += [("llama", {"num_microbatches": 2}, None), ("bert", {"dp": 2, "num_microbatches": 2}, None)]
     _check(2, cases)
 
 
 def test_cpu4_free_tp2_tp4_and_zero3():
     cases = [(m, c, None) for m in MODELS for c in ({}, {"tp": 2}, {"tp": 4})]
     cases += [(m, {"tp": 2, "zero": 3}, b) for m, b in ZERO_BUDGET.items()]
+    cases += [("gpt2", {"tp": 2, "micro_batch_size": 2}, None)]
     _check(4, cases)
