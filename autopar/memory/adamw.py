@@ -16,7 +16,9 @@ Two implementations:
   buffer reused for every block.
 - "fused": torch's fused AdamW kernel (`torch._fused_adamw_`, the kernel behind
   `torch.optim.AdamW(fused=True)`) called once on the list of flat buffers. One pass, vectorised;
-  its rounding differs from the op-by-op path in the last bits.
+  its rounding differs from the op-by-op path in the last bits. The default ("auto") where the
+  device has the kernel: on a CPU core it is about 4x faster than "blocked", whose element-wise ops
+  each still make their own pass over the (cached) block.
 
 One set of hyperparameters covers all chunks. Unlike torch, a trainable parameter that received no
 gradient in a step still decays (its gradient is zero, not absent); weight-decay groups would need
@@ -31,10 +33,13 @@ import torch
 
 from autopar.errors import ConfigError
 
-# A block of each of the four buffers plus the scratch denominator, 5 x 4 B x 32768 = 640 KiB,
-# fits in a core's L2 (1-2 MiB on current x86 servers); threads split a block, so it grows with them.
-BLOCK_NUMEL_PER_THREAD = 1 << 15
-IMPLS = ("blocked", "fused")
+# A block of the four buffers plus the scratch denominator, 5 x 4 B x 2^19 = 10 MiB, stays in a
+# server's L3 between ops. Measured on a 2-core EPYC over 20M elements, one thread: 283 / 196 / 150 /
+# 202 ms per step for blocks of 2^15 / 2^17 / 2^19 / 2^21 (smaller blocks pay Python overhead per op).
+BLOCK_NUMEL_PER_THREAD = 1 << 19
+IMPLS = ("auto", "blocked", "fused")
+# Devices with a fused AdamW kernel in torch (the CPU one since torch 2.4).
+_FUSED_DEVICE_TYPES = ("cpu", "cuda")
 
 
 def chunk_adamw_step(
@@ -49,7 +54,7 @@ def chunk_adamw_step(
     beta2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
-    impl: str = "blocked",
+    impl: str = "auto",
     block_numel: int | None = None,
 ) -> None:
     """One AdamW step, in place, on flat fp32 buffers (one entry per chunk or shard).
@@ -58,13 +63,16 @@ def chunk_adamw_step(
         params, grads, exp_avgs, exp_avg_sqs: 1-D buffers of equal length per entry, on one device.
         step: the step number after this update (1 on the first step), for the bias correction.
         lr, beta1, beta2, eps, weight_decay: as in torch.optim.AdamW.
-        impl: "blocked" (exactly torch's foreach=False arithmetic) or "fused" (torch's fused kernel).
+        impl: "blocked" (exactly torch's foreach=False arithmetic), "fused" (torch's fused kernel, about
+            4x faster than "blocked" on a CPU core), or "auto": "fused" where the device has the kernel.
         block_numel: elements per block for "blocked"; default scales with torch's thread count.
     """
     if impl not in IMPLS:
         raise ConfigError(f"impl must be one of {IMPLS}; got {impl!r}")
     if step < 1:
         raise ConfigError(f"step counts from 1 (the first update); got {step}")
+    if impl == "auto":
+        impl = "fused" if _has_fused(params) else "blocked"
     if impl == "fused":
         _fused(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay)
         return
@@ -90,6 +98,10 @@ def chunk_adamw_step(
             pb.addcdiv_(mb, denom, value=-step_size)
 
 
+def _has_fused(params: Sequence[torch.Tensor]) -> bool:
+    return hasattr(torch, "_fused_adamw_") and all(p.device.type in _FUSED_DEVICE_TYPES for p in params)
+
+
 def _fused(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay) -> None:
     steps = [torch.tensor(float(step), device=p.device) for p in params]
     torch._fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], steps, lr=lr,
@@ -105,11 +117,11 @@ class ChunkAdamW:
     payloads the model computes with. Gradients accumulate over micro-batches until then.
     """
 
-    def __init__(self, store, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, impl: str = "blocked"):  # fmt: skip
+    def __init__(self, store, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, impl: str = "auto"):  # fmt: skip
         if not (lr >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps >= 0 and weight_decay >= 0):
-            raise ConfigError(f"bad AdamW hyperparameters lr={lr} betas={betas} eps={eps} "
-                              f"weight_decay={weight_decay}: need lr, eps, weight_decay >= 0 and betas in [0, 1)")  # fmt: skip
+            raise ConfigError(f"bad AdamW hyperparameters lr={lr} betas={betas} eps={eps} weight_decay="
+                              f"{weight_decay}: need lr, eps, weight_decay >= 0 and betas in [0, 1)")  # fmt: skip
         if impl not in IMPLS:
             raise ConfigError(f"impl must be one of {IMPLS}; got {impl!r}")
         self.store = store
@@ -124,9 +136,10 @@ class ChunkAdamW:
         for chunk in store.trainable_chunks():
             by_device.setdefault(chunk.master.device, []).append(chunk)
         for chunks in by_device.values():
-            chunk_adamw_step([c.master for c in chunks], [c.grad for c in chunks], [c.exp_avg for c in chunks],
-                             [c.exp_avg_sq for c in chunks], step=self.num_steps, lr=self.lr, beta1=self.betas[0],
-                             beta2=self.betas[1], eps=self.eps, weight_decay=self.weight_decay, impl=self.impl)  # fmt: skip
+            chunk_adamw_step([c.master for c in chunks], [c.grad for c in chunks],
+                             [c.exp_avg for c in chunks], [c.exp_avg_sq for c in chunks], step=self.num_steps,
+                             lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
+                             weight_decay=self.weight_decay, impl=self.impl)  # fmt: skip
         store.zero_grad()
         store.refresh_payloads()
 

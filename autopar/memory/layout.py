@@ -34,6 +34,8 @@ MIN_CHUNK_NUMEL = 1 << 20
 MAX_CHUNK_NUMEL = 1 << 26
 # Shards start at multiples of 16 elements (64 bytes in fp32): vector loads stay aligned on every rank.
 ALIGN_NUMEL = 16
+# Wastes this close (as a fraction of all elements) to the least count as equal in the size search.
+WASTE_TOLERANCE = 0.005
 # Geometric grid of candidate chunk sizes: 8 steps per doubling.
 _GRID_STEPS_PER_OCTAVE = 8
 # Run sums of consecutive parameters are candidate sizes (a transformer layer packs with no waste);
@@ -149,17 +151,25 @@ def _pack_group(group, chunk_numel: int, multiple: int, requires_grad: bool) -> 
 
 def packing_waste(sizes: Sequence[int], chunk_numel: int, *, multiple: int = ALIGN_NUMEL) -> int:
     """Elements a packing of parameters with these sizes (in order, one group) allocates but does not use."""
+    return _packing_stats(sizes, chunk_numel, multiple)[0]
+
+
+def _packing_stats(sizes: Sequence[int], chunk_numel: int, multiple: int) -> tuple[int, int]:
+    """(waste, number of chunks) of packing `sizes` as :func:`pack` does."""
     chunk_numel = round_up(chunk_numel, multiple)
-    waste, used = 0, 0
+    waste, used, num_chunks = 0, 0, 0
     for n in sizes:
         if n > chunk_numel:
             waste += round_up(max(n, 1), multiple) - n
+            num_chunks += 1
             continue
         if used + n > chunk_numel:
             waste += chunk_numel - used
             used = 0
+        if used == 0:
+            num_chunks += 1
         used += n
-    return waste + (round_up(used, multiple) - used if used else 0)
+    return waste + (round_up(used, multiple) - used if used else 0), num_chunks
 
 
 def choose_chunk_size(
@@ -169,6 +179,7 @@ def choose_chunk_size(
     min_numel: int = MIN_CHUNK_NUMEL,
     max_numel: int = MAX_CHUNK_NUMEL,
     multiple: int = ALIGN_NUMEL,
+    waste_tolerance: float = WASTE_TOLERANCE,
 ) -> int:
     """The chunk size (elements) with the least packing waste for parameters of these sizes.
 
@@ -181,10 +192,13 @@ def choose_chunk_size(
         min_numel, max_numel: bounds on the size; chunks below `min_numel` would make each
             collective and copy latency-bound. Candidates outside them are dropped.
         multiple: capacities are rounded up to it (see :func:`pack`).
+        waste_tolerance: wastes within this fraction of the total of the least one count as equal;
+            among those the size giving the fewest chunks wins (fewer, larger collectives; and
+            below the largest tensors every size has no waste, each tensor being its own chunk),
+            then the smallest size.
 
     Returns:
-        A size in `[min_numel, max_numel]` rounded up to `multiple`; among sizes of equal waste the
-        smallest (finer placement and prefetch).
+        A size in `[min_numel, max_numel]`, rounded up to `multiple`.
     """
     if min_numel < 1 or max_numel < min_numel:
         raise ConfigError(f"need 1 <= min_numel <= max_numel; got min_numel={min_numel}, max_numel={max_numel}")
@@ -193,7 +207,10 @@ def choose_chunk_size(
     pool = sorted({round_up(c, multiple) for c in pool if min_numel <= c <= max_numel})
     if not pool:
         raise ConfigError(f"no candidate chunk size lies in [{min_numel}, {max_numel}]; widen the bounds")
-    return min(pool, key=lambda c: (packing_waste(sizes, c, multiple=multiple), c))
+    stats = {c: _packing_stats(sizes, c, multiple) for c in pool}
+    least = min(w for w, _ in stats.values())
+    slack = waste_tolerance * sum(sizes)
+    return min((c for c in pool if stats[c][0] <= least + slack), key=lambda c: (stats[c][1], c))
 
 
 def _default_candidates(sizes: list[int], lo: int, hi: int) -> list[int]:

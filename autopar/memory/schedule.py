@@ -31,7 +31,8 @@ class ChunkScheduler:
     Args:
         store: the store whose parameters are bound into `module` (:meth:`ChunkStore.bind`).
         module: the model.
-        prefetch: start gathering the next chunk (in the recorded order) while the current one computes.
+        prefetch: start gathering the next chunk (in the recorded order) while the current one computes,
+            one chunk ahead at most, when that keeps the store's tracked device bytes within the tracker's budget (if it has one).
     """
 
     def __init__(self, store: ChunkStore, module: torch.nn.Module, *, prefetch: bool = True):
@@ -41,6 +42,7 @@ class ChunkScheduler:
         self._recording = True
         self._used: dict[int, set[str]] = {}
         self._backward_queued = False
+        self._prefetched: Chunk | None = None  # gathered ahead and not used yet
         name_of = {id(p): n for n, p in store.params.items()}
         self._module_params: dict[torch.nn.Module, list[str]] = {}
         for mod in module.modules():
@@ -62,6 +64,8 @@ class ChunkScheduler:
         return list({id(c): c for c in (self.store.chunk_of(n) for n in self._module_params[mod])}.values())
 
     def _gather(self, chunk: Chunk, direction: int) -> None:
+        if chunk is self._prefetched:
+            self._prefetched = None
         if not chunk.resident:
             self.store.gather(chunk)
             if self._recording and chunk.index not in self._order:
@@ -69,7 +73,17 @@ class ChunkScheduler:
         if self.prefetch and not self._recording and chunk.index in self._order:
             pos = self._order.index(chunk.index) + direction
             if 0 <= pos < len(self._order):
-                self.store.prefetch(self.store.chunks[self._order[pos]])
+                self._prefetch(self.store.chunks[self._order[pos]])
+
+    def _prefetch(self, chunk: Chunk) -> None:
+        """Prefetch one chunk ahead at most, and not past the tracker's budget."""
+        if chunk.resident or chunk.pending is not None or self._prefetched is not None:
+            return
+        tracker = self.store.tracker
+        nbytes = chunk.payload.numel() * chunk.payload.element_size()
+        if tracker.budget_bytes is None or tracker.current + nbytes <= tracker.budget_bytes:
+            self.store.prefetch(chunk)
+            self._prefetched = chunk
 
     # ------------------------------------------------------------------------- forward
 
@@ -121,6 +135,7 @@ class ChunkScheduler:
         self._backward_queued = False
         self._recording = False
         self._used.clear()
+        self._prefetched = None
         self.store.finish_grads()
         for chunk in self.store.chunks:
             self.store.release(chunk)

@@ -1,4 +1,4 @@
-"""ChunkStore: parameters, gradients and AdamW states in chunks, placed on the device or the host, sharded over the data axis.
+"""ChunkStore: parameters, gradients and AdamW states in chunks, on the device or the host, sharded over dp.
 
 Each chunk (see :mod:`autopar.memory.layout`) owns:
 - `payload`: the full chunk in the compute dtype (fp32, or bf16/fp16 for mixed precision) on the
