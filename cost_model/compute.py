@@ -21,6 +21,10 @@ Conventions (per op, M·N·K for a product of an M x K and a K x N matrix):
   Reshape and contiguous are free when they can return a view, and a copy otherwise; a dtype
   conversion is free when the dtype does not change.
 - nodes with no floating output have no backward.
+- autopar's fused Triton ops (`autopar::flash_attention`, `autopar::rms_norm`,
+  `autopar::layer_norm`, `autopar::linear_cross_entropy`) are registered by name, so pricing
+  never imports Triton: attention as above; a norm is one read/write pass plus its row statistics;
+  the loss is the head's GEMMs and softmax without the tokens x vocab logits (see each entry).
 
 Bytes use the element sizes of the graph's real dtypes. An op without an entry is priced
 like an elementwise op and its target recorded in `UNKNOWN_OPS`, so reports can list what was
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -66,7 +70,12 @@ UNKNOWN_OPS: set[str] = set()  # str(target) of every op priced by the elementwi
 
 
 def register_op_cost(*targets):
-    """Decorator: register `fn(node) -> OpCost` as the cost of each ATen target in `targets`."""
+    """Decorator: register `fn(node) -> OpCost` as the cost of each target in `targets`.
+
+    A target is an op overload (`aten.mm.default`) or the qualified name of an op's default
+    overload (`"autopar::flash_attention"`): a name prices an op whose module registers it later,
+    so that importing the cost model does not import that module (the Triton kernels).
+    """
 
     def wrap(fn: Callable[[fx.Node], OpCost]) -> Callable[[fx.Node], OpCost]:
         for target in targets:
@@ -138,6 +147,8 @@ def estimate_node_cost(node: fx.Node) -> OpCost:
     if node.op != "call_function" or not tensors_of(node):
         return FREE  # placeholders, outputs, asserts and symbolic-size ops launch no kernel
     fn = _REGISTRY.get(node.target)
+    if fn is None and isinstance(node.target, torch._ops.OpOverload):
+        fn = _REGISTRY.get(node.target.name())
     if fn is None:
         UNKNOWN_OPS.add(str(node.target))
         return elementwise_cost(node)
@@ -406,6 +417,70 @@ def _sdpa(node: fx.Node) -> OpCost:
     # backward reads q, k, v, O, dO (and the mask) and writes dq, dk, dv
     bwd_bytes = 2 * qkv + 2 * _nbytes([out]) + mask_bytes
     return OpCost(flops, qkv + mask_bytes + _nbytes([out]), 2.5 * flops, bwd_bytes, is_matmul=True)
+
+
+# ------------------------------------------------------------------------------ fused Triton ops
+# Registered by name: autopar.triton_kernels defines these ops, and the cost model must not import it.
+
+
+@register_op_cost("autopar::flash_attention")
+def _flash_attention(node: fx.Node) -> OpCost:
+    """q [b, h, sq, d], k and v [b, hk, sk, d]: 4·b·h·sq·sk·d forward (QKᵀ and PV), halved when causal; 2.5x backward.
+
+    Bytes never include the sq x sk scores: the forward reads q, k, v and writes O and the fp32
+    log-sum-exp per row; the backward reads q, k, v, O, dO and the LSE, writes dq, dk, dv, and
+    writes then reads delta = rowsum(dO·O), one LSE-sized array.
+    """
+    q, k, v = (node_arg(node, name) for name in ("q", "k", "v"))
+    out, lse = tensors_of(node)[:2]
+    sq, d, sk = q.shape[-2], q.shape[-1], k.shape[-2]
+    flops = 4.0 * (q.numel() / (sq * d)) * sq * sk * d
+    if node_arg(node, "causal", False):
+        flops *= 0.5
+    qkv, o, stats = _nbytes([q, k, v]), _nbytes([out]), _nbytes([lse])
+    return OpCost(flops, qkv + o + stats, 2.5 * flops, 2 * qkv + 2 * o + 3 * stats, is_matmul=True)
+
+
+def _with_row_stats(cost: OpCost, stats: list[torch.Tensor]) -> OpCost:
+    """A fused norm also writes its fp32 row statistics in the forward and reads them in the backward."""
+    extra = _nbytes(stats)
+    return replace(cost, bytes_accessed=cost.bytes_accessed + extra, backward_bytes=cost.backward_bytes + extra)
+
+
+@register_op_cost("autopar::rms_norm")
+def _fused_rms_norm(node: fx.Node) -> OpCost:
+    """One pass over x: read x and the weight, write y and rstd; FLOPs as `aten.rms_norm` (4 per element)."""
+    return _with_row_stats(_norm_cost(node, 4.0), tensors_of(node)[1:])
+
+
+@register_op_cost("autopar::layer_norm")
+def _fused_layer_norm(node: fx.Node) -> OpCost:
+    """One pass over x: read x, weight and bias, write y, mean and rstd; FLOPs as `aten.layer_norm` (5 per element)."""
+    return _with_row_stats(_norm_cost(node, 5.0), tensors_of(node)[1:])
+
+
+@register_op_cost("autopar::linear_cross_entropy")
+def _linear_cross_entropy(node: fx.Node) -> OpCost:
+    """hidden [..., H] (N tokens), weight [V, H]: the LM head's GEMMs and the softmax, without the N x V logits.
+
+    The kernel computes the gradients during its forward, so the forward holds all the work: the
+    head GEMM 2·N·V·H and the softmax and loss 5·N·V, and, for each input whose gradient it was asked
+    for, softmax - onehot (3·N·V, once) and one gradient GEMM of 2·N·V·H (dH = dZ·W, dW = dZᵀ·H).
+    The backward only scales the saved gradients by the loss's gradient.
+
+    Bytes: hidden, weight and labels read, the loss and the gradients written; none of the logits.
+    (The chunked implementation passes each chunk's logits through memory and re-reads the weight
+    per chunk; this prices the fused op, not those transients.)
+    """
+    hidden, weight, labels = (node_arg(node, name) for name in ("hidden", "weight", "labels"))
+    grads = [g for g in tensors_of(node)[1:] if g.numel()]  # empty when a gradient was not asked for
+    tokens, vocab = hidden.numel() / hidden.shape[-1], weight.shape[0]
+    logits = tokens * vocab
+    flops = 2.0 * logits * hidden.shape[-1] + 5.0 * logits
+    if grads:
+        flops += 3.0 * logits + len(grads) * 2.0 * logits * hidden.shape[-1]
+    moved = _nbytes([hidden, weight, labels]) + _nbytes(tensors_of(node)[:1]) + _nbytes(grads)
+    return OpCost(flops, moved, _numel(grads), 2 * _nbytes(grads), is_matmul=True)
 
 
 # ------------------------------------------------------------------------------------- timing
