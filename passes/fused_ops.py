@@ -184,12 +184,13 @@ class _Fuser:
         if not _is_softmax_last_dim(softmax):
             return
         scores, mask = _split_mask(softmax.args[0])
-        qk, scale = _strip_scale(scores)
+        qk, scale, scaling = _strip_scale(scores)
         k = _key_of(qk)
         pv = _probabilities_consumer(softmax) if k is not None else None
         if pv is None:
             return  # not the pattern: some other softmax
-        if any(len(_real_users(n)) != 1 for n in _chain(qk, softmax)):
+        between = [softmax, *([softmax.args[0]] if mask is not None else []), *scaling, qk]
+        if any(len(_real_users(n)) != 1 for n in between):
             raise _Skip("the attention scores or probabilities have other users (output_attentions?)")
         q, v = qk.args[0], pv.args[1]
         causal = False
@@ -269,25 +270,21 @@ class _Fuser:
     def _fuse_linear_cross_entropy(self, loss: fx.Node) -> None:
         a = _bind(loss)
         logits, labels = a["self"], a["target"]
-        if loss.target != aten.cross_entropy_loss.default:
-            if logits.target not in (aten.log_softmax.int, aten._log_softmax.default) or logits.args[1] not in (-1, 1):
-                return  # an nll_loss of something else than log-probabilities over the classes
-            logits = logits.args[0]
-        chain, head = _logits_chain(logits)
-        if head is None:
-            return  # the logits do not come from a linear layer
+        chain, head, log_probs = _logits_chain(logits)
+        if head is None or (loss.target != aten.cross_entropy_loss.default and not log_probs):
+            return  # not an LM head's loss (a cross-entropy of log-probabilities equals that of the logits)
         if a["weight"] is not None or a["reduction"] != 1 or a.get("label_smoothing", 0.0):
             raise _Skip("only the unweighted mean loss without label smoothing is fused")
         if _val(logits).dim() != 2:
             raise _Skip(f"logits of shape {tuple(_val(logits).shape)}: the class dim must be the last of a 2-D input")
-        hidden, weight, bias = _bind(head)["input"], _bind(head)["weight"], _bind(head)["bias"]
+        hidden, weight, bias = (_bind(head)[name] for name in ("input", "weight", "bias"))
         if bias is not None:
             raise _Skip("the LM head has a bias")
         with self.graph.inserting_before(loss):
             rows = self._replay_on_hidden(loss, chain, hidden)
             args = (rows, weight, labels, int(a["ignore_index"]), 0, True, True)
-            out = self._emit(loss, operator.getitem, (self._emit(loss, torch.ops.autopar.linear_cross_entropy.default,
-                                                                 args), 0))  # fmt: skip
+            fused = self._emit(loss, torch.ops.autopar.linear_cross_entropy.default, args)
+            out = self._emit(loss, operator.getitem, (fused, 0))
             if _val(out).dtype != _val(loss).dtype:
                 out = self._emit(loss, aten.to.dtype, (out, _val(loss).dtype))
         self._replace(loss, out, "linear_cross_entropy")
@@ -377,8 +374,8 @@ def _only_user(node: fx.Node) -> fx.Node | None:
 def _is_identity_dropout(node: fx.Node) -> bool:
     if node.target != aten.dropout.default:
         return False
-    _, p, train = node.args
-    return p == 0 or not train
+    a = _bind(node)
+    return a["p"] == 0 or not a["train"]
 
 
 def _is_softmax_last_dim(node: fx.Node) -> bool:
@@ -400,20 +397,21 @@ def _split_mask(x: fx.Node) -> tuple[fx.Node, fx.Node | None]:
     return x, None
 
 
-def _strip_scale(x: fx.Node) -> tuple[fx.Node, float]:
-    """Walk up multiplications and divisions by python numbers: (the node below them, the scale they apply)."""
-    scale = 1.0
+def _strip_scale(x: fx.Node) -> tuple[fx.Node, float, list[fx.Node]]:
+    """Walk up multiplications and divisions by python numbers: (the node above them, their scale, the walked nodes)."""
+    scale, walked = 1.0, []
     muls, divs = (aten.mul.Tensor, aten.mul.Scalar), (aten.div.Tensor, aten.div.Scalar)
     while isinstance(x, fx.Node) and x.target in muls + divs and not x.kwargs:
         a, b = x.args[:2]
         if isinstance(a, fx.Node) and isinstance(b, (int, float)):
-            scale = scale * b if x.target in muls else scale / b
-            x = a
+            scale, source = (scale * b if x.target in muls else scale / b), a
         elif isinstance(b, fx.Node) and isinstance(a, (int, float)) and x.target in muls:
-            scale, x = scale * a, b
+            scale, source = scale * a, b
         else:
             break
-    return x, scale
+        walked.append(x)
+        x = source
+    return x, scale, walked
 
 
 def _key_of(qk: fx.Node) -> fx.Node | None:
@@ -434,31 +432,11 @@ def _probabilities_consumer(softmax: fx.Node) -> fx.Node | None:
         if user.target == aten.matmul.default and user.args[0] is p:
             return user
         if user.target == aten.dropout.default and not _is_identity_dropout(user):
-            raise _Skip(f"attention dropout p={user.args[1]}: the flash kernel has no dropout")
+            raise _Skip(f"attention dropout p={_bind(user)['p']}: the flash kernel has no dropout")
         if user.target not in _CASTS | _IDENTITIES and user.target != aten.dropout.default:
             return None
         p = user
     return None
-
-
-def _chain(qk: fx.Node, softmax: fx.Node) -> list[fx.Node]:
-    """The nodes from the score matmul to the softmax (scale, mask add), each followed by its input."""
-    nodes, x = [softmax], softmax.args[0]
-    while x is not qk:
-        nodes.append(x)
-        x = next(a for a in x.args if isinstance(a, fx.Node) and (a is qk or _reaches(a, qk)))
-    return [*nodes, qk]
-
-
-def _reaches(node: fx.Node, target: fx.Node) -> bool:
-    """Whether `target` is `node` or above it through first tensor arguments (short scale chains only)."""
-    for _ in range(8):
-        if node is target:
-            return True
-        node = next((a for a in node.args if isinstance(a, fx.Node)), None)
-        if node is None:
-            return False
-    return False
 
 
 def _match_rms_norm(mean: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node] | None:
@@ -508,26 +486,35 @@ def _check_last_dim_norm(normalized_shape, weight) -> None:
         raise _Skip("no weight (elementwise_affine=False); the kernel needs one")
 
 
-def _logits_chain(logits: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
-    """(row views, slices and casts from the head's output to `logits`, in order; the linear head) or ([], None)."""
-    chain, x = [], logits
+def _logits_chain(logits: fx.Node) -> tuple[list[fx.Node], fx.Node | None, bool]:
+    """From the loss's input up to a linear head: (the row views, slices and casts in between, in order; the head;
+    whether a log_softmax over the classes is among them), or ([], None, False)."""
+    chain, x, log_probs = [], logits, False
     while isinstance(x, fx.Node) and x.op == "call_function":
         if x.target == aten.linear.default:
-            return chain[::-1], x
+            return chain[::-1], x, log_probs
         source = x.args[0]
-        if not isinstance(source, fx.Node):
+        if not isinstance(source, fx.Node) or not _keeps_classes_last(x, source):
             break
-        if x.target in _RESHAPES and _val(x).shape[-1] != _val(source).shape[-1]:
-            break  # the vocab dim is reshaped: not a view over rows
-        if x.target == aten.slice.Tensor and (x.args[1] if len(x.args) > 1 else 0) % _val(source).dim() == (
-            _val(source).dim() - 1
-        ):
-            break  # a slice of the vocabulary
-        if x.target not in _RESHAPES | _CASTS | _IDENTITIES | {aten.slice.Tensor}:
+        if x.target in (aten.log_softmax.int, aten._log_softmax.default):
+            log_probs = True
+        elif x.target not in _RESHAPES | _CASTS | _IDENTITIES | {aten.slice.Tensor}:
             break
         chain.append(x)
         x = source
-    return [], None
+    return [], None, False
+
+
+def _keeps_classes_last(node: fx.Node, source: fx.Node) -> bool:
+    """Whether `node` maps `source`'s rows to rows and leaves its last (class) dim alone."""
+    last = _val(source).dim() - 1
+    if node.target in _RESHAPES:
+        return _val(node).shape[-1] == _val(source).shape[-1]
+    if node.target == aten.slice.Tensor:
+        return (node.args[1] if len(node.args) > 1 else 0) % (last + 1) != last
+    if node.target in (aten.log_softmax.int, aten._log_softmax.default):
+        return node.args[1] % (last + 1) == last
+    return True
 
 
 # ---------------------------------------------------------------------------------------- masks

@@ -250,3 +250,25 @@ def test_getitem_of_native_layer_norm_is_replaced():
     assert not _calls(case.gm, aten.native_layer_norm.default)
     assert all(n.args[0].target != aten.native_layer_norm.default for n in _calls(case.gm, operator.getitem))
     _assert_same_numerics(case)
+
+
+def test_shifted_logits_with_log_softmax_and_nll_loss_are_fused():
+    class ShiftedLoss(torch.nn.Module):  # the older Hugging Face loss: shift the logits, not the labels
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 32, bias=False)
+
+        def forward(self, x, labels):
+            logits = self.head(torch.tanh(self.body(x)))[:, :-1].float()
+            log_probs = F.log_softmax(logits, dim=-1).reshape(-1, 32)
+            return (F.nll_loss(log_probs, labels[:, 1:].reshape(-1), ignore_index=-1),)
+
+    torch.manual_seed(0)
+    labels = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    labels[0, 3:] = -1
+    case = _case(ShiftedLoss(), (_x(), labels))
+    (fused,) = _calls(case.gm, autopar_ops.linear_cross_entropy.default)
+    assert fused.args[3] == -1  # the loss's ignore_index
+    assert fused.args[0].meta["val"].shape == (10, 16)  # hidden rows shifted like the logits: 2 x 5 tokens
+    assert not _calls(case.gm, aten.log_softmax.int)
+    _assert_same_numerics(case)
