@@ -145,4 +145,3 @@ class ChunkAdamW:
 
     def zero_grad(self) -> None:
         self.store.zero_grad()
-

@@ -20,6 +20,7 @@ import torch
 
 from autopar import presets
 from autopar.memory.adamw import chunk_adamw_step
+from autopar.memory.layout import ParamSpec
 from autopar.memory.store import ChunkStore
 
 HPARAMS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 1e-2}
@@ -72,8 +73,6 @@ def run(layers: int, hidden: int, repeats: int, threads: list[int], chunk_numel:
     num = sum(v.numel() for v in values.values())
     g = torch.Generator().manual_seed(1)
     grads = {n: torch.randn(v.shape, generator=g) * 1e-3 for n, v in values.items()}
-    from autopar.memory.layout import ParamSpec
-
     store = ChunkStore([ParamSpec(n, tuple(v.shape)) for n, v in values.items()], chunk_numel=chunk_numel,
                        device="cpu")  # fmt: skip
     store.load_state(values)

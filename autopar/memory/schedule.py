@@ -32,7 +32,8 @@ class ChunkScheduler:
         store: the store whose parameters are bound into `module` (:meth:`ChunkStore.bind`).
         module: the model.
         prefetch: start gathering the next chunk (in the recorded order) while the current one computes,
-            one chunk ahead at most, when that keeps the store's tracked device bytes within the tracker's budget (if it has one).
+            one chunk ahead at most, and only while the store's tracked device bytes stay within the
+            tracker's budget (if it has one).
     """
 
     def __init__(self, store: ChunkStore, module: torch.nn.Module, *, prefetch: bool = True):
