@@ -111,3 +111,19 @@ def test_cost_model_does_not_import_the_kernels():
     code = "import sys, autopar.cost_model; print('autopar.triton_kernels' in sys.modules, 'triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_linear_cross_entropy_does_the_eager_work_in_its_forward():
+    # The fused loss runs the head's forward and backward GEMMs and the softmax in its forward: the same
+    # arithmetic as aten.linear + aten.cross_entropy_loss over forward and backward together.
+    tokens, hidden_dim, vocab = 64, 32, 1000
+    h, w = _meta(tokens, hidden_dim, dtype=torch.float32), _meta(vocab, hidden_dim, dtype=torch.float32)
+    labels = torch.empty(tokens, dtype=torch.long, device="meta")
+    fused = estimate_node_cost(_node(autopar_ops.linear_cross_entropy.default, (h, w, labels, -100, 0, True, True)))
+    head = estimate_node_cost(_node(aten.linear.default, (h, w)))
+    logits = _meta(tokens, vocab, dtype=torch.float32)
+    loss = estimate_node_cost(_node(aten.cross_entropy_loss.default, (logits, labels)))
+    eager = head.flops + head.backward_flops + loss.flops + loss.backward_flops
+    assert fused.flops == eager
+    # the eager cross-entropy alone, over forward and backward, moves more than the whole fused loss
+    assert fused.bytes_accessed + fused.backward_bytes < loss.bytes_accessed + loss.backward_bytes
