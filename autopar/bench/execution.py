@@ -289,7 +289,8 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
     config = presets.load_config(spec.preset, **dict(spec.overrides))
     torch.manual_seed(0)
     base = presets.build_model(config, device="cpu", dtype=torch.float32)
-    ids = torch.randint(0, config.vocab_size, (spec.batch_size, spec.seq_len), generator=torch.Generator().manual_seed(1))
+    batch_rng = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (spec.batch_size, spec.seq_len), generator=batch_rng)
     skip = {"tp": tp_skip_reason(config, world)}
     methods = {n: cls(copy.deepcopy(base), ids, rank, world) for n, cls in METHODS.items() if not skip.get(n)}
     for m in methods.values():
@@ -328,7 +329,8 @@ def _rank_main(rank: int, world: int, folder: str, models, settings, show_progre
         result = [_train_model(spec, settings, rank, world, say) for spec in models]
         torch.save({"ok": True, "result": result}, f"{folder}/rank{rank}.pt")
     except BaseException as e:  # the parent reports it with this rank's traceback
-        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}, f"{folder}/rank{rank}.pt")
+        error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        torch.save({"ok": False, "error": error}, f"{folder}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -416,7 +418,8 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
 def _cpu_world(cluster: str) -> int:
     text = str(cluster).strip().lower()
     if not text.startswith("cpu:") or not text[4:].isdigit() or int(text[4:]) < 1:
-        raise ConfigError(f"bench run trains on local CPU ranks: --cluster must be 'cpu:N' (e.g. cpu:2), got {cluster!r}")
+        raise ConfigError(f"bench run trains on local CPU ranks: --cluster must be 'cpu:N' (e.g. cpu:2), "
+                          f"got {cluster!r}")
     return int(text[4:])
 
 
@@ -437,8 +440,8 @@ def markdown(doc: dict) -> str:
         f"Measured on {doc['world_size']} gloo ranks, one thread each: {s['warmup_steps']} warm-up steps, then "
         f"{s['repetitions']} repetitions of {s['steps_per_repetition']} steps per method, methods in rotating "
         f"order. Step time: {doc['time_measure']}. Memory: {doc['memory_measure']}. " + env_md(doc["environment"]),
-        md_table(["model", "method", "median step", "range (spread)", "states per rank", "peak RSS growth",
-                  "time / best baseline", "autopar predicted step"], rows),
+        md_table(["model", "method", "median step", "min – max ((max − min) / median)", "states per rank",
+                  "peak RSS growth", "time / best baseline", "autopar predicted step"], rows),
     ]) + "\n"  # fmt: skip
 
 
