@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 import time
 import warnings
@@ -10,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from autopar.cluster import ClusterSpec
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted
 from autopar.trace import trace_model
@@ -82,6 +83,52 @@ def _estimator(kind, cluster: ClusterSpec, precision: str):
     raise ConfigError(f"estimator {kind!r}: expected 'analytic', 'profile' or a ComputeEstimator")
 
 
+# Layers of a preset traced when its layers are all alike: the trace stands for the whole depth
+# (see OpGraph.edge_weight). Two is the fewest that show how one layer feeds the next.
+_SHORT_TRACE_LAYERS = 2
+# Model types whose layers are identical by construction (no per-layer kinds in their configs).
+_UNIFORM_MODEL_TYPES = {"llama", "gpt2", "bert", "mistral", "qwen2", "opt", "gpt_neox", "gptj", "roberta"}
+
+
+def _trace_shortened(module, args, kwargs, say) -> OpGraph | None:
+    """Trace a preset with two of its identical layers standing for all of them; None when that is not valid."""
+    from autopar import presets
+
+    config = getattr(module, "config", None)
+    if config is None or config.model_type not in _UNIFORM_MODEL_TYPES:
+        return None
+    depth = int(getattr(config, "num_hidden_layers", 0) or 0)
+    if depth <= _SHORT_TRACE_LAYERS:
+        return None
+    if any(isinstance(v, (list, tuple)) and len(v) == depth for v in config.to_dict().values()):
+        return None  # a per-layer setting: layers may differ
+    dtype = next(module.parameters()).dtype
+    short_config = copy.deepcopy(config)
+    short_config.num_hidden_layers = _SHORT_TRACE_LAYERS
+    short = presets.build_model(short_config, device="meta", dtype=dtype)
+    traced = trace_model(short, args, kwargs)
+    probe = OpGraph.from_traced(traced)
+    containers = {c for c, _ in probe.node_layer.values() if c is not None}
+    if len(containers) != 1:
+        return None
+    try:
+        graph = OpGraph.from_traced(traced, layer_repeats={containers.pop(): depth})
+    except ValueError:
+        return None
+    say(f"traced {_SHORT_TRACE_LAYERS} of {depth} identical layers; each stands for {depth / _SHORT_TRACE_LAYERS:g}")
+    return graph
+
+
+def _expand_placements(graph: OpGraph, placements: dict) -> dict:
+    """Parameter placements under every name of the model (a shortened trace names its first layers only)."""
+    layer = {p.name: p.layer for p in graph.params.values()}
+    out = {}
+    for fqn, pl in placements.items():
+        for name in graph.expand_param_name(fqn, layer.get(fqn, (None, None))):
+            out[name] = pl
+    return out
+
+
 def _flops(graph: OpGraph, tokens: int) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one step: 6 per parameter per token plus attention; all executed FLOPs."""
     from autopar.cost_model.compute import estimate_node_cost
@@ -89,12 +136,13 @@ def _flops(graph: OpGraph, tokens: int) -> tuple[float, float]:
     attention = 0.0
     hardware = 0.0
     for node in graph.graph.nodes:
-        if node.op != "call_function":
+        times = graph.layer_count.get(node.name, 1)
+        if node.op != "call_function" or not times:
             continue
         cost = estimate_node_cost(node)
-        hardware += cost.flops + cost.backward_flops
+        hardware += times * (cost.flops + cost.backward_flops)
         if node.target == torch.ops.aten.scaled_dot_product_attention.default:
-            attention += cost.flops + cost.backward_flops
+            attention += times * (cost.flops + cost.backward_flops)
     return 6.0 * graph.num_parameters() * tokens + attention, hardware
 
 
@@ -134,9 +182,13 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
                                                 global_batch_size, seq_len)  # fmt: skip
     say(f"tracing {name}")
-    traced = _traced if _traced is not None else trace_model(module, args, kwargs)
-    frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
-    graph = OpGraph.from_traced(traced, frozen_params=frozen)
+    graph = None
+    if _traced is None and isinstance(model, str):
+        graph = _trace_shortened(module, args, kwargs, say)
+    if graph is None:
+        traced = _traced if _traced is not None else trace_model(module, args, kwargs)
+        frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
+        graph = OpGraph.from_traced(traced, frozen_params=frozen)
     t_trace = time.perf_counter() - t0
     batch = _batch_size(args, kwargs)
     say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} deduplicated)")
@@ -163,7 +215,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     alternatives = tuple(
         {"dp": r.dp, "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
          "compute_s": r.compute_s, "reshard_s": r.reshard_s, "grad_sync_s": r.grad_sync_s,
-         "zero_stage": r.zero_stage, "memory": r.memory, "solve_time_s": r.solve_time_s}
+         "zero_stage": r.zero_stage, "memory": r.memory, "solve_time_s": r.solve_time_s, "reason": r.reason}
         for r in sol.candidates
     )  # fmt: skip
     stats = {
@@ -172,6 +224,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         "total_time_s": round(time.perf_counter() - t0, 3),
         "solver": solver_name(),
         "graph_nodes": len(graph.graph.nodes),
+        "traced_layers": {c: k for c, (k, _) in graph.repeats.items()},
         "decision_groups": sol.num_groups,
         "layers": graph.num_layers,
         "deduplicated_layers": graph.deduplicated_layers,
@@ -190,7 +243,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         model_flops_per_step=model_flops,
         hardware_flops_per_step=hw_flops,
         predicted=predicted,
-        param_placements=sol.param_placements,
+        param_placements=_expand_placements(graph, sol.param_placements),
         node_output=sol.node_output,
         node_inputs=sol.node_inputs,
         node_strategy=sol.node_strategy,
@@ -242,7 +295,32 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
         # The graph runs once per micro-batch, and its shapes are those it was traced with.
         args, kwargs = _micro_batch_example(tuple(example_inputs), dict(example_kwargs or {}), plan)
         traced = trace_model(model, args, kwargs)
+        plan = _rebind_to_micro_graph(plan, model, cluster, traced, args, kwargs)
     return ParallelModule(model, traced, plan, cluster, optimizer=optimizer)
+
+
+def _rebind_to_micro_graph(plan: Plan, model, cluster, traced, args, kwargs) -> Plan:
+    """The plan's placements for the graph traced at the micro-batch size.
+
+    Usually that graph has the same nodes as the one planned; where the smaller batch changes it
+    (a batch of one drops some expands), the placements are solved again on it with the plan's mesh,
+    ZeRO stage and memory pinned: the same program, so the same predictions.
+    """
+    import dataclasses
+
+    names = {n.name for n in traced.exported.graph.nodes}
+    if all(n in names for n in plan.node_output):
+        return plan
+    pins = {"dp": plan.mesh["dp"], "tp": plan.mesh["tp"], "zero": plan.zero_stage, "num_microbatches": 1}
+    budget = plan.predicted.peak_memory_bytes * 1.01
+    try:
+        micro = globals()["plan"](model, cluster, args, kwargs, _traced=traced, constraints=pins,
+                                  memory_budget=budget, precision=plan.precision)  # fmt: skip
+    except InfeasiblePlanError:
+        micro = globals()["plan"](model, cluster, args, kwargs, _traced=traced, constraints=pins,
+                                  precision=plan.precision, memory_budget=float("inf"))  # fmt: skip
+    return dataclasses.replace(plan, node_output=micro.node_output, node_inputs=micro.node_inputs,
+                               node_strategy=micro.node_strategy, param_placements=micro.param_placements)  # fmt: skip
 
 
 def _micro_batch_example(args, kwargs, plan: Plan):

@@ -69,7 +69,7 @@ def render_markdown(plan) -> str:
             f"{alt['step_time_s'] * 1e3:,.2f}" if alt["feasible"] else "-",
             f"{alt['compute_s'] * 1e3:,.2f}", f"{alt['reshard_s'] * 1e3:,.2f}", f"{alt['grad_sync_s'] * 1e3:,.2f}",
             str(alt["zero_stage"]) if alt["feasible"] else "-",
-            f"{sum(alt['memory'].values()) / GIB:,.2f}" if alt["feasible"] else "does not fit",
+            f"{sum(alt['memory'].values()) / GIB:,.2f}" if alt["feasible"] else alt.get("reason") or "does not fit",
         ])  # fmt: skip
     lines += _table(["mesh", "micro-batches", "step ms", "compute ms", "reshard ms", "grad sync ms", "ZeRO",
                      "memory GiB"], rows)  # fmt: skip

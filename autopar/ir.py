@@ -148,6 +148,9 @@ class OpGraph:
     num_layers: int
     deduplicated_layers: int
     _nodes: dict[str, fx.Node] = field(repr=False)
+    node_layer: dict[str, tuple[str | None, int | None]] = field(default_factory=dict, repr=False)
+    # container -> (layers traced, layers of the model) where a shortened trace stands for a deeper model
+    repeats: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def graph(self) -> fx.Graph:
@@ -160,11 +163,53 @@ class OpGraph:
         return list(self.graph.nodes)
 
     def num_parameters(self) -> int:
-        return sum(p.meta.numel for p in self.params.values() if p.requires_grad)
+        """Trainable parameters of the model (each deduplicated layer counted as often as it occurs)."""
+        return sum(p.meta.numel * self.layer_count[n] for n, p in self.params.items() if p.requires_grad)
+
+    def edge_weight(self, producer: str, consumer: str) -> float:
+        """How many uses in the model one use of `producer` by `consumer` in the traced graph stands for.
+
+        1 for a full trace. For a shortened trace of k identical layers standing for n: a use inside a
+        layer, or of a value from outside the layers that every layer reads (a mask), occurs once per
+        layer (n/k per traced use); a use of the previous layer's output occurs n-1 times (k-1 traced);
+        anything else (the embedding into the first layer, the last layer into the head) once.
+        """
+        lc = self.node_layer.get(consumer, (None, None))
+        if lc[0] not in self.repeats:
+            return 1.0
+        k, n = self.repeats[lc[0]]
+        lp = self.node_layer.get(producer, (None, None))
+        if lp == lc:
+            return n / k
+        if lp[0] != lc[0]:
+            # from outside the layers: once per layer if every traced layer reads it (a mask), else
+            # once (the embedding that only the first layer reads)
+            readers = {self.node_layer.get(u.name) for u in self._nodes[producer].users}
+            return n / k if all((lc[0], i) in readers for i in range(k)) else 1.0
+        if lp[1] is not None and lc[1] is not None and lp[1] == lc[1] - 1:
+            return (n - 1) / (k - 1)
+        return 1.0
+
+    def expand_param_name(self, fqn: str, layer: tuple[str | None, int | None]) -> list[str]:
+        """The names a traced parameter stands for: itself, or one per layer of a shortened trace."""
+        container, idx = layer
+        if container not in self.repeats or idx != 0:
+            return [fqn]
+        prefix = f"{container}.{idx}."
+        rest = fqn[len(prefix):] if fqn.startswith(prefix) else None
+        if rest is None:
+            return [fqn]
+        return [f"{container}.{i}.{rest}" for i in range(self.repeats[container][1])]
 
     @classmethod
-    def from_traced(cls, traced: TracedModel, *, frozen_params: frozenset[str] = frozenset()) -> OpGraph:
-        """Build the view; `frozen_params` names parameters with requires_grad=False."""
+    def from_traced(cls, traced: TracedModel, *, frozen_params: frozenset[str] = frozenset(),
+                    layer_repeats: dict[str, int] | None = None) -> OpGraph:  # fmt: skip
+        """Build the view; `frozen_params` names parameters with requires_grad=False.
+
+        `layer_repeats` (container -> number of layers of the model) says the trace is shortened: it
+        holds fewer, identical layers of that container, each standing for n/k of the model's. Raises
+        ValueError when the traced layers are not all identical (the shortening is then not valid).
+        """
         nodes = {n.name: n for n in traced.exported.graph.nodes}
         placeholders = [n for n in traced.exported.graph.nodes if n.op == "placeholder"]
         kinds: dict[str, NodeKind] = {}
@@ -185,8 +230,20 @@ class OpGraph:
                 kinds[n.name] = NodeKind.COMPUTE
             elif n.op == "output":
                 kinds[n.name] = NodeKind.OUTPUT
-        rep, count, num_layers, dedup = _deduplicate_layers(traced.exported.graph, params)
-        return cls(traced, kinds, params, tuple(inputs), rep, count, num_layers, dedup, nodes)
+        rep, count, num_layers, dedup, node_layer = _deduplicate_layers(traced.exported.graph, params)
+        repeats: dict[str, tuple[int, int]] = {}
+        for container, n in (layer_repeats or {}).items():
+            idxs = sorted({i for c, i in node_layer.values() if c == container})
+            first = [name for name, layer in node_layer.items() if layer == (container, 0)]
+            k = len(idxs)
+            if k < 2 or idxs != list(range(k)) or any(count[name] != k for name in first):
+                raise ValueError(f"the traced layers of {container} are not {k} identical layers")
+            for name in first:
+                count[name] = n
+            repeats[container] = (k, n)
+            num_layers = max(num_layers, n)
+            dedup += n - k
+        return cls(traced, kinds, params, tuple(inputs), rep, count, num_layers, dedup, nodes, node_layer, repeats)
 
 
 def _layer_of_fqn(fqn: str, traced: TracedModel) -> tuple[str | None, int | None]:
@@ -216,8 +273,10 @@ def _signature(node: fx.Node) -> tuple:
 def _deduplicate_layers(graph: fx.Graph, params: dict[str, ParamInfo]):
     """Map the nodes of every layer isomorphic to the first layer of its container onto it."""
     by_layer: dict[tuple[str, int], list[fx.Node]] = defaultdict(list)
+    node_layer: dict[str, tuple[str | None, int | None]] = {}
     for n in graph.nodes:
         container, idx = _node_layer(n, params)
+        node_layer[n.name] = (container, idx)
         if container is not None:
             by_layer[(container, idx)].append(n)
     rep = {n.name: n.name for n in graph.nodes}
@@ -240,4 +299,4 @@ def _deduplicate_layers(graph: fx.Graph, params: dict[str, ParamInfo]):
                 rep[a.name] = b.name
                 count[b.name] += 1
                 count[a.name] = 0
-    return rep, count, num_layers, dedup
+    return rep, count, num_layers, dedup, node_layer

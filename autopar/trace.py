@@ -28,6 +28,7 @@ and what to do; the original exception is chained.
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import re
@@ -139,6 +140,7 @@ def trace_model(
     )
 
 
+@functools.lru_cache(maxsize=65536)
 def normalize_module_path(path: str) -> str:
     """The plain dotted module path of an ``nn_module_stack`` entry.
 

@@ -43,10 +43,26 @@ Constraints:
     M_state   parameter, gradient and optimizer bytes of w's local shard under stage s
     M_saved   bytes of the group's outputs kept for backward, split over dp and, where the
               output is sharded, over tp
+
+Micro-batches (gradient accumulation): with m micro-batches per data-parallel rank every op and
+every resharding runs m times on 1/(dp*m) of the batch, activations and working memory shrink by
+m, gradients are all-reduced once (stages 0, 1) or reduce-scattered per micro-batch (2, 3) and
+ZeRO-3 gathers parameters for each micro-batch's forward and backward. m is a parameter of the
+program, not a variable: each mesh is solved at the fewest micro-batches whose memory lower bound
+(every choice at its leanest) fits, and at more while that makes the step faster.
+
+How the programs are solved: the step time never falls as m or the ZeRO stage grows (for the same
+placements), so the program at the fewest micro-batches and the lowest stage, solved without the
+memory row, is a lower bound L(dp, tp) of everything its mesh can reach. Meshes are visited in
+order of L; a mesh whose L is not below the best plan found is not solved further; a mesh whose
+memory-free optimum fits is done. Otherwise each stage is solved with z fixed (presolve then
+removes the product rows, which HiGHS solves much faster than the joint program), stopping at a
+stage that reaches L.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -267,6 +283,7 @@ class ShardingProgram:
         self.u: dict[tuple[str, int, int], pulp.LpVariable] = {}
         self.cost_terms: dict[str, list] = defaultdict(list)
         self.memory_terms: dict[str, list] = defaultdict(list)
+        self.last_choice: dict[str, int] = {}  # strategy index per group of the last solution
         self._build_groups()
 
     # ------------------------------------------------------------------ groups and their strategies
@@ -433,7 +450,7 @@ class ShardingProgram:
         cache = _analysis(self.graph)
         if "edges" in cache and cache["edges"][0] == self.group_of:
             return cache["edges"][1]
-        edges: dict[tuple[str, str, str, str, int], int] = defaultdict(int)
+        edges: dict[tuple[str, str, str, str, int], float] = defaultdict(float)
         for node in self.graph.graph.nodes:
             if node.op != "call_function":
                 continue
@@ -447,7 +464,7 @@ class ShardingProgram:
                 gp, gc = self.group_of[p], self.group_of[c]
                 if gp == gc and self.groups[gc].leader != c and i == 0 and rules.is_follower(self.graph.node(c)):
                     continue  # a follower's own input: priced when it was merged
-                edges[(gp, p, gc, c, i)] += 1
+                edges[(gp, p, gc, c, i)] += self.graph.edge_weight(a.name, node.name)
         cache["edges"] = (dict(self.group_of), edges)
         return edges
 
@@ -561,11 +578,11 @@ class ShardingProgram:
 
         Views (an expanded mask, a transposed weight) own no storage and are left out.
         """
-        best = 0.0
-        for node in self.graph.graph.nodes:
-            if node.op == "call_function" and str(node.target) not in _VIEW_OPS:
-                best = max(best, 2 * self._act_bytes(node))
-        return best
+        cache = _analysis(self.graph)
+        if "storage_nodes" not in cache:  # representatives only: a deduplicated node has its representative's shape
+            cache["storage_nodes"] = [n for n in self.graph.graph.nodes if n.op == "call_function"
+                                      and self.graph.layer_count[n.name] and str(n.target) not in _VIEW_OPS]  # fmt: skip
+        return max((2 * self._act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
 
     def saved_bytes(self, name: str, k: int) -> float:
         """Bytes group `name` keeps for backward under strategy k, on one device, for one micro-batch."""
@@ -615,9 +632,22 @@ class ShardingProgram:
 
     # ---------------------------------------------------------------------------------- solving
 
-    def solve(self, time_limit_s: float = 60.0) -> MeshResult:
+    def solve(self, time_limit_s: float = 60.0, *, stage: int | None = None, memory: bool = True) -> MeshResult:
+        """Solve the program, optionally with the ZeRO stage fixed and without the memory constraint.
+
+        Fixing the stage turns the stage product into constants that presolve removes; HiGHS solves
+        the four fixed programs faster than the joint one. Without the memory constraint the optimum
+        is a lower bound of the step time for this mesh and any more micro-batches or higher stage.
+        """
+        for s, z in self.z.items():
+            z.lowBound, z.upBound = (0, 1) if stage is None else ((1, 1) if s == stage else (0, 0))
+        mem_con = None if memory else self.prob.constraints.pop("memory_peak", None)
         t0 = time.perf_counter()
-        _quiet_solve(self.prob, time_limit_s)
+        try:
+            _quiet_solve(self.prob, time_limit_s)
+        finally:
+            if mem_con is not None:
+                self.prob.constraints["memory_peak"] = mem_con
         dt = time.perf_counter() - t0
         status = pulp.LpStatus[self.prob.status]
         if status != "Optimal":
@@ -626,13 +656,32 @@ class ShardingProgram:
         val = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.cost_terms.items()}
         mem = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.memory_terms.items()}
         mem["transient"] = self.transient
-        stage = next(s for s, z in self.z.items() if (pulp.value(z) or 0) > 0.5)
+        chosen_stage = next(s for s, z in self.z.items() if (pulp.value(z) or 0) > 0.5)
         step = sum(val.values())
+        self.last_choice = self.chosen()
         return MeshResult(self.dp, self.tp, True, step, val.get("compute", 0.0), val.get("reshard", 0.0),
-                          val.get("grad_sync", 0.0), stage, mem, dt, num_microbatches=self.mb)  # fmt: skip
+                          val.get("grad_sync", 0.0), chosen_stage, mem, dt, num_microbatches=self.mb)  # fmt: skip
 
     def chosen(self) -> dict[str, int]:
         return {g: max(range(len(xs)), key=lambda k: pulp.value(xs[k]) or 0.0) for g, xs in self.x.items()}
+
+    def solve_best(self, lower_bound_s: float = 0.0) -> MeshResult:
+        """The optimum over the allowed ZeRO stages, each solved with the stage fixed.
+
+        `lower_bound_s` is a step time nothing on this mesh can beat (the memory-free optimum at the
+        lowest stage): a stage that reaches it ends the search.
+        """
+        best, best_choice = None, None
+        for s in self.zero_choices:
+            res = self.solve(stage=s)
+            if res.feasible and (best is None or res.step_time_s < best.step_time_s):
+                best, best_choice = res, self.last_choice
+                if res.step_time_s <= lower_bound_s * (1 + 1e-9):
+                    break
+        if best is None:
+            return MeshResult(self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, 0.0, "no stage fits", self.mb)
+        self.last_choice = best_choice
+        return best
 
 
 def _quiet_solve(prob: pulp.LpProblem, time_limit_s: float) -> None:
@@ -712,46 +761,83 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
     prec = Precision.get(precision)
     rules.UNRULED_OPS.clear()
     t0 = time.perf_counter()
-    results, programs, bounds = [], {}, []
+    results, bounds, candidates = [], [], []
     for dp, tp in _pinned(constraints, cluster.world_size, batch_size):
+        make = _program_factory(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
+                                budget=budget, batch_size=batch_size)  # fmt: skip
+        fits = None
         for m in _microbatch_choices(batch_size // dp, constraints):
-            prog = ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
-                                   memory_budget_bytes=budget, batch_dim_size=batch_size, num_microbatches=m)  # fmt: skip
+            prog = make(m)
             bound = prog.memory_lower_bound()
             bounds.append((sum(bound.values()), dp, tp, m, bound))
             if sum(bound.values()) <= budget:
+                fits = prog
                 break
-        else:
-            if progress:
-                progress(f"mesh dp={dp} tp={tp}: does not fit even with micro-batches of one sample")
-            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0, "memory lower bound over budget"))
+        if fits is None:
+            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
+                                      "does not fit even with micro-batches of one sample"))  # fmt: skip
             continue
-        best_here = None
-        for m in [c for c in _microbatch_choices(batch_size // dp, constraints) if c >= prog.mb]:
-            if m != prog.mb:
-                prog = ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
-                                       memory_budget_bytes=budget, batch_dim_size=batch_size, num_microbatches=m)  # fmt: skip
-            prog.build()
-            res = prog.solve()
-            if progress:
-                progress(f"mesh dp={dp} tp={tp} micro-batches={m}: "
-                         + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible"))  # fmt: skip
-            if best_here is not None and (not res.feasible or res.step_time_s >= best_here.step_time_s):
-                break  # more micro-batches only pay more latency once the states have stopped shrinking
-            if res.feasible:
-                best_here = res
-                programs[(dp, tp)] = prog
-        results.append(best_here or res)
-    feasible = [r for r in results if r.feasible]
-    if not feasible:
+        fits.build()
+        free = fits.solve(stage=fits.zero_choices[0], memory=False)
+        candidates.append((free, fits, make))
+    # Meshes in the order of their memory-free optimum (a lower bound of anything they can reach):
+    # once the best plan found is faster than a mesh's bound, that mesh cannot win and is not solved.
+    candidates.sort(key=lambda c: c[0].step_time_s)
+    best, best_prog = None, None
+    for free, prog, make in candidates:
+        if best is not None and free.step_time_s >= best.step_time_s:
+            results.append(dataclasses.replace(free, feasible=False, reason=f"cannot beat the chosen plan: at least "
+                                               f"{free.step_time_s * 1e3:.2f} ms even without a memory limit"))
+            continue
+        res, res_prog = _solve_mesh(free, prog, make, batch_size, constraints, progress)
+        results.append(res)
+        if res.feasible and (best is None or res.step_time_s < best.step_time_s):
+            best, best_prog = res, res_prog
+    if best is None:
         raise InfeasiblePlanError(_infeasible_message(bounds, budget))
-    best = min(feasible, key=lambda r: r.step_time_s)
-    prog = programs[(best.dp, best.tp)]
     unruled = tuple(sorted(rules.UNRULED_OPS))
     if unruled and best.tp > 1:
         warnings.warn(f"no sharding rule for {', '.join(unruled)}: these ops run replicated on the tensor axis",
                       stacklevel=2)  # fmt: skip
-    return _solution(prog, best, tuple(results), unruled, time.perf_counter() - t0)
+    return _solution(best_prog, best, tuple(results), unruled, time.perf_counter() - t0)
+
+
+def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size):
+    def make(m: int) -> ShardingProgram:
+        return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
+                               zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
+                               num_microbatches=m)  # fmt: skip
+
+    return make
+
+
+def _solve_mesh(free: MeshResult, prog: ShardingProgram, make, batch_size: int, constraints: dict, progress):
+    """The best layout of one mesh: fewest micro-batches that fit first, more while that helps.
+
+    `free` is the memory-free optimum at the fewest micro-batches: when it fits, nothing on this mesh
+    is faster (more micro-batches and higher ZeRO stages never cost less), so it is the answer.
+    """
+    say = progress or (lambda msg: None)
+    if sum(free.memory.values()) <= prog.budget:
+        say(f"mesh dp={prog.dp} tp={prog.tp} micro-batches={prog.mb}: {free.step_time_s * 1e3:.2f} ms")
+        return free, prog  # prog.last_choice holds the memory-free solution
+    best, best_prog = None, None
+    for m in [c for c in _microbatch_choices(batch_size // prog.dp, constraints) if c >= prog.mb]:
+        if m != prog.mb:
+            prog = make(m)
+            prog.build()
+        res = prog.solve_best(free.step_time_s)
+        say(f"mesh dp={prog.dp} tp={prog.tp} micro-batches={m}: "
+            + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible"))  # fmt: skip
+        if best is not None and (not res.feasible or res.step_time_s >= best.step_time_s):
+            break  # more micro-batches only pay more latency once the states have stopped shrinking
+        if res.feasible:
+            best, best_prog = res, prog
+            if res.step_time_s <= free.step_time_s * (1 + 1e-9):
+                break  # as fast as the memory-free bound: optimal
+    if best is None:
+        return res, None
+    return best, best_prog
 
 
 def _microbatch_choices(per_rank: int, constraints: dict) -> list[int]:
@@ -765,7 +851,7 @@ def _microbatch_choices(per_rank: int, constraints: dict) -> list[int]:
 
 
 def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> ShardingSolution:
-    chosen = prog.chosen()
+    chosen = prog.last_choice
     out, ins, strat, params = {}, {}, {}, {}
     graph = prog.graph
     for node in graph.graph.nodes:

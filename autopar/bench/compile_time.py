@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import autopar
-from autopar.bench.common import environment, env_md, md_table, progress, pyplot, write_json
+from autopar.bench.common import env_md, environment, md_table, progress, pyplot, write_json
 from autopar.cluster import ClusterSpec
 
 NO_BUDGET = "1000TB"

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from autopar.bench.common import environment, env_md, fmt_gib, fmt_ms, md_table, pyplot, write_json
+from autopar.bench.common import env_md, environment, fmt_gib, fmt_ms, md_table, pyplot, write_json
 from autopar.errors import ConfigError
 
 LR = 1e-3

@@ -31,8 +31,17 @@ from pathlib import Path
 import torch
 
 import autopar
-from autopar.bench.common import (environment, env_md, fmt_gib, fmt_ms, fmt_pct, md_table, progress, pyplot,
-                                  write_json)  # fmt: skip
+from autopar.bench.common import (
+    env_md,
+    environment,
+    fmt_gib,
+    fmt_ms,
+    fmt_pct,
+    md_table,
+    progress,
+    pyplot,
+    write_json,  # fmt: skip
+)
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 

@@ -106,7 +106,8 @@ ZERO_BUDGET = {"llama": 3e6, "bert": 2.5e6}
 
 def test_cpu2_free_tp2_and_sharded():
     cases = [(m, c, None) for m in MODELS for c in ({}, {"tp": 2})]
-    cases += [(m, {"tp": 2}, TP_BUDGET[m]) for m in MODELS]
+    # one micro-batch: the budgets are meant to force sharding, not gradient accumulation
+    cases += [(m, {"tp": 2, "num_microbatches": 1}, TP_BUDGET[m]) for m in MODELS]
     # gradient accumulation: the llama batch has fewer kept labels in its first half, BERT's are uneven
     # everywhere, so only micro-batches weighted by their kept labels give the whole-batch loss
     cases += [("llama", {"num_microbatches": 2}, None), ("bert", {"dp": 2, "num_microbatches": 2}, None)]
@@ -115,6 +116,6 @@ def test_cpu2_free_tp2_and_sharded():
 
 def test_cpu4_free_tp2_tp4_and_zero3():
     cases = [(m, c, None) for m in MODELS for c in ({}, {"tp": 2}, {"tp": 4})]
-    cases += [(m, {"tp": 2, "zero": 3}, b) for m, b in ZERO_BUDGET.items()]
-    cases += [("gpt2", {"tp": 2, "micro_batch_size": 2}, None)]
+    cases += [(m, {"tp": 2, "zero": 3, "num_microbatches": 1}, b) for m, b in ZERO_BUDGET.items()]
+    cases += [("gpt2", {"tp": 2, "micro_batch_size": 2}, None), ("llama", {"tp": 4, "num_microbatches": 8}, None)]
     _check(4, cases)

@@ -140,3 +140,65 @@ def test_bad_constraints_and_batch():
         autopar.plan(model, "8xA100-80GB", *args, constraints={"dp": 4})
     with pytest.raises(ConfigError, match="unknown constraints"):
         autopar.plan(model, "8xA100-80GB", *args, constraints={"pp": 2, "tp": 2})
+
+
+def test_micro_batches_when_activations_do_not_fit():
+    # llama2-7b at 64 x 4096 tokens on one 40 GB node: the states fit when sharded, the activations
+    # of the whole batch do not, so the plan accumulates gradients over micro-batches
+    plan = autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=64, seq_len=4096)
+    assert plan.num_microbatches > 1
+    assert plan.predicted.peak_memory_bytes <= plan.cluster.device.memory_bytes
+    assert plan.global_batch_size == plan.mesh["dp"] * plan.num_microbatches * plan.micro_batch_size
+    with pytest.raises(InfeasiblePlanError, match="needs at least"):
+        autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=64, seq_len=4096,
+                     constraints={"num_microbatches": 1})  # fmt: skip
+    pinned = autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=64, seq_len=4096,
+                          constraints={"micro_batch_size": 1})  # fmt: skip
+    assert pinned.micro_batch_size == 1
+    # the free search may pick any micro-batch count, so it is never slower than a pinned one
+    assert plan.predicted.step_time_s <= pinned.predicted.step_time_s * (1 + 1e-9)
+    # every mesh it did not choose was either slower, did not fit, or provably could not win
+    for alt in plan.alternatives:
+        if alt["feasible"]:
+            assert alt["step_time_s"] >= plan.predicted.step_time_s * (1 - 1e-9)
+        else:
+            assert alt["reason"]
+
+
+def test_bad_micro_batch_constraints():
+    model = tiny_llama().to("meta")
+    (ids,), kw = make_batch("llama", batch=8, seq=16)
+    args = ((ids.to("meta"),), {"labels": kw["labels"].to("meta")})
+    with pytest.raises(ConfigError, match="positive integer"):
+        autopar.plan(model, "2xA100-80GB", *args, constraints={"num_microbatches": 0})
+    with pytest.raises(ConfigError, match="does not split"):
+        autopar.plan(model, "2xA100-80GB", *args, constraints={"num_microbatches": 3})
+
+
+def test_shortened_trace_prices_the_whole_model():
+    # A preset with identical layers is traced with two of them standing for all: the plan must be
+    # the one the full trace gives, to the last bit of every figure.
+    from autopar import api, presets
+    from autopar.cost_model import AnalyticEstimator, DType
+    from autopar.ir import OpGraph
+    from autopar.passes.sharding_solver import solve_sharding
+    from autopar.trace import trace_model
+
+    config = presets.load_config("tiny-llama", num_hidden_layers=6)
+    model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
+    args, kwargs = presets.example_batch(config, 16, 64, device="meta")
+    short = api._trace_shortened(model, args, kwargs, lambda msg: None)
+    full = OpGraph.from_traced(trace_model(model, args, kwargs))
+    assert short is not None and short.repeats == {"model.layers": (2, 6)}
+    assert short.num_layers == full.num_layers == 6
+    assert short.num_parameters() == full.num_parameters() == presets.count_parameters(config)
+    assert api._flops(short, 16 * 64) == pytest.approx(api._flops(full, 16 * 64), rel=1e-12)
+    cluster = autopar.ClusterSpec.parse("2x4xA100-40GB")
+    est = AnalyticEstimator(cluster.device, DType("bf16"))
+    for budget in (None, 2e7):  # free, and tight enough to need sharded states
+        a, b = (solve_sharding(g, cluster, estimator=est, precision="bf16", batch_size=16,
+                               memory_budget_bytes=budget) for g in (short, full))  # fmt: skip
+        assert (a.dp, a.tp, a.zero_stage, a.num_microbatches) == (b.dp, b.tp, b.zero_stage, b.num_microbatches)
+        assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-9)
+        assert a.memory == pytest.approx(b.memory, rel=1e-9)
+        assert api._expand_placements(short, a.param_placements) == b.param_placements
