@@ -151,6 +151,10 @@ class OpGraph:
     node_layer: dict[str, tuple[str | None, int | None]] = field(default_factory=dict, repr=False)
     # container -> (layers traced, layers of the model) where a shortened trace stands for a deeper model
     repeats: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # A view prices part of the model (a pipeline stage): `view` names it (analyses are cached per view),
+    # `layer_count` holds its own multiplicities and `edge_scale` multiplies the uses read by a node.
+    view: str = ""
+    edge_scale: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def graph(self) -> fx.Graph:
@@ -174,6 +178,9 @@ class OpGraph:
         layer (n/k per traced use); a use of the previous layer's output occurs n-1 times (k-1 traced);
         anything else (the embedding into the first layer, the last layer into the head) once.
         """
+        return self.edge_scale.get(consumer, 1.0) * self._edge_weight(producer, consumer)
+
+    def _edge_weight(self, producer: str, consumer: str) -> float:
         lc = self.node_layer.get(consumer, (None, None))
         if lc[0] not in self.repeats:
             return 1.0

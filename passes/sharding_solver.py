@@ -188,11 +188,11 @@ _ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _analysis(graph: OpGraph) -> dict:
-    """Mesh-independent facts about `graph`, computed once and shared by every mesh's program."""
+    """Mesh-independent facts about `graph` (per view of it), computed once and shared by every mesh's program."""
     found = _ANALYSES.get(graph.graph)
     if found is None:
         found = _ANALYSES[graph.graph] = {}
-    return found
+    return found.setdefault(graph.view, {})
 
 
 def batch_split_nodes(graph: OpGraph, batch: int) -> frozenset[str]:
@@ -259,9 +259,11 @@ class ShardingProgram:
 
     def __init__(self, graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, *, estimator, precision: Precision,
                  zero_stage: int | None, memory_budget_bytes: float, batch_dim_size: int,
-                 num_microbatches: int = 1):  # fmt: skip
+                 num_microbatches: int = 1, activation_copies: float = 1.0):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
         self.mb = num_microbatches
+        # micro-batches whose saved activations are alive at once (1 here; a pipeline schedule keeps more)
+        self.activation_copies = activation_copies
         if batch_dim_size % (dp * num_microbatches):
             raise ConfigError(f"the global batch of {batch_dim_size} does not split into dp={dp} x "
                               f"{num_microbatches} micro-batches")  # fmt: skip
@@ -605,8 +607,8 @@ class ShardingProgram:
             grp = self.groups[name]
             states += grp.count * min(sum(self.state_bytes(name, k, s)) for k in range(len(grp.strategies))
                                       for s in self.zero_choices)  # fmt: skip
-        acts = sum(grp.count * min(self.saved_bytes(name, k) for k in range(len(grp.strategies)))
-                   for name, grp in self.groups.items())  # fmt: skip
+        acts = self.activation_copies * sum(grp.count * min(self.saved_bytes(name, k) for k in range(len(grp.strategies)))
+                                            for name, grp in self.groups.items())  # fmt: skip
         return {"states": states, "activations": acts, "transient": self.transient_bytes()}
 
     def add_memory_constraint(self) -> None:
@@ -622,7 +624,7 @@ class ShardingProgram:
                 self.memory_terms["optimizer"].append(grp.count * o * u)
         for name, grp in self.groups.items():
             for k in range(len(grp.strategies)):
-                b = self.saved_bytes(name, k)
+                b = self.saved_bytes(name, k) * self.activation_copies
                 if b:
                     self.memory_terms["activations"].append(grp.count * b * self.x[name][k])
         self.transient = self.transient_bytes()
