@@ -5,6 +5,8 @@ from __future__ import annotations
 import html
 from collections import Counter
 
+from autopar.plan import format_flops_rate
+
 GIB = 1024**3
 
 
@@ -44,7 +46,7 @@ def render_markdown(plan) -> str:
             ["global batch", f"{plan.global_batch_size} ({plan.tokens_per_step:,} tokens)"],
             ["predicted step time", f"{p.step_time_s * 1e3:,.2f} ms (compute {p.compute_s * 1e3:,.2f}, "
                                     f"resharding {p.reshard_s * 1e3:,.2f}, gradient sync {p.grad_sync_s * 1e3:,.2f})"],
-            ["TFLOP/s per device", f"{p.tflops_per_device:,.2f}"],
+            ["FLOP/s per device (model FLOPs)", format_flops_rate(p.tflops_per_device)],
             ["MFU (model FLOPs)", f"{p.mfu:.1%}"],
             ["hardware FLOPs utilisation", f"{p.hardware_flops_utilization:.1%}"],
             ["peak memory per device", f"{p.peak_memory_bytes / GIB:,.2f} GiB"],

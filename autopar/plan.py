@@ -22,6 +22,11 @@ FORMAT_VERSION = 1
 GIB = 1024**3
 
 
+def format_flops_rate(tflops: float) -> str:
+    """A FLOP/s figure given in TFLOP/s, in GFLOP/s below one TFLOP/s (CPU plans would read 0.0 otherwise)."""
+    return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:,.2f} GFLOP/s"
+
+
 @dataclass(frozen=True, slots=True)
 class Predicted:
     """What the cost model predicts for one training step (per device where it says so)."""
@@ -161,5 +166,5 @@ class Plan:
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
         accum = f", {self.num_microbatches} micro-batches of {self.micro_batch_size}" if self.num_microbatches > 1 else ""
         return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}{accum}, "
-                f"step {p.step_time_s * 1e3:.1f} ms, {p.tflops_per_device:.1f} TFLOP/s/device, MFU {p.mfu:.1%}, "
+                f"step {p.step_time_s * 1e3:.1f} ms, {format_flops_rate(p.tflops_per_device)}/device, MFU {p.mfu:.1%}, "
                 f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device")  # fmt: skip
