@@ -291,6 +291,12 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     if batch != plan.global_batch_size:
         raise ConfigError(f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "
                           f"{batch}; plan with the batch you will train on")  # fmt: skip
+    if _is_data_parallel(plan):
+        from autopar.data_parallel import DataParallelProgram
+        from autopar.runtime import _device_type
+
+        return DataParallelProgram(model, plan, tuple(example_inputs), dict(example_kwargs or {}),
+                                   optimizer=optimizer, device=_device_type(cluster))  # fmt: skip
     if plan.num_microbatches > 1:
         # The graph runs once per micro-batch, and its shapes are those it was traced with.
         args, kwargs = _micro_batch_example(tuple(example_inputs), dict(example_kwargs or {}), plan)
@@ -321,6 +327,11 @@ def _rebind_to_micro_graph(plan: Plan, model, cluster, traced, args, kwargs) -> 
                                   precision=plan.precision, memory_budget=float("inf"))  # fmt: skip
     return dataclasses.replace(plan, node_output=micro.node_output, node_inputs=micro.node_inputs,
                                node_strategy=micro.node_strategy, param_placements=micro.param_placements)  # fmt: skip
+
+
+def _is_data_parallel(plan: Plan) -> bool:
+    """A plan with no tensor axis, replicated states and nothing recomputed: DDP's layout, run without DTensor."""
+    return plan.mesh.get("tp", 1) == 1 and plan.zero_stage == 0 and getattr(plan, "recompute", "none") == "none"
 
 
 def _micro_batch_example(args, kwargs, plan: Plan):

@@ -60,6 +60,8 @@ def _train_cases(rank: int, world_size: int, cases):
         )
         out.append({"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
                     "local_numel": local, "num_microbatches": pm.plan.num_microbatches,
+                    "program": type(pm).__name__, "zero": pm.plan.zero_stage,
+                    "recompute": getattr(pm.plan, "recompute", "none"),
                     "micro_batch_size": pm.plan.micro_batch_size, "full_numel": sum(p.numel() for p in model.parameters()),
                     "sharded": sharded,
                     "tp_sharded": any(p != "R" for p in pm.plan.param_placements.values())})  # fmt: skip
@@ -76,6 +78,9 @@ def _check(world_size: int, cases) -> None:
         assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (name, constraints, got["mesh"])
         if "tp" in constraints:
             assert got["mesh"]["tp"] == constraints["tp"]
+        # DDP's layout runs as the plain data-parallel program; everything else on DTensors
+        plain = got["mesh"]["tp"] == 1 and got["zero"] == 0 and got.get("recompute", "none") == "none"
+        assert got["program"] == ("DataParallelProgram" if plain else "ParallelModule"), (name, constraints)
         if "num_microbatches" in constraints:
             assert got["num_microbatches"] == constraints["num_microbatches"]
         if "micro_batch_size" in constraints:
@@ -111,6 +116,7 @@ def test_cpu2_free_tp2_and_sharded():
     # gradient accumulation: the llama batch has fewer kept labels in its first half, BERT's are uneven
     # everywhere, so only micro-batches weighted by their kept labels give the whole-batch loss
     cases += [("llama", {"num_microbatches": 2}, None), ("bert", {"dp": 2, "num_microbatches": 2}, None)]
+    cases += [("bert", {"tp": 1, "zero": 0, "num_microbatches": 2}, None), ("gpt2", {"tp": 1, "zero": 0}, None)]
     _check(2, cases)
 
 

@@ -1,0 +1,221 @@
+"""The data-parallel program: what a plan with no tensor axis and replicated states compiles to.
+
+When the plan's mesh is dp x 1 with ZeRO stage 0, every rank holds the whole model and the only
+communication is the gradient all-reduce. Running that through DTensor, op by op, buys nothing
+and costs host time on every op, so this program runs the exported graph itself, traced at the
+shape one rank sees (its share of one micro-batch), on plain tensors, and reduces gradients the
+way DDP does: flattened into buckets, one all-reduce per bucket, after the last micro-batch.
+
+The loss stays exact with uneven ignored labels: a graph pass (`sum_loss_pass`) turns a mean
+cross-entropy output into its sum and adds the count of kept labels as an output; the step
+divides the all-reduced gradient sums by the all-reduced count (the count travels in the last
+bucket, so it costs no extra collective). A loss that is not a cross-entropy is taken as a mean
+over samples: equal shares, so the mean over ranks and micro-batches is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from autopar.errors import ConfigError, LoweringError
+from autopar.plan import Plan
+from autopar.trace import TracedModel, trace_model
+
+aten = torch.ops.aten
+BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's default)
+
+
+def sum_loss_pass(gm: fx.GraphModule, example_inputs, *, loss_index: int) -> fx.GraphModule:
+    """Turn output `loss_index`, when it is a mean cross-entropy, into its sum; append the kept-label count.
+
+    Leaves the graph unchanged (and `gm.meta["autopar_loss_count"]` False) for any other loss.
+    """
+    del example_inputs
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(out.args[0])
+    loss = outs[loss_index]
+    gm.meta["autopar_loss_count"] = False
+    if not isinstance(loss, fx.Node) or loss.target != aten.cross_entropy_loss.default:
+        return gm
+    names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+    bound = dict(zip(names, loss.args, strict=False)) | dict(loss.kwargs)
+    if bound.get("weight") is not None or bound.get("reduction", 1) != 1:
+        return gm
+    ignore = bound.get("ignore_index", -100)
+    with gm.graph.inserting_after(loss):
+        total = gm.graph.call_function(aten.cross_entropy_loss.default,
+                                       (bound["input"], bound["target"], None, 2, ignore,
+                                        bound.get("label_smoothing", 0.0)))  # fmt: skip
+    with gm.graph.inserting_after(total):
+        kept = gm.graph.call_function(aten.ne.Scalar, (bound["target"], ignore))
+    with gm.graph.inserting_after(kept):
+        count = gm.graph.call_function(aten.sum.default, (kept,))
+    outs[loss_index] = total
+    out.args = (tuple(outs) + (count,),)
+    if not loss.users:
+        gm.graph.erase_node(loss)
+    gm.meta["autopar_loss_count"] = True
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+class DataParallelProgram(torch.nn.Module):
+    """A dp x 1 plan on this rank: the whole model, the exported graph run directly, bucketed all-reduce.
+
+    Same surface as `ParallelModule`: `train_step`, `forward`, `state_dict`, `parameters`, `plan`,
+    `optimizer`.
+    """
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, example_inputs, example_kwargs, *, optimizer=None,
+                 device: str = "cpu"):  # fmt: skip
+        super().__init__()
+        self.device = device
+        dp, m = plan.mesh["dp"], plan.num_microbatches
+        if plan.mesh.get("tp", 1) != 1 or dp != dist.get_world_size():
+            raise LoweringError(f"the data-parallel program needs a dp x 1 mesh over all ranks, got {plan.mesh}")
+        self.plan, self.dp, self.rank = plan, dp, dist.get_rank()
+        self._model_box = (model,)  # for forward(); boxed so that its parameters are not this module's
+        rows = plan.global_batch_size // (dp * m)
+        args, kwargs = _rows(example_inputs, example_kwargs, plan.global_batch_size, rows)
+        self.traced: TracedModel = trace_model(model, args, kwargs)
+        sig = self.traced.exported.graph_signature
+        self._num_mutated = len(sig.buffers_to_mutate) + len(getattr(sig, "user_inputs_to_mutate", {}))
+        self._gm = sum_loss_pass(self.traced.graph_module, None, loss_index=self._num_mutated)
+        self._counted = self._gm.meta["autopar_loss_count"]
+        named = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        self.params = torch.nn.ParameterList(
+            torch.nn.Parameter(named[n].detach().to(device, copy=True), requires_grad=named[n].requires_grad)
+            for n in self.traced.param_names
+        )
+        self._buffers_list = [buffers[n].detach().to(device, copy=True) for n in self.traced.buffer_names]
+        self._constants = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                           for k, v in self.traced.exported.constants.items()}  # fmt: skip
+        self._aliases = dict(self.traced.param_aliases)
+        self._state_names = list(model.state_dict().keys())
+        make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+        self.optimizer = make_opt(list(self.params))
+
+    # ------------------------------------------------------------------------------------ running
+
+    def _placeholders(self, flat_inputs: list) -> list:
+        params, buffers, inputs = iter(self.params), iter(self._buffers_list), iter(flat_inputs)
+        sig = self.traced.exported.graph_signature
+        constants = iter(s.target for s in sig.input_specs if s.kind.name in ("CONSTANT_TENSOR", "CUSTOM_OBJ"))
+        values = []
+        for kind in self.traced.placeholder_kinds:
+            if kind == "param":
+                values.append(next(params))
+            elif kind == "buffer":
+                values.append(next(buffers))
+            elif kind == "constant":
+                values.append(self._constants[next(constants)])
+            else:
+                values.append(next(inputs))
+        return values
+
+    def _local_micro_batches(self, args, kwargs) -> list[list]:
+        """This rank's share of each micro-batch, as flat input lists in placeholder order."""
+        batch, m = self.plan.global_batch_size, self.plan.num_microbatches
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        expected = self.traced.exported.call_spec.in_spec
+        if expected is not None and spec != expected:
+            raise ConfigError(f"the inputs do not have the structure the model was compiled with: expected "
+                              f"{expected}, got {spec}")  # fmt: skip
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] != batch:
+                raise ConfigError(f"the plan is for a global batch of {batch} but an input has {t.shape[0]} rows; "
+                                  f"pass the batch the model was compiled for")  # fmt: skip
+        out = []
+        for i in range(m):
+            mb = []
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    if t.ndim:
+                        t = t.chunk(m, dim=0)[i].chunk(self.dp, dim=0)[self.rank]
+                    t = t.to(self.device).contiguous()
+                mb.append(t)
+            out.append(mb)
+        return out
+
+    def train_step(self, *args, **kwargs) -> float:
+        """One optimizer step on a global batch (every rank passes the same batch); returns the loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for flat in self._local_micro_batches(args, kwargs):
+            outs = self._gm(*self._placeholders(flat))
+            loss = outs[self._num_mutated]
+            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+                raise LoweringError("the model's first output is not a scalar loss: pass labels so the model "
+                                    "computes one")  # fmt: skip
+            loss.backward()
+            loss_total += loss.detach().double()
+            count_total += outs[-1].double() if self._counted else 1.0
+        self._all_reduce_grads(loss_total, count_total)
+        self.optimizer.step()
+        return float(self._last_loss)
+
+    def _all_reduce_grads(self, loss_total: torch.Tensor, count_total: torch.Tensor) -> None:
+        """Sum gradients over the ranks in buckets; the loss and the count ride in the last one; divide by the count."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        buckets, current, size = [], [], 0
+        for g in grads:
+            current.append(g)
+            size += g.numel() * g.element_size()
+            if size >= BUCKET_BYTES:
+                buckets.append(current)
+                current, size = [], 0
+        buckets.append(current)
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            flat = torch.cat([g.reshape(-1).double() if last else g.reshape(-1) for g in bucket]
+                             + ([loss_total.reshape(1), count_total.reshape(1)] if last else []))  # fmt: skip
+            if self.dp > 1:
+                dist.all_reduce(flat)
+            if last:
+                count = flat[-1].item()
+                self._last_loss = flat[-2].item() / count
+                scale = 1.0 / count
+            offset = 0
+            for g in bucket:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
+                offset += n
+        for g in grads:
+            g.mul_(scale)
+
+    def forward(self, *args, **kwargs):
+        """Run the model on any batch with this program's parameters (every rank computes the whole batch)."""
+        names = self.traced.param_names
+        state = {n: p for n, p in zip(names, self.params, strict=True)}
+        state.update({other: state[graph] for other, graph in self._aliases.items() if graph in state})
+        state.update(dict(zip(self.traced.buffer_names, self._buffers_list, strict=True)))
+        return torch.func.functional_call(self._model_box[0], state, args, kwargs)
+
+    # ---------------------------------------------------------------------------------- states
+
+    def state_dict(self, *args, **kwargs) -> dict:  # noqa: ARG002 - the nn.Module signature
+        """Full tensors under the original names (every rank holds them whole)."""
+        params = dict(zip(self.traced.param_names, self.params, strict=True))
+        buffers = dict(zip(self.traced.buffer_names, self._buffers_list, strict=True))
+        out = {}
+        for name in self._state_names:
+            key = self._aliases.get(name, name)
+            if key in params:
+                out[name] = params[key].detach().cpu().clone()
+            elif name in buffers:
+                out[name] = buffers[name].cpu().clone()
+        return out
+
+
+def _rows(args, kwargs, batch: int, rows: int):
+    """The first `rows` rows of every batch input (a tensor whose dim 0 is the global batch)."""
+    return pytree.tree_map(
+        lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == batch else t,
+        (tuple(args), dict(kwargs or {})),
+    )
