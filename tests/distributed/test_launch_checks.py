@@ -31,7 +31,7 @@ def test_world_size_that_does_not_match_the_cluster():
 def _one_rank(rank: int, world_size: int):
     args, kwargs = make_batch("llama")
     pm = autopar.compile(make_model("llama"), "cpu:1", args, kwargs,
-                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))  # fmt: skip
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, eps=1e-6))  # fmt: skip
     losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
     with torch.no_grad():
         logits = pm(*args).logits
@@ -43,7 +43,7 @@ def test_one_rank_matches_the_model():
     assert got["program"] == "DataParallelProgram"
     model = make_model("llama")
     args, kwargs = make_batch("llama")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     losses = []
     for _ in range(2):
         loss = model(*args, **kwargs).loss
@@ -51,9 +51,12 @@ def test_one_rank_matches_the_model():
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    # one rank, one micro-batch: the same ops in the same order, so agreement is to rounding
+    # One rank, one micro-batch: the exported graph runs the model's ops, but the loss is a sum divided
+    # afterwards, so gradients differ by rounding (~1e-7 relative). AdamW normalises each gradient by
+    # its RMS, which turns rounding of near-zero gradients into update differences: 1e-4 per element
+    # (1% of lr; seen up to 1.5e-5), as in test_train_numerics. A wrong gradient moves elements by ~lr.
     assert got["losses"] == pytest.approx(losses, rel=1e-5)
     for k, v in model.state_dict().items():
-        torch.testing.assert_close(got["state"][k], v, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["state"][k], v, atol=1e-4, rtol=1e-4)
     with torch.no_grad():
-        torch.testing.assert_close(got["logits"], model(*args).logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["logits"], model(*args).logits, atol=1e-4, rtol=1e-4)
