@@ -43,7 +43,8 @@ _FIT_MIN_BYTES = 1 << 20
 _LATENCY_MAX_BYTES = 1 << 10
 
 
-def _median_time_s(fn, repeats: int, warmup: int = 2) -> float:
+def median_time_s(fn, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of `fn` over `repeats` calls after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
     times = []
@@ -58,7 +59,7 @@ def measure_matmul_flops(dtype: torch.dtype, n: int, repeats: int) -> float:
     """FLOP/s of an n x n x n matmul in `dtype` on the current thread count."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
-    return 2.0 * n**3 / _median_time_s(lambda: torch.mm(a, b, out=out), repeats)
+    return 2.0 * n**3 / median_time_s(lambda: torch.mm(a, b, out=out), repeats)
 
 
 def measure_vector_flops(repeats: int, numel: int = 1 << 14) -> float:
@@ -71,14 +72,14 @@ def measure_vector_flops(repeats: int, numel: int = 1 << 14) -> float:
         for _ in range(inner):
             torch.addcmul(x, y, z, out=out)
 
-    return 2.0 * numel * inner / _median_time_s(run, repeats)
+    return 2.0 * numel * inner / median_time_s(run, repeats)
 
 
 def measure_memory_bandwidth(repeats: int, num_bytes: int = 256 << 20) -> float:
     """Bytes/s of a large copy, counting bytes read plus bytes written."""
     src = torch.randn(num_bytes // 4)
     dst = torch.empty_like(src)
-    return 2.0 * num_bytes / _median_time_s(lambda: dst.copy_(src), repeats)
+    return 2.0 * num_bytes / median_time_s(lambda: dst.copy_(src), repeats)
 
 
 def measure_kernel_overhead(repeats: int) -> float:
@@ -90,7 +91,7 @@ def measure_kernel_overhead(repeats: int) -> float:
         for _ in range(inner):
             torch.add(a, b)
 
-    return _median_time_s(run, repeats) / inner
+    return median_time_s(run, repeats) / inner
 
 
 def host_memory_bytes() -> int:

@@ -13,12 +13,11 @@ figures depend on the machine.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from autopar import presets
+from autopar.cost_model.calibrate import median_time_s
 from autopar.memory.adamw import chunk_adamw_step
 from autopar.memory.layout import ParamSpec
 from autopar.memory.store import ChunkStore
@@ -37,13 +36,8 @@ def build_params(layers: int, hidden: int, seed: int = 0) -> dict[str, torch.Ten
 
 
 def _median_time(fn, repeats: int) -> float:
-    fn()  # warm-up: state allocation, first-touch page faults
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    # one warm-up call: state allocation, first-touch page faults
+    return median_time_s(fn, repeats, warmup=1)
 
 
 def _torch_case(values: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], **flags):
