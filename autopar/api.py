@@ -18,7 +18,8 @@ from autopar.trace import trace_model
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size"}
+_CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size", "recompute"}
+_RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def parse_bytes(value) -> float:
@@ -129,10 +130,15 @@ def _expand_placements(graph: OpGraph, placements: dict) -> dict:
     return out
 
 
-def _flops(graph: OpGraph, tokens: int) -> tuple[float, float]:
-    """(model FLOPs, hardware FLOPs) of one step: 6 per parameter per token plus attention; all executed FLOPs."""
-    from autopar.cost_model.compute import estimate_node_cost
+def _flops(graph: OpGraph, tokens: int, recompute: str = "none") -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one step: 6 per parameter per token plus attention; all executed FLOPs.
 
+    Hardware FLOPs count the forward of every node `recompute` runs again; model FLOPs do not.
+    """
+    from autopar.cost_model.compute import estimate_node_cost
+    from autopar.passes.recompute import recomputed_nodes
+
+    again = recomputed_nodes(graph.graph, recompute)
     attention = 0.0
     hardware = 0.0
     for node in graph.graph.nodes:
@@ -140,7 +146,7 @@ def _flops(graph: OpGraph, tokens: int) -> tuple[float, float]:
         if node.op != "call_function" or not times:
             continue
         cost = estimate_node_cost(node)
-        hardware += times * (cost.flops + cost.backward_flops)
+        hardware += times * (cost.flops + cost.backward_flops + (cost.flops if node.name in again else 0.0))
         if node.target == torch.ops.aten.scaled_dot_product_attention.default:
             attention += times * (cost.flops + cost.backward_flops)
     return 6.0 * graph.num_parameters() * tokens + attention, hardware
@@ -158,7 +164,9 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         example_inputs, example_kwargs: one global batch for a module (shapes matter, values do not).
         global_batch_size, seq_len: the batch for a preset.
         constraints: pins: "tp", "dp" (axis sizes), "zero" (0-3), "num_microbatches" (gradient accumulation
-            steps per data-parallel rank) or "micro_batch_size" (samples per micro-batch per rank).
+            steps per data-parallel rank), "micro_batch_size" (samples per micro-batch per rank) or
+            "recompute" (activation recompute: "none", "selective" for attention internals, "full" for
+            whole layers).
         memory_budget: per-device cap, bytes or "20GB"; defaults to the device memory.
         offload: host offload is not planned yet; True warns, False is the behaviour.
         precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32"; default bf16 on GPUs, fp32 on CPUs.
@@ -173,6 +181,9 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     unknown = set(constraints) - _CONSTRAINT_KEYS
     if unknown:
         raise ConfigError(f"unknown constraints {sorted(unknown)}: supported are {sorted(_CONSTRAINT_KEYS)}")
+    if constraints.get("recompute", "none") not in _RECOMPUTE_MODES:
+        raise ConfigError(f"constraints['recompute']={constraints['recompute']!r}: expected one of "
+                          f"{', '.join(_RECOMPUTE_MODES)}")  # fmt: skip
     if offload:
         warnings.warn("offload=True is not planned yet: the plan keeps every state on the device", stacklevel=2)
     precision = precision or _default_precision(cluster)
@@ -196,7 +207,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=constraints,
                          memory_budget_bytes=budget, batch_size=batch, progress=say)  # fmt: skip
     tokens = _tokens(args, kwargs)
-    model_flops, hw_flops = _flops(graph, tokens)
+    model_flops, hw_flops = _flops(graph, tokens, sol.recompute)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world = cluster.world_size
     step = sol.step_time_s
@@ -215,7 +226,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     alternatives = tuple(
         {"dp": r.dp, "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
          "compute_s": r.compute_s, "reshard_s": r.reshard_s, "grad_sync_s": r.grad_sync_s,
-         "zero_stage": r.zero_stage, "memory": r.memory, "solve_time_s": r.solve_time_s, "reason": r.reason}
+         "zero_stage": r.zero_stage, "recompute": r.recompute, "memory": r.memory, "solve_time_s": r.solve_time_s,
+         "reason": r.reason}
         for r in sol.candidates
     )  # fmt: skip
     stats = {
@@ -236,6 +248,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         mesh={"dp": sol.dp, "tp": sol.tp},
         zero_stage=sol.zero_stage,
         num_microbatches=sol.num_microbatches,
+        recompute=sol.recompute,
         precision=precision,
         global_batch_size=batch,
         tokens_per_step=tokens,
@@ -317,7 +330,8 @@ def _rebind_to_micro_graph(plan: Plan, model, cluster, traced, args, kwargs) -> 
     names = {n.name for n in traced.exported.graph.nodes}
     if all(n in names for n in plan.node_output):
         return plan
-    pins = {"dp": plan.mesh["dp"], "tp": plan.mesh["tp"], "zero": plan.zero_stage, "num_microbatches": 1}
+    pins = {"dp": plan.mesh["dp"], "tp": plan.mesh["tp"], "zero": plan.zero_stage, "num_microbatches": 1,
+            "recompute": plan.recompute}
     budget = plan.predicted.peak_memory_bytes * 1.01
     try:
         micro = globals()["plan"](model, cluster, args, kwargs, _traced=traced, constraints=pins,

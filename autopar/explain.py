@@ -8,6 +8,11 @@ from collections import Counter
 from autopar.plan import format_flops_rate
 
 GIB = 1024**3
+_RECOMPUTE_WORDS = {
+    "none": "none (every layer keeps its activations for backward)",
+    "selective": "selective (attention internals run again in backward)",
+    "full": "full (each layer keeps its input; its forward runs again in backward)",
+}
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -41,6 +46,7 @@ def render_markdown(plan) -> str:
             ["ZeRO stage (over dp)", str(plan.zero_stage)],
             ["micro-batches per step (gradient accumulation)",
              f"{plan.num_microbatches} of {plan.micro_batch_size} sample(s) per data-parallel rank"],
+            ["activation recompute", _RECOMPUTE_WORDS.get(plan.recompute, plan.recompute)],
             ["precision", plan.precision],
             ["parameters", f"{plan.num_parameters / 1e6:,.1f} M"],
             ["global batch", f"{plan.global_batch_size} ({plan.tokens_per_step:,} tokens)"],
@@ -59,7 +65,8 @@ def render_markdown(plan) -> str:
         "## Why this mesh",
         "",
         "Every factorisation of the world size into dp x tp was solved; each row is the optimum for that mesh, "
-        "with the fewest micro-batches whose activations fit (more when that let the states stay less sharded).",
+        "with the fewest micro-batches whose activations fit (more when that let the states stay less sharded), "
+        "recomputing activations only where memory required it.",
         "",
     ]
     rows = []
@@ -71,10 +78,11 @@ def render_markdown(plan) -> str:
             f"{alt['step_time_s'] * 1e3:,.2f}" if alt["feasible"] else "-",
             f"{alt['compute_s'] * 1e3:,.2f}", f"{alt['reshard_s'] * 1e3:,.2f}", f"{alt['grad_sync_s'] * 1e3:,.2f}",
             str(alt["zero_stage"]) if alt["feasible"] else "-",
+            alt.get("recompute", "none") if alt["feasible"] else "-",
             f"{sum(alt['memory'].values()) / GIB:,.2f}" if alt["feasible"] else alt.get("reason") or "does not fit",
         ])  # fmt: skip
     lines += _table(["mesh", "micro-batches", "step ms", "compute ms", "reshard ms", "grad sync ms", "ZeRO",
-                     "memory GiB"], rows)  # fmt: skip
+                     "recompute", "memory GiB"], rows)  # fmt: skip
     lines += ["", "## Parameter placements on the tensor axis", ""]
     lines += _table(["parameter", "placement"], _linear_summary(plan))
     strategies = Counter(s for s in plan.node_strategy.values() if not s.startswith("follows"))

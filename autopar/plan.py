@@ -1,6 +1,7 @@
 """Plan: the solver's answer, serialisable, with the predictions and the alternatives it beat.
 
 A plan names the device mesh (axis name -> size, product = world size), the ZeRO stage, the
+activation recompute mode ("none", "selective": attention internals, "full": whole layers), the
 placement of every parameter and of every op's arguments and output on the tensor axis, and
 what the cost model predicts for one training step: time, TFLOP/s per device, MFU (model FLOPs:
 6 per parameter per token plus attention; recompute not counted), hardware FLOPs utilisation
@@ -66,6 +67,7 @@ class Plan:
     unruled_ops: tuple = ()
     stats: dict = field(default_factory=dict)
     num_microbatches: int = 1
+    recompute: str = "none"
     format_version: int = FORMAT_VERSION
 
     @property
@@ -80,6 +82,8 @@ class Plan:
         if size != self.cluster.world_size:
             raise PlanFormatError(f"plan mesh {self.mesh} has {size} devices but the cluster has "
                                   f"{self.cluster.world_size}")  # fmt: skip
+        if self.recompute not in ("none", "selective", "full"):
+            raise PlanFormatError(f"plan recompute mode {self.recompute!r} is not one of 'none', 'selective', 'full'")
 
     # --------------------------------------------------------------------------- serialisation
 
@@ -92,6 +96,7 @@ class Plan:
             "mesh": self.mesh,
             "zero_stage": self.zero_stage,
             "num_microbatches": self.num_microbatches,
+            "recompute": self.recompute,
             "precision": self.precision,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
@@ -129,6 +134,7 @@ class Plan:
                 mesh=dict(d["mesh"]),
                 zero_stage=int(d["zero_stage"]),
                 num_microbatches=int(d.get("num_microbatches", 1)),
+                recompute=str(d.get("recompute", "none")),
                 precision=d["precision"],
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
@@ -165,6 +171,8 @@ class Plan:
         p = self.predicted
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
         accum = f", {self.num_microbatches} micro-batches of {self.micro_batch_size}" if self.num_microbatches > 1 else ""
+        if self.recompute != "none":
+            accum += f", {self.recompute} recompute"
         return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}{accum}, "
                 f"step {p.step_time_s * 1e3:.1f} ms, {format_flops_rate(p.tflops_per_device)}/device, MFU {p.mfu:.1%}, "
                 f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device")  # fmt: skip

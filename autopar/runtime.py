@@ -2,7 +2,8 @@
 
 It holds this rank's local shards of the parameters (what `parameters()` returns and the
 optimizer updates), binds the traced graph to the plan through the rewrite pass
-(`passes.parallelize`), and runs `train_step`: forward on this rank's share of the global
+(`passes.parallelize`; with the plan's activation recompute, its layers or attention blocks run
+under checkpointing), and runs `train_step`: forward on this rank's share of the global
 batch, backward (gradient reductions over the data axis happen in the backward of the
 parameters' `from_local`), and the optimizer step on the local shards.
 
@@ -90,7 +91,8 @@ class ParallelModule(torch.nn.Module):
         self._state_names = list(model.state_dict().keys())
         self._interp = shard_pass(traced.graph_module, None, mesh=self.mesh, node_inputs=plan.node_inputs,
                                   node_output=plan.node_output,
-                                  batch_size=plan.global_batch_size // plan.num_microbatches)  # fmt: skip
+                                  batch_size=plan.global_batch_size // plan.num_microbatches,
+                                  recompute=plan.recompute)  # fmt: skip
         make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self.optimizer = make_opt(list(self.shards))
 

@@ -15,6 +15,12 @@ in global shapes, so no shape in the graph needs rewriting. Values created insid
 from nothing (`arange`, masks) are plain tensors, identical on every rank: they enter the mesh
 replicated.
 
+With activation recompute (`passes.recompute`), each segment of the plan's mode (a whole layer,
+or a layer's attention internals) runs as one `torch.utils.checkpoint.checkpoint` region
+(non-reentrant) when the interpreter reaches its last node: DTensors go in and come out, the
+forward keeps only the segment's inputs, and the backward runs the segment again, collectives
+included, before it differentiates it.
+
 Input: an exported program's graph module, the plan's per-node placements, the mesh.
 Output: the graph's outputs as DTensors; gradients reach each parameter's local shard through
 `DTensor.from_local`, with the data-axis reduction done by the backward of that call.
@@ -26,12 +32,14 @@ import itertools
 
 import torch
 import torch.fx as fx
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
 from autopar.ir import is_tensor_node
+from autopar.passes.recompute import recompute_segments
 from autopar.passes.sharding_rules import parse_placement
 
 aten = torch.ops.aten
@@ -77,10 +85,11 @@ class ShardedInterpreter(fx.Interpreter):
         local_ops: op overload -> callable run on local tensors for ops executed per rank.
         batch_size: the batch the graph was traced with; a tensor the graph makes with it as its leading
             dimension enters the mesh split over dp (each rank keeps its rows).
+        recompute: the plan's activation recompute mode ("none", "selective", "full").
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
-                 local_ops: dict | None = None, batch_size: int | None = None):  # fmt: skip
+                 local_ops: dict | None = None, batch_size: int | None = None, recompute: str = "none"):  # fmt: skip
         super().__init__(gm, garbage_collect_values=True)
         self.mesh = mesh
         self.batch_size = batch_size
@@ -96,6 +105,13 @@ class ShardedInterpreter(fx.Interpreter):
         # Kept labels counted by every mean cross-entropy of the last run: the weight of its loss when
         # micro-batches are accumulated (a mean over kept labels is exact only with this weighting).
         self.loss_counts: list[float] = []
+        self.segments = [_Segment.of(self.graph, names) for names in recompute_segments(self.graph, recompute)]
+        self._segment_at = {seg.nodes[-1]: seg for seg in self.segments}
+        self._in_segment = {n for seg in self.segments for n in seg.nodes[:-1]}
+        # runs of segment bodies: once in forward and once more for each recompute in backward
+        self.segment_calls = 0
+        if self.segments:
+            self._keep_segment_inputs()
 
     def run(self, *args, **kwargs):
         self.loss_counts = []
@@ -121,7 +137,48 @@ class ShardedInterpreter(fx.Interpreter):
             return DTensor.from_local(rows, self.mesh, (Shard(0), R), run_check=False)
         return self._replicated(t)
 
+    def _keep_segment_inputs(self) -> None:
+        """Free values after their last use, a segment's uses counting at the segment's last node (where it runs)."""
+        last = {n: seg.nodes[-1] for seg in self.segments for n in seg.nodes}
+        order = {n: i for i, n in enumerate(self.graph.nodes)}
+        last_use: dict[fx.Node, fx.Node] = {}
+        for node in self.graph.nodes:
+            at = last.get(node, node)
+            for value in node.all_input_nodes:
+                if value not in last_use or order[at] >= order[last_use[value]]:
+                    last_use[value] = at
+        self.user_to_last_uses = {}
+        for value, user in last_use.items():
+            self.user_to_last_uses.setdefault(user, []).append(value)
+
     def run_node(self, n: fx.Node):
+        if n in self._in_segment:
+            return None  # runs with its segment, at the segment's last node
+        seg = self._segment_at.get(n)
+        if seg is not None:
+            return self._run_segment(seg)
+        return self._run_op(n)
+
+    def _run_segment(self, seg: _Segment):
+        """Run a segment under non-reentrant checkpointing; its outputs other than the last go straight to env."""
+        inputs = [self.env[v] for v in seg.inputs]
+        outs = torch.utils.checkpoint.checkpoint(self._segment_body, seg, *inputs, use_reentrant=False)
+        for node, value in zip(seg.outputs, outs, strict=True):
+            self.env[node] = value
+        return outs[seg.outputs.index(seg.nodes[-1])] if seg.nodes[-1] in seg.outputs else None
+
+    def _segment_body(self, seg: _Segment, *inputs):
+        self.segment_calls += 1
+        outer = self.env
+        self.env = dict(zip(seg.inputs, inputs, strict=True))
+        try:
+            for node in seg.nodes:
+                self.env[node] = self._run_op(node)
+            return tuple(self.env[node] for node in seg.outputs)
+        finally:
+            self.env = outer
+
+    def _run_op(self, n: fx.Node):
         if n.op != "call_function":
             return super().run_node(n)
         need = self.need.get(n.name, ())
@@ -222,11 +279,33 @@ class ShardedInterpreter(fx.Interpreter):
         return pytree.tree_map(lambda v: self._replicated(v) if isinstance(v, torch.Tensor) else v, out)
 
 
+class _Segment:
+    """A recompute segment of the graph: its nodes in order, the values it reads and the values read after it."""
+
+    __slots__ = ("nodes", "inputs", "outputs")
+
+    def __init__(self, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]):
+        self.nodes, self.inputs, self.outputs = nodes, inputs, outputs
+
+    @classmethod
+    def of(cls, graph: fx.Graph, names: tuple[str, ...]) -> _Segment:
+        by_name = {n.name: n for n in graph.nodes}
+        nodes = [by_name[name] for name in names]
+        members = set(nodes)
+        inputs = list(dict.fromkeys(v for n in nodes for v in n.all_input_nodes if v not in members))
+        outputs = [n for n in nodes if any(u not in members for u in n.users)]
+        return cls(nodes, inputs, outputs)
+
+
 def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
-               local_ops: dict | None = None, batch_size: int | None = None) -> ShardedInterpreter:  # fmt: skip
-    """The rewrite pass: bind `gm` to the plan and mesh; the result runs the parallel program."""
+               local_ops: dict | None = None, batch_size: int | None = None,
+               recompute: str = "none") -> ShardedInterpreter:  # fmt: skip
+    """The rewrite pass: bind `gm` to the plan and mesh; the result runs the parallel program.
+
+    `recompute` is the plan's activation recompute mode: its segments run under checkpointing.
+    """
     del example_inputs  # placements come from the plan; shapes from the graph
-    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size)
+    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute)
 
 
 def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:

@@ -3,8 +3,10 @@ r"""Intra-op sharding as one integer program per 2-D device mesh (dp x tp).
 The mesh has a data axis `dp` (outer) and a tensor axis `tp` (inner, so it stays inside a node
 while it fits). Activations are split on their batch dimension over `dp`; on `tp` every op picks
 one strategy from `sharding_rules`. Parameters pick a placement on `tp`, and one ZeRO stage for
-the whole model decides what is sharded over `dp`. Every factorisation dp * tp = world size is
-solved, and the cheapest feasible one wins.
+the whole model decides what is sharded over `dp`. One activation recompute mode r for the whole
+model (`passes.recompute`: none, selective = attention internals, full = whole layers) decides
+which activations are kept and which forwards run twice. Every factorisation dp * tp = world size
+is solved, and the cheapest feasible one wins.
 
 Sets:
     G          decision groups: a parameter, an input, or an op with the followers merged into it
@@ -13,6 +15,8 @@ Sets:
     K_g        strategies of group g;  n_g  how many nodes of the model group g stands for
     E          edges (producer group a, consumer group c, argument i), with multiplicity n_e
     W          parameter groups;  Z = {0, 1, 2, 3}  ZeRO stages
+    r          the recompute mode (a parameter of the program, like m below);  R_r  the nodes it
+               recomputes;  S_r  its segments (a layer, or a layer's attention internals)
 
 Variables:
     x[g,k] in {0,1}      group g runs strategy k
@@ -24,6 +28,8 @@ Objective (predicted step time, seconds; no overlap of communication with comput
     min  sum_g n_g sum_k x[g,k] (T_fwd[g,k] + T_bwd[g,k])                       compute
        + sum_e n_e sum_{k,l} y[e,k,l] (Rf[e,k,l] + Rb[e,k,l])                   resharding
        + sum_w n_w sum_{k,s} u[w,k,s] Sync[w,k,s]                               gradient sync over dp
+       + sum_g n_g sum_{m in g, m in R_r} sum_k x[g,k] T_fwd[m,k]               recomputed forwards
+       + sum_{e into R_r} n_e sum_{k,l} y[e,k,l] Rf[e,k,l]                      and their resharding
 
     T_*   roofline (or profiled) time of the op's share of work: work / (dp * divisor_k)
     Rf    time to bring the producer's output placement to the placement argument i needs
@@ -38,11 +44,18 @@ Constraints:
     product:        u[w,k,s] >= x[w,k] + z[s] - 1,  u <= x[w,k],  u <= z[s]
     memory (peak, at the turn from forward to backward, where every saved activation is live):
         sum_w n_w sum_{k,s} u[w,k,s] M_state[w,k,s]
-      + sum_g n_g sum_k x[g,k] M_saved[g,k]  + M_transient   <=  budget
+      + sum_g n_g sum_k x[g,k] M_saved[g,k,r]  + M_recompute  + M_transient   <=  budget
+    recomputed segment (r != none):
+        M_recompute >= sum_{m in S, m kept at none, dropped at r} x[g(m),k] M_value[m,k]   for all S in S_r
 
     M_state   parameter, gradient and optimizer bytes of w's local shard under stage s
-    M_saved   bytes of the group's outputs kept for backward, split over dp and, where the
-              output is sharded, over tp
+    M_saved   bytes of the group's outputs kept for backward under r, split over dp and, where
+              the output is sharded, over tp. A value is kept when a consumer outside R_r saves
+              it, or when it enters a segment from outside (the checkpoint keeps its inputs);
+              values made and used inside one segment are dropped. Under full recompute a layer
+              keeps its input only (Korthikanti et al.'s 2sbh per layer, plus shared masks)
+    M_recompute  the values the first segment recomputed in backward holds again: the largest
+              segment's (identical layers share one expression, so it is usually one row)
 
 Micro-batches (gradient accumulation): with m micro-batches per data-parallel rank every op and
 every resharding runs m times on 1/(dp*m) of the batch, activations and working memory shrink by
@@ -51,13 +64,20 @@ ZeRO-3 gathers parameters for each micro-batch's forward and backward. m is a pa
 program, not a variable: each mesh is solved at the fewest micro-batches whose memory lower bound
 (every choice at its leanest) fits, and at more while that makes the step faster.
 
-How the programs are solved: the step time never falls as m or the ZeRO stage grows (for the same
-placements), so the program at the fewest micro-batches and the lowest stage, solved without the
-memory row, is a lower bound L(dp, tp) of everything its mesh can reach. Meshes are visited in
-order of L; a mesh whose L is not below the best plan found is not solved further; a mesh whose
-memory-free optimum fits is done. Otherwise each stage is solved with z fixed (presolve then
-removes the product rows, which HiGHS solves much faster than the joint program), stopping at a
-stage that reaches L.
+The recompute mode is a parameter too: its terms (the objective's recompute part, M_saved(r) and
+the M_recompute rows) are built the first time a program is solved with r, and swapped in.
+
+How the programs are solved: the step time never falls as m, the ZeRO stage or recompute grows
+(for the same placements), so the program at the fewest micro-batches that fit under the leanest
+allowed mode, the lowest stage and no recompute, solved without the memory row, is a lower bound
+L(dp, tp) of everything its mesh can reach. Meshes are visited in order of L; a mesh whose L is not
+below the best plan found is not solved further; a mesh whose memory-free optimum fits is done
+(recompute is never considered where memory does not bind). Otherwise each recompute mode, none
+first, searches its own micro-batch counts (the fewest that fit under it first, more while that
+helps), skipped when the best plan found reaches its bound L + sum_g n_g min_k sum_{m in R_r}
+T_fwd[m,k] (or its own memory-free optimum at its fewest micro-batches); within a mode each stage
+is solved with z fixed (presolve then removes the product rows, which HiGHS solves much faster than
+the joint program), stopping at a stage that reaches the mode's bound.
 """
 
 from __future__ import annotations
@@ -83,6 +103,7 @@ from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
 from autopar.passes import sharding_rules as rules
+from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
 from autopar.passes.sharding_rules import OpStrategy, placement_str
 
 R = Replicate()
@@ -141,6 +162,8 @@ class Group:
     grads: dict[str, list[tuple[Placement, ...]]] = field(default_factory=dict)
     divisor: dict[str, list[int]] = field(default_factory=dict)
     extra_s: list[float] = field(default_factory=list)
+    # per follower: per strategy k, the forward part of extra_s (a gather before it), which recompute repeats
+    follow_fwd_s: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +182,7 @@ class MeshResult:
     solve_time_s: float
     reason: str = ""
     num_microbatches: int = 1
+    recompute: str = "none"
 
 
 @dataclass(frozen=True)
@@ -182,6 +206,7 @@ class ShardingSolution:
     unruled_ops: tuple[str, ...]
     num_groups: int
     solve_time_s: float
+    recompute: str = "none"
 
 
 _ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -259,7 +284,8 @@ class ShardingProgram:
 
     def __init__(self, graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, *, estimator, precision: Precision,
                  zero_stage: int | None, memory_budget_bytes: float, batch_dim_size: int,
-                 num_microbatches: int = 1, activation_copies: float = 1.0):  # fmt: skip
+                 num_microbatches: int = 1, activation_copies: float = 1.0,
+                 recompute: str | None = None):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
         self.mb = num_microbatches
         # micro-batches whose saved activations are alive at once (1 here; a pipeline schedule keeps more)
@@ -273,6 +299,8 @@ class ShardingProgram:
             self.zero_choices = self.zero_choices[:1] if zero_stage is not None else [0]
         self.budget = memory_budget_bytes
         self.batch = batch_dim_size
+        # recompute modes to consider, the cheapest first; a pinned mode is the only one
+        self.recompute_choices = recompute_choices(graph, recompute)
         self.batch_split = batch_split_nodes(graph, batch_dim_size)
         self.batch_div = dp * num_microbatches  # how many pieces a batch-split value is cut into
         self.tp_link = cluster.link_for_axis(tp, 1)
@@ -286,6 +314,13 @@ class ShardingProgram:
         self.cost_terms: dict[str, list] = defaultdict(list)
         self.memory_terms: dict[str, list] = defaultdict(list)
         self.last_choice: dict[str, int] = {}  # strategy index per group of the last solution
+        # the parts that depend on the recompute mode, built when a mode is first solved
+        self._fwd_s: dict[str, dict[str, list[float]]] = defaultdict(dict)  # group -> member -> n_g * F[k]
+        self._edge_fwd: list[tuple[str, float, pulp.LpVariable]] = []  # (consumer, n_e * Rf, y or x)
+        self._modes: dict[str, _ModeTerms] = {}
+        self._mode: str | None = None
+        self._act_bounds: dict[str, tuple[float, float]] = {}
+        self.transient: float | None = None
         self._build_groups()
 
     # ------------------------------------------------------------------ groups and their strategies
@@ -355,7 +390,9 @@ class ShardingProgram:
         for k, src in enumerate(grp.out[arg.name]):
             o = rules.follow(node, src, self.tp)
             if o is None:  # the follower cannot keep this layout: gather first, then run replicated
-                grp.extra_s[k] += redistribute_time(src, R, nbytes, self.tp, self.tp_link) * grp.count * self.mb
+                gather = redistribute_time(src, R, nbytes, self.tp, self.tp_link) * grp.count * self.mb
+                grp.extra_s[k] += gather
+                grp.follow_fwd_s.setdefault(node.name, [0.0] * len(grp.strategies))[k] += gather
                 o, src = R, R
             out.append(o)
             need.append((src,))
@@ -379,35 +416,49 @@ class ShardingProgram:
         return float(meta.nbytes)
 
     def _compute_times(self, node: fx.Node, divisor: int) -> float:
+        return sum(self._op_times(node, divisor))
+
+    def _op_times(self, node: fx.Node, divisor: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one node per step (all micro-batches)."""
         if node.op != "call_function":
-            return 0.0
+            return 0.0, 0.0
         # every op runs once per micro-batch, on 1 / (dp * micro-batches) of the batch when it carries it
         meta = output_meta(node)
         d = (self.batch_div if self._carries_batch(node) else 1) * divisor
         fwd = self.estimator.forward_time_s(node, d)
         bwd = self.estimator.backward_time_s(node, d) if meta is not None and meta.dtype.is_floating_point else 0.0
-        return self.mb * (fwd + bwd)
+        return self.mb * fwd, self.mb * bwd
 
     def _carries_batch(self, node: fx.Node) -> bool:
         return node.name in self.batch_split or any(a.name in self.batch_split for a in tensor_args(node))
 
-    def _saved_for_backward(self) -> set[str]:
-        """Producers (view chains resolved to their base) whose output some consumer keeps for backward."""
+    def _saved_for_backward(self, recompute: str = "none") -> set[str]:
+        """Producers (view chains resolved to their base) whose output is kept for backward under `recompute`.
+
+        A value is kept when a consumer that is not recomputed saves it, or when it enters a recomputed
+        segment from outside (the checkpoint keeps its inputs, whatever the ops inside save). A value
+        made and used inside one segment is dropped: the backward makes it again.
+        """
         cache = _analysis(self.graph)
-        if "saved" in cache:
-            return cache["saved"]
+        if ("saved", recompute) in cache:
+            return cache[("saved", recompute)]
+        segment = recomputed_nodes(self.graph.graph, recompute)
         saved = set()
         for node in self.graph.graph.nodes:
-            if node.op != "call_function" or str(node.target) in _NO_SAVE:
+            if node.op != "call_function":
+                continue
+            seg = segment.get(node.name)
+            if seg is None and str(node.target) in _NO_SAVE:
                 continue
             for a in tensor_args(node):
-                while a.op == "call_function" and str(a.target) in _VIEW_OPS and tensor_args(a):
-                    a = tensor_args(a)[0]
+                a = _storage_base(a)
+                if seg is not None and segment.get(a.name) == seg:
+                    continue
                 if self.graph.kinds.get(a.name) in (NodeKind.COMPUTE, NodeKind.INPUT):
                     meta = output_meta(a)
                     if meta is not None and meta.dtype.is_floating_point or a.op == "placeholder":
                         saved.add(a.name)
-        cache["saved"] = saved
+        cache[("saved", recompute)] = saved
         return saved
 
     # --------------------------------------------------------------------------------- the program
@@ -424,7 +475,6 @@ class ShardingProgram:
         self.add_edge_constraint()
         self.add_stage_product_constraint()
         self.add_memory_constraint()
-        self.prob += pulp.lpSum(t for terms in self.cost_terms.values() for t in terms)
 
     def add_one_strategy_constraint(self) -> None:
         """sum_k x[g,k] = 1 for every group g."""
@@ -439,7 +489,11 @@ class ShardingProgram:
         """Objective term sum_g n_g sum_k x[g,k] (T_fwd + T_bwd), plus resharding inside merged groups."""
         for name, grp in self.groups.items():
             for k in range(len(grp.strategies)):
-                t = sum(self._compute_times(self.graph.node(m), grp.divisor[m][k]) for m in grp.members)
+                t = 0.0
+                for m in grp.members:
+                    fwd, bwd = self._op_times(self.graph.node(m), grp.divisor[m][k])
+                    t += fwd + bwd
+                    self._fwd_s[name].setdefault(m, [0.0] * len(grp.strategies))[k] = grp.count * fwd
                 self.cost_terms["compute"].append(grp.count * t * self.x[name][k])
                 if grp.extra_s[k]:
                     self.cost_terms["reshard"].append(grp.extra_s[k] * self.x[name][k])
@@ -476,16 +530,19 @@ class ShardingProgram:
             gpr, gcr = self.groups[gp], self.groups[gc]
             nbytes = self._act_bytes(self.graph.node(p))
             cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
+            fwd_cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]  # what a recompute of c repeats
             for k, src in enumerate(gpr.out[p]):
                 for m in range(len(gcr.strategies)):
                     need, grad = gcr.need[c][m][i], gcr.grads[c][m][i]
                     fwd = redistribute_time(src, need, nbytes, self.tp, self.tp_link)
                     bwd = redistribute_time(grad, grad_layout(src), nbytes, self.tp, self.tp_link)
                     cost[k][m] = mult * self.mb * (fwd + bwd)
+                    fwd_cost[k][m] = mult * self.mb * fwd
             if not any(v for row in cost for v in row):
                 continue
             if gp == gc:  # both ends in one group: the strategy index is shared
                 self.cost_terms["reshard"] += [cost[k][k] * self.x[gp][k] for k in range(len(cost)) if cost[k][k]]
+                self._edge_fwd += [(c, fwd_cost[k][k], self.x[gp][k]) for k in range(len(cost)) if fwd_cost[k][k]]
                 continue
             if len(gpr.strategies) == 1 or len(gcr.strategies) == 1:
                 for k, row in enumerate(cost):
@@ -493,6 +550,8 @@ class ShardingProgram:
                         if v:
                             var = self.x[gc][m] if len(gpr.strategies) == 1 else self.x[gp][k]
                             self.cost_terms["reshard"].append(v * var)
+                            if fwd_cost[k][m]:
+                                self._edge_fwd.append((c, fwd_cost[k][m], var))
                 continue
             y = [[self.prob.add_variable(f"y_{idx}_{k}_{m}", 0, 1) for m in range(len(gcr.strategies))]
                  for k in range(len(gpr.strategies))]  # fmt: skip
@@ -502,6 +561,8 @@ class ShardingProgram:
                 self.prob += pulp.lpSum(y[k][m] for k in range(len(gpr.strategies))) == self.x[gc][m], f"edge_dst_{idx}_{m}"
             self.cost_terms["reshard"] += [cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0]))
                                            if cost[k][m]]  # fmt: skip
+            self._edge_fwd += [(c, fwd_cost[k][m], y[k][m]) for k in range(len(cost)) for m in range(len(cost[0]))
+                               if fwd_cost[k][m]]  # fmt: skip
 
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
@@ -586,61 +647,171 @@ class ShardingProgram:
                                       and self.graph.layer_count[n.name] and str(n.target) not in _VIEW_OPS]  # fmt: skip
         return max((2 * self._act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
 
-    def saved_bytes(self, name: str, k: int) -> float:
-        """Bytes group `name` keeps for backward under strategy k, on one device, for one micro-batch."""
-        grp, saved = self.groups[name], self._saved_for_backward()
-        b = 0.0
-        for m in grp.members:
-            if m in saved:
-                pl = grp.out[m][k]
-                b += self._act_bytes(self.graph.node(m)) / (self.tp if isinstance(pl, Shard) else 1)
-        return b
+    def saved_bytes(self, name: str, k: int, recompute: str = "none") -> float:
+        """Bytes group `name` keeps for backward under strategy k and `recompute`, on one device, for one micro-batch."""
+        grp, saved = self.groups[name], self._saved_for_backward(recompute)
+        return sum(self._member_bytes(grp, m, k) for m in grp.members if m in saved)
 
-    def memory_lower_bound(self) -> dict[str, float]:
+    def _member_bytes(self, grp: Group, member: str, k: int) -> float:
+        pl = grp.out[member][k]
+        return self._act_bytes(self.graph.node(member)) / (self.tp if isinstance(pl, Shard) else 1)
+
+    def _recomputed_saves(self, recompute: str) -> list[list[tuple[str, str]]]:
+        """Per distinct segment: the (group, member) values it makes again in backward, once per micro-batch.
+
+        Those kept with no recompute that `recompute` drops; segments of identical layers share their
+        representatives' groups and appear once.
+        """
+        if recompute == "none":
+            return []
+        dropped = self._saved_for_backward("none") - self._saved_for_backward(recompute)
+        out, seen = [], set()
+        for seg in recompute_segments(self.graph.graph, recompute):
+            reps = tuple(sorted({self._rep(n) for n in seg if self._rep(n) in dropped and self._rep(n) in self.group_of
+                                 and self.graph.layer_count[self._rep(n)]}))  # fmt: skip
+            if reps and reps not in seen:
+                seen.add(reps)
+                out.append([(self.group_of[r], r) for r in reps])
+        return out
+
+    def memory_lower_bound(self, recompute: str | None = None) -> dict[str, float]:
         """Per-device bytes below which no layout of this program can go, without solving it.
 
         Every parameter at its leanest placement and ZeRO stage, every group at its leanest
-        strategy, each chosen on its own: a true lower bound of the program's memory term.
+        strategy, each chosen on its own, under the leanest allowed recompute mode (or `recompute`):
+        a true lower bound of the program's memory term. The recomputed segment's values
+        (M_recompute) count as working memory ("transient").
         """
+        states = self._states_lower_bound(self.zero_choices)
+        modes = self.recompute_choices if recompute is None else [recompute]
+        acts, extra = min((self._activations_lower_bound(m) for m in modes), key=sum)
+        return {"states": states, "activations": acts, "transient": self.transient_bytes() + extra}
+
+    def leanest_recompute(self) -> str:
+        """The allowed recompute mode with the smallest activation lower bound."""
+        return min(self.recompute_choices, key=lambda m: sum(self._activations_lower_bound(m)))
+
+    def _states_lower_bound(self, stages) -> float:
         states = 0.0
         for name in self._param_groups():
             grp = self.groups[name]
             states += grp.count * min(sum(self.state_bytes(name, k, s)) for k in range(len(grp.strategies))
-                                      for s in self.zero_choices)  # fmt: skip
-        acts = self.activation_copies * sum(grp.count * min(self.saved_bytes(name, k) for k in range(len(grp.strategies)))
-                                            for name, grp in self.groups.items())  # fmt: skip
-        return {"states": states, "activations": acts, "transient": self.transient_bytes()}
+                                      for s in stages)  # fmt: skip
+        return states
 
-    def add_memory_constraint(self) -> None:
-        """sum n_w u M_state + sum n_g x M_saved + M_transient <= budget (peak at the forward/backward turn)."""
-        for name in self._param_groups():
-            grp = self.groups[name]
-            for (w, k, s), u in self.u.items():
-                if w != name:
-                    continue
+    def _activations_lower_bound(self, recompute: str) -> tuple[float, float]:
+        """(saved activations, recomputed segment) at their leanest under `recompute`."""
+        cache = self._act_bounds
+        if recompute not in cache:
+            acts = self.activation_copies * sum(
+                grp.count * min(self.saved_bytes(name, k, recompute) for k in range(len(grp.strategies)))
+                for name, grp in self.groups.items()
+            )
+            peak = max((sum(min(self._member_bytes(self.groups[g], m, k) for k in range(len(self.groups[g].strategies)))
+                            for g, m in seg) for seg in self._recomputed_saves(recompute)), default=0.0)  # fmt: skip
+            cache[recompute] = (acts, peak)
+        return cache[recompute]
+
+    def add_memory_constraint(self, recompute: str | None = None) -> None:
+        """sum n_w u M_state + sum n_g x M_saved(r) + M_recompute(r) + M_transient <= budget.
+
+        The peak is at the turn from forward to backward. Under recompute mode r, M_saved(r) keeps only
+        what enters each recomputed segment, and the first segment the backward recomputes holds its
+        values again: M_recompute(r) >= sum_{(g,m) in S} x[g,k] M_value[m,k] for every segment S.
+        """
+        if self.transient is None:
+            for (name, k, s), u in self.u.items():
+                count = self.groups[name].count
                 p, g, o = self.state_bytes(name, k, s)
-                self.memory_terms["params"].append(grp.count * p * u)
-                self.memory_terms["grads"].append(grp.count * g * u)
-                self.memory_terms["optimizer"].append(grp.count * o * u)
+                self.memory_terms["params"].append(count * p * u)
+                self.memory_terms["grads"].append(count * g * u)
+                self.memory_terms["optimizer"].append(count * o * u)
+            self.transient = self.transient_bytes()
+        self._use_mode(recompute or self.recompute_choices[0])
+
+    def add_recompute_cost(self, recompute: str) -> list:
+        """Objective terms of recompute mode r: the forward of every recomputed node and the resharding
+        its arguments need, once more: sum_{g, m in R} n_g sum_k x[g,k] F[m,k] + sum_{e into R} n_e y Rf."""
+        rec = recomputed_nodes(self.graph.graph, recompute)
+        terms = []
+        for name, members in self._fwd_s.items():
+            grp = self.groups[name]
+            for m, fwd in members.items():
+                if m not in rec:
+                    continue
+                gather = grp.follow_fwd_s.get(m)
+                for k, t in enumerate(fwd):
+                    t += gather[k] if gather else 0.0
+                    if t:
+                        terms.append(t * self.x[name][k])
+        terms += [coef * var for c, coef, var in self._edge_fwd if c in rec]
+        return terms
+
+    def recompute_time_lower_bound(self, recompute: str) -> float:
+        """Seconds recompute mode r adds at least: every recomputed group at its cheapest forward."""
+        rec = recomputed_nodes(self.graph.graph, recompute)
+        total = 0.0
+        for name, members in self._fwd_s.items():
+            per_k = [sum(fwd[k] for m, fwd in members.items() if m in rec) for k in range(len(self.groups[name].strategies))]
+            total += min(per_k, default=0.0)
+        return total
+
+    def _mode_terms(self, recompute: str) -> _ModeTerms:
+        if recompute in self._modes:
+            return self._modes[recompute]
+        acts = []
         for name, grp in self.groups.items():
             for k in range(len(grp.strategies)):
-                b = self.saved_bytes(name, k) * self.activation_copies
+                b = self.saved_bytes(name, k, recompute) * self.activation_copies
                 if b:
-                    self.memory_terms["activations"].append(grp.count * b * self.x[name][k])
-        self.transient = self.transient_bytes()
-        total = pulp.lpSum(t for terms in self.memory_terms.values() for t in terms) + self.transient
+                    acts.append(grp.count * b * self.x[name][k])
+        rows, peak = {}, []
+        segs = [pulp.lpSum(self._member_bytes(self.groups[g], m, k) * self.x[g][k] for g, m in seg
+                           for k in range(len(self.groups[g].strategies))) for seg in self._recomputed_saves(recompute)]  # fmt: skip
+        if len(segs) == 1:
+            peak = [segs[0]]
+        elif segs:  # the largest segment: one variable above each
+            w = self.prob.add_variable(f"recompute_peak_{recompute}", 0)
+            rows = {f"recompute_peak_{recompute}_{i}": w >= e for i, e in enumerate(segs)}
+            peak = [w]
+        states = [t for key in ("params", "grads", "optimizer") for t in self.memory_terms[key]]
+        total = pulp.lpSum(states + acts + peak) + self.transient
         if math.isfinite(self.budget):
-            self.prob += total <= self.budget, "memory_peak"
+            rows["memory_peak"] = total <= self.budget
+        base = [t for key, terms in self.cost_terms.items() if key != "recompute" for t in terms]
+        extra = self.add_recompute_cost(recompute) if recompute != "none" else []
+        self._modes[recompute] = _ModeTerms(pulp.lpSum(base + extra), extra, acts, peak, rows)
+        return self._modes[recompute]
+
+    def _use_mode(self, recompute: str) -> None:
+        """Make the objective and the memory rows those of recompute mode `recompute`."""
+        if recompute == self._mode:
+            return
+        if self._mode is not None:
+            for name in self._modes[self._mode].rows:
+                self.prob.constraints.pop(name, None)
+        terms = self._mode_terms(recompute)
+        self.prob.setObjective(terms.objective)
+        for name, row in terms.rows.items():
+            self.prob.addConstraint(row, name)
+        self.memory_terms["activations"] = terms.activations
+        self.memory_terms["recompute"] = terms.peak
+        self.cost_terms["recompute"] = terms.extra
+        self._mode = recompute
 
     # ---------------------------------------------------------------------------------- solving
 
-    def solve(self, time_limit_s: float = 60.0, *, stage: int | None = None, memory: bool = True) -> MeshResult:
+    def solve(self, time_limit_s: float = 60.0, *, stage: int | None = None, memory: bool = True,
+              recompute: str | None = None) -> MeshResult:  # fmt: skip
         """Solve the program, optionally with the ZeRO stage fixed and without the memory constraint.
 
         Fixing the stage turns the stage product into constants that presolve removes; HiGHS solves
         the four fixed programs faster than the joint one. Without the memory constraint the optimum
         is a lower bound of the step time for this mesh and any more micro-batches or higher stage.
+        `recompute` picks the mode (default: the first allowed, "none" unless pinned).
         """
+        mode = recompute or self.recompute_choices[0]
+        self._use_mode(mode)
         for s, z in self.z.items():
             z.lowBound, z.upBound = (0, 1) if stage is None else ((1, 1) if s == stage else (0, 0))
         mem_con = None if memory else self.prob.constraints.pop("memory_peak", None)
@@ -654,36 +825,86 @@ class ShardingProgram:
         status = pulp.LpStatus[self.prob.status]
         if status != "Optimal":
             return MeshResult(self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, dt, f"solver status {status}",
-                              self.mb)  # fmt: skip
+                              self.mb, mode)  # fmt: skip
         val = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.cost_terms.items()}
         mem = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.memory_terms.items()}
         mem["transient"] = self.transient
+        if not mem.get("recompute"):
+            mem.pop("recompute", None)
         chosen_stage = next(s for s, z in self.z.items() if (pulp.value(z) or 0) > 0.5)
         step = sum(val.values())
         self.last_choice = self.chosen()
-        return MeshResult(self.dp, self.tp, True, step, val.get("compute", 0.0), val.get("reshard", 0.0),
-                          val.get("grad_sync", 0.0), chosen_stage, mem, dt, num_microbatches=self.mb)  # fmt: skip
+        # recomputed forwards are compute; resharding they repeat is counted with them
+        return MeshResult(self.dp, self.tp, True, step, val.get("compute", 0.0) + val.get("recompute", 0.0),
+                          val.get("reshard", 0.0), val.get("grad_sync", 0.0), chosen_stage, mem, dt,
+                          num_microbatches=self.mb, recompute=mode)  # fmt: skip
 
     def chosen(self) -> dict[str, int]:
         return {g: max(range(len(xs)), key=lambda k: pulp.value(xs[k]) or 0.0) for g, xs in self.x.items()}
 
-    def solve_best(self, lower_bound_s: float = 0.0) -> MeshResult:
-        """The optimum over the allowed ZeRO stages, each solved with the stage fixed.
+    def solve_best(self, lower_bound_s: float = 0.0, *, recompute: str | None = None) -> MeshResult:
+        """The optimum over the allowed recompute modes and ZeRO stages, each solved with both fixed.
 
         `lower_bound_s` is a step time nothing on this mesh can beat (the memory-free optimum at the
-        lowest stage): a stage that reaches it ends the search.
+        lowest stage, no recompute). A mode adds at least `recompute_time_lower_bound` to it: a mode
+        whose bound the best plan found already reaches is not solved, nor a (mode, stage) whose
+        memory lower bound exceeds the budget; a stage that reaches its mode's bound ends that mode.
         """
         best, best_choice = None, None
-        for s in self.zero_choices:
-            res = self.solve(stage=s)
-            if res.feasible and (best is None or res.step_time_s < best.step_time_s):
-                best, best_choice = res, self.last_choice
-                if res.step_time_s <= lower_bound_s * (1 + 1e-9):
-                    break
+        modes = self.recompute_choices if recompute is None else [recompute]
+        for mode in modes:
+            bound = lower_bound_s + (self.recompute_time_lower_bound(mode) if mode != "none" else 0.0)
+            if best is not None and best.step_time_s <= bound * (1 + 1e-9):
+                continue
+            acts = sum(self._activations_lower_bound(mode)) + self.transient_bytes()
+            for s in self.zero_choices:
+                if self._states_lower_bound([s]) + acts > self.budget:
+                    continue
+                res = self.solve(stage=s, recompute=mode)
+                if res.feasible and (best is None or res.step_time_s < best.step_time_s):
+                    best, best_choice = res, self.last_choice
+                    if res.step_time_s <= bound * (1 + 1e-9):
+                        break
         if best is None:
             return MeshResult(self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, 0.0, "no stage fits", self.mb)
         self.last_choice = best_choice
         return best
+
+
+@dataclass
+class _ModeTerms:
+    """What one recompute mode puts into a program: its objective, terms and rows."""
+
+    objective: pulp.LpAffineExpression
+    extra: list
+    activations: list
+    peak: list
+    rows: dict[str, pulp.LpConstraint]
+
+
+def _storage_base(a: fx.Node) -> fx.Node:
+    """The node whose storage a value lives in: views resolved to their base.
+
+    Reshaping an expanded tensor (the repeat of grouped key/value heads) copies it, so that
+    reshape owns its storage.
+    """
+    while a.op == "call_function" and str(a.target) in _VIEW_OPS and tensor_args(a):
+        src = tensor_args(a)[0]
+        if str(a.target) == "aten.reshape.default" and str(src.target) == "aten.expand.default":
+            before, after = output_meta(tensor_args(src)[0]) if tensor_args(src) else None, output_meta(src)
+            if before is not None and after is not None and after.numel > before.numel:
+                break
+        a = src
+    return a
+
+
+def recompute_choices(graph: OpGraph, pinned: str | None) -> list[str]:
+    """The recompute modes a program considers, cheapest first: the pinned one, or every mode that has segments."""
+    if pinned is not None:
+        if pinned not in RECOMPUTE_MODES:
+            raise ConfigError(f"recompute={pinned!r}: expected one of {', '.join(RECOMPUTE_MODES)}")
+        return [pinned]
+    return ["none"] + [m for m in ("selective", "full") if recompute_segments(graph.graph, m)]
 
 
 def _quiet_solve(prob: pulp.LpProblem, time_limit_s: float) -> None:
@@ -748,7 +969,8 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         estimator: a ComputeEstimator (analytic roofline or profiled).
         precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32".
         constraints: optional pins: "tp", "dp", "zero" (0-3), "num_microbatches" (gradient accumulation
-            steps per data-parallel rank) or "micro_batch_size" (samples per micro-batch per rank).
+            steps per data-parallel rank), "micro_batch_size" (samples per micro-batch per rank) or
+            "recompute" ("none", "selective", "full").
         memory_budget_bytes: per-device cap; defaults to the device memory.
         batch_size: the global batch (dim 0 of the inputs), split over dp.
         progress: optional callable(str) told about each mesh as it is solved.
@@ -761,17 +983,18 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         raise ConfigError(f"constraints['zero']={zero!r}: expected 0, 1, 2 or 3")
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     prec = Precision.get(precision)
+    recompute = _pinned_recompute(graph, constraints.get("recompute"))
     rules.UNRULED_OPS.clear()
     t0 = time.perf_counter()
     results, bounds, candidates = [], [], []
     for dp, tp in _pinned(constraints, cluster.world_size, batch_size):
         make = _program_factory(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
-                                budget=budget, batch_size=batch_size)  # fmt: skip
+                                budget=budget, batch_size=batch_size, recompute=recompute)  # fmt: skip
         fits = None
         for m in _microbatch_choices(batch_size // dp, constraints):
             prog = make(m)
             bound = prog.memory_lower_bound()
-            bounds.append((sum(bound.values()), dp, tp, m, bound))
+            bounds.append((sum(bound.values()), dp, tp, m, bound, prog.leanest_recompute()))
             if sum(bound.values()) <= budget:
                 fits = prog
                 break
@@ -791,7 +1014,8 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
             results.append(dataclasses.replace(free, feasible=False, reason=f"cannot beat the chosen plan: at least "
                                                f"{free.step_time_s * 1e3:.2f} ms even without a memory limit"))
             continue
-        res, res_prog = _solve_mesh(free, prog, make, batch_size, constraints, progress)
+        res, res_prog = _solve_mesh(free, prog, make, batch_size, constraints, progress,
+                                    beat_s=best.step_time_s if best is not None else math.inf)  # fmt: skip
         results.append(res)
         if res.feasible and (best is None or res.step_time_s < best.step_time_s):
             best, best_prog = res, res_prog
@@ -804,42 +1028,87 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
     return _solution(best_prog, best, tuple(results), unruled, time.perf_counter() - t0)
 
 
-def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size):
+def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
+    """The pinned recompute mode, checked; a mode with nothing to recompute in this graph warns and is "none"."""
+    if pinned is None:
+        return None
+    if pinned not in RECOMPUTE_MODES:
+        raise ConfigError(f"constraints['recompute']={pinned!r}: expected one of {', '.join(RECOMPUTE_MODES)}")
+    if pinned != "none" and not recompute_segments(graph.graph, pinned):
+        warnings.warn(f"recompute={pinned!r}: the model has no repeated layers (attention blocks) to recompute; "
+                      f"planning without recompute", stacklevel=3)  # fmt: skip
+        return "none"
+    return pinned
+
+
+def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None):
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
                                zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
-                               num_microbatches=m)  # fmt: skip
+                               num_microbatches=m, recompute=recompute)  # fmt: skip
 
     return make
 
 
-def _solve_mesh(free: MeshResult, prog: ShardingProgram, make, batch_size: int, constraints: dict, progress):
-    """The best layout of one mesh: fewest micro-batches that fit first, more while that helps.
+def _solve_mesh(free: MeshResult, prog: ShardingProgram, make, batch_size: int, constraints: dict, progress,
+                beat_s: float = math.inf):  # fmt: skip
+    """The best layout of one mesh: per recompute mode, fewest micro-batches that fit first, more while that helps.
 
-    `free` is the memory-free optimum at the fewest micro-batches: when it fits, nothing on this mesh
-    is faster (more micro-batches and higher ZeRO stages never cost less), so it is the answer.
+    `free` is the memory-free optimum at the fewest micro-batches without recompute: when it fits,
+    nothing on this mesh is faster (more micro-batches, higher ZeRO stages and recompute never cost
+    less), so it is the answer. Otherwise the modes are searched cheapest first, each over its own
+    micro-batch counts (more micro-batches can make recompute unnecessary, so the step time is not
+    monotone across modes); a mode whose time bound (`free` plus its least recompute time) the best
+    plan found already reaches, on this mesh or `beat_s` on another, is skipped. Where a mode needs
+    more micro-batches than `free` has, its own memory-free optimum there tightens its bound first.
     """
     say = progress or (lambda msg: None)
     if sum(free.memory.values()) <= prog.budget:
         say(f"mesh dp={prog.dp} tp={prog.tp} micro-batches={prog.mb}: {free.step_time_s * 1e3:.2f} ms")
         return free, prog  # prog.last_choice holds the memory-free solution
-    best, best_prog = None, None
-    for m in [c for c in _microbatch_choices(batch_size // prog.dp, constraints) if c >= prog.mb]:
-        if m != prog.mb:
-            prog = make(m)
-            prog.build()
-        res = prog.solve_best(free.step_time_s)
-        say(f"mesh dp={prog.dp} tp={prog.tp} micro-batches={m}: "
-            + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible"))  # fmt: skip
-        if best is not None and (not res.feasible or res.step_time_s >= best.step_time_s):
-            break  # more micro-batches only pay more latency once the states have stopped shrinking
-        if res.feasible:
-            best, best_prog = res, prog
-            if res.step_time_s <= free.step_time_s * (1 + 1e-9):
-                break  # as fast as the memory-free bound: optimal
+    programs = {prog.mb: prog}
+    counts = [c for c in _microbatch_choices(batch_size // prog.dp, constraints) if c >= prog.mb]
+    best, last = None, None  # best: (result, program, choice)
+    lower = free.step_time_s
+    for mode in prog.recompute_choices:
+        bound = lower + (prog.recompute_time_lower_bound(mode) if mode != "none" else 0.0)
+        target = min(beat_s, best[0].step_time_s if best is not None else math.inf)
+        if target <= bound * (1 + 1e-9):
+            continue
+        mode_best = None
+        for m in counts:
+            if m not in programs:
+                programs[m] = make(m)
+            p = programs[m]
+            if sum(p.memory_lower_bound(mode).values()) > p.budget:
+                continue  # this mode needs more micro-batches
+            if not p.x:
+                p.build()
+            if mode_best is None and m != prog.mb:  # the mode's own memory-free optimum: a tighter bound
+                tight = p.solve(stage=p.zero_choices[0], memory=False, recompute=mode)
+                if tight.feasible:
+                    bound = max(bound, tight.step_time_s)
+                if target <= bound * (1 + 1e-9):
+                    break
+            res = last = p.solve_best(bound if mode == "none" else lower, recompute=mode)
+            say(f"mesh dp={p.dp} tp={p.tp} micro-batches={m}, {mode} recompute: "
+                + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible"))  # fmt: skip
+            if mode_best is not None and (not res.feasible or res.step_time_s >= mode_best[0].step_time_s):
+                break  # more micro-batches only pay more latency once the states have stopped shrinking
+            if res.feasible:
+                mode_best = (res, p, p.last_choice)
+                if res.step_time_s <= bound * (1 + 1e-9):
+                    break  # as fast as this mode can be
+        if mode_best is not None and (best is None or mode_best[0].step_time_s < best[0].step_time_s):
+            best = mode_best
     if best is None:
-        return res, None
-    return best, best_prog
+        if last is None and beat_s < math.inf:
+            return dataclasses.replace(free, feasible=False, reason=f"cannot beat the chosen plan: at least "
+                                       f"{lower * 1e3:.2f} ms with the micro-batches memory needs"), None  # fmt: skip
+        return last or dataclasses.replace(free, feasible=False, reason="no micro-batch count fits"), None
+    res, p, choice = best
+    p.last_choice = choice
+    return res, p
 
 
 def _microbatch_choices(per_rank: int, constraints: dict) -> list[int]:
@@ -869,7 +1138,7 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
             params[graph.params[node.name].name] = out[node.name]
     return ShardingSolution(best.dp, best.tp, best.num_microbatches, best.zero_stage, best.step_time_s, best.compute_s, best.reshard_s,
                             best.grad_sync_s, best.memory, out, ins, strat, params, results, unruled,
-                            len(prog.groups), dt)  # fmt: skip
+                            len(prog.groups), dt, recompute=best.recompute)  # fmt: skip
 
 
 def format_bytes(n: float) -> str:
@@ -882,14 +1151,15 @@ def format_bytes(n: float) -> str:
 def _infeasible_message(bounds, budget) -> str:
     """Say how much memory the leanest layout needs per device, next to the budget.
 
-    `bounds` holds (bytes, dp, tp, micro-batches, parts) of every program considered; the figure
-    is each program's lower bound (every choice at its leanest), so "at least" is exact.
+    `bounds` holds (bytes, dp, tp, micro-batches, parts, recompute mode) of every program considered;
+    the figure is each program's lower bound (every choice at its leanest), so "at least" is exact.
     """
     if not bounds:
         return "no layout satisfies the constraints"
-    total, dp, tp, m, parts = min(bounds, key=lambda b: b[0])
+    total, dp, tp, m, parts, mode = min(bounds, key=lambda b: b[0])
+    recompute = "no activation recompute" if mode == "none" else f"{mode} activation recompute"
     return (f"the model needs at least {format_bytes(total)} per device (model states "
             f"{format_bytes(parts['states'])}, activations {format_bytes(parts['activations'])}, working memory "
-            f"{format_bytes(parts['transient'])}, at dp={dp} tp={tp} with {m} micro-batch(es) and states sharded "
-            f"as far as allowed), but the budget is {format_bytes(budget)} per device; raise memory_budget, use "
-            f"more devices or a smaller batch")  # fmt: skip
+            f"{format_bytes(parts['transient'])}, at dp={dp} tp={tp} with {m} micro-batch(es), states sharded "
+            f"as far as allowed and {recompute}), but the budget is {format_bytes(budget)} per device: "
+            f"{format_bytes(total - budget)} short; raise memory_budget, use more devices or a smaller batch")  # fmt: skip

@@ -1,0 +1,90 @@
+"""Activation recompute at run time: checkpointed segments give the gradients of the plain program."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.passes.recompute import recompute_segments
+from autopar.runtime import ParallelModule, ensure_process_group
+from autopar.trace import trace_model
+from tests.models import make_batch, make_model
+
+# fp32 on one CPU rank: recompute runs the same ops on the same values, so gradients agree to the
+# last bits; a tolerance of 1e-6 leaves room for a kernel picking another summation order.
+GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5
+
+
+def _grads(name: str, recompute: str, **pins):
+    """(program, loss, gradients by parameter name) after one step of a `recompute` plan on one rank.
+
+    Both modes run on DTensors through `ParallelModule` (compile would give a plan without recompute
+    the plain data-parallel program), so the two runs differ in recompute only.
+    """
+    model = make_model(name)
+    args, kwargs = make_batch(name)
+    traced = trace_model(model, args, kwargs)
+    plan = autopar.plan(model, "cpu:1", args, kwargs, constraints={"recompute": recompute, **pins}, _traced=traced)
+    if plan.num_microbatches > 1:  # compile traces the graph again at the micro-batch size
+        assert recompute != "none"
+        pm = autopar.compile(model, "cpu:1", args, kwargs, plan=plan, optimizer=_no_step)
+    else:
+        ensure_process_group(plan.cluster)
+        pm = ParallelModule(model, traced, plan, plan.cluster, optimizer=_no_step)
+    loss = pm.train_step(*args, **kwargs)
+    grads = {n: p.grad.detach().clone() for n, p in zip(pm._param_names, pm.shards, strict=True) if p.grad is not None}
+    return pm, loss, grads
+
+
+def _no_step(params):
+    return torch.optim.SGD(params, lr=0.0)
+
+
+def _eager_grads(name: str) -> dict:
+    model = make_model(name)
+    args, kwargs = make_batch(name)
+    model(*args, **kwargs).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(("name", "mode"), [("llama", "full"), ("llama", "selective"), ("gpt2", "full"),
+                                            ("bert", "selective")])  # fmt: skip
+def test_recompute_gives_the_same_gradients(name, mode):
+    plain, plain_loss, plain_grads = _grads(name, "none")
+    pm, loss, grads = _grads(name, mode)
+    assert pm.plan.recompute == mode and plain.plan.recompute == "none"
+    segments = pm._interp.segments
+    assert len(segments) == 2  # one per layer of the two-layer models
+    # every segment ran in forward and once more in backward; the plain program ran none
+    assert pm._interp.segment_calls == 2 * len(segments)
+    assert plain._interp.segment_calls == 0 and not plain._interp.segments
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    assert grads.keys() == plain_grads.keys() and len(grads) == len(list(pm.parameters()))
+    for key, ref in plain_grads.items():
+        torch.testing.assert_close(grads[key], ref, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m, k=key: f"{k}: {m}")
+    # and both are the eager model's gradients (DTensor may sum in another order: rounding-level differences)
+    for key, ref in _eager_grads(name).items():
+        torch.testing.assert_close(grads[key], ref, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_recompute_with_micro_batches_recomputes_each():
+    pm, _, grads = _grads("llama", "full", num_microbatches=2)
+    assert pm.plan.num_microbatches == 2 and pm.plan.recompute == "full"
+    assert pm._interp.segment_calls == 2 * 2 * len(pm._interp.segments)
+    # accumulated over the micro-batches, weighted by their kept labels: the whole batch's gradient
+    for key, ref in _eager_grads("llama").items():
+        torch.testing.assert_close(grads[key], ref, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_segments_hold_their_layers():
+    model = make_model("llama")
+    args, kwargs = make_batch("llama")
+    graph = trace_model(model, args, kwargs).exported.graph
+    full, selective = recompute_segments(graph, "full"), recompute_segments(graph, "selective")
+    assert len(full) == len(selective) == 2
+    ops = {str(n.target) for n in graph.nodes if n.name in set(selective[0])}
+    assert "aten.scaled_dot_product_attention.default" in ops
+    assert "aten.linear.default" not in ops  # the projections are kept, not recomputed
+    assert set(selective[0]) < set(full[0])
+    assert recompute_segments(graph, "none") == ()
