@@ -202,3 +202,86 @@ def test_shortened_trace_prices_the_whole_model():
         assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-9)
         assert a.memory == pytest.approx(b.memory, rel=1e-9)
         assert api._expand_placements(short, a.param_placements) == b.param_placements
+
+
+def _meta_llama(hidden=512, layers=4, batch=8, seq=256):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autopar.trace import trace_model
+
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq, use_cache=False,
+                      attn_implementation="sdpa")  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    args, kwargs = (ids,), {"labels": ids}
+    return model, args, kwargs, trace_model(model, args, kwargs)
+
+
+def test_choices_follow_the_budget():
+    # One mesh (dp=2, tp=1) and one micro-batch, so the levers are the ZeRO stage and recompute:
+    # as the budget shrinks, states are sharded first (cheap on NVLink), then activations are
+    # recomputed, and below the leanest layout the error says how much memory is missing.
+    model, args, kwargs, traced = _meta_llama()
+    pins = {"tp": 1, "num_microbatches": 1}
+
+    def plan(budget=None, **more):
+        return autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={**pins, **more}, memory_budget=budget,
+                            _traced=traced)  # fmt: skip
+
+    free = plan()
+    assert free.zero_stage == 0 and free.recompute == "none"
+    assert all(a["recompute"] == "none" for a in free.alternatives if a["feasible"])
+    # the leanest layouts without and with full recompute (tp=1 leaves no placement to choose)
+    lean_none = plan(zero=3, recompute="none").predicted.peak_memory_bytes
+    lean_full = plan(zero=3, recompute="full").predicted.peak_memory_bytes
+    assert lean_full < 0.8 * lean_none < free.predicted.peak_memory_bytes
+
+    sharded = plan((free.predicted.peak_memory_bytes + lean_none) / 2)
+    assert sharded.zero_stage >= 1 and sharded.recompute == "none"
+    budget = (lean_none + lean_full) / 2
+    recomputed = plan(budget)
+    assert recomputed.recompute != "none"
+    assert recomputed.predicted.peak_memory_bytes <= budget
+    assert "recompute" in recomputed.predicted.memory_breakdown  # the recomputed layer's values, once
+    steps = [p.predicted.step_time_s for p in (free, sharded, recomputed)]
+    assert steps == sorted(steps)
+    with pytest.raises(InfeasiblePlanError, match="short") as info:
+        plan(0.9 * lean_full)
+    assert "full activation recompute" in str(info.value)
+    # without the micro-batch pin, gradient accumulation is the other way to fit the activations
+    relaxed = autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={"tp": 1}, memory_budget=budget,
+                           _traced=traced)  # fmt: skip
+    assert relaxed.num_microbatches > 1 or relaxed.recompute != "none"
+    assert relaxed.predicted.step_time_s <= recomputed.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_pinned_recompute_is_honoured_and_priced():
+    model, args, kwargs, traced = _meta_llama(layers=2)
+    plans = {mode: autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={"recompute": mode}, _traced=traced)
+             for mode in ("none", "selective", "full")}  # fmt: skip
+    for mode, p in plans.items():
+        assert p.recompute == mode
+        assert autopar.Plan.from_json(p.to_json()).recompute == mode
+        assert f"activation recompute | {mode}" in p.explain()
+    none, selective, full = plans["none"], plans["selective"], plans["full"]
+    assert none.predicted.step_time_s < selective.predicted.step_time_s < full.predicted.step_time_s
+    acts = {m: p.predicted.memory_breakdown["activations"] for m, p in plans.items()}
+    assert acts["full"] < acts["selective"] < acts["none"]
+    # hardware FLOPs count the recomputed forward (about a third more for full), model FLOPs do not
+    assert full.model_flops_per_step == none.model_flops_per_step
+    assert 1.2 < full.hardware_flops_per_step / none.hardware_flops_per_step < 1.4
+    assert full.predicted.mfu < none.predicted.mfu
+    with pytest.raises(ConfigError, match="recompute"):
+        autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={"recompute": "some"}, _traced=traced)
+
+
+def test_old_plan_files_read_without_recompute():
+    import json
+
+    model, args, kwargs, traced = _meta_llama(layers=2)
+    p = autopar.plan(model, "2xA100-80GB", args, kwargs, _traced=traced)
+    d = json.loads(p.to_json())
+    del d["recompute"]
+    assert autopar.Plan.from_json(json.dumps(d)).recompute == "none"
