@@ -62,6 +62,8 @@ def _train_cases(rank: int, world_size: int, cases):
                     "local_numel": local, "num_microbatches": pm.plan.num_microbatches,
                     "program": type(pm).__name__, "zero": pm.plan.zero_stage,
                     "recompute": getattr(pm.plan, "recompute", "none"),
+                    # checkpointed segments run: once in forward and once more in backward per micro-batch
+                    "segment_calls": getattr(getattr(pm, "_interp", None), "segment_calls", 0),
                     "micro_batch_size": pm.plan.micro_batch_size, "full_numel": sum(p.numel() for p in model.parameters()),
                     "sharded": sharded,
                     "tp_sharded": any(p != "R" for p in pm.plan.param_placements.values())})  # fmt: skip
@@ -81,6 +83,10 @@ def _check(world_size: int, cases) -> None:
         # DDP's layout runs as the plain data-parallel program; everything else on DTensors
         plain = got["mesh"]["tp"] == 1 and got["zero"] == 0 and got.get("recompute", "none") == "none"
         assert got["program"] == ("DataParallelProgram" if plain else "ParallelModule"), (name, constraints)
+        if "recompute" in constraints:
+            assert got["recompute"] == constraints["recompute"]
+            if constraints["recompute"] != "none":  # the layers really ran under checkpointing
+                assert got["segment_calls"] > 0 and got["segment_calls"] % 2 == 0, (name, constraints)
         if "num_microbatches" in constraints:
             assert got["num_microbatches"] == constraints["num_microbatches"]
         if "micro_batch_size" in constraints:
@@ -117,6 +123,8 @@ def test_cpu2_free_tp2_and_sharded():
     # everywhere, so only micro-batches weighted by their kept labels give the whole-batch loss
     cases += [("llama", {"num_microbatches": 2}, None), ("bert", {"dp": 2, "num_microbatches": 2}, None)]
     cases += [("bert", {"tp": 1, "zero": 0, "num_microbatches": 2}, None), ("gpt2", {"tp": 1, "zero": 0}, None)]
+    # activation recompute: whole layers on the tensor axis, attention internals over the data axis
+    cases += [("llama", {"tp": 2, "recompute": "full"}, None), ("gpt2", {"dp": 2, "recompute": "selective"}, None)]
     _check(2, cases)
 
 
