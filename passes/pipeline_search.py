@@ -1,0 +1,807 @@
+r"""Pipeline search: cut the layers into stages, give each stage a sub-mesh, choose micro-batches and a schedule.
+
+Expects an `OpGraph` whose repeated layers are all alike (one container, every layer deduplicated
+onto the first, as `OpGraph.from_traced` and the shortened preset traces give). Returns a
+`PipelineSolution`: the number of stages, the layers, sub-mesh, ZeRO stage, time and memory of
+each stage, the micro-batches and the schedule, with the predicted step time and the best plan
+without a pipeline next to it. It does not rewrite the graph.
+
+Terms:
+    W  world size;  L  layers;  B  global batch
+    p  pipeline stages (pp); every stage runs on n = W / p consecutive devices as a dp x tp sub-mesh
+    b  micro-batch size per data-parallel rank;  m = B / (dp b)  micro-batches per step
+    v  virtual stages per device (interleaved 1F1B: device d runs chunks d, d + p, ..., d + (v-1) p)
+    k_s  layers of stage s (sum_s k_s = L); stage 0 also runs what comes before the layers
+         (embeddings), stage p-1 what comes after them (final norm, head, loss)
+
+Stage price. A stage is a view of the graph (`stage_view`): the representative layer nodes stand
+for k_s layers, the nodes before and after the layers count on the first and last stage only.
+Identical layers share one set of decision groups, so a stage of any k_s is one small program.
+The intra-op program (`ShardingProgram`) prices it on its sub-mesh at m micro-batches:
+    t_s   compute and resharding of one micro-batch (forward and backward), on one device
+    S_s   gradient synchronisation over the stage's dp axis (and ZeRO gathers), once per step
+    a_s   micro-batches whose activations the schedule keeps alive on the stage at once:
+              GPipe        a_s = m
+              1F1B         a_s = min(p - s, m)
+              interleaved  a_s = min((v - 1) p + 2 (p - 1 - s) + 1, m v) / v     (Megatron-LM)
+    memory  states + a_s x activations of one micro-batch + working memory <= budget
+    c_s   point-to-point transfers of one micro-batch: the boundary activation forward to the next
+          stage and its gradient back to the previous one (v of each with interleaving), each device
+          sending b x (bytes per sample) / tp over the link between the two device blocks (the
+          inter-node link when the blocks sit on different nodes), then an all-gather over tp
+
+Step time (communication is not overlapped with compute, as in the intra-op program):
+    GPipe, 1F1B:   T = (m + p - 1)     max_s (t_s + c_s) + max_s S_s        bubble (p - 1) / m
+    interleaved:   T = (m + (p - 1)/v) max_s (t_s + c_s) + max_s S_s        bubble (p - 1) / (v m)
+
+Schedules. 1F1B needs m >= p (as torch.distributed.pipelining's Schedule1F1B does) and keeps
+fewer activations than GPipe at the same bubble, so GPipe is searched only where 1F1B cannot run
+(m < p) or when it is pinned. Interleaving needs m to be a multiple of p and every chunk to hold a
+layer (k_s >= v).
+
+Search. For every p dividing W (2 <= p <= L), sub-mesh dp x tp (tp within a node unless pinned),
+micro-batch size b and schedule:
+  1. memory floor: each stage's memory lower bound is affine in k_s (the program's bound at k = 1
+     and 2); a configuration where no cut fits is dropped, and so is every larger b on its sub-mesh;
+  2. estimate: per (tp, b), the memory-free programs of a one- and two-layer middle stage and of
+     one-layer first and last stages on tp devices alone give t per layer and the extra of the
+     embedding and the head (compute and resharding do not depend on dp at a fixed b); with the
+     per-layer gradient sync floor of the sub-mesh and the transfers, the cut that minimises the
+     bottleneck under these affine costs gives an estimate (close to a lower bound) of T;
+  3. in order of the estimate, configurations are priced exactly until the estimate (less 2 %)
+     is no better than the best exact T. Exact pricing starts from the estimate's cut less one
+     layer per stage and adds layers one at a time to the stage whose cost
+     (slots x (t_s + c_s) + S_s) grows least (optimal for a bottleneck with costs nondecreasing in
+     k_s); each (k, first, last, sub-mesh, m, a_s) is solved once and cached.
+The plan without a pipeline (p = 1) comes from `solve_sharding` and competes with the best pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import Collective, estimate_collective_time
+from autopar.cost_model.devices import LinkSpec
+from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
+from autopar.passes import sharding_solver as ss
+from autopar.passes.sharding_solver import MeshResult, Precision, ShardingProgram, ShardingSolution, format_bytes
+
+ESTIMATE_SLACK = 0.02  # how far an estimate may sit above the exact price before a configuration is skipped
+MAX_VIRTUAL_STAGES = 8  # searched unless pinned: more chunks pay more transfers than the bubble they save
+PIPELINE_CONSTRAINT_KEYS = frozenset({"pp", "schedule", "virtual_stages"})
+
+
+class Schedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+
+
+def activation_copies(schedule: Schedule, pp: int, stage: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Micro-batches whose activations stage `stage` keeps at once (the module docstring's a_s)."""
+    m, p, v = num_microbatches, pp, virtual_stages
+    if schedule == Schedule.GPIPE:
+        return float(m)
+    if schedule == Schedule.ONE_F_ONE_B:
+        return float(min(p - stage, m))
+    return min((v - 1) * p + 2 * (p - 1 - stage) + 1, m * v) / v
+
+
+def bubble_fraction(schedule: Schedule | None, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle share of the pipeline relative to its busy time: (p-1)/m, or (p-1)/(v m) interleaved."""
+    if schedule is None or pp == 1:
+        return 0.0
+    v = virtual_stages if schedule == Schedule.INTERLEAVED_1F1B else 1
+    return (pp - 1) / (v * num_microbatches)
+
+
+def _slots(schedule: Schedule, pp: int, m: int, v: int) -> float:
+    """Micro-batch slots of the slowest stage that a step lasts: m plus the bubble."""
+    return m + (pp - 1) / (v if schedule == Schedule.INTERLEAVED_1F1B else 1)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStructure:
+    """How the traced graph splits into the part before the layers, the repeated layers, and the part after.
+
+    Attributes:
+        container: module path of the repeated layers ("model.layers").
+        num_layers: layers of the model (the trace may hold fewer, each standing for several).
+        traced_layers: layers present in the traced graph.
+        pre: nodes before the layers (embeddings, masks, rotary tables): priced on the first stage only.
+        post: nodes after the layers (final norm, head, loss): priced on the last stage only.
+            A parameter read on both sides (tied embeddings) is in both: the two stages each hold it.
+        boundary_bytes_per_sample: bytes one layer hands the next for one sample (what crosses a stage boundary).
+    """
+
+    container: str
+    num_layers: int
+    traced_layers: int
+    pre: frozenset[str]
+    post: frozenset[str]
+    boundary_bytes_per_sample: float
+
+
+def layer_structure(graph: OpGraph, batch_size: int) -> LayerStructure | None:
+    """The layer structure of `graph`, or None when it has no one run of identical layers to cut."""
+    containers = {c for c, _ in graph.node_layer.values() if c is not None}
+    if len(containers) != 1:
+        return None
+    (container,) = containers
+    in_layer = {n: i for n, (c, i) in graph.node_layer.items() if c == container}
+    idxs = sorted(set(in_layer.values()))
+    traced = len(idxs)
+    num = graph.repeats.get(container, (traced, traced))[1]
+    first = [n for n, i in in_layer.items() if i == idxs[0]]
+    if traced < 1 or idxs != list(range(idxs[0], idxs[0] + traced)) or any(graph.layer_count[n] != num for n in first):
+        return None  # layers that are not all alike: their costs differ, a cut cannot count them
+    nodes = graph.nodes()
+    positions = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.name in in_layer]
+    if not positions:
+        return None
+    last_layer_pos = positions[-1]
+    pre: set[str] = set()
+    post: set[str] = set()
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and n.name not in in_layer:
+            (post if i > last_layer_pos else pre).add(n.name)
+    for n in nodes:
+        if n.op != "placeholder" or n.name in in_layer or graph.kinds.get(n.name) != NodeKind.PARAM:
+            continue
+        users = {u.name for u in n.users}
+        if users & post:
+            post.add(n.name)
+        if users & pre or not users & post:
+            pre.add(n.name)
+    return LayerStructure(container, num, traced, frozenset(pre), frozenset(post),
+                          _boundary_bytes(graph, in_layer, idxs[0], batch_size))  # fmt: skip
+
+
+def _boundary_bytes(graph: OpGraph, in_layer: dict[str, int], first: int, batch_size: int) -> float:
+    """Bytes per sample of the values the first traced layer hands the second (the hidden state)."""
+    sent = set()
+    for n in graph.nodes():
+        if in_layer.get(n.name) == first + 1:
+            sent.update(a.name for a in tensor_args(n) if in_layer.get(a.name) == first)
+    if not sent:  # one traced layer: what it returns to the nodes after it
+        last = [n for n in graph.nodes() if in_layer.get(n.name) == first]
+        sent = {n.name for n in last if any(u.name not in in_layer for u in n.users) and output_meta(n) is not None}
+    total = sum(output_meta(graph.node(n)).nbytes for n in sent if output_meta(graph.node(n)) is not None)
+    return total / batch_size
+
+
+def stage_view(graph: OpGraph, structure: LayerStructure, num_layers: int, *, first: bool, last: bool) -> OpGraph:
+    """The OpGraph of one pipeline stage: `num_layers` of the layers, plus the embedding and/or the head.
+
+    The representative layer nodes stand for `num_layers` layers (the view's own `repeats` entry makes
+    uses inside a layer count `num_layers` times and uses of the previous layer's output
+    `num_layers - 1` times); nodes before the layers count only when `first`, nodes after them only
+    when `last`, and the uses they read are scaled the same way. Buffers and inputs count on every
+    stage (each stage sees the batch and its masks). With every layer, first and last, the view
+    prices exactly like `graph`.
+    """
+    s = structure
+    counts = dict(graph.layer_count)
+    scale: dict[str, float] = {}
+    for name, n in graph.layer_count.items():
+        if name in s.pre or name in s.post:
+            on = (first and name in s.pre) or (last and name in s.post)
+            counts[name] = n if on else 0
+            if graph.kinds.get(name) == NodeKind.COMPUTE and not on:
+                scale[name] = 0.0
+        elif graph.node_layer.get(name, (None, None))[0] == s.container and n:
+            counts[name] = num_layers
+    repeats = dict(graph.repeats)
+    repeats[s.container] = (s.traced_layers, num_layers)
+    tag = f"stage-{num_layers}-{'f' if first else ''}{'l' if last else ''}"
+    return dataclasses.replace(graph, view=tag, layer_count=counts, edge_scale=scale, repeats=repeats)
+
+
+# --------------------------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One pipeline stage (one device of it for the per-device figures).
+
+    Attributes:
+        index: stage (device block) index, 0 first.
+        layers: half-open ranges [start, stop) of the model's layers the stage runs, in order; one range,
+            or one per chunk with an interleaved schedule.
+        num_layers: layers in those ranges.
+        first, last: whether it runs the nodes before the layers (embeddings) / after them (head, loss).
+        dp, tp: its sub-mesh; zero_stage: its ZeRO stage over dp.
+        time_per_microbatch_s: compute and resharding of one micro-batch (t_s).
+        transfer_per_microbatch_s: point-to-point sends of one micro-batch (c_s).
+        grad_sync_s: gradient synchronisation per step (S_s).
+        activation_copies: micro-batches whose activations it keeps at once (a_s).
+        memory: per-device bytes by kind (params, grads, optimizer, activations, transient).
+        sharding: the stage program's layout (placements of the view's nodes and parameters).
+    """
+
+    index: int
+    layers: tuple[tuple[int, int], ...]
+    num_layers: int
+    first: bool
+    last: bool
+    dp: int
+    tp: int
+    zero_stage: int
+    time_per_microbatch_s: float
+    transfer_per_microbatch_s: float
+    grad_sync_s: float
+    activation_copies: float
+    memory: dict
+    sharding: ShardingSolution | None = None
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return float(sum(self.memory.values()))
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineSolution:
+    """The chosen pipeline (or the plan without one, pp = 1) and what it was compared with.
+
+    Attributes:
+        pp, dp, tp: stages and the sub-mesh of every stage (pp * dp * tp = world size).
+        stages: one StagePlan per stage, in order.
+        num_microbatches: micro-batches per step on each data-parallel rank (m).
+        micro_batch_size: samples per micro-batch per data-parallel rank (b).
+        schedule: the pipeline schedule; None when pp = 1.
+        virtual_stages: chunks per device (v; 1 unless interleaved).
+        bubble_fraction: (p-1)/m or (p-1)/(v m).
+        step_time_s: predicted step time.
+        peak_memory_bytes: the largest stage's per-device peak.
+        single_stage_step_time_s: the best plan without a pipeline (None when none fits or pp is pinned).
+        single_stage: that plan's layout (`solve_sharding`'s answer), which is the answer when pp = 1.
+        candidates: the configurations priced, each a dict (pp, dp, tp, num_microbatches, schedule,
+            virtual_stages, estimate_s, step_time_s or None, reason).
+        num_stage_programs: stage programs solved.
+        solve_time_s: wall time of the search.
+    """
+
+    pp: int
+    dp: int
+    tp: int
+    stages: tuple[StagePlan, ...]
+    num_microbatches: int
+    micro_batch_size: int
+    schedule: Schedule | None
+    virtual_stages: int
+    bubble_fraction: float
+    step_time_s: float
+    peak_memory_bytes: float
+    single_stage_step_time_s: float | None
+    single_stage: ShardingSolution | None
+    candidates: tuple[dict, ...]
+    num_stage_programs: int
+    solve_time_s: float
+
+    def __post_init__(self):
+        assert len(self.stages) == self.pp
+        assert sum(s.num_layers for s in self.stages) > 0 or self.pp == 1
+
+
+# ------------------------------------------------------------------------------------ stage pricing
+
+
+@dataclass(frozen=True, slots=True)
+class _Priced:
+    """A stage program's optimum at one (layers, first, last, sub-mesh, micro-batches, activation copies)."""
+
+    feasible: bool
+    t_mb: float = math.inf  # compute + resharding of one micro-batch
+    sync: float = 0.0
+    zero: int = -1
+    memory: tuple[tuple[str, float], ...] = ()  # as solved, activations at `copies`
+    copies: float = 1.0
+    result: MeshResult | None = None
+    program: ShardingProgram | None = None
+
+    def memory_at(self, copies: float) -> dict[str, float]:
+        mem = dict(self.memory)
+        if "activations" in mem:
+            mem["activations"] *= copies / self.copies
+        return mem
+
+
+@dataclass(frozen=True, slots=True)
+class _Floors:
+    """Bounds of a one-layer stage view that the estimates scale by the layer count.
+
+    Per (kind, tp, b): activations of one micro-batch at their leanest, working memory, and the time
+    of one micro-batch on tp devices without a data axis; per (kind, dp, tp): for each ZeRO stage the
+    leanest states and the least gradient sync (at one micro-batch).
+    """
+
+    acts: float
+    transient: float
+    t_mb: float
+    states: dict[int, float]
+    sync: dict[int, float]
+
+
+class _StagePricer:
+    """Builds and solves stage programs, each (view, sub-mesh, micro-batches, copies) once."""
+
+    def __init__(self, graph: OpGraph, structure: LayerStructure, cluster: ClusterSpec, *, estimator,
+                 precision: Precision, zero: int | None, budget: float, batch: int):  # fmt: skip
+        self.graph, self.structure, self.cluster = graph, structure, cluster
+        self.estimator, self.precision, self.budget, self.batch = estimator, precision, budget, batch
+        # ZeRO-2/3 reduce-scatter gradients and gather parameters once per micro-batch, which a pipeline
+        # repeats m times; as in Megatron-LM and DeepSpeed, pipelines shard optimizer states at most (ZeRO-1)
+        self.zero_choices = [zero] if zero is not None else [0, 1]
+        self._views: dict[tuple, OpGraph] = {}
+        self._free: dict[tuple, _Priced] = {}
+        self._bound: dict[tuple, _Priced] = {}
+        self._act_floor: dict[tuple, tuple[float, float, float]] = {}
+        self._state_floor: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
+        self.num_programs = 0
+
+    def view(self, k: int, first: bool, last: bool) -> OpGraph:
+        key = (k, first, last)
+        if key not in self._views:
+            self._views[key] = stage_view(self.graph, self.structure, k, first=first, last=last)
+        return self._views[key]
+
+    def program(self, k, first, last, dp, tp, m, copies=1.0) -> ShardingProgram:
+        prog = ShardingProgram(self.view(k, first, last), self.cluster, dp, tp, estimator=self.estimator,
+                               precision=self.precision, zero_stage=None, memory_budget_bytes=self.budget,
+                               batch_dim_size=self.batch, num_microbatches=m, activation_copies=copies)  # fmt: skip
+        if dp > 1:
+            prog.zero_choices = list(self.zero_choices)
+        return prog
+
+    def free(self, k: int, first: bool, last: bool, dp: int, tp: int, m: int) -> _Priced:
+        """The memory-free optimum at the lowest allowed ZeRO stage: the fastest this stage can be."""
+        key = (k, first, last, dp, tp, m)
+        if key not in self._free:
+            prog = self.program(k, first, last, dp, tp, m)
+            prog.build()
+            self.num_programs += 1
+            self._free[key] = self._record(prog, prog.solve(stage=prog.zero_choices[0], memory=False), 1.0)
+        return self._free[key]
+
+    def price(self, k: int, first: bool, last: bool, dp: int, tp: int, m: int, copies: float) -> _Priced:
+        """The stage's optimum within the memory budget with `copies` micro-batches of activations alive."""
+        free = self.free(k, first, last, dp, tp, m)
+        if not free.feasible or sum(free.memory_at(copies).values()) <= self.budget:
+            return free
+        key = (k, first, last, dp, tp, m, round(copies, 6))
+        if key not in self._bound:
+            prog = self.program(k, first, last, dp, tp, m, copies)
+            if sum(prog.memory_lower_bound().values()) > self.budget:
+                self._bound[key] = _Priced(False)
+            else:
+                prog.build()
+                self.num_programs += 1
+                self._bound[key] = self._record(prog, prog.solve_best(free.result.step_time_s), copies)
+        return self._bound[key]
+
+    def floors(self, first: bool, last: bool, dp: int, tp: int, b: int) -> _Floors:
+        """The one-layer bounds of a stage kind (see `_Floors`)."""
+        akey, skey = (first, last, tp, b), (first, last, dp, tp)
+        if akey not in self._act_floor:
+            prog = self.program(1, first, last, 1, tp, self.batch // b)
+            bound = prog.memory_lower_bound()
+            t_mb = self.free(1, first, last, 1, tp, self.batch // b).t_mb
+            self._act_floor[akey] = (bound["activations"], bound["transient"], t_mb)
+        if skey not in self._state_floor:
+            prog = self.program(1, first, last, dp, tp, 1)
+            states, sync = {}, {}
+            for z in prog.zero_choices:
+                states[z], sync[z] = 0.0, 0.0
+                for name, grp in prog.groups.items():
+                    if prog.graph.kinds[name] != NodeKind.PARAM or not grp.count:
+                        continue
+                    ks = range(len(grp.strategies))
+                    states[z] += grp.count * min(sum(prog.state_bytes(name, j, z)) for j in ks)
+                    sync[z] += grp.count * min(prog.sync_time(name, j, z) for j in ks)
+            self._state_floor[skey] = (states, sync)
+        return _Floors(*self._act_floor[akey], *self._state_floor[skey])
+
+    @staticmethod
+    def _record(prog: ShardingProgram, res: MeshResult, copies: float) -> _Priced:
+        if not res.feasible:
+            return _Priced(False, result=res)
+        t_mb = (res.compute_s + res.reshard_s) / prog.mb
+        return _Priced(True, t_mb, res.grad_sync_s, res.zero_stage, tuple(res.memory.items()), copies, res, prog)
+
+
+# ------------------------------------------------------------------------------ transfers between stages
+
+
+def _block_link(cluster: ClusterSpec, n: int, a: int, b: int) -> LinkSpec:
+    """The link device block a (devices a*n .. a*n + n - 1) uses to reach the matching devices of block b."""
+    if cluster.num_nodes == 1:
+        return cluster.intra_node_link
+    per = cluster.devices_per_node
+    shift = (b - a) * n
+    if any(i // per != (i + shift) // per for i in range(a * n, (a + 1) * n)):
+        return cluster.inter_node_link
+    return cluster.intra_node_link
+
+
+def _transfer_s(cluster: ClusterSpec, structure: LayerStructure, link: LinkSpec, b: int, tp: int) -> float:
+    """One boundary activation of a micro-batch: 1/tp of it from each device, then an all-gather over tp."""
+    full = structure.boundary_bytes_per_sample * b
+    t = estimate_collective_time(Collective.SEND_RECV, full / tp, 2, link)
+    if tp > 1:
+        t += estimate_collective_time(Collective.ALL_GATHER, full, tp, cluster.link_for_axis(tp, 1))
+    return t
+
+
+def _stage_transfers(cluster: ClusterSpec, structure: LayerStructure, pp: int, tp: int, b: int,
+                     schedule: Schedule, v: int) -> list[float]:  # fmt: skip
+    """c_s of every stage: forward sends to the next stage, backward sends to the previous one."""
+    n = cluster.world_size // pp
+    chunks = v if schedule == Schedule.INTERLEAVED_1F1B else 1
+    out = []
+    for s in range(pp):
+        fwd = chunks - (1 if s == pp - 1 else 0)  # the last chunk of the model sends nothing forward
+        bwd = chunks - (1 if s == 0 else 0)
+        t = 0.0
+        if fwd:
+            t += fwd * _transfer_s(cluster, structure, _block_link(cluster, n, s, (s + 1) % pp), b, tp)
+        if bwd:
+            t += bwd * _transfer_s(cluster, structure, _block_link(cluster, n, s, (s - 1) % pp), b, tp)
+        out.append(t)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- the search
+
+
+@dataclass(frozen=True, slots=True)
+class _Config:
+    """One point of the search: stages, sub-mesh, micro-batches and schedule."""
+
+    pp: int
+    dp: int
+    tp: int
+    m: int
+    schedule: Schedule
+    v: int
+
+    def describe(self) -> str:
+        sched = f"{self.schedule}" + (f" v={self.v}" if self.schedule == Schedule.INTERLEAVED_1F1B else "")
+        return f"pp={self.pp} dp={self.dp} tp={self.tp} micro-batches={self.m} {sched}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _check_constraints(constraints: dict, world: int, num_layers: int) -> dict:
+    """Validate the pins this search reads; ConfigError says what to change."""
+    c = dict(constraints)
+    for key in ("pp", "tp", "dp", "num_microbatches", "micro_batch_size", "virtual_stages"):
+        if key in c and c[key] is not None and not _is_count(c[key]):
+            raise ConfigError(f"constraints[{key!r}]={c[key]!r}: expected a positive integer")
+    pp = c.get("pp")
+    if pp is not None and world % pp:
+        raise ConfigError(f"constraints['pp']={pp} does not divide the world size {world}; choose one of "
+                          f"{_divisors(world)}")  # fmt: skip
+    if pp is not None and pp > max(num_layers, 1):
+        raise ConfigError(f"constraints['pp']={pp}: the model has {num_layers} layer(s) to cut and every stage needs "
+                          f"at least one; choose pp <= {max(num_layers, 1)}")  # fmt: skip
+    if c.get("zero") not in (None, 0, 1, 2, 3):
+        raise ConfigError(f"constraints['zero']={c['zero']!r}: expected 0, 1, 2 or 3")
+    sched = c.get("schedule")
+    if sched is not None:
+        try:
+            c["schedule"] = Schedule(sched)
+        except ValueError:
+            raise ConfigError(f"constraints['schedule']={sched!r}: expected one of "
+                              f"{', '.join(repr(s.value) for s in Schedule)}") from None  # fmt: skip
+    v = c.get("virtual_stages")
+    if v is not None and v > 1 and c.get("schedule") not in (None, Schedule.INTERLEAVED_1F1B):
+        raise ConfigError(f"constraints['virtual_stages']={v} needs schedule 'interleaved_1f1b', not "
+                          f"{c['schedule'].value!r}; drop one of the two")  # fmt: skip
+    if v == 1 and c.get("schedule") == Schedule.INTERLEAVED_1F1B:
+        raise ConfigError("constraints: the interleaved schedule needs virtual_stages >= 2 (with 1 it is '1f1b')")
+    if v is not None and v > 1 and pp is not None and pp * v > num_layers:
+        raise ConfigError(f"constraints: pp={pp} x virtual_stages={v} chunks need at least {pp * v} layers, the "
+                          f"model has {num_layers}; lower virtual_stages")  # fmt: skip
+    return c
+
+
+def _schedules(c: dict, pp: int, m: int, num_layers: int) -> list[tuple[Schedule, int]]:
+    """(schedule, v) pairs to try for pp stages and m micro-batches (see the module docstring)."""
+    pinned, pinned_v = c.get("schedule"), c.get("virtual_stages")
+    out = []
+    if pinned == Schedule.GPIPE or (pinned is None and m < pp and pinned_v in (None, 1)):
+        out.append((Schedule.GPIPE, 1))
+    if pinned in (None, Schedule.ONE_F_ONE_B) and m >= pp and pinned_v in (None, 1):
+        out.append((Schedule.ONE_F_ONE_B, 1))
+    if pinned in (None, Schedule.INTERLEAVED_1F1B) and m % pp == 0 and pinned_v != 1:
+        vs = [pinned_v] if pinned_v else range(2, min(num_layers // pp, MAX_VIRTUAL_STAGES) + 1)
+        out += [(Schedule.INTERLEAVED_1F1B, v) for v in vs if pp * v <= num_layers]
+    return out
+
+
+def _meshes(c: dict, cluster: ClusterSpec, pp: int, batch: int) -> list[tuple[int, int]]:
+    """Sub-meshes (dp, tp) of world/pp devices: tp inside a node unless pinned, dp dividing the batch."""
+    n = cluster.world_size // pp
+    out = []
+    for tp in _divisors(n):
+        dp = n // tp
+        if c.get("tp") is not None and tp != c["tp"] or c.get("dp") is not None and dp != c["dp"]:
+            continue
+        if c.get("tp") is None and tp > cluster.devices_per_node:
+            continue  # a tensor axis across nodes pays the network on every layer
+        if batch % dp == 0:
+            out.append((dp, tp))
+    return out
+
+
+def _allocate(cost, start: list[int], total: int) -> list[int] | None:
+    """Layers per stage minimising the largest cost(s, k_s), adding one layer at a time from `start`.
+
+    Adding each layer to the stage whose cost grows to the least is optimal for a bottleneck when
+    every cost is nondecreasing in k (an exchange argument); `start` must not exceed the optimum.
+    """
+    k = list(start)
+    for s in range(len(k)):
+        while not math.isfinite(cost(s, k[s])) and k[s] > 1:
+            k[s] -= 1  # the estimate's cut overfills this stage (memory): start lower
+        if not math.isfinite(cost(s, k[s])):
+            return None
+    left = total - sum(k)
+    if left < 0:
+        return None
+    heap = [(cost(s, k[s] + 1), s) for s in range(len(k))]
+    heapq.heapify(heap)
+    while left:
+        c, s = heapq.heappop(heap)
+        if not math.isfinite(c):
+            return None
+        k[s] += 1
+        left -= 1
+        heapq.heappush(heap, (cost(s, k[s] + 1), s))
+    return k
+
+
+class _Search:
+    """The search of `search_pipeline` over the configurations with more than one stage."""
+
+    def __init__(self, pricer: _StagePricer, constraints: dict, say):
+        self.pricer, self.c, self.say = pricer, constraints, say
+        self.cluster, self.structure = pricer.cluster, pricer.structure
+        self.L, self.B, self.budget = pricer.structure.num_layers, pricer.batch, pricer.budget
+        self.num_configurations = 0
+        self.least_memory: tuple[float, _Config] | None = None
+
+    def kmin(self, cfg: _Config) -> int:
+        return cfg.v if cfg.schedule == Schedule.INTERLEAVED_1F1B else 1
+
+    def micro_batch(self, cfg: _Config) -> int:
+        return self.B // (cfg.dp * cfg.m)
+
+    def copies(self, cfg: _Config, s: int) -> float:
+        return activation_copies(cfg.schedule, cfg.pp, s, cfg.m, cfg.v)
+
+    def priced_copies(self, cfg: _Config, s: int) -> float:
+        """Copies a stage is priced at: its own at the ends; middle stages share the fullest one's (stage 1),
+        so that one program serves them all (the later ones then keep some memory spare)."""
+        return self.copies(cfg, 1 if 0 < s < cfg.pp - 1 else s)
+
+    # -------------------------------------------------------------------------------- estimates
+
+    def configurations(self) -> list[tuple[float, _Config, list[int]]]:
+        """(estimate, configuration, cut) of every allowed configuration where some cut fits the floors."""
+        pps = [self.c["pp"]] if self.c.get("pp") else [p for p in _divisors(self.cluster.world_size)
+                                                         if 2 <= p <= self.L]  # fmt: skip
+        out = []
+        for pp in pps:
+            for dp, tp in _meshes(self.c, self.cluster, pp, self.B):
+                for m in reversed(ss._microbatch_choices(self.B // dp, self.c)):  # smallest micro-batch first
+                    tried = [_Config(pp, dp, tp, m, s, v) for s, v in _schedules(self.c, pp, m, self.L)]
+                    self.num_configurations += len(tried)
+                    fits = [(est[0], cfg, est[1]) for cfg in tried if (est := self.estimate(cfg)) is not None]
+                    out += fits
+                    if tried and not fits:
+                        break  # larger micro-batches only need more memory
+        return out
+
+    def estimate(self, cfg: _Config) -> tuple[float, list[int]] | None:
+        """T under the affine stage costs of `_Floors` (see the module docstring), and its cut."""
+        b = self.micro_batch(cfg)
+        transfers = _stage_transfers(self.cluster, self.structure, cfg.pp, cfg.tp, b, cfg.schedule, cfg.v)
+        slots = _slots(cfg.schedule, cfg.pp, cfg.m, cfg.v)
+        mid = self.pricer.floors(False, False, cfg.dp, cfg.tp, b)
+        ends = {s: self.pricer.floors(s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, b) for s in (0, cfg.pp - 1)}
+        leanest = [math.inf]
+
+        def cost(s: int, k: int) -> float:
+            if k < self.kmin(cfg) or k > self.L:
+                return math.inf
+            f = ends.get(s, mid)
+            acts, t = f.acts + (k - 1) * mid.acts, f.t_mb + (k - 1) * mid.t_mb
+            best = math.inf
+            for z, states in f.states.items():
+                need = states + (k - 1) * mid.states[z] + self.copies(cfg, s) * acts + f.transient
+                leanest[0] = min(leanest[0], need)
+                if need <= self.budget:
+                    best = min(best, slots * (t + transfers[s]) + f.sync[z] + (k - 1) * mid.sync[z])
+            return best
+
+        alloc = _allocate(cost, [self.kmin(cfg)] * cfg.pp, self.L)
+        if alloc is None:
+            balanced = math.ceil(self.L / cfg.pp)
+            leanest[0] = math.inf
+            [cost(s, balanced) for s in range(cfg.pp)]
+            if self.least_memory is None or leanest[0] < self.least_memory[0]:
+                self.least_memory = (leanest[0], cfg)
+            return None
+        return max(cost(s, k) for s, k in enumerate(alloc)), alloc
+
+    # ------------------------------------------------------------------------------ exact pricing
+
+    def evaluate(self, cfg: _Config, guess: list[int]) -> tuple[float, list[int], list[_Priced], list[float]] | None:
+        """The exact T of `cfg` at its best cut (starting from `guess`), with the stages' prices."""
+        b = self.micro_batch(cfg)
+        transfers = _stage_transfers(self.cluster, self.structure, cfg.pp, cfg.tp, b, cfg.schedule, cfg.v)
+        slots = _slots(cfg.schedule, cfg.pp, cfg.m, cfg.v)
+
+        def priced(s: int, k: int) -> _Priced:
+            return self.pricer.price(k, s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, cfg.m, self.priced_copies(cfg, s))
+
+        def cost(s: int, k: int) -> float:
+            if k < self.kmin(cfg) or k > self.L:
+                return math.inf
+            p = priced(s, k)
+            return slots * (p.t_mb + transfers[s]) + p.sync if p.feasible else math.inf
+
+        alloc = _allocate(cost, [max(self.kmin(cfg), k - 1) for k in guess], self.L)
+        if alloc is None:
+            return None
+        stages = [priced(s, k) for s, k in enumerate(alloc)]
+        step = slots * max(p.t_mb + c for p, c in zip(stages, transfers, strict=True)) + max(p.sync for p in stages)
+        return step, alloc, stages, transfers
+
+    def run(self) -> tuple[list[dict], tuple | None]:
+        """Estimate every configuration, price them exactly in order while they can still win."""
+        t0 = time.perf_counter()
+        ranked = sorted(self.configurations(), key=lambda r: (r[0], r[1].pp, r[1].v))
+        self.say(f"pipeline: {len(ranked)} of {self.num_configurations} configurations fit the memory floors "
+                 f"({time.perf_counter() - t0:.1f} s, {self.pricer.num_programs} programs)")  # fmt: skip
+        records, best = [], None
+        for est, cfg, guess in ranked:
+            if best is not None and est * (1 - ESTIMATE_SLACK) >= best[0]:
+                break
+            got = self.evaluate(cfg, guess)
+            records.append({"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp, "num_microbatches": cfg.m,
+                            "schedule": cfg.schedule.value, "virtual_stages": cfg.v, "estimate_s": est,
+                            "step_time_s": got[0] if got else None,
+                            "reason": "" if got else "no cut fits the memory budget"})  # fmt: skip
+            if got is None:
+                continue
+            self.say(f"pipeline {cfg.describe()}: {got[0] * 1e3:.2f} ms (estimate {est * 1e3:.2f} ms, cut {got[1]})")
+            if best is None or got[0] < best[0]:
+                best = (got[0], cfg, *got[1:])
+        return records, best
+
+
+# ----------------------------------------------------------------------------------------- entry point
+
+
+def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision: str = "bf16",
+                    constraints: dict | None = None, memory_budget_bytes: float | None = None, batch_size: int,
+                    progress=None) -> PipelineSolution:  # fmt: skip
+    """Choose pp, the stage cuts, the sub-mesh, the micro-batches and the schedule by predicted step time.
+
+    Args:
+        graph: the traced model (a shortened trace of identical layers is fine).
+        cluster: the devices and links.
+        estimator: a ComputeEstimator (analytic roofline or profiled).
+        precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32".
+        constraints: optional pins: "pp" (stages), "schedule" ("gpipe", "1f1b", "interleaved_1f1b"),
+            "virtual_stages" (chunks per device, interleaved), "num_microbatches" or "micro_batch_size"
+            (per data-parallel rank), and per stage "tp", "dp" (the sub-mesh axes), "zero" (0-3).
+        memory_budget_bytes: per-device cap; defaults to the device memory.
+        batch_size: the global batch (dim 0 of the inputs).
+        progress: optional callable(str) told what is being priced.
+    Raises:
+        ConfigError: a pin that cannot hold (the message says which values would).
+        InfeasiblePlanError: no layout fits the memory budget, with the least memory one needs.
+    """
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    world = cluster.world_size
+    structure = layer_structure(graph, batch_size)
+    num_layers = structure.num_layers if structure is not None else 1
+    c = _check_constraints(dict(constraints or {}), world, num_layers)
+    if structure is None and c.get("pp", 1) > 1:
+        raise ConfigError(f"constraints['pp']={c['pp']}: the model has no run of identical layers to cut into stages "
+                          f"(pipeline cuts need one container of alike layers); drop 'pp'")  # fmt: skip
+    budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
+    single, single_error = None, None
+    wants_pipeline = c.get("pp", 0) > 1 or c.get("schedule") is not None or c.get("virtual_stages", 1) > 1
+    if c.get("pp") in (None, 1):
+        flat = {k: v for k, v in c.items() if k not in PIPELINE_CONSTRAINT_KEYS}
+        try:
+            single = ss.solve_sharding(graph, cluster, estimator=estimator, precision=precision, constraints=flat,
+                                       memory_budget_bytes=budget, batch_size=batch_size, progress=say)  # fmt: skip
+            say(f"no pipeline: {single.step_time_s * 1e3:.2f} ms")
+        except (InfeasiblePlanError, ConfigError) as e:
+            single_error = e
+    records, best = [], None
+    if structure is not None and c.get("pp") != 1 and num_layers >= 2:
+        pricer = _StagePricer(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision),
+                              zero=c.get("zero"), budget=budget, batch=batch_size)  # fmt: skip
+        search = _Search(pricer, c, say)
+        records, best = search.run()
+    else:
+        pricer = search = None
+    single_ok = single is not None and not wants_pipeline
+    if best is None or (single_ok and single.step_time_s <= best[0]):
+        if single_ok:
+            return _single_solution(single, graph, batch_size, records, pricer, time.perf_counter() - t0)
+        _raise_none_fits(c, search, single_error, budget)
+    return _pipeline_solution(best, search, single, records, time.perf_counter() - t0)
+
+
+def _raise_none_fits(c: dict, search: _Search | None, single_error: Exception | None, budget: float):
+    if search is None or search.least_memory is None:
+        if single_error is not None:
+            raise single_error
+        raise ConfigError(f"no pipeline layout satisfies the constraints {c}; loosen the pins")
+    need, cfg = search.least_memory
+    raise InfeasiblePlanError(
+        f"no pipeline layout fits: the leanest ({cfg.describe()}, micro-batch size {search.micro_batch(cfg)}) needs "
+        f"at least {format_bytes(need)} per device on its fullest stage with balanced cuts, but the budget is "
+        f"{format_bytes(budget)}; raise memory_budget, use more devices or a smaller batch or sequence")  # fmt: skip
+
+
+def _single_solution(sol: ShardingSolution, graph: OpGraph, batch: int, records, pricer, dt) -> PipelineSolution:
+    """The plan without a pipeline in the PipelineSolution form: one stage holding every layer."""
+    num_layers = graph.num_layers
+    stage = StagePlan(0, ((0, num_layers),), num_layers, True, True, sol.dp, sol.tp, sol.zero_stage,
+                      (sol.compute_s + sol.reshard_s) / sol.num_microbatches, 0.0, sol.grad_sync_s, 1.0,
+                      dict(sol.memory), sol)  # fmt: skip
+    return PipelineSolution(1, sol.dp, sol.tp, (stage,), sol.num_microbatches, batch // (sol.dp * sol.num_microbatches),
+                            None, 1, 0.0, sol.step_time_s, stage.peak_memory_bytes, sol.step_time_s, sol,
+                            tuple(records), pricer.num_programs if pricer else 0, dt)  # fmt: skip
+
+
+def _layer_ranges(alloc: list[int], cfg: _Config) -> list[tuple[tuple[int, int], ...]]:
+    """The layers each stage runs: consecutive blocks, or v chunks per device in the order d, d + p, ..."""
+    if cfg.schedule != Schedule.INTERLEAVED_1F1B:
+        starts = [sum(alloc[:s]) for s in range(len(alloc))]
+        return [((a, a + k),) for a, k in zip(starts, alloc, strict=True)]
+    sizes = {(d, j): alloc[d] // cfg.v + (1 if j < alloc[d] % cfg.v else 0) for d in range(cfg.pp) for j in range(cfg.v)}
+    ranges: list[list[tuple[int, int]]] = [[] for _ in range(cfg.pp)]
+    start = 0
+    for j in range(cfg.v):
+        for d in range(cfg.pp):
+            ranges[d].append((start, start + sizes[(d, j)]))
+            start += sizes[(d, j)]
+    return [tuple(r) for r in ranges]
+
+
+def _pipeline_solution(best, search: _Search, single, records, dt) -> PipelineSolution:
+    step, cfg, alloc, priced, transfers = best
+    stages = []
+    for s, (k, p, rng) in enumerate(zip(alloc, priced, _layer_ranges(alloc, cfg), strict=True)):
+        copies = search.copies(cfg, s)
+        sharding = ss._solution(p.program, p.result, (), (), p.result.solve_time_s) if p.program else None
+        stages.append(StagePlan(s, rng, k, s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, p.zero, p.t_mb, transfers[s],
+                                p.sync, copies, p.memory_at(copies), sharding))  # fmt: skip
+    return PipelineSolution(cfg.pp, cfg.dp, cfg.tp, tuple(stages), cfg.m, search.micro_batch(cfg), cfg.schedule, cfg.v,
+                            bubble_fraction(cfg.schedule, cfg.pp, cfg.m, cfg.v), step,
+                            max(st.peak_memory_bytes for st in stages),
+                            single.step_time_s if single is not None else None, single, tuple(records),
+                            search.pricer.num_programs, dt)  # fmt: skip
