@@ -40,19 +40,22 @@ fewer activations than GPipe at the same bubble, so GPipe is searched only where
 layer (k_s >= v).
 
 Search. For every p dividing W (2 <= p <= L), sub-mesh dp x tp (tp within a node unless pinned),
-micro-batch size b and schedule:
-  1. memory floor: each stage's memory lower bound is affine in k_s (the program's bound at k = 1
-     and 2); a configuration where no cut fits is dropped, and so is every larger b on its sub-mesh;
-  2. estimate: per (tp, b), the memory-free programs of a one- and two-layer middle stage and of
-     one-layer first and last stages on tp devices alone give t per layer and the extra of the
-     embedding and the head (compute and resharding do not depend on dp at a fixed b); with the
-     per-layer gradient sync floor of the sub-mesh and the transfers, the cut that minimises the
-     bottleneck under these affine costs gives an estimate (close to a lower bound) of T;
-  3. in order of the estimate, configurations are priced exactly until the estimate (less 2 %)
-     is no better than the best exact T. Exact pricing starts from the estimate's cut less one
-     layer per stage and adds layers one at a time to the stage whose cost
+micro-batch size b (ascending) and schedule:
+  1. estimate: one-layer stage views give, per (tp, b), the memory-free time of one micro-batch on tp
+     devices alone (compute and resharding do not depend on dp at a fixed b) and the leanest
+     activations and working memory, and per (dp, tp) the leanest states and least gradient sync of
+     each ZeRO stage; a stage of k layers costs the first/last view's figure plus k - 1 middle layers.
+     The cut minimising the bottleneck under these costs, each stage at the cheapest ZeRO stage whose
+     memory floor fits, is the estimate (close to a lower bound of T). A configuration where no cut
+     fits is dropped, and so are larger b on its sub-mesh, as are b past the point where the
+     estimate has risen by MICRO_BATCH_STOP over a smaller b (the bubble only grows from there);
+  2. in order of the estimate, configurations are priced exactly until the estimate (less
+     ESTIMATE_SLACK) is no better than the best exact T. Exact pricing starts from the estimate's cut
+     less one layer per stage and adds layers one at a time to the stage whose cost
      (slots x (t_s + c_s) + S_s) grows least (optimal for a bottleneck with costs nondecreasing in
-     k_s); each (k, first, last, sub-mesh, m, a_s) is solved once and cached.
+     k_s). Each (k, first, last, sub-mesh, m, a_s) is solved once and cached; middle stages are
+     priced at the copies of the fullest of them (stage 1), so one program serves them all.
+Pipelines use ZeRO stages 0 and 1 only, unless a stage is pinned (see `_StagePricer`).
 The plan without a pipeline (p = 1) comes from `solve_sharding` and competes with the best pipeline.
 """
 
@@ -74,6 +77,7 @@ from autopar.passes import sharding_solver as ss
 from autopar.passes.sharding_solver import MeshResult, Precision, ShardingProgram, ShardingSolution, format_bytes
 
 ESTIMATE_SLACK = 0.02  # how far an estimate may sit above the exact price before a configuration is skipped
+MICRO_BATCH_STOP = 0.10  # see _Search._micro_batches
 MAX_VIRTUAL_STAGES = 8  # searched unless pinned: more chunks pay more transfers than the bubble they save
 PIPELINE_CONSTRAINT_KEYS = frozenset({"pp", "schedule", "virtual_stages"})
 
@@ -286,8 +290,7 @@ class PipelineSolution:
     solve_time_s: float
 
     def __post_init__(self):
-        assert len(self.stages) == self.pp
-        assert sum(s.num_layers for s in self.stages) > 0 or self.pp == 1
+        assert len(self.stages) == self.pp, "one StagePlan per stage"
 
 
 # ------------------------------------------------------------------------------------ stage pricing
@@ -607,13 +610,28 @@ class _Search:
         out = []
         for pp in pps:
             for dp, tp in _meshes(self.c, self.cluster, pp, self.B):
-                for m in reversed(ss._microbatch_choices(self.B // dp, self.c)):  # smallest micro-batch first
-                    tried = [_Config(pp, dp, tp, m, s, v) for s, v in _schedules(self.c, pp, m, self.L)]
-                    self.num_configurations += len(tried)
-                    fits = [(est[0], cfg, est[1]) for cfg in tried if (est := self.estimate(cfg)) is not None]
-                    out += fits
-                    if tried and not fits:
-                        break  # larger micro-batches only need more memory
+                out += self._micro_batches(pp, dp, tp)
+        return out
+
+    def _micro_batches(self, pp: int, dp: int, tp: int) -> list[tuple[float, _Config, list[int]]]:
+        """The configurations of one sub-mesh, micro-batch sizes ascending.
+
+        Stops at a micro-batch size where nothing fits (larger ones need more memory), and once the best
+        estimate is more than MICRO_BATCH_STOP above the best at a smaller size: past the size where the
+        time per sample stops falling, larger micro-batches only lengthen the bubble.
+        """
+        out, best = [], math.inf
+        for m in reversed(ss._microbatch_choices(self.B // dp, self.c)):
+            tried = [_Config(pp, dp, tp, m, s, v) for s, v in _schedules(self.c, pp, m, self.L)]
+            self.num_configurations += len(tried)
+            fits = [(est[0], cfg, est[1]) for cfg in tried if (est := self.estimate(cfg)) is not None]
+            out += fits
+            if tried and not fits:
+                break
+            here = min((f[0] for f in fits), default=math.inf)
+            if here > best * (1 + MICRO_BATCH_STOP):
+                break
+            best = min(best, here)
         return out
 
     def estimate(self, cfg: _Config) -> tuple[float, list[int]] | None:
@@ -639,10 +657,10 @@ class _Search:
             return best
 
         alloc = _allocate(cost, [self.kmin(cfg)] * cfg.pp, self.L)
-        if alloc is None:
-            balanced = math.ceil(self.L / cfg.pp)
+        if alloc is None:  # remember the least memory a balanced cut needs, for the error message
             leanest[0] = math.inf
-            [cost(s, balanced) for s in range(cfg.pp)]
+            for s in range(cfg.pp):
+                cost(s, math.ceil(self.L / cfg.pp))
             if self.least_memory is None or leanest[0] < self.least_memory[0]:
                 self.least_memory = (leanest[0], cfg)
             return None
@@ -758,7 +776,10 @@ def _raise_none_fits(c: dict, search: _Search | None, single_error: Exception | 
     if search is None or search.least_memory is None:
         if single_error is not None:
             raise single_error
-        raise ConfigError(f"no pipeline layout satisfies the constraints {c}; loosen the pins")
+        raise ConfigError(f"no pipeline layout satisfies the constraints {c}: the sub-mesh dp x tp must make "
+                          f"world size / pp devices, the global batch must divide over dp and the samples of a "
+                          f"data-parallel rank into the micro-batches, 1F1B needs at least pp micro-batches and "
+                          f"interleaving a multiple of pp; loosen the pins")  # fmt: skip
     need, cfg = search.least_memory
     raise InfeasiblePlanError(
         f"no pipeline layout fits: the leanest ({cfg.describe()}, micro-batch size {search.micro_batch(cfg)}) needs "
@@ -782,7 +803,7 @@ def _layer_ranges(alloc: list[int], cfg: _Config) -> list[tuple[tuple[int, int],
     if cfg.schedule != Schedule.INTERLEAVED_1F1B:
         starts = [sum(alloc[:s]) for s in range(len(alloc))]
         return [((a, a + k),) for a, k in zip(starts, alloc, strict=True)]
-    sizes = {(d, j): alloc[d] // cfg.v + (1 if j < alloc[d] % cfg.v else 0) for d in range(cfg.pp) for j in range(cfg.v)}
+    sizes = {(d, j): alloc[d] // cfg.v + (j < alloc[d] % cfg.v) for d in range(cfg.pp) for j in range(cfg.v)}
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(cfg.pp)]
     start = 0
     for j in range(cfg.v):

@@ -1,0 +1,221 @@
+"""Planner tests of the pipeline search on the meta device: stage views, cuts, pins, and the choice of pp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopar import api
+from autopar.cluster import ClusterSpec
+from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.ir import OpGraph
+from autopar.passes.pipeline_search import (
+    PipelineSolution,
+    Schedule,
+    activation_copies,
+    bubble_fraction,
+    layer_structure,
+    search_pipeline,
+    stage_view,
+)
+from autopar.passes.sharding_solver import Precision, ShardingProgram
+from autopar.trace import trace_model
+from tests.models import make_batch, tiny_llama
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    """Embedding, identical blocks, a head and a loss: the shape of a language model."""
+
+    def __init__(self, hidden: int, num_layers: int, vocab: int = 1000):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Block(hidden) for _ in range(num_layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).float().logsumexp(-1).mean()
+
+
+def _stack_graph(hidden: int, num_layers: int, batch: int, seq: int) -> OpGraph:
+    with torch.device("meta"):
+        model = Stack(hidden, num_layers).to(torch.bfloat16)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return OpGraph.from_traced(trace_model(model, (ids,), {}))
+
+
+def _search(graph: OpGraph, cluster: str, batch: int, **kw) -> PipelineSolution:
+    spec = ClusterSpec.parse(cluster)
+    return search_pipeline(graph, spec, estimator=api._estimator(None, spec, "bf16"), precision="bf16",
+                           batch_size=batch, **kw)  # fmt: skip
+
+
+# A 4.3B-parameter stack (69 GB of model states) on two nodes of 40 GB A100s joined by HDR InfiniBand:
+# one node cannot hold it, and data parallelism across nodes pays the slow link for every gradient.
+BIG = dict(hidden=8192, num_layers=8, batch=16, seq=1024)
+BIG_CLUSTER = "2x8xA100-40GB"
+
+
+@pytest.fixture(scope="module")
+def big_graph() -> OpGraph:
+    return _stack_graph(**BIG)
+
+
+@pytest.fixture(scope="module")
+def big_solution(big_graph) -> PipelineSolution:
+    return _search(big_graph, BIG_CLUSTER, BIG["batch"])
+
+
+def _program_result(graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, batch: int, m: int = 1):
+    est = api._estimator(None, cluster, "bf16")
+    prog = ShardingProgram(graph, cluster, dp, tp, estimator=est, precision=Precision.get("bf16"), zero_stage=None,
+                           memory_budget_bytes=float("inf"), batch_dim_size=batch, num_microbatches=m)  # fmt: skip
+    prog.build()
+    return prog.solve(stage=0, memory=False), len(prog.groups)
+
+
+@pytest.mark.parametrize("shortened", [False, True])
+def test_stage_view_with_every_layer_prices_like_the_whole_graph(shortened):
+    cluster = ClusterSpec.parse("2x8xA100-80GB")
+    if shortened:  # 2 traced layers standing for 4
+        module = tiny_llama(num_layers=4).to("meta")
+        (ids,), kw = make_batch("llama", batch=16, seq=32)
+        graph = api._trace_shortened(module, (ids.to("meta"),), {"labels": kw["labels"].to("meta")}, lambda m: None)
+        assert graph is not None and graph.repeats
+        batch = 16
+    else:
+        graph, batch = _stack_graph(256, 3, 16, 64), 16
+    structure = layer_structure(graph, batch)
+    assert structure is not None and structure.num_layers == graph.num_layers
+    view = stage_view(graph, structure, structure.num_layers, first=True, last=True)
+    for dp, tp, m in [(16, 1, 1), (4, 4, 2), (2, 8, 1)]:
+        whole, groups = _program_result(graph, cluster, dp, tp, batch, m)
+        staged, view_groups = _program_result(view, cluster, dp, tp, batch, m)
+        assert groups == view_groups
+        assert staged.step_time_s == pytest.approx(whole.step_time_s, rel=1e-12)
+        assert staged.memory == pytest.approx(whole.memory, rel=1e-12)
+
+
+def test_stage_views_split_the_model():
+    """Two stages price the layers once in all, the embedding on the first only, the head on the last only."""
+    graph, batch = _stack_graph(256, 4, 16, 64), 16
+    s = layer_structure(graph, batch)
+    views = [stage_view(graph, s, 3, first=True, last=False), stage_view(graph, s, 1, first=False, last=True)]
+    counts = [v.layer_count for v in views]
+    embed = next(n for n, p in graph.params.items() if p.name == "embed.weight")
+    head = next(n for n, p in graph.params.items() if p.name == "head.weight")
+    layer = next(n for n, p in graph.params.items() if p.name == "layers.0.up.weight")
+    assert [c[embed] for c in counts] == [1, 0]
+    assert [c[head] for c in counts] == [0, 1]
+    assert [c[layer] for c in counts] == [3, 1]
+    assert s.boundary_bytes_per_sample == 64 * 256 * 2  # one bf16 hidden state per token
+
+
+def test_pipeline_where_the_model_outgrows_a_node_and_the_network_is_slow(big_solution):
+    sol = big_solution
+    assert sol.pp > 1
+    assert sol.single_stage_step_time_s is not None and sol.step_time_s < sol.single_stage_step_time_s
+    assert sol.pp * sol.dp * sol.tp == ClusterSpec.parse(BIG_CLUSTER).world_size
+    assert all(st.peak_memory_bytes <= ClusterSpec.parse(BIG_CLUSTER).device.memory_bytes for st in sol.stages)
+    assert sum(st.num_layers for st in sol.stages) == BIG["num_layers"]
+    assert sol.stages[0].first and sol.stages[-1].last
+    assert sol.bubble_fraction == pytest.approx(bubble_fraction(sol.schedule, sol.pp, sol.num_microbatches,
+                                                                sol.virtual_stages))  # fmt: skip
+    assert all(st.sharding is not None for st in sol.stages)
+
+
+def test_no_pipeline_when_the_model_fits_a_node_with_a_fast_network():
+    graph = _stack_graph(1024, 4, 32, 512)
+    sol = _search(graph, "8xH100-80GB", 32)
+    assert sol.pp == 1 and sol.schedule is None
+    assert sol.step_time_s == sol.single_stage_step_time_s
+    assert sol.stages[0].layers == ((0, 4),)
+
+
+def test_uniform_layers_give_balanced_stages(big_graph):
+    sol = _search(big_graph, BIG_CLUSTER, BIG["batch"], constraints={"pp": 4, "schedule": "1f1b"})
+    assert [st.num_layers for st in sol.stages] == [2, 2, 2, 2]
+    times = [st.time_per_microbatch_s for st in sol.stages]
+    mean = sum(times) / len(times)
+    # the embedding and the head make the end stages slower; with 8 layers on 4 stages there is no better cut
+    assert max(times) <= 1.10 * mean
+
+
+def test_uneven_layer_count():
+    graph = _stack_graph(1024, 5, 16, 256)
+    sol = _search(graph, "2x8xA100-80GB", 16, constraints={"pp": 2, "schedule": "1f1b"})
+    counts = [st.num_layers for st in sol.stages]
+    assert sorted(counts) == [2, 3]
+    assert sol.stages[0].layers[0][0] == 0 and sol.stages[0].layers[0][1] == sol.stages[1].layers[0][0]
+    assert sol.stages[1].layers[0][1] == 5
+
+
+def test_pinned_layout_is_honoured(big_graph):
+    pins = {"pp": 2, "tp": 4, "num_microbatches": 8, "schedule": "interleaved_1f1b", "virtual_stages": 2, "zero": 1}
+    sol = _search(big_graph, BIG_CLUSTER, BIG["batch"], constraints=pins)
+    assert (sol.pp, sol.tp, sol.dp, sol.num_microbatches) == (2, 4, 2, 8)
+    assert sol.schedule == Schedule.INTERLEAVED_1F1B and sol.virtual_stages == 2
+    assert sol.micro_batch_size == BIG["batch"] // (2 * 8)
+    assert all(st.zero_stage == 1 for st in sol.stages)
+    assert all(len(st.layers) == 2 for st in sol.stages)  # two chunks per device
+    covered = sorted(r for st in sol.stages for r in st.layers)
+    assert covered == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert sol.stages[0].layers == ((0, 2), (4, 6))
+    assert sol.stages[0].activation_copies == activation_copies(Schedule.INTERLEAVED_1F1B, 2, 0, 8, 2)
+
+
+def test_free_search_is_never_slower_than_a_pinned_grid_point(big_graph, big_solution):
+    grid = [{"pp": 1, "tp": 8}]
+    grid += [{"pp": pp, "tp": tp, "num_microbatches": m} for pp in (2, 4) for tp in (2, 4) for m in (2, 4)]
+    for pins in grid:
+        try:
+            pinned = _search(big_graph, BIG_CLUSTER, BIG["batch"], constraints=pins)
+        except InfeasiblePlanError:
+            continue
+        assert big_solution.step_time_s <= pinned.step_time_s * (1 + 1e-9), pins
+
+
+def test_schedule_formulas():
+    assert activation_copies(Schedule.GPIPE, 4, 0, 8) == 8
+    assert [activation_copies(Schedule.ONE_F_ONE_B, 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert activation_copies(Schedule.ONE_F_ONE_B, 4, 0, 2) == 2
+    # Megatron-LM / Korthikanti et al.: the first device of an interleaved pipeline holds p (1 + (p-1)/(p v))
+    assert activation_copies(Schedule.INTERLEAVED_1F1B, 4, 0, 8, 2) == pytest.approx(4 * (1 + 3 / 8))
+    assert bubble_fraction(Schedule.ONE_F_ONE_B, 4, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction(Schedule.INTERLEAVED_1F1B, 4, 8, 2) == pytest.approx(3 / 16)
+    assert bubble_fraction(None, 1, 8) == 0.0
+
+
+@pytest.mark.parametrize("pins, words", [
+    ({"pp": 3}, "does not divide the world size"),
+    ({"pp": 16}, "choose pp <="),
+    ({"schedule": "zigzag"}, "expected one of"),
+    ({"schedule": "gpipe", "virtual_stages": 2}, "needs schedule 'interleaved_1f1b'"),
+    ({"schedule": "interleaved_1f1b", "virtual_stages": 1}, "virtual_stages >= 2"),
+    ({"pp": 4, "virtual_stages": 4}, "lower virtual_stages"),
+    ({"pp": 2, "tp": 0}, "positive integer"),
+])  # fmt: skip
+def test_bad_constraints_say_what_to_do(pins, words):
+    graph = _stack_graph(256, 8, 16, 64)
+    with pytest.raises(ConfigError, match=words):
+        _search(graph, "2x8xA100-80GB", 16, constraints=pins)
+
+
+def test_no_layout_fits():
+    graph = _stack_graph(1024, 4, 16, 256)
+    with pytest.raises(InfeasiblePlanError, match="budget"):
+        _search(graph, "2x8xA100-80GB", 16, memory_budget_bytes=2**20)
