@@ -11,14 +11,14 @@ from collections.abc import Callable
 import torch
 
 from autopar.cluster import ClusterSpec
-from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.errors import ConfigError, InfeasiblePlanError, LoweringError
 from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted
 from autopar.trace import trace_model
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size", "recompute"}
+_CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size", "pp", "schedule", "virtual_stages", "recompute"}
 _RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -155,7 +155,7 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none") -> tuple[float,
 def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch_size: int | None = None,
          seq_len: int | None = None, constraints: dict | None = None, memory_budget=None, offload: bool | None = None,
          precision: str | None = None, estimator=None, progress: Callable[[str], None] | None = None,
-         _traced=None) -> Plan:  # fmt: skip
+         pipeline: bool | None = None, _traced=None) -> Plan:  # fmt: skip
     """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
 
     Args:
@@ -172,6 +172,9 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32"; default bf16 on GPUs, fp32 on CPUs.
         estimator: "analytic" (roofline, default), "profile" (time ops on this machine), or an estimator object.
         progress: callable told about each step of planning.
+        pipeline: search pipeline layouts (stage cuts, sub-meshes, schedules). Default: on GPU clusters of
+            more than one node, where links between nodes make pipelines pay; always when "pp" > 1 is
+            pinned; never when "pp": 1 is.
         _traced: the TracedModel of `model` when the caller has one already (compile does).
     """
     from autopar.passes.sharding_solver import solve_sharding, solver_name
@@ -204,8 +207,18 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     batch = _batch_size(args, kwargs)
     say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} deduplicated)")
     est = _estimator(estimator, cluster, precision)
-    sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=constraints,
-                         memory_budget_bytes=budget, batch_size=batch, progress=say)  # fmt: skip
+    if _searches_pipeline(pipeline, cluster, constraints):
+        from autopar.passes.pipeline_search import search_pipeline
+
+        psol = search_pipeline(graph, cluster, estimator=est, precision=precision, constraints=constraints,
+                               memory_budget_bytes=budget, batch_size=batch, progress=say)  # fmt: skip
+        if psol.pp > 1:
+            return _pipeline_plan(psol, graph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est)
+        sol = psol.single_stage
+    else:
+        flat = {k: v for k, v in constraints.items() if k not in _PIPELINE_KEYS}
+        sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=flat,
+                             memory_budget_bytes=budget, batch_size=batch, progress=say)  # fmt: skip
     tokens = _tokens(args, kwargs)
     model_flops, hw_flops = _flops(graph, tokens, sol.recompute)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
@@ -266,6 +279,80 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     )
 
 
+_PIPELINE_KEYS = {"pp", "schedule", "virtual_stages"}
+
+
+def _searches_pipeline(pipeline: bool | None, cluster: ClusterSpec, constraints: dict) -> bool:
+    pp = constraints.get("pp")
+    if pp is not None and pp != 1:
+        return True
+    if pp == 1:
+        return False
+    if pipeline is not None:
+        return bool(pipeline)
+    return cluster.device.kind == "gpu" and cluster.num_nodes > 1
+
+
+def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est) -> Plan:
+    """The Plan of a pipeline layout: mesh pp x dp x tp, per-stage figures in `plan.pipeline`."""
+    from autopar.passes.sharding_solver import solver_name
+
+    fullest = max(psol.stages, key=lambda st: sum(st.memory.values()))
+    recompute = max((st.sharding.recompute for st in psol.stages if st.sharding is not None),
+                    key=("none", "selective", "full").index, default="none")  # fmt: skip
+    tokens = _tokens(args, kwargs)
+    model_flops, hw_flops = _flops(graph, tokens, recompute)
+    peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
+    world, step = cluster.world_size, psol.step_time_s
+    sync = max(st.grad_sync_s for st in psol.stages)
+    predicted = Predicted(
+        step_time_s=step,
+        tflops_per_device=model_flops / step / world / 1e12,
+        mfu=model_flops / (step * world * peak),
+        hardware_flops_utilization=hw_flops / (step * world * peak),
+        peak_memory_bytes=sum(fullest.memory.values()),
+        memory_breakdown=dict(fullest.memory),
+        compute_s=step - sync,  # the pipelined forward and backward, bubble and transfers included
+        reshard_s=0.0,
+        grad_sync_s=sync,
+        tokens_per_s=tokens / step,
+    )
+    layer = {p.name: p.layer for p in graph.params.values()}
+    placements = {}
+    for st in psol.stages:
+        if st.sharding is None:
+            continue
+        for fqn, pl in st.sharding.param_placements.items():
+            container, idx = layer.get(fqn, (None, None))
+            if container is not None and container in graph.repeats and idx == 0:
+                rest = fqn[len(f"{container}.0."):]
+                for a, b in st.layers:
+                    placements.update({f"{container}.{i}.{rest}": pl for i in range(a, b)})
+            elif container is None:
+                placements[fqn] = pl
+    stages = [{"index": st.index, "layers": [list(r) for r in st.layers], "num_layers": st.num_layers,
+               "dp": st.dp, "tp": st.tp, "zero_stage": st.zero_stage,
+               "recompute": st.sharding.recompute if st.sharding is not None else "none",
+               "time_per_microbatch_s": st.time_per_microbatch_s, "transfer_per_microbatch_s": st.transfer_per_microbatch_s,
+               "grad_sync_s": st.grad_sync_s, "activation_copies": st.activation_copies,
+               "memory_bytes": sum(st.memory.values())} for st in psol.stages]  # fmt: skip
+    info = {"schedule": str(psol.schedule), "virtual_stages": psol.virtual_stages,
+            "bubble_fraction": psol.bubble_fraction, "micro_batch_size": psol.micro_batch_size, "stages": stages,
+            "step_time_without_pipeline_s": psol.single_stage_step_time_s}  # fmt: skip
+    stats = {"trace_time_s": round(t_trace, 3), "solve_time_s": round(psol.solve_time_s, 3),
+             "total_time_s": round(time.perf_counter() - t0, 3), "solver": solver_name(),
+             "graph_nodes": len(graph.graph.nodes), "traced_layers": {c: k for c, (k, _) in graph.repeats.items()},
+             "stage_programs": psol.num_stage_programs, "layers": graph.num_layers,
+             "deduplicated_layers": graph.deduplicated_layers, "estimator": type(est).__name__}  # fmt: skip
+    return Plan(model_name=name, cluster=cluster, mesh={"pp": psol.pp, "dp": psol.dp, "tp": psol.tp},
+                zero_stage=max(st.zero_stage for st in psol.stages), num_microbatches=psol.num_microbatches,
+                recompute=recompute, precision=precision, global_batch_size=batch, tokens_per_step=tokens,
+                num_parameters=graph.num_parameters(), model_flops_per_step=model_flops,
+                hardware_flops_per_step=hw_flops, predicted=predicted, param_placements=placements, node_output={},
+                node_inputs={}, node_strategy={}, alternatives=(), unruled_ops=(), stats=stats,
+                pipeline=info)  # fmt: skip
+
+
 def _dtype_of(precision: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
@@ -299,7 +386,11 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     ensure_process_group(cluster)
     traced = trace_model(model, tuple(example_inputs), dict(example_kwargs or {}))
     if plan is None:
+        plan_kwargs.setdefault("pipeline", False)  # the runtime does not run pipeline stages yet
         plan = globals()["plan"](model, cluster, example_inputs, example_kwargs, _traced=traced, **plan_kwargs)
+    if plan.mesh.get("pp", 1) > 1:
+        raise LoweringError(f"the plan cuts the model into {plan.mesh['pp']} pipeline stages, which this version "
+                            f"plans but does not run yet; compile with constraints={{'pp': 1}}")  # fmt: skip
     batch = _batch_size(tuple(example_inputs), dict(example_kwargs or {}))
     if batch != plan.global_batch_size:
         raise ConfigError(f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "

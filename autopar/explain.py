@@ -34,6 +34,27 @@ def _linear_summary(plan) -> list[list[str]]:
     return rows
 
 
+def _pipeline_section(plan) -> list[str]:
+    """Stages, schedule and bubble of a pipeline plan (nothing for a plan without one)."""
+    info = plan.pipeline
+    if not info:
+        return []
+    lines = ["## Pipeline", "",
+             f"Schedule {info['schedule']}, {info.get('virtual_stages', 1)} virtual stage(s) per device, "
+             f"{plan.num_microbatches} micro-batches of {info['micro_batch_size']} sample(s) per data-parallel rank, "
+             f"bubble {info['bubble_fraction']:.1%} of the time without one ((p - 1) / m, / v when interleaved)."]  # fmt: skip
+    without = info.get("step_time_without_pipeline_s")
+    lines += [f"The best plan without a pipeline: {without * 1e3:,.2f} ms." if without else
+              "No plan without a pipeline fits.", ""]  # fmt: skip
+    rows = [[str(st["index"]), ", ".join(f"{a}-{b - 1}" for a, b in st["layers"]), f"dp={st['dp']} tp={st['tp']}",
+             str(st["zero_stage"]), st["recompute"], f"{st['time_per_microbatch_s'] * 1e3:,.3f}",
+             f"{st['transfer_per_microbatch_s'] * 1e3:,.3f}", f"{st['activation_copies']:g}",
+             f"{st['memory_bytes'] / GIB:,.2f}"] for st in info["stages"]]  # fmt: skip
+    lines += _table(["stage", "layers", "sub-mesh", "ZeRO", "recompute", "ms / micro-batch", "transfer ms",
+                     "micro-batches in flight", "memory GiB"], rows)  # fmt: skip
+    return lines + [""]
+
+
 def render_markdown(plan) -> str:
     p = plan.predicted
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
@@ -62,6 +83,7 @@ def render_markdown(plan) -> str:
         "",
         *_table(["part", "GiB"], [[k, f"{v / GIB:,.3f}"] for k, v in p.memory_breakdown.items()]),
         "",
+        *_pipeline_section(plan),
         "## Why this mesh",
         "",
         "Every factorisation of the world size into dp x tp was solved; each row is the optimum for that mesh, "

@@ -67,6 +67,8 @@ class Plan:
     unruled_ops: tuple = ()
     stats: dict = field(default_factory=dict)
     num_microbatches: int = 1
+    # pipeline layouts: schedule, virtual stages, bubble, and per stage its layers, sub-mesh and figures
+    pipeline: dict = field(default_factory=dict)
     recompute: str = "none"
     format_version: int = FORMAT_VERSION
 
@@ -96,6 +98,7 @@ class Plan:
             "mesh": self.mesh,
             "zero_stage": self.zero_stage,
             "num_microbatches": self.num_microbatches,
+            "pipeline": self.pipeline,
             "recompute": self.recompute,
             "precision": self.precision,
             "global_batch_size": self.global_batch_size,
@@ -134,6 +137,7 @@ class Plan:
                 mesh=dict(d["mesh"]),
                 zero_stage=int(d["zero_stage"]),
                 num_microbatches=int(d.get("num_microbatches", 1)),
+                pipeline=dict(d.get("pipeline") or {}),
                 recompute=str(d.get("recompute", "none")),
                 precision=d["precision"],
                 global_batch_size=int(d["global_batch_size"]),
@@ -173,6 +177,9 @@ class Plan:
         accum = f", {self.num_microbatches} micro-batches of {self.micro_batch_size}" if self.num_microbatches > 1 else ""
         if self.recompute != "none":
             accum += f", {self.recompute} recompute"
+        if self.pipeline:
+            v = self.pipeline.get("virtual_stages", 1)
+            accum += f", {self.pipeline.get('schedule')}" + (f" x{v} virtual stages" if v > 1 else "")
         return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}{accum}, "
                 f"step {p.step_time_s * 1e3:.1f} ms, {format_flops_rate(p.tflops_per_device)}/device, MFU {p.mfu:.1%}, "
                 f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device")  # fmt: skip

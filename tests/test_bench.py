@@ -30,7 +30,7 @@ TINY_CASES = (
     # A budget no layout meets: every entry must be recorded as not fitting, none may crash.
     PlanCase("tiny-llama", "2x4xA100-80GB", 8, 64, memory_budget="100KB"),
 )
-TINY_GRID = {"tp": lambda c: [1, 2], "num_microbatches": lambda c: [1, 2]}
+TINY_GRID = {"pp": lambda c: [1], "tp": lambda c: [1, 2], "num_microbatches": lambda c: [1, 2]}
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +97,9 @@ def test_grid_uses_only_accepted_constraints():
     assert plans.accepted_constraint("tp")
     assert not plans.accepted_constraint("no_such_axis")
     points = plans.grid_points(plans.ClusterSpec.parse("2x4xA100-80GB"), TINY_GRID)
-    axes = {"tp", "num_microbatches"} if plans.accepted_constraint("num_microbatches") else {"tp"}
+    axes = {"pp", "tp", "num_microbatches"}
     assert all(set(p) == axes for p in points)
-    assert len(points) == 2 ** len(axes)
+    assert len(points) == 4  # pp has one value, tp and micro-batches two each
 
 
 def test_compile_suite_splits_planning_time(tmp_path):

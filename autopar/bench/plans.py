@@ -84,13 +84,14 @@ QUICK_CASES: tuple[PlanCase, ...] = (
     PlanCase("llama2-7b", "2x8xH100-80GB", 32, 2048),
 )
 
-# The Megatron-style grid: axis -> the values to try on a cluster. Pipeline parallelism adds
-# `"pp": lambda c: _divisors(c.num_nodes)`, once `autopar.plan` accepts a "pp" constraint.
+# The Megatron-style grid: axis -> the values to try on a cluster (pipeline stages across nodes).
 MEGATRON_GRID = {
+    "pp": lambda c: [p for p in _divisors(c.num_nodes) if p <= 8],
     "tp": lambda c: [t for t in _divisors(c.devices_per_node) if t <= 8],
     "num_microbatches": lambda c: [1, 2, 4, 8],
 }
 QUICK_GRID = {
+    "pp": lambda c: [1],
     "tp": lambda c: [t for t in _divisors(c.devices_per_node) if t in (1, 8)],
     "num_microbatches": lambda c: [1, 4],
 }
@@ -178,6 +179,8 @@ def baselines(cluster: ClusterSpec) -> dict[str, dict]:
     out = {"dp": {"tp": 1, "zero": 0}}
     out.update({f"zero{k}": {"tp": 1, "zero": k} for k in (1, 2, 3)})
     out["tp_intra_node"] = {"tp": cluster.devices_per_node}
+    if accepted_constraint("pp"):  # none of these layouts pipelines
+        out = {name: c | {"pp": 1} for name, c in out.items()}
     return out
 
 

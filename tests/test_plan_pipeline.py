@@ -1,0 +1,47 @@
+"""Pipeline layouts in the plan: chosen by the search across nodes, pinned by constraints, kept by JSON."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+
+CASE = dict(global_batch_size=64, seq_len=2048)
+
+
+@pytest.fixture(scope="module")
+def pinned():
+    return autopar.plan("gpt3-1.3b", "2x8xA100-80GB", constraints={"pp": 2, "schedule": "1f1b"}, **CASE)
+
+
+def test_pinned_pipeline_is_in_the_plan(pinned):
+    assert pinned.mesh["pp"] == 2 and pinned.mesh["pp"] * pinned.mesh["dp"] * pinned.mesh["tp"] == 16
+    info = pinned.pipeline
+    assert info["schedule"] == "1f1b" and len(info["stages"]) == 2
+    covered = sorted(i for st in info["stages"] for a, b in st["layers"] for i in range(a, b))
+    assert covered == list(range(24)), "every layer on exactly one stage"
+    # the bubble of 1F1B as Megatron states it: (p - 1) / m of the time without one
+    m = pinned.num_microbatches
+    assert info["bubble_fraction"] == pytest.approx(1 / m, rel=1e-6)
+    assert pinned.predicted.peak_memory_bytes == pytest.approx(max(st["memory_bytes"] for st in info["stages"]))
+    # every parameter of the model has a placement, layers included
+    assert sum(1 for n in pinned.param_placements if n.startswith("transformer.h.")) == 24 * 12
+    assert "## Pipeline" in pinned.explain() and "1f1b" in pinned.summary()
+
+
+def test_pipeline_plan_round_trips(pinned):
+    again = autopar.Plan.from_json(pinned.to_json())
+    assert again.pipeline == pinned.pipeline and again.mesh == pinned.mesh
+
+
+def test_free_search_across_nodes_is_no_slower_than_without_a_pipeline(pinned):
+    free = autopar.plan("gpt3-1.3b", "2x8xA100-80GB", **CASE)
+    flat = autopar.plan("gpt3-1.3b", "2x8xA100-80GB", constraints={"pp": 1}, **CASE)
+    assert "pp" not in flat.mesh and not flat.pipeline
+    assert free.predicted.step_time_s <= flat.predicted.step_time_s * (1 + 1e-9)
+    assert free.predicted.step_time_s <= pinned.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_one_node_plans_without_a_pipeline_unless_asked():
+    plan = autopar.plan("gpt3-1.3b", "8xA100-80GB", **CASE)
+    assert "pp" not in plan.mesh and not plan.pipeline
