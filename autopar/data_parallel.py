@@ -161,7 +161,11 @@ class DataParallelProgram(torch.nn.Module):
         return float(self._last_loss)
 
     def _all_reduce_grads(self, loss_total: torch.Tensor, count_total: torch.Tensor) -> None:
-        """Sum gradients over the ranks in buckets; the loss and the count ride in the last one; divide by the count."""
+        """Sum gradients over the ranks in buckets; the loss and the count ride in the last one; divide by the count.
+
+        They ride in the gradients' own format when it holds integers exactly up to 2^24 (fp32, fp64); a
+        16-bit bucket would round the count, so then they travel alone in fp64.
+        """
         grads = [p.grad for p in self.params if p.grad is not None]
         buckets, current, size = [], [], 0
         for g in grads:
@@ -171,23 +175,29 @@ class DataParallelProgram(torch.nn.Module):
                 buckets.append(current)
                 current, size = [], 0
         buckets.append(current)
+        totals = torch.stack([loss_total, count_total])
+        dtype = grads[0].dtype if grads else torch.float64
+        ride = dtype in (torch.float32, torch.float64) and all(g.dtype == dtype for g in buckets[-1])
         for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
-            flat = torch.cat([g.reshape(-1).double() if last else g.reshape(-1) for g in bucket]
-                             + ([loss_total.reshape(1), count_total.reshape(1)] if last else []))  # fmt: skip
+            extra = [totals.to(dtype)] if ride and i == len(buckets) - 1 else []
+            flat = torch.cat([g.reshape(-1) for g in bucket] + extra) if bucket or extra else None
+            if flat is None:
+                continue
             if self.dp > 1:
                 dist.all_reduce(flat)
-            if last:
-                count = flat[-1].item()
-                self._last_loss = flat[-2].item() / count
-                scale = 1.0 / count
+            if extra:
+                totals = flat[-2:].double()
             offset = 0
             for g in bucket:
                 n = g.numel()
                 g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n
+        if not ride and self.dp > 1:
+            dist.all_reduce(totals)
+        loss_sum, count = totals.tolist()
+        self._last_loss = loss_sum / count
         for g in grads:
-            g.mul_(scale)
+            g.mul_(1.0 / count)
 
     def forward(self, *args, **kwargs):
         """Run the model on any batch with this program's parameters (every rank computes the whole batch)."""
