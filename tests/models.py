@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 VOCAB = 128
@@ -27,6 +28,19 @@ def tiny_bert(num_layers: int = 2) -> torch.nn.Module:
                      intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
                      attention_probs_dropout_prob=0.0, attn_implementation="sdpa")  # fmt: skip
     return BertForMaskedLM(cfg)
+
+
+class MLPBlock(nn.Module):
+    """A pre-norm transformer MLP block with its residual: the repeated layer of synthetic stacks."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
 BUILDERS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "bert": tiny_bert}

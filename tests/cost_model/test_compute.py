@@ -16,6 +16,7 @@ from autopar.cost_model.compute import (
     register_op_cost,
 )
 from autopar.cost_model.devices import DType, get_device
+from tests.fx_nodes import call_node
 
 aten = torch.ops.aten
 BATCH, SEQ = 2, 16
@@ -38,22 +39,6 @@ def llama():
 
 def _calls(graph: fx.Graph, target) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_function" and n.target == target]
-
-
-def _node(target, args, out, kwargs=None) -> fx.Node:
-    """A call node with meta tensors, its tensor arguments given as (name, meta tensor) placeholders."""
-    g = fx.Graph()
-    built = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            p = g.placeholder(f"p{len(built)}")
-            p.meta["val"] = a
-            built.append(p)
-        else:
-            built.append(a)
-    node = g.call_function(target, tuple(built), kwargs or {})
-    node.meta["val"] = out
-    return node
 
 
 def _meta(*shape, dtype=torch.float32) -> torch.Tensor:
@@ -83,13 +68,13 @@ def test_sdpa_node_flops(llama):
 
 def test_causal_sdpa_halves():
     q = _meta(2, 4, 128, 64)
-    full = estimate_node_cost(_node(aten.scaled_dot_product_attention.default, (q, q, q), q))
-    causal = estimate_node_cost(_node(aten.scaled_dot_product_attention.default, (q, q, q), q, {"is_causal": True}))
+    full = estimate_node_cost(call_node(aten.scaled_dot_product_attention.default, (q, q, q), q))
+    causal = estimate_node_cost(call_node(aten.scaled_dot_product_attention.default, (q, q, q), q, {"is_causal": True}))
     assert full.flops == 4 * 2 * 4 * 128 * 128 * 64
     assert causal.flops == full.flops / 2 and causal.backward_flops == full.backward_flops / 2
 
 
-def test_embedding_node(llama):
+def test_embeddingcall_node(llama):
     _, graph = llama
     (emb,) = _calls(graph, aten.embedding.default)
     cost = estimate_node_cost(emb)
@@ -134,8 +119,8 @@ def test_views_are_free_and_copies_are_not(llama):
 
 def test_dtype_conversion_is_free_only_when_the_dtype_stays():
     x = _meta(8, 16)
-    same = _node(aten.to.dtype, (x, torch.float32), x)
-    cast = _node(aten.to.dtype, (x, torch.bfloat16), _meta(8, 16, dtype=torch.bfloat16))
+    same = call_node(aten.to.dtype, (x, torch.float32), x)
+    cast = call_node(aten.to.dtype, (x, torch.bfloat16), _meta(8, 16, dtype=torch.bfloat16))
     assert estimate_node_cost(same).is_view
     assert estimate_node_cost(cast).bytes_accessed == 8 * 16 * (4 + 2)
 
@@ -162,7 +147,7 @@ def test_other_architectures_have_no_unknown_ops(name):
 
 def test_unknown_op_falls_back_to_elementwise_and_is_recorded():
     x = _meta(4, 8)
-    node = _node(aten.erfinv.default, (x,), x)
+    node = call_node(aten.erfinv.default, (x,), x)
     compute.UNKNOWN_OPS.discard(str(aten.erfinv.default))
     cost = estimate_node_cost(node)
     assert cost.flops == 32 and cost.bytes_accessed == 2 * 32 * 4 and not cost.is_view
@@ -177,13 +162,13 @@ def test_register_op_cost(monkeypatch):
         return OpCost(flops=7.0, bytes_accessed=1.0, backward_flops=0.0, backward_bytes=0.0)
 
     x = _meta(4, 8)
-    assert estimate_node_cost(_node(aten.erfinv.default, (x,), x)).flops == 7.0
+    assert estimate_node_cost(call_node(aten.erfinv.default, (x,), x)).flops == 7.0
 
 
 def test_bmm_and_mm_flops():
     a, b = _meta(3, 5, 7), _meta(3, 7, 11)
-    assert estimate_node_cost(_node(aten.bmm.default, (a, b), _meta(3, 5, 11))).flops == 2 * 3 * 5 * 7 * 11
-    assert estimate_node_cost(_node(aten.mm.default, (_meta(5, 7), _meta(7, 11)), _meta(5, 11))).flops == 2 * 5 * 7 * 11
+    assert estimate_node_cost(call_node(aten.bmm.default, (a, b), _meta(3, 5, 11))).flops == 2 * 3 * 5 * 7 * 11
+    assert estimate_node_cost(call_node(aten.mm.default, (_meta(5, 7), _meta(7, 11)), _meta(5, 11))).flops == 2 * 5 * 7 * 11
 
 
 def test_roofline_hand_computed():
@@ -207,7 +192,7 @@ def test_analytic_estimator_prices_matmuls_in_the_graph_dtype():
     n = 2048
 
     def mm(dtype):
-        return _node(aten.mm.default, (_meta(n, n, dtype=dtype), _meta(n, n, dtype=dtype)), _meta(n, n, dtype=dtype))
+        return call_node(aten.mm.default, (_meta(n, n, dtype=dtype), _meta(n, n, dtype=dtype)), _meta(n, n, dtype=dtype))
 
     bf16 = AnalyticEstimator(a100, DType.BF16).forward_time_s(mm(torch.bfloat16), 1.0)
     fp32 = AnalyticEstimator(a100, DType.BF16).forward_time_s(mm(torch.float32), 1.0)

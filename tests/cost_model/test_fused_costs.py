@@ -11,24 +11,10 @@ import torch.fx as fx
 
 import autopar.triton_kernels  # noqa: F401  (registers the autopar:: ops)
 from autopar.cost_model.compute import UNKNOWN_OPS, estimate_node_cost
+from tests.fx_nodes import call_node
 
 aten = torch.ops.aten
 autopar_ops = torch.ops.autopar
-
-
-def _node(target, args) -> fx.Node:
-    """A call node whose tensor arguments are placeholders with meta values; its value from the op's meta kernel."""
-    g = fx.Graph()
-    built = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            p = g.placeholder(f"p{len(built)}")
-            p.meta["val"] = a
-            a = p
-        built.append(a)
-    node = g.call_function(target, tuple(built))
-    node.meta["val"] = target(*args)
-    return node
 
 
 def _meta(*shape, dtype=torch.float16) -> torch.Tensor:
@@ -45,7 +31,7 @@ B, H, HKV, S, D = 2, 8, 2, 512, 64
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_attention_flops_and_bytes(causal):
     q, k, v = _meta(B, H, S, D), _meta(B, HKV, S, D), _meta(B, HKV, S, D)
-    node = _node(autopar_ops.flash_attention.default, (q, k, v, causal, D**-0.5))
+    node = call_node(autopar_ops.flash_attention.default, (q, k, v, causal, D**-0.5))
     cost = estimate_node_cost(node)
     expected = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
     assert cost.flops == expected
@@ -66,7 +52,7 @@ def test_flash_attention_matches_the_sdpa_entry():
     sdpa = g.call_function(aten.scaled_dot_product_attention.default, tuple(names), {"is_causal": True,
                                                                                      "enable_gqa": True})  # fmt: skip
     sdpa.meta["val"] = _meta(B, H, S, D)
-    fused = _node(autopar_ops.flash_attention.default, (q, k, k, True, D**-0.5))
+    fused = call_node(autopar_ops.flash_attention.default, (q, k, k, True, D**-0.5))
     assert estimate_node_cost(fused).flops == estimate_node_cost(sdpa).flops
 
 
@@ -75,7 +61,7 @@ def test_fused_norms_are_one_pass(op):
     rows, cols = 512, 1024
     x, w = _meta(4, rows // 4, cols), _meta(cols)
     args = (x, w, 1e-6) if op == "rms_norm" else (x, w, _meta(cols), 1e-5)
-    node = _node(getattr(autopar_ops, op).default, args)
+    node = call_node(getattr(autopar_ops, op).default, args)
     cost = estimate_node_cost(node)
     affine = [a for a in args[1:] if isinstance(a, torch.Tensor)]
     stats = (1 if op == "rms_norm" else 2) * rows * 4  # fp32 rstd (and mean) per row
@@ -92,7 +78,7 @@ def test_linear_cross_entropy_flops_and_bytes(need_grad):
     tokens, hidden_dim, vocab = 256, 64, 32000
     h, w = _meta(2, tokens // 2, hidden_dim), _meta(vocab, hidden_dim)
     labels = torch.empty(2, tokens // 2, dtype=torch.long, device="meta")
-    node = _node(autopar_ops.linear_cross_entropy.default, (h, w, labels, -100, 0, need_grad, need_grad))
+    node = call_node(autopar_ops.linear_cross_entropy.default, (h, w, labels, -100, 0, need_grad, need_grad))
     cost = estimate_node_cost(node)
     nvh, nv = tokens * vocab * hidden_dim, tokens * vocab
     if need_grad:  # head GEMM, dH and dW GEMMs (6·N·V·H), softmax + loss (5·N·V), softmax - onehot (3·N·V)
@@ -119,10 +105,10 @@ def test_linear_cross_entropy_does_the_eager_work_in_its_forward():
     tokens, hidden_dim, vocab = 64, 32, 1000
     h, w = _meta(tokens, hidden_dim, dtype=torch.float32), _meta(vocab, hidden_dim, dtype=torch.float32)
     labels = torch.empty(tokens, dtype=torch.long, device="meta")
-    fused = estimate_node_cost(_node(autopar_ops.linear_cross_entropy.default, (h, w, labels, -100, 0, True, True)))
-    head = estimate_node_cost(_node(aten.linear.default, (h, w)))
+    fused = estimate_node_cost(call_node(autopar_ops.linear_cross_entropy.default, (h, w, labels, -100, 0, True, True)))
+    head = estimate_node_cost(call_node(aten.linear.default, (h, w)))
     logits = _meta(tokens, vocab, dtype=torch.float32)
-    loss = estimate_node_cost(_node(aten.cross_entropy_loss.default, (logits, labels)))
+    loss = estimate_node_cost(call_node(aten.cross_entropy_loss.default, (logits, labels)))
     eager = head.flops + head.backward_flops + loss.flops + loss.backward_flops
     assert fused.flops == eager
     # the eager cross-entropy alone, over forward and backward, moves more than the whole fused loss

@@ -21,18 +21,7 @@ from autopar.passes.pipeline_search import (
 )
 from autopar.passes.sharding_solver import Precision, ShardingProgram
 from autopar.trace import trace_model
-from tests.models import make_batch, tiny_llama
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.up = nn.Linear(hidden, 4 * hidden)
-        self.down = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+from tests.models import MLPBlock, make_batch, tiny_llama
 
 
 class Stack(nn.Module):
@@ -41,7 +30,7 @@ class Stack(nn.Module):
     def __init__(self, hidden: int, num_layers: int, vocab: int = 1000):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(Block(hidden) for _ in range(num_layers))
+        self.layers = nn.ModuleList(MLPBlock(hidden) for _ in range(num_layers))
         self.head = nn.Linear(hidden, vocab)
 
     def forward(self, ids):

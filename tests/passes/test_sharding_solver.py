@@ -10,20 +10,9 @@ from torch import nn
 
 import autopar
 from autopar.errors import ConfigError, InfeasiblePlanError
-from tests.models import make_batch, tiny_llama
+from tests.models import MLPBlock, make_batch, tiny_llama
 
 GIB = 1024**3
-
-
-class MLPBlock(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(hidden)
-        self.up = nn.Linear(hidden, 4 * hidden)
-        self.down = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
 class MLPStack(nn.Module):
