@@ -177,7 +177,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
             pinned; never when "pp": 1 is.
         _traced: the TracedModel of `model` when the caller has one already (compile does).
     """
-    from autopar.passes.sharding_solver import solve_sharding, solver_name
+    from autopar.passes.sharding_solver import solve_sharding
 
     cluster = _as_cluster(cluster)
     constraints = dict(constraints or {})
@@ -224,18 +224,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world = cluster.world_size
     step = sol.step_time_s
-    predicted = Predicted(
-        step_time_s=step,
-        tflops_per_device=model_flops / step / world / 1e12 if step else 0.0,
-        mfu=model_flops / (step * world * peak) if step else 0.0,
-        hardware_flops_utilization=hw_flops / (step * world * peak) if step else 0.0,
-        peak_memory_bytes=sum(sol.memory.values()),
-        memory_breakdown=dict(sol.memory),
-        compute_s=sol.compute_s,
-        reshard_s=sol.reshard_s,
-        grad_sync_s=sol.grad_sync_s,
-        tokens_per_s=tokens / step if step else 0.0,
-    )
+    predicted = _predicted(step, model_flops, hw_flops, tokens, world, peak, sol.memory,
+                           compute_s=sol.compute_s, reshard_s=sol.reshard_s, grad_sync_s=sol.grad_sync_s)  # fmt: skip
     alternatives = tuple(
         {"dp": r.dp, "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
          "compute_s": r.compute_s, "reshard_s": r.reshard_s, "grad_sync_s": r.grad_sync_s,
@@ -243,18 +233,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
          "reason": r.reason}
         for r in sol.candidates
     )  # fmt: skip
-    stats = {
-        "trace_time_s": round(t_trace, 3),
-        "solve_time_s": round(sol.solve_time_s, 3),
-        "total_time_s": round(time.perf_counter() - t0, 3),
-        "solver": solver_name(),
-        "graph_nodes": len(graph.graph.nodes),
-        "traced_layers": {c: k for c, (k, _) in graph.repeats.items()},
-        "decision_groups": sol.num_groups,
-        "layers": graph.num_layers,
-        "deduplicated_layers": graph.deduplicated_layers,
-        "estimator": type(est).__name__,
-    }
+    stats = _stats(graph, est, t0, t_trace, sol.solve_time_s, decision_groups=sol.num_groups)
     return Plan(
         model_name=name,
         cluster=cluster,
@@ -295,7 +274,6 @@ def _searches_pipeline(pipeline: bool | None, cluster: ClusterSpec, constraints:
 
 def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est) -> Plan:
     """The Plan of a pipeline layout: mesh pp x dp x tp, per-stage figures in `plan.pipeline`."""
-    from autopar.passes.sharding_solver import solver_name
 
     fullest = max(psol.stages, key=lambda st: sum(st.memory.values()))
     recompute = max((st.sharding.recompute for st in psol.stages if st.sharding is not None),
@@ -305,18 +283,9 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world, step = cluster.world_size, psol.step_time_s
     sync = max(st.grad_sync_s for st in psol.stages)
-    predicted = Predicted(
-        step_time_s=step,
-        tflops_per_device=model_flops / step / world / 1e12,
-        mfu=model_flops / (step * world * peak),
-        hardware_flops_utilization=hw_flops / (step * world * peak),
-        peak_memory_bytes=sum(fullest.memory.values()),
-        memory_breakdown=dict(fullest.memory),
-        compute_s=step - sync,  # the pipelined forward and backward, bubble and transfers included
-        reshard_s=0.0,
-        grad_sync_s=sync,
-        tokens_per_s=tokens / step,
-    )
+    # compute: the pipelined forward and backward, bubble and transfers included
+    predicted = _predicted(step, model_flops, hw_flops, tokens, world, peak, fullest.memory,
+                           compute_s=step - sync, reshard_s=0.0, grad_sync_s=sync)  # fmt: skip
     layer = {p.name: p.layer for p in graph.params.values()}
     placements = {}
     for st in psol.stages:
@@ -339,11 +308,7 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     info = {"schedule": str(psol.schedule), "virtual_stages": psol.virtual_stages,
             "bubble_fraction": psol.bubble_fraction, "micro_batch_size": psol.micro_batch_size, "stages": stages,
             "step_time_without_pipeline_s": psol.single_stage_step_time_s}  # fmt: skip
-    stats = {"trace_time_s": round(t_trace, 3), "solve_time_s": round(psol.solve_time_s, 3),
-             "total_time_s": round(time.perf_counter() - t0, 3), "solver": solver_name(),
-             "graph_nodes": len(graph.graph.nodes), "traced_layers": {c: k for c, (k, _) in graph.repeats.items()},
-             "stage_programs": psol.num_stage_programs, "layers": graph.num_layers,
-             "deduplicated_layers": graph.deduplicated_layers, "estimator": type(est).__name__}  # fmt: skip
+    stats = _stats(graph, est, t0, t_trace, psol.solve_time_s, stage_programs=psol.num_stage_programs)
     return Plan(model_name=name, cluster=cluster, mesh={"pp": psol.pp, "dp": psol.dp, "tp": psol.tp},
                 zero_stage=max(st.zero_stage for st in psol.stages), num_microbatches=psol.num_microbatches,
                 recompute=recompute, precision=precision, global_batch_size=batch, tokens_per_step=tokens,
@@ -351,6 +316,39 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
                 hardware_flops_per_step=hw_flops, predicted=predicted, param_placements=placements, node_output={},
                 node_inputs={}, node_strategy={}, alternatives=(), unruled_ops=(), stats=stats,
                 pipeline=info)  # fmt: skip
+
+
+def _predicted(step: float, model_flops: float, hw_flops: float, tokens: int, world: int, peak: float, memory: dict,
+               **times) -> Predicted:  # fmt: skip
+    """Per-step figures from the step time; `peak` is one device's matrix peak, `times` the step's parts."""
+    return Predicted(
+        step_time_s=step,
+        tflops_per_device=model_flops / step / world / 1e12 if step else 0.0,
+        mfu=model_flops / (step * world * peak) if step else 0.0,
+        hardware_flops_utilization=hw_flops / (step * world * peak) if step else 0.0,
+        peak_memory_bytes=sum(memory.values()),
+        memory_breakdown=dict(memory),
+        tokens_per_s=tokens / step if step else 0.0,
+        **times,
+    )
+
+
+def _stats(graph: OpGraph, est, t0: float, t_trace: float, solve_time_s: float, **extra) -> dict:
+    """How planning went: times, solver, graph size, layers."""
+    from autopar.passes.sharding_solver import solver_name
+
+    return {
+        "trace_time_s": round(t_trace, 3),
+        "solve_time_s": round(solve_time_s, 3),
+        "total_time_s": round(time.perf_counter() - t0, 3),
+        "solver": solver_name(),
+        "graph_nodes": len(graph.graph.nodes),
+        "traced_layers": {c: k for c, (k, _) in graph.repeats.items()},
+        **extra,
+        "layers": graph.num_layers,
+        "deduplicated_layers": graph.deduplicated_layers,
+        "estimator": type(est).__name__,
+    }
 
 
 def _dtype_of(precision: str):
@@ -380,7 +378,7 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
         plan: a plan from `autopar.plan` / `Plan.from_json` to use instead of planning.
         plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, ...).
     """
-    from autopar.runtime import ParallelModule, ensure_process_group
+    from autopar.runtime import ParallelModule, ensure_process_group, micro_batches
 
     cluster = _as_cluster(cluster)
     ensure_process_group(cluster)
@@ -403,7 +401,8 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
                                    optimizer=optimizer, device=_device_type(cluster))  # fmt: skip
     if plan.num_microbatches > 1:
         # The graph runs once per micro-batch, and its shapes are those it was traced with.
-        args, kwargs = _micro_batch_example(tuple(example_inputs), dict(example_kwargs or {}), plan)
+        args, kwargs = micro_batches(example_inputs, dict(example_kwargs or {}), plan.global_batch_size,
+                                     plan.num_microbatches)[0]
         traced = trace_model(model, args, kwargs)
         plan = _rebind_to_micro_graph(plan, model, cluster, traced, args, kwargs)
     return ParallelModule(model, traced, plan, cluster, optimizer=optimizer)
@@ -437,15 +436,6 @@ def _rebind_to_micro_graph(plan: Plan, model, cluster, traced, args, kwargs) -> 
 def _is_data_parallel(plan: Plan) -> bool:
     """A plan with no tensor axis, replicated states and nothing recomputed: DDP's layout, run without DTensor."""
     return plan.mesh.get("tp", 1) == 1 and plan.zero_stage == 0 and getattr(plan, "recompute", "none") == "none"
-
-
-def _micro_batch_example(args, kwargs, plan: Plan):
-    """The first micro-batch of an example global batch: every batch input cut along dim 0."""
-    rows = plan.global_batch_size // plan.num_microbatches
-    return torch.utils._pytree.tree_map(
-        lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == plan.global_batch_size else t,
-        (args, kwargs),
-    )
 
 
 __all__ = ["plan", "compile", "parse_bytes"]

@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
-from autopar.errors import ConfigError, LoweringError
+from autopar.errors import LoweringError
 from autopar.plan import Plan
+from autopar.runtime import flat_inputs, micro_batches, placeholder_values
 from autopar.trace import TracedModel, trace_model
 
 aten = torch.ops.aten
@@ -79,8 +79,7 @@ class DataParallelProgram(torch.nn.Module):
             raise LoweringError(f"the data-parallel program needs a dp x 1 mesh over all ranks, got {plan.mesh}")
         self.plan, self.dp, self.rank = plan, dp, dist.get_rank()
         self._model_box = (model,)  # for forward(); boxed so that its parameters are not this module's
-        rows = plan.global_batch_size // (dp * m)
-        args, kwargs = _rows(example_inputs, example_kwargs, plan.global_batch_size, rows)
+        args, kwargs = micro_batches(example_inputs, example_kwargs, plan.global_batch_size, dp * m)[0]
         self.traced: TracedModel = trace_model(model, args, kwargs)
         sig = self.traced.exported.graph_signature
         self._num_mutated = len(sig.buffers_to_mutate) + len(getattr(sig, "user_inputs_to_mutate", {}))
@@ -102,44 +101,16 @@ class DataParallelProgram(torch.nn.Module):
 
     # ------------------------------------------------------------------------------------ running
 
-    def _placeholders(self, flat_inputs: list) -> list:
-        params, buffers, inputs = iter(self.params), iter(self._buffers_list), iter(flat_inputs)
-        sig = self.traced.exported.graph_signature
-        constants = iter(s.target for s in sig.input_specs if s.kind.name in ("CONSTANT_TENSOR", "CUSTOM_OBJ"))
-        values = []
-        for kind in self.traced.placeholder_kinds:
-            if kind == "param":
-                values.append(next(params))
-            elif kind == "buffer":
-                values.append(next(buffers))
-            elif kind == "constant":
-                values.append(self._constants[next(constants)])
-            else:
-                values.append(next(inputs))
-        return values
-
     def _local_micro_batches(self, args, kwargs) -> list[list]:
         """This rank's share of each micro-batch, as flat input lists in placeholder order."""
-        batch, m = self.plan.global_batch_size, self.plan.num_microbatches
-        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        expected = self.traced.exported.call_spec.in_spec
-        if expected is not None and spec != expected:
-            raise ConfigError(f"the inputs do not have the structure the model was compiled with: expected "
-                              f"{expected}, got {spec}")  # fmt: skip
-        for t in flat:
-            if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] != batch:
-                raise ConfigError(f"the plan is for a global batch of {batch} but an input has {t.shape[0]} rows; "
-                                  f"pass the batch the model was compiled for")  # fmt: skip
         out = []
-        for i in range(m):
-            mb = []
-            for t in flat:
+        for mb_args, mb_kwargs in micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches):
+            local = []
+            for t in flat_inputs(self.traced, mb_args, mb_kwargs):
                 if isinstance(t, torch.Tensor):
-                    if t.ndim:
-                        t = t.chunk(m, dim=0)[i].chunk(self.dp, dim=0)[self.rank]
-                    t = t.to(self.device).contiguous()
-                mb.append(t)
-            out.append(mb)
+                    t = (t.chunk(self.dp, dim=0)[self.rank] if t.ndim else t).to(self.device).contiguous()
+                local.append(t)
+            out.append(local)
         return out
 
     def train_step(self, *args, **kwargs) -> float:
@@ -148,7 +119,7 @@ class DataParallelProgram(torch.nn.Module):
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         count_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for flat in self._local_micro_batches(args, kwargs):
-            outs = self._gm(*self._placeholders(flat))
+            outs = self._gm(*placeholder_values(self.traced, self.params, self._buffers_list, self._constants.get, flat))
             loss = outs[self._num_mutated]
             if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
                 raise LoweringError("the model's first output is not a scalar loss: pass labels so the model "
@@ -221,11 +192,3 @@ class DataParallelProgram(torch.nn.Module):
             elif name in buffers:
                 out[name] = buffers[name].cpu().clone()
         return out
-
-
-def _rows(args, kwargs, batch: int, rows: int):
-    """The first `rows` rows of every batch input (a tensor whose dim 0 is the global batch)."""
-    return pytree.tree_map(
-        lambda t: t[:rows] if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == batch else t,
-        (tuple(args), dict(kwargs or {})),
-    )

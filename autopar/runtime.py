@@ -117,11 +117,7 @@ class ParallelModule(torch.nn.Module):
         return out
 
     def _inputs(self, args, kwargs) -> list:
-        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        expected = self.traced.exported.call_spec.in_spec
-        if expected is not None and spec != expected:
-            raise ConfigError(f"the inputs do not have the structure the model was compiled with: expected "
-                              f"{expected}, got {spec}")  # fmt: skip
+        flat = flat_inputs(self.traced, args, kwargs)
         dp = self.plan.mesh["dp"]
         out = []
         for t in flat:
@@ -139,30 +135,13 @@ class ParallelModule(torch.nn.Module):
         return out
 
     def _placeholders(self, args, kwargs) -> list:
-        params = iter(self._param_dtensors())
-        buffers = iter(self._buffers)
-        inputs = iter(self._inputs(args, kwargs))
-        sig = self.traced.exported.graph_signature
-        constants = iter(spec.target for spec in sig.input_specs if self._kind(spec) == "constant")
-        values = []
-        for kind in self.traced.placeholder_kinds:
-            if kind == "param":
-                values.append(next(params))
-            elif kind == "buffer":
-                values.append(DTensor.from_local(next(buffers), self.mesh, (R, R), run_check=False))
-            elif kind == "constant":
-                c = self._constants[next(constants)]
-                values.append(DTensor.from_local(c, self.mesh, (R, R), run_check=False) if isinstance(c, torch.Tensor) else c)
-            else:
-                values.append(next(inputs))
-        return values
+        buffers = [DTensor.from_local(b, self.mesh, (R, R), run_check=False) for b in self._buffers]
 
-    @staticmethod
-    def _kind(spec) -> str:
-        name = spec.kind.name
-        return {"PARAMETER": "param", "BUFFER": "buffer", "CONSTANT_TENSOR": "constant", "CUSTOM_OBJ": "constant"}.get(
-            name, "input"
-        )
+        def constant(name):
+            c = self._constants[name]
+            return DTensor.from_local(c, self.mesh, (R, R), run_check=False) if isinstance(c, torch.Tensor) else c
+
+        return placeholder_values(self.traced, self._param_dtensors(), buffers, constant, self._inputs(args, kwargs))
 
     def _run(self, args, kwargs):
         outs = self._interp.run(*self._placeholders(args, kwargs))
@@ -176,19 +155,6 @@ class ParallelModule(torch.nn.Module):
         full = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
         return pytree.tree_unflatten(full, self.traced.exported.call_spec.out_spec)
 
-    def _micro_batches(self, args, kwargs):
-        """Cut the global batch into the plan's micro-batches along dim 0 (every batch input alike)."""
-        m, batch = self.plan.num_microbatches, self.plan.global_batch_size
-        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        for t in flat:
-            if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] != batch:
-                raise ConfigError(f"the plan is for a global batch of {batch} but an input has {t.shape[0]} rows; "
-                                  f"pass the batch the model was compiled for")  # fmt: skip
-        if m == 1:
-            return [(args, kwargs)]
-        pieces = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim else [t] * m for t in flat]
-        return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(m)]
-
     def train_step(self, *args, **kwargs) -> float:
         """One optimizer step on a global batch (every rank passes the same batch); returns the loss.
 
@@ -197,7 +163,7 @@ class ParallelModule(torch.nn.Module):
         divided by sum w_i before the optimizer step, so the step equals one over the whole batch.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        micro = self._micro_batches(args, kwargs)
+        micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches)
         losses, weights = [], []
         for mb_args, mb_kwargs in micro:
             outs = self._run(mb_args, mb_kwargs)
@@ -242,6 +208,38 @@ class ParallelModule(torch.nn.Module):
             elif name in buffers:
                 out[name] = buffers[name].cpu()
         return out
+
+
+def micro_batches(args, kwargs, batch: int, m: int) -> list[tuple]:
+    """Cut a batch of `batch` rows into `m` micro-batches along dim 0 (every batch input alike), as (args, kwargs)."""
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] != batch:
+            raise ConfigError(f"the plan is for a global batch of {batch} but an input has {t.shape[0]} rows; "
+                              f"pass the batch the model was compiled for")  # fmt: skip
+    if m == 1:
+        return [(tuple(args), dict(kwargs))]
+    pieces = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim else [t] * m for t in flat]
+    return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(m)]
+
+
+def flat_inputs(traced: TracedModel, args, kwargs) -> list:
+    """The call's inputs flattened in placeholder order, checked against the structure the model was traced with."""
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    expected = traced.exported.call_spec.in_spec
+    if expected is not None and spec != expected:
+        raise ConfigError(f"the inputs do not have the structure the model was compiled with: expected "
+                          f"{expected}, got {spec}")  # fmt: skip
+    return flat
+
+
+def placeholder_values(traced: TracedModel, params, buffers, constant, inputs) -> list:
+    """Values for the graph's placeholders in order, from parameters, buffers, `constant(name)` and user inputs."""
+    params, buffers, inputs = iter(params), iter(buffers), iter(inputs)
+    sig = traced.exported.graph_signature
+    names = iter(spec.target for spec in sig.input_specs if spec.kind.name in ("CONSTANT_TENSOR", "CUSTOM_OBJ"))
+    source = {"param": params, "buffer": buffers, "input": inputs}
+    return [constant(next(names)) if kind == "constant" else next(source[kind]) for kind in traced.placeholder_kinds]
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
