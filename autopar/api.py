@@ -168,7 +168,9 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
             "recompute" (activation recompute: "none", "selective" for attention internals, "full" for
             whole layers).
         memory_budget: per-device cap, bytes or "20GB"; defaults to the device memory.
-        offload: host offload is not planned yet; True warns, False is the behaviour.
+        offload: None (default) lets the solver put optimizer states (fp32 master weights and moments) and
+            gradients on the host where device memory requires it; False keeps every state on the device;
+            True puts all of them on the host (ZeRO-Offload). Pipeline layouts keep states on the device.
         precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32"; default bf16 on GPUs, fp32 on CPUs.
         estimator: "analytic" (roofline, default), "profile" (time ops on this machine), or an estimator object.
         progress: callable told about each step of planning.
@@ -187,8 +189,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     if constraints.get("recompute", "none") not in _RECOMPUTE_MODES:
         raise ConfigError(f"constraints['recompute']={constraints['recompute']!r}: expected one of "
                           f"{', '.join(_RECOMPUTE_MODES)}")  # fmt: skip
-    if offload:
-        warnings.warn("offload=True is not planned yet: the plan keeps every state on the device", stacklevel=2)
+    if offload not in (None, True, False):
+        raise ConfigError(f"offload={offload!r}: expected None (the solver decides), True or False")
     precision = precision or _default_precision(cluster)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     say = progress or (lambda msg: None)
@@ -212,24 +214,28 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
 
         psol = search_pipeline(graph, cluster, estimator=est, precision=precision, constraints=constraints,
                                memory_budget_bytes=budget, batch_size=batch, progress=say)  # fmt: skip
+        if offload:
+            warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=2)
         if psol.pp > 1:
             return _pipeline_plan(psol, graph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est)
         sol = psol.single_stage
     else:
         flat = {k: v for k, v in constraints.items() if k not in _PIPELINE_KEYS}
         sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=flat,
-                             memory_budget_bytes=budget, batch_size=batch, progress=say)  # fmt: skip
+                             memory_budget_bytes=budget, batch_size=batch, progress=say, offload=offload)  # fmt: skip
     tokens = _tokens(args, kwargs)
     model_flops, hw_flops = _flops(graph, tokens, sol.recompute)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world = cluster.world_size
     step = sol.step_time_s
     predicted = _predicted(step, model_flops, hw_flops, tokens, world, peak, sol.memory,
-                           compute_s=sol.compute_s, reshard_s=sol.reshard_s, grad_sync_s=sol.grad_sync_s)  # fmt: skip
+                           compute_s=sol.compute_s, reshard_s=sol.reshard_s, grad_sync_s=sol.grad_sync_s,
+                           offload_s=sol.offload.get("time_s", 0.0))  # fmt: skip
     alternatives = tuple(
         {"dp": r.dp, "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
          "compute_s": r.compute_s, "reshard_s": r.reshard_s, "grad_sync_s": r.grad_sync_s,
          "zero_stage": r.zero_stage, "recompute": r.recompute, "memory": r.memory, "solve_time_s": r.solve_time_s,
+         "offload_fraction": r.offload.get("optimizer_fraction", 0.0),
          "reason": r.reason}
         for r in sol.candidates
     )  # fmt: skip
@@ -241,6 +247,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         zero_stage=sol.zero_stage,
         num_microbatches=sol.num_microbatches,
         recompute=sol.recompute,
+        offload=dict(sol.offload),
         precision=precision,
         global_batch_size=batch,
         tokens_per_step=tokens,
@@ -393,6 +400,10 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     if batch != plan.global_batch_size:
         raise ConfigError(f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "
                           f"{batch}; plan with the batch you will train on")  # fmt: skip
+    if plan.offload:
+        from autopar.offload_runtime import OffloadProgram
+
+        return OffloadProgram(model, plan, tuple(example_inputs), dict(example_kwargs or {}), optimizer=optimizer)
     if _is_data_parallel(plan):
         from autopar.data_parallel import DataParallelProgram
         from autopar.runtime import _device_type

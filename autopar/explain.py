@@ -34,6 +34,17 @@ def _linear_summary(plan) -> list[list[str]]:
     return rows
 
 
+def _offload_words(plan) -> str:
+    """Where the optimizer states and gradients live, in one line of the summary."""
+    off = plan.offload
+    if not off:
+        return "none (every state on the device)"
+    return (f"{off['optimizer_fraction']:.0%} of the optimizer states (fp32 master weights and moments) and "
+            f"{off['grad_fraction']:.0%} of the gradients on the host: {off['host_bytes_per_device'] / GIB:,.2f} GiB "
+            f"per device, {off['host_bytes_per_node'] / GIB:,.1f} GiB per node; the host link and the CPU AdamW step "
+            f"add {off['time_s'] * 1e3:,.2f} ms")  # fmt: skip
+
+
 def _pipeline_section(plan) -> list[str]:
     """Stages, schedule and bubble of a pipeline plan (nothing for a plan without one)."""
     info = plan.pipeline
@@ -68,6 +79,7 @@ def render_markdown(plan) -> str:
             ["micro-batches per step (gradient accumulation)",
              f"{plan.num_microbatches} of {plan.micro_batch_size} sample(s) per data-parallel rank"],
             ["activation recompute", _RECOMPUTE_WORDS.get(plan.recompute, plan.recompute)],
+            ["host offload", _offload_words(plan)],
             ["precision", plan.precision],
             ["parameters", f"{plan.num_parameters / 1e6:,.1f} M"],
             ["global batch", f"{plan.global_batch_size} ({plan.tokens_per_step:,} tokens)"],

@@ -5,7 +5,9 @@ activation recompute mode ("none", "selective": attention internals, "full": who
 placement of every parameter and of every op's arguments and output on the tensor axis, and
 what the cost model predicts for one training step: time, TFLOP/s per device, MFU (model FLOPs:
 6 per parameter per token plus attention; recompute not counted), hardware FLOPs utilisation
-(every FLOP the step executes), and peak memory per device with its breakdown.
+(every FLOP the step executes), and peak memory per device with its breakdown. A plan that keeps
+optimizer states and gradients on the host says how much in `offload` (fractions of each, bytes per
+device and per node, the seconds the host link and the CPU optimizer add); empty when nothing is.
 
 `to_json()` writes a versioned document; `Plan.from_json()` refuses other versions and corrupt
 text with a `PlanFormatError` that says what to do.
@@ -42,6 +44,7 @@ class Predicted:
     reshard_s: float = 0.0
     grad_sync_s: float = 0.0
     tokens_per_s: float = 0.0
+    offload_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,8 @@ class Plan:
     # pipeline layouts: schedule, virtual stages, bubble, and per stage its layers, sub-mesh and figures
     pipeline: dict = field(default_factory=dict)
     recompute: str = "none"
+    # host offload: optimizer_fraction, grad_fraction, *_bytes_per_device, host_bytes_per_node, time_s
+    offload: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -100,6 +105,7 @@ class Plan:
             "num_microbatches": self.num_microbatches,
             "pipeline": self.pipeline,
             "recompute": self.recompute,
+            "offload": self.offload,
             "precision": self.precision,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
@@ -139,6 +145,7 @@ class Plan:
                 num_microbatches=int(d.get("num_microbatches", 1)),
                 pipeline=dict(d.get("pipeline") or {}),
                 recompute=str(d.get("recompute", "none")),
+                offload=dict(d.get("offload") or {}),
                 precision=d["precision"],
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
@@ -177,6 +184,8 @@ class Plan:
         accum = f", {self.num_microbatches} micro-batches of {self.micro_batch_size}" if self.num_microbatches > 1 else ""
         if self.recompute != "none":
             accum += f", {self.recompute} recompute"
+        if self.offload:
+            accum += f", {self.offload['optimizer_fraction']:.0%} of optimizer states on the host"
         if self.pipeline:
             v = self.pipeline.get("virtual_stages", 1)
             accum += f", {self.pipeline.get('schedule')}" + (f" x{v} virtual stages" if v > 1 else "")

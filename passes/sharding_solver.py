@@ -23,11 +23,15 @@ Variables:
     y[e,k,l] in [0,1]    edge e joins producer strategy k with consumer strategy l
     z[s] in {0,1}        ZeRO stage s is used
     u[w,k,s] in [0,1]    parameter w has placement k under stage s (u = x[w,k] * z[s])
+    h_o, h_g >= 0        bytes of optimizer states (fp32 master weights and moments) and of gradients
+                         this device keeps on the host (ZeRO-Offload; a fraction of each, as
+                         DeepSpeed's Twin-Flow splits them); both 0 when offload is forbidden
 
 Objective (predicted step time, seconds; no overlap of communication with compute assumed):
     min  sum_g n_g sum_k x[g,k] (T_fwd[g,k] + T_bwd[g,k])                       compute
        + sum_e n_e sum_{k,l} y[e,k,l] (Rf[e,k,l] + Rb[e,k,l])                   resharding
        + sum_w n_w sum_{k,s} u[w,k,s] Sync[w,k,s]                               gradient sync over dp
+       + C_o h_o + C_g h_g                                                      host offload
        + sum_g n_g sum_{m in g, m in R_r} sum_k x[g,k] T_fwd[m,k]               recomputed forwards
        + sum_{e into R_r} n_e sum_{k,l} y[e,k,l] Rf[e,k,l]                      and their resharding
 
@@ -36,6 +40,11 @@ Objective (predicted step time, seconds; no overlap of communication with comput
     Rb    time to bring the gradient the consumer returns to the producer's layout
     Sync  all-reduce of the local gradient over dp (stage 0), reduce-scatter + all-gather of
           the parameters (stages 1, 2), and one more all-gather for the backward (stage 3)
+    C_o   per byte of optimizer state on the host, its parameter's share of: the gradient down and the
+          updated 16-bit (or fp32) weight up the host link, and the CPU AdamW update:
+          ((B_grad + B_param) / host_bw + 1 / cpu_adamw_rate) / B_opt
+    C_g   per byte of gradient on the host: with m micro-batches every micro-batch's gradient goes down
+          (accumulated on the host) instead of the last one only: (m - 1) / host_bw
 
 Constraints:
     one strategy:   sum_k x[g,k] = 1                                     for all g
@@ -43,8 +52,12 @@ Constraints:
     one stage:      sum_s z[s] = 1   (z[s] = 1 for a pinned stage)
     product:        u[w,k,s] >= x[w,k] + z[s] - 1,  u <= x[w,k],  u <= z[s]
     memory (peak, at the turn from forward to backward, where every saved activation is live):
-        sum_w n_w sum_{k,s} u[w,k,s] M_state[w,k,s]
+        sum_w n_w sum_{k,s} u[w,k,s] M_state[w,k,s]  - h_o - h_g
       + sum_g n_g sum_k x[g,k] M_saved[g,k,r]  + M_recompute  + M_transient   <=  budget
+    offload (unless forbidden; "=" instead of "<=" in the first two when everything is pinned to the host):
+        h_o <= sum_w n_w sum_{k,s} u[w,k,s] M_opt[w,k,s],   h_g <= sum_w n_w sum_{k,s} u[w,k,s] M_grad[w,k,s]
+        B_opt h_g <= B_grad h_o          (a gradient lives on the host only with its optimizer states)
+        h_o + h_g <= host memory / devices per node
     recomputed segment (r != none):
         M_recompute >= sum_{m in S, m kept at none, dropped at r} x[g(m),k] M_value[m,k]   for all S in S_r
 
@@ -78,6 +91,10 @@ helps), skipped when the best plan found reaches its bound L + sum_g n_g min_k s
 T_fwd[m,k] (or its own memory-free optimum at its fewest micro-batches); within a mode each stage
 is solved with z fixed (presolve then removes the product rows, which HiGHS solves much faster than
 the joint program), stopping at a stage that reaches the mode's bound.
+
+Offload only adds time (the host link and the CPU step are not overlapped with compute), so a program
+keeps states on the host only where memory requires it; it enters the lower bounds above as the
+states it can move (capped by host memory), which lets fewer micro-batches and lower stages fit.
 """
 
 from __future__ import annotations
@@ -183,6 +200,8 @@ class MeshResult:
     reason: str = ""
     num_microbatches: int = 1
     recompute: str = "none"
+    # host offload: bytes on the host per device, fractions of the states, seconds it adds (empty: none)
+    offload: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -207,6 +226,7 @@ class ShardingSolution:
     num_groups: int
     solve_time_s: float
     recompute: str = "none"
+    offload: dict = field(default_factory=dict)
 
 
 _ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -285,8 +305,12 @@ class ShardingProgram:
     def __init__(self, graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, *, estimator, precision: Precision,
                  zero_stage: int | None, memory_budget_bytes: float, batch_dim_size: int,
                  num_microbatches: int = 1, activation_copies: float = 1.0,
-                 recompute: str | None = None):  # fmt: skip
+                 recompute: str | None = None, offload: bool | None = False):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
+        # False: states stay on the device; None: the program places them; True: all optimizer states
+        # and gradients on the host
+        self.offload = offload
+        self.h: dict[str, pulp.LpVariable] = {}
         self.mb = num_microbatches
         # micro-batches whose saved activations are alive at once (1 here; a pipeline schedule keeps more)
         self.activation_copies = activation_copies
@@ -474,6 +498,7 @@ class ShardingProgram:
         self.add_compute_cost()
         self.add_edge_constraint()
         self.add_stage_product_constraint()
+        self.add_offload_constraint()
         self.add_memory_constraint()
 
     def add_one_strategy_constraint(self) -> None:
@@ -636,6 +661,59 @@ class ShardingProgram:
             if self.sync_floor(s):
                 self.cost_terms["grad_sync"].append(self.sync_floor(s) * zs)
 
+    def offload_prices(self) -> tuple[float, float]:
+        """(C_o, C_g): seconds per byte of optimizer state and of gradient kept on the host."""
+        pr, link = self.precision, self.cluster.host_link
+        per_param = (pr.grad_bytes + pr.param_bytes) / link.bandwidth_bytes_per_s
+        per_param += 1.0 / self.cluster.device.host_adamw_params_per_s
+        return per_param / pr.optimizer_bytes, (self.mb - 1) / link.bandwidth_bytes_per_s
+
+    def host_capacity(self) -> float:
+        """Host bytes one device may use: its share of its node's host memory."""
+        return self.cluster.host_memory_bytes / self.cluster.devices_per_node
+
+    def add_offload_constraint(self) -> None:
+        """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g <= B_grad h_o,
+        h_o + h_g <= host memory per device; objective C_o h_o + C_g h_g; memory rows lose h_o + h_g."""
+        if self.offload is False:
+            return
+        opt, grad = [], []
+        for (name, k, s), u in self.u.items():
+            _, g, o = self.state_bytes(name, k, s)
+            count = self.groups[name].count
+            opt += [count * o * u] if o else []
+            grad += [count * g * u] if g else []
+        h_o = self.h["optimizer"] = self.prob.add_variable("offload_optimizer_bytes", 0)
+        h_g = self.h["grads"] = self.prob.add_variable("offload_grad_bytes", 0)
+        if self.offload is True:
+            self.prob += h_o == pulp.lpSum(opt), "offload_optimizer_all"
+            self.prob += h_g == pulp.lpSum(grad), "offload_grads_all"
+        else:
+            self.prob += h_o <= pulp.lpSum(opt), "offload_optimizer_at_most_all"
+            self.prob += h_g <= pulp.lpSum(grad), "offload_grads_at_most_all"
+        pr = self.precision
+        self.prob += pr.optimizer_bytes * h_g <= pr.grad_bytes * h_o, "offload_grads_with_their_optimizer_states"
+        self.prob += h_o + h_g <= self.host_capacity(), "host_memory"
+        c_o, c_g = self.offload_prices()
+        self.cost_terms["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else [])
+        self.memory_terms["optimizer"].append(-1.0 * h_o)
+        self.memory_terms["grads"].append(-1.0 * h_g)
+
+    def _offload_result(self, mem: dict[str, float], offload_s: float) -> dict:
+        """What the last solution keeps on the host: bytes per device and node, fractions, time."""
+        if not self.h:
+            return {}
+        h_o, h_g = (pulp.value(self.h[k]) or 0.0 for k in ("optimizer", "grads"))
+        if h_o <= 0.5:
+            return {}
+        host = h_o + h_g
+        return {"optimizer_fraction": min(1.0, h_o / max(mem.get("optimizer", 0.0) + h_o, 1.0)),
+                "grad_fraction": min(1.0, h_g / max(mem.get("grads", 0.0) + h_g, 1.0)),
+                "optimizer_bytes_per_device": h_o, "grad_bytes_per_device": h_g,
+                "host_bytes_per_device": host, "host_bytes_per_node": host * self.cluster.devices_per_node,
+                "host_capacity_bytes_per_device": self.host_capacity(), "time_s": offload_s,
+                "device_budget_bytes": self.budget}  # fmt: skip
+
     def transient_bytes(self) -> float:
         """Working memory of the largest op: its output plus its gradient, unsharded on tp (an upper bound).
 
@@ -692,12 +770,18 @@ class ShardingProgram:
         return min(self.recompute_choices, key=lambda m: sum(self._activations_lower_bound(m)))
 
     def _states_lower_bound(self, stages) -> float:
-        states = 0.0
+        """Device bytes of the states at their leanest: without offload each parameter's least total; with
+        it the least weights plus whatever of the least gradients and optimizer states the host cannot take."""
+        states, weights, movable = 0.0, 0.0, 0.0
         for name in self._param_groups():
             grp = self.groups[name]
-            states += grp.count * min(sum(self.state_bytes(name, k, s)) for k in range(len(grp.strategies))
-                                      for s in stages)  # fmt: skip
-        return states
+            per = [self.state_bytes(name, k, s) for k in range(len(grp.strategies)) for s in stages]
+            states += grp.count * min(sum(b) for b in per)
+            weights += grp.count * min(b[0] for b in per)
+            movable += grp.count * min(b[1] + b[2] for b in per)
+        if self.offload is False:
+            return states
+        return min(states, weights + max(0.0, movable - self.host_capacity()))
 
     def _activations_lower_bound(self, recompute: str) -> tuple[float, float]:
         """(saved activations, recomputed segment) at their leanest under `recompute`."""
@@ -837,7 +921,8 @@ class ShardingProgram:
         # recomputed forwards are compute; resharding they repeat is counted with them
         return MeshResult(self.dp, self.tp, True, step, val.get("compute", 0.0) + val.get("recompute", 0.0),
                           val.get("reshard", 0.0), val.get("grad_sync", 0.0), chosen_stage, mem, dt,
-                          num_microbatches=self.mb, recompute=mode)  # fmt: skip
+                          num_microbatches=self.mb, recompute=mode,
+                          offload=self._offload_result(mem, val.get("offload", 0.0)))  # fmt: skip
 
     def chosen(self) -> dict[str, int]:
         return {g: max(range(len(xs)), key=lambda k: pulp.value(xs[k]) or 0.0) for g, xs in self.x.items()}
@@ -960,7 +1045,7 @@ def _pinned(constraints: dict, world_size: int, batch: int) -> list[tuple[int, i
 
 def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision: str = "fp32",
                    constraints: dict | None = None, memory_budget_bytes: float | None = None,
-                   batch_size: int, progress=None) -> ShardingSolution:  # fmt: skip
+                   batch_size: int, progress=None, offload: bool | None = False) -> ShardingSolution:  # fmt: skip
     """Solve every allowed (dp, tp) mesh and return the fastest feasible layout.
 
     Args:
@@ -974,6 +1059,8 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         memory_budget_bytes: per-device cap; defaults to the device memory.
         batch_size: the global batch (dim 0 of the inputs), split over dp.
         progress: optional callable(str) told about each mesh as it is solved.
+        offload: False keeps every state on the device; None lets each program put optimizer states and
+            gradients on the host where memory requires it; True puts all of them there.
     Raises:
         InfeasiblePlanError: no mesh fits, with the memory the best layout needs.
     """
@@ -989,7 +1076,7 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
     results, bounds, candidates = [], [], []
     for dp, tp in _pinned(constraints, cluster.world_size, batch_size):
         make = _program_factory(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
-                                budget=budget, batch_size=batch_size, recompute=recompute)  # fmt: skip
+                                budget=budget, batch_size=batch_size, recompute=recompute, offload=offload)  # fmt: skip
         fits = None
         for m in _microbatch_choices(batch_size // dp, constraints):
             prog = make(m)
@@ -1020,7 +1107,7 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         if res.feasible and (best is None or res.step_time_s < best.step_time_s):
             best, best_prog = res, res_prog
     if best is None:
-        raise InfeasiblePlanError(_infeasible_message(bounds, budget))
+        raise InfeasiblePlanError(_infeasible_message(bounds, budget, offload))
     unruled = tuple(sorted(rules.UNRULED_OPS))
     if unruled and best.tp > 1:
         warnings.warn(f"no sharding rule for {', '.join(unruled)}: these ops run replicated on the tensor axis",
@@ -1041,11 +1128,12 @@ def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
     return pinned
 
 
-def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None):
+def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None,
+                     offload=False):  # fmt: skip
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
                                zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
-                               num_microbatches=m, recompute=recompute)  # fmt: skip
+                               num_microbatches=m, recompute=recompute, offload=offload)  # fmt: skip
 
     return make
 
@@ -1138,7 +1226,7 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
             params[graph.params[node.name].name] = out[node.name]
     return ShardingSolution(best.dp, best.tp, best.num_microbatches, best.zero_stage, best.step_time_s, best.compute_s, best.reshard_s,
                             best.grad_sync_s, best.memory, out, ins, strat, params, results, unruled,
-                            len(prog.groups), dt, recompute=best.recompute)  # fmt: skip
+                            len(prog.groups), dt, recompute=best.recompute, offload=best.offload)  # fmt: skip
 
 
 def format_bytes(n: float) -> str:
@@ -1148,7 +1236,7 @@ def format_bytes(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _infeasible_message(bounds, budget) -> str:
+def _infeasible_message(bounds, budget, offload=False) -> str:
     """Say how much memory the leanest layout needs per device, next to the budget.
 
     `bounds` holds (bytes, dp, tp, micro-batches, parts, recompute mode) of every program considered;
@@ -1158,8 +1246,13 @@ def _infeasible_message(bounds, budget) -> str:
         return "no layout satisfies the constraints"
     total, dp, tp, m, parts, mode = min(bounds, key=lambda b: b[0])
     recompute = "no activation recompute" if mode == "none" else f"{mode} activation recompute"
+    if offload is False:
+        recompute += ", nothing offloaded to the host (offload=False)"
+    else:
+        recompute += ", optimizer states and gradients on the host as far as host memory allows"
     return (f"the model needs at least {format_bytes(total)} per device (model states "
             f"{format_bytes(parts['states'])}, activations {format_bytes(parts['activations'])}, working memory "
             f"{format_bytes(parts['transient'])}, at dp={dp} tp={tp} with {m} micro-batch(es), states sharded "
             f"as far as allowed and {recompute}), but the budget is {format_bytes(budget)} per device: "
-            f"{format_bytes(total - budget)} short; raise memory_budget, use more devices or a smaller batch")  # fmt: skip
+            f"{format_bytes(total - budget)} short; raise memory_budget, use more devices or a smaller batch"
+            + ("" if offload is not False else ", or allow host offload (offload=None)"))  # fmt: skip

@@ -140,7 +140,7 @@ def test_micro_batches_when_activations_do_not_fit():
     assert plan.global_batch_size == plan.mesh["dp"] * plan.num_microbatches * plan.micro_batch_size
     with pytest.raises(InfeasiblePlanError, match="needs at least"):
         autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=64, seq_len=4096,
-                     constraints={"num_microbatches": 1})  # fmt: skip
+                     constraints={"num_microbatches": 1}, offload=False)  # fmt: skip
     pinned = autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=64, seq_len=4096,
                           constraints={"micro_batch_size": 1})  # fmt: skip
     assert pinned.micro_batch_size == 1
@@ -209,41 +209,94 @@ def _meta_llama(hidden=512, layers=4, batch=8, seq=256):
 
 
 def test_choices_follow_the_budget():
-    # One mesh (dp=2, tp=1) and one micro-batch, so the levers are the ZeRO stage and recompute:
-    # as the budget shrinks, states are sharded first (cheap on NVLink), then activations are
-    # recomputed, and below the leanest layout the error says how much memory is missing.
+    # One mesh (dp=2, tp=1) and one micro-batch, so the levers are the ZeRO stage, recompute and offload:
+    # as the budget shrinks, states are sharded first (cheap on NVLink), then activations are recomputed
+    # or states go to the host, then both, and below the leanest layout the error says how much memory
+    # is missing.
     model, args, kwargs, traced = _meta_llama()
     pins = {"tp": 1, "num_microbatches": 1}
 
-    def plan(budget=None, **more):
+    def plan(budget=None, offload=None, **more):
         return autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={**pins, **more}, memory_budget=budget,
-                            _traced=traced)  # fmt: skip
+                            offload=offload, _traced=traced)  # fmt: skip
 
     free = plan()
-    assert free.zero_stage == 0 and free.recompute == "none"
+    assert free.zero_stage == 0 and free.recompute == "none" and not free.offload
     assert all(a["recompute"] == "none" for a in free.alternatives if a["feasible"])
-    # the leanest layouts without and with full recompute (tp=1 leaves no placement to choose)
-    lean_none = plan(zero=3, recompute="none").predicted.peak_memory_bytes
-    lean_full = plan(zero=3, recompute="full").predicted.peak_memory_bytes
+    # the leanest layouts on the device, without and with full recompute (tp=1 leaves no placement to choose)
+    lean_none = plan(zero=3, recompute="none", offload=False).predicted.peak_memory_bytes
+    lean_full = plan(zero=3, recompute="full", offload=False).predicted.peak_memory_bytes
     assert lean_full < 0.8 * lean_none < free.predicted.peak_memory_bytes
+    # and with every optimizer state and gradient on the host
+    lean_host = plan(zero=3, recompute="full", offload=True)
+    assert lean_host.offload["optimizer_fraction"] == lean_host.offload["grad_fraction"] == 1.0
+    assert lean_host.predicted.memory_breakdown["optimizer"] == pytest.approx(0.0, abs=1.0)
+    lean_offload = lean_host.predicted.peak_memory_bytes
+    assert lean_offload < 0.8 * lean_full
 
     sharded = plan((free.predicted.peak_memory_bytes + lean_none) / 2)
-    assert sharded.zero_stage >= 1 and sharded.recompute == "none"
+    assert sharded.zero_stage >= 1 and sharded.recompute == "none" and not sharded.offload
     budget = (lean_none + lean_full) / 2
-    recomputed = plan(budget)
-    assert recomputed.recompute != "none"
-    assert recomputed.predicted.peak_memory_bytes <= budget
-    assert "recompute" in recomputed.predicted.memory_breakdown  # the recomputed layer's values, once
-    steps = [p.predicted.step_time_s for p in (free, sharded, recomputed)]
+    saving = plan(budget)  # recompute or offload, whichever is cheaper here
+    assert saving.recompute != "none" or saving.offload
+    assert saving.predicted.peak_memory_bytes <= budget
+    tight = (lean_full + lean_offload) / 2  # below the leanest layout on the device: only offload fits
+    offloaded = plan(tight)
+    assert 0 < offloaded.offload["optimizer_fraction"] <= 1 and offloaded.recompute != "none"
+    assert offloaded.predicted.peak_memory_bytes <= tight * (1 + 1e-9)
+    assert offloaded.predicted.offload_s == pytest.approx(offloaded.offload["time_s"]) > 0
+    steps = [p.predicted.step_time_s for p in (free, sharded, saving, offloaded)]
     assert steps == sorted(steps)
     with pytest.raises(InfeasiblePlanError, match="short") as info:
-        plan(0.9 * lean_full)
-    assert "full activation recompute" in str(info.value)
-    # without the micro-batch pin, gradient accumulation is the other way to fit the activations
+        plan(tight, offload=False)
+    assert "nothing offloaded to the host (offload=False)" in str(info.value)
+    with pytest.raises(InfeasiblePlanError, match="short") as info:
+        plan(0.9 * lean_offload)
+    msg = str(info.value)
+    assert "full activation recompute" in msg and "on the host as far as host memory allows" in msg
+    # without the micro-batch pin, gradient accumulation is another way to fit the activations
     relaxed = autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={"tp": 1}, memory_budget=budget,
                            _traced=traced)  # fmt: skip
-    assert relaxed.num_microbatches > 1 or relaxed.recompute != "none"
-    assert relaxed.predicted.step_time_s <= recomputed.predicted.step_time_s * (1 + 1e-9)
+    assert relaxed.num_microbatches > 1 or relaxed.recompute != "none" or relaxed.offload
+    assert relaxed.predicted.step_time_s <= saving.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_offload_is_priced_recorded_and_capped_by_host_memory():
+    import dataclasses
+
+    model, args, kwargs, traced = _meta_llama(layers=2)
+    pins = {"tp": 1, "num_microbatches": 1, "zero": 3, "recompute": "full"}
+    cluster = autopar.ClusterSpec.parse("2xA100-80GB")
+
+    def plan(budget=None, offload=None, on=cluster):
+        return autopar.plan(model, on, args, kwargs, constraints=pins, memory_budget=budget, offload=offload,
+                            _traced=traced)  # fmt: skip
+
+    device, host = plan(offload=False), plan(offload=True)
+    off = host.offload
+    # what moved: the optimizer states (12 B per parameter in bf16) and gradients (2 B), halved by ZeRO-3
+    assert off["optimizer_bytes_per_device"] == pytest.approx(device.predicted.memory_breakdown["optimizer"])
+    assert off["grad_bytes_per_device"] == pytest.approx(device.predicted.memory_breakdown["grads"])
+    assert off["host_bytes_per_node"] == pytest.approx(2 * off["host_bytes_per_device"])
+    # its price: gradients down, bf16 weights up the host link, and the CPU AdamW, per parameter on the host
+    params = off["optimizer_bytes_per_device"] / 12
+    dev = cluster.device
+    expected = params * ((2 + 2) / cluster.host_link.bandwidth_bytes_per_s + 1 / dev.host_adamw_params_per_s)
+    assert off["time_s"] == pytest.approx(expected, rel=1e-6)
+    assert host.predicted.step_time_s == pytest.approx(device.predicted.step_time_s + expected, rel=1e-6)
+    assert plan().offload == {}  # not needed, not chosen: it only adds time
+    assert "host offload | 100% of the optimizer states" in host.explain()
+    assert autopar.Plan.from_json(host.to_json()).offload == off
+    # a host too small for the states: the solver keeps on the host only what fits there
+    need = device.predicted.peak_memory_bytes - 0.5 * off["optimizer_bytes_per_device"]
+    small = dataclasses.replace(cluster, host_memory_bytes=int(2 * 0.6 * off["optimizer_bytes_per_device"]))
+    capped = plan(need, on=small)
+    assert capped.offload["host_bytes_per_device"] <= 0.6 * off["optimizer_bytes_per_device"] * (1 + 1e-9)
+    assert capped.predicted.peak_memory_bytes <= need * (1 + 1e-9)
+    with pytest.raises(InfeasiblePlanError, match="short"):
+        plan(device.predicted.peak_memory_bytes - 0.7 * off["optimizer_bytes_per_device"], on=small)
+    with pytest.raises(ConfigError, match="offload"):
+        plan(offload="yes")
 
 
 def test_pinned_recompute_is_honoured_and_priced():

@@ -1,0 +1,217 @@
+"""The offload program: what a plan that keeps optimizer states and gradients on the host compiles to.
+
+The model's parameters are packed into chunks (`autopar.memory.ChunkStore`), sharded over the
+data axis when dp > 1 (ZeRO-3 over chunks: one all-gather per chunk for forward and one for
+backward, one reduce-scatter of its gradients), and the model computes with views into the
+chunks' payloads, gathered as each module runs and freed after (`ChunkScheduler`). The first
+chunks, enough to cover the plan's offloaded fraction of the optimizer states, keep their master
+weights, gradients and AdamW moments on the host; the others on the device. `ChunkAdamW` updates
+each chunk where it lives: host chunks by the CPU AdamW over whole chunks (ZeRO-Offload), device
+chunks on the device.
+
+Every plan's states run as ZeRO-3 chunks: the leanest layout, so the device holds no more than the
+plan counted for any ZeRO stage (its time is that of ZeRO-3's collectives, which the plan may not
+have priced). The `MemoryTracker` counts the bytes the store holds on the device at each point of
+the step (payloads, device-resident states, gradient staging); on a CPU device and host are the
+same RAM, and the tracker is what tells them apart.
+
+The loss is exact with unevenly ignored labels: while the model runs, a mean cross-entropy is
+computed as a sum and the labels it kept are counted; the step divides the summed gradients by
+the count over all ranks and micro-batches. A loss that is not a cross-entropy is taken as a mean
+over samples, which equal shares make exact.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from autopar.errors import LoweringError
+from autopar.memory import ChunkAdamW, ChunkScheduler, ChunkStore, MemoryTracker, ParamSpec, choose_chunk_size, pack
+from autopar.memory.layout import ALIGN_NUMEL, MAX_CHUNK_NUMEL, MIN_CHUNK_NUMEL
+from autopar.plan import Plan
+from autopar.runtime import _device_type, micro_batches
+
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Device bytes the chunks in flight may take, as a fraction of the budget: about two gathered payloads
+# (the one in use and the one prefetched) and two gradient staging buffers, each at most 1/16 of it.
+_CHUNK_SHARE_OF_BUDGET = 16
+
+
+_CROSS_ENTROPY_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
+                       "label_smoothing")  # fmt: skip
+
+
+class _SumCrossEntropy(TorchFunctionMode):
+    """Turns the first mean cross-entropy a forward computes into its sum and counts the labels it kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.count: torch.Tensor | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.cross_entropy and self.count is None:
+            bound = dict(zip(_CROSS_ENTROPY_ARGS, args, strict=False)) | kwargs
+            target = bound.get("target")
+            plain = all(bound.get(k) is None for k in ("weight", "size_average", "reduce"))
+            integer = target is not None and not target.is_floating_point()  # class indices, not probabilities
+            if plain and integer and bound.get("reduction", "mean") == "mean":
+                self.count = (target != bound.get("ignore_index", -100)).sum()
+                return func(**(bound | {"reduction": "sum"}))
+        return func(*args, **kwargs)
+
+
+def _loss_of(out) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        loss = out[0] if isinstance(out, (tuple, list)) else out
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise LoweringError("the model's output holds no scalar loss: pass labels so that the model computes one")
+    return loss
+
+
+def _adamw_hyperparameters(optimizer) -> dict:
+    """lr, betas, eps and weight_decay of the AdamW `optimizer(params)` builds (compile's default: lr 1e-3)."""
+    if optimizer is None:
+        return {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+    probe = optimizer([torch.nn.Parameter(torch.zeros(1))])
+    group = probe.param_groups[0]
+    adam = type(probe) is torch.optim.AdamW or (type(probe) is torch.optim.Adam and group["weight_decay"] == 0)
+    if not adam or len(probe.param_groups) != 1 or group.get("amsgrad") or group.get("maximize"):
+        raise LoweringError(f"an offloaded plan runs AdamW over chunks (one set of hyperparameters), but the "
+                            f"optimizer is {type(probe).__name__} with {len(probe.param_groups)} group(s); pass "
+                            f"torch.optim.AdamW, or plan with offload=False")  # fmt: skip
+    return {"lr": float(group["lr"]), "betas": tuple(group["betas"]), "eps": group["eps"],
+            "weight_decay": group["weight_decay"]}  # fmt: skip
+
+
+def _specs(module: torch.nn.Module) -> tuple[list[ParamSpec], dict[str, str], dict[str, torch.Tensor]]:
+    """(specs in the model's order, tied aliases, values) as `ChunkStore.from_module` takes them."""
+    first: dict[int, str] = {}
+    specs, aliases, values = [], {}, {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+            continue
+        first[id(p)] = name
+        specs.append(ParamSpec(name, tuple(p.shape), p.dtype, p.requires_grad))
+        values[name] = p.detach()
+    return specs, aliases, values
+
+
+def host_chunks(layouts, fraction: float) -> set[int]:
+    """The first trainable chunks whose elements reach `fraction` of all trainable elements (rounded up)."""
+    trainable = [lay for lay in layouts if lay.requires_grad]
+    total = sum(lay.capacity for lay in trainable)
+    chosen, covered = set(), 0
+    for lay in trainable:
+        if covered >= fraction * total - 0.5:
+            break
+        chosen.add(lay.index)
+        covered += lay.capacity
+    return chosen
+
+
+class OffloadProgram(torch.nn.Module):
+    """A dp x 1 plan with host offload on this rank (see the module docstring).
+
+    Same surface as `ParallelModule`: `train_step`, `forward`, `state_dict`, `parameters`, `plan`,
+    `optimizer`; and `store` and `tracker`, the chunks and their device accounting.
+    """
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, example_inputs=(), example_kwargs=None, *,
+                 optimizer=None, chunk_numel: int | None = None):  # fmt: skip
+        super().__init__()
+        del example_inputs, example_kwargs  # the model runs eagerly; the plan holds the batch size
+        dp = plan.mesh.get("dp", 1)
+        if plan.mesh.get("tp", 1) != 1 or plan.mesh.get("pp", 1) != 1 or dp != dist.get_world_size():
+            raise LoweringError(f"host offload runs plans with a data axis over all ranks only, got mesh {plan.mesh}; "
+                                f"plan with constraints={{'tp': 1}} or offload=False")  # fmt: skip
+        self.plan, self.dp, self.rank = plan, dp, dist.get_rank()
+        self.device = _device_type(plan.cluster)
+        module = copy.deepcopy(model).to(self.device)
+        specs, aliases, values = _specs(module)
+        budget = plan.offload.get("device_budget_bytes") or plan.cluster.device.memory_bytes
+        compute = _COMPUTE_DTYPES.get(plan.precision, torch.float32)
+        multiple = ALIGN_NUMEL * dp
+        if chunk_numel is None:
+            per_elem = compute.itemsize + torch.float32.itemsize  # payload + gradient staging
+            cap = max(multiple, int(budget / (_CHUNK_SHARE_OF_BUDGET * per_elem)))
+            chunk_numel = choose_chunk_size([s.numel for s in specs], min_numel=min(MIN_CHUNK_NUMEL, cap),
+                                            max_numel=min(MAX_CHUNK_NUMEL, cap), multiple=multiple)  # fmt: skip
+        host = host_chunks(pack(specs, chunk_numel, multiple=multiple), plan.offload.get("optimizer_fraction", 0.0))
+        self.tracker = MemoryTracker(budget_bytes=int(budget))
+        group = dist.group.WORLD if dp > 1 else None
+        self.store = ChunkStore(specs, chunk_numel=chunk_numel, compute_dtype=compute, device=self.device,
+                                group=group, host=host, aliases=aliases, tracker=self.tracker)  # fmt: skip
+        self.store.load_state(values)
+        del values
+        self.store.bind(module)
+        self.scheduler = ChunkScheduler(self.store, module)
+        self._module_box = (module,)  # not a submodule: its parameters are the store's transient views
+        self._state_names = list(model.state_dict().keys())
+        self.optimizer = ChunkAdamW(self.store, **_adamw_hyperparameters(optimizer))
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._module_box[0]
+
+    # ------------------------------------------------------------------------------------ running
+
+    def _local(self, tree):
+        """This rank's rows of every batch tensor, on the device."""
+
+        def share(t):
+            if isinstance(t, torch.Tensor):
+                t = t.chunk(self.dp, dim=0)[self.rank] if t.ndim else t
+                return t.to(self.device).contiguous()
+            return t
+
+        return pytree.tree_map(share, tree)
+
+    def train_step(self, *args, **kwargs) -> float:
+        """One optimizer step on a global batch (every rank passes the same batch); returns the loss."""
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for mb_args, mb_kwargs in micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches):
+            local_args, local_kwargs = self._local((mb_args, mb_kwargs))
+            with _SumCrossEntropy() as ce:
+                loss = _loss_of(self.module(*local_args, **local_kwargs))
+            loss.backward()
+            totals[0] += loss.detach().double()
+            totals[1] += ce.count.double() if ce.count is not None else 1.0
+        if self.dp > 1:
+            dist.all_reduce(totals)
+        loss_sum, count = totals.tolist()
+        # the store averaged the gradients over dp; the loss is the sum over every kept label
+        for chunk in self.store.trainable_chunks():
+            chunk.grad.mul_(self.dp / count)
+        self.optimizer.step()
+        return loss_sum / count
+
+    def forward(self, *args, **kwargs):
+        """Run the model on any batch with this program's parameters (every rank computes the whole batch)."""
+        return self.module(*args, **kwargs)
+
+    # ---------------------------------------------------------------------------------- states
+
+    def parameters(self, recurse: bool = True):  # noqa: ARG002 - the nn.Module signature
+        """This rank's shards of the master weights, one flat tensor per chunk: what its optimizer updates."""
+        return iter([chunk.master for chunk in self.store.chunks])
+
+    def state_dict(self, *args, **kwargs) -> dict:  # noqa: ARG002 - the nn.Module signature
+        """Full tensors under the original names (gathers the sharded chunks: every rank must call it)."""
+        params = self.store.full_state()
+        buffers = dict(self.module.named_buffers(remove_duplicate=False))
+        out = {}
+        for name in self._state_names:
+            if name in params:
+                out[name] = params[name]
+            elif name in buffers:
+                out[name] = buffers[name].detach().cpu().clone()
+        return out

@@ -1,0 +1,101 @@
+"""Host offload on 2 gloo ranks: a budget below the model states picks offload, and training matches one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import InfeasiblePlanError
+from tests.distributed.harness import run_distributed
+from tests.models import make_batch, make_model
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+STEPS = 3
+LR = 1e-2
+# fp32 master weights on both sides; the sums over ranks run in another order than one backward's
+# (~1e-6 relative on the losses), well inside the issue's 1e-4. See test_train_numerics.py for eps
+# and the parameter tolerances: a wrong shard or a missing reduction moves a tensor by ~lr.
+LOSS_RTOL = 1e-4
+ADAM_EPS = 1e-6
+PARAM_ATOL, PARAM_MEAN_ATOL = 1e-4, 1e-6
+# Per device, the tiny LLaMA's fp32 states are 16 B x 90k parameters / 2 ranks = 0.72 MB even under
+# ZeRO-3; 0.6 MB leaves room for the weights and a micro-batch's activations only if the optimizer
+# states and gradients live on the host.
+BUDGET = 600_000
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
+
+
+def _setup(case: str):
+    model = make_model("llama")
+    if case == "frozen":  # as with LoRA: some parameters take no gradient and have no optimizer states
+        model.model.embed_tokens.weight.requires_grad_(False)
+    args, kwargs = make_batch("llama")
+    return model, args, kwargs
+
+
+def _reference(case: str) -> tuple[list[float], dict]:
+    model, args, kwargs = _setup(case)
+    opt = _optimizer([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for _ in range(STEPS):
+        loss = model(*args, **kwargs).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# The offload program runs meshes with a data axis only; pinning tp=1 also spares the 2-rank tensor-axis
+# programs, which the solver takes seconds to prove slower under so tight a budget.
+CASES = (("plain", {"tp": 1}), ("frozen", {"tp": 1, "num_microbatches": 2}))
+
+
+def _train(rank: int, world_size: int, cases):
+    from autopar.offload_runtime import OffloadProgram
+
+    out = []
+    for case, constraints in cases:
+        model, args, kwargs = _setup(case)
+        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer, memory_budget=BUDGET,
+                             constraints=constraints)  # fmt: skip
+        assert isinstance(pm, OffloadProgram), type(pm)
+        losses = [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
+        host = [c.index for c in pm.store.chunks if c.device == "host"]
+        state = pm.state_dict()  # gathers the shards: every rank calls it
+        out.append({"losses": losses, "peak": pm.tracker.peak, "over": pm.tracker.num_over_budget, "host": host,
+                    "num_chunks": pm.store.num_chunks, "offload": pm.plan.offload, "mb": pm.plan.num_microbatches,
+                    "state": state if rank == 0 else None})  # fmt: skip
+    return out
+
+
+def test_offload_fits_a_budget_below_the_states_and_matches_one_process():
+    # "frozen": parameters without gradients, and gradient accumulation over two micro-batches
+    for case, constraints in CASES:
+        model, args, kwargs = _setup(case)
+        with pytest.raises(InfeasiblePlanError, match="short"):
+            autopar.plan(model, f"cpu:{WORLD}", args, kwargs, memory_budget=BUDGET, offload=False,
+                         constraints=constraints)  # fmt: skip
+    results = run_distributed(_train, WORLD, CASES)
+    for i, (case, constraints) in enumerate(CASES):
+        ref_losses, ref_state = _reference(case)
+        for rank in results:
+            r = rank[i]
+            assert r["offload"]["optimizer_fraction"] > 0 and r["host"], "the plan offloads and the runtime follows"
+            assert 0 < r["peak"] <= BUDGET and r["over"] == 0, (case, r["peak"])
+            assert r["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), case
+        if constraints.get("num_microbatches"):
+            assert results[0][i]["mb"] == constraints["num_microbatches"]
+        got = results[0][i]["state"]
+        for name, value in ref_state.items():
+            diff = (got[name] - value).abs()
+            assert float(diff.max()) <= PARAM_ATOL, (case, name)
+            assert float(diff.mean()) <= PARAM_MEAN_ATOL, (case, name)
+        if case == "frozen":
+            assert torch.equal(got["model.embed_tokens.weight"], _setup(case)[0].model.embed_tokens.weight)
