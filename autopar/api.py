@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from autopar.cluster import ClusterSpec
-from autopar.errors import ConfigError, InfeasiblePlanError, LoweringError
+from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted
 from autopar.trace import trace_model
@@ -389,17 +389,16 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
 
     cluster = _as_cluster(cluster)
     ensure_process_group(cluster)
-    traced = trace_model(model, tuple(example_inputs), dict(example_kwargs or {}))
+    traced = None
     if plan is None:
-        plan_kwargs.setdefault("pipeline", False)  # the runtime does not run pipeline stages yet
+        traced = trace_model(model, tuple(example_inputs), dict(example_kwargs or {}))
         plan = globals()["plan"](model, cluster, example_inputs, example_kwargs, _traced=traced, **plan_kwargs)
-    if plan.mesh.get("pp", 1) > 1:
-        raise LoweringError(f"the plan cuts the model into {plan.mesh['pp']} pipeline stages, which this version "
-                            f"plans but does not run yet; compile with constraints={{'pp': 1}}")  # fmt: skip
     batch = _batch_size(tuple(example_inputs), dict(example_kwargs or {}))
     if batch != plan.global_batch_size:
         raise ConfigError(f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "
                           f"{batch}; plan with the batch you will train on")  # fmt: skip
+    if plan.mesh.get("pp", 1) > 1:
+        return _compile_pipeline(model, cluster, plan, tuple(example_inputs), dict(example_kwargs or {}), optimizer)
     if plan.offload:
         from autopar.offload_runtime import OffloadProgram
 
@@ -410,6 +409,8 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
 
         return DataParallelProgram(model, plan, tuple(example_inputs), dict(example_kwargs or {}),
                                    optimizer=optimizer, device=_device_type(cluster))  # fmt: skip
+    if traced is None:
+        traced = trace_model(model, tuple(example_inputs), dict(example_kwargs or {}))
     if plan.num_microbatches > 1:
         # The graph runs once per micro-batch, and its shapes are those it was traced with.
         args, kwargs = micro_batches(example_inputs, dict(example_kwargs or {}), plan.global_batch_size,
@@ -417,6 +418,20 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
         traced = trace_model(model, args, kwargs)
         plan = _rebind_to_micro_graph(plan, model, cluster, traced, args, kwargs)
     return ParallelModule(model, traced, plan, cluster, optimizer=optimizer)
+
+
+def _compile_pipeline(model, cluster: ClusterSpec, plan: Plan, args, kwargs, optimizer):
+    """The pipeline program: the model traced at one micro-batch, placements solved on one stage's sub-mesh."""
+    from autopar.pipeline_runtime import PipelineProgram, sub_cluster
+    from autopar.runtime import micro_batches
+
+    mb_args, mb_kwargs = micro_batches(args, kwargs, plan.global_batch_size, plan.num_microbatches)[0]
+    traced = trace_model(model, mb_args, mb_kwargs)
+    dp, tp = plan.mesh["dp"], plan.mesh["tp"]
+    pins = {"pp": 1, "dp": dp, "tp": tp, "zero": plan.zero_stage, "num_microbatches": 1, "recompute": plan.recompute}
+    placements = globals()["plan"](model, sub_cluster(cluster, dp * tp), mb_args, mb_kwargs, _traced=traced,
+                                   constraints=pins, memory_budget=float("inf"), precision=plan.precision)  # fmt: skip
+    return PipelineProgram(model, traced, plan, placements, cluster, optimizer=optimizer)
 
 
 def _rebind_to_micro_graph(plan: Plan, model, cluster, traced, args, kwargs) -> Plan:

@@ -1,0 +1,362 @@
+"""PipelineProgram: a plan with pipeline stages, run with `torch.distributed.pipelining`.
+
+The world is one DeviceMesh (pp, dp, tp): stage block d holds ranks d*dp*tp ... (d+1)*dp*tp - 1,
+as the pipeline search laid them out. On each rank:
+
+- the traced graph (at the size of one micro-batch of the global batch) is cut into the plan's
+  stages (`passes.pipeline_split`); this rank runs stage d, or with interleaving the virtual
+  stages d, d + pp, ...;
+- every stage is a `ShardedInterpreter` over the (dp, tp) sub-mesh with the placements of a plan
+  solved for that sub-mesh, its parameters this rank's shards, exactly as in `ParallelModule`;
+- the stages are `PipelineStage`s over the pp process group, driven by the plan's schedule
+  (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`).
+
+What crosses a stage boundary is this rank's piece of each value: batch rows split over dp,
+whole over tp. The first value sent is the micro-batch index: every rank holds the whole global
+batch (every rank passes the same batch to `train_step`), so a stage takes the inputs it reads
+(labels on the last stage, masks, positions) from its own copy, and only activations travel.
+
+Loss and gradients. The last stage returns micro-batch i's mean loss times its weight w_i (the
+labels its mean cross-entropy kept, or 1); the gradients accumulate over the micro-batches and are
+divided by sum w_i before the optimizer step, so the step equals one over the whole batch.
+Parameters used on two stages on different ranks (GPT-2's token embedding, tied to its LM head)
+have a copy on each; their gradients are summed over the stages that hold them before the step,
+so the copies stay equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import ConfigError, LoweringError
+from autopar.ir import OpGraph
+from autopar.passes.parallelize import dp_placement, local_shard, shard_pass
+from autopar.passes.pipeline_split import StageGraph, split_stages, values_needing_grad
+from autopar.passes.sharding_rules import parse_placement
+from autopar.plan import Plan
+from autopar.runtime import _contiguous_stride, _device_type, flat_inputs, micro_batches
+from autopar.trace import TracedModel
+
+R = Replicate()
+
+
+def _boundary_placement(shape, batch: int, dp: int) -> tuple:
+    """How a value crosses a stage boundary: rows split over dp when it has the batch as dim 0, whole over tp."""
+    rows = dp > 1 and len(shape) > 0 and shape[0] == batch and batch % dp == 0
+    return (Shard(0) if rows else R, R)
+
+
+def _local_shape(shape, placement, dp: int) -> tuple[int, ...]:
+    shape = tuple(shape)
+    return (shape[0] // dp, *shape[1:]) if placement[0] != R else shape
+
+
+class _Stage(torch.nn.Module):
+    """One (virtual) stage on this rank: runs its graph on DTensors, takes and gives local pieces."""
+
+    def __init__(self, program: PipelineProgram, sg: StageGraph, recompute: str):
+        super().__init__()
+        self.program, self.sg = program, sg
+        self.is_last = sg.index == program.num_stages - 1
+        self.interp = shard_pass(sg.graph_module, None, mesh=program.mesh, node_inputs=program.node_inputs,
+                                 node_output=program.node_output, batch_size=program.micro_batch,
+                                 recompute=recompute)  # fmt: skip
+        nodes = {n.name: n for n in sg.graph_module.graph.nodes}
+        self._in_meta = [nodes[name].meta["val"] for name in sg.received]
+        self._in_grad = [name in program.grad_values for name in sg.received]
+        self._out_meta = [nodes[name].meta["val"] for name in sg.sends]
+        self._out_grad = [name in program.grad_values for name in sg.sends]
+        self.weights: list[float] = []  # loss weight of each micro-batch this step (last stage)
+
+    # the metadata torch.distributed.pipelining needs to allocate receive buffers (static, no dry run)
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
+        index = torch.zeros(1, dtype=torch.long, device=self.program.device_type)
+        return (index, *(self._example(v, g) for v, g in zip(self._in_meta, self._in_grad, strict=True)))
+
+    def example_outputs(self) -> tuple[torch.Tensor, ...]:
+        if self.is_last:
+            return (torch.zeros((), dtype=torch.float32, device=self.program.device_type).requires_grad_(),)
+        index = torch.zeros(1, dtype=torch.long, device=self.program.device_type)
+        return (index, *(self._example(v, g) for v, g in zip(self._out_meta, self._out_grad, strict=True)))
+
+    def _example(self, val, requires_grad: bool) -> torch.Tensor:
+        pl = _boundary_placement(val.shape, self.program.micro_batch, self.program.dp)
+        t = torch.zeros(_local_shape(val.shape, pl, self.program.dp), dtype=val.dtype,
+                        device=self.program.device_type)  # fmt: skip
+        return t.requires_grad_(requires_grad)
+
+    def forward(self, index: torch.Tensor, *received: torch.Tensor):
+        prog = self.program
+        mb = int(index.reshape(-1)[0])
+        values = []
+        for t, val in zip(received, self._in_meta, strict=True):
+            pl = _boundary_placement(val.shape, prog.micro_batch, prog.dp)
+            values.append(DTensor.from_local(t, prog.mesh, pl, run_check=False, shape=val.shape,
+                                             stride=_contiguous_stride(val.shape)))  # fmt: skip
+        values += [prog.placeholder_value(name, mb) for name in self.sg.placeholders]
+        out = self.interp.run(*values)
+        if self.is_last:
+            loss = out
+            if not isinstance(loss, DTensor) or loss.ndim != 0:
+                raise LoweringError("the model's first output is not a scalar loss: pass labels so the model "
+                                    "computes one")  # fmt: skip
+            counts = self.interp.loss_counts
+            w = counts[0] if prog.num_microbatches > 1 and len(counts) == 1 else 1.0
+            self.weights.append(w)
+            local = loss.redistribute(prog.mesh, (R, R)).to_local()
+            return local * w if w != 1.0 else local
+        sent = [index]
+        for v, val in zip(out, self._out_meta, strict=True):
+            if not isinstance(v, DTensor):
+                raise LoweringError(f"a value crossing pipeline stage {self.sg.index} is not on the mesh")
+            sent.append(v.redistribute(prog.mesh, _boundary_placement(val.shape, prog.micro_batch, prog.dp))
+                        .to_local().contiguous())  # fmt: skip
+        return tuple(sent)
+
+
+class PipelineProgram(torch.nn.Module):
+    """The parallel program of a pipeline plan on this rank (see the module docstring).
+
+    Args:
+        model: the single-device model with real parameters.
+        traced: the model traced at one micro-batch of the global batch.
+        plan: the pipeline plan (`plan.pipeline` holds the stages' layers, the schedule, the micro-batches).
+        placements: a plan of the same model on one stage's (dp, tp) sub-mesh, traced as `traced`:
+            its per-node and parameter placements are used on every stage.
+        cluster: the cluster (its world size must equal pp x dp x tp).
+    """
+
+    def __init__(self, model: torch.nn.Module, traced: TracedModel, plan: Plan, placements: Plan,
+                 cluster: ClusterSpec, *, optimizer=None):  # fmt: skip
+        super().__init__()
+        from torch.distributed.pipelining import PipelineStage
+
+        info = plan.pipeline
+        pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh["tp"]
+        if pp * dp * tp != cluster.world_size:
+            raise LoweringError(f"plan mesh {plan.mesh} does not match the cluster's {cluster.world_size} devices")
+        self.plan, self.traced = plan, traced
+        self.pp, self.dp, self.tp = pp, dp, tp
+        self.num_microbatches = plan.num_microbatches
+        self.micro_batch = plan.global_batch_size // plan.num_microbatches
+        self.device_type = _device_type(cluster)
+        self.world: DeviceMesh = init_device_mesh(self.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.mesh: DeviceMesh = self.world["dp", "tp"]
+        self.pp_group = self.world.get_group("pp")
+        self.pp_rank = self.world.get_local_rank("pp")
+        self.node_inputs, self.node_output = placements.node_inputs, placements.node_output
+        sig = traced.exported.graph_signature
+        if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
+            raise LoweringError("the model updates buffers or inputs in place, which pipeline stages do not "
+                                "support; plan with constraints={'pp': 1}")  # fmt: skip
+
+        # what each placeholder is
+        self._kind: dict[str, tuple[str, object]] = {}
+        params, buffers, inputs = iter(traced.param_names), iter(traced.buffer_names), iter(range(10**9))
+        consts = iter(s.target for s in sig.input_specs if s.kind.name in ("CONSTANT_TENSOR", "CUSTOM_OBJ"))
+        source = {"param": params, "buffer": buffers, "constant": consts, "input": inputs}
+        phs = [n for n in traced.exported.graph.nodes if n.op == "placeholder"]
+        for ph, kind in zip(phs, traced.placeholder_kinds, strict=True):
+            self._kind[ph.name] = (kind, next(source[kind]))
+
+        # the stages: layer ranges in pipeline order (virtual stage j = chunk j // pp on device j % pp)
+        v = int(info.get("virtual_stages", 1) or 1)
+        per_device = [st["layers"] for st in info["stages"]]
+        if len(per_device) != pp or any(len(r) != v for r in per_device):
+            raise LoweringError(f"the plan's pipeline does not list {v} layer ranges on each of {pp} stages")
+        stage_layers = [[tuple(per_device[j % pp][j // pp])] for j in range(pp * v)]
+        self.num_stages = pp * v
+        frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+        graph = OpGraph.from_traced(traced, frozen_params=frozen)
+        self.grad_values = values_needing_grad(traced.exported.graph, {n for n, p in graph.params.items()
+                                                                       if p.requires_grad})  # fmt: skip
+        containers = {c for c, _ in graph.node_layer.values() if c is not None}
+        if len(containers) != 1:
+            raise LoweringError(
+                f"pipeline stages need one stack of layers; the model has {sorted(containers) or 'none'}"
+            )
+        param_nodes = set(graph.params)
+        stages = split_stages(traced.graph_module, graph.node_layer, containers.pop(), stage_layers,
+                              param_nodes=param_nodes, loss_output=len(sig.buffers_to_mutate))  # fmt: skip
+        mine = [sg for sg in stages if sg.index % pp == self.pp_rank]
+
+        # this rank's parameter shards: one per name, shared by its stages
+        named = dict(model.named_parameters(remove_duplicate=False))
+        buffers_by_name = dict(model.named_buffers(remove_duplicate=False))
+        zero = {st["index"]: st.get("zero_stage", plan.zero_stage) for st in info["stages"]}
+        holders: dict[str, set[int]] = {}  # parameter -> devices (pp ranks) whose stages read it
+        for sg in stages:
+            for name in sg.placeholders:
+                kind, key = self._kind[name]
+                if kind == "param":
+                    holders.setdefault(key, set()).add(sg.index % pp)
+        self._param_names = sorted(k for k, devs in holders.items() if self.pp_rank in devs)
+        self._placements: dict[str, tuple] = {}
+        shards = {}
+        for fqn in self._param_names:
+            p = named[fqn]
+            sharded = max(zero.get(d, plan.zero_stage) for d in holders[fqn]) >= 1
+            pl = (dp_placement(tuple(p.shape), dp, sharded), parse_placement(placements.param_placements.get(fqn, "R")))
+            self._placements[fqn] = pl
+            shards[fqn] = torch.nn.Parameter(local_shard(p.detach().to(self.device_type), self.mesh, pl),
+                                             requires_grad=p.requires_grad)  # fmt: skip
+        self.shards = torch.nn.ParameterDict({k.replace(".", "/"): v for k, v in shards.items()})
+        self._shard = shards
+        self._shapes = {k: tuple(named[k].shape) for k in self._param_names}
+        self._buffers = {k: b.detach().to(self.device_type) for k, b in buffers_by_name.items()}
+        self._constants = {k: c.to(self.device_type) if isinstance(c, torch.Tensor) else c
+                           for k, c in traced.exported.constants.items()}  # fmt: skip
+        self._aliases = dict(traced.param_aliases)
+        self._state_names = list(model.state_dict().keys())
+        self._tie_groups = self._make_tie_groups(holders)
+
+        recompute = {st["index"]: st.get("recompute", plan.recompute) for st in info["stages"]}
+        self.stages = [_Stage(self, sg, recompute.get(sg.index % pp, plan.recompute)) for sg in mine]
+        self._pipe_stages = [PipelineStage(st, st.sg.index, self.num_stages, torch.device(self.device_type),
+                                           input_args=st.example_inputs(), output_args=st.example_outputs(),
+                                           group=self.pp_group) for st in self.stages]  # fmt: skip
+        self.schedule = self._schedule(str(info.get("schedule", "1f1b")), v)
+        self._micro_inputs: list[list] = []
+        make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+        self.optimizer = make_opt([shards[k] for k in self._param_names])
+
+    def _schedule(self, name: str, v: int):
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        def loss_fn(output, target):  # the last stage already returns the weighted loss
+            del target
+            return output
+
+        m = self.num_microbatches
+        if name == "interleaved_1f1b" or v > 1:
+            return ScheduleInterleaved1F1B(self._pipe_stages, m, loss_fn=loss_fn, scale_grads=False)
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(name)
+        if cls is None:
+            raise LoweringError(f"pipeline schedule {name!r} is not one this runtime knows")
+        return cls(self._pipe_stages[0], m, loss_fn=loss_fn, scale_grads=False)
+
+    def _make_tie_groups(self, holders: dict[str, set[int]]) -> list[tuple[list[str], dist.ProcessGroup]]:
+        """Process groups joining the copies of parameters read on several devices' stages (every rank creates all)."""
+        by_devices: dict[tuple[int, ...], list[str]] = {}
+        for fqn in sorted(holders):
+            if len(holders[fqn]) > 1:
+                by_devices.setdefault(tuple(sorted(holders[fqn])), []).append(fqn)
+        block = self.dp * self.tp
+        me = dist.get_rank() % block
+        out = []
+        for devices, names in sorted(by_devices.items()):
+            for pos in range(block):
+                group = dist.new_group([d * block + pos for d in devices])
+                if pos == me and self.pp_rank in devices:
+                    out.append((names, group))
+        return out
+
+    # -------------------------------------------------------------------------------- execution
+
+    def placeholder_value(self, name: str, mb: int):
+        """The value of a traced placeholder on this rank for micro-batch `mb`, as the interpreter takes it."""
+        kind, key = self._kind[name]
+        if kind == "param":
+            shape = self._shapes[key]
+            return DTensor.from_local(self._shard[key], self.mesh, self._placements[key], run_check=False,
+                                      shape=torch.Size(shape), stride=_contiguous_stride(shape))  # fmt: skip
+        if kind == "buffer":
+            return DTensor.from_local(self._buffers[key], self.mesh, (R, R), run_check=False)
+        if kind == "constant":
+            c = self._constants[key]
+            return DTensor.from_local(c, self.mesh, (R, R), run_check=False) if isinstance(c, torch.Tensor) else c
+        t = self._micro_inputs[mb][key]
+        if not isinstance(t, torch.Tensor):
+            return t
+        pl = _boundary_placement(t.shape, self.micro_batch, self.dp)
+        local = t.chunk(self.dp, dim=0)[self.mesh.get_local_rank("dp")] if pl[0] != R else t
+        return DTensor.from_local(local.contiguous(), self.mesh, pl, run_check=False)
+
+    def train_step(self, *args, **kwargs) -> float:
+        """One optimizer step on a global batch (every rank passes the same batch); returns the loss."""
+        micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.num_microbatches)
+        self._micro_inputs = []
+        for a, k in micro:
+            flat = [
+                t.to(self.device_type) if isinstance(t, torch.Tensor) else t for t in flat_inputs(self.traced, a, k)
+            ]
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == self.micro_batch and t.shape[0] % self.dp:
+                    raise ConfigError(f"a micro-batch of {t.shape[0]} does not divide over the data axis "
+                                      f"(dp={self.dp})")  # fmt: skip
+            self._micro_inputs.append(flat)
+        self.optimizer.zero_grad(set_to_none=True)
+        for st in self.stages:
+            st.weights = []
+        index = torch.arange(self.num_microbatches, device=self.device_type)
+        has_first = any(st.sg.index == 0 for st in self.stages)
+        has_last = any(st.is_last for st in self.stages)
+        losses: list = []
+        step_args = (index,) if has_first else ()
+        self.schedule.step(
+            *step_args, target=index if has_last else None, losses=losses if has_last else None, return_outputs=False
+        )
+        # loss sum and weight sum from the last stage to every stage
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device_type)
+        if has_last:
+            last = next(st for st in self.stages if st.is_last)
+            totals[0] = sum(float(x.detach()) for x in losses)
+            totals[1] = sum(last.weights)
+        last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
+        dist.broadcast(totals, src=last_rank, group=self.pp_group)
+        loss_sum, weight = float(totals[0]), float(totals[1])
+        for names, group in self._tie_groups:
+            for fqn in names:
+                g = self._shard[fqn].grad
+                if g is not None:
+                    dist.all_reduce(g, group=group)
+        if self.num_microbatches > 1 and weight > 0:
+            for p in self._shard.values():
+                if p.grad is not None:
+                    p.grad.div_(weight)
+        self.optimizer.step()
+        return loss_sum / weight if weight > 0 else loss_sum / self.num_microbatches
+
+    def forward(self, *args, **kwargs):
+        raise LoweringError("a pipeline program runs training steps (train_step); it has no plain forward")
+
+    # ---------------------------------------------------------------------------------- states
+
+    def state_dict(self, *args, **kwargs) -> dict:  # noqa: ARG002 - the nn.Module signature
+        """Full tensors under the original names, on every rank (each stage block contributes its parameters)."""
+        mine = {}
+        for fqn in self._param_names:
+            shape = self._shapes[fqn]
+            dt = DTensor.from_local(self._shard[fqn].detach(), self.mesh, self._placements[fqn], run_check=False,
+                                    shape=torch.Size(shape), stride=_contiguous_stride(shape))  # fmt: skip
+            full = dt.full_tensor().cpu()
+            if self.mesh.get_local_rank("dp") == 0 and self.mesh.get_local_rank("tp") == 0:
+                mine[fqn] = full
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        params = {}
+        for part in gathered:
+            params.update(part)
+        out = {}
+        for name in self._state_names:
+            key = self._aliases.get(name, name)
+            if key in params:
+                out[name] = params[key]
+            elif name in self._buffers:
+                out[name] = self._buffers[name].cpu()
+        return out
+
+
+def sub_cluster(cluster: ClusterSpec, devices: int) -> ClusterSpec:
+    """The cluster of one stage's block of `devices` consecutive devices."""
+    if devices <= cluster.devices_per_node:
+        return dataclasses.replace(cluster, num_nodes=1, devices_per_node=devices)
+    if devices % cluster.devices_per_node:
+        raise LoweringError(f"a stage of {devices} devices does not fill whole nodes of {cluster.devices_per_node}")
+    return dataclasses.replace(cluster, num_nodes=devices // cluster.devices_per_node)

@@ -1,0 +1,165 @@
+"""Pipeline parallelism on 4 gloo ranks: two training steps give the single-process losses and parameters.
+
+Layouts pp=2 x tp=2, pp=2 x dp=2 and pp=4, each with GPipe and 1F1B, and interleaved 1F1B where the
+layers allow, on a tiny LLaMA and a tiny GPT-2 (whose LM head is tied to its token embedding, so
+the embedding lives on the first and the last stage); five layers on two stages; and a model whose
+layers pass two tensors to the next, so each boundary carries both.
+
+The plans are made once here and handed to the ranks, which compile them (`plan=`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.plan import Plan
+from tests.distributed.harness import run_distributed
+from tests.distributed.test_train_numerics import ADAM_EPS, LOSS_RTOL, PARAM_ATOL, PARAM_MEAN_ATOL, PARAM_RTOL
+from tests.models import make_batch, make_model
+
+pytestmark = pytest.mark.distributed
+
+LR = 1e-2
+WORLD = 4
+# The two-stream model's 8-wide input layer gets small gradients from the MSE loss, so AdamW turns
+# rounding differences into update differences of up to ~1e-6 on its weight (mean 1.0e-6 seen, all
+# elements under 1e-6); a wrong boundary or a missing gradient moves it by ~lr = 1e-2.
+MEAN_ATOL = {"two_stream": 1e-5}
+
+
+class TwoStreamLayer(nn.Module):
+    """A layer that reads and returns two tensors: a stage boundary inside the stack carries both."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.a = nn.Linear(hidden, hidden)
+        self.b = nn.Linear(hidden, hidden)
+
+    def forward(self, x, y):
+        return x + torch.tanh(self.a(y)), y + torch.relu(self.b(x))
+
+
+class TwoStream(nn.Module):
+    def __init__(self, hidden: int = 32, num_layers: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(8, hidden)
+        self.layers = nn.ModuleList(TwoStreamLayer(hidden) for _ in range(num_layers))
+        self.out = nn.Linear(hidden, 1)
+
+    def forward(self, x, target):
+        h = self.inp(x)
+        y = h * 0.5
+        for layer in self.layers:
+            h, y = layer(h, y)
+        return (nn.functional.mse_loss(self.out(h + y).squeeze(-1), target),)
+
+
+def _model(name: str, layers: int) -> nn.Module:
+    if name == "two_stream":
+        torch.manual_seed(0)
+        return TwoStream(num_layers=layers)
+    return make_model(name, num_layers=layers)
+
+
+def _batch(name: str):
+    if name == "two_stream":
+        g = torch.Generator().manual_seed(1)
+        return (torch.randn(8, 8, generator=g), torch.randn(8, generator=g)), {}
+    return make_batch(name)
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
+
+
+def _loss(model, args, kwargs):
+    out = model(*args, **kwargs)
+    return out.loss if hasattr(out, "loss") else out[0]
+
+
+def _reference(name: str, layers: int):
+    model = _model(name, layers)
+    args, kwargs = _batch(name)
+    opt = _optimizer(model.parameters())
+    losses = []
+    for _ in range(2):
+        loss = _loss(model, args, kwargs)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _run(rank: int, world_size: int, cases):
+    out = []
+    for (name, layers, _), plan_json in cases:
+        model = _model(name, layers)
+        args, kwargs = _batch(name)
+        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer,
+                             plan=Plan.from_json(plan_json))  # fmt: skip
+        losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
+        state = pm.state_dict()
+        out.append({"losses": losses, "state": state if rank == 0 else None, "program": type(pm).__name__,
+                    "schedule": type(pm.schedule).__name__, "local_stages": [st.sg.index for st in pm.stages],
+                    "boundary": [len(st.sg.received) for st in pm.stages]})  # fmt: skip
+    return out
+
+
+SCHEDULE_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+LAYOUTS = [{"pp": 2, "tp": 2, "dp": 1}, {"pp": 2, "dp": 2, "tp": 1}, {"pp": 4, "dp": 1, "tp": 1}]
+CASES = [
+    *[(name, 4, {**layout, "schedule": schedule, "num_microbatches": layout["pp"]})
+      for name in ("llama", "gpt2") for layout in LAYOUTS for schedule in ("gpipe", "1f1b")],
+    ("llama", 4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "interleaved_1f1b", "virtual_stages": 2, "num_microbatches": 2}),
+    ("gpt2", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "interleaved_1f1b", "virtual_stages": 2, "num_microbatches": 2}),
+    ("llama", 5, {"pp": 2, "tp": 2, "dp": 1, "schedule": "1f1b", "num_microbatches": 4}),
+    ("two_stream", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "num_microbatches": 2}),
+]  # fmt: skip
+
+
+def _id(case) -> str:
+    name, layers, c = case
+    mesh = "x".join(f"{k}{c[k]}" for k in ("pp", "dp", "tp") if c[k] > 1)
+    return f"{name}{layers}-{mesh}-{c['schedule']}-m{c['num_microbatches']}"
+
+
+@pytest.fixture(scope="module")
+def results():
+    plans = []
+    for name, layers, constraints in CASES:
+        args, kwargs = _batch(name)
+        plan = autopar.plan(_model(name, layers), f"cpu:{WORLD}", args, kwargs, constraints=constraints)
+        plans.append(plan.to_json())
+    runs = run_distributed(_run, WORLD, list(zip(CASES, plans, strict=True)))
+    return {_id(case): ([r[i] for r in runs], Plan.from_json(plans[i])) for i, case in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_pipeline_training_matches_one_process(results, case):
+    name, layers, constraints = case
+    per_rank, plan = results[_id(case)]
+    assert plan.mesh == {k: constraints[k] for k in ("pp", "dp", "tp")}
+    assert plan.pipeline["schedule"] == constraints["schedule"]
+    got = per_rank[0]
+    assert got["program"] == "PipelineProgram"
+    assert got["schedule"] == SCHEDULE_CLASS[constraints["schedule"]]
+    v = constraints.get("virtual_stages", 1)
+    block = constraints["dp"] * constraints["tp"]
+    for rank, res in enumerate(per_rank):
+        d = rank // block  # ranks of stage block d run stages d, d + pp, ...
+        assert res["local_stages"] == [d + j * constraints["pp"] for j in range(v)]
+        assert res["losses"] == pytest.approx(got["losses"], rel=1e-6)  # every rank reports the loss
+    ref_losses, ref_state = _reference(name, layers)
+    assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), case
+    assert set(got["state"]) == set(ref_state)
+    for key, ref in ref_state.items():
+        torch.testing.assert_close(got["state"][key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL,
+                                   msg=lambda m, k=key: f"{_id(case)} {k}: {m}")  # fmt: skip
+        if ref.is_floating_point():
+            assert (got["state"][key] - ref).abs().mean().item() <= MEAN_ATOL.get(name, PARAM_MEAN_ATOL), (key,)
+    if name == "two_stream":  # past stage 0 the index and both streams arrive
+        assert max(max(r["boundary"]) for r in per_rank) == 2
