@@ -116,7 +116,8 @@ CASES = [
       for name in ("llama", "gpt2") for layout in LAYOUTS for schedule in ("gpipe", "1f1b")],
     ("llama", 4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "interleaved_1f1b", "virtual_stages": 2, "num_microbatches": 2}),
     ("gpt2", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "interleaved_1f1b", "virtual_stages": 2, "num_microbatches": 2}),
-    ("llama", 5, {"pp": 2, "tp": 2, "dp": 1, "schedule": "1f1b", "num_microbatches": 4}),
+    # five layers on two stages, states sharded over dp (ZeRO-1) and layers recomputed
+    ("llama", 5, {"pp": 2, "dp": 2, "tp": 1, "zero": 1, "recompute": "full", "schedule": "1f1b", "num_microbatches": 4}),
     ("two_stream", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "num_microbatches": 2}),
 ]  # fmt: skip
 
@@ -144,6 +145,9 @@ def test_pipeline_training_matches_one_process(results, case):
     per_rank, plan = results[_id(case)]
     assert plan.mesh == {k: constraints[k] for k in ("pp", "dp", "tp")}
     assert plan.pipeline["schedule"] == constraints["schedule"]
+    for key in ("zero", "recompute"):
+        if key in constraints:
+            assert all(st[{"zero": "zero_stage"}.get(key, key)] == constraints[key] for st in plan.pipeline["stages"])
     got = per_rank[0]
     assert got["program"] == "PipelineProgram"
     assert got["schedule"] == SCHEDULE_CLASS[constraints["schedule"]]
