@@ -189,9 +189,7 @@ class OffloadProgram(torch.nn.Module):
             dist.all_reduce(totals)
         loss_sum, count = totals.tolist()
         # the store averaged the gradients over dp; the loss is the sum over every kept label
-        for chunk in self.store.trainable_chunks():
-            chunk.grad.mul_(self.dp / count)
-        self.optimizer.step()
+        self.optimizer.step(grad_scale=count / self.dp)
         return loss_sum / count
 
     def forward(self, *args, **kwargs):

@@ -16,6 +16,7 @@ from autopar.memory import (
     ParamSpec,
     Residence,
     choose_chunk_size,
+    chunk_adamw_step,
     pack,
     packing_waste,
 )
@@ -229,3 +230,19 @@ def test_move_round_trip_keeps_values():
     assert store.tracker.current == on_device and chunk.master is chunk.payload
     for name, value in store.full_state().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("impl", ["blocked", "fused"])
+def test_grad_scale_divides_the_gradients_in_the_same_pass(impl):
+    # the offload program hands the step the sum of per-label gradients and the count to divide by
+    g = torch.Generator().manual_seed(0)
+    p, grad = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    bufs = [[p.clone()], [grad * 8.0], [torch.zeros(1000)], [torch.zeros(1000)]]
+    ref = [[p.clone()], [grad.clone()], [torch.zeros(1000)], [torch.zeros(1000)]]
+    for step in (1, 2):
+        chunk_adamw_step(*bufs, step=step, lr=1e-2, impl=impl, grad_scale=8.0)
+        chunk_adamw_step(*ref, step=step, lr=1e-2, impl=impl)
+        bufs[1][0].copy_(grad * 8.0)
+    # dividing by 8 is exact in binary: the same updates to the last bit
+    torch.testing.assert_close(bufs[0][0], ref[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(bufs[2][0], ref[2][0], rtol=0, atol=0)

@@ -56,6 +56,7 @@ def chunk_adamw_step(
     weight_decay: float = 1e-2,
     impl: str = "auto",
     block_numel: int | None = None,
+    grad_scale: float = 1.0,
 ) -> None:
     """One AdamW step, in place, on flat fp32 buffers (one entry per chunk or shard).
 
@@ -66,6 +67,8 @@ def chunk_adamw_step(
         impl: "blocked" (exactly torch's foreach=False arithmetic), "fused" (torch's fused kernel, about
             4x faster than "blocked" on a CPU core), or "auto": "fused" where the device has the kernel.
         block_numel: elements per block for "blocked"; default scales with torch's thread count.
+        grad_scale: the gradients are divided by it first (in place), inside the same pass over them:
+            a loss summed over samples becomes a mean without a pass of its own.
     """
     if impl not in IMPLS:
         raise ConfigError(f"impl must be one of {IMPLS}; got {impl!r}")
@@ -74,7 +77,7 @@ def chunk_adamw_step(
     if impl == "auto":
         impl = "fused" if _has_fused(params) else "blocked"
     if impl == "fused":
-        _fused(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay)
+        _fused(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, grad_scale)
         return
     block = block_numel or BLOCK_NUMEL_PER_THREAD * torch.get_num_threads()
     bias_correction1 = 1 - beta1**step
@@ -89,6 +92,8 @@ def chunk_adamw_step(
             n = min(block, p.numel() - start)
             pb, gb, mb, vb = (t.narrow(0, start, n) for t in (p, g, m, v))
             denom = scratch.narrow(0, 0, n) if n <= scratch.numel() else torch.empty_like(pb)
+            if grad_scale != 1.0:
+                gb.div_(grad_scale)
             if weight_decay != 0:
                 pb.mul_(1 - lr * weight_decay)
             mb.lerp_(gb, 1 - beta1)
@@ -102,11 +107,13 @@ def _has_fused(params: Sequence[torch.Tensor]) -> bool:
     return hasattr(torch, "_fused_adamw_") and all(p.device.type in _FUSED_DEVICE_TYPES for p in params)
 
 
-def _fused(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay) -> None:
+def _fused(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0) -> None:
     steps = [torch.tensor(float(step), device=p.device) for p in params]
+    # the kernel divides each gradient by grad_scale (and stores it so), as AMP's unscaling does
+    scale = torch.tensor(float(grad_scale), device=params[0].device) if grad_scale != 1.0 and params else None
     torch._fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], steps, lr=lr,
                         beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
-                        maximize=False)  # fmt: skip
+                        maximize=False, grad_scale=scale, found_inf=None)  # fmt: skip
 
 
 class ChunkAdamW:
@@ -128,7 +135,8 @@ class ChunkAdamW:
         self.lr, self.betas, self.eps, self.weight_decay, self.impl = lr, betas, eps, weight_decay, impl
         self.num_steps = 0
 
-    def step(self) -> None:
+    def step(self, grad_scale: float = 1.0) -> None:
+        """Update every trainable chunk; the gradients are divided by `grad_scale` on the way (see above)."""
         store = self.store
         store.finish_grads()
         self.num_steps += 1
@@ -139,7 +147,7 @@ class ChunkAdamW:
             chunk_adamw_step([c.master for c in chunks], [c.grad for c in chunks],
                              [c.exp_avg for c in chunks], [c.exp_avg_sq for c in chunks], step=self.num_steps,
                              lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                             weight_decay=self.weight_decay, impl=self.impl)  # fmt: skip
+                             weight_decay=self.weight_decay, impl=self.impl, grad_scale=grad_scale)  # fmt: skip
         store.zero_grad()
         store.refresh_payloads()
 
