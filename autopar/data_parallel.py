@@ -4,7 +4,13 @@ When the plan's mesh is dp x 1 with ZeRO stage 0, every rank holds the whole mod
 communication is the gradient all-reduce. Running that through DTensor, op by op, buys nothing
 and costs host time on every op, so this program runs the exported graph itself, traced at the
 shape one rank sees (its share of one micro-batch), on plain tensors, and reduces gradients the
-way DDP does: flattened into buckets, one all-reduce per bucket, after the last micro-batch.
+way DDP does: in buckets, one all-reduce per bucket, after the last micro-batch.
+
+Every gradient is a view into its bucket's flat buffer (DDP's `gradient_as_bucket_view`): the
+backward accumulates straight into the buckets, so a step neither concatenates the gradients
+before the all-reduce nor copies them back after it, and clearing them is one fill per bucket.
+Only parameters the graph uses get a view: a parameter that never receives a gradient keeps
+`grad=None`, so the optimizer skips it as it would without this program.
 
 The loss stays exact with uneven ignored labels: a graph pass (`sum_loss_pass`) turns a mean
 cross-entropy output into its sum and adds the count of kept labels as an output; the step
@@ -20,6 +26,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.errors import LoweringError
+from autopar.passes.fused_ops import emit_fused_loss_sum
 from autopar.plan import Plan
 from autopar.runtime import flat_inputs, micro_batches, placeholder_values
 from autopar.trace import TracedModel, trace_model
@@ -38,6 +45,14 @@ def sum_loss_pass(gm: fx.GraphModule, example_inputs, *, loss_index: int) -> fx.
     outs = list(out.args[0])
     loss = outs[loss_index]
     gm.meta["autopar_loss_count"] = False
+    fused = emit_fused_loss_sum(gm.graph, loss) if isinstance(loss, fx.Node) else None
+    if fused is not None:  # autopar::linear_cross_entropy (kernel fusion): the same sum and count
+        outs[loss_index] = fused[0]
+        out.args = (tuple(outs) + (fused[1],),)
+        gm.meta["autopar_loss_count"] = True
+        gm.graph.lint()
+        gm.recompile()
+        return gm
     if not isinstance(loss, fx.Node) or loss.target != aten.cross_entropy_loss.default:
         return gm
     names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
@@ -81,6 +96,10 @@ class DataParallelProgram(torch.nn.Module):
         self._model_box = (model,)  # for forward(); boxed so that its parameters are not this module's
         args, kwargs = micro_batches(example_inputs, example_kwargs, plan.global_batch_size, dp * m)[0]
         self.traced: TracedModel = trace_model(model, args, kwargs)
+        if plan.fusion.get("enabled"):
+            from autopar.passes.fused_ops import fuse_traced
+
+            self.traced = fuse_traced(self.traced)
         sig = self.traced.exported.graph_signature
         self._num_mutated = len(sig.buffers_to_mutate) + len(getattr(sig, "user_inputs_to_mutate", {}))
         self._gm = sum_loss_pass(self.traced.graph_module, None, loss_index=self._num_mutated)
@@ -98,6 +117,45 @@ class DataParallelProgram(torch.nn.Module):
         self._state_names = list(model.state_dict().keys())
         make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self.optimizer = make_opt(list(self.params))
+        self._buckets = self._gradient_buckets()
+
+    def _gradient_buckets(self) -> list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, torch.Tensor]]]]:
+        """(flat buffer, [(parameter, its gradient view)]) per bucket of about BUCKET_BYTES, in parameter order.
+
+        Parameters of one dtype share buckets. The last bucket of a fp32/fp64 model has two more
+        elements, where the loss sum and the label count ride (see `_all_reduce_grads`).
+        """
+        placeholders = [n for n in self._gm.graph.nodes if n.op == "placeholder"]
+        used = [bool(n.users) for n, kind in zip(placeholders, self.traced.placeholder_kinds, strict=True)
+                if kind == "param"]  # fmt: skip
+        trainable = [p for p, u in zip(self.params, used, strict=True) if p.requires_grad and u]
+        groups: list[list[torch.nn.Parameter]] = []
+        size = BUCKET_BYTES
+        for p in trainable:
+            if size >= BUCKET_BYTES or p.dtype != groups[-1][0].dtype:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += p.numel() * p.element_size()
+        self._ride = bool(groups) and all(g[0].dtype in (torch.float32, torch.float64) for g in groups)
+        buckets = []
+        for i, group in enumerate(groups):
+            extra = 2 if self._ride and i == len(groups) - 1 else 0
+            flat = torch.zeros(sum(p.numel() for p in group) + extra, dtype=group[0].dtype, device=self.device)
+            views, offset = [], 0
+            for p in group:
+                views.append((p, flat[offset:offset + p.numel()].view_as(p)))
+                offset += p.numel()
+            buckets.append((flat, views))
+        return buckets
+
+    def _zero_grads(self) -> None:
+        """Clear the buckets and (re)attach every gradient view; an optimizer's zero_grad may have dropped them."""
+        for flat, views in self._buckets:
+            flat.zero_()
+            for p, view in views:
+                if p.grad is not view:
+                    p.grad = view
 
     # ------------------------------------------------------------------------------------ running
 
@@ -115,9 +173,8 @@ class DataParallelProgram(torch.nn.Module):
 
     def train_step(self, *args, **kwargs) -> float:
         """One optimizer step on a global batch (every rank passes the same batch); returns the loss."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._zero_grads()
+        losses, counts = [], []
         for flat in self._local_micro_batches(args, kwargs):
             outs = self._gm(*placeholder_values(self.traced, self.params, self._buffers_list, self._constants.get, flat))
             loss = outs[self._num_mutated]
@@ -125,50 +182,43 @@ class DataParallelProgram(torch.nn.Module):
                 raise LoweringError("the model's first output is not a scalar loss: pass labels so the model "
                                     "computes one")  # fmt: skip
             loss.backward()
-            loss_total += loss.detach().double()
-            count_total += outs[-1].double() if self._counted else 1.0
-        self._all_reduce_grads(loss_total, count_total)
+            losses.append(loss.detach())
+            counts.append(outs[-1] if self._counted else None)
+        self._all_reduce_grads(losses, counts)
         self.optimizer.step()
         return float(self._last_loss)
 
-    def _all_reduce_grads(self, loss_total: torch.Tensor, count_total: torch.Tensor) -> None:
-        """Sum gradients over the ranks in buckets; the loss and the count ride in the last one; divide by the count.
+    def _totals(self, losses: list[torch.Tensor], counts: list) -> torch.Tensor:
+        """[loss sum, label count] of this rank's micro-batches, in fp64 (a count of None stands for 1)."""
+        loss = losses[0].double() if len(losses) == 1 else torch.stack(losses).double().sum()
+        if all(c is None for c in counts):
+            count = torch.tensor(float(len(counts)), dtype=torch.float64, device=self.device)
+        else:
+            count = torch.stack([c if c is not None else torch.ones((), device=self.device) for c in counts])
+            count = count.double().sum()
+        return torch.stack([loss, count])
+
+    def _all_reduce_grads(self, losses: list[torch.Tensor], counts: list) -> None:
+        """Sum the gradient buckets over the ranks, the loss and the count riding in the last one; divide by the count.
 
         They ride in the gradients' own format when it holds integers exactly up to 2^24 (fp32, fp64); a
         16-bit bucket would round the count, so then they travel alone in fp64.
         """
-        grads = [p.grad for p in self.params if p.grad is not None]
-        buckets, current, size = [], [], 0
-        for g in grads:
-            current.append(g)
-            size += g.numel() * g.element_size()
-            if size >= BUCKET_BYTES:
-                buckets.append(current)
-                current, size = [], 0
-        buckets.append(current)
-        totals = torch.stack([loss_total, count_total])
-        dtype = grads[0].dtype if grads else torch.float64
-        ride = dtype in (torch.float32, torch.float64) and all(g.dtype == dtype for g in buckets[-1])
-        for i, bucket in enumerate(buckets):
-            extra = [totals.to(dtype)] if ride and i == len(buckets) - 1 else []
-            flat = torch.cat([g.reshape(-1) for g in bucket] + extra) if bucket or extra else None
-            if flat is None:
-                continue
+        totals = self._totals(losses, counts)
+        for i, (flat, _) in enumerate(self._buckets):
+            ride = self._ride and i == len(self._buckets) - 1
+            if ride:
+                flat[-2:].copy_(totals)
             if self.dp > 1:
                 dist.all_reduce(flat)
-            if extra:
+            if ride:
                 totals = flat[-2:].double()
-            offset = 0
-            for g in bucket:
-                n = g.numel()
-                g.copy_(flat[offset:offset + n].view_as(g))
-                offset += n
-        if not ride and self.dp > 1:
+        if not self._ride and self.dp > 1:
             dist.all_reduce(totals)
         loss_sum, count = totals.tolist()
         self._last_loss = loss_sum / count
-        for g in grads:
-            g.mul_(1.0 / count)
+        for flat, _ in self._buckets:
+            flat.mul_(1.0 / count)
 
     def forward(self, *args, **kwargs):
         """Run the model on any batch with this program's parameters (every rank computes the whole batch)."""

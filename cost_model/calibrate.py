@@ -16,6 +16,12 @@ What is measured, and how:
   up to 1 KiB divided by the ring's 2(n-1) steps; the bandwidth is the slope of time over
   ring-moved bytes 2(n-1)/n·S, least-squares fitted on the sizes from 1 MiB.
 - host memory: physical RAM from `sysconf`.
+- host costs of an eager training step (`measure_host_overheads`: dispatch of an op and of a
+  view, one backward node, one `autograd.grad` call) and of the optimizer
+  (`measure_optimizer_step`: AdamW per parameter tensor and per parameter byte). These are not
+  cluster-file fields: `ProfiledEstimator` measures them with these functions into its profile
+  cache (they belong to the machine the profile was taken on); the command prints them on
+  stderr for reference.
 
 The output is a JSON cluster file (`autopar.ClusterSpec.from_file` reads it) overriding the
 preset with the measured figures; what was measured, on what, and when goes to stderr. The
@@ -94,16 +100,91 @@ def measure_kernel_overhead(repeats: int) -> float:
     return median_time_s(run, repeats) / inner
 
 
+def _chain_backward_s(make_link, repeats: int, length: int = 500) -> float:
+    """Seconds per node of one backward through a chain of `length` nodes that `make_link(x)` records."""
+    leaf = torch.ones(1, requires_grad=True)
+
+    def run():
+        x = leaf
+        for _ in range(length):
+            x = make_link(x)
+        t0 = time.perf_counter()
+        x.backward()
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        run()
+    return statistics.median(run() for _ in range(repeats)) / length
+
+
+def measure_host_overheads(repeats: int) -> dict[str, float]:
+    """The fixed host costs of an eager training step on one-element tensors (no work, only bookkeeping).
+
+    - `op_forward_s`: an ATen op called through its OpOverload (as an exported graph calls it) on an
+      input that requires grad: dispatch plus autograd recording.
+    - `op_backward_s`: one node of a long backward (the autograd engine's per-node cost), from a
+      chain of adds.
+    - `view_forward_s`, `view_backward_s`: the same for a view (no kernel, but dispatch, a view's
+      metadata and, in backward, a node that reshapes the gradient).
+    - `grad_call_s`: one `torch.autograd.grad` call through a single add: what a profile of one op's
+      backward pays on top of the op's own backward node (the engine's start and finish).
+    """
+    add, view = torch.ops.aten.add.Tensor, torch.ops.aten.view.default
+    a, b = torch.ones(1, requires_grad=True), torch.ones(1)
+    inner = 1000
+
+    def forward(fn):
+        def run():
+            for _ in range(inner):
+                fn()
+
+        return median_time_s(run, repeats) / inner
+
+    out = add(a, b)
+    grad = torch.ones(1)
+    single = median_time_s(lambda: torch.autograd.grad(out, [a], grad, retain_graph=True), repeats * 20)
+    op_backward = _chain_backward_s(lambda x: add(x, b), repeats)
+    return {
+        "op_forward_s": forward(lambda: add(a, b)),
+        "op_backward_s": op_backward,
+        "view_forward_s": forward(lambda: view(a, [1])),
+        "view_backward_s": _chain_backward_s(lambda x: view(x, [1]), repeats),
+        "grad_call_s": single,
+    }
+
+
+def measure_optimizer_step(repeats: int, make_optimizer=None) -> dict[str, float]:
+    """Seconds of one optimizer step (default AdamW), split into a cost per parameter tensor and per parameter byte.
+
+    Two steps are timed: 64 one-element fp32 tensors (the per-tensor cost, work negligible) and one
+    tensor of 4 Mi fp32 elements (the per-byte cost, after taking out one tensor's fixed cost).
+    """
+    make = make_optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
+
+    def step_s(shapes) -> float:
+        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = make(params)
+        return median_time_s(opt.step, repeats)
+
+    per_tensor = step_s([(1,)] * 64) / 64
+    numel = 4 << 20
+    per_byte = max(step_s([(numel,)]) - per_tensor, 0.0) / (numel * 4)
+    return {"optimizer_tensor_s": per_tensor, "optimizer_s_per_param_byte": per_byte}
+
+
 def host_memory_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def _allreduce_worker(rank: int, world: int, init_file: str, repeats: int, result_file: str) -> None:
+def _allreduce_worker(rank: int, world: int, init_file: str, repeats: int, result_file: str,
+                      sizes: tuple[int, ...] = _ALLREDUCE_SIZES_BYTES) -> None:  # fmt: skip
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         results = {}
-        for size in _ALLREDUCE_SIZES_BYTES:
+        for size in sizes:
             t = torch.ones(max(size // 4, 1))
             for _ in range(2):  # the first calls set up the algorithm's buffers
                 dist.all_reduce(t)
@@ -123,11 +204,13 @@ def _allreduce_worker(rank: int, world: int, init_file: str, repeats: int, resul
         dist.destroy_process_group()
 
 
-def measure_gloo_allreduce(num_ranks: int, repeats: int) -> dict[int, float]:
-    """{bytes: median seconds} of a gloo all-reduce among `num_ranks` local processes."""
+def measure_gloo_allreduce(num_ranks: int, repeats: int, max_bytes: int | None = None) -> dict[int, float]:
+    """{bytes: median seconds} of a gloo all-reduce among `num_ranks` local processes (sizes up to `max_bytes`)."""
+    sizes = tuple(s for s in _ALLREDUCE_SIZES_BYTES if max_bytes is None or s <= max_bytes)
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
-        mp.spawn(_allreduce_worker, args=(num_ranks, init_file, repeats, result_file), nprocs=num_ranks, join=True)
+        mp.spawn(_allreduce_worker, args=(num_ranks, init_file, repeats, result_file, sizes), nprocs=num_ranks,
+                 join=True)  # fmt: skip
         with open(result_file) as f:
             return {int(k): v for k, v in json.load(f).items()}
 
@@ -141,6 +224,8 @@ def fit_ring_allreduce(times_s: dict[int, float], num_ranks: int) -> tuple[float
     xs, ys = [moved[s] for s in big], [times_s[s] for s in big]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    if not slope > 0:
+        raise ValueError(f"all-reduce times do not grow with size ({times_s}): the machine was too busy to measure")
     return alpha, 1.0 / slope
 
 
@@ -200,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
     result = _round(calibrate(args.ranks, args.repeats, max(args.runs, 1)))
     print(f"# measured {datetime.date.today().isoformat()} on {platform.node()} ({platform.processor() or 'cpu'}, "
           f"{os.cpu_count()} cores), torch {torch.__version__}", file=sys.stderr, flush=True)  # fmt: skip
+    torch.set_num_threads(1)
+    host = measure_host_overheads(args.repeats) | measure_optimizer_step(args.repeats)
+    print(f"# host costs per call, one thread (ProfiledEstimator measures these into its cache): "
+          f"{json.dumps(_round(host))}", file=sys.stderr, flush=True)  # fmt: skip
     print(json.dumps(result, indent=2))
     return 0
 

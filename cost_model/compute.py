@@ -556,3 +556,24 @@ class AnalyticEstimator:
     def backward_time_s(self, node: fx.Node, divisor: float) -> float:
         cost = self.cost(node)
         return estimate_compute_time(cost, self.device, self.matmul_dtype(node), divisor=divisor, backward=True)
+
+
+def estimate_optimizer_step_time(num_tensors: int, num_param_bytes: float, *, tensor_s: float,
+                                 s_per_param_byte: float) -> float:  # fmt: skip
+    """Seconds of one optimizer step over `num_tensors` parameter tensors of `num_param_bytes` in all.
+
+    An eager optimizer (PyTorch's AdamW without `foreach`/`fused`, the default on CPU) runs a
+    handful of elementwise kernels per parameter tensor: a fixed cost per tensor (`tensor_s`,
+    dispatch of those kernels) plus a cost per byte of parameter (`s_per_param_byte`, the
+    reads and writes of the parameter, its gradient and its states). Both figures are
+    measured by `autopar.cost_model.calibrate.measure_optimizer_step`.
+
+    Args:
+        num_tensors: parameter tensors (local shards) this rank updates.
+        num_param_bytes: their bytes in the parameters' own format.
+        tensor_s: seconds per tensor.
+        s_per_param_byte: seconds per parameter byte.
+    """
+    if num_tensors < 0 or num_param_bytes < 0:
+        raise ValueError(f"an optimizer step over {num_tensors} tensors of {num_param_bytes} bytes")
+    return num_tensors * tensor_s + num_param_bytes * s_per_param_byte

@@ -15,12 +15,27 @@ second estimator on the same file times nothing. The cache file is
 `~/.cache/autopar/profile-<device>.json` unless `cache_path` or the environment variable
 `AUTOPAR_PROFILE_CACHE` names another.
 
-`divisor` > 1 (the op's work split over that many devices) divides the measured time: an
-approximation that ignores how much less efficient a smaller kernel is, and so is optimistic
-for small shards. Views and metadata ops cost 0 without being timed. An op that cannot be run
-on random inputs is priced by a fallback estimator instead (the analytic roofline of the
-"cpu" preset unless another is given), with a warning naming it; fallback figures are cached
-like measured ones.
+A timed op is not a free-standing call in a training step: it runs inside one long forward and
+one long backward. Host costs measured once per cache (by `calibrate.measure_host_overheads`,
+and kept in the cache file next to the ops) turn the isolated timings into in-step ones:
+
+- a backward timed alone pays one `torch.autograd.grad` call (the engine's start and finish,
+  `grad_call_s`) where a step's backward pays one node (`op_backward_s`): the difference is
+  taken off, and no op's backward is priced below one node;
+- views and metadata ops launch no kernel and are not timed, but each still pays dispatch in
+  the forward (`view_forward_s`) and, when its output is floating, a backward node
+  (`view_backward_s`);
+- `divisor` > 1 (the op's work split over that many devices) divides only the part of the
+  time above the fixed per-call cost (`op_forward_s`, `op_backward_s`): a rank that runs a
+  tenth of a matmul still pays a whole dispatch. Past that the division ignores how much less
+  efficient a smaller kernel is, and so is optimistic for small shards of large ops.
+
+An op that cannot be run on random inputs is priced by a fallback estimator instead (the
+analytic roofline of the "cpu" preset unless another is given), with a warning naming it;
+fallback figures are cached like measured ones.
+
+`optimizer_step_time_s` prices the optimizer's update (AdamW) from a cost per parameter tensor
+and per parameter byte, both measured with the host costs (`calibrate.measure_optimizer_step`).
 
 This is the one part of the cost model that measures the machine it runs on; planning for
 another machine needs that machine's profile file.
@@ -40,10 +55,20 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.cost_model.compute import AnalyticEstimator, estimate_node_cost
+from autopar.cost_model.calibrate import measure_host_overheads, measure_optimizer_step
+from autopar.cost_model.compute import AnalyticEstimator, estimate_node_cost, estimate_optimizer_step_time
 from autopar.cost_model.devices import DType, get_device
 
 CACHE_ENV = "AUTOPAR_PROFILE_CACHE"
+_HOST_FIELDS = (
+    "op_forward_s",
+    "op_backward_s",
+    "view_forward_s",
+    "view_backward_s",
+    "grad_call_s",
+    "optimizer_tensor_s",
+    "optimizer_s_per_param_byte",
+)
 _CACHE_VERSION = 1
 _WARMUP = 2
 
@@ -71,6 +96,12 @@ def profile_key(node: fx.Node, device: str, num_threads: int | None) -> str:
     return json.dumps([str(node.target), args, device, num_threads])
 
 
+def _split(total_s: float, fixed_s: float, divisor: float) -> float:
+    """`total_s` of a whole op on one rank of `divisor`: the fixed per-call part whole, the rest divided."""
+    fixed = min(fixed_s, total_s)
+    return fixed + (total_s - fixed) / divisor
+
+
 def _index_bound(node: fx.Node, metas: list[torch.Tensor]) -> int:
     """Exclusive upper bound for random integer inputs of `node` that keeps every index in range."""
     if node.target == torch.ops.aten.embedding.default:
@@ -92,12 +123,19 @@ class ProfiledEstimator:
         num_threads: intra-op threads while timing (1: one rank per core); None leaves torch's setting.
         fallback: the ComputeEstimator for ops that cannot be timed; default the analytic roofline of
             the "cpu" preset (for a CUDA device pass an AnalyticEstimator of its preset).
+        ranks_per_core: how many ranks of the planned job will share one core (more CPU ranks than
+            cores: the scheduler time-slices them, so each rank's host work takes that many times
+            longer); every time this estimator returns is multiplied by it. 1 when each rank has
+            its own core (or its own GPU).
     """
 
     def __init__(self, cache_path: str | Path | None = None, *, device: str = "cpu", repeats: int = 5,
-                 num_threads: int | None = 1, fallback=None):  # fmt: skip
+                 num_threads: int | None = 1, fallback=None, ranks_per_core: float = 1.0):  # fmt: skip
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}")
+        if not ranks_per_core >= 1:
+            raise ValueError(f"ranks_per_core must be at least 1, got {ranks_per_core}")
+        self.ranks_per_core = float(ranks_per_core)
         self.device = str(device)
         self.repeats = repeats
         self.num_threads = num_threads
@@ -110,10 +148,44 @@ class ProfiledEstimator:
     # ---------------------------------------------------------------------------- public
 
     def forward_time_s(self, node: fx.Node, divisor: float) -> float:
-        return self._measure(node)["forward_s"] / divisor
+        host = self.host_overheads()
+        if self._is_view(node):
+            return self.ranks_per_core * host["view_forward_s"] if node.op == "call_function" else 0.0
+        return self.ranks_per_core * _split(self._measure(node)["forward_s"], host["op_forward_s"], divisor)
 
     def backward_time_s(self, node: fx.Node, divisor: float) -> float:
-        return self._measure(node)["backward_s"] / divisor
+        host = self.host_overheads()
+        if self._is_view(node):
+            return self.ranks_per_core * host["view_backward_s"] if node.op == "call_function" else 0.0
+        isolated = self._measure(node)["backward_s"]
+        if isolated == 0.0:  # no floating input or output: no backward node
+            return 0.0
+        node_s = host["op_backward_s"]
+        in_step = max(isolated - (host["grad_call_s"] - node_s), node_s)
+        return self.ranks_per_core * _split(in_step, node_s, divisor)
+
+    def optimizer_step_time_s(self, num_tensors: int, num_param_bytes: float) -> float:
+        """Seconds of one AdamW step over `num_tensors` local parameter tensors holding `num_param_bytes`."""
+        host = self.host_overheads()
+        return self.ranks_per_core * estimate_optimizer_step_time(
+            num_tensors, num_param_bytes, tensor_s=host["optimizer_tensor_s"],
+            s_per_param_byte=host["optimizer_s_per_param_byte"])  # fmt: skip
+
+    def host_overheads(self) -> dict[str, float]:
+        """The fixed host costs of this device and thread count (`calibrate.measure_host_overheads`), measured once."""
+        key = json.dumps(["host-overheads", self.device, self.num_threads])
+        found = self._entries.get(key)
+        if found is None or set(found) != set(_HOST_FIELDS):
+            repeats = max(self.repeats, 5)
+            found = self._entries[key] = self._with_threads(
+                lambda: measure_host_overheads(repeats) | measure_optimizer_step(repeats)
+            )
+            self._save()
+        return found
+
+    @staticmethod
+    def _is_view(node: fx.Node) -> bool:
+        return node.op != "call_function" or estimate_node_cost(node).is_view
 
     # ----------------------------------------------------------------------------- cache
 
@@ -147,8 +219,6 @@ class ProfiledEstimator:
     # -------------------------------------------------------------------------- measuring
 
     def _measure(self, node: fx.Node) -> dict[str, float]:
-        if node.op != "call_function" or estimate_node_cost(node).is_view:
-            return {"forward_s": 0.0, "backward_s": 0.0}
         key = profile_key(node, self.device, self.num_threads)
         found = self._entries.get(key)
         if found is None:
@@ -156,12 +226,18 @@ class ProfiledEstimator:
             self._save()
         return found
 
-    def _time_node(self, node: fx.Node) -> dict[str, float]:
+    def _with_threads(self, fn):
         previous = torch.get_num_threads()
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
         try:
-            result = self._run(node)
+            return fn()
+        finally:
+            torch.set_num_threads(previous)
+
+    def _time_node(self, node: fx.Node) -> dict[str, float]:
+        try:
+            result = self._with_threads(lambda: self._run(node))
             self.num_timed += 1
             return result
         except Exception as e:  # an op that random inputs cannot drive: fall back, and say so
@@ -171,8 +247,6 @@ class ProfiledEstimator:
                               "using the analytic estimate of the local device instead", stacklevel=4)  # fmt: skip
             self.failed_targets.add(target)
             return self._analytic(node)
-        finally:
-            torch.set_num_threads(previous)
 
     def _analytic(self, node: fx.Node) -> dict[str, float]:
         if self._fallback is None:

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -66,14 +67,15 @@ QUICK_MODELS: tuple[RunModel, ...] = MODELS[:2]
 
 @dataclass(frozen=True, slots=True)
 class RunSettings:
-    """How long to measure: steps before timing, repetitions, and steps per repetition."""
+    """How long to measure: steps before timing, repetitions, steps per repetition, and samples per calibration."""
 
     warmup_steps: int = 2
     repetitions: int = 5
     steps_per_repetition: int = 5
+    calibration_repeats: int = 5
 
 
-QUICK_SETTINGS = RunSettings(warmup_steps=2, repetitions=3, steps_per_repetition=3)
+QUICK_SETTINGS = RunSettings(warmup_steps=2, repetitions=3, steps_per_repetition=3, calibration_repeats=3)
 
 
 # ----------------------------------------------------------------------------------------- methods
@@ -132,13 +134,15 @@ class _Method:
 class _Autopar(_Method):
     name = "autopar"
 
-    def __init__(self, model, ids, rank, world):
+    def __init__(self, model, ids, rank, world, plan_json: str | None = None):
         import autopar
 
         super().__init__(model, ids, rank, world)
         t0 = time.perf_counter()
-        self.pm = autopar.compile(model, f"cpu:{world}", example_inputs=(ids,), example_kwargs={"labels": ids},
-                                  optimizer=_optimizer)  # fmt: skip
+        plan = autopar.Plan.from_json(plan_json) if plan_json else None
+        cluster = plan.cluster if plan is not None else f"cpu:{world}"
+        self.pm = autopar.compile(model, cluster, example_inputs=(ids,), example_kwargs={"labels": ids},
+                                  optimizer=_optimizer, plan=plan)  # fmt: skip
         self.setup_time_s = time.perf_counter() - t0
         self.optimizer = self.pm.optimizer
 
@@ -150,8 +154,11 @@ class _Autopar(_Method):
 
     def extra(self) -> dict:
         plan = self.pm.plan
-        return {"predicted_step_time_s": plan.predicted.step_time_s, "mesh": dict(plan.mesh),
-                "zero_stage": plan.zero_stage, "plan_stats": dict(plan.stats)}  # fmt: skip
+        pred = plan.predicted
+        return {"predicted_step_time_s": pred.step_time_s, "mesh": dict(plan.mesh), "zero_stage": plan.zero_stage,
+                "predicted_breakdown_s": {"compute": pred.compute_s, "reshard": pred.reshard_s,
+                                          "grad_sync": pred.grad_sync_s},
+                "plan_stats": dict(plan.stats)}  # fmt: skip
 
 
 class _DDP(_Method):
@@ -283,7 +290,8 @@ def _measure(method: _Method, steps: int) -> tuple[float, int | None]:
     return float(elapsed), (hwm - rss0 if rss0 is not None and hwm is not None else None)
 
 
-def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, say) -> dict:
+def _model_and_batch(spec: RunModel):
+    """The model (seeded initial weights) and the global batch every method of `spec` trains on."""
     from autopar import presets
 
     config = presets.load_config(spec.preset, **dict(spec.overrides))
@@ -291,8 +299,17 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
     base = presets.build_model(config, device="cpu", dtype=torch.float32)
     batch_rng = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (spec.batch_size, spec.seq_len), generator=batch_rng)
+    return config, base, ids
+
+
+def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, say, plan_json: str | None) -> dict:
+    config, base, ids = _model_and_batch(spec)
     skip = {"tp": tp_skip_reason(config, world)}
-    methods = {n: cls(copy.deepcopy(base), ids, rank, world) for n, cls in METHODS.items() if not skip.get(n)}
+    methods = {}
+    for n, cls in METHODS.items():
+        if not skip.get(n):
+            extra = (plan_json,) if n == "autopar" else ()
+            methods[n] = cls(copy.deepcopy(base), ids, rank, world, *extra)
     for m in methods.values():
         for _ in range(settings.warmup_steps):
             m.step()
@@ -313,7 +330,7 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
             "skipped": {n: r for n, r in skip.items() if r}}  # fmt: skip
 
 
-def _rank_main(rank: int, world: int, folder: str, models, settings, show_progress: bool) -> None:
+def _rank_main(rank: int, world: int, folder: str, models, settings, show_progress: bool, plans) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -326,7 +343,7 @@ def _rank_main(rank: int, world: int, folder: str, models, settings, show_progre
             print(f"[autopar bench run] {msg}", file=sys.stderr, flush=True)
 
     try:
-        result = [_train_model(spec, settings, rank, world, say) for spec in models]
+        result = [_train_model(spec, settings, rank, world, say, plans.get(spec.name)) for spec in models]
         torch.save({"ok": True, "result": result}, f"{folder}/rank{rank}.pt")
     except BaseException as e:  # the parent reports it with this rank's traceback
         error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
@@ -335,12 +352,17 @@ def _rank_main(rank: int, world: int, folder: str, models, settings, show_progre
         dist.destroy_process_group()
 
 
-def spawn_ranks(world: int, models, settings: RunSettings, *, show_progress: bool = True) -> list[list[dict]]:
-    """Run the measurements on `world` spawned gloo ranks; each rank's list of per-model results."""
+def spawn_ranks(world: int, models, settings: RunSettings, *, show_progress: bool = True,
+                plans: dict[str, str] | None = None) -> list[list[dict]]:  # fmt: skip
+    """Run the measurements on `world` spawned gloo ranks; each rank's list of per-model results.
+
+    `plans` maps a model's name to the JSON of the plan autopar runs it with (planned here when absent).
+    """
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(_rank_main, args=(world, folder, tuple(models), settings, show_progress),
+        ctx = mp.start_processes(_rank_main, args=(world, folder, tuple(models), settings, show_progress,
+                                                   dict(plans or {})),
                                  nprocs=world, join=False, start_method="spawn")  # fmt: skip
         while not ctx.join():
             pass
@@ -375,7 +397,7 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
                 "peak_rss_delta_bytes": max(deltas) if deltas else None,
                 "setup_time_s": max(r["setup_time_s"] for r in ranks),
                 "final_loss": [r["final_loss"] for r in ranks],
-            } | {k: v for k, v in m.items() if k in ("predicted_step_time_s", "mesh", "zero_stage", "plan_stats")}
+            } | {k: v for k, v in m.items() if k in ("predicted_step_time_s", "predicted_breakdown_s", "mesh", "zero_stage", "plan_stats")}
         base = [methods[n]["median_step_time_s"] for n in BASELINES if n in methods]
         best = min(base) if base else None
         for m in methods.values():
@@ -383,6 +405,55 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
         results.append({"model": first["model"], "num_parameters": first["num_parameters"], "methods": methods,
                         "skipped": first["skipped"]})  # fmt: skip
     return results
+
+
+# ---------------------------------------------------------------------------------------- calibrating
+
+# The largest all-reduce the link fit measures: past the gradients of the models above (a few MiB).
+_LINK_FIT_MAX_BYTES = 16 << 20
+
+
+def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_progress: bool = True):
+    """The cost model profiled on this machine for `world` local ranks: (cluster, estimator, record).
+
+    The cluster is cpu:`world` with its link fitted to gloo all-reduces among `world` processes
+    (`calibrate.measure_gloo_allreduce`); the estimator is a `ProfiledEstimator` whose cache lives in
+    `folder` (so every run profiles afresh), told how many ranks share a core when there are more
+    ranks than cores. The record says what was measured, for run.json.
+    """
+    from autopar.cluster import ClusterSpec
+    from autopar.cost_model.calibrate import fit_ring_allreduce, measure_gloo_allreduce
+    from autopar.cost_model.profiler import ProfiledEstimator
+
+    overrides: dict = {"cluster": f"cpu:{world}"}
+    record: dict = {}
+    if world > 1:
+        if show_progress:
+            print(f"[autopar bench run] measuring gloo all-reduce among {world} ranks", file=sys.stderr, flush=True)
+        times = measure_gloo_allreduce(world, repeats, max_bytes=_LINK_FIT_MAX_BYTES)
+        record["allreduce_median_s"] = {str(k): v for k, v in times.items()}
+        try:
+            latency, bandwidth = fit_ring_allreduce(times, world)
+        except ValueError as e:  # a machine too busy to measure: keep the preset's link, and say so
+            warnings.warn(f"bench run: {e}; pricing the link with the cpu preset's figures", stacklevel=2)
+            record["link_error"] = str(e)
+        else:
+            overrides["intra_node_link"] = {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth}
+            record["link"] = overrides["intra_node_link"]
+    cluster = ClusterSpec.from_overrides(overrides, source="bench run calibration")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    estimator = ProfiledEstimator(folder / "profile-cpu.json", ranks_per_core=max(1.0, world / cores))
+    record |= {"cores": cores, "ranks_per_core": estimator.ranks_per_core, "host": estimator.host_overheads(),
+               "profile_cache": str(estimator.cache_path)}  # fmt: skip
+    return cluster, estimator, record
+
+
+def plan_model(spec: RunModel, cluster, estimator):
+    """autopar's plan for `spec` on `cluster`, priced by `estimator`."""
+    import autopar
+
+    _, base, ids = _model_and_batch(spec)
+    return autopar.plan(base, cluster, example_inputs=(ids,), example_kwargs={"labels": ids}, estimator=estimator)
 
 
 def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, models=None, settings=None,
@@ -401,14 +472,19 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
     models = tuple(models) if models is not None else (QUICK_MODELS if quick else MODELS)
     settings = settings or (QUICK_SETTINGS if quick else RunSettings())
     t0 = time.perf_counter()
-    results = _summarise(spawn_ranks(world, models, settings, show_progress=show_progress))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    spec, estimator, calibration = calibrate_cost_model(world, out, repeats=settings.calibration_repeats,
+                                                        show_progress=show_progress)  # fmt: skip
+    plans = {m.name: plan_model(m, spec, estimator).to_json() for m in models}
+    results = _summarise(spawn_ranks(world, models, settings, show_progress=show_progress, plans=plans))
     doc = {"environment": environment(), "cluster": cluster, "world_size": world, "settings": asdict(settings),
+           "calibration": calibration,
            "memory_measure": "state_bytes_per_rank: parameters + gradients + optimizer states held by a rank, "
                              "counted from its tensors; peak_rss_delta_bytes: growth of the resident set "
                              "(VmHWM after reset through /proc/self/clear_refs) over a repetition, max over ranks",
            "time_measure": "median over repetitions of the mean step time of a repetition, slowest rank",
            "wall_time_s": time.perf_counter() - t0, "results": results}  # fmt: skip
-    out = Path(out_dir)
     write_json(out / "run.json", doc)
     (out / "run.md").write_text(markdown(doc))
     plot(results, out / "run.png")
@@ -431,18 +507,46 @@ def markdown(doc: dict) -> str:
                          f"{fmt_ms(m['min_step_time_s'])} – {fmt_ms(m['max_step_time_s'])} ({m['spread']:.0%})",
                          fmt_gib(m["state_bytes_per_rank"]), fmt_gib(m["peak_rss_delta_bytes"]),
                          None if m["ratio_to_best_baseline"] is None else f"{m['ratio_to_best_baseline']:.2f}",
-                         fmt_ms(m.get("predicted_step_time_s"))])  # fmt: skip
+                         fmt_ms(m.get("predicted_step_time_s")), _prediction_error(m)])  # fmt: skip
         for name, reason in r["skipped"].items():
-            rows.append([r["model"], name, f"not run: {reason}", None, None, None, None, None])
+            rows.append([r["model"], name, f"not run: {reason}", None, None, None, None, None, None])
     s = doc["settings"]
     return "\n\n".join([
         f"# autopar bench run ({doc['cluster']})",
         f"Measured on {doc['world_size']} gloo ranks, one thread each: {s['warmup_steps']} warm-up steps, then "
         f"{s['repetitions']} repetitions of {s['steps_per_repetition']} steps per method, methods in rotating "
         f"order. Step time: {doc['time_measure']}. Memory: {doc['memory_measure']}. " + env_md(doc["environment"]),
+        _calibration_md(doc.get("calibration") or {}),
         md_table(["model", "method", "median step", "min – max ((max − min) / median)", "states per rank",
-                  "peak RSS growth", "time / best baseline", "autopar predicted step"], rows),
+                  "peak RSS growth", "time / best baseline", "autopar predicted step",
+                  "(predicted − measured) / measured"], rows),
     ]) + "\n"  # fmt: skip
+
+
+def _prediction_error(m: dict) -> str | None:
+    predicted = m.get("predicted_step_time_s")
+    return None if predicted is None else f"{(predicted - m['median_step_time_s']) / m['median_step_time_s']:+.0%}"
+
+
+def _calibration_md(cal: dict) -> str:
+    """How the prediction was priced: the cost model as profiled on this machine before the run."""
+    host = cal.get("host", {})
+    link = cal.get("link")
+    parts = ["Predicted: autopar's plan priced by the cost model profiled on this machine just before the run: "
+             "every op timed at its shapes (ProfiledEstimator)"]  # fmt: skip
+    if host:
+        parts.append(f"host costs per op {host['op_forward_s'] * 1e6:.1f} µs forward, {host['op_backward_s'] * 1e6:.1f}"
+                     f" µs backward, per view {host['view_forward_s'] * 1e6:.1f} µs + "
+                     f"{host['view_backward_s'] * 1e6:.1f} µs")  # fmt: skip
+    if link:
+        parts.append(f"gloo link fitted to all-reduces among the ranks: {link['latency_s'] * 1e6:.0f} µs per ring step, "
+                     f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
+    elif cal.get("link_error"):
+        parts.append(f"link: the cpu preset's ({cal['link_error']})")
+    if cal.get("ranks_per_core", 1) > 1:
+        parts.append(f"{cal['ranks_per_core']:g} ranks share each of the {cal['cores']} cores, so each rank's host "
+                     "work is priced that many times slower")  # fmt: skip
+    return "; ".join(parts) + "."
 
 
 def plot(results: list[dict], path: Path) -> None:

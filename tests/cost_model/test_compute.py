@@ -203,3 +203,13 @@ def test_analytic_estimator_prices_matmuls_in_the_graph_dtype():
     assert tf32 == pytest.approx(2 * n**3 / (156e12 * eff) + 5e-6)
     est = AnalyticEstimator(a100, "bf16")
     assert est.forward_time_s(mm(torch.bfloat16), 2.0) < bf16
+
+
+def test_optimizer_step_time_counts_tensors_and_bytes():
+    from autopar.cost_model.compute import estimate_optimizer_step_time
+
+    kw = {"tensor_s": 40e-6, "s_per_param_byte": 2e-9}
+    assert estimate_optimizer_step_time(0, 0, **kw) == 0
+    assert estimate_optimizer_step_time(21, 4e5, **kw) == pytest.approx(21 * 40e-6 + 4e5 * 2e-9)
+    with pytest.raises(ValueError):
+        estimate_optimizer_step_time(-1, 0, **kw)

@@ -94,3 +94,22 @@ def test_ring_fit_recovers_alpha_and_beta():
     # the latency comes from messages up to 1 KiB, whose bandwidth term adds < 0.7% here
     assert fit_alpha == pytest.approx(alpha, rel=0.01)
     assert fit_bandwidth == pytest.approx(bandwidth, rel=1e-9)
+
+
+def test_ring_fit_refuses_times_that_do_not_grow():
+    times = {s: 1e-3 for s in calibrate._ALLREDUCE_SIZES_BYTES}
+    with pytest.raises(ValueError, match="too busy"):
+        calibrate.fit_ring_allreduce(times, 2)
+
+
+def test_host_costs_are_measured_per_call():
+    host = calibrate.measure_host_overheads(repeats=1)
+    assert set(host) == {"op_forward_s", "op_backward_s", "view_forward_s", "view_backward_s", "grad_call_s"}
+    assert all(0 < t < 1e-3 for t in host.values()), host  # a bookkeeping call, far below a millisecond
+    # one autograd.grad call runs a backward node and starts and finishes the engine: more than the node alone
+    assert host["grad_call_s"] > host["op_backward_s"]
+
+
+def test_optimizer_step_is_split_into_tensors_and_bytes():
+    opt = calibrate.measure_optimizer_step(repeats=1)
+    assert 0 < opt["optimizer_tensor_s"] < 1e-2 and opt["optimizer_s_per_param_byte"] >= 0

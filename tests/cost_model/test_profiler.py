@@ -19,6 +19,44 @@ def _meta(*shape, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
+HOST = {
+    "op_forward_s": 3e-6,
+    "op_backward_s": 2e-6,
+    "view_forward_s": 1e-6,
+    "view_backward_s": 1.5e-6,
+    "grad_call_s": 20e-6,
+    "optimizer_tensor_s": 40e-6,
+    "optimizer_s_per_param_byte": 1e-9,
+}
+
+
+@pytest.fixture(autouse=True)
+def fixed_host_costs(monkeypatch):
+    """Host costs as given figures: the formulas are checked exactly, and no test pays for measuring them."""
+    monkeypatch.setattr(
+        profiler,
+        "measure_host_overheads",
+        lambda repeats: {k: v for k, v in HOST.items() if not k.startswith("optimizer")},
+    )
+    monkeypatch.setattr(
+        profiler, "measure_optimizer_step", lambda repeats: {k: v for k, v in HOST.items() if k.startswith("optimizer")}
+    )
+
+
+def _op_entries(path) -> dict:
+    return {k: v for k, v in json.loads(path.read_text())["entries"].items() if not k.startswith('["host')}
+
+
+def _cached(path, node, forward_s, backward_s) -> None:
+    """A cache file holding one op's timing, as if it had been measured."""
+    key = profiler.profile_key(node, "cpu", 1)
+    path.write_text(
+        json.dumps(
+            {"version": profiler._CACHE_VERSION, "entries": {key: {"forward_s": forward_s, "backward_s": backward_s}}}
+        )
+    )
+
+
 @pytest.fixture
 def graph() -> dict[str, fx.Node]:
     """A few hand-built nodes with meta values, as a torch.export graph would carry them."""
@@ -53,12 +91,12 @@ def test_times_ops_and_caches_them(graph, tmp_path):
         warnings.simplefilter("error")  # indices out of range would fall back with a warning
         times = {k: (est.forward_time_s(n, 1.0), est.backward_time_s(n, 1.0)) for k, n in graph.items()}
     assert est.failed_targets == set()
-    assert times["view"] == (0.0, 0.0)
+    assert times["view"] == (HOST["view_forward_s"], HOST["view_backward_s"])  # dispatch only, not timed
     for name in ("embedding", "linear", "loss", "sdpa"):
-        assert times[name][0] > 0 and times[name][1] > 0, name
+        assert times[name][0] > 0 and times[name][1] >= HOST["op_backward_s"], name
     assert est.num_timed == 4  # the view was not timed
-    entries = json.loads(path.read_text())["entries"]
-    assert len(entries) == 4
+    assert len(_op_entries(path)) == 4
+    assert json.loads(path.read_text())["entries"]['["host-overheads", "cpu", 1]'] == HOST
 
     again = ProfiledEstimator(path, repeats=2)
     again._run = None  # any attempt to time would fail loudly
@@ -67,11 +105,44 @@ def test_times_ops_and_caches_them(graph, tmp_path):
     assert again.num_timed == 0
 
 
-def test_divisor_scales_the_measured_time(graph, tmp_path):
-    est = ProfiledEstimator(tmp_path / "p.json", repeats=1)
-    full = est.forward_time_s(graph["linear"], 1.0)
-    assert est.forward_time_s(graph["linear"], 4.0) == pytest.approx(full / 4)
-    assert est.num_timed == 1
+def test_divisor_splits_the_work_not_the_dispatch(graph, tmp_path):
+    path = tmp_path / "p.json"
+    _cached(path, graph["linear"], 43e-6, 82e-6)
+    est = ProfiledEstimator(path, repeats=1)
+    assert est.forward_time_s(graph["linear"], 1.0) == pytest.approx(43e-6)
+    assert est.forward_time_s(graph["linear"], 4.0) == pytest.approx(3e-6 + 40e-6 / 4)
+    # In a step the backward pays one engine node, not the whole autograd.grad call it was timed with.
+    in_step = 82e-6 - (HOST["grad_call_s"] - HOST["op_backward_s"])
+    assert est.backward_time_s(graph["linear"], 1.0) == pytest.approx(in_step)
+    assert est.backward_time_s(graph["linear"], 4.0) == pytest.approx(2e-6 + (in_step - 2e-6) / 4)
+    assert est.num_timed == 0
+
+
+def test_tiny_backward_costs_at_least_one_node(graph, tmp_path):
+    path = tmp_path / "p.json"
+    _cached(path, graph["linear"], 1e-6, 5e-6)  # less than the autograd.grad call itself: all of it is overhead
+    est = ProfiledEstimator(path, repeats=1)
+    assert est.backward_time_s(graph["linear"], 1.0) == pytest.approx(HOST["op_backward_s"])
+    assert est.forward_time_s(graph["linear"], 8.0) == pytest.approx(1e-6)  # all fixed: nothing to divide
+
+
+def test_ranks_sharing_a_core_scale_every_time(graph, tmp_path):
+    path = tmp_path / "p.json"
+    _cached(path, graph["linear"], 43e-6, 82e-6)
+    one, two = ProfiledEstimator(path), ProfiledEstimator(path, ranks_per_core=2)
+    for node in (graph["linear"], graph["view"]):
+        for d in (1.0, 4.0):
+            assert two.forward_time_s(node, d) == pytest.approx(2 * one.forward_time_s(node, d))
+            assert two.backward_time_s(node, d) == pytest.approx(2 * one.backward_time_s(node, d))
+    assert two.optimizer_step_time_s(3, 1e6) == pytest.approx(2 * one.optimizer_step_time_s(3, 1e6))
+    with pytest.raises(ValueError, match="ranks_per_core"):
+        ProfiledEstimator(path, ranks_per_core=0.5)
+
+
+def test_optimizer_step_per_tensor_and_per_byte(tmp_path):
+    est = ProfiledEstimator(tmp_path / "p.json")
+    assert est.optimizer_step_time_s(0, 0) == 0
+    assert est.optimizer_step_time_s(2, 1e6) == pytest.approx(2 * 40e-6 + 1e6 * 1e-9)
 
 
 def test_thread_count_is_part_of_the_key(graph, tmp_path):
@@ -80,7 +151,7 @@ def test_thread_count_is_part_of_the_key(graph, tmp_path):
     two = ProfiledEstimator(path, repeats=1, num_threads=2)
     two.forward_time_s(graph["linear"], 1.0)
     assert two.num_timed == 1
-    assert len(json.loads(path.read_text())["entries"]) == 2
+    assert len(_op_entries(path)) == 2
 
 
 def test_untimeable_op_falls_back_with_a_warning(tmp_path):
