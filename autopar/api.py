@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 import time
 import warnings
@@ -91,7 +92,7 @@ _SHORT_TRACE_LAYERS = 2
 _UNIFORM_MODEL_TYPES = {"llama", "gpt2", "bert", "mistral", "qwen2", "opt", "gpt_neox", "gptj", "roberta"}
 
 
-def _trace_shortened(module, args, kwargs, say) -> OpGraph | None:
+def _trace_shortened(module, args, kwargs, say, fuse: bool = False) -> OpGraph | None:
     """Trace a preset with two of its identical layers standing for all of them; None when that is not valid."""
     from autopar import presets
 
@@ -108,6 +109,10 @@ def _trace_shortened(module, args, kwargs, say) -> OpGraph | None:
     short_config.num_hidden_layers = _SHORT_TRACE_LAYERS
     short = presets.build_model(short_config, device="meta", dtype=dtype)
     traced = trace_model(short, args, kwargs)
+    if fuse:
+        from autopar.passes.fused_ops import fuse_traced
+
+        traced = fuse_traced(traced)
     probe = OpGraph.from_traced(traced)
     containers = {c for c, _ in probe.node_layer.values() if c is not None}
     if len(containers) != 1:
@@ -147,15 +152,18 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none") -> tuple[float,
             continue
         cost = estimate_node_cost(node)
         hardware += times * (cost.flops + cost.backward_flops + (cost.flops if node.name in again else 0.0))
-        if node.target == torch.ops.aten.scaled_dot_product_attention.default:
+        if str(node.target) in _ATTENTION_TARGETS:
             attention += times * (cost.flops + cost.backward_flops)
     return 6.0 * graph.num_parameters() * tokens + attention, hardware
+
+
+_ATTENTION_TARGETS = ("aten.scaled_dot_product_attention.default", "autopar.flash_attention.default")
 
 
 def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch_size: int | None = None,
          seq_len: int | None = None, constraints: dict | None = None, memory_budget=None, offload: bool | None = None,
          precision: str | None = None, estimator=None, progress: Callable[[str], None] | None = None,
-         pipeline: bool | None = None, _traced=None) -> Plan:  # fmt: skip
+         pipeline: bool | None = None, fuse_kernels: bool | None = None, _traced=None) -> Plan:  # fmt: skip
     """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
 
     Args:
@@ -177,7 +185,11 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         pipeline: search pipeline layouts (stage cuts, sub-meshes, schedules). Default: on GPU clusters of
             more than one node, where links between nodes make pipelines pay; always when "pp" > 1 is
             pinned; never when "pp": 1 is.
-        _traced: the TracedModel of `model` when the caller has one already (compile does).
+        fuse_kernels: replace attention, norms and the LM-head loss by autopar's Triton ops before planning
+            (`passes.fused_ops`), so the plan prices and names the fused graph. Default: on for GPU clusters,
+            off on CPUs (where the kernels only run interpreted).
+        _traced: the TracedModel of `model` when the caller has one already (compile does); its graph is
+            fused in place when fusion is on.
     """
     from autopar.passes.sharding_solver import solve_sharding
 
@@ -198,14 +210,19 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
                                                 global_batch_size, seq_len)  # fmt: skip
     say(f"tracing {name}")
+    from autopar.passes.fused_ops import default_fusion, fuse_traced, fusion_report, fusion_summary
+
+    fuse = default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels)
     graph = None
     if _traced is None and isinstance(model, str):
-        graph = _trace_shortened(module, args, kwargs, say)
+        graph = _trace_shortened(module, args, kwargs, say, fuse)
     if graph is None:
         traced = _traced if _traced is not None else trace_model(module, args, kwargs)
+        traced = fuse_traced(traced) if fuse else traced
         frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
         graph = OpGraph.from_traced(traced, frozen_params=frozen)
     t_trace = time.perf_counter() - t0
+    fusion = fusion_summary(fuse, fusion_report(graph.traced), graph.layer_count)
     batch = _batch_size(args, kwargs)
     say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} deduplicated)")
     est = _estimator(estimator, cluster, precision)
@@ -217,7 +234,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         if offload:
             warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=2)
         if psol.pp > 1:
-            return _pipeline_plan(psol, graph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est)
+            pplan = _pipeline_plan(psol, graph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est)
+            return dataclasses.replace(pplan, fusion=fusion)
         sol = psol.single_stage
     else:
         flat = {k: v for k, v in constraints.items() if k not in _PIPELINE_KEYS}
@@ -262,6 +280,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         alternatives=alternatives,
         unruled_ops=sol.unruled_ops,
         stats=stats,
+        fusion=fusion,
     )
 
 
@@ -443,6 +462,11 @@ def _rebind_to_micro_graph(plan: Plan, model, cluster, traced, args, kwargs) -> 
     """
     import dataclasses
 
+    fused = bool(plan.fusion.get("enabled", False))
+    if fused:  # the runtime fuses this graph too (in place): compare with the names it will have
+        from autopar.passes.fused_ops import fuse_traced
+
+        traced = fuse_traced(traced)
     names = {n.name for n in traced.exported.graph.nodes}
     if all(n in names for n in plan.node_output):
         return plan
@@ -451,10 +475,10 @@ def _rebind_to_micro_graph(plan: Plan, model, cluster, traced, args, kwargs) -> 
     budget = plan.predicted.peak_memory_bytes * 1.01
     try:
         micro = globals()["plan"](model, cluster, args, kwargs, _traced=traced, constraints=pins,
-                                  memory_budget=budget, precision=plan.precision)  # fmt: skip
+                                  memory_budget=budget, precision=plan.precision, fuse_kernels=fused)  # fmt: skip
     except InfeasiblePlanError:
         micro = globals()["plan"](model, cluster, args, kwargs, _traced=traced, constraints=pins,
-                                  precision=plan.precision, memory_budget=float("inf"))  # fmt: skip
+                                  precision=plan.precision, memory_budget=float("inf"), fuse_kernels=fused)  # fmt: skip
     return dataclasses.replace(plan, node_output=micro.node_output, node_inputs=micro.node_inputs,
                                node_strategy=micro.node_strategy, param_placements=micro.param_placements)  # fmt: skip
 

@@ -66,6 +66,24 @@ def _pipeline_section(plan) -> list[str]:
     return lines + [""]
 
 
+def _fusion_words(fusion: dict) -> str:
+    """'on: 32 flash_attention, 65 rms_norm, ...' (ops of the whole model), or 'off'."""
+    if not fusion.get("enabled"):
+        return "off (ATen ops)"
+    counts = ", ".join(f"{n} {op}" for op, n in fusion.get("counts", {}).items() if n) or "nothing matched"
+    skipped = len(fusion.get("skipped", ()))
+    return f"on: {counts}" + (f"; {skipped} site(s) left alone (see Fusion)" if skipped else "")
+
+
+def _fusion_section(plan) -> list[str]:
+    """The sites the fusion pass matched but left alone, with the reason (nothing when there are none)."""
+    skipped = plan.fusion.get("skipped", ())
+    if not skipped:
+        return []
+    rows = [[s["kind"], f"`{s['node']}`", s["reason"]] for s in skipped]
+    return ["## Fusion", "", "Sites left as ATen ops:", "", *_table(["kind", "node", "reason"], rows), ""]
+
+
 def render_markdown(plan) -> str:
     p = plan.predicted
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
@@ -89,6 +107,7 @@ def render_markdown(plan) -> str:
             ["MFU (model FLOPs)", f"{p.mfu:.1%}"],
             ["hardware FLOPs utilisation", f"{p.hardware_flops_utilization:.1%}"],
             ["peak memory per device", f"{p.peak_memory_bytes / GIB:,.2f} GiB"],
+            ["kernel fusion", _fusion_words(plan.fusion)],
         ]),  # fmt: skip
         "",
         "## Memory per device (peak, at the turn from forward to backward)",
@@ -96,6 +115,7 @@ def render_markdown(plan) -> str:
         *_table(["part", "GiB"], [[k, f"{v / GIB:,.3f}"] for k, v in p.memory_breakdown.items()]),
         "",
         *_pipeline_section(plan),
+        *_fusion_section(plan),
         "## Why this mesh",
         "",
         "Every factorisation of the world size into dp x tp was solved; each row is the optimum for that mesh, "

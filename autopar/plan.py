@@ -69,6 +69,8 @@ class Plan:
     alternatives: tuple = ()
     unruled_ops: tuple = ()
     stats: dict = field(default_factory=dict)
+    # kernel fusion (passes.fused_ops): {"enabled": bool, "counts": fused ops per kind, "skipped": sites left alone}
+    fusion: dict = field(default_factory=dict)
     num_microbatches: int = 1
     # pipeline layouts: schedule, virtual stages, bubble, and per stage its layers, sub-mesh and figures
     pipeline: dict = field(default_factory=dict)
@@ -120,6 +122,7 @@ class Plan:
             "alternatives": list(self.alternatives),
             "unruled_ops": list(self.unruled_ops),
             "stats": self.stats,
+            "fusion": self.fusion,
         }
         return json.dumps(d, indent=indent)
 
@@ -160,6 +163,7 @@ class Plan:
                 alternatives=tuple(d.get("alternatives", ())),
                 unruled_ops=tuple(d.get("unruled_ops", ())),
                 stats=dict(d.get("stats", {})),
+                fusion=dict(d.get("fusion") or {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanFormatError):

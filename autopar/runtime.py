@@ -67,6 +67,10 @@ class ParallelModule(torch.nn.Module):
         dp, tp = plan.mesh["dp"], plan.mesh["tp"]
         if dp * tp != cluster.world_size:
             raise LoweringError(f"plan mesh {plan.mesh} does not match the cluster's {cluster.world_size} devices")
+        if plan.fusion.get("enabled"):  # the plan names the nodes of the fused graph
+            from autopar.passes.fused_ops import fuse_traced
+
+            traced = fuse_traced(traced)
         self.plan, self.traced = plan, traced
         self.device_type = _device_type(cluster)
         self.mesh: DeviceMesh = init_device_mesh(self.device_type, (dp, tp), mesh_dim_names=("dp", "tp"))

@@ -22,7 +22,14 @@ causal mask `ones(sq, sk).tril()`, broadcast: a boolean mask must equal it, an a
 must be 0 where it is true and at most half the dtype's lowest value (or -inf) elsewhere. A mask
 that is everywhere "keep" counts as no mask. Hugging Face builds its causal mask this way when no
 `attention_mask` is passed; a padding mask depends on an input and is not provable, and such sites
-are left alone. Masks larger than `MAX_MASK_ELEMENTS` are not evaluated (sites left alone).
+are left alone. The mask is evaluated with real tensors on the CPU even when the graph was traced on
+the meta device (its values do not depend on the device). Tensors of the mask's computation larger
+than `MAX_MASK_ELEMENTS` (a `batch x 1 x seq x seq` mask at planning sizes) are evaluated block by
+block (query rows; one batch row per group of rows that read equal inputs), which works when they
+are elementwise ops or broadcasts over smaller ones; other large masks are left alone.
+
+`fuse_traced` applies the pass to a `TracedModel` (what `autopar.plan` and `autopar.compile` do when
+fusion is on, `default_fusion`): the plan prices and names the fused graph, and the runtimes run it.
 
 Input: an exported ATen graph with `node.meta["val"]` on every node. Output: the same graph
 module, rewritten in place, every new node with `val`, `tensor_meta`, `nn_module_stack` and
@@ -39,6 +46,8 @@ output; the fused loss still saves the logits-sized activations of the eager los
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import operator
 from collections import Counter
@@ -48,15 +57,18 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export import ExportedProgram
+from torch.export.graph_signature import ExportGraphSignature, TensorArgument
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError, ConfigError
+from autopar.trace import TracedModel
 
 aten = torch.ops.aten
 
 FUSED_META_KEY = "autopar_fused"  # gm.meta key of the FusionReport
-MAX_MASK_ELEMENTS = 1 << 24  # largest attention mask evaluated to prove it causal
+MAX_MASK_ELEMENTS = 1 << 24  # largest tensor of a mask computation evaluated whole; larger ones go in blocks
 FUSED_OPS = ("flash_attention", "rms_norm", "layer_norm", "linear_cross_entropy")
 _COPIED_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn", "from_node")
 _ASSERT = aten._assert_tensor_metadata.default
@@ -144,6 +156,87 @@ def fuse_kernels_pass(gm: fx.GraphModule, example_inputs, *, attention: bool = T
     return gm
 
 
+def fuse_traced(traced: TracedModel, **knobs) -> TracedModel:
+    """`fuse_kernels_pass` applied to a traced model: what planning and the runtimes run when fusion is on.
+
+    Args:
+        traced: from `autopar.trace.trace_model`. Its graph module is rewritten in place; the returned model
+            shares it, with an exported program whose output specs name the new output nodes. A graph that
+            was fused already is not fused again (only its output specs are brought up to date).
+        knobs: `attention=`, `norms=`, `cross_entropy=` of `fuse_kernels_pass`.
+
+    Returns:
+        A TracedModel of the fused graph; `fusion_report(result)` says what was fused.
+    """
+    gm = traced.graph_module
+    if FUSED_META_KEY not in gm.meta:
+        fuse_kernels_pass(gm, None, **knobs)
+    ep = traced.exported
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    specs = []
+    for spec, value in zip(ep.graph_signature.output_specs, pytree.tree_leaves(out.args[0]), strict=True):
+        if isinstance(spec.arg, TensorArgument) and isinstance(value, fx.Node) and value.name != spec.arg.name:
+            spec = dataclasses.replace(spec, arg=TensorArgument(name=value.name))
+        specs.append(spec)
+    if specs == list(ep.graph_signature.output_specs):
+        return traced
+    signature = ExportGraphSignature(input_specs=list(ep.graph_signature.input_specs), output_specs=specs)
+    exported = ExportedProgram(root=gm, graph=gm.graph, graph_signature=signature, state_dict=ep.state_dict,
+                               range_constraints=ep.range_constraints, module_call_graph=ep.module_call_graph,
+                               example_inputs=ep.example_inputs, constants=ep.constants, verifiers=ep.verifiers)  # fmt: skip
+    return dataclasses.replace(traced, exported=exported)
+
+
+def fusion_report(traced: TracedModel) -> FusionReport | None:
+    """The FusionReport of a traced model's graph, None when the fusion pass did not run on it."""
+    return traced.graph_module.meta.get(FUSED_META_KEY)
+
+
+def fusion_summary(enabled: bool, report: FusionReport | None, layer_count: dict | None = None) -> dict:
+    """What a plan records of fusion: on or off, fused ops per kind, and the skipped sites with their reasons.
+
+    Args:
+        enabled: whether the fusion pass ran.
+        report: its report (None when it did not run).
+        layer_count: node name -> how many nodes of the whole model it stands for (`OpGraph.layer_count`; a
+            trace of a few identical layers stands for all of them), so counts are the whole model's.
+    """
+    counts = dict.fromkeys(FUSED_OPS, 0)
+    skipped: list[dict] = []
+    if report is not None:
+        times = layer_count or {}
+        for site in report.fused:
+            counts[site.op] += times.get(site.node, 1)
+        skipped = [{"kind": s.kind, "node": s.node, "reason": s.reason} for s in report.skipped]
+    return {"enabled": bool(enabled), "counts": counts, "skipped": skipped}
+
+
+def emit_fused_loss_sum(graph: fx.Graph, loss: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """For a loss computed by `autopar::linear_cross_entropy` (through casts): nodes of its sum and kept-label count.
+
+    The sum is `mean * count`, 0 where no label is kept (the mean is 0 / 0 there and its gradient must not
+    turn NaN), so that sums and counts over ranks or micro-batches give the exact mean. None for any other loss.
+    """
+    mean = loss
+    while mean.op == "call_function" and mean.target in _CASTS:
+        mean = mean.args[0]
+    call = mean.args[0] if mean.target is operator.getitem and mean.args[1] == 0 else None
+    if not isinstance(call, fx.Node) or str(call.target) != "autopar.linear_cross_entropy.default":
+        return None
+    labels, ignore_index = call.args[2], call.args[3]
+    with graph.inserting_after(loss):
+        kept = graph.call_function(aten.ne.Scalar, (labels, ignore_index))
+    with graph.inserting_after(kept):
+        count = graph.call_function(aten.sum.default, (kept,))
+    with graph.inserting_after(count):
+        some = graph.call_function(aten.gt.Scalar, (count, 0))
+    with graph.inserting_after(some):
+        safe = graph.call_function(aten.where.ScalarOther, (some, loss, 0.0))
+    with graph.inserting_after(safe):
+        total = graph.call_function(aten.mul.Tensor, (safe, count))
+    return total, count
+
+
 class _Skip(Exception):
     """A matched site that cannot be expressed by the fused op; the message is the reason."""
 
@@ -211,7 +304,7 @@ class _Fuser:
         key = (mask, seq_q, seq_k)
         if key not in self._mask_kinds:
             try:
-                self._mask_kinds[key] = _classify_mask(_evaluate_constant(self.graph, mask), seq_q, seq_k)
+                self._mask_kinds[key] = _classify_mask(_MaskValue(self.graph, mask), seq_q, seq_k)
             except _Skip as e:
                 self._mask_kinds[key] = e
         found = self._mask_kinds[key]
@@ -520,64 +613,168 @@ def _keeps_classes_last(node: fx.Node, source: fx.Node) -> bool:
 # ---------------------------------------------------------------------------------------- masks
 
 
-def _evaluate_constant(graph: fx.Graph, node: fx.Node) -> torch.Tensor:
-    """The value of `node`, computed from its ancestors; raises _Skip unless they are all constant ops."""
-    ancestors, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n in ancestors:
-            continue
-        ancestors.add(n)
-        if n.op == "placeholder":
-            raise _Skip(f"it depends on the graph input {n.name!r}, so it cannot be proven causal")
-        if n.op != "call_function" or (
-            isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
-        ):
-            raise _Skip(f"it is computed by {n.target}, which is not a constant op")
-        if sum(t.numel() for t in pytree.tree_leaves(n.meta.get("val")) if isinstance(t, torch.Tensor)) > (
-            MAX_MASK_ELEMENTS
-        ):
-            raise _Skip(f"{n.name} has more than {MAX_MASK_ELEMENTS} elements, too many to evaluate")
-        stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    env: dict[fx.Node, object] = {}
-    try:
-        with torch.no_grad():
-            for n in sorted(ancestors, key=order.__getitem__):
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), env.__getitem__)
-                # a graph traced on the meta device evaluates its masks on the CPU: their values do not depend on it
-                args, kwargs = pytree.tree_map_only(torch.device, _off_meta, (args, kwargs))
-                env[n] = n.target(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001  (any failure means: not provable)
-        raise _Skip(f"it could not be evaluated ({type(e).__name__}: {e})") from None
-    return env[node]
+# Elementwise ops (and expand, which only broadcasts) whose value on a block of the output is the op applied to
+# the same block of its inputs: a mask too large to evaluate whole is evaluated block by block through them.
+_BLOCKWISE = {
+    aten.expand.default, aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.__or__.Tensor, aten.bitwise_or.Tensor,
+    aten.logical_and.default, aten.logical_or.default, aten.logical_not.default, aten.bitwise_not.default,
+    aten.eq.Tensor, aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor,
+    aten.eq.Scalar, aten.ne.Scalar, aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar,
+    aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add.Scalar, aten.sub.Scalar,
+    aten.mul.Scalar, aten.neg.default, aten.abs.default, *_CASTS, *_IDENTITIES,
+}  # fmt: skip
+
+
+class _MaskValue:
+    """The value of a mask node computed from constants only, whole when small, else block by block.
+
+    Nodes of at most `MAX_MASK_ELEMENTS` elements are evaluated whole, once. Larger ones (the
+    `batch x 1 x seq x seq` masks of Hugging Face models at planning sizes) must be `_BLOCKWISE` ops
+    over the small ones: `block(region)` evaluates them on one region of the mask's dims only (dims
+    aligned to the right, as in broadcasting). Blocks that differ only in their leading (batch,
+    head) index and read equal slices of the small inputs have equal values: `leading_groups`
+    finds one representative per such group, so a batch of identical masks is evaluated once.
+    """
+
+    def __init__(self, graph: fx.Graph, node: fx.Node):
+        self.node = node
+        ancestors = self._ancestors(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        self.large = {n for n in ancestors if _numel(n) > MAX_MASK_ELEMENTS}
+        for n in self.large:
+            if n.target not in _BLOCKWISE:
+                raise _Skip(f"{n.name} has more than {MAX_MASK_ELEMENTS} elements and {n.target} cannot be "
+                            f"evaluated in blocks")  # fmt: skip
+        self.frontier = [n for n in ancestors if n not in self.large and any(u in self.large for u in n.users)]
+        self.whole: dict[fx.Node, object] = {}
+        try:
+            with torch.no_grad():
+                for n in sorted(ancestors - self.large, key=order.__getitem__):
+                    if any(a in self.large for a in n.all_input_nodes):
+                        raise _Skip(f"{n.name} reads a mask larger than {MAX_MASK_ELEMENTS} elements")
+                    args, kwargs = _args_off_meta(n, self.whole.__getitem__)
+                    self.whole[n] = n.target(*args, **kwargs)
+        except _Skip:
+            raise
+        except Exception as e:  # noqa: BLE001  (any failure means: not provable)
+            raise _Skip(f"it could not be evaluated ({type(e).__name__}: {e})") from None
+
+    @staticmethod
+    def _ancestors(node: fx.Node) -> set[fx.Node]:
+        """Every node `node` is computed from; raises _Skip unless they are all constant ops."""
+        ancestors, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in ancestors:
+                continue
+            ancestors.add(n)
+            if n.op == "placeholder":
+                raise _Skip(f"it depends on the graph input {n.name!r}, so it cannot be proven causal")
+            if n.op != "call_function" or (
+                isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+            ):
+                raise _Skip(f"it is computed by {n.target}, which is not a constant op")
+            stack.extend(n.all_input_nodes)
+        return ancestors
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.node.meta["val"].shape)
+
+    def block(self, region: tuple[slice, ...]) -> torch.Tensor:
+        """The mask on `region` (one slice per dim of the mask), broadcastable to the region's shape."""
+        try:
+            with torch.no_grad():
+                return self._block(self.node, region)
+        except Exception as e:  # noqa: BLE001
+            raise _Skip(f"it could not be evaluated ({type(e).__name__}: {e})") from None
+
+    def _block(self, n, region: tuple[slice, ...]):
+        if not isinstance(n, fx.Node):
+            return n
+        if n not in self.large:
+            return _cut(self.whole[n], region)
+        if n.target == aten.expand.default:
+            return self._block(n.args[0], region)  # broadcasting does the expansion
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._block(a, region))
+        args, kwargs = pytree.tree_map_only(torch.device, _off_meta, (args, kwargs))
+        return n.target(*args, **kwargs)
+
+    def leading_groups(self) -> list[tuple[slice, ...]]:
+        """The leading dims (all but the last two) of one block per group of blocks with equal values."""
+        lead = self.shape[:-2]
+        if not self.large:
+            return [tuple(slice(None) for _ in lead)]  # small: one block
+        seen, out = set(), []
+        for index in itertools.product(*map(range, lead)):
+            region = tuple(slice(i, i + 1) for i in index) + (slice(None), slice(None))
+            key = tuple(_cut(self.whole[f], region).numpy().tobytes() for f in self.frontier)
+            if key not in seen:
+                seen.add(key)
+                out.append(region[:-2])
+        return out
+
+
+def _numel(node: fx.Node) -> int:
+    return sum(t.numel() for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
+
+
+def _args_off_meta(n: fx.Node, value_of) -> tuple[tuple, dict]:
+    """The node's arguments with node values filled in; a graph traced on the meta device is evaluated on the
+    CPU (a mask's values do not depend on where it is computed)."""
+    args, kwargs = fx.node.map_arg((n.args, n.kwargs), value_of)
+    return pytree.tree_map_only(torch.device, _off_meta, (args, kwargs))
+
+
+def _cut(value, region: tuple[slice, ...]):
+    """`value` restricted to `region`, dims aligned to the right; size-1 (broadcast) dims are kept whole."""
+    if not isinstance(value, torch.Tensor) or value.ndim == 0:
+        return value
+    cuts = zip(region[len(region) - value.ndim :], value.shape, strict=True)
+    return value[tuple(s if size != 1 else slice(None) for s, size in cuts)]
 
 
 def _off_meta(device: torch.device) -> torch.device:
     return torch.device("cpu") if device.type == "meta" else device
 
 
-def _classify_mask(mask: torch.Tensor, seq_q: int, seq_k: int) -> str:
-    """'none' for a mask that keeps everything, 'causal' for SDPA's top-left causal mask; raises _Skip otherwise."""
+def _classify_mask(mask: _MaskValue, seq_q: int, seq_k: int) -> str:
+    """'none' for a mask that keeps everything, 'causal' for SDPA's top-left causal mask; raises _Skip otherwise.
+
+    Evaluated in blocks of query rows, at most `MAX_MASK_ELEMENTS` elements each, over one leading index per
+    group of equal blocks (see `_MaskValue`).
+    """
+    shape = mask.shape
+    if len(shape) < 2 or len(shape) > 4 or shape[-2] not in (1, seq_q) or shape[-1] not in (1, seq_k):
+        raise _Skip(f"a mask of shape {tuple(shape)} that does not broadcast to ({seq_q}, {seq_k})")
+    rows = max(1, MAX_MASK_ELEMENTS // max(seq_k, 1)) if mask.large else seq_q
+    keeps_all, is_causal = True, True
+    for lead in mask.leading_groups():
+        for r0 in range(0, seq_q, rows):
+            r1 = min(r0 + rows, seq_q)
+            region = (*lead, slice(r0, r1) if shape[-2] > 1 else slice(None), slice(None))
+            keep = _keep_of(mask.block(region))
+            causal = torch.arange(r0, r1)[:, None] >= torch.arange(seq_k)[None, :]
+            keep, causal = torch.broadcast_tensors(keep.cpu(), causal)
+            keeps_all = keeps_all and bool(keep.all())
+            is_causal = is_causal and torch.equal(keep, causal)
+            if not (keeps_all or is_causal):
+                raise _Skip("an arbitrary (non-causal) mask; the flash kernel takes no mask but the causal one")
+    return "none" if keeps_all else "causal"
+
+
+def _keep_of(mask: torch.Tensor) -> torch.Tensor:
+    """Where a boolean or additive float mask keeps the score."""
     if mask.dtype == torch.bool:
-        keep = mask
-    elif mask.is_floating_point():
+        return mask
+    if mask.is_floating_point():
         keep = mask == 0
         blocked = mask <= torch.finfo(mask.dtype).min / 2
         if not bool((keep | blocked).all()):
             raise _Skip("an additive mask with values other than 0 and a large negative number (a bias)")
-    else:
-        raise _Skip(f"a mask of dtype {mask.dtype}")
-    causal = torch.ones(seq_q, seq_k, dtype=torch.bool, device=keep.device).tril()
-    try:
-        keep, causal = torch.broadcast_tensors(keep, causal)
-    except RuntimeError:
-        raise _Skip(f"a mask of shape {tuple(mask.shape)} that does not broadcast to ({seq_q}, {seq_k})") from None
-    if bool(keep.all()):
-        return "none"
-    if torch.equal(keep, causal):
-        return "causal"
-    raise _Skip("an arbitrary (non-causal) mask; the flash kernel takes no mask but the causal one")
+        return keep
+    raise _Skip(f"a mask of dtype {mask.dtype}")
 
 
 # ------------------------------------------------------------------------------------ fake values

@@ -6,7 +6,9 @@ values are DTensors on the 2-D mesh (dp, tp). For every op it
 1. brings each tensor argument to the placement the plan chose for it on the tensor axis
    (`redistribute`, which is autograd-aware: the backward runs the transposed collective),
 2. runs the op: DTensor's own ATen rules for most ops; attention locally on each rank's
-   heads or batch rows (it is independent across both), which is where a fused kernel plugs in;
+   heads or batch rows (it is independent across both), the flash-attention kernel included;
+   autopar's fused norms on each rank's rows and its fused LM-head loss on each rank's tokens
+   (weights whole, their gradients partial sums; the loss an exact global mean);
    ops DTensor has no rule for run on gathered full tensors (correct, and reported),
 3. brings the output to the plan's placement.
 
@@ -44,6 +46,7 @@ from autopar.passes.sharding_rules import parse_placement
 
 aten = torch.ops.aten
 R = Replicate()
+P = Partial()
 
 # Ops that only check metadata of global tensors; DTensor cannot run them and they compute nothing.
 _SKIPPED = {aten._assert_tensor_metadata.default}
@@ -97,9 +100,12 @@ class ShardedInterpreter(fx.Interpreter):
         self.out = {k: parse_placement(v) for k, v in node_output.items()}
         self.local_ops = {aten.scaled_dot_product_attention.default: self._run_local,
                           aten.cross_entropy_loss.default: self._cross_entropy}
-        flash_attention = getattr(torch.ops.autopar, "flash_attention", None)  # registered by autopar.triton_kernels
-        if flash_attention is not None:
-            self.local_ops[flash_attention.default] = self._run_local
+        fused = {"flash_attention": self._run_local, "rms_norm": self._norm, "layer_norm": self._norm,
+                 "linear_cross_entropy": self._linear_cross_entropy}  # fmt: skip
+        for name, run in fused.items():
+            op = getattr(torch.ops.autopar, name, None)  # registered by autopar.triton_kernels
+            if op is not None:
+                self.local_ops[op.default] = run
         self.local_ops.update(local_ops or {})
         self.fallback_ops: set[str] = set()
         # Kept labels counted by every mean cross-entropy of the last run: the weight of its loss when
@@ -272,6 +278,50 @@ class ShardedInterpreter(fx.Interpreter):
         count = DTensor.from_local(count, self.mesh, partial, run_check=False).redistribute(self.mesh, (R, R))
         self.loss_counts.append(float(count.to_local()))
         return total / count
+
+    def _norm(self, target, args, kwargs):
+        """A fused norm (autopar::rms_norm / layer_norm) on each rank's rows; weight and bias whole.
+
+        Rows stay split where the input is split on a dim other than the last (batch over dp, the plan's
+        strategy over tp); the weight's gradient from each rank's rows is a partial sum on those axes.
+        The row statistics the kernel also returns are its own business (nothing in a fused graph reads
+        them): they come back as None.
+        """
+        x, *rest = args
+        rows = tuple(p if isinstance(p, Shard) and p.dim < x.ndim - 1 else R for p in x.placements)
+        grads = tuple(P if isinstance(p, Shard) else R for p in rows)
+        local = [x.redistribute(self.mesh, rows).to_local()]
+        for a in rest:
+            local.append(a.redistribute(self.mesh, (R, R)).to_local(grad_placements=grads) if isinstance(a, DTensor)
+                         else a)  # fmt: skip
+        y, *stats = target(*local, **kwargs)
+        y = DTensor.from_local(y, self.mesh, rows, run_check=False, shape=x.shape, stride=x.stride())
+        return (y, *(None for _ in stats))
+
+    def _linear_cross_entropy(self, target, args, kwargs):
+        """autopar::linear_cross_entropy on each rank's tokens: global loss sum / global count of kept labels.
+
+        Tokens are split over dp (when there are enough) and over tp where the plan's strategy splits them;
+        the LM-head weight is whole on every rank and its gradient is a partial sum. A rank whose labels are
+        all ignored contributes 0 (its own mean would be 0 / 0) and a zero gradient.
+        """
+        hidden, weight, labels, ignore, *rest = args
+        tp_pl = hidden.placements[1]
+        d = tp_pl.dim if isinstance(tp_pl, Shard) and tp_pl.dim < hidden.ndim - 1 else None
+        dp_pl = Shard(0) if self.mesh.size(0) > 1 and hidden.shape[0] >= self.mesh.size(0) else R
+        rows = (dp_pl, Shard(d) if d is not None else R)
+        grads = tuple(P if isinstance(p, Shard) else R for p in rows)
+        local_labels = labels.redistribute(self.mesh, rows).to_local()
+        mean = target(hidden.redistribute(self.mesh, rows).to_local(),
+                      weight.redistribute(self.mesh, (R, R)).to_local(grad_placements=grads),
+                      local_labels, ignore, *rest, **kwargs)[0]  # fmt: skip
+        count = (local_labels != ignore).sum()
+        total = torch.where(count > 0, mean, torch.zeros_like(mean)) * count.to(mean.dtype)
+        total = DTensor.from_local(total, self.mesh, grads, run_check=False).redistribute(self.mesh, (R, R))
+        count = DTensor.from_local(count.to(torch.float64), self.mesh, grads, run_check=False)
+        count = float(count.redistribute(self.mesh, (R, R)).to_local())
+        self.loss_counts.append(count)
+        return (total / count, None, None)
 
     def _run_gathered(self, target, args, kwargs):
         fa, fk = pytree.tree_map(lambda v: v.full_tensor() if isinstance(v, DTensor) else v, (args, kwargs))

@@ -132,6 +132,8 @@ def strategies_for(node: fx.Node, tp: int) -> list[OpStrategy]:
     if tp == 1 or not tensor_args(node):
         return [replicated(node)]
     rule = _RULES.get(node.target)
+    if rule is None and isinstance(node.target, torch._ops.OpOverload):
+        rule = _RULES.get(str(node.target))  # ops registered by name ("autopar.flash_attention.default")
     if rule is None and node.target in _FOLLOW_RULES and len(tensor_args(node)) == 1:
         rule = _follower_as_rule
     if rule is None:
@@ -390,9 +392,13 @@ def _softmax_rule(node, tp):
 
 @register_rule(aten.layer_norm.default, aten.rms_norm.default)
 def _norm_rule(node, tp):
+    return _rows_norm_strategies(node, tp, len(node.args[1]))
+
+
+def _rows_norm_strategies(node, tp, norm_ndim: int) -> list[OpStrategy]:
+    """A norm over the last `norm_ndim` dims: rows split on any other dim, weight (and bias) whole."""
     args = tensor_args(node)
     in_shape = _shape(node.args[0])
-    norm_ndim = len(node.args[1])
     out = []
     for d in _divisible_dims(in_shape, tp):
         if d >= len(in_shape) - norm_ndim:
@@ -492,6 +498,43 @@ def _sdpa_rule(node, tp):
             off = len(q) - len(ms)
             ins.append(Shard(d - off) if d - off >= 0 and ms[d - off] == q[d] else R)
         out.append(OpStrategy(tuple(ins), Shard(d), tp, name=name))
+    return out
+
+
+# ---------------------------------------------------------------- autopar's fused Triton ops
+# Registered by name: autopar.triton_kernels defines them, and planning must not import Triton.
+
+
+@register_rule("autopar.flash_attention.default")
+def _flash_attention_rule(node, tp):
+    """Attention is independent across heads and batch rows; (out, lse) come out split like q."""
+    q, k = (_shape(a) for a in tensor_args(node)[:2])
+    out = []
+    for d, name in ((1, "head parallel"), (0, "batch parallel")):
+        if q[d] % tp == 0 and k[d] % tp == 0:  # GQA: contiguous head blocks keep each query group with its kv head
+            out.append(OpStrategy((Shard(d),) * 3, Shard(d), tp, name=name))
+    return out
+
+
+@register_rule("autopar.rms_norm.default", "autopar.layer_norm.default")
+def _fused_norm_rule(node, tp):
+    return _rows_norm_strategies(node, tp, 1)
+
+
+@register_rule("autopar.linear_cross_entropy.default")
+def _linear_cross_entropy_rule(node, tp):
+    """Tokens split, LM-head weight whole: each rank's loss sum and kept-label count are summed over the ranks.
+
+    The runtime (`ShardedInterpreter`) does that sum, so the loss comes out replicated and exact whatever the
+    spread of ignored labels; the weight's gradient is a sum over the token shards (Partial).
+    """
+    hidden, weight, labels = tensor_args(node)[:3]
+    h, lab = _shape(hidden), _shape(labels)
+    out = []
+    for d in _divisible_dims(h[:-1], tp):
+        if d < len(lab) and lab[d] == h[d]:
+            ins = (Shard(d), R, Shard(d))
+            out.append(OpStrategy(ins, R, tp, (Shard(d), P, Shard(d)), name=f"split tokens S({d})"))
     return out
 
 

@@ -274,3 +274,36 @@ def test_shifted_logits_with_log_softmax_and_nll_loss_are_fused():
     assert fused.args[0].meta["val"].shape == (10, 16)  # hidden rows shifted like the logits: 2 x 5 tokens
     assert not _calls(case.gm, aten.log_softmax.int)
     _assert_same_numerics(case)
+
+
+@pytest.mark.parametrize("preset, norm", [("tiny-llama", "rms_norm"), ("tiny-gpt2", "layer_norm")])
+def test_meta_device_presets_are_fused_with_masks_proven_in_blocks(preset, norm, monkeypatch):
+    from autopar import presets
+    from autopar.passes import fused_ops
+    from autopar.passes.fused_ops import fuse_traced, fusion_report
+
+    # A mask this small goes in blocks only when the limit is lower: the path planning takes at 4k tokens
+    monkeypatch.setattr(fused_ops, "MAX_MASK_ELEMENTS", 100)
+    config = presets.load_config(preset, num_hidden_layers=2)
+    model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
+    args, kwargs = presets.example_batch(config, 3, 16, device="meta")
+    traced = fuse_traced(trace_model(model.train(), args, kwargs))
+    report = fusion_report(traced)
+    assert report.skipped == ()
+    assert {op: n for op, n in report.counts.items() if n} == {"flash_attention": 2, norm: 5, "linear_cross_entropy": 1}
+    flash = _calls(traced.graph_module, autopar_ops.flash_attention.default)
+    assert all(n.args[3] is True and n.meta["val"][0].device.type == "meta" for n in flash)  # proven causal
+    # the exported program names the new output nodes (the loss is now a fused op's value)
+    outputs = next(n for n in traced.graph_module.graph.nodes if n.op == "output").args[0]
+    assert [s.arg.name for s in traced.exported.graph_signature.output_specs] == [n.name for n in outputs]
+    assert fuse_traced(traced).graph_module is traced.graph_module  # fused once
+
+
+def test_non_causal_mask_is_rejected_in_blocks(monkeypatch):
+    from autopar.passes import fused_ops
+
+    monkeypatch.setattr(fused_ops, "MAX_MASK_ELEMENTS", 8)  # the 6 x 6 band mask (and its broadcasts) go in blocks
+    traced = trace_model(_Attention("band"), (_x(),))
+    report = fuse_kernels_pass(traced.graph_module, None).meta[FUSED_META_KEY]
+    assert report.counts["flash_attention"] == 0
+    assert "arbitrary (non-causal) mask" in report.skipped[0].reason, report.skipped

@@ -81,3 +81,37 @@ def test_unruled_op_is_replicated_and_recorded():
 def test_placement_strings_round_trip():
     for p in (Replicate(), Partial(), Shard(0), Shard(3)):
         assert rules.parse_placement(rules.placement_str(p)) == p
+
+
+def _fused_graph():
+    """A fused tiny LLaMA, traced on the meta device."""
+    from autopar import presets
+    from autopar.passes.fused_ops import fuse_traced
+
+    config = presets.load_config("tiny-llama", num_hidden_layers=1)
+    model = presets.build_model(config, device="meta")
+    args, kwargs = presets.example_batch(config, 4, 16, device="meta")
+    return fuse_traced(trace_model(model, args, kwargs)).graph_module.graph
+
+
+def test_fused_ops_have_rules():
+    placement_str = rules.placement_str
+    graph = _fused_graph()
+    by_op = {}
+    for node in graph.nodes:
+        if str(node.target).startswith("autopar."):
+            by_op.setdefault(str(node.target).split(".")[1], node)
+    assert set(by_op) == {"flash_attention", "rms_norm", "linear_cross_entropy"}
+
+    def named(node, tp):
+        return {s.name: s for s in rules.strategies_for(node, tp)[1:]}
+
+    kv_heads = by_op["flash_attention"].args[1].meta["val"].shape[1]
+    assert named(by_op["flash_attention"], kv_heads).keys() == {"head parallel", "batch parallel"}
+    assert named(by_op["flash_attention"], 8).keys() == set()  # 4 heads, batch 4: nothing splits 8 ways
+    rows = named(by_op["rms_norm"], 2)
+    assert rows and all(s.inputs[1] == Replicate() and s.grad_placements()[1].is_partial() for s in rows.values())
+    assert "rows S(2)" not in rows  # never the normalised (last) dim
+    (tokens,) = named(by_op["linear_cross_entropy"], 2).values()
+    assert [placement_str(p) for p in tokens.inputs] == ["S(0)", "R", "S(0)"]
+    assert placement_str(tokens.output) == "R" and placement_str(tokens.grad_placements()[1]) == "P"

@@ -1,0 +1,67 @@
+"""Kernel fusion in planning: on by default for GPU clusters, off on CPUs, recorded in the plan and its report.
+
+GPU plans are made on the meta device (llama2-7b, two traced layers standing for 32), so nothing runs a kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.passes.fused_ops import FUSED_OPS
+from tests.models import make_batch, make_model
+
+GPU = "8xA100-80GB"
+BATCH, SEQ = 16, 4096  # the HF causal mask is 16 x 1 x 4096 x 4096: proven causal in blocks
+
+
+@pytest.fixture(scope="module")
+def gpu_plans() -> dict:
+    """llama2-7b on one 8-GPU node: the default (fused) plan, the unfused one, and a fused plan pinned to tp=8."""
+    kw = {"global_batch_size": BATCH, "seq_len": SEQ}
+    return {"fused": autopar.plan("llama2-7b", GPU, **kw), "unfused": autopar.plan("llama2-7b", GPU, fuse_kernels=False, **kw),
+            "tp8": autopar.plan("llama2-7b", GPU, constraints={"tp": 8, "dp": 1}, **kw)}  # fmt: skip
+
+
+def test_gpu_plan_fuses_every_layer_by_default(gpu_plans):
+    plan = gpu_plans["fused"]
+    # 32 layers: one attention and two norms each, the final norm, one LM-head loss
+    counts = {"flash_attention": 32, "rms_norm": 65, "layer_norm": 0, "linear_cross_entropy": 1}
+    assert plan.fusion == {"enabled": True, "skipped": [], "counts": counts}
+    assert any(name.startswith("flash_attention") for name in plan.node_strategy)  # the plan names the fused graph
+    assert not any(name.startswith("scaled_dot_product_attention") for name in plan.node_strategy)
+    report = plan.explain()
+    assert "| kernel fusion | on: 32 flash_attention, 65 rms_norm, 1 linear_cross_entropy |" in report
+    assert gpu_plans["unfused"].fusion["enabled"] is False
+    assert "| kernel fusion | off (ATen ops) |" in gpu_plans["unfused"].explain()
+
+
+def test_fused_plan_is_predicted_no_slower(gpu_plans):
+    # flash attention skips the s x s scores (bytes, and half the FLOPs when causal); the fused loss skips the logits
+    assert gpu_plans["fused"].predicted.step_time_s <= gpu_plans["unfused"].predicted.step_time_s
+
+
+def test_solver_shards_the_fused_ops_on_the_tensor_axis(gpu_plans):
+    strategies = {name: s for name, s in gpu_plans["tp8"].node_strategy.items() if s and not s.startswith("follows")}
+    fused = {name: s for name, s in strategies.items() if name.split("_default")[0] in FUSED_OPS}
+    assert fused, strategies
+    assert all(s != "replicate" for s in fused.values()), fused  # each one runs on 1/8 of the heads, rows or tokens
+
+
+def test_fusion_survives_json(gpu_plans):
+    plan = gpu_plans["fused"]
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again.fusion == plan.fusion
+    assert "kernel fusion" in again.explain("html")
+
+
+def test_cpu_plans_do_not_fuse_unless_asked():
+    model = make_model("llama", num_layers=1)
+    args, kwargs = make_batch("llama", batch=2, seq=8)
+    off = autopar.plan(model, "cpu:1", args, kwargs)
+    assert off.fusion["enabled"] is False and not any(off.fusion["counts"].values())
+    assert any(name.startswith("scaled_dot_product_attention") for name in off.node_strategy)
+    on = autopar.plan(model, "cpu:1", args, kwargs, fuse_kernels=True)
+    assert on.fusion["counts"] == {"flash_attention": 1, "rms_norm": 3, "layer_norm": 0, "linear_cross_entropy": 1}
+    assert torch.isfinite(torch.tensor(on.predicted.step_time_s))
