@@ -117,6 +117,43 @@ def _chain_backward_s(make_link, repeats: int, length: int = 500) -> float:
     return statistics.median(run() for _ in range(repeats)) / length
 
 
+def _small_op_mix() -> list:
+    """Twenty different ATen ops and views on 4 x 4 tensors, each `x -> y` of the same shape."""
+    aten = torch.ops.aten
+    b = torch.ones(4, 4)
+    unary = (aten.neg.default, aten.exp.default, aten.sin.default, aten.cos.default, aten.tanh.default,
+             aten.sigmoid.default, aten.relu.default, aten.sqrt.default, aten.abs.default, aten.silu.default,
+             aten.rsqrt.default)  # fmt: skip
+    binary = (aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.mm.default)
+    ops = [lambda x, f=f: f(x) for f in unary] + [lambda x, f=f: f(x, b) for f in binary]
+    return ops + [
+        lambda x: aten.pow.Tensor_Scalar(x, 2),
+        lambda x: aten.transpose.int(x, 0, 1),
+        lambda x: aten.view.default(x, [4, 4]),
+        lambda x: aten.slice.Tensor(x, 0, 0, 4),
+    ]
+
+
+def _cold_dispatch_extra_s(repeats: int, length: int = 2000) -> float:
+    """Seconds per op that a chain of different ops pays over the same ops each timed in a loop of itself."""
+    ops = _small_op_mix()
+    a = torch.ones(4, 4, requires_grad=True)
+
+    def chain():
+        x = a
+        for i in range(length):
+            x = ops[i % len(ops)](x)
+
+    def loops():
+        for op in ops:
+            for _ in range(length // len(ops)):
+                op(a)
+
+    mixed = median_time_s(chain, repeats) / length
+    looped = median_time_s(loops, repeats) / (length // len(ops) * len(ops))
+    return max(mixed - looped, 0.0)
+
+
 def measure_host_overheads(repeats: int) -> dict[str, float]:
     """The fixed host costs of an eager training step on one-element tensors (no work, only bookkeeping).
 
@@ -128,6 +165,10 @@ def measure_host_overheads(repeats: int) -> dict[str, float]:
       metadata and, in backward, a node that reshapes the gradient).
     - `grad_call_s`: one `torch.autograd.grad` call through a single add: what a profile of one op's
       backward pays on top of the op's own backward node (the engine's start and finish).
+    - `op_cold_extra_s`: what one op of a forward pays on top of its time in a loop of itself: a
+      chain cycling through twenty different small ops and views, per op, less the mean time of
+      the same ops each called in a loop. A loop keeps one op's dispatch path in the caches and
+      the branch predictors; a real forward, op after different op, does not.
     """
     add, view = torch.ops.aten.add.Tensor, torch.ops.aten.view.default
     a, b = torch.ones(1, requires_grad=True), torch.ones(1)
@@ -145,6 +186,7 @@ def measure_host_overheads(repeats: int) -> dict[str, float]:
     single = median_time_s(lambda: torch.autograd.grad(out, [a], grad, retain_graph=True), repeats * 20)
     op_backward = _chain_backward_s(lambda x: add(x, b), repeats)
     return {
+        "op_cold_extra_s": _cold_dispatch_extra_s(repeats),
         "op_forward_s": forward(lambda: add(a, b)),
         "op_backward_s": op_backward,
         "view_forward_s": forward(lambda: view(a, [1])),

@@ -22,6 +22,9 @@ and kept in the cache file next to the ops) turn the isolated timings into in-st
 - a backward timed alone pays one `torch.autograd.grad` call (the engine's start and finish,
   `grad_call_s`) where a step's backward pays one node (`op_backward_s`): the difference is
   taken off, and no op's backward is priced below one node;
+- an op timed in a loop of itself runs with its dispatch path warm in the caches and branch
+  predictors; in a forward, op after different op, it is not: every forward pays
+  `op_cold_extra_s` more;
 - views and metadata ops launch no kernel and are not timed, but each still pays dispatch in
   the forward (`view_forward_s`) and, when its output is floating, a backward node
   (`view_backward_s`);
@@ -62,6 +65,7 @@ from autopar.cost_model.devices import DType, get_device
 CACHE_ENV = "AUTOPAR_PROFILE_CACHE"
 _HOST_FIELDS = (
     "op_forward_s",
+    "op_cold_extra_s",
     "op_backward_s",
     "view_forward_s",
     "view_backward_s",
@@ -149,9 +153,11 @@ class ProfiledEstimator:
 
     def forward_time_s(self, node: fx.Node, divisor: float) -> float:
         host = self.host_overheads()
+        cold = host["op_cold_extra_s"]
         if self._is_view(node):
-            return self.ranks_per_core * host["view_forward_s"] if node.op == "call_function" else 0.0
-        return self.ranks_per_core * _split(self._measure(node)["forward_s"], host["op_forward_s"], divisor)
+            return self.ranks_per_core * (host["view_forward_s"] + cold) if node.op == "call_function" else 0.0
+        fixed = host["op_forward_s"] + cold
+        return self.ranks_per_core * _split(self._measure(node)["forward_s"] + cold, fixed, divisor)
 
     def backward_time_s(self, node: fx.Node, divisor: float) -> float:
         host = self.host_overheads()

@@ -104,8 +104,11 @@ def test_ring_fit_refuses_times_that_do_not_grow():
 
 def test_host_costs_are_measured_per_call():
     host = calibrate.measure_host_overheads(repeats=1)
-    assert set(host) == {"op_forward_s", "op_backward_s", "view_forward_s", "view_backward_s", "grad_call_s"}
-    assert all(0 < t < 1e-3 for t in host.values()), host  # a bookkeeping call, far below a millisecond
+    assert set(host) == {"op_forward_s", "op_cold_extra_s", "op_backward_s", "view_forward_s", "view_backward_s",
+                         "grad_call_s"}  # fmt: skip
+    # bookkeeping calls, far below a millisecond; the cold extra is a difference of two timings, so it may be 0
+    assert all(0 < t < 1e-3 for k, t in host.items() if k != "op_cold_extra_s"), host
+    assert 0 <= host["op_cold_extra_s"] < 1e-3
     # one autograd.grad call runs a backward node and starts and finishes the engine: more than the node alone
     assert host["grad_call_s"] > host["op_backward_s"]
 
