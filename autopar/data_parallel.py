@@ -118,6 +118,12 @@ class DataParallelProgram(torch.nn.Module):
         make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self.optimizer = make_opt(list(self.params))
         self._buckets = self._gradient_buckets()
+        # Placeholder values but the user inputs, fixed for the program's life (parameters are updated in place):
+        # a step fills in the inputs instead of walking the signature again.
+        kinds = self.traced.placeholder_kinds
+        self._input_slots = [i for i, kind in enumerate(kinds) if kind == "input"]
+        self._placeholders = placeholder_values(self.traced, list(self.params), self._buffers_list, self._constants.get,
+                                                [None] * len(self._input_slots))  # fmt: skip
 
     def _gradient_buckets(self) -> list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, torch.Tensor]]]]:
         """(flat buffer, [(parameter, its gradient view)]) per bucket of about BUCKET_BYTES, in parameter order.
@@ -176,7 +182,10 @@ class DataParallelProgram(torch.nn.Module):
         self._zero_grads()
         losses, counts = [], []
         for flat in self._local_micro_batches(args, kwargs):
-            outs = self._gm(*placeholder_values(self.traced, self.params, self._buffers_list, self._constants.get, flat))
+            values = list(self._placeholders)
+            for slot, value in zip(self._input_slots, flat, strict=False):
+                values[slot] = value
+            outs = self._gm(*values)
             loss = outs[self._num_mutated]
             if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
                 raise LoweringError("the model's first output is not a scalar loss: pass labels so the model "
