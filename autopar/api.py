@@ -333,7 +333,8 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
                "memory_bytes": sum(st.memory.values())} for st in psol.stages]  # fmt: skip
     info = {"schedule": str(psol.schedule), "virtual_stages": psol.virtual_stages,
             "bubble_fraction": psol.bubble_fraction, "micro_batch_size": psol.micro_batch_size, "stages": stages,
-            "step_time_without_pipeline_s": psol.single_stage_step_time_s}  # fmt: skip
+            "step_time_without_pipeline_s": psol.single_stage_step_time_s,
+            "priced": [dict(c) for c in psol.candidates]}  # fmt: skip
     stats = _stats(graph, est, t0, t_trace, psol.solve_time_s, stage_programs=psol.num_stage_programs)
     return Plan(model_name=name, cluster=cluster, mesh={"pp": psol.pp, "dp": psol.dp, "tp": psol.tp},
                 zero_stage=max(st.zero_stage for st in psol.stages), num_microbatches=psol.num_microbatches,
@@ -446,10 +447,16 @@ def _compile_pipeline(model, cluster: ClusterSpec, plan: Plan, args, kwargs, opt
 
     mb_args, mb_kwargs = micro_batches(args, kwargs, plan.global_batch_size, plan.num_microbatches)[0]
     traced = trace_model(model, mb_args, mb_kwargs)
+    fuse = bool(plan.fusion.get("enabled"))
+    if fuse:  # the stages run the graph the plan priced
+        from autopar.passes.fused_ops import fuse_traced
+
+        traced = fuse_traced(traced)
     dp, tp = plan.mesh["dp"], plan.mesh["tp"]
     pins = {"pp": 1, "dp": dp, "tp": tp, "zero": plan.zero_stage, "num_microbatches": 1, "recompute": plan.recompute}
     placements = globals()["plan"](model, sub_cluster(cluster, dp * tp), mb_args, mb_kwargs, _traced=traced,
-                                   constraints=pins, memory_budget=float("inf"), precision=plan.precision)  # fmt: skip
+                                   constraints=pins, memory_budget=float("inf"), precision=plan.precision,
+                                   offload=False, fuse_kernels=fuse)  # fmt: skip
     return PipelineProgram(model, traced, plan, placements, cluster, optimizer=optimizer)
 
 

@@ -56,13 +56,23 @@ def _pipeline_section(plan) -> list[str]:
              f"bubble {info['bubble_fraction']:.1%} of the time without one ((p - 1) / m, / v when interleaved)."]  # fmt: skip
     without = info.get("step_time_without_pipeline_s")
     lines += [f"The best plan without a pipeline: {without * 1e3:,.2f} ms." if without else
-              "No plan without a pipeline fits.", ""]  # fmt: skip
+              "No plan without a pipeline was priced (the number of stages is pinned) or none fits.", ""]  # fmt: skip
     rows = [[str(st["index"]), ", ".join(f"{a}-{b - 1}" for a, b in st["layers"]), f"dp={st['dp']} tp={st['tp']}",
              str(st["zero_stage"]), st["recompute"], f"{st['time_per_microbatch_s'] * 1e3:,.3f}",
              f"{st['transfer_per_microbatch_s'] * 1e3:,.3f}", f"{st['activation_copies']:g}",
              f"{st['memory_bytes'] / GIB:,.2f}"] for st in info["stages"]]  # fmt: skip
     lines += _table(["stage", "layers", "sub-mesh", "ZeRO", "recompute", "ms / micro-batch", "transfer ms",
                      "micro-batches in flight", "memory GiB"], rows)  # fmt: skip
+    priced = sorted(info.get("priced", ()), key=lambda c: (c["step_time_s"] is None, c["step_time_s"] or 0.0))
+    if priced:
+        lines += ["", "Layouts priced exactly, fastest first (each at its best cut of the layers; the search "
+                  "stops once no remaining layout's estimate can beat the best):", ""]  # fmt: skip
+        rows = [[f"pp={c['pp']} dp={c['dp']} tp={c['tp']}", str(c["num_microbatches"]),
+                 c["schedule"] + (f" x{c['virtual_stages']}" if c.get("virtual_stages", 1) > 1 else ""),
+                 f"{c['estimate_s'] * 1e3:,.2f}",
+                 f"{c['step_time_s'] * 1e3:,.2f}" if c["step_time_s"] is not None else c.get("reason", "")]
+                for c in priced]  # fmt: skip
+        lines += _table(["layout", "micro-batches", "schedule", "estimate ms", "step ms"], rows)
     return lines + [""]
 
 
@@ -116,13 +126,16 @@ def render_markdown(plan) -> str:
         "",
         *_pipeline_section(plan),
         *_fusion_section(plan),
-        "## Why this mesh",
-        "",
-        "Every factorisation of the world size into dp x tp was solved; each row is the optimum for that mesh, "
-        "with the fewest micro-batches whose activations fit (more when that let the states stay less sharded), "
-        "recomputing activations only where memory required it.",
-        "",
     ]
+    if plan.alternatives:  # a pipeline plan lists the layouts it priced in its Pipeline section instead
+        lines += [
+            "## Why this mesh",
+            "",
+            "Every factorisation of the world size into dp x tp was solved; each row is the optimum for that "
+            "mesh, with the fewest micro-batches whose activations fit (more when that let the states stay less "
+            "sharded), recomputing activations only where memory required it.",
+            "",
+        ]
     rows = []
     for alt in sorted(plan.alternatives, key=lambda a: (a["step_time_s"] is None, a["step_time_s"] or 0.0)):
         chosen = alt["dp"] == plan.mesh.get("dp") and alt["tp"] == plan.mesh.get("tp")
@@ -135,13 +148,15 @@ def render_markdown(plan) -> str:
             alt.get("recompute", "none") if alt["feasible"] else "-",
             f"{sum(alt['memory'].values()) / GIB:,.2f}" if alt["feasible"] else alt.get("reason") or "does not fit",
         ])  # fmt: skip
-    lines += _table(["mesh", "micro-batches", "step ms", "compute ms", "reshard ms", "grad sync ms", "ZeRO",
-                     "recompute", "memory GiB"], rows)  # fmt: skip
+    if rows:
+        lines += _table(["mesh", "micro-batches", "step ms", "compute ms", "reshard ms", "grad sync ms", "ZeRO",
+                         "recompute", "memory GiB"], rows)  # fmt: skip
     lines += ["", "## Parameter placements on the tensor axis", ""]
     lines += _table(["parameter", "placement"], _linear_summary(plan))
     strategies = Counter(s for s in plan.node_strategy.values() if not s.startswith("follows"))
-    lines += ["", "## Op strategies", ""]
-    lines += _table(["strategy", "ops"], [[s or "(single choice)", str(n)] for s, n in strategies.most_common()])
+    if strategies:
+        lines += ["", "## Op strategies", ""]
+        lines += _table(["strategy", "ops"], [[s or "(single choice)", str(n)] for s, n in strategies.most_common()])
     if plan.unruled_ops:
         lines += ["", "## Ops without a sharding rule (run replicated on the tensor axis)", ""]
         lines += [f"- `{op}`" for op in plan.unruled_ops]

@@ -26,7 +26,12 @@ def test_pinned_pipeline_is_in_the_plan(pinned):
     assert pinned.predicted.peak_memory_bytes == pytest.approx(max(st["memory_bytes"] for st in info["stages"]))
     # every parameter of the model has a placement, layers included
     assert sum(1 for n in pinned.param_placements if n.startswith("transformer.h.")) == 24 * 12
-    assert "## Pipeline" in pinned.explain() and "1f1b" in pinned.summary()
+    report = pinned.explain()
+    assert "## Pipeline" in report and "1f1b" in pinned.summary()
+    # the layouts the search priced, the chosen one among them at the plan's predicted step time
+    assert "Layouts priced" in report and "## Why this mesh" not in report
+    chosen = [c for c in info["priced"] if c["pp"] == 2 and c["step_time_s"] is not None]
+    assert min(c["step_time_s"] for c in chosen) == pytest.approx(pinned.predicted.step_time_s)
 
 
 def test_pipeline_plan_round_trips(pinned):
