@@ -1060,7 +1060,8 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         batch_size: the global batch (dim 0 of the inputs), split over dp.
         progress: optional callable(str) told about each mesh as it is solved.
         offload: False keeps every state on the device; None lets each program put optimizer states and
-            gradients on the host where memory requires it; True puts all of them there.
+            gradients on the host where memory requires it; True puts all of them there. Only meshes without
+            a tensor axis (tp=1) offload: that is what the offload program runs.
     Raises:
         InfeasiblePlanError: no mesh fits, with the memory the best layout needs.
     """
@@ -1069,14 +1070,22 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
     if zero is not None and zero not in (0, 1, 2, 3):
         raise ConfigError(f"constraints['zero']={zero!r}: expected 0, 1, 2 or 3")
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
+    if offload is True and constraints.get("tp", 1) != 1:
+        raise ConfigError(f"offload=True with constraints['tp']={constraints['tp']}: host offload runs on meshes "
+                          f"without a tensor axis; pin tp=1 or leave offload to the solver (offload=None)")  # fmt: skip
     prec = Precision.get(precision)
     recompute = _pinned_recompute(graph, constraints.get("recompute"))
     rules.UNRULED_OPS.clear()
     t0 = time.perf_counter()
     results, bounds, candidates = [], [], []
     for dp, tp in _pinned(constraints, cluster.world_size, batch_size):
+        if offload is True and tp > 1:
+            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
+                                      "offload=True: host offload runs on meshes without a tensor axis"))  # fmt: skip
+            continue
         make = _program_factory(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
-                                budget=budget, batch_size=batch_size, recompute=recompute, offload=offload)  # fmt: skip
+                                budget=budget, batch_size=batch_size, recompute=recompute,
+                                offload=offload if tp == 1 else False)  # fmt: skip
         fits = None
         for m in _microbatch_choices(batch_size // dp, constraints):
             prog = make(m)
