@@ -477,9 +477,10 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
     spec, estimator, calibration = calibrate_cost_model(world, out, repeats=settings.calibration_repeats,
                                                         show_progress=show_progress)  # fmt: skip
     plans = {m.name: plan_model(m, spec, estimator).to_json() for m in models}
+    load_before = _load_average()
     results = _summarise(spawn_ranks(world, models, settings, show_progress=show_progress, plans=plans))
     doc = {"environment": environment(), "cluster": cluster, "world_size": world, "settings": asdict(settings),
-           "calibration": calibration,
+           "calibration": calibration, "load_average": {"before": load_before, "after": _load_average()},
            "memory_measure": "state_bytes_per_rank: parameters + gradients + optimizer states held by a rank, "
                              "counted from its tensors; peak_rss_delta_bytes: growth of the resident set "
                              "(VmHWM after reset through /proc/self/clear_refs) over a repetition, max over ranks",
@@ -489,6 +490,14 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
     (out / "run.md").write_text(markdown(doc))
     plot(results, out / "run.png")
     return doc
+
+
+def _load_average() -> float | None:
+    """The machine's one-minute load average: other work on the cores slows a run that the cost model cannot see."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
 
 
 def _cpu_world(cluster: str) -> int:
@@ -516,7 +525,7 @@ def markdown(doc: dict) -> str:
         f"Measured on {doc['world_size']} gloo ranks, one thread each: {s['warmup_steps']} warm-up steps, then "
         f"{s['repetitions']} repetitions of {s['steps_per_repetition']} steps per method, methods in rotating "
         f"order. Step time: {doc['time_measure']}. Memory: {doc['memory_measure']}. " + env_md(doc["environment"]),
-        _calibration_md(doc.get("calibration") or {}),
+        _calibration_md(doc.get("calibration") or {}) + _load_md(doc.get("load_average") or {}),
         md_table(["model", "method", "median step", "min – max ((max − min) / median)", "states per rank",
                   "peak RSS growth", "time / best baseline", "autopar predicted step",
                   "(predicted − measured) / measured"], rows),
@@ -526,6 +535,13 @@ def markdown(doc: dict) -> str:
 def _prediction_error(m: dict) -> str | None:
     predicted = m.get("predicted_step_time_s")
     return None if predicted is None else f"{(predicted - m['median_step_time_s']) / m['median_step_time_s']:+.0%}"
+
+
+def _load_md(load: dict) -> str:
+    if load.get("before") is None:
+        return ""
+    return (f" Load average (1 min) of the machine: {load['before']:.1f} before the run, {load['after']:.1f} after "
+            f"(with {os.cpu_count()} CPUs, more than the ranks means other work shared the cores).")  # fmt: skip
 
 
 def _calibration_md(cal: dict) -> str:
