@@ -1,6 +1,7 @@
 """Train a small LLaMA with autopar on local CPU ranks.
 
     torchrun --standalone --nproc_per_node 2 examples/train_llama.py --steps 5
+    torchrun --standalone --nproc_per_node 4 examples/train_llama.py --pp 2 --schedule 1f1b
 
 Every rank builds the same model (same seed) and passes the same global batch; autopar plans
 the layout for `cpu:N`, keeps each rank's shards, and trains.
@@ -24,6 +25,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--tp", type=int, default=None, help="pin the tensor-parallel axis size")
+    ap.add_argument("--pp", type=int, default=None, help="pin the number of pipeline stages")
+    ap.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default=None,
+                    help="pin the pipeline schedule (with --pp)")  # fmt: skip
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -34,7 +38,8 @@ def main() -> None:
     model = presets.build_model(config, device="cpu")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), generator=g)
-    constraints = {"tp": args.tp} if args.tp else None
+    pins = {"tp": args.tp, "pp": args.pp, "schedule": args.schedule}
+    constraints = {k: v for k, v in pins.items() if v is not None} or None
     pm = autopar.compile(model, cluster, (ids,), {"labels": ids}, constraints=constraints,
                          optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3))  # fmt: skip
     rank = dist.get_rank()
