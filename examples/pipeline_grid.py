@@ -45,7 +45,9 @@ def main() -> int:
                 try:
                     p = autopar.plan(args.model, args.cluster, constraints=pins, **case)
                 except AutoparError as e:
-                    print(f"pp={pp:<3} tp={tp} dp={dp:<4} b={b}: -  ({type(e).__name__}: {str(e).splitlines()[0][:90]})")
+                    print(
+                        f"pp={pp:<3} tp={tp} dp={dp:<4} b={b}: -  ({type(e).__name__}: {str(e).splitlines()[0][:90]})"
+                    )
                     continue
                 step = p.predicted.step_time_s
                 sched = p.pipeline.get("schedule", "-") if p.pipeline else "-"
