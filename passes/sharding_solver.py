@@ -95,6 +95,7 @@ the joint program), stopping at a stage that reaches the mode's bound.
 Offload only adds time (the host link and the CPU step are not overlapped with compute), so a program
 keeps states on the host only where memory requires it; it enters the lower bounds above as the
 states it can move (capped by host memory), which lets fewer micro-batches and lower stages fit.
+Only meshes without a tensor axis (tp = 1) offload, as the offload program runs them.
 """
 
 from __future__ import annotations
