@@ -21,7 +21,8 @@ labels its mean cross-entropy kept, or 1); the gradients accumulate over the mic
 divided by sum w_i before the optimizer step, so the step equals one over the whole batch.
 Parameters used on two stages on different ranks (GPT-2's token embedding, tied to its LM head)
 have a copy on each; their gradients are summed over the stages that hold them before the step,
-so the copies stay equal.
+so the copies stay equal. Gradients of parameters replicated over dp stay partial through the
+micro-batches and are all-reduced over dp once per step, in buckets, as the plan prices them.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, LoweringError
@@ -215,6 +216,7 @@ class PipelineProgram(torch.nn.Module):
         self._aliases = dict(traced.param_aliases)
         self._state_names = list(model.state_dict().keys())
         self._tie_groups = self._make_tie_groups(holders)
+        self._dp_summed = [k for k in self._param_names if dp > 1 and self._placements[k][0] == R]
 
         recompute = {st["index"]: st.get("recompute", plan.recompute) for st in info["stages"]}
         self.stages = [_Stage(self, sg, recompute.get(sg.index % pp, plan.recompute)) for sg in mine]
@@ -263,9 +265,11 @@ class PipelineProgram(torch.nn.Module):
         """The value of a traced placeholder on this rank for micro-batch `mb`, as the interpreter takes it."""
         kind, key = self._kind[name]
         if kind == "param":
-            shape = self._shapes[key]
-            return DTensor.from_local(self._shard[key], self.mesh, self._placements[key], run_check=False,
-                                      shape=torch.Size(shape), stride=_contiguous_stride(shape))  # fmt: skip
+            shape, pl = self._shapes[key], self._placements[key]
+            # replicated over dp: keep this rank's partial gradient; `train_step` sums it over dp once per step
+            grad_pl = (Partial(), pl[1]) if key in self._dp_summed else pl
+            return DTensor.from_local(self._shard[key], self.mesh, pl, run_check=False, shape=torch.Size(shape),
+                                      stride=_contiguous_stride(shape), grad_placements=grad_pl)  # fmt: skip
         if kind == "buffer":
             return DTensor.from_local(self._buffers[key], self.mesh, (R, R), run_check=False)
         if kind == "constant":
@@ -311,6 +315,7 @@ class PipelineProgram(torch.nn.Module):
         last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
         dist.broadcast(totals, src=last_rank, group=self.pp_group)
         loss_sum, weight = float(totals[0]), float(totals[1])
+        self._sum_over_dp()
         for names, group in self._tie_groups:
             for fqn in names:
                 g = self._shard[fqn].grad
@@ -322,6 +327,23 @@ class PipelineProgram(torch.nn.Module):
                     p.grad.div_(weight)
         self.optimizer.step()
         return loss_sum / weight if weight > 0 else loss_sum / self.num_microbatches
+
+    def _sum_over_dp(self, bucket_bytes: int = 25 * 2**20) -> None:
+        """All-reduce the gradients of dp-replicated parameters once per step, in flat buckets of one dtype."""
+        grads = [self._shard[k].grad for k in self._dp_summed if self._shard[k].grad is not None]
+        group = self.mesh.get_group("dp")
+        bucket: list[torch.Tensor] = []
+        for g in [*grads, None]:
+            full = bucket and (g is None or g.dtype != bucket[0].dtype or
+                               sum(b.numel() for b in bucket) * bucket[0].element_size() >= bucket_bytes)  # fmt: skip
+            if full:
+                flat = torch.cat([b.reshape(-1) for b in bucket])
+                dist.all_reduce(flat, group=group)
+                for b, piece in zip(bucket, flat.split([b.numel() for b in bucket]), strict=True):
+                    b.copy_(piece.view_as(b))
+                bucket = []
+            if g is not None:
+                bucket.append(g)
 
     def forward(self, *args, **kwargs):
         raise LoweringError("a pipeline program runs training steps (train_step); it has no plain forward")
