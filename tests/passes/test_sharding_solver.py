@@ -132,16 +132,17 @@ def test_bad_constraints_and_batch():
 
 
 def test_micro_batches_when_activations_do_not_fit():
-    # llama2-7b at 64 x 4096 tokens on one 40 GB node: the states fit when sharded, the activations
-    # of the whole batch do not, so the plan accumulates gradients over micro-batches
-    plan = autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=64, seq_len=4096)
+    # llama2-7b at 128 x 4096 tokens on one 40 GB node: the states fit when sharded, the activations
+    # of the whole batch do not (not even through fused attention and full recompute, and with the states
+    # kept on the device), so the plan accumulates gradients over micro-batches
+    plan = autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=128, seq_len=4096)
     assert plan.num_microbatches > 1
     assert plan.predicted.peak_memory_bytes <= plan.cluster.device.memory_bytes
     assert plan.global_batch_size == plan.mesh["dp"] * plan.num_microbatches * plan.micro_batch_size
     with pytest.raises(InfeasiblePlanError, match="needs at least"):
-        autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=64, seq_len=4096,
+        autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=128, seq_len=4096,
                      constraints={"num_microbatches": 1}, offload=False)  # fmt: skip
-    pinned = autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=64, seq_len=4096,
+    pinned = autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=128, seq_len=4096,
                           constraints={"micro_batch_size": 1})  # fmt: skip
     assert pinned.micro_batch_size == 1
     # the free search may pick any micro-batch count, so it is never slower than a pinned one
