@@ -1,7 +1,9 @@
 """`autopar bench compile`: how planning time grows with the depth of the model and the size of the cluster.
 
 Two sweeps, each split into tracing (`torch.export` plus building the OpGraph), solving (the
-integer programs, `plan.stats["solve_time_s"]`), other planning work (FLOP counting, assembling
+integer programs of the winning layout, `plan.stats["solve_time_s"]`), other planning work (on
+clusters of more than one node mostly the pipeline search, which prices stage cuts, sub-meshes
+and schedules before the single-stage layout wins or loses; then FLOP counting and assembling
 the plan) and rewriting. Rewriting is reported as 0: this suite only plans, and the rewrite
 (`autopar.compile` building the parallel program) needs a process group of the cluster's size
 and real parameters; `autopar bench run` reports autopar's full compile time on real ranks.
@@ -114,8 +116,8 @@ def _rows(points: list[dict], key: str) -> list[list]:
 
 
 def markdown(doc: dict) -> str:
-    cols = ["graph nodes", "decision groups", "candidates solved", "tracing s", "solving s", "other s", "rewriting s",
-            "total s"]
+    cols = ["graph nodes", "decision groups", "candidates solved", "tracing s", "solving s",
+            "other s (pipeline search, ...)", "rewriting s", "total s"]
     sw = doc["sweep"]
     return "\n\n".join([
         "# autopar bench compile",
