@@ -78,6 +78,21 @@ def sum_loss_pass(gm: fx.GraphModule, example_inputs, *, loss_index: int) -> fx.
     return gm
 
 
+def drop_assertions_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    """Remove the graph's `_assert_tensor_metadata` checks (export's record of `.to()` calls).
+
+    They check, on every call, the dtype and device the trace already fixed; each costs a dispatch and
+    returns nothing, so no other node depends on them.
+    """
+    del example_inputs
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == aten._assert_tensor_metadata.default and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
 class DataParallelProgram(torch.nn.Module):
     """A dp x 1 plan on this rank: the whole model, the exported graph run directly, bucketed all-reduce.
 
@@ -102,7 +117,8 @@ class DataParallelProgram(torch.nn.Module):
             self.traced = fuse_traced(self.traced)
         sig = self.traced.exported.graph_signature
         self._num_mutated = len(sig.buffers_to_mutate) + len(getattr(sig, "user_inputs_to_mutate", {}))
-        self._gm = sum_loss_pass(self.traced.graph_module, None, loss_index=self._num_mutated)
+        self._gm = sum_loss_pass(drop_assertions_pass(self.traced.graph_module, None), None,
+                                 loss_index=self._num_mutated)  # fmt: skip
         self._counted = self._gm.meta["autopar_loss_count"]
         named = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))

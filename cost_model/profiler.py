@@ -25,6 +25,7 @@ and kept in the cache file next to the ops) turn the isolated timings into in-st
 - an op timed in a loop of itself runs with its dispatch path warm in the caches and branch
   predictors; in a forward, op after different op, it is not: every forward pays
   `op_cold_extra_s` more;
+- `_assert_tensor_metadata` checks cost nothing: the parallel programs drop them before running;
 - views and metadata ops launch no kernel and are not timed, but each still pays dispatch in
   the forward (`view_forward_s`) and, when its output is floating, a backward node
   (`view_backward_s`);
@@ -73,6 +74,8 @@ _HOST_FIELDS = (
     "optimizer_tensor_s",
     "optimizer_s_per_param_byte",
 )
+# Nodes the parallel programs drop before running the graph (export's dtype/device checks): free.
+_NOT_RUN = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 _CACHE_VERSION = 1
 _WARMUP = 2
 
@@ -152,6 +155,8 @@ class ProfiledEstimator:
     # ---------------------------------------------------------------------------- public
 
     def forward_time_s(self, node: fx.Node, divisor: float) -> float:
+        if node.target in _NOT_RUN:
+            return 0.0
         host = self.host_overheads()
         cold = host["op_cold_extra_s"]
         if self._is_view(node):
@@ -160,6 +165,8 @@ class ProfiledEstimator:
         return self.ranks_per_core * _split(self._measure(node)["forward_s"] + cold, fixed, divisor)
 
     def backward_time_s(self, node: fx.Node, divisor: float) -> float:
+        if node.target in _NOT_RUN:
+            return 0.0
         host = self.host_overheads()
         if self._is_view(node):
             return self.ranks_per_core * host["view_backward_s"] if node.op == "call_function" else 0.0

@@ -177,3 +177,13 @@ def test_default_cache_path(monkeypatch, tmp_path):
     assert default_cache_path("cuda:0").name == "profile-cuda-0.json"
     monkeypatch.setenv(profiler.CACHE_ENV, str(tmp_path / "elsewhere.json"))
     assert ProfiledEstimator().cache_path == tmp_path / "elsewhere.json"
+
+
+def test_dropped_checks_cost_nothing(tmp_path):
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = _meta(4, 4)
+    check = g.call_function(aten._assert_tensor_metadata.default, (x,), {"dtype": torch.float32})
+    check.meta["val"] = None
+    est = ProfiledEstimator(tmp_path / "p.json")
+    assert est.forward_time_s(check, 1.0) == 0.0 and est.backward_time_s(check, 1.0) == 0.0
