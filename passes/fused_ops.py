@@ -686,20 +686,23 @@ class _MaskValue:
         """The mask on `region` (one slice per dim of the mask), broadcastable to the region's shape."""
         try:
             with torch.no_grad():
-                return self._block(self.node, region)
+                return self._block(self.node, region, {})
         except Exception as e:  # noqa: BLE001
             raise _Skip(f"it could not be evaluated ({type(e).__name__}: {e})") from None
 
-    def _block(self, n, region: tuple[slice, ...]):
+    def _block(self, n, region: tuple[slice, ...], done: dict):
         if not isinstance(n, fx.Node):
             return n
         if n not in self.large:
             return _cut(self.whole[n], region)
-        if n.target == aten.expand.default:
-            return self._block(n.args[0], region)  # broadcasting does the expansion
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._block(a, region))
-        args, kwargs = pytree.tree_map_only(torch.device, _off_meta, (args, kwargs))
-        return n.target(*args, **kwargs)
+        if n not in done:
+            if n.target == aten.expand.default:
+                done[n] = self._block(n.args[0], region, done)  # broadcasting does the expansion
+            else:
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._block(a, region, done))
+                args, kwargs = pytree.tree_map_only(torch.device, _off_meta, (args, kwargs))
+                done[n] = n.target(*args, **kwargs)
+        return done[n]
 
     def leading_groups(self) -> list[tuple[slice, ...]]:
         """The leading dims (all but the last two) of one block per group of blocks with equal values."""

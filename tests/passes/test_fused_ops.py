@@ -154,7 +154,7 @@ def test_fused_graph_runs_under_the_sharded_interpreter_on_one_rank(llama):
                 return [o.to_local() for o in interp.run(*params, *values[n:])]
 
             _assert_same_numerics(llama, run)
-            assert "autopar.flash_attention.default" not in interp.fallback_ops  # ran per rank, not gathered
+            assert not [op for op in interp.fallback_ops if op.startswith("autopar")]  # ran per rank, not gathered
         finally:
             if own_group:
                 dist.destroy_process_group()
