@@ -131,6 +131,7 @@ def test_run_suite_measures_every_method(tmp_path):
     times = []
     for name, m in res["methods"].items():
         assert len(m["times_s"]) == 2 and all(t > 0 for t in m["times_s"]), name
+        assert len(m["cpu_times_s"]) == 2 and all(t > 0 for t in m["cpu_times_s"]), name
         assert m["min_step_time_s"] <= m["median_step_time_s"] <= m["max_step_time_s"]
         assert m["state_bytes_per_rank"] > 0 and m["ratio_to_best_baseline"] > 0
         times += m["times_s"]

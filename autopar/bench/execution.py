@@ -275,19 +275,25 @@ def _proc_status(field: str) -> int | None:
     return None
 
 
-def _measure(method: _Method, steps: int) -> tuple[float, int | None]:
-    """Mean step time over `steps` (the slowest rank's) and this rank's resident-set growth."""
+def _measure(method: _Method, steps: int) -> tuple[float, float, int | None]:
+    """Mean step time and CPU time over `steps` (the slowest rank's of each) and this rank's resident-set growth.
+
+    The CPU time (the process's, gloo's threads included) is the work a step costs a rank whatever else
+    runs on the machine: wall time grows with other load, CPU time hardly does.
+    """
     import torch.distributed as dist
 
     rss0 = _rss_reset()
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         method.step()
-    elapsed = torch.tensor([(time.perf_counter() - t0) / steps], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    spent = torch.tensor([(time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps],
+                         dtype=torch.float64)  # fmt: skip
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX)
     hwm = _proc_status("VmHWM")
-    return float(elapsed), (hwm - rss0 if rss0 is not None and hwm is not None else None)
+    wall, cpu = spent.tolist()
+    return wall, cpu, (hwm - rss0 if rss0 is not None and hwm is not None else None)
 
 
 def _model_and_batch(spec: RunModel):
@@ -315,16 +321,18 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
             m.step()
     times = {n: [] for n in methods}
     rss = {n: [] for n in methods}
+    cpu_times = {n: [] for n in methods}
     order = list(methods)
     for rep in range(settings.repetitions):
         say(f"{spec.name}: repetition {rep + 1}/{settings.repetitions}")
         for n in order[rep % len(order):] + order[:rep % len(order)]:
-            t, grow = _measure(methods[n], settings.steps_per_repetition)
+            t, cpu, grow = _measure(methods[n], settings.steps_per_repetition)
             times[n].append(t)
+            cpu_times[n].append(cpu)
             rss[n].append(grow)
     out = {}
     for n, m in methods.items():
-        out[n] = {"times_s": times[n], "rss_delta_bytes": rss[n], "state_bytes": m.state_bytes(),
+        out[n] = {"times_s": times[n], "cpu_times_s": cpu_times[n], "rss_delta_bytes": rss[n], "state_bytes": m.state_bytes(),
                   "setup_time_s": m.setup_time_s, "final_loss": m.last_loss} | m.extra()  # fmt: skip
     return {"model": spec.name, "num_parameters": sum(p.numel() for p in base.parameters()), "methods": out,
             "skipped": {n: r for n, r in skip.items() if r}}  # fmt: skip
@@ -393,6 +401,8 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
                 "max_step_time_s": max(m["times_s"]),
                 "spread": (max(m["times_s"]) - min(m["times_s"])) / median,
                 "times_s": m["times_s"],
+                "median_cpu_time_s": statistics.median(m["cpu_times_s"]),
+                "cpu_times_s": m["cpu_times_s"],
                 "state_bytes_per_rank": max(r["state_bytes"] for r in ranks),
                 "peak_rss_delta_bytes": max(deltas) if deltas else None,
                 "setup_time_s": max(r["setup_time_s"] for r in ranks),
@@ -484,7 +494,8 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
            "memory_measure": "state_bytes_per_rank: parameters + gradients + optimizer states held by a rank, "
                              "counted from its tensors; peak_rss_delta_bytes: growth of the resident set "
                              "(VmHWM after reset through /proc/self/clear_refs) over a repetition, max over ranks",
-           "time_measure": "median over repetitions of the mean step time of a repetition, slowest rank",
+           "time_measure": "median over repetitions of the mean step time of a repetition, slowest rank "
+                           "(CPU time per step: the same for the process's CPU time)",
            "wall_time_s": time.perf_counter() - t0, "results": results}  # fmt: skip
     write_json(out / "run.json", doc)
     (out / "run.md").write_text(markdown(doc))
@@ -514,11 +525,12 @@ def markdown(doc: dict) -> str:
         for name, m in r["methods"].items():
             rows.append([r["model"], name, fmt_ms(m["median_step_time_s"]),
                          f"{fmt_ms(m['min_step_time_s'])} – {fmt_ms(m['max_step_time_s'])} ({m['spread']:.0%})",
+                         fmt_ms(m["median_cpu_time_s"]),
                          fmt_gib(m["state_bytes_per_rank"]), fmt_gib(m["peak_rss_delta_bytes"]),
                          None if m["ratio_to_best_baseline"] is None else f"{m['ratio_to_best_baseline']:.2f}",
                          fmt_ms(m.get("predicted_step_time_s")), _prediction_error(m)])  # fmt: skip
         for name, reason in r["skipped"].items():
-            rows.append([r["model"], name, f"not run: {reason}", None, None, None, None, None, None])
+            rows.append([r["model"], name, f"not run: {reason}", None, None, None, None, None, None, None])
     s = doc["settings"]
     return "\n\n".join([
         f"# autopar bench run ({doc['cluster']})",
@@ -526,7 +538,8 @@ def markdown(doc: dict) -> str:
         f"{s['repetitions']} repetitions of {s['steps_per_repetition']} steps per method, methods in rotating "
         f"order. Step time: {doc['time_measure']}. Memory: {doc['memory_measure']}. " + env_md(doc["environment"]),
         _calibration_md(doc.get("calibration") or {}) + _load_md(doc.get("load_average") or {}),
-        md_table(["model", "method", "median step", "min – max ((max − min) / median)", "states per rank",
+        md_table(["model", "method", "median step", "min – max ((max − min) / median)", "CPU time per step",
+                  "states per rank",
                   "peak RSS growth", "time / best baseline", "autopar predicted step",
                   "(predicted − measured) / measured"], rows),
     ]) + "\n"  # fmt: skip
