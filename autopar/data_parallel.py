@@ -93,6 +93,50 @@ def drop_assertions_pass(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     return gm
 
 
+def fold_constants_pass(gm: fx.GraphModule, example_inputs, *, constant_placeholders: set[str]) -> fx.GraphModule:
+    """Compute once what depends only on constants; the graph then reads the results as attributes.
+
+    A node folds when it is an op whose every input is a placeholder named in `constant_placeholders`
+    (buffers no step changes, lifted constants) or a folded node, and it is not random. In a Hugging
+    Face decoder that is the causal mask and the rotary cos/sin tables: a quarter of the forward's ops,
+    the same on every step. `example_inputs` are the placeholder values in order; every folded node
+    that an unfolded one uses becomes a buffer of `gm` holding its value (tensors only: a node of
+    another value stays, and so do the folded nodes it needs).
+    """
+    folded: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            continue
+        inputs = node.all_input_nodes
+        if all(a in folded or (a.op == "placeholder" and a.name in constant_placeholders) for a in inputs):
+            folded.add(node)
+    frontier = [n for n in folded if any(u not in folded for u in n.users)]
+    if not frontier:
+        return gm
+    env = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs, strict=True))
+    with torch.no_grad():
+        for node in gm.graph.nodes:
+            if node in folded:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+                env[node] = node.target(*args, **kwargs)
+    for i, node in enumerate(frontier):
+        value = env[node]
+        if not isinstance(value, torch.Tensor):
+            continue
+        name = f"_autopar_folded_{i}"
+        gm.register_buffer(name, value.detach().clone(), persistent=False)
+        with gm.graph.inserting_before(node):
+            attr = gm.graph.get_attr(name)
+        attr.meta = dict(node.meta)
+        node.replace_all_uses_with(attr, delete_user_cb=lambda user: user not in folded)
+    for node in reversed(list(gm.graph.nodes)):
+        if node in folded and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
 class DataParallelProgram(torch.nn.Module):
     """A dp x 1 plan on this rank: the whole model, the exported graph run directly, bucketed all-reduce.
 
@@ -140,6 +184,11 @@ class DataParallelProgram(torch.nn.Module):
         self._input_slots = [i for i, kind in enumerate(kinds) if kind == "input"]
         self._placeholders = placeholder_values(self.traced, list(self.params), self._buffers_list, self._constants.get,
                                                 [None] * len(self._input_slots))  # fmt: skip
+        # Buffers no step writes (this program does not write mutated ones back either) and lifted constants.
+        placeholders = [n.name for n in self._gm.graph.nodes if n.op == "placeholder"]
+        constant = {name for name, kind in zip(placeholders, kinds, strict=True) if kind in ("buffer", "constant")}
+        if self._num_mutated == 0:
+            self._gm = fold_constants_pass(self._gm, self._placeholders, constant_placeholders=constant)
 
     def _gradient_buckets(self) -> list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, torch.Tensor]]]]:
         """(flat buffer, [(parameter, its gradient view)]) per bucket of about BUCKET_BYTES, in parameter order.
