@@ -37,7 +37,7 @@ Host optimizer (`host_adamw_params_per_s`, what offloaded optimizer states cost)
 second the host's CPU runs for one device, i.e. on that device's share of the host. AdamW over flat
 fp32 buffers reads the weight, gradient and two moments and writes three of them back: 28 bytes per
 parameter, so on a many-core host it is bound by memory bandwidth. Measured here: torch's fused CPU
-AdamW over whole chunks ran 81M parameters in 70.6 ms on one core (1.15e9 parameters/s; see `CPU`).
+AdamW over whole chunks ran 81M parameters in 58.5 ms on one core (1.38e9 parameters/s; see `CPU`).
 DGX hosts, from the datasheets, at half of the DRAM peak (no measurement on such a host yet):
 DGX A100, 2x EPYC 7742 with 16 channels of DDR4-3200 (409.6 GB/s): 204.8e9 / 28 / 8 GPUs = 0.91e9 per
 GPU; DGX H100/H200, 2x Xeon 8480C with 16 channels of DDR5-4800 (614.4 GB/s): 1.37e9 per GPU.
@@ -269,9 +269,9 @@ CPU = DeviceSpec(
     intra_node_link=LOOPBACK_GLOO,
     inter_node_link=TCP_10GBE,
     host_link=HOST_MEMORY,
-    # fused AdamW over whole chunks on one core: `OMP_NUM_THREADS=1 python -m autopar.memory bench --threads 1`,
-    # 81.0M parameters in 70.6 ms (2026-12-02)
-    host_adamw_params_per_s=1.15e9,
+    # fused AdamW over whole chunks on one core: `python -m autopar.memory bench --threads 1 2 --repeats 7`, 81.0M
+    # parameters in 58.5 ms (2026-12-02; the best of four runs, 58.5-125.5 ms as the load of other jobs varied)
+    host_adamw_params_per_s=1.38e9,
 )
 
 DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType(
