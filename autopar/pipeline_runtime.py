@@ -41,7 +41,7 @@ from autopar.passes.parallelize import dp_placement, local_shard, shard_pass
 from autopar.passes.pipeline_split import StageGraph, split_stages, values_needing_grad
 from autopar.passes.sharding_rules import parse_placement
 from autopar.plan import Plan
-from autopar.runtime import _contiguous_stride, _device_type, flat_inputs, micro_batches
+from autopar.runtime import _contiguous_stride, _device_type, flat_inputs, micro_batches, sum_in_buckets
 from autopar.trace import TracedModel
 
 R = Replicate()
@@ -328,22 +328,10 @@ class PipelineProgram(torch.nn.Module):
         self.optimizer.step()
         return loss_sum / weight if weight > 0 else loss_sum / self.num_microbatches
 
-    def _sum_over_dp(self, bucket_bytes: int = 25 * 2**20) -> None:
-        """All-reduce the gradients of dp-replicated parameters once per step, in flat buckets of one dtype."""
+    def _sum_over_dp(self) -> None:
+        """All-reduce the gradients of dp-replicated parameters once per step."""
         grads = [self._shard[k].grad for k in self._dp_summed if self._shard[k].grad is not None]
-        group = self.mesh.get_group("dp")
-        bucket: list[torch.Tensor] = []
-        for g in [*grads, None]:
-            full = bucket and (g is None or g.dtype != bucket[0].dtype or
-                               sum(b.numel() for b in bucket) * bucket[0].element_size() >= bucket_bytes)  # fmt: skip
-            if full:
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                dist.all_reduce(flat, group=group)
-                for b, piece in zip(bucket, flat.split([b.numel() for b in bucket]), strict=True):
-                    b.copy_(piece.view_as(b))
-                bucket = []
-            if g is not None:
-                bucket.append(g)
+        sum_in_buckets(grads, self.mesh.get_group("dp"))
 
     def forward(self, *args, **kwargs):
         raise LoweringError("a pipeline program runs training steps (train_step); it has no plain forward")

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.cluster import ClusterSpec
@@ -114,10 +114,14 @@ class ParallelModule(torch.nn.Module):
     # -------------------------------------------------------------------------------- execution
 
     def _param_dtensors(self) -> list[DTensor]:
+        # With several micro-batches, gradients of dp-replicated parameters stay partial (no collective per
+        # micro-batch) and `train_step` sums them over dp once, as the plan prices it.
+        defer = self.plan.num_microbatches > 1 and self.plan.mesh["dp"] > 1
         out = []
         for local, pl, shape in zip(self.shards, self._placements, self._shapes, strict=True):
+            grad_pl = (Partial(), pl[1]) if defer and pl[0] == R else pl
             out.append(DTensor.from_local(local, self.mesh, pl, run_check=False, shape=torch.Size(shape),
-                                          stride=_contiguous_stride(shape)))  # fmt: skip
+                                          stride=_contiguous_stride(shape), grad_placements=grad_pl))  # fmt: skip
         return out
 
     def _inputs(self, args, kwargs) -> list:
@@ -182,6 +186,9 @@ class ParallelModule(torch.nn.Module):
             losses.append(float(loss.to_local().detach()))
             weights.append(w)
         total = sum(weights)
+        if len(micro) > 1 and self.plan.mesh["dp"] > 1:
+            deferred = [p.grad for p, pl in zip(self.shards, self._placements, strict=True) if pl[0] == R]
+            sum_in_buckets([g for g in deferred if g is not None], self.mesh.get_group("dp"))
         if len(micro) > 1 and total > 0:
             for p in self.shards:
                 if p.grad is not None:
@@ -212,6 +219,22 @@ class ParallelModule(torch.nn.Module):
             elif name in buffers:
                 out[name] = buffers[name].cpu()
         return out
+
+
+def sum_in_buckets(grads: list[torch.Tensor], group, bucket_bytes: int = 25 * 2**20) -> None:
+    """All-reduce (sum) `grads` in place over `group`, packed into flat buckets of one dtype."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in [*grads, None]:
+        if bucket and (g is None or g.dtype != bucket[0].dtype or size >= bucket_bytes):
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat, group=group)
+            for b, piece in zip(bucket, flat.split([b.numel() for b in bucket]), strict=True):
+                b.copy_(piece.view_as(b))
+            bucket, size = [], 0
+        if g is not None:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
 
 
 def micro_batches(args, kwargs, batch: int, m: int) -> list[tuple]:

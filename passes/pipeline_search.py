@@ -336,8 +336,10 @@ class _StagePricer:
     """Builds and solves stage programs, each (view, sub-mesh, micro-batches, copies) once."""
 
     def __init__(self, graph: OpGraph, structure: LayerStructure, cluster: ClusterSpec, *, estimator,
-                 precision: Precision, zero: int | None, budget: float, batch: int):  # fmt: skip
+                 precision: Precision, zero: int | None, budget: float, batch: int,
+                 recompute: str | None = None):  # fmt: skip
         self.graph, self.structure, self.cluster = graph, structure, cluster
+        self.recompute = recompute  # a pinned activation recompute mode, or None to choose per stage
         self.estimator, self.precision, self.budget, self.batch = estimator, precision, budget, batch
         # ZeRO-2/3 reduce-scatter gradients and gather parameters once per micro-batch, which a pipeline
         # repeats m times; as in Megatron-LM and DeepSpeed, pipelines shard optimizer states at most (ZeRO-1)
@@ -358,7 +360,8 @@ class _StagePricer:
     def program(self, k, first, last, dp, tp, m, copies=1.0) -> ShardingProgram:
         prog = ShardingProgram(self.view(k, first, last), self.cluster, dp, tp, estimator=self.estimator,
                                precision=self.precision, zero_stage=None, memory_budget_bytes=self.budget,
-                               batch_dim_size=self.batch, num_microbatches=m, activation_copies=copies)  # fmt: skip
+                               batch_dim_size=self.batch, num_microbatches=m, activation_copies=copies,
+                               recompute=self.recompute)  # fmt: skip
         if dp > 1:
             prog.zero_choices = list(self.zero_choices)
         return prog
@@ -759,7 +762,8 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
     records, best = [], None
     if structure is not None and c.get("pp") != 1 and num_layers >= 2:
         pricer = _StagePricer(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision),
-                              zero=c.get("zero"), budget=budget, batch=batch_size)  # fmt: skip
+                              zero=c.get("zero"), budget=budget, batch=batch_size,
+                              recompute=c.get("recompute"))  # fmt: skip
         search = _Search(pricer, c, say)
         records, best = search.run()
     else:

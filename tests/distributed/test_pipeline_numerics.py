@@ -28,6 +28,10 @@ WORLD = 4
 # rounding differences into update differences of up to ~1e-6 on its weight (mean 1.0e-6 seen, all
 # elements under 1e-6); a wrong boundary or a missing gradient moves it by ~lr = 1e-2.
 MEAN_ATOL = {"two_stream": 1e-5}
+# Single elements of its weights whose gradients sit near AdamW's eps differ by up to ~3e-4 after two
+# steps (1 of 1024 seen); a wrong boundary or gradient moves most elements by ~lr, which the mean bound
+# above catches.
+ATOL = {"two_stream": 1e-3}
 
 
 class TwoStreamLayer(nn.Module):
@@ -39,7 +43,7 @@ class TwoStreamLayer(nn.Module):
         self.b = nn.Linear(hidden, hidden)
 
     def forward(self, x, y):
-        return x + torch.tanh(self.a(y)), y + torch.relu(self.b(x))
+        return x + torch.tanh(self.a(y)), y + nn.functional.gelu(self.b(x))
 
 
 class TwoStream(nn.Module):
@@ -161,7 +165,7 @@ def test_pipeline_training_matches_one_process(results, case):
     assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), case
     assert set(got["state"]) == set(ref_state)
     for key, ref in ref_state.items():
-        torch.testing.assert_close(got["state"][key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL,
+        torch.testing.assert_close(got["state"][key], ref, atol=ATOL.get(name, PARAM_ATOL), rtol=PARAM_RTOL,
                                    msg=lambda m, k=key: f"{_id(case)} {k}: {m}")  # fmt: skip
         if ref.is_floating_point():
             assert (got["state"][key] - ref).abs().mean().item() <= MEAN_ATOL.get(name, PARAM_MEAN_ATOL), (key,)

@@ -132,4 +132,6 @@ def test_cpu4_free_tp2_tp4_and_zero3():
     cases = [(m, c, None) for m in MODELS for c in ({}, {"tp": 2}, {"tp": 4})]
     cases += [(m, {"tp": 2, "zero": 3, "num_microbatches": 1}, b) for m, b in ZERO_BUDGET.items()]
     cases += [("gpt2", {"tp": 2, "micro_batch_size": 2}, None), ("llama", {"tp": 4, "num_microbatches": 8}, None)]
+    # gradients of dp-replicated parameters summed over dp once per step, after two micro-batches
+    cases += [("gpt2", {"tp": 2, "dp": 2, "zero": 0, "num_microbatches": 2}, None)]
     _check(4, cases)
