@@ -108,6 +108,9 @@ class ShardedInterpreter(fx.Interpreter):
                 self.local_ops[op.default] = run
         self.local_ops.update(local_ops or {})
         self.fallback_ops: set[str] = set()
+        # DTensor's mse_loss over rows split on dp gives a wrong backward (its loss is right): run it on
+        # gathered tensors, whose backward slices the gradient back to each rank's rows
+        self.fallback_ops.add(str(aten.mse_loss.default))
         # Kept labels counted by every mean cross-entropy of the last run: the weight of its loss when
         # micro-batches are accumulated (a mean over kept labels is exact only with this weighting).
         self.loss_counts: list[float] = []
