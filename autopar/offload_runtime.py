@@ -32,8 +32,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from autopar.errors import LoweringError
-from autopar.memory import ChunkAdamW, ChunkScheduler, ChunkStore, MemoryTracker, ParamSpec, choose_chunk_size, pack
+from autopar.memory import ChunkAdamW, ChunkScheduler, ChunkStore, MemoryTracker, choose_chunk_size, pack
 from autopar.memory.layout import ALIGN_NUMEL, MAX_CHUNK_NUMEL, MIN_CHUNK_NUMEL
+from autopar.memory.store import module_params
 from autopar.plan import Plan
 from autopar.runtime import _device_type, micro_batches
 
@@ -91,20 +92,6 @@ def _adamw_hyperparameters(optimizer) -> dict:
             "weight_decay": group["weight_decay"]}  # fmt: skip
 
 
-def _specs(module: torch.nn.Module) -> tuple[list[ParamSpec], dict[str, str], dict[str, torch.Tensor]]:
-    """(specs in the model's order, tied aliases, values) as `ChunkStore.from_module` takes them."""
-    first: dict[int, str] = {}
-    specs, aliases, values = [], {}, {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-            continue
-        first[id(p)] = name
-        specs.append(ParamSpec(name, tuple(p.shape), p.dtype, p.requires_grad))
-        values[name] = p.detach()
-    return specs, aliases, values
-
-
 def host_chunks(layouts, fraction: float) -> set[int]:
     """The first trainable chunks whose elements reach `fraction` of all trainable elements (rounded up)."""
     trainable = [lay for lay in layouts if lay.requires_grad]
@@ -136,7 +123,7 @@ class OffloadProgram(torch.nn.Module):
         self.plan, self.dp, self.rank = plan, dp, dist.get_rank()
         self.device = _device_type(plan.cluster)
         module = copy.deepcopy(model).to(self.device)
-        specs, aliases, values = _specs(module)
+        specs, aliases, values = module_params(module)
         budget = plan.offload.get("device_budget_bytes") or plan.cluster.device.memory_bytes
         compute = _COMPUTE_DTYPES.get(plan.precision, torch.float32)
         multiple = ALIGN_NUMEL * dp

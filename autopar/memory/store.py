@@ -126,6 +126,20 @@ class Chunk:
                 f"device={self.device.value}, resident={self.resident})")  # fmt: skip
 
 
+def module_params(module: torch.nn.Module) -> tuple[list[ParamSpec], dict[str, str], dict[str, torch.Tensor]]:
+    """(specs in the model's order, tied name -> first name, values): `module`'s parameters, tied ones once."""
+    first: dict[int, str] = {}
+    specs, aliases, values = [], {}, {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+            continue
+        first[id(p)] = name
+        specs.append(ParamSpec(name, tuple(p.shape), p.dtype, p.requires_grad))
+        values[name] = p.detach()
+    return specs, aliases, values
+
+
 class ChunkStore:
     """Parameters packed into chunks; placement, gathering and gradient reduction per chunk.
 
@@ -181,15 +195,7 @@ class ChunkStore:
 
         `kwargs` go to the constructor. The module is not changed; :meth:`bind` puts the views in.
         """
-        first: dict[int, str] = {}
-        specs, aliases, values = [], {}, {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            if id(p) in first:
-                aliases[name] = first[id(p)]
-                continue
-            first[id(p)] = name
-            specs.append(ParamSpec(name, tuple(p.shape), p.dtype, p.requires_grad))
-            values[name] = p.detach()
+        specs, aliases, values = module_params(module)
         store = cls(specs, aliases=aliases, **kwargs)
         store.load_state(values)
         return store
