@@ -61,3 +61,19 @@ def make_batch(name: str, batch: int = 8, seq: int = 16, seed: int = 1) -> tuple
     else:  # some padded rows so that ignored labels are spread unevenly over the batch
         labels[: batch // 2, seq // 2 :] = -100
     return (ids,), {"labels": labels}
+
+
+def train_locally(model: torch.nn.Module, args, kwargs, optimizer, steps: int) -> tuple[list[float], dict]:
+    """The single-process reference: `steps` optimizer steps on one batch; (losses, copy of the state dict).
+
+    The loss is the output's `.loss` (Hugging Face models) or its first element.
+    """
+    losses = []
+    for _ in range(steps):
+        out = model(*args, **kwargs)
+        loss = out.loss if hasattr(out, "loss") else out[0]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

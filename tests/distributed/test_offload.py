@@ -8,7 +8,7 @@ import torch
 import autopar
 from autopar.errors import InfeasiblePlanError
 from tests.distributed.harness import run_distributed
-from tests.models import make_batch, make_model
+from tests.models import make_batch, make_model, train_locally
 
 pytestmark = pytest.mark.distributed
 
@@ -49,15 +49,7 @@ def _setup(case: str):
 
 def _reference(case: str) -> tuple[list[float], dict]:
     model, args, kwargs = _setup(case)
-    opt = _optimizer([p for p in model.parameters() if p.requires_grad])
-    losses = []
-    for _ in range(STEPS):
-        loss = model(*args, **kwargs).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_locally(model, args, kwargs, _optimizer([p for p in model.parameters() if p.requires_grad]), STEPS)
 
 
 # The offload program runs meshes with a data axis only; pinning tp=1 also spares the 2-rank tensor-axis

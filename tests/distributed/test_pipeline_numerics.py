@@ -18,7 +18,7 @@ import autopar
 from autopar.plan import Plan
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_train_numerics import ADAM_EPS, LOSS_RTOL, PARAM_ATOL, PARAM_MEAN_ATOL, PARAM_RTOL
-from tests.models import make_batch, make_model
+from tests.models import make_batch, make_model, train_locally
 
 pytestmark = pytest.mark.distributed
 
@@ -82,23 +82,10 @@ def _optimizer_for(name: str):
     return _sgd if name == "two_stream" else _optimizer
 
 
-def _loss(model, args, kwargs):
-    out = model(*args, **kwargs)
-    return out.loss if hasattr(out, "loss") else out[0]
-
-
 def _reference(name: str, layers: int):
     model = _model(name, layers)
     args, kwargs = _batch(name)
-    opt = _optimizer_for(name)(model.parameters())
-    losses = []
-    for _ in range(2):
-        loss = _loss(model, args, kwargs)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_locally(model, args, kwargs, _optimizer_for(name)(model.parameters()), 2)
 
 
 def _run(rank: int, world_size: int, cases):

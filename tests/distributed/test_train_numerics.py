@@ -7,7 +7,7 @@ import torch
 
 import autopar
 from tests.distributed.harness import run_distributed
-from tests.models import make_batch, make_model
+from tests.models import make_batch, make_model, train_locally
 
 pytestmark = pytest.mark.distributed
 
@@ -34,15 +34,7 @@ def _optimizer(params):
 def _reference(name: str) -> tuple[list[float], dict]:
     model = make_model(name)
     args, kwargs = make_batch(name)
-    opt = _optimizer(model.parameters())
-    losses = []
-    for _ in range(2):
-        loss = model(*args, **kwargs).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_locally(model, args, kwargs, _optimizer(model.parameters()), 2)
 
 
 def _train_cases(rank: int, world_size: int, cases):
