@@ -8,11 +8,21 @@ from pathlib import Path
 
 from autopar.errors import AutoparError
 
+# `plan` flags that become autopar.plan constraints, by their argparse dest (the constraint's key).
+_CONSTRAINT_FLAGS = ("tp", "dp", "zero", "pp", "num_microbatches", "micro_batch_size", "schedule", "virtual_stages",
+                     "recompute")  # fmt: skip
+# The values of passes.pipeline_search.Schedule and of api._RECOMPUTE_MODES (tests/test_cli.py checks they agree),
+# written out so that `--help` does not import torch.
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+RECOMPUTE_MODES = ("none", "selective", "full")
+
 
 def _plan_cmd(args) -> int:
     import autopar
 
-    constraints = {k: v for k, v in (("tp", args.tp), ("dp", args.dp), ("zero", args.zero)) if v is not None}
+    constraints = {k: getattr(args, k) for k in _CONSTRAINT_FLAGS if getattr(args, k) is not None}
+    # Unset switches stay out of the call, so autopar.plan's own defaults (None: decide by cluster) apply.
+    switches = {k: getattr(args, k) for k in ("offload", "pipeline", "fuse_kernels") if getattr(args, k) is not None}
     cluster = autopar.ClusterSpec.from_file(args.cluster) if Path(args.cluster).is_file() else args.cluster
     plan = autopar.plan(
         args.model,
@@ -24,6 +34,7 @@ def _plan_cmd(args) -> int:
         precision=args.precision,
         estimator=args.estimator,
         progress=(lambda msg: print(f"[autopar] {msg}", file=sys.stderr)) if not args.quiet else None,
+        **switches,
     )
     if args.json:
         Path(args.json).write_text(plan.to_json())
@@ -72,7 +83,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, help="pin the tensor-parallel axis size")
     p.add_argument("--dp", type=int, help="pin the data-parallel axis size")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="pin the ZeRO stage")
+    p.add_argument("--pp", type=int, help="pin the number of pipeline stages (1: no pipeline)")
+    p.add_argument("--num-microbatches", type=int, help="pin the gradient accumulation steps per data-parallel rank")
+    p.add_argument("--micro-batch-size", type=int, help="pin the samples per micro-batch per rank")
+    p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
+    p.add_argument("--virtual-stages", type=int, help="pin the model chunks per device (interleaved_1f1b)")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="pin activation recompute")
     p.add_argument("--memory-budget", help="per-device memory cap, e.g. 20GB")
+    p.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        help="put all optimizer states and gradients on the host, or none (default: where memory needs)",
+    )
+    p.add_argument(
+        "--pipeline",
+        action=argparse.BooleanOptionalAction,
+        help="search pipeline layouts, or not (default: on GPU clusters of more than one node)",
+    )
+    p.add_argument(
+        "--fuse-kernels",
+        action=argparse.BooleanOptionalAction,
+        help="plan with autopar's Triton ops for attention, norms and loss (default: on GPU clusters)",
+    )
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--estimator", choices=["analytic", "profile"], default="analytic")
     p.add_argument("--json", help="write the plan as JSON to this file")
@@ -84,8 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("plan", help="a plan JSON file")
     e.add_argument("--format", choices=["markdown", "html"], default="markdown")
     e.set_defaults(fn=_explain_cmd)
-    b = sub.add_parser("bench", help="benchmark suites: plans (predicted, vs baselines), compile (planning time), "
-                                     "run (measured on CPU ranks, vs DDP/FSDP2/TP)")
+    b = sub.add_parser(
+        "bench",
+        help="benchmark suites: plans (predicted, vs baselines), compile (planning time), "
+        "run (measured on CPU ranks, vs DDP/FSDP2/TP)",
+    )
     b.add_argument("suite", choices=["plans", "compile", "run"])
     b.add_argument("--out", default="bench-results", help="folder for the JSON, Markdown and PNG results")
     b.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")

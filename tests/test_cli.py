@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True, timeout=300)
@@ -35,3 +37,108 @@ def test_user_errors_exit_with_a_message(tmp_path):
     bad.write_text("{not json")
     r = _run("explain", str(bad))
     assert r.returncode == 2 and "invalid JSON" in r.stderr
+
+
+# The flags that pin pipeline and memory choices: each reaches autopar.plan as the keyword or constraint it
+# names, an unset switch leaves autopar.plan's default, and the planned layout shows the pin.
+
+_TINY = ("plan", "--model", "tiny-llama", "--global-batch-size", "8", "--seq-len", "32", "--quiet")
+
+
+def _plan_json(tmp_path, capsys, *flags, cluster="cpu:2"):
+    """Run `autopar plan` in this process on tiny-llama; the plan's JSON document."""
+    from autopar.cli import main
+
+    out = tmp_path / "plan.json"
+    rc = main([*_TINY, "--cluster", cluster, "--json", str(out), *flags])
+    assert rc == 0, capsys.readouterr().err
+    return json.loads(out.read_text())
+
+
+def test_choices_are_those_the_api_accepts():
+    from autopar.api import _RECOMPUTE_MODES
+    from autopar.cli import RECOMPUTE_MODES, SCHEDULES
+    from autopar.passes.pipeline_search import Schedule
+
+    assert SCHEDULES == tuple(s.value for s in Schedule)
+    assert RECOMPUTE_MODES == _RECOMPUTE_MODES
+
+
+@pytest.mark.parametrize(
+    ("flags", "constraints", "switches"),
+    [
+        ((), {}, {}),
+        (("--pp", "2", "--schedule", "interleaved_1f1b", "--virtual-stages", "2"),
+         {"pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}, {}),
+        (("--num-microbatches", "4", "--recompute", "selective"), {"num_microbatches": 4, "recompute": "selective"}, {}),
+        (("--micro-batch-size", "2", "--tp", "1"), {"micro_batch_size": 2, "tp": 1}, {}),
+        (("--offload", "--pipeline", "--fuse-kernels"), {}, {"offload": True, "pipeline": True, "fuse_kernels": True}),
+        (("--no-offload", "--no-pipeline", "--no-fuse-kernels"), {},
+         {"offload": False, "pipeline": False, "fuse_kernels": False}),
+    ],
+)  # fmt: skip
+def test_plan_flags_pass_through(monkeypatch, flags, constraints, switches):
+    import autopar
+    from autopar.cli import main
+
+    calls = []
+
+    class _Stop(Exception):
+        pass
+
+    def spy(model, cluster, **kwargs):
+        calls.append(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(autopar, "plan", spy)
+    with pytest.raises(_Stop):
+        main([*_TINY, "--cluster", "cpu:4", *flags])
+    (kwargs,) = calls
+    assert kwargs["constraints"] == constraints
+    assert {k: kwargs[k] for k in ("offload", "pipeline", "fuse_kernels") if k in kwargs} == switches
+
+
+def test_recompute_and_micro_batches_reach_the_plan(tmp_path, capsys):
+    assert _plan_json(tmp_path, capsys)["recompute"] == "none"
+    doc = _plan_json(tmp_path, capsys, "--recompute", "full", "--dp", "2", "--micro-batch-size", "2")
+    assert doc["recompute"] == "full" and doc["mesh"]["dp"] == 2 and doc["num_microbatches"] == 2
+
+
+def test_pipeline_flags_reach_the_plan(tmp_path, capsys):
+    doc = _plan_json(tmp_path, capsys, "--pp", "2", "--schedule", "gpipe", "--num-microbatches", "4", cluster="cpu:4")
+    assert doc["mesh"]["pp"] == 2 and doc["pipeline"]["schedule"] == "gpipe" and doc["num_microbatches"] == 4
+
+
+def test_offload_and_fusion_switches_reach_the_plan(tmp_path, capsys):
+    assert not _plan_json(tmp_path, capsys)["fusion"]["enabled"]  # default off on CPUs
+    assert _plan_json(tmp_path, capsys, "--fuse-kernels")["fusion"]["enabled"]
+    assert _plan_json(tmp_path, capsys, "--offload")["offload"]["optimizer_fraction"] == 1.0
+    # 1 MB per device fits only with states on the host: the default offloads, --no-offload cannot plan.
+    assert _plan_json(tmp_path, capsys, "--memory-budget", "1MB")["offload"]["optimizer_fraction"] > 0
+
+
+@pytest.mark.parametrize(
+    ("cluster", "flags", "message"),
+    [
+        ("cpu:2", ("--memory-budget", "1MB", "--no-offload"), "offload=False"),
+        ("cpu:4", ("--pp", "3"), "does not divide the world size 4"),
+        ("cpu:4", ("--pp", "0"), "expected a positive integer"),
+        ("cpu:4", ("--num-microbatches", "3"), "does not split"),
+        ("cpu:4", ("--pp", "2", "--schedule", "interleaved_1f1b", "--virtual-stages", "2"), "lower virtual_stages"),
+    ],
+)
+def test_bad_pins_exit_with_one_line(capsys, cluster, flags, message):
+    from autopar.cli import main
+
+    assert main([*_TINY, "--cluster", cluster, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autopar: error:") and "\n" not in err and message in err, err
+
+
+def test_bad_choices_are_refused_by_the_parser(capsys):
+    from autopar.cli import main
+
+    for flags in (("--schedule", "zigzag"), ("--recompute", "some"), ("--pp", "two")):
+        with pytest.raises(SystemExit) as e:
+            main([*_TINY, "--cluster", "cpu:4", *flags])
+        assert e.value.code == 2 and "invalid" in capsys.readouterr().err
