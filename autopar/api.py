@@ -135,15 +135,24 @@ def _expand_placements(graph: OpGraph, placements: dict) -> dict:
     return out
 
 
-def _flops(graph: OpGraph, tokens: int, recompute: str = "none") -> tuple[float, float]:
+def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
+           layer_modes: dict | None = None) -> tuple[float, float]:  # fmt: skip
     """(model FLOPs, hardware FLOPs) of one step: 6 per parameter per token plus attention; all executed FLOPs.
 
-    Hardware FLOPs count the forward of every node `recompute` runs again; model FLOPs do not.
+    Hardware FLOPs count the forward of every node the plan runs again (`recompute` in every layer, or
+    each mode of `layer_modes` in its layers); model FLOPs do not.
     """
     from autopar.cost_model.compute import estimate_node_cost
-    from autopar.passes.recompute import recomputed_nodes
+    from autopar.passes.recompute import recompute_segments, recomputed_nodes
 
-    again = recomputed_nodes(graph.graph, recompute)
+    if layer_modes:  # layers are alike: a representative node counts for the share of layers recomputed
+        again = {}
+        for mode in ("selective", "full"):
+            n = len(recompute_segments(graph.graph, mode))
+            if layer_modes.get(mode) and n:
+                again |= {name: len(layer_modes[mode]) / n for name in recomputed_nodes(graph.graph, mode)}
+    else:
+        again = dict.fromkeys(recomputed_nodes(graph.graph, recompute), 1.0)
     attention = 0.0
     hardware = 0.0
     for node in graph.graph.nodes:
@@ -151,7 +160,7 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none") -> tuple[float,
         if node.op != "call_function" or not times:
             continue
         cost = estimate_node_cost(node)
-        hardware += times * (cost.flops + cost.backward_flops + (cost.flops if node.name in again else 0.0))
+        hardware += times * (cost.flops + cost.backward_flops + cost.flops * again.get(node.name, 0.0))
         if str(node.target) in _ATTENTION_TARGETS:
             attention += times * (cost.flops + cost.backward_flops)
     return 6.0 * graph.num_parameters() * tokens + attention, hardware
@@ -242,17 +251,19 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=flat,
                              memory_budget_bytes=budget, batch_size=batch, progress=say, offload=offload)  # fmt: skip
     tokens = _tokens(args, kwargs)
-    model_flops, hw_flops = _flops(graph, tokens, sol.recompute)
+    model_flops, hw_flops = _flops(graph, tokens, sol.recompute, sol.layer_modes)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world = cluster.world_size
     step = sol.step_time_s
+    offload_s = sol.offload.get("time_s", 0.0) + sol.activation_offload.get("time_s", 0.0)
     predicted = _predicted(step, model_flops, hw_flops, tokens, world, peak, sol.memory,
                            compute_s=sol.compute_s, reshard_s=sol.reshard_s, grad_sync_s=sol.grad_sync_s,
-                           offload_s=sol.offload.get("time_s", 0.0))  # fmt: skip
+                           offload_s=offload_s)  # fmt: skip
     alternatives = tuple(
         {"dp": r.dp, "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
          "compute_s": r.compute_s, "reshard_s": r.reshard_s, "grad_sync_s": r.grad_sync_s,
-         "zero_stage": r.zero_stage, "recompute": r.recompute, "memory": r.memory, "solve_time_s": r.solve_time_s,
+         "zero_stage": r.zero_stage, "recompute": r.recompute, "layer_modes": dict(r.layer_modes), "memory": r.memory,
+         "solve_time_s": r.solve_time_s,
          "offload_fraction": r.offload.get("optimizer_fraction", 0.0),
          "reason": r.reason}
         for r in sol.candidates
@@ -266,6 +277,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         num_microbatches=sol.num_microbatches,
         recompute=sol.recompute,
         offload=dict(sol.offload),
+        layer_modes=dict(sol.layer_modes),
+        activation_offload=dict(sol.activation_offload),
         precision=precision,
         global_batch_size=batch,
         tokens_per_step=tokens,
@@ -492,7 +505,8 @@ def _rebind_to_micro_graph(plan: Plan, model, cluster, traced, args, kwargs) -> 
 
 def _is_data_parallel(plan: Plan) -> bool:
     """A plan with no tensor axis, replicated states and nothing recomputed: DDP's layout, run without DTensor."""
-    return plan.mesh.get("tp", 1) == 1 and plan.zero_stage == 0 and getattr(plan, "recompute", "none") == "none"
+    return (plan.mesh.get("tp", 1) == 1 and plan.zero_stage == 0 and getattr(plan, "recompute", "none") == "none"
+            and not plan.layer_modes)  # fmt: skip
 
 
 __all__ = ["plan", "compile", "parse_bytes"]

@@ -34,6 +34,33 @@ def _linear_summary(plan) -> list[list[str]]:
     return rows
 
 
+def _activation_words(plan) -> str:
+    """What each layer does with its activations: one mode for all, or how many layers get which treatment."""
+    modes = getattr(plan, "layer_modes", {})
+    if not modes:
+        return _RECOMPUTE_WORDS.get(plan.recompute, plan.recompute)
+    words = {"offload": "activations kept on the host", "full": "full recompute", "selective": "selective recompute"}
+    parts = [f"{words[m]} in layers {_ranges(layers)}" for m, layers in modes.items()]
+    off = getattr(plan, "activation_offload", {})
+    if off:
+        parts.append(f"offloaded activations {off['bytes_per_device'] / GIB:,.2f} GiB per device on the host, copies "
+                     f"adding {off['time_s'] * 1e3:,.2f} ms")  # fmt: skip
+    return "per layer: " + "; ".join(parts) + "; the other layers keep theirs"
+
+
+def _ranges(indices) -> str:
+    """0, 1, 2, 5 as "0-2, 5"."""
+    out, run = [], []
+    for i in sorted(indices):
+        if run and i != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(i)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
+
+
 def _offload_words(plan) -> str:
     """Where the optimizer states and gradients live, in one line of the summary."""
     off = plan.offload
@@ -106,7 +133,7 @@ def render_markdown(plan) -> str:
             ["ZeRO stage (over dp)", str(plan.zero_stage)],
             ["micro-batches per step (gradient accumulation)",
              f"{plan.num_microbatches} of {plan.micro_batch_size} sample(s) per data-parallel rank"],
-            ["activation recompute", _RECOMPUTE_WORDS.get(plan.recompute, plan.recompute)],
+            ["activation recompute", _activation_words(plan)],
             ["host offload", _offload_words(plan)],
             ["precision", plan.precision],
             ["parameters", f"{plan.num_parameters / 1e6:,.1f} M"],

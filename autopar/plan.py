@@ -77,6 +77,11 @@ class Plan:
     recompute: str = "none"
     # host offload: optimizer_fraction, grad_fraction, *_bytes_per_device, host_bytes_per_node, time_s
     offload: dict = field(default_factory=dict)
+    # per-layer activations (passes.activation_plan): "offload"/"full"/"selective" -> layer indices; the
+    # layers not named keep theirs. Empty: `recompute` applies to every layer
+    layer_modes: dict = field(default_factory=dict)
+    # the offloaded layers' activations: layers, bytes_per_device, time_s (empty: none)
+    activation_offload: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -93,6 +98,14 @@ class Plan:
                                   f"{self.cluster.world_size}")  # fmt: skip
         if self.recompute not in ("none", "selective", "full"):
             raise PlanFormatError(f"plan recompute mode {self.recompute!r} is not one of 'none', 'selective', 'full'")
+        bad = set(self.layer_modes) - {"offload", "full", "selective"}
+        if bad:
+            raise PlanFormatError(f"plan layer_modes holds {sorted(bad)}: expected 'offload', 'full' or 'selective'")
+        seen: set[int] = set()
+        for layers in self.layer_modes.values():
+            if seen & set(layers):
+                raise PlanFormatError(f"plan layer_modes gives layers {sorted(seen & set(layers))} two treatments")
+            seen |= set(layers)
 
     # --------------------------------------------------------------------------- serialisation
 
@@ -108,6 +121,8 @@ class Plan:
             "pipeline": self.pipeline,
             "recompute": self.recompute,
             "offload": self.offload,
+            "layer_modes": {k: list(v) for k, v in self.layer_modes.items()},
+            "activation_offload": self.activation_offload,
             "precision": self.precision,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
@@ -149,6 +164,8 @@ class Plan:
                 pipeline=dict(d.get("pipeline") or {}),
                 recompute=str(d.get("recompute", "none")),
                 offload=dict(d.get("offload") or {}),
+                layer_modes={str(k): tuple(int(i) for i in v) for k, v in (d.get("layer_modes") or {}).items()},
+                activation_offload=dict(d.get("activation_offload") or {}),
                 precision=d["precision"],
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
@@ -185,8 +202,12 @@ class Plan:
     def summary(self) -> str:
         p = self.predicted
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
-        accum = f", {self.num_microbatches} micro-batches of {self.micro_batch_size}" if self.num_microbatches > 1 else ""
-        if self.recompute != "none":
+        accum = (
+            f", {self.num_microbatches} micro-batches of {self.micro_batch_size}" if self.num_microbatches > 1 else ""
+        )
+        if self.layer_modes:
+            accum += ", " + ", ".join(f"{_TREATMENT_WORDS[m]} in {len(v)} layers" for m, v in self.layer_modes.items())
+        elif self.recompute != "none":
             accum += f", {self.recompute} recompute"
         if self.offload:
             accum += f", {self.offload['optimizer_fraction']:.0%} of optimizer states on the host"
@@ -196,3 +217,6 @@ class Plan:
         return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}{accum}, "
                 f"step {p.step_time_s * 1e3:.1f} ms, {format_flops_rate(p.tflops_per_device)}/device, MFU {p.mfu:.1%}, "
                 f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device")  # fmt: skip
+
+
+_TREATMENT_WORDS = {"offload": "activations offloaded", "full": "full recompute", "selective": "selective recompute"}

@@ -96,7 +96,7 @@ class ParallelModule(torch.nn.Module):
         self._interp = shard_pass(traced.graph_module, None, mesh=self.mesh, node_inputs=plan.node_inputs,
                                   node_output=plan.node_output,
                                   batch_size=plan.global_batch_size // plan.num_microbatches,
-                                  recompute=plan.recompute)  # fmt: skip
+                                  recompute=plan.recompute, layer_modes=plan.layer_modes)  # fmt: skip
         make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
         self.optimizer = make_opt(list(self.shards))
 

@@ -41,7 +41,8 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
 from autopar.ir import is_tensor_node
-from autopar.passes.recompute import recompute_segments
+from autopar.memory.activations import ActivationOffload
+from autopar.passes.recompute import offloaded_nodes, plan_segments
 from autopar.passes.sharding_rules import parse_placement
 
 aten = torch.ops.aten
@@ -89,10 +90,14 @@ class ShardedInterpreter(fx.Interpreter):
         batch_size: the batch the graph was traced with; a tensor the graph makes with it as its leading
             dimension enters the mesh split over dp (each rank keeps its rows).
         recompute: the plan's activation recompute mode ("none", "selective", "full").
+        layer_modes: the plan's per-layer treatment ("offload"/"full"/"selective" -> layer indices);
+            when given, it says which layers `recompute` applies to, and which layers' saved
+            activations are kept on the host (`autopar.memory.activations.ActivationOffload`).
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
-                 local_ops: dict | None = None, batch_size: int | None = None, recompute: str = "none"):  # fmt: skip
+                 local_ops: dict | None = None, batch_size: int | None = None, recompute: str = "none",
+                 layer_modes: dict | None = None):  # fmt: skip
         super().__init__(gm, garbage_collect_values=True)
         self.mesh = mesh
         self.batch_size = batch_size
@@ -114,7 +119,10 @@ class ShardedInterpreter(fx.Interpreter):
         # Kept labels counted by every mean cross-entropy of the last run: the weight of its loss when
         # micro-batches are accumulated (a mean over kept labels is exact only with this weighting).
         self.loss_counts: list[float] = []
-        self.segments = [_Segment.of(self.graph, names) for names in recompute_segments(self.graph, recompute)]
+        self.segments = [_Segment.of(self.graph, names) for names in plan_segments(self.graph, recompute, layer_modes)]
+        self._offloaded = offloaded_nodes(self.graph, layer_modes)
+        self.activation_offload = ActivationOffload(keep=self._is_parameter) if self._offloaded else None
+        self._param_ptrs: set[int] = set()
         self._segment_at = {seg.nodes[-1]: seg for seg in self.segments}
         self._in_segment = {n for seg in self.segments for n in seg.nodes[:-1]}
         # runs of segment bodies: once in forward and once more for each recompute in backward
@@ -124,7 +132,13 @@ class ShardedInterpreter(fx.Interpreter):
 
     def run(self, *args, **kwargs):
         self.loss_counts = []
+        if self.activation_offload is not None:  # parameters stay where they are, whoever saves them
+            self._param_ptrs = {_local(a).untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)
+                                and a.requires_grad}  # fmt: skip
         return super().run(*args, **kwargs)
+
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        return _local(t).untyped_storage().data_ptr() in self._param_ptrs
 
     def _to(self, value, tp_placement: Placement):
         if not isinstance(value, DTensor) or (tp_placement.is_partial() and not value.placements[1].is_partial()):
@@ -166,6 +180,9 @@ class ShardedInterpreter(fx.Interpreter):
         seg = self._segment_at.get(n)
         if seg is not None:
             return self._run_segment(seg)
+        if n.name in self._offloaded:
+            with self.activation_offload:
+                return self._run_op(n)
         return self._run_op(n)
 
     def _run_segment(self, seg: _Segment):
@@ -352,13 +369,17 @@ class _Segment:
 
 def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
                local_ops: dict | None = None, batch_size: int | None = None,
-               recompute: str = "none") -> ShardedInterpreter:  # fmt: skip
+               recompute: str = "none", layer_modes: dict | None = None) -> ShardedInterpreter:  # fmt: skip
     """The rewrite pass: bind `gm` to the plan and mesh; the result runs the parallel program.
 
     `recompute` is the plan's activation recompute mode: its segments run under checkpointing.
     """
     del example_inputs  # placements come from the plan; shapes from the graph
-    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute)
+    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:

@@ -19,6 +19,12 @@ Modes:
                heads; Korthikanti et al.'s `5·a·s²·b` term it was designed to remove is not there.
                With eager attention (matmul, softmax, matmul) it removes the scores as in the paper.
 
+Per layer: a plan may give each repeated layer its own treatment (`layer_modes`, mode -> layer
+indices): "full" or "selective" recompute, or "offload" (the layer's saved activations go to the host
+in forward and come back in backward), the layers it does not name keeping their activations. An
+empty `layer_modes` means the plan's one mode applies to every layer. `plan_segments` and
+`offloaded_nodes` read that for the rewrite, and the solver prices the same sets.
+
 A segment is valid only when the rewrite can run it at its last node: every user outside it comes
 after that node (so nothing outside needs a value before the segment has run). A layer or
 attention block that breaks this is not recomputed, in the solver and the rewrite alike.
@@ -42,6 +48,8 @@ class RecomputeMode(StrEnum):
 
 
 RECOMPUTE_MODES = tuple(m.value for m in RecomputeMode)
+# what a plan may give one layer besides keeping its activations, the leanest last
+LAYER_MODES = ("offload", "selective", "full")
 
 _ATTENTION_OPS = {"aten.scaled_dot_product_attention.default", "aten._softmax.default", "aten.softmax.int",
                   "autopar.flash_attention.default"}  # fmt: skip
@@ -127,3 +135,44 @@ def _runnable(graph: fx.Graph, seg: tuple[str, ...]) -> bool:
         if any(u.name not in members and order[u.name] < last for u in node.users):
             return False
     return True
+
+
+def segment_layer(graph: fx.Graph, seg: tuple[str, ...]) -> int | None:
+    """The index of the repeated layer a segment lies in (None outside layers)."""
+    first = _nodes_by_name(graph)[seg[0]]
+    return layer_of(first)[1]
+
+
+def layer_containers(graph: fx.Graph) -> set[str]:
+    """The paths of the module lists holding repeated layers ("model.layers", "transformer.h")."""
+    return {c for n in graph.nodes if n.op == "call_function" for c in [layer_of(n)[0]] if c is not None}
+
+
+def plan_segments(graph: fx.Graph, recompute: str, layer_modes: dict | None = None) -> tuple[tuple[str, ...], ...]:
+    """The segments a plan recomputes: every segment of `recompute`, or with `layer_modes` those of each
+    recompute mode in the layers it names, in graph order."""
+    if not layer_modes:
+        return recompute_segments(graph, recompute)
+    found = []
+    for mode in ("selective", "full"):
+        layers = set(layer_modes.get(mode, ()))
+        if layers:
+            found += [seg for seg in recompute_segments(graph, mode) if segment_layer(graph, seg) in layers]
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    return tuple(sorted(found, key=lambda seg: order[seg[0]]))
+
+
+def offloaded_nodes(graph: fx.Graph, layer_modes: dict | None) -> frozenset[str]:
+    """The call_function nodes of the layers whose saved activations a plan keeps on the host."""
+    layers = set((layer_modes or {}).get("offload", ()))
+    if not layers:
+        return frozenset()
+    return frozenset(n.name for n in graph.nodes if n.op == "call_function" and layer_of(n)[0] is not None
+                     and layer_of(n)[1] in layers)  # fmt: skip
+
+
+def _nodes_by_name(graph: fx.Graph) -> dict[str, fx.Node]:
+    cache = _SEGMENTS.setdefault(graph, {})
+    if "by_name" not in cache:
+        cache["by_name"] = {n.name: n for n in graph.nodes}
+    return cache["by_name"]

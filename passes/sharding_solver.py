@@ -121,6 +121,7 @@ from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
 from autopar.passes import sharding_rules as rules
+from autopar.passes.activation_plan import layer_indices, mix_layer_modes
 from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
 from autopar.passes.sharding_rules import OpStrategy, placement_str
 
@@ -203,6 +204,10 @@ class MeshResult:
     recompute: str = "none"
     # host offload: bytes on the host per device, fractions of the states, seconds it adds (empty: none)
     offload: dict = field(default_factory=dict)
+    # per-layer treatment (`passes.activation_plan`): "offload"/"full"/"selective" -> how many layers
+    # (empty: `recompute` applies to every layer); the offloaded activations' host bytes and seconds
+    layer_modes: dict = field(default_factory=dict)
+    activation_offload: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -228,6 +233,8 @@ class ShardingSolution:
     solve_time_s: float
     recompute: str = "none"
     offload: dict = field(default_factory=dict)
+    layer_modes: dict = field(default_factory=dict)  # treatment -> layer indices (empty: uniform `recompute`)
+    activation_offload: dict = field(default_factory=dict)
 
 
 _ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -568,7 +575,8 @@ class ShardingProgram:
                 continue
             if gp == gc:  # both ends in one group: the strategy index is shared
                 self.cost_terms["reshard"] += [cost[k][k] * self.x[gp][k] for k in range(len(cost)) if cost[k][k]]
-                self._edge_fwd += [(c, fwd_cost[k][k], self.x[gp][k]) for k in range(len(cost)) if fwd_cost[k][k]]
+                self._edge_fwd += [(c, fwd_cost[k][k], self.x[gp][k], ((gp, k),)) for k in range(len(cost))
+                                   if fwd_cost[k][k]]  # fmt: skip
                 continue
             if len(gpr.strategies) == 1 or len(gcr.strategies) == 1:
                 for k, row in enumerate(cost):
@@ -577,7 +585,7 @@ class ShardingProgram:
                             var = self.x[gc][m] if len(gpr.strategies) == 1 else self.x[gp][k]
                             self.cost_terms["reshard"].append(v * var)
                             if fwd_cost[k][m]:
-                                self._edge_fwd.append((c, fwd_cost[k][m], var))
+                                self._edge_fwd.append((c, fwd_cost[k][m], var, ((gp, k), (gc, m))))
                 continue
             y = [[self.prob.add_variable(f"y_{idx}_{k}_{m}", 0, 1) for m in range(len(gcr.strategies))]
                  for k in range(len(gpr.strategies))]  # fmt: skip
@@ -587,8 +595,8 @@ class ShardingProgram:
                 self.prob += pulp.lpSum(y[k][m] for k in range(len(gpr.strategies))) == self.x[gc][m], f"edge_dst_{idx}_{m}"
             self.cost_terms["reshard"] += [cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0]))
                                            if cost[k][m]]  # fmt: skip
-            self._edge_fwd += [(c, fwd_cost[k][m], y[k][m]) for k in range(len(cost)) for m in range(len(cost[0]))
-                               if fwd_cost[k][m]]  # fmt: skip
+            self._edge_fwd += [(c, fwd_cost[k][m], y[k][m], ((gp, k), (gc, m))) for k in range(len(cost))
+                               for m in range(len(cost[0])) if fwd_cost[k][m]]  # fmt: skip
 
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
@@ -829,8 +837,44 @@ class ShardingProgram:
                     t += gather[k] if gather else 0.0
                     if t:
                         terms.append(t * self.x[name][k])
-        terms += [coef * var for c, coef, var in self._edge_fwd if c in rec]
+        terms += [coef * var for c, coef, var, _ in self._edge_fwd if c in rec]
         return terms
+
+    # ------------------------------------------------------- activations of one chosen layout, per mode
+
+    def fixed_activations(self, choice: dict[str, int], recompute: str) -> tuple[float, float, float]:
+        """(saved activation bytes, recomputed-segment peak bytes, recompute seconds) of the layout `choice`
+        (strategy per group) under recompute mode r: the program's M_saved(r), M_recompute(r) and
+        recompute objective terms evaluated at that layout, without solving."""
+        acts = self.activation_copies * sum(grp.count * self.saved_bytes(name, choice[name], recompute)
+                                            for name, grp in self.groups.items())  # fmt: skip
+        peak = max((sum(self._member_bytes(self.groups[g], m, choice[g]) for g, m in seg)
+                    for seg in self._recomputed_saves(recompute)), default=0.0)  # fmt: skip
+        if recompute == "none":
+            return acts, peak, 0.0
+        rec = recomputed_nodes(self.graph.graph, recompute)
+        seconds = 0.0
+        for name, members in self._fwd_s.items():
+            gather = self.groups[name].follow_fwd_s
+            for m, fwd in members.items():
+                if m in rec:
+                    seconds += fwd[choice[name]] + (gather[m][choice[name]] if gather.get(m) else 0.0)
+        seconds += sum(coef for c, coef, _, cond in self._edge_fwd if c in rec and all(choice[g] == k for g, k in cond))
+        return acts, peak, seconds
+
+    def fixed_layer_activations(self, choice: dict[str, int]) -> tuple[float, float]:
+        """(bytes the repeated layers keep for backward, seconds of their forward), all layers together, for
+        the layout `choice` with nothing recomputed: what offloading their activations moves and overlaps."""
+        saved, nbytes, seconds = self._saved_for_backward("none"), 0.0, 0.0
+        for name, grp in self.groups.items():
+            k = choice[name]
+            for m in grp.members:
+                if self.graph.node_layer.get(m, (None, None))[0] is None:
+                    continue
+                if m in saved:
+                    nbytes += grp.count * self._member_bytes(grp, m, k)
+                seconds += self._fwd_s.get(name, {}).get(m, [0.0] * (k + 1))[k]
+        return self.activation_copies * nbytes, seconds
 
     def recompute_time_lower_bound(self, recompute: str) -> float:
         """Seconds recompute mode r adds at least: every recomputed group at its cheapest forward."""
@@ -1188,7 +1232,7 @@ def _solve_mesh(free: MeshResult, prog: ShardingProgram, make, batch_size: int, 
                     bound = max(bound, tight.step_time_s)
                 if target <= bound * (1 + 1e-9):
                     break
-            res = last = p.solve_best(bound if mode == "none" else lower, recompute=mode)
+            res = last = mix_layer_modes(p, p.solve_best(bound if mode == "none" else lower, recompute=mode))
             say(f"mesh dp={p.dp} tp={p.tp} micro-batches={m}, {mode} recompute: "
                 + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible"))  # fmt: skip
             if mode_best is not None and (not res.feasible or res.step_time_s >= mode_best[0].step_time_s):
@@ -1236,7 +1280,9 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
             params[graph.params[node.name].name] = out[node.name]
     return ShardingSolution(best.dp, best.tp, best.num_microbatches, best.zero_stage, best.step_time_s, best.compute_s, best.reshard_s,
                             best.grad_sync_s, best.memory, out, ins, strat, params, results, unruled,
-                            len(prog.groups), dt, recompute=best.recompute, offload=best.offload)  # fmt: skip
+                            len(prog.groups), dt, recompute=best.recompute, offload=best.offload,
+                            layer_modes=layer_indices(best.layer_modes, graph.graph) if best.layer_modes else {},
+                            activation_offload=best.activation_offload)  # fmt: skip
 
 
 def format_bytes(n: float) -> str:

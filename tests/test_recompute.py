@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -88,3 +90,32 @@ def test_segments_hold_their_layers():
     assert "aten.linear.default" not in ops  # the projections are kept, not recomputed
     assert set(selective[0]) < set(full[0])
     assert recompute_segments(graph, "none") == ()
+
+
+def test_per_layer_treatments_give_the_same_gradients():
+    """A plan that offloads one layer's activations and recomputes two others (one whole, one its attention)
+    gives the gradients of the plan that keeps everything; the offloaded tensors went out and came back."""
+    model = make_model("llama", num_layers=4)
+    args, kwargs = make_batch("llama")
+    traced = trace_model(model, args, kwargs)
+    plain = autopar.plan(model, "cpu:1", args, kwargs, constraints={"recompute": "none"}, _traced=traced)
+    assert not plain.layer_modes
+    mixed = dataclasses.replace(plain, recompute="full", layer_modes={"offload": (0,), "full": (1,), "selective": (2,)})
+    mixed = autopar.Plan.from_json(mixed.to_json())  # the treatments survive the plan file
+    ensure_process_group(plain.cluster)
+    results = []
+    for plan in (plain, mixed):
+        pm = ParallelModule(make_model("llama", num_layers=4), traced, plan, plan.cluster, optimizer=_no_step)
+        loss = pm.train_step(*args, **kwargs)
+        grads = {n: p.grad.detach().clone() for n, p in zip(pm._param_names, pm.shards, strict=True)}
+        results.append((pm, loss, grads))
+    (_, plain_loss, plain_grads), (pm, loss, grads) = results
+    interp = pm._interp
+    assert len(interp.segments) == 2  # layer 1 whole, layer 2's attention
+    assert interp.segment_calls == 2 * 2
+    off = interp.activation_offload
+    assert off.packed > 0 and off.unpacked == off.packed  # every saved tensor of layer 0 went to the host and back
+    assert off.peak_host_bytes > 0 and off.host_bytes == 0  # released with the autograd graph
+    assert loss == pytest.approx(plain_loss, rel=1e-6)
+    for key, ref in plain_grads.items():
+        torch.testing.assert_close(grads[key], ref, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m, k=key: f"{k}: {m}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -10,7 +11,8 @@ from torch import nn
 
 import autopar
 from autopar.errors import ConfigError, InfeasiblePlanError
-from tests.models import MLPBlock, make_batch, tiny_llama
+from autopar.trace import trace_model
+from tests.models import MLPBlock, make_batch, make_model, tiny_llama
 
 GIB = 1024**3
 
@@ -329,3 +331,89 @@ def test_old_plan_files_read_without_recompute():
     d = json.loads(p.to_json())
     del d["recompute"]
     assert autopar.Plan.from_json(json.dumps(d)).recompute == "none"
+
+
+def test_layer_treatments_follow_the_budget():
+    """Between "keep every activation" and "recompute every layer", the plan recomputes only as many layers as
+    the budget needs, which is never slower than the uniform mode and faster where the budget allows it."""
+    model = make_model("llama", num_layers=8)
+    args, kwargs = make_batch("llama", seq=32)
+    traced = trace_model(model, args, kwargs)
+    pins = {"num_microbatches": 1}
+
+    def plan(budget=None, offload=False, **more):
+        return autopar.plan(model, "cpu:1", args, kwargs, constraints={**pins, **more}, memory_budget=budget,
+                            offload=offload, _traced=traced)  # fmt: skip
+
+    keep = plan()
+    everything = plan(recompute="full").predicted.peak_memory_bytes
+    assert not keep.layer_modes and keep.recompute == "none"
+    mixes, last_step = 0, keep.predicted.step_time_s
+    for f in (0.8, 0.6, 0.4):
+        budget = everything + f * (keep.predicted.peak_memory_bytes - everything)
+        p = plan(budget)
+        assert p.predicted.peak_memory_bytes <= budget * (1 + 1e-9)
+        uniform = [u for u in (_plan_or_none(plan, budget, recompute=m) for m in ("selective", "full")) if u]
+        assert uniform, "full recompute fits every budget above its own peak"
+        assert p.predicted.step_time_s <= min(u.predicted.step_time_s for u in uniform) * (1 + 1e-9)
+        assert p.predicted.step_time_s >= last_step * (1 - 1e-9)  # less memory never costs less time
+        last_step = p.predicted.step_time_s
+        if p.layer_modes:
+            mixes += 1
+            treated = sorted(i for layers in p.layer_modes.values() for i in layers)
+            assert len(treated) == len(set(treated)) and set(treated) <= set(range(8))
+            assert p.recompute in ("selective", "full")
+            assert p.hardware_flops_per_step > keep.hardware_flops_per_step  # the recomputed forwards
+    assert mixes >= 1  # some budget is met by treating only some of the layers
+
+
+def test_activation_offload_is_chosen_priced_and_capped():
+    """With host offload allowed, layers may keep their activations on the host instead of recomputing them:
+    priced as copies over the host link, counted in host memory, and written to the plan file."""
+    model = make_model("llama", num_layers=8)
+    args, kwargs = make_batch("llama", seq=32)
+    traced = trace_model(model, args, kwargs)
+    keep = autopar.plan(model, "cpu:1", args, kwargs, constraints={"num_microbatches": 1, "recompute": "none"},
+                        offload=False, _traced=traced)  # fmt: skip
+    acts = keep.predicted.memory_breakdown["activations"]
+    budget = keep.predicted.peak_memory_bytes - 0.5 * acts
+    p = autopar.plan(model, "cpu:1", args, kwargs, constraints={"num_microbatches": 1}, memory_budget=budget,
+                     offload=None, _traced=traced)  # fmt: skip
+    assert "offload" in p.layer_modes, p.layer_modes
+    n = len(p.layer_modes["offload"])
+    assert p.activation_offload["layers"] == n and p.activation_offload["bytes_per_device"] > 0
+    assert p.predicted.peak_memory_bytes <= budget * (1 + 1e-9)
+    # on a CPU device the copies are not overlapped: down and up, at the host link's rate, per layer
+    link = p.cluster.host_link
+    per_layer = p.activation_offload["bytes_per_device"] / n
+    assert p.activation_offload["time_s"] == pytest.approx(
+        n * 2 * (link.latency_s + per_layer / link.bandwidth_bytes_per_s)
+    )
+    assert p.predicted.offload_s == pytest.approx(p.offload.get("time_s", 0.0) + p.activation_offload["time_s"])
+    again = autopar.Plan.from_json(p.to_json())
+    assert again.layer_modes == p.layer_modes and again.activation_offload == p.activation_offload
+    assert "activations offloaded in" in p.summary()
+    # forbidding offload forbids it for activations too
+    q = autopar.plan(model, "cpu:1", args, kwargs, constraints={"num_microbatches": 1}, memory_budget=budget,
+                     offload=False, _traced=traced)  # fmt: skip
+    assert "offload" not in q.layer_modes and not q.activation_offload
+
+
+def _plan_or_none(plan, *args, **kwargs):
+    try:
+        return plan(*args, **kwargs)
+    except InfeasiblePlanError:
+        return None
+
+
+def test_report_names_each_layer_treatment():
+    model = make_model("llama", num_layers=4)
+    args, kwargs = make_batch("llama")
+    plan = autopar.plan(model, "cpu:1", args, kwargs, constraints={"recompute": "none"})
+    mixed = dataclasses.replace(plan, recompute="full", layer_modes={"offload": (0, 1), "full": (3,)},
+                                activation_offload={"layers": 2, "bytes_per_device": 2**30, "time_s": 0.002})  # fmt: skip
+    report = mixed.explain()
+    assert "activations kept on the host in layers 0-1; full recompute in layers 3" in report
+    assert "1.00 GiB per device on the host, copies adding 2.00 ms" in report
+    with pytest.raises(autopar.PlanFormatError, match="two treatments"):
+        dataclasses.replace(plan, layer_modes={"offload": (0, 1), "full": (1,)})
