@@ -14,19 +14,64 @@ anywhere; with one it prints:
 
 The first call of each attention shape autotunes (a few configs per kernel), which dominates the run time; the
 whole script takes about three minutes on one H100 or H200. ``--quick`` runs a smaller sweep.
+
+``--smoke`` runs every check and every timing row at tiny sizes (sequence 16..50, head dim 32, hidden 32, vocab
+256) with one repeat: a test that the script works, not a measurement. With ``--device cpu`` (which needs
+``TRITON_INTERPRET=1``) the kernels run in the Triton interpreter on CPU tensors, times come from a CPU clock,
+and peak memory, which only CUDA's allocator counts, prints as n/a; ``--device cpu --smoke`` finishes in well
+under a minute, so this script is known to run before it meets a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 FAILED: list[str] = []
+# Timed calls per measurement on the CPU, after one warm-up call (on CUDA, triton.testing.do_bench decides).
+CPU_REPEATS = 3
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, grad_to_none: Sequence[torch.Tensor] = (),
+             repeats: int = CPU_REPEATS) -> float:  # fmt: skip
+    """Milliseconds per call of `fn`: do_bench's CUDA events on a GPU, the median of `repeats` by a CPU clock."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, grad_to_none=list(grad_to_none) or None)
+    times = []
+    for i in range(repeats + 1):
+        for t in grad_to_none:
+            t.grad = None
+        start = time.perf_counter()
+        fn()
+        if i:  # the first call is the warm-up
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _peak_gib(fn: Callable[[], object], device: torch.device) -> float | None:
+    """Peak memory of a call of `fn` above what was allocated before, in GiB; None off CUDA (not run then)."""
+    if device.type != "cuda":  # only CUDA's caching allocator keeps a peak
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def _rate(x: float) -> str:
+    """A TFLOP/s figure in 9 columns; interpreted kernels manage far below 0.1, which would print as 0.0."""
+    return f"{x:9.1f}" if x >= 0.1 else f"{x:9.2e}"
 
 
 def _rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -50,14 +95,14 @@ def _grads_of(fn: Callable, inputs: list[torch.Tensor], grad_out: torch.Tensor) 
     return out.detach(), [t.grad for t in leaves]
 
 
-def _check_attention(b, hq, hkv, sq, sk, d, causal, dtype, gen) -> None:
+def _check_attention(b, hq, hkv, sq, sk, d, causal, dtype, gen, device) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from autopar.triton_kernels import flash_attention
 
-    q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype, generator=gen)
-    k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-    grad_out = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype, generator=gen)
+    q = torch.randn(b, hq, sq, d, device=device, dtype=dtype, generator=gen)
+    k, v = (torch.randn(b, hkv, sk, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    grad_out = torch.randn(b, hq, sq, d, device=device, dtype=dtype, generator=gen)
     out, grads = _grads_of(lambda q, k, v: flash_attention(q, k, v, causal=causal), [q, k, v], grad_out)
 
     def sdpa_fp32(q, k, v):
@@ -72,12 +117,12 @@ def _check_attention(b, hq, hkv, sq, sk, d, causal, dtype, gen) -> None:
     _report(f"flash_attention {b}x{hq}/{hkv}x{sq}x{sk}x{d} causal={causal} {dtype}", errors, tol)
 
 
-def _check_norms(rows, cols, dtype, gen) -> None:
+def _check_norms(rows, cols, dtype, gen, device) -> None:
     from autopar.triton_kernels import layer_norm, rms_norm
 
-    x = torch.randn(rows, cols, device="cuda", dtype=dtype, generator=gen)
-    w, b = (1 + 0.5 * torch.randn(cols, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
-    dy = torch.randn_like(x)
+    x = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen)
+    w, b = (1 + 0.5 * torch.randn(cols, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    dy = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen)
     cases = (
         ("rms_norm", lambda x, w: rms_norm(x, w, 1e-6), lambda x, w: F.rms_norm(x, (cols,), w, 1e-6), [x, w]),
         ("layer_norm", lambda x, w, b: layer_norm(x, w, b, 1e-5),
@@ -93,14 +138,14 @@ def _check_norms(rows, cols, dtype, gen) -> None:
         _report(f"{name} {rows}x{cols} {dtype}", errors, tol)
 
 
-def _check_cross_entropy(tokens, hidden_dim, vocab, dtype, gen) -> None:
+def _check_cross_entropy(tokens, hidden_dim, vocab, dtype, gen, device) -> None:
     from autopar.triton_kernels import linear_cross_entropy
 
-    h = torch.randn(tokens, hidden_dim, device="cuda", dtype=dtype, generator=gen)
-    w = torch.randn(vocab, hidden_dim, device="cuda", dtype=dtype, generator=gen) / hidden_dim**0.5
-    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+    h = torch.randn(tokens, hidden_dim, device=device, dtype=dtype, generator=gen)
+    w = torch.randn(vocab, hidden_dim, device=device, dtype=dtype, generator=gen) / hidden_dim**0.5
+    labels = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
     labels[::7] = -100
-    one = torch.ones((), device="cuda", dtype=dtype)
+    one = torch.ones((), device=device, dtype=dtype)
     out, grads = _grads_of(lambda h, w: linear_cross_entropy(h, w, labels), [h, w], one)
     ref, ref_grads = _grads_of(lambda h, w: F.cross_entropy(h @ w.T, labels), [h.float(), w.float()], one.float())
     errors = {"loss": _rel_error(out, ref), "dhidden": _rel_error(grads[0], ref_grads[0])}
@@ -110,32 +155,46 @@ def _check_cross_entropy(tokens, hidden_dim, vocab, dtype, gen) -> None:
     _report(f"linear_cross_entropy {tokens}x{hidden_dim} vocab {vocab} {dtype}", errors, tol)
 
 
-def check_correctness() -> None:
-    """Each kernel against PyTorch in fp32 from the same (16-bit or fp32) inputs, on the GPU."""
+# (batch, heads q, heads kv, seq q, seq k, head dim, causal, dtype): GQA, MQA and MHA, ragged q/k lengths.
+ATTENTION_CASES = [
+    (2, 8, 2, 1000, 1000, 128, True, torch.bfloat16),
+    (1, 4, 4, 777, 1500, 64, False, torch.float16),
+    (1, 8, 1, 300, 300, 96, True, torch.float32),
+    (2, 16, 16, 4096, 4096, 64, True, torch.bfloat16),
+]
+NORM_CASES = [(4096, 4096, torch.bfloat16), (1024, 16384, torch.float32), (333, 1000, torch.float16)]
+CROSS_ENTROPY_CASES = [(4096, 1024, 32000, torch.bfloat16), (1000, 512, 50257, torch.float32)]
+# The same kinds of case at sizes the interpreter runs in seconds: lengths that are no multiple of a block.
+SMOKE_ATTENTION_CASES = [
+    (1, 4, 2, 40, 40, 32, True, torch.bfloat16),
+    (1, 2, 2, 23, 50, 32, False, torch.float16),
+    (1, 4, 1, 16, 16, 32, True, torch.float32),
+]
+SMOKE_NORM_CASES = [(16, 32, torch.bfloat16), (8, 100, torch.float32), (5, 33, torch.float16)]
+SMOKE_CROSS_ENTROPY_CASES = [(64, 32, 256, torch.bfloat16), (37, 32, 301, torch.float32)]
+
+
+def check_correctness(device: torch.device, smoke: bool = False) -> None:
+    """Each kernel against PyTorch in fp32 from the same (16-bit or fp32) inputs, on `device`."""
     print("correctness (max error / max |expected|):")
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for case in [
-        (2, 8, 2, 1000, 1000, 128, True, torch.bfloat16),
-        (1, 4, 4, 777, 1500, 64, False, torch.float16),
-        (1, 8, 1, 300, 300, 96, True, torch.float32),
-        (2, 16, 16, 4096, 4096, 64, True, torch.bfloat16),
-    ]:
-        _check_attention(*case, gen)
-    for case in [(4096, 4096, torch.bfloat16), (1024, 16384, torch.float32), (333, 1000, torch.float16)]:
-        _check_norms(*case, gen)
-    for case in [(4096, 1024, 32000, torch.bfloat16), (1000, 512, 50257, torch.float32)]:
-        _check_cross_entropy(*case, gen)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for case in SMOKE_ATTENTION_CASES if smoke else ATTENTION_CASES:
+        _check_attention(*case, gen, device)
+    for case in SMOKE_NORM_CASES if smoke else NORM_CASES:
+        _check_norms(*case, gen, device)
+    for case in SMOKE_CROSS_ENTROPY_CASES if smoke else CROSS_ENTROPY_CASES:
+        _check_cross_entropy(*case, gen, device)
 
 
-def _attention_row(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> list[float]:
+def _attention_row(batch: int, heads: int, seq: int, head_dim: int, causal: bool, device: torch.device,
+                   repeats: int) -> list[float]:  # fmt: skip
     """TFLOP/s: ours forward, SDPA forward, ours forward+backward, SDPA forward+backward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
 
     from autopar.triton_kernels import flash_attention
 
     shape = (batch, heads, seq, head_dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad_out = torch.randn_like(q)
     flops = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
 
@@ -148,35 +207,39 @@ def _attention_row(batch: int, heads: int, seq: int, head_dim: int, causal: bool
 
     row = []
     with torch.no_grad():
-        row += [flops / do_bench(fn) * 1e-9 for fn in (ours, sdpa)]
+        row += [flops / _time_ms(fn, device, repeats=repeats) * 1e-9 for fn in (ours, sdpa)]
     for fn in (ours, sdpa):
-        ms = do_bench(lambda fn=fn: fn().backward(grad_out), grad_to_none=[q, k, v])
+        ms = _time_ms(lambda fn=fn: fn().backward(grad_out), device, grad_to_none=[q, k, v], repeats=repeats)
         row.append(3.5 * flops / ms * 1e-9)  # backward is 2.5x the forward
     return row
 
 
-def bench_attention(seq_lens: list[int], head_dims: list[int]) -> None:
-    """TFLOP/s of our forward and forward+backward next to SDPA's flash backend, bf16."""
+def bench_attention(seq_lens: list[int], head_dims: list[int], device: torch.device, tokens: int = 16384,
+                    width: int = 2048, repeats: int = CPU_REPEATS) -> None:  # fmt: skip
+    """TFLOP/s of our forward and forward+backward next to SDPA's flash backend, bf16.
+
+    Each shape holds `tokens` tokens per batch (batch = tokens / seq) and heads of `width` / head_dim; `repeats`
+    timed calls per figure on the CPU.
+    """
     print("\nflash attention, bf16, TFLOP/s (batch x heads x seq x head_dim):")
     print(f"  {'shape':28s} {'causal':>6s} {'fwd ours':>9s} {'fwd sdpa':>9s} {'f+b ours':>9s} {'f+b sdpa':>9s}")
     for head_dim in head_dims:
         for causal in (False, True):
             for seq in seq_lens:
-                batch, heads = max(1, 16384 // seq), 2048 // head_dim
-                row = _attention_row(batch, heads, seq, head_dim, causal)
+                batch, heads = max(1, tokens // seq), max(1, width // head_dim)
+                row = _attention_row(batch, heads, seq, head_dim, causal, device, repeats)
                 shape = f"{batch}x{heads}x{seq}x{head_dim}"
-                print(f"  {shape:28s} {causal!s:>6s} " + " ".join(f"{x:9.1f}" for x in row), flush=True)
+                print(f"  {shape:28s} {causal!s:>6s} " + " ".join(_rate(x) for x in row), flush=True)
 
 
-def _cross_entropy_row(tokens: int, hidden_dim: int, vocab: int) -> list[float]:
-    """ms ours, ms materialised, peak GiB ours, peak GiB materialised (forward+backward)."""
-    from triton.testing import do_bench
-
+def _cross_entropy_row(tokens: int, hidden_dim: int, vocab: int, device: torch.device,
+                       repeats: int) -> list[float | None]:  # fmt: skip
+    """ms ours, ms materialised, peak GiB ours, peak GiB materialised (forward+backward; None off CUDA)."""
     from autopar.triton_kernels import linear_cross_entropy
 
-    h = torch.randn(tokens, hidden_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(vocab, hidden_dim, device="cuda", dtype=torch.bfloat16) / hidden_dim**0.5).requires_grad_()
-    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    h = torch.randn(tokens, hidden_dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, hidden_dim, device=device, dtype=torch.bfloat16) / hidden_dim**0.5).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), device=device)
 
     def ours():
         linear_cross_entropy(h, w, labels).backward()
@@ -184,50 +247,65 @@ def _cross_entropy_row(tokens: int, hidden_dim: int, vocab: int) -> list[float]:
     def materialised():
         F.cross_entropy(h @ w.T, labels).backward()
 
-    row = [do_bench(fn, grad_to_none=[h, w]) for fn in (ours, materialised)]
+    row: list[float | None] = [_time_ms(fn, device, [h, w], repeats) for fn in (ours, materialised)]
     for fn in (ours, materialised):
         h.grad = w.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        row.append((torch.cuda.max_memory_allocated() - base) / 2**30)
+        row.append(_peak_gib(fn, device))
     return row
 
 
-def bench_cross_entropy(token_counts: list[int], hidden_dim: int = 4096, vocab: int = 128256) -> None:
+def bench_cross_entropy(token_counts: list[int], device: torch.device, hidden_dim: int = 4096,
+                        vocab: int = 128256, repeats: int = CPU_REPEATS) -> None:  # fmt: skip
     """Time of forward+backward and peak memory above the inputs, fused op against materialised logits."""
     print(f"\nlinear + cross-entropy, bf16, hidden {hidden_dim}, vocab {vocab} (forward+backward):")
     print(f"  {'tokens':>7s} {'ms ours':>9s} {'ms torch':>9s} {'peak GiB ours':>14s} {'peak GiB torch':>15s}")
     for tokens in token_counts:
-        ms_ours, ms_torch, gib_ours, gib_torch = _cross_entropy_row(tokens, hidden_dim, vocab)
-        print(f"  {tokens:7d} {ms_ours:9.2f} {ms_torch:9.2f} {gib_ours:14.2f} {gib_torch:15.2f}", flush=True)
+        ms_ours, ms_torch, gib_ours, gib_torch = _cross_entropy_row(tokens, hidden_dim, vocab, device, repeats)
+        gib = [f"{g:{w}.2f}" if g is not None else f"{'n/a':>{w}s}" for g, w in ((gib_ours, 14), (gib_torch, 15))]
+        print(f"  {tokens:7d} {ms_ours:9.2f} {ms_torch:9.2f} {gib[0]} {gib[1]}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autopar.triton_kernels.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="seq 1k and 4k, head dim 128, one token count")
     parser.add_argument("--skip-correctness", action="store_true", help="only time the kernels")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu runs the kernels in the Triton interpreter (needs TRITON_INTERPRET=1)")  # fmt: skip
+    parser.add_argument("--smoke", action="store_true",
+                        help="every check and timing row at tiny sizes, few repeats: does the script run")  # fmt: skip
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("autopar.triton_kernels.bench: no CUDA device is available; this benchmark needs a GPU. Nothing to run.")
-        return 0
+    FAILED.clear()  # main may run more than once in a process (tests)
     from autopar.triton_kernels import kernels_interpreted
 
-    if kernels_interpreted():
-        print("autopar.triton_kernels.bench: TRITON_INTERPRET is set, so the kernels would run in the interpreter; "
-              "unset it to benchmark the compiled kernels.")  # fmt: skip
-        return 1
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if not args.skip_correctness:
-        check_correctness()
-    if args.quick:
-        bench_attention([1024, 4096], [128])
-        bench_cross_entropy([8192])
+    if args.device == "cpu":
+        if not kernels_interpreted():
+            print("autopar.triton_kernels.bench: --device cpu runs the kernels in the Triton interpreter, and "
+                  "TRITON_INTERPRET is not set; run it as TRITON_INTERPRET=1 python -m autopar.triton_kernels.bench "
+                  "--device cpu.")  # fmt: skip
+            return 2
+        print(f"device: cpu (Triton interpreter), torch {torch.__version__}")
     else:
-        bench_attention([1024, 2048, 4096, 8192, 16384], [64, 128])
-        bench_cross_entropy([8192, 32768])
+        if not torch.cuda.is_available():
+            print("autopar.triton_kernels.bench: no CUDA device is available; this benchmark needs a GPU (or "
+                  "--device cpu with TRITON_INTERPRET=1 to check that it runs). Nothing to run.")  # fmt: skip
+            return 0
+        if kernels_interpreted():
+            print("autopar.triton_kernels.bench: TRITON_INTERPRET is set, so the kernels would run in the "
+                  "interpreter; unset it to benchmark the compiled kernels.")  # fmt: skip
+            return 1
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    device = torch.device(args.device)
+    if not args.skip_correctness:
+        check_correctness(device, smoke=args.smoke)
+    if args.smoke:
+        bench_attention([16, 32], [32], device, tokens=64, width=64, repeats=1)
+        bench_cross_entropy([16], device, hidden_dim=32, vocab=256, repeats=1)
+    elif args.quick:
+        bench_attention([1024, 4096], [128], device)
+        bench_cross_entropy([8192], device)
+    else:
+        bench_attention([1024, 2048, 4096, 8192, 16384], [64, 128], device)
+        bench_cross_entropy([8192, 32768], device)
     if FAILED:
         print(f"\nFAILED correctness checks: {', '.join(FAILED)}")
         return 1
