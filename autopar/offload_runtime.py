@@ -9,6 +9,10 @@ weights, gradients and AdamW moments on the host; the others on the device. `Chu
 each chunk where it lives: host chunks by the CPU AdamW over whole chunks (ZeRO-Offload), device
 chunks on the device.
 
+The plan's activation treatment (one recompute mode for every layer, or `layer_modes`) is applied to
+the model's repeated layers eagerly (`apply_layer_treatments`): checkpointed layers or attention
+modules, and layers whose saved tensors go to the host.
+
 Every plan's states run as ZeRO-3 chunks: the leanest layout, so the device holds no more than the
 plan counted for any ZeRO stage (its time is that of ZeRO-3's collectives, which the plan may not
 have priced). The `MemoryTracker` counts the bytes the store holds on the device at each point of
@@ -28,11 +32,13 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from autopar.errors import LoweringError
 from autopar.memory import ChunkAdamW, ChunkScheduler, ChunkStore, MemoryTracker, choose_chunk_size, pack
+from autopar.memory.activations import ActivationOffload
 from autopar.memory.layout import ALIGN_NUMEL, MAX_CHUNK_NUMEL, MIN_CHUNK_NUMEL
 from autopar.memory.store import module_params
 from autopar.plan import Plan
@@ -92,6 +98,60 @@ def _adamw_hyperparameters(optimizer) -> dict:
             "weight_decay": group["weight_decay"]}  # fmt: skip
 
 
+def layer_treatments(plan: Plan, num_layers: int) -> dict[int, str]:
+    """Layer index -> "offload", "full" or "selective" for the layers the plan treats."""
+    if plan.layer_modes:
+        return {i: mode for mode, layers in plan.layer_modes.items() for i in layers}
+    if plan.recompute != "none":
+        return dict.fromkeys(range(num_layers), plan.recompute)
+    return {}
+
+
+def apply_layer_treatments(module: torch.nn.Module, plan: Plan) -> tuple[ActivationOffload | None, list[str]]:
+    """Make the model's repeated layers (its longest ModuleList) do what the plan says with their activations.
+
+    "full": the layer's forward runs under non-reentrant checkpointing; "selective": its attention
+    module does (eagerly the attention module holds its projections too, so this recomputes a little
+    more than the traced graph's selective segment, which keeps them); "offload": the layer runs
+    inside an `ActivationOffload`. Returns the offload hooks (None if unused) and the checkpointed
+    module paths.
+    """
+    lists = [(name, m) for name, m in module.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        return None, []
+    path, layers = max(lists, key=lambda item: len(item[1]))
+    todo = layer_treatments(plan, len(layers))
+    if any(i >= len(layers) for i in todo):
+        raise LoweringError(f"the plan treats layers {sorted(todo)} but {path} holds {len(layers)}")
+    offload = ActivationOffload() if "offload" in todo.values() else None
+    checkpointed = []
+    for i, mode in sorted(todo.items()):
+        layer = layers[i]
+        if mode == "offload":
+            _wrap_forward(layer, lambda run, *a, **k: _offloaded(offload, run, *a, **k))
+            continue
+        target, where = layer, f"{path}.{i}"
+        if mode == "selective":
+            found = [(n, m) for n, m in layer.named_modules() if "Attention" in type(m).__name__]
+            if not found:
+                continue  # no attention block to recompute in this layer
+            where, target = f"{where}.{found[0][0]}", found[0][1]
+        _wrap_forward(target, lambda run, *a, **k: torch.utils.checkpoint.checkpoint(run, *a, use_reentrant=False,
+                                                                                      **k))  # fmt: skip
+        checkpointed.append(where)
+    return offload, checkpointed
+
+
+def _wrap_forward(mod: torch.nn.Module, wrapper) -> None:
+    inner = mod.forward
+    mod.forward = lambda *args, **kwargs: wrapper(inner, *args, **kwargs)
+
+
+def _offloaded(offload: ActivationOffload, run, *args, **kwargs):
+    with offload:
+        return run(*args, **kwargs)
+
+
 def host_chunks(layouts, fraction: float) -> set[int]:
     """The first trainable chunks whose elements reach `fraction` of all trainable elements (rounded up)."""
     trainable = [lay for lay in layouts if lay.requires_grad]
@@ -141,6 +201,7 @@ class OffloadProgram(torch.nn.Module):
         del values
         self.store.bind(module)
         self.scheduler = ChunkScheduler(self.store, module)
+        self.activation_offload, self.checkpointed = apply_layer_treatments(module, plan)
         self._module_box = (module,)  # not a submodule: its parameters are the store's transient views
         self._state_names = list(model.state_dict().keys())
         self.optimizer = ChunkAdamW(self.store, **_adamw_hyperparameters(optimizer))

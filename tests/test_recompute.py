@@ -119,3 +119,32 @@ def test_per_layer_treatments_give_the_same_gradients():
     assert loss == pytest.approx(plain_loss, rel=1e-6)
     for key, ref in plain_grads.items():
         torch.testing.assert_close(grads[key], ref, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_offload_program_applies_the_layer_treatments():
+    """The host-offload program runs the model eagerly: its layers are checkpointed or offloaded as the plan
+    says, with the chunk scheduler gathering parameters again for a recomputed forward, and trains as the
+    untreated program does."""
+    from autopar.offload_runtime import OffloadProgram
+
+    # small chunks, so that a layer's chunks are released after its forward and must be gathered again
+    # for its recompute in backward
+    CHUNK = 8192  # noqa: N806
+    model = make_model("llama", num_layers=4)
+    args, kwargs = make_batch("llama")
+    plain = autopar.plan(model, "cpu:1", args, kwargs, constraints={"recompute": "none", "tp": 1}, offload=True)
+    assert plain.offload and not plain.layer_modes
+    mixed = dataclasses.replace(plain, recompute="full", layer_modes={"offload": (0,), "full": (1,), "selective": (3,)})
+    ensure_process_group(plain.cluster)
+    runs = []
+    for plan in (plain, mixed):
+        pm = OffloadProgram(make_model("llama", num_layers=4), plan, chunk_numel=CHUNK)
+        runs.append((pm, [pm.train_step(*args, **kwargs) for _ in range(3)]))
+    (plain_pm, plain_losses), (pm, losses) = runs
+    assert pm.checkpointed == ["model.layers.1", "model.layers.3.self_attn"] and not plain_pm.checkpointed
+    assert pm.store.num_chunks > 8
+    assert pm.activation_offload.packed > 0 and pm.activation_offload.unpacked == pm.activation_offload.packed
+    # the same ops on the same values, AdamW on the same chunks: equal up to summation order
+    assert losses == pytest.approx(plain_losses, rel=1e-6)
+    for key, ref in plain_pm.state_dict().items():
+        torch.testing.assert_close(pm.state_dict()[key], ref, atol=1e-6, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")

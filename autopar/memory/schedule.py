@@ -13,6 +13,10 @@ reduce-scatter: ZeRO-3's 3x parameter traffic, in collectives of a chunk each. A
 again only if a parameter is used after its chunk was released (a tied embedding reused by the
 output layer, say).
 
+A module run again inside backward (activation recompute) gathers its chunks as in forward but
+releases nothing: its parameters are read by the backward that follows, and its chunks are released
+once their gradients are in (or at the end of backward).
+
 Parameters are gathered when the forward of the module that owns them runs; a module that reads
 another module's parameters directly needs those chunks gathered by hand (`store.gather`).
 """
@@ -93,6 +97,8 @@ class ChunkScheduler:
             self._gather(chunk, +1)
 
     def _after_forward(self, mod, args, output):
+        if torch._C._current_graph_task_id() != -1:
+            return output  # a forward run again inside backward (recompute): its chunks stay until their gradients
         for name in self._module_params[mod]:
             chunk = self.store.chunk_of(name)
             used = self._used.setdefault(chunk.index, set())

@@ -54,8 +54,10 @@ def _reference(case: str) -> tuple[list[float], dict]:
 
 # The offload program runs meshes with a data axis only; pinning tp=1 also spares the 2-rank tensor-axis
 # programs, which the solver takes seconds to prove slower under so tight a budget.
+# "recompute": every layer checkpointed, so each layer's sharded chunks are gathered again for the forward
+# that backward runs.
 CASES = (("plain", {"tp": 1}), ("frozen", {"tp": 1, "num_microbatches": 2}), ("tied", {"tp": 1}),
-         ("bf16", {"tp": 1}))  # fmt: skip
+         ("bf16", {"tp": 1}), ("recompute", {"tp": 1, "recompute": "full"}))  # fmt: skip
 # bf16 compute (fp32 master weights) against the fp32 reference: bf16 keeps 8 bits of mantissa, so the
 # logits and the loss differ by a few parts in a thousand; 2e-2 is that with margin, and still far
 # below what a missing gradient reduction or a wrong update does to the losses of steps 2 and 3.
@@ -74,6 +76,8 @@ def _train(rank: int, world_size: int, cases):
         losses = [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
         host = [c.index for c in pm.store.chunks if c.device == "host"]
         state = pm.state_dict()  # gathers the shards: every rank calls it
+        if case == "recompute":
+            assert pm.checkpointed == ["model.layers.0", "model.layers.1"], pm.checkpointed
         out.append({"losses": losses, "peak": pm.tracker.peak, "over": pm.tracker.num_over_budget, "host": host,
                     "num_chunks": pm.store.num_chunks, "offload": pm.plan.offload, "mb": pm.plan.num_microbatches,
                     "dtypes": {str(c.payload.dtype) + "/" + str(c.master.dtype) for c in pm.store.trainable_chunks()},
@@ -90,7 +94,7 @@ def test_offload_fits_a_budget_below_the_states_and_matches_one_process():
                      constraints={"tp": 1})  # fmt: skip
     results = run_distributed(_train, WORLD, CASES)
     for i, (case, constraints) in enumerate(CASES):
-        ref_losses, ref_state = _reference("plain" if case == "bf16" else case)
+        ref_losses, ref_state = _reference("plain" if case in ("bf16", "recompute") else case)
         for rank in results:
             r = rank[i]
             assert r["offload"]["optimizer_fraction"] > 0 and r["host"], "the plan offloads and the runtime follows"
