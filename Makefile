@@ -20,6 +20,7 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 lint: $(STAMP)
+	test -x $(VENV)/bin/ruff || $(PY) -m pip install -q 'ruff>=0.6'
 	$(VENV)/bin/ruff check autopar passes cost_model triton_kernels tests examples
 
 clean:
