@@ -143,12 +143,13 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
     each mode of `layer_modes` in its layers); model FLOPs do not.
     """
     from autopar.cost_model.compute import estimate_node_cost
+    from autopar.passes.activation_plan import model_layers
     from autopar.passes.recompute import recompute_segments, recomputed_nodes
 
     if layer_modes:  # layers are alike: a representative node counts for the share of layers recomputed
-        again = {}
+        again, scale = {}, model_layers(graph)[1]
         for mode in ("selective", "full"):
-            n = len(recompute_segments(graph.graph, mode))
+            n = len(recompute_segments(graph.graph, mode)) * scale
             if layer_modes.get(mode) and n:
                 again |= {name: len(layer_modes[mode]) / n for name in recomputed_nodes(graph.graph, mode)}
     else:

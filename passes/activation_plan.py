@@ -53,19 +53,17 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     if not res.feasible or len(prog.recompute_choices) == 1 and prog.recompute_choices[0] != "none":
         return res
     graph = prog.graph.graph
-    if len(layer_containers(graph)) != 1:
-        return res
-    choice = prog.last_choice
-    layers = len({segment_layer(graph, seg) for seg in recompute_segments(graph, "full")})
+    layers, scale = model_layers(prog.graph)
     if layers < 2:
         return res
+    choice = prog.last_choice
     offload = prog.offload is not False if allow_offload is None else allow_offload
     none_acts, _, _ = prog.fixed_activations(choice, "none")
     per: dict[str, tuple[float, float, float, int]] = {}  # treatment -> (saves, seconds, peak, how many layers)
     for mode in prog.recompute_choices:
         if mode == "none":
             continue
-        n = len(recompute_segments(graph, mode))
+        n = round(len(recompute_segments(graph, mode)) * scale)  # segments of the whole model
         acts, peak, seconds = prog.fixed_activations(choice, mode)
         if n:
             per[mode] = ((none_acts - acts) / n, seconds / n, peak, min(n, layers))
@@ -151,10 +149,30 @@ def _activation_offload(counts: dict, per: dict) -> dict:
             "time_s": counts["offload"] * per["offload"][1]}  # fmt: skip
 
 
-def layer_indices(counts: dict[str, int], graph) -> dict[str, tuple[int, ...]]:
-    """Treatment -> layer indices, handed out in `LAYER_TREATMENTS` order from the first layer."""
-    layers = sorted({segment_layer(graph, seg) for seg in recompute_segments(graph, "full")})
-    eligible = {m: {segment_layer(graph, seg) for seg in recompute_segments(graph, m)} for m in ("selective", "full")}
+def model_layers(opgraph) -> tuple[int, float]:
+    """(repeated layers of the model, model layers per traced layer) for a model with one list of layers;
+    (0, 1.0) otherwise. A shortened trace (`OpGraph.repeats`) stands for more layers than it holds."""
+    graph = opgraph.graph
+    containers = layer_containers(graph)
+    if len(containers) != 1:
+        return 0, 1.0
+    traced = len({segment_layer(graph, seg) for seg in recompute_segments(graph, "full")})
+    real = opgraph.repeats.get(next(iter(containers)), (traced, traced))[1]
+    return real, real / max(traced, 1)
+
+
+def layer_indices(counts: dict[str, int], opgraph) -> dict[str, tuple[int, ...]]:
+    """Treatment -> layer indices, handed out in `LAYER_TREATMENTS` order from the first layer.
+
+    A layer of a shortened trace's repeated part stands for every model layer past the traced ones."""
+    graph = opgraph.graph
+    real, _ = model_layers(opgraph)
+    traced = sorted({segment_layer(graph, seg) for seg in recompute_segments(graph, "full")})
+    layers = list(range(real))
+    eligible = {}
+    for m in ("selective", "full"):
+        ok = {segment_layer(graph, seg) for seg in recompute_segments(graph, m)}
+        eligible[m] = set(layers) if real > len(traced) and ok == set(traced) else ok
     out, taken = {}, set()
     for mode in LAYER_TREATMENTS:
         want = counts.get(mode, 0)

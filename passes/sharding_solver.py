@@ -1281,7 +1281,7 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
     return ShardingSolution(best.dp, best.tp, best.num_microbatches, best.zero_stage, best.step_time_s, best.compute_s, best.reshard_s,
                             best.grad_sync_s, best.memory, out, ins, strat, params, results, unruled,
                             len(prog.groups), dt, recompute=best.recompute, offload=best.offload,
-                            layer_modes=layer_indices(best.layer_modes, graph.graph) if best.layer_modes else {},
+                            layer_modes=layer_indices(best.layer_modes, graph) if best.layer_modes else {},
                             activation_offload=best.activation_offload)  # fmt: skip
 
 
