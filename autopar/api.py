@@ -259,7 +259,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     offload_s = sol.offload.get("time_s", 0.0) + sol.activation_offload.get("time_s", 0.0)
     predicted = _predicted(step, model_flops, hw_flops, tokens, world, peak, sol.memory,
                            compute_s=sol.compute_s, reshard_s=sol.reshard_s, grad_sync_s=sol.grad_sync_s,
-                           offload_s=offload_s)  # fmt: skip
+                           offload_s=offload_s, optimizer_s=sol.optimizer_s)  # fmt: skip
     alternatives = tuple(
         {"dp": r.dp, "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
          "compute_s": r.compute_s, "reshard_s": r.reshard_s, "grad_sync_s": r.grad_sync_s,

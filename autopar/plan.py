@@ -45,6 +45,7 @@ class Predicted:
     grad_sync_s: float = 0.0
     tokens_per_s: float = 0.0
     offload_s: float = 0.0
+    optimizer_s: float = 0.0  # the optimizer step on the device
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,19 +32,26 @@ Objective (predicted step time, seconds; no overlap of communication with comput
        + sum_e n_e sum_{k,l} y[e,k,l] (Rf[e,k,l] + Rb[e,k,l])                   resharding
        + sum_w n_w sum_{k,s} u[w,k,s] Sync[w,k,s]                               gradient sync over dp
        + C_o h_o + C_g h_g                                                      host offload
+       + sum_w n_w sum_{k,s} u[w,k,s] Opt[w,k,s] - D_o h_o                      optimizer step
        + sum_g n_g sum_{m in g, m in R_r} sum_k x[g,k] T_fwd[m,k]               recomputed forwards
        + sum_{e into R_r} n_e sum_{k,l} y[e,k,l] Rf[e,k,l]                      and their resharding
 
     T_*   roofline (or profiled) time of the op's share of work: work / (dp * divisor_k)
     Rf    time to bring the producer's output placement to the placement argument i needs
     Rb    time to bring the gradient the consumer returns to the producer's layout
-    Sync  all-reduce of the local gradient over dp (stage 0), reduce-scatter + all-gather of
-          the parameters (stages 1, 2), and one more all-gather for the backward (stage 3)
+    Sync  all-reduce of the local gradient over dp in buckets (stage 0), reduce-scatter + all-gather
+          of the parameters (stages 1, 2), and one more all-gather for the backward (stage 3), one
+          collective per parameter (the sharded runtime redistributes each on its own)
     C_o   per byte of optimizer state on the host, its parameter's share of: the gradient down and the
           updated 16-bit (or fp32) weight up the host link, and the CPU AdamW update:
           ((B_grad + B_param) / host_bw + 1 / cpu_adamw_rate) / B_opt
     C_g   per byte of gradient on the host: with m micro-batches every micro-batch's gradient goes down
           (accumulated on the host) instead of the last one only: (m - 1) / host_bw
+    Opt   the optimizer step over w's local shard on the device: the estimator's optimizer_step_time_s
+          (or the analytic AdamW estimate) of one tensor of its fp32 weights, local on tp, and 1/dp of
+          them from stage 1 (each rank updates its shard of every parameter)
+    D_o   per byte of optimizer state on the host, the device step it no longer runs (capped at C_o:
+          offloading stays a memory measure, never a way to a faster step)
 
 Constraints:
     one strategy:   sum_k x[g,k] = 1                                     for all g
@@ -80,9 +87,11 @@ program, not a variable: each mesh is solved at the fewest micro-batches whose m
 The recompute mode is a parameter too: its terms (the objective's recompute part, M_saved(r) and
 the M_recompute rows) are built the first time a program is solved with r, and swapped in.
 
-How the programs are solved: the step time never falls as m, the ZeRO stage or recompute grows
-(for the same placements), so the program at the fewest micro-batches that fit under the leanest
-allowed mode, the lowest stage and no recompute, solved without the memory row, is a lower bound
+How the programs are solved: the step time never falls as m or recompute grows, nor as the ZeRO
+stage grows past 1 (for the same placements); stage 1 can beat stage 0, its optimizer step being 1/dp
+of it. So the program at the fewest micro-batches that fit under the leanest allowed mode and no
+recompute, solved without the memory row at the lowest stage and at the lowest stage from 1 (the
+faster of the two), is a lower bound
 L(dp, tp) of everything its mesh can reach. Meshes are visited in order of L; a mesh whose L is not
 below the best plan found is not solved further; a mesh whose memory-free optimum fits is done
 (recompute is never considered where memory does not bind). Otherwise each recompute mode, none
@@ -117,6 +126,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import Collective, estimate_collective_time
+from autopar.cost_model.compute import optimizer_step_time_s
 from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
@@ -128,6 +138,7 @@ from autopar.passes.sharding_rules import OpStrategy, placement_str
 R = Replicate()
 GIB = 1024**3
 BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's default)
+_FP32_BYTES = 4  # AdamW steps fp32 weights: the parameters in fp32 training, their master copy in mixed precision
 FORBIDDEN_S = 1e6  # the price of a conversion the runtime cannot do: no optimum ever pays it
 
 # Ops that keep none of their inputs for the backward pass (the gradient does not need them).
@@ -200,6 +211,7 @@ class MeshResult:
     memory: dict[str, float]
     solve_time_s: float
     reason: str = ""
+    optimizer_s: float = 0.0  # the optimizer step on the device (Opt less D_o h_o)
     num_microbatches: int = 1
     recompute: str = "none"
     # host offload: bytes on the host per device, fractions of the states, seconds it adds (empty: none)
@@ -233,6 +245,7 @@ class ShardingSolution:
     solve_time_s: float
     recompute: str = "none"
     offload: dict = field(default_factory=dict)
+    optimizer_s: float = 0.0
     layer_modes: dict = field(default_factory=dict)  # treatment -> layer indices (empty: uniform `recompute`)
     activation_offload: dict = field(default_factory=dict)
 
@@ -627,9 +640,11 @@ class ShardingProgram:
         # the parameters for every micro-batch's forward and backward.
         if stage == 0:
             return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
-        rs = self._bucketed(Collective.REDUCE_SCATTER, grad_bytes) * (self.mb if stage >= 2 else 1)
-        ag = self._bucketed(Collective.ALL_GATHER, param_bytes)
-        return rs + ag * (2 * self.mb if stage == 3 else 1)
+        # From stage 1 the sharded runtime gathers and reduce-scatters each parameter on its own (one DTensor
+        # redistribution per parameter, no buckets): every one pays a whole collective's latency.
+        rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
+        ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
+        return rs * (self.mb if stage >= 2 else 1) + ag * (2 * self.mb if stage == 3 else 1)
 
     def _bucketed(self, kind: Collective, nbytes: float) -> float:
         """A parameter's share of bucketed collectives: its bytes at full bandwidth, latency pro rata.
@@ -643,11 +658,10 @@ class ShardingProgram:
         return full - latency + latency * nbytes / BUCKET_BYTES
 
     def sync_floor(self, stage: int) -> float:
-        """Latency of the one bucket per collective kind that a step with any gradient pays."""
-        if self.dp == 1:
+        """Latency of the one bucket that a step with any gradient pays (stage 0; later stages pay per parameter)."""
+        if self.dp == 1 or stage >= 1:
             return 0.0
-        kinds = [Collective.ALL_REDUCE] if stage == 0 else [Collective.REDUCE_SCATTER, Collective.ALL_GATHER]
-        return sum(estimate_collective_time(k, 1.0, self.dp, self.dp_link) for k in kinds)
+        return estimate_collective_time(Collective.ALL_REDUCE, 1.0, self.dp, self.dp_link)
 
     def add_stage_product_constraint(self) -> None:
         """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u."""
@@ -666,9 +680,21 @@ class ShardingProgram:
                     t = self.sync_time(name, k, s)
                     if t:
                         self.cost_terms["grad_sync"].append(grp.count * t * u)
+                    t = self.optimizer_time(name, k, s)
+                    if t:
+                        self.cost_terms["optimizer"].append(grp.count * t * u)
         for s, zs in self.z.items():
             if self.sync_floor(s):
                 self.cost_terms["grad_sync"].append(self.sync_floor(s) * zs)
+
+    def optimizer_time(self, name: str, k: int, stage: int) -> float:
+        """Opt[w,k,s]: the device's optimizer step over one parameter's local shard (its fp32 weights)."""
+        info = self.graph.params[name]
+        if not info.requires_grad:
+            return 0.0
+        pl = self.groups[name].strategies[k].output
+        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1) / (self.dp if stage >= 1 else 1)
+        return optimizer_step_time_s(self.estimator, self.cluster.device, 1, local * _FP32_BYTES)
 
     def offload_prices(self) -> tuple[float, float]:
         """(C_o, C_g): seconds per byte of optimizer state and of gradient kept on the host."""
@@ -705,6 +731,11 @@ class ShardingProgram:
         self.prob += h_o + h_g <= self.host_capacity(), "host_memory"
         c_o, c_g = self.offload_prices()
         self.cost_terms["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else [])
+        # the device no longer steps the states on the host (their per-tensor cost is kept: an upper bound)
+        d_o = min(c_o, optimizer_step_time_s(self.estimator, self.cluster.device, 0,
+                                             _FP32_BYTES / pr.optimizer_bytes))  # fmt: skip
+        if d_o:
+            self.cost_terms["optimizer"].append(-d_o * h_o)
         self.memory_terms["optimizer"].append(-1.0 * h_o)
         self.memory_terms["grads"].append(-1.0 * h_g)
 
@@ -967,7 +998,21 @@ class ShardingProgram:
         return MeshResult(self.dp, self.tp, True, step, val.get("compute", 0.0) + val.get("recompute", 0.0),
                           val.get("reshard", 0.0), val.get("grad_sync", 0.0), chosen_stage, mem, dt,
                           num_microbatches=self.mb, recompute=mode,
-                          offload=self._offload_result(mem, val.get("offload", 0.0)))  # fmt: skip
+                          offload=self._offload_result(mem, val.get("offload", 0.0)),
+                          optimizer_s=val.get("optimizer", 0.0))  # fmt: skip
+
+    def solve_free(self, recompute: str | None = None) -> MeshResult:
+        """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
+        faster (its optimizer step is 1/dp; higher stages only add communication)."""
+        low = self.zero_choices[0]
+        best, choice = self.solve(stage=low, memory=False, recompute=recompute), self.last_choice
+        sharded = next((s for s in self.zero_choices if s >= 1), None)
+        if self.dp > 1 and low == 0 and sharded is not None:
+            res = self.solve(stage=sharded, memory=False, recompute=recompute)
+            if res.feasible and (not best.feasible or res.step_time_s < best.step_time_s):
+                best, choice = res, self.last_choice
+        self.last_choice = choice
+        return best
 
     def chosen(self) -> dict[str, int]:
         return {g: max(range(len(xs)), key=lambda k: pulp.value(xs[k]) or 0.0) for g, xs in self.x.items()}
@@ -1144,7 +1189,7 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
                                       "does not fit even with micro-batches of one sample"))  # fmt: skip
             continue
         fits.build()
-        free = fits.solve(stage=fits.zero_choices[0], memory=False)
+        free = fits.solve_free()
         candidates.append((free, fits, make))
     # Meshes in the order of their memory-free optimum (a lower bound of anything they can reach):
     # once the best plan found is faster than a mesh's bound, that mesh cannot win and is not solved.
@@ -1166,7 +1211,8 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
     if unruled and best.tp > 1:
         warnings.warn(f"no sharding rule for {', '.join(unruled)}: these ops run replicated on the tensor axis",
                       stacklevel=2)  # fmt: skip
-    return _solution(best_prog, best, tuple(results), unruled, time.perf_counter() - t0)
+    solution = _solution(best_prog, best, tuple(results), unruled, time.perf_counter() - t0)
+    return dataclasses.replace(solution, optimizer_s=best.optimizer_s)
 
 
 def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
@@ -1227,7 +1273,7 @@ def _solve_mesh(free: MeshResult, prog: ShardingProgram, make, batch_size: int, 
             if not p.x:
                 p.build()
             if mode_best is None and m != prog.mb:  # the mode's own memory-free optimum: a tighter bound
-                tight = p.solve(stage=p.zero_choices[0], memory=False, recompute=mode)
+                tight = p.solve_free(recompute=mode)
                 if tight.feasible:
                     bound = max(bound, tight.step_time_s)
                 if target <= bound * (1 + 1e-9):

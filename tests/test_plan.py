@@ -22,7 +22,9 @@ def plan():
 def test_predictions_are_consistent(plan):
     p = plan.predicted
     assert plan.mesh["dp"] * plan.mesh["tp"] == 8
-    assert p.step_time_s == pytest.approx(p.compute_s + p.reshard_s + p.grad_sync_s, rel=1e-6)
+    assert p.optimizer_s > 0
+    assert p.step_time_s == pytest.approx(p.compute_s + p.reshard_s + p.grad_sync_s + p.optimizer_s + p.offload_s,
+                                          rel=1e-6)  # fmt: skip
     world, peak = 8, plan.cluster.device.peak_matmul_flops(torch.bfloat16)
     assert p.mfu == pytest.approx(plan.model_flops_per_step / (p.step_time_s * world * peak), rel=1e-9)
     assert p.tflops_per_device == pytest.approx(plan.model_flops_per_step / p.step_time_s / world / 1e12, rel=1e-9)

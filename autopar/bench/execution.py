@@ -157,7 +157,8 @@ class _Autopar(_Method):
         pred = plan.predicted
         return {"predicted_step_time_s": pred.step_time_s, "mesh": dict(plan.mesh), "zero_stage": plan.zero_stage,
                 "predicted_breakdown_s": {"compute": pred.compute_s, "reshard": pred.reshard_s,
-                                          "grad_sync": pred.grad_sync_s},
+                                          "grad_sync": pred.grad_sync_s, "optimizer": pred.optimizer_s,
+                                          "offload": pred.offload_s},
                 "plan_stats": dict(plan.stats)}  # fmt: skip
 
 

@@ -213,3 +213,25 @@ def test_optimizer_step_time_counts_tensors_and_bytes():
     assert estimate_optimizer_step_time(21, 4e5, **kw) == pytest.approx(21 * 40e-6 + 4e5 * 2e-9)
     with pytest.raises(ValueError):
         estimate_optimizer_step_time(-1, 0, **kw)
+
+
+def test_analytic_adamw_step_is_memory_bound_with_launches_per_tensor():
+    from autopar.cost_model.compute import AnalyticEstimator, estimate_adamw_step_time, optimizer_step_time_s
+
+    cpu, a100 = get_device("cpu"), get_device("A100-80GB")
+    # eager AdamW: 80 bytes read and written per 4-byte fp32 parameter, nine kernels per tensor
+    nbytes = 4e6
+    assert estimate_adamw_step_time(21, nbytes, cpu) == pytest.approx(
+        21 * 9 * cpu.kernel_overhead_s + 20 * nbytes / (cpu.memory_bandwidth_bytes_per_s * cpu.memory_efficiency))
+    # on a GPU the foreach path launches each kernel for up to 36 tensors at once
+    bw = a100.memory_bandwidth_bytes_per_s * a100.memory_efficiency
+    assert estimate_adamw_step_time(36, nbytes, a100) == pytest.approx(9 * 5e-6 + 20 * nbytes / bw)
+    est = AnalyticEstimator(cpu, "fp32")
+    assert est.optimizer_step_time_s(21, nbytes) == estimate_adamw_step_time(21, nbytes, cpu)
+
+    class OwnFigure:
+        def optimizer_step_time_s(self, num_tensors, num_param_bytes):
+            return num_tensors * 1.0 + num_param_bytes * 2.0
+
+    assert optimizer_step_time_s(OwnFigure(), cpu, 3, 5.0) == 13.0  # the estimator's own figure wins
+    assert optimizer_step_time_s(object(), cpu, 3, 5.0) == estimate_adamw_step_time(3, 5.0, cpu)

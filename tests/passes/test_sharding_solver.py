@@ -62,10 +62,10 @@ def test_memory_budget_forces_sharded_states():
     x = torch.randn(8, 128, 2048, device="meta")
     free = autopar.plan(model, "8xA100-80GB", (x,), constraints={"tp": 1})
     states = sum(free.predicted.memory_breakdown[k] for k in ("params", "grads", "optimizer"))
-    assert free.zero_stage == 0
+    assert free.zero_stage <= 1  # stage 1 where its 1/dp optimizer step pays for per-parameter collectives
     budget = 0.6 * free.predicted.peak_memory_bytes
     tight = autopar.plan(model, "8xA100-80GB", (x,), constraints={"tp": 1}, memory_budget=budget)
-    assert tight.zero_stage >= 1
+    assert tight.zero_stage > free.zero_stage
     assert tight.predicted.peak_memory_bytes <= budget
     tight_states = sum(tight.predicted.memory_breakdown[k] for k in ("params", "grads", "optimizer"))
     assert tight_states < states
@@ -148,7 +148,8 @@ def test_micro_batches_when_activations_do_not_fit():
                           constraints={"micro_batch_size": 1})  # fmt: skip
     assert pinned.micro_batch_size == 1
     # the free search may pick any micro-batch count, so it is never slower than a pinned one
-    assert plan.predicted.step_time_s <= pinned.predicted.step_time_s * (1 + 1e-9)
+    # (up to the MIP solver's optimality tolerance: the two programs are solved apart)
+    assert plan.predicted.step_time_s <= pinned.predicted.step_time_s * (1 + 1e-6)
     # every mesh it did not choose was either slower, did not fit, or provably could not win
     for alt in plan.alternatives:
         if alt["feasible"]:
@@ -224,7 +225,8 @@ def test_choices_follow_the_budget():
                             offload=offload, _traced=traced)  # fmt: skip
 
     free = plan()
-    assert free.zero_stage == 0 and free.recompute == "none" and not free.offload
+    # stage 1 where its 1/dp optimizer step pays for the per-parameter collectives
+    assert free.zero_stage <= 1 and free.recompute == "none" and not free.offload
     assert all(a["recompute"] == "none" for a in free.alternatives if a["feasible"])
     # the leanest layouts on the device, without and with full recompute (tp=1 leaves no placement to choose)
     lean_none = plan(zero=3, recompute="none", offload=False).predicted.peak_memory_bytes
@@ -238,7 +240,7 @@ def test_choices_follow_the_budget():
     assert lean_offload < 0.8 * lean_full
 
     sharded = plan((free.predicted.peak_memory_bytes + lean_none) / 2)
-    assert sharded.zero_stage >= 1 and sharded.recompute == "none" and not sharded.offload
+    assert sharded.zero_stage > free.zero_stage and sharded.recompute == "none" and not sharded.offload
     budget = (lean_none + lean_full) / 2
     saving = plan(budget)  # recompute or offload, whichever is cheaper here
     assert saving.recompute != "none" or saving.offload
@@ -287,7 +289,11 @@ def test_offload_is_priced_recorded_and_capped_by_host_memory():
     dev = cluster.device
     expected = params * ((2 + 2) / cluster.host_link.bandwidth_bytes_per_s + 1 / dev.host_adamw_params_per_s)
     assert off["time_s"] == pytest.approx(expected, rel=1e-6)
-    assert host.predicted.step_time_s == pytest.approx(device.predicted.step_time_s + expected, rel=1e-6)
+    # and the device no longer steps those states: AdamW's 20 bytes moved per byte of fp32 weight (4 of 12 state
+    # bytes per parameter) at the device's bandwidth
+    saved = off["optimizer_bytes_per_device"] * 4 / 12 * 20 / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
+    assert device.predicted.optimizer_s - host.predicted.optimizer_s == pytest.approx(saved, rel=1e-6)
+    assert host.predicted.step_time_s == pytest.approx(device.predicted.step_time_s + expected - saved, rel=1e-6)
     assert plan().offload == {}  # not needed, not chosen: it only adds time
     assert "host offload | 100% of the optimizer states" in host.explain()
     assert autopar.Plan.from_json(host.to_json()).offload == off
