@@ -322,10 +322,11 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     model_flops, hw_flops = _flops(graph, tokens, recompute)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world, step = cluster.world_size, psol.step_time_s
-    sync = max(st.grad_sync_s for st in psol.stages)
+    tail = max(psol.stages, key=lambda st: st.grad_sync_s + st.optimizer_s)  # the step ends with the slowest
+    sync, opt = tail.grad_sync_s, tail.optimizer_s
     # compute: the pipelined forward and backward, bubble and transfers included
     predicted = _predicted(step, model_flops, hw_flops, tokens, world, peak, fullest.memory,
-                           compute_s=step - sync, reshard_s=0.0, grad_sync_s=sync)  # fmt: skip
+                           compute_s=step - sync - opt, reshard_s=0.0, grad_sync_s=sync, optimizer_s=opt)  # fmt: skip
     layer = {p.name: p.layer for p in graph.params.values()}
     placements = {}
     for st in psol.stages:

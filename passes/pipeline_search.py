@@ -224,10 +224,11 @@ class StagePlan:
         dp, tp: its sub-mesh; zero_stage: its ZeRO stage over dp.
         time_per_microbatch_s: compute and resharding of one micro-batch (t_s).
         transfer_per_microbatch_s: point-to-point sends of one micro-batch (c_s).
-        grad_sync_s: gradient synchronisation per step (S_s).
+        grad_sync_s: gradient synchronisation per step (S_s, with optimizer_s).
         activation_copies: micro-batches whose activations it keeps at once (a_s).
         memory: per-device bytes by kind (params, grads, optimizer, activations, transient).
         sharding: the stage program's layout (placements of the view's nodes and parameters).
+        optimizer_s: its optimizer step, once per step after the last backward (part of S_s).
     """
 
     index: int
@@ -244,6 +245,7 @@ class StagePlan:
     activation_copies: float
     memory: dict
     sharding: ShardingSolution | None = None
+    optimizer_s: float = 0.0
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -302,7 +304,7 @@ class _Priced:
 
     feasible: bool
     t_mb: float = math.inf  # compute + resharding of one micro-batch
-    sync: float = 0.0
+    sync: float = 0.0  # once per step: gradient synchronisation and the optimizer step
     zero: int = -1
     memory: tuple[tuple[str, float], ...] = ()  # as solved, activations at `copies`
     copies: float = 1.0
@@ -410,7 +412,7 @@ class _StagePricer:
                         continue
                     ks = range(len(grp.strategies))
                     states[z] += grp.count * min(sum(prog.state_bytes(name, j, z)) for j in ks)
-                    sync[z] += grp.count * min(prog.sync_time(name, j, z) for j in ks)
+                    sync[z] += grp.count * min(prog.sync_time(name, j, z) + prog.optimizer_time(name, j, z) for j in ks)
             self._state_floor[skey] = (states, sync)
         return _Floors(*self._act_floor[akey], *self._state_floor[skey])
 
@@ -419,7 +421,8 @@ class _StagePricer:
         if not res.feasible:
             return _Priced(False, result=res)
         t_mb = (res.compute_s + res.reshard_s) / prog.mb
-        return _Priced(True, t_mb, res.grad_sync_s, res.zero_stage, tuple(res.memory.items()), copies, res, prog)
+        return _Priced(True, t_mb, res.grad_sync_s + res.optimizer_s, res.zero_stage, tuple(res.memory.items()), copies,
+                       res, prog)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ transfers between stages
@@ -796,7 +799,7 @@ def _single_solution(sol: ShardingSolution, graph: OpGraph, batch: int, records,
     num_layers = graph.num_layers
     stage = StagePlan(0, ((0, num_layers),), num_layers, True, True, sol.dp, sol.tp, sol.zero_stage,
                       (sol.compute_s + sol.reshard_s) / sol.num_microbatches, 0.0, sol.grad_sync_s, 1.0,
-                      dict(sol.memory), sol)  # fmt: skip
+                      dict(sol.memory), sol, sol.optimizer_s)  # fmt: skip
     return PipelineSolution(1, sol.dp, sol.tp, (stage,), sol.num_microbatches, batch // (sol.dp * sol.num_microbatches),
                             None, 1, 0.0, sol.step_time_s, stage.peak_memory_bytes, sol.step_time_s, sol,
                             tuple(records), pricer.num_programs if pricer else 0, dt)  # fmt: skip
@@ -823,8 +826,9 @@ def _pipeline_solution(best, search: _Search, single, records, dt) -> PipelineSo
     for s, (k, p, rng) in enumerate(zip(alloc, priced, _layer_ranges(alloc, cfg), strict=True)):
         copies = search.copies(cfg, s)
         sharding = ss._solution(p.program, p.result, (), (), p.result.solve_time_s) if p.program else None
+        opt = p.result.optimizer_s if p.result is not None else 0.0
         stages.append(StagePlan(s, rng, k, s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, p.zero, p.t_mb, transfers[s],
-                                p.sync, copies, p.memory_at(copies), sharding))  # fmt: skip
+                                p.sync - opt, copies, p.memory_at(copies), sharding, opt))  # fmt: skip
     return PipelineSolution(cfg.pp, cfg.dp, cfg.tp, tuple(stages), cfg.m, search.micro_batch(cfg), cfg.schedule, cfg.v,
                             bubble_fraction(cfg.schedule, cfg.pp, cfg.m, cfg.v), step,
                             max(st.peak_memory_bytes for st in stages),

@@ -1211,8 +1211,7 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
     if unruled and best.tp > 1:
         warnings.warn(f"no sharding rule for {', '.join(unruled)}: these ops run replicated on the tensor axis",
                       stacklevel=2)  # fmt: skip
-    solution = _solution(best_prog, best, tuple(results), unruled, time.perf_counter() - t0)
-    return dataclasses.replace(solution, optimizer_s=best.optimizer_s)
+    return _solution(best_prog, best, tuple(results), unruled, time.perf_counter() - t0)
 
 
 def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
@@ -1328,7 +1327,7 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
                             best.grad_sync_s, best.memory, out, ins, strat, params, results, unruled,
                             len(prog.groups), dt, recompute=best.recompute, offload=best.offload,
                             layer_modes=layer_indices(best.layer_modes, graph) if best.layer_modes else {},
-                            activation_offload=best.activation_offload)  # fmt: skip
+                            activation_offload=best.activation_offload, optimizer_s=best.optimizer_s)  # fmt: skip
 
 
 def format_bytes(n: float) -> str:

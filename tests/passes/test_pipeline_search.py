@@ -208,3 +208,13 @@ def test_no_layout_fits():
     graph = _stack_graph(1024, 4, 16, 256)
     with pytest.raises(InfeasiblePlanError, match="budget"):
         _search(graph, "2x8xA100-80GB", 16, memory_budget_bytes=2**20)
+
+
+def test_stages_pay_their_optimizer_step():
+    # each stage steps its own parameters once per step, after its last backward: the same term the
+    # one-stage program prices, so a pipeline is not made to look cheaper by leaving it out
+    graph = _stack_graph(1024, 4, 32, 512)
+    sol = _search(graph, "2x8xA100-80GB", 32, constraints={"pp": 2, "schedule": "1f1b"})
+    assert sol.pp == 2
+    for st in sol.stages:
+        assert st.optimizer_s > 0 and st.optimizer_s == pytest.approx(st.sharding.optimizer_s)
