@@ -16,8 +16,10 @@ modules, and layers whose saved tensors go to the host.
 Every plan's states run as ZeRO-3 chunks: the leanest layout, so the device holds no more than the
 plan counted for any ZeRO stage (its time is that of ZeRO-3's collectives, which the plan may not
 have priced). The `MemoryTracker` counts the bytes the store holds on the device at each point of
-the step (payloads, device-resident states, gradient staging); on a CPU device and host are the
-same RAM, and the tracker is what tells them apart.
+the step (payloads, device-resident states, gradient staging) and, through `ActivationTracker`, the
+tensors autograd saves for backward on the device (not those an offloaded layer keeps on the host,
+nor the values a checkpointed layer makes again inside backward, which live one layer at a time);
+on a CPU device and host are the same RAM, and the tracker is what tells them apart.
 
 The loss is exact with unevenly ignored labels: while the model runs, a mean cross-entropy is
 computed as a sum and the labels it kept are counted; the step divides the summed gradients by
@@ -38,7 +40,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import LoweringError
 from autopar.memory import ChunkAdamW, ChunkScheduler, ChunkStore, MemoryTracker, choose_chunk_size, pack
-from autopar.memory.activations import ActivationOffload
+from autopar.memory.activations import ActivationOffload, ActivationTracker
 from autopar.memory.layout import ALIGN_NUMEL, MAX_CHUNK_NUMEL, MIN_CHUNK_NUMEL
 from autopar.memory.store import module_params
 from autopar.plan import Plan
@@ -107,14 +109,15 @@ def layer_treatments(plan: Plan, num_layers: int) -> dict[int, str]:
     return {}
 
 
-def apply_layer_treatments(module: torch.nn.Module, plan: Plan) -> tuple[ActivationOffload | None, list[str]]:
+def apply_layer_treatments(module: torch.nn.Module, plan: Plan, *,
+                           tracker=None) -> tuple[ActivationOffload | None, list[str]]:  # fmt: skip
     """Make the model's repeated layers (its longest ModuleList) do what the plan says with their activations.
 
     "full": the layer's forward runs under non-reentrant checkpointing; "selective": its attention
     module does (eagerly the attention module holds its projections too, so this recomputes a little
     more than the traced graph's selective segment, which keeps them); "offload": the layer runs
-    inside an `ActivationOffload`. Returns the offload hooks (None if unused) and the checkpointed
-    module paths.
+    inside an `ActivationOffload` (which counts what it brings back on `tracker`). Returns the offload
+    hooks (None if unused) and the checkpointed module paths.
     """
     lists = [(name, m) for name, m in module.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
     if not lists:
@@ -123,7 +126,7 @@ def apply_layer_treatments(module: torch.nn.Module, plan: Plan) -> tuple[Activat
     todo = layer_treatments(plan, len(layers))
     if any(i >= len(layers) for i in todo):
         raise LoweringError(f"the plan treats layers {sorted(todo)} but {path} holds {len(layers)}")
-    offload = ActivationOffload() if "offload" in todo.values() else None
+    offload = ActivationOffload(tracker=tracker) if "offload" in todo.values() else None
     checkpointed = []
     for i, mode in sorted(todo.items()):
         layer = layers[i]
@@ -201,7 +204,9 @@ class OffloadProgram(torch.nn.Module):
         del values
         self.store.bind(module)
         self.scheduler = ChunkScheduler(self.store, module)
-        self.activation_offload, self.checkpointed = apply_layer_treatments(module, plan)
+        # the tensors autograd keeps for backward, on the same tracker as the chunks
+        self.activations = ActivationTracker(self.tracker, self.device)
+        self.activation_offload, self.checkpointed = apply_layer_treatments(module, plan, tracker=self.tracker)
         self._module_box = (module,)  # not a submodule: its parameters are the store's transient views
         self._state_names = list(model.state_dict().keys())
         self.optimizer = ChunkAdamW(self.store, **_adamw_hyperparameters(optimizer))
@@ -228,7 +233,7 @@ class OffloadProgram(torch.nn.Module):
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for mb_args, mb_kwargs in micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches):
             local_args, local_kwargs = self._local((mb_args, mb_kwargs))
-            with _SumCrossEntropy() as ce:
+            with _SumCrossEntropy() as ce, self.activations:
                 loss = _loss_of(self.module(*local_args, **local_kwargs))
             loss.backward()
             totals[0] += loss.detach().double()

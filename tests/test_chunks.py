@@ -13,6 +13,7 @@ from autopar.memory import (
     ChunkAdamW,
     ChunkScheduler,
     ChunkStore,
+    MemoryTracker,
     ParamSpec,
     Residence,
     choose_chunk_size,
@@ -246,3 +247,20 @@ def test_grad_scale_divides_the_gradients_in_the_same_pass(impl):
     # dividing by 8 is exact in binary: the same updates to the last bit
     torch.testing.assert_close(bufs[0][0], ref[0][0], rtol=0, atol=0)
     torch.testing.assert_close(bufs[2][0], ref[2][0], rtol=0, atol=0)
+
+
+def test_activation_tracker_counts_saved_tensors_once_and_releases_them():
+    from autopar.memory.activations import ActivationTracker
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(32, 8)
+    tracker = MemoryTracker()
+    with ActivationTracker(tracker, "cpu") as acts:
+        loss = model(x).square().sum()
+    # saved for backward: x (by the first linear), the ReLU output (by ReLU and, the same storage, by the
+    # second linear) and the output (by square); the weights are parameters, counted by the store
+    expected = 4 * (32 * 8 + 32 * 16 + 32 * 4)
+    assert tracker.by_kind["activations"] == acts.held_bytes == expected
+    loss.backward()
+    assert tracker.by_kind["activations"] == 0 and tracker.peak == expected

@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 class ActivationOffload:
     """Saved-tensor hooks that keep saved activations on the host; use as a context manager (re-entrant)."""
 
-    def __init__(self, keep: Callable[[torch.Tensor], bool] | None = None):
+    def __init__(self, keep: Callable[[torch.Tensor], bool] | None = None, tracker=None):
         self.keep = keep or (lambda t: False)
+        self.tracker = tracker  # a MemoryTracker: counts a tensor brought back while backward holds it
         self.packed = 0
         self.unpacked = 0
         self.host_bytes = 0
@@ -60,6 +61,10 @@ class ActivationOffload:
         _, host, device, meta = packed
         self.unpacked += 1
         local = host.to(device, non_blocking=device.type == "cuda") if device.type != "cpu" else host.clone()
+        if self.tracker is not None:
+            nbytes = local.numel() * local.element_size()
+            self.tracker.alloc(nbytes, "activations")
+            weakref.finalize(local, self.tracker.free, nbytes, "activations")
         if meta is None:
             return local
         mesh, placements, shape, stride = meta
@@ -67,3 +72,67 @@ class ActivationOffload:
 
     def _release(self, nbytes: int) -> None:
         self.host_bytes -= nbytes
+
+
+class ActivationTracker:
+    """Saved-tensor hooks that count, on a `MemoryTracker`, the device bytes autograd holds for backward.
+
+    Every tensor an op saves is counted once per storage (views of one value share it) from the
+    moment it is saved until autograd frees the last saved reference to it (after its backward, or
+    when the graph is dropped), under the kind "activations". Parameters, views of parameters and
+    tensors not on the tracked device are not counted: the store accounts for the parameters, and
+    tensors a nested `ActivationOffload` sends to the host never reach these hooks.
+    """
+
+    def __init__(self, tracker, device: str | torch.device):
+        self.tracker = tracker
+        self.device = torch.device(device)
+        self._held: dict[int, list[int]] = {}  # storage pointer -> [saved references alive, bytes]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self._held.values())
+
+    def _pack(self, t: torch.Tensor):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        base = local._base if local._base is not None else local
+        if base.requires_grad and base.is_leaf or local.device.type != self.device.type or local.numel() == 0:
+            return _Kept(t, None)
+        storage = local.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._held:
+            self._held[key][0] += 1
+        else:
+            self._held[key] = [1, storage.nbytes()]
+            self.tracker.alloc(storage.nbytes(), "activations")
+        held = _Kept(t, key)
+        weakref.finalize(held, self._drop, key)
+        return held
+
+    @staticmethod
+    def _unpack(held):
+        return held.tensor
+
+    def _drop(self, key: int) -> None:
+        entry = self._held[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._held[key]
+            self.tracker.free(entry[1], "activations")
+
+
+class _Kept:
+    """A saved tensor as autograd holds it between forward and backward."""
+
+    __slots__ = ("__weakref__", "key", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: int | None):
+        self.tensor, self.key = tensor, key

@@ -53,8 +53,8 @@ class Residence(StrEnum):
 class MemoryTracker:
     """Bytes the store holds on the compute device, with their peak.
 
-    Counts what the store allocates and frees (payloads, device-resident states, gradient staging),
-    not what autograd allocates (activations, the transient `param.grad`).
+    Counts what the store allocates and frees (payloads, device-resident states, gradient staging) and
+    what an `ActivationTracker` reports (tensors saved for backward); not the transient `param.grad`.
     """
 
     def __init__(self, budget_bytes: int | None = None):
@@ -63,10 +63,12 @@ class MemoryTracker:
         self.peak = 0
         self.num_over_budget = 0  # allocations that took `current` past the budget
         self.by_kind: Counter[str] = Counter()
+        self.peak_by_kind: Counter[str] = Counter()  # the most each kind held at once
 
     def alloc(self, nbytes: int, kind: str) -> None:
         self.current += nbytes
         self.by_kind[kind] += nbytes
+        self.peak_by_kind[kind] = max(self.peak_by_kind[kind], self.by_kind[kind])
         self.peak = max(self.peak, self.current)
         if self.budget_bytes is not None and self.current > self.budget_bytes:
             self.num_over_budget += 1
