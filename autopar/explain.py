@@ -66,8 +66,11 @@ def _offload_words(plan) -> str:
     off = plan.offload
     if not off:
         return "none (every state on the device)"
+    weights = (f", with their {off['param_bytes_per_device'] / GIB:,.2f} GiB of weights per device (brought up at "
+               f"each gather)" if off.get("param_bytes_per_device") else "")  # fmt: skip
     return (f"{off['optimizer_fraction']:.0%} of the optimizer states (fp32 master weights and moments) and "
-            f"{off['grad_fraction']:.0%} of the gradients on the host: {off['host_bytes_per_device'] / GIB:,.2f} GiB "
+            f"{off['grad_fraction']:.0%} of the gradients on the host{weights}: "
+            f"{off['host_bytes_per_device'] / GIB:,.2f} GiB "
             f"per device, {off['host_bytes_per_node'] / GIB:,.1f} GiB per node; the host link and the CPU AdamW step "
             f"add {off['time_s'] * 1e3:,.2f} ms")  # fmt: skip
 
@@ -139,7 +142,8 @@ def render_markdown(plan) -> str:
             ["parameters", f"{plan.num_parameters / 1e6:,.1f} M"],
             ["global batch", f"{plan.global_batch_size} ({plan.tokens_per_step:,} tokens)"],
             ["predicted step time", f"{p.step_time_s * 1e3:,.2f} ms (compute {p.compute_s * 1e3:,.2f}, "
-                                    f"resharding {p.reshard_s * 1e3:,.2f}, gradient sync {p.grad_sync_s * 1e3:,.2f})"],
+                                    f"resharding {p.reshard_s * 1e3:,.2f}, gradient sync {p.grad_sync_s * 1e3:,.2f}, "
+                                    f"optimizer step {p.optimizer_s * 1e3:,.2f}, host offload {p.offload_s * 1e3:,.2f})"],
             ["FLOP/s per device (model FLOPs)", format_flops_rate(p.tflops_per_device)],
             ["MFU (model FLOPs)", f"{p.mfu:.1%}"],
             ["hardware FLOPs utilisation", f"{p.hardware_flops_utilization:.1%}"],

@@ -26,12 +26,15 @@ Variables:
     h_o, h_g >= 0        bytes of optimizer states (fp32 master weights and moments) and of gradients
                          this device keeps on the host (ZeRO-Offload; a fraction of each, as
                          DeepSpeed's Twin-Flow splits them); both 0 when offload is forbidden
+    h_p >= 0             bytes of 16-bit (or fp32) weights on the host: those of the chunks whose
+                         optimizer states are there (the offload program keeps no device copy of
+                         them between uses), so h_p = B_param h_o / B_opt
 
 Objective (predicted step time, seconds; no overlap of communication with compute assumed):
     min  sum_g n_g sum_k x[g,k] (T_fwd[g,k] + T_bwd[g,k])                       compute
        + sum_e n_e sum_{k,l} y[e,k,l] (Rf[e,k,l] + Rb[e,k,l])                   resharding
        + sum_w n_w sum_{k,s} u[w,k,s] Sync[w,k,s]                               gradient sync over dp
-       + C_o h_o + C_g h_g                                                      host offload
+       + C_o h_o + C_g h_g + C_p h_p                                            host offload
        + sum_w n_w sum_{k,s} u[w,k,s] Opt[w,k,s] - D_o h_o                      optimizer step
        + sum_g n_g sum_{m in g, m in R_r} sum_k x[g,k] T_fwd[m,k]               recomputed forwards
        + sum_{e into R_r} n_e sum_{k,l} y[e,k,l] Rf[e,k,l]                      and their resharding
@@ -47,6 +50,8 @@ Objective (predicted step time, seconds; no overlap of communication with comput
           ((B_grad + B_param) / host_bw + 1 / cpu_adamw_rate) / B_opt
     C_g   per byte of gradient on the host: with m micro-batches every micro-batch's gradient goes down
           (accumulated on the host) instead of the last one only: (m - 1) / host_bw
+    C_p   per byte of weights on the host: they come up for every gather, forward and backward of each
+          micro-batch, instead of once after the step: (2m - 1) / host_bw
     Opt   the optimizer step over w's local shard on the device: the estimator's optimizer_step_time_s
           (or the analytic AdamW estimate) of one tensor of its fp32 weights, local on tp, and 1/dp of
           them from stage 1 (each rank updates its shard of every parameter)
@@ -59,7 +64,7 @@ Constraints:
     one stage:      sum_s z[s] = 1   (z[s] = 1 for a pinned stage)
     product:        u[w,k,s] >= x[w,k] + z[s] - 1,  u <= x[w,k],  u <= z[s]
     memory (peak, at the turn from forward to backward, where every saved activation is live):
-        sum_w n_w sum_{k,s} u[w,k,s] M_state[w,k,s]  - h_o - h_g
+        sum_w n_w sum_{k,s} u[w,k,s] M_state[w,k,s]  - h_o - h_g - h_p
       + sum_g n_g sum_k x[g,k] M_saved[g,k,r]  + M_recompute  + M_transient   <=  budget
     offload (unless forbidden; "=" instead of "<=" in the first two when everything is pinned to the host):
         h_o <= sum_w n_w sum_{k,s} u[w,k,s] M_opt[w,k,s],   h_g <= sum_w n_w sum_{k,s} u[w,k,s] M_grad[w,k,s]
@@ -696,12 +701,14 @@ class ShardingProgram:
         local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1) / (self.dp if stage >= 1 else 1)
         return optimizer_step_time_s(self.estimator, self.cluster.device, 1, local * _FP32_BYTES)
 
-    def offload_prices(self) -> tuple[float, float]:
-        """(C_o, C_g): seconds per byte of optimizer state and of gradient kept on the host."""
+    def offload_prices(self) -> tuple[float, float, float]:
+        """(C_o, C_g, C_p): seconds per byte of optimizer state, of gradient and of weights kept on the host."""
         pr, link = self.precision, self.cluster.host_link
         per_param = (pr.grad_bytes + pr.param_bytes) / link.bandwidth_bytes_per_s
         per_param += 1.0 / self.cluster.device.host_adamw_params_per_s
-        return per_param / pr.optimizer_bytes, (self.mb - 1) / link.bandwidth_bytes_per_s
+        # weights on the host come up for every gather (forward and backward of each micro-batch), not once
+        c_p = (2 * self.mb - 1) / link.bandwidth_bytes_per_s
+        return per_param / pr.optimizer_bytes, (self.mb - 1) / link.bandwidth_bytes_per_s, c_p
 
     def host_capacity(self) -> float:
         """Host bytes one device may use: its share of its node's host memory."""
@@ -709,7 +716,12 @@ class ShardingProgram:
 
     def add_offload_constraint(self) -> None:
         """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g <= B_grad h_o,
-        h_o + h_g <= host memory per device; objective C_o h_o + C_g h_g; memory rows lose h_o + h_g."""
+        B_opt h_p = B_param h_o, h_o + h_g <= host memory per device; objective C_o h_o + C_g h_g + C_p h_p;
+        memory rows lose h_o + h_g + h_p.
+
+        h_p: the weights of the chunks whose optimizer states are on the host. The offload program keeps
+        no device copy of them between uses (each gather brings the shard up from the host's master
+        weights), so they leave the device with their states, and pay the host link at every gather."""
         if self.offload is False:
             return
         opt, grad = [], []
@@ -720,6 +732,7 @@ class ShardingProgram:
             grad += [count * g * u] if g else []
         h_o = self.h["optimizer"] = self.prob.add_variable("offload_optimizer_bytes", 0)
         h_g = self.h["grads"] = self.prob.add_variable("offload_grad_bytes", 0)
+        h_p = self.h["params"] = self.prob.add_variable("offload_param_bytes", 0)
         if self.offload is True:
             self.prob += h_o == pulp.lpSum(opt), "offload_optimizer_all"
             self.prob += h_g == pulp.lpSum(grad), "offload_grads_all"
@@ -728,9 +741,10 @@ class ShardingProgram:
             self.prob += h_g <= pulp.lpSum(grad), "offload_grads_at_most_all"
         pr = self.precision
         self.prob += pr.optimizer_bytes * h_g <= pr.grad_bytes * h_o, "offload_grads_with_their_optimizer_states"
+        self.prob += pr.optimizer_bytes * h_p == pr.param_bytes * h_o, "offload_weights_with_their_optimizer_states"
         self.prob += h_o + h_g <= self.host_capacity(), "host_memory"
-        c_o, c_g = self.offload_prices()
-        self.cost_terms["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else [])
+        c_o, c_g, c_p = self.offload_prices()
+        self.cost_terms["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else []) + ([c_p * h_p] if c_p else [])
         # the device no longer steps the states on the host (their per-tensor cost is kept: an upper bound)
         d_o = min(c_o, optimizer_step_time_s(self.estimator, self.cluster.device, 0,
                                              _FP32_BYTES / pr.optimizer_bytes))  # fmt: skip
@@ -738,18 +752,20 @@ class ShardingProgram:
             self.cost_terms["optimizer"].append(-d_o * h_o)
         self.memory_terms["optimizer"].append(-1.0 * h_o)
         self.memory_terms["grads"].append(-1.0 * h_g)
+        self.memory_terms["params"].append(-1.0 * h_p)
 
     def _offload_result(self, mem: dict[str, float], offload_s: float) -> dict:
         """What the last solution keeps on the host: bytes per device and node, fractions, time."""
         if not self.h:
             return {}
-        h_o, h_g = (pulp.value(self.h[k]) or 0.0 for k in ("optimizer", "grads"))
+        h_o, h_g, h_p = (pulp.value(self.h[k]) or 0.0 for k in ("optimizer", "grads", "params"))
         if h_o <= 0.5:
             return {}
         host = h_o + h_g
         return {"optimizer_fraction": min(1.0, h_o / max(mem.get("optimizer", 0.0) + h_o, 1.0)),
                 "grad_fraction": min(1.0, h_g / max(mem.get("grads", 0.0) + h_g, 1.0)),
-                "optimizer_bytes_per_device": h_o, "grad_bytes_per_device": h_g,
+                "param_fraction": min(1.0, h_p / max(mem.get("params", 0.0) + h_p, 1.0)),
+                "optimizer_bytes_per_device": h_o, "grad_bytes_per_device": h_g, "param_bytes_per_device": h_p,
                 "host_bytes_per_device": host, "host_bytes_per_node": host * self.cluster.devices_per_node,
                 "host_capacity_bytes_per_device": self.host_capacity(), "time_s": offload_s,
                 "device_budget_bytes": self.budget}  # fmt: skip
@@ -821,7 +837,8 @@ class ShardingProgram:
             movable += grp.count * min(b[1] + b[2] for b in per)
         if self.offload is False:
             return states
-        return min(states, weights + max(0.0, movable - self.host_capacity()))
+        # the weights may leave with their optimizer states: a bound that lets all of them go
+        return min(states, max(0.0, movable - self.host_capacity()))
 
     def _activations_lower_bound(self, recompute: str) -> tuple[float, float]:
         """(saved activations, recomputed segment) at their leanest under `recompute`."""

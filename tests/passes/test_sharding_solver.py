@@ -283,11 +283,16 @@ def test_offload_is_priced_recorded_and_capped_by_host_memory():
     # what moved: the optimizer states (12 B per parameter in bf16) and gradients (2 B), halved by ZeRO-3
     assert off["optimizer_bytes_per_device"] == pytest.approx(device.predicted.memory_breakdown["optimizer"])
     assert off["grad_bytes_per_device"] == pytest.approx(device.predicted.memory_breakdown["grads"])
+    # and the chunks' bf16 weights with them (ZeRO-3: each device's shard), which the device no longer holds
+    assert off["param_bytes_per_device"] == pytest.approx(device.predicted.memory_breakdown["params"])
+    assert host.predicted.memory_breakdown["params"] == pytest.approx(0.0, abs=1.0)
     assert off["host_bytes_per_node"] == pytest.approx(2 * off["host_bytes_per_device"])
-    # its price: gradients down, bf16 weights up the host link, and the CPU AdamW, per parameter on the host
+    # its price: gradients down, bf16 weights up the host link, and the CPU AdamW, per parameter on the host; and
+    # the weights up again for each gather: forward and backward of the one micro-batch, one of which the
+    # upload after the step already paid
     params = off["optimizer_bytes_per_device"] / 12
     dev = cluster.device
-    expected = params * ((2 + 2) / cluster.host_link.bandwidth_bytes_per_s + 1 / dev.host_adamw_params_per_s)
+    expected = params * ((2 + 2 + 2 * (2 - 1)) / cluster.host_link.bandwidth_bytes_per_s + 1 / dev.host_adamw_params_per_s)
     assert off["time_s"] == pytest.approx(expected, rel=1e-6)
     # and the device no longer steps those states: AdamW's 20 bytes moved per byte of fp32 weight (4 of 12 state
     # bytes per parameter) at the device's bandwidth
