@@ -248,6 +248,10 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
             return dataclasses.replace(pplan, fusion=fusion)
         sol = psol.single_stage
     else:
+        ignored = sorted(k for k in ("schedule", "virtual_stages") if constraints.get(k) is not None)
+        if ignored:
+            warnings.warn(f"constraints {ignored} apply to pipeline layouts, and this plan searches none (pp=1); "
+                          f"pin pp > 1 or pass pipeline=True to search one", stacklevel=2)  # fmt: skip
         flat = {k: v for k, v in constraints.items() if k not in _PIPELINE_KEYS}
         sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=flat,
                              memory_budget_bytes=budget, batch_size=batch, progress=say, offload=offload)  # fmt: skip

@@ -50,3 +50,13 @@ def test_free_search_across_nodes_is_no_slower_than_without_a_pipeline(pinned):
 def test_one_node_plans_without_a_pipeline_unless_asked():
     plan = autopar.plan("gpt3-1.3b", "8xA100-80GB", **CASE)
     assert "pp" not in plan.mesh and not plan.pipeline
+
+
+def test_pipeline_pins_without_a_pipeline_search_warn():
+    from tests.models import make_batch, make_model
+
+    model = make_model("llama")
+    args, kwargs = make_batch("llama")
+    with pytest.warns(UserWarning, match=r"\['schedule'\] apply to pipeline layouts.*searches none"):
+        plan = autopar.plan(model, "cpu:2", args, kwargs, constraints={"schedule": "gpipe"})
+    assert plan.mesh.get("pp", 1) == 1
