@@ -10,7 +10,8 @@ op's other tensor inputs; boolean inputs (masks) are all true. Non-tensor argume
 node's own.
 
 Results are cached in a JSON file keyed by (target, argument shapes, strides, dtypes and
-non-tensor values, device, thread count), so a graph's repeated layers are timed once and a
+non-tensor values, device, thread count), the shapes being those timed (a rank's share for a
+divisor > 1), so a graph's repeated layers are timed once and a
 second estimator on the same file times nothing. The cache file is
 `~/.cache/autopar/profile-<device>.json` unless `cache_path` or the environment variable
 `AUTOPAR_PROFILE_CACHE` names another.
@@ -29,10 +30,18 @@ and kept in the cache file next to the ops) turn the isolated timings into in-st
 - views and metadata ops launch no kernel and are not timed, but each still pays dispatch in
   the forward (`view_forward_s`) and, when its output is floating, a backward node
   (`view_backward_s`);
-- `divisor` > 1 (the op's work split over that many devices) divides only the part of the
-  time above the fixed per-call cost (`op_forward_s`, `op_backward_s`): a rank that runs a
-  tenth of a matmul still pays a whole dispatch. Past that the division ignores how much less
-  efficient a smaller kernel is, and so is optimistic for small shards of large ops.
+- `divisor` > 1 (the op's work split over that many devices, data-parallel ranks, micro-batches
+  and tensor-parallel shards together) is priced by timing the op on the share a rank runs: the
+  inputs whose leading dimension is the op's (its output's, or for an op that reduces to a
+  scalar its largest input's) get that dimension divided by the largest factor of `divisor`
+  that divides it (`local_share`), the others are kept whole, and the op must then return its
+  outputs' leading dimension divided the same way. A small op's time does not shrink with its
+  shapes (dispatch, allocation, loop set-up), so dividing a whole op's time would be
+  optimistic; timing the share is not. What the share does not account for (a divisor that
+  does not divide the leading dimension, or an op that does not run or does not shrink on the
+  smaller inputs) divides only the part of the whole op's time above the fixed per-call cost
+  (`op_forward_s`, `op_backward_s`): a rank that runs a tenth of a matmul still pays a whole
+  dispatch. Such a division ignores how much less efficient a smaller kernel is.
 
 An op that cannot be run on random inputs is priced by a fallback estimator instead (the
 analytic roofline of the "cpu" preset unless another is given), with a warning naming it;
@@ -48,11 +57,13 @@ another machine needs that machine's profile file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -88,19 +99,72 @@ def default_cache_path(device: str) -> Path:
     return Path.home() / ".cache" / "autopar" / f"profile-{device.replace(':', '-')}.json"
 
 
-def _signature(value) -> object:
+def _signature(value, local: dict[fx.Node, torch.Tensor] | None = None) -> object:
     """A JSON-able description of one argument: tensors by layout and dtype, the rest by value."""
     if isinstance(value, fx.Node):
-        value = value.meta.get("val")
+        value = (local or {}).get(value, value.meta.get("val"))
     if isinstance(value, torch.Tensor):
         return ["tensor", list(value.shape), list(value.stride()), str(value.dtype)]
     return repr(value)
 
 
-def profile_key(node: fx.Node, device: str, num_threads: int | None) -> str:
-    """The cache key of `node` on `device` with `num_threads` threads."""
-    args = [_signature(leaf) for leaf in pytree.tree_leaves((node.args, node.kwargs))]
+def profile_key(node: fx.Node, device: str, num_threads: int | None, share: LocalShare | None = None) -> str:
+    """The cache key of `node` on `device` with `num_threads` threads, at a rank's `share` of it if given."""
+    local = share.inputs if share is not None else None
+    args = [_signature(leaf, local) for leaf in pytree.tree_leaves((node.args, node.kwargs))]
     return json.dumps([str(node.target), args, device, num_threads])
+
+
+def _tensor_vals(tree) -> list[torch.Tensor]:
+    """The tensors among the leaves of `tree`, nodes replaced by their meta values."""
+    vals = (leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf for leaf in pytree.tree_leaves(tree))
+    return [v for v in vals if isinstance(v, torch.Tensor)]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalShare:
+    """The inputs one rank runs an op on when its work is split `factor` ways along the leading dimension.
+
+    inputs: a meta tensor per input node whose leading dimension was divided (the others are whole).
+    factor: what the leading dimension was divided by.
+    output_shapes: the shapes the op must return on these inputs (its outputs' leading dimension divided
+        the same way where it is the op's), so that an op whose output does not follow is not taken for one.
+    """
+
+    inputs: dict[fx.Node, torch.Tensor]
+    factor: int
+    output_shapes: tuple[tuple[int, ...], ...]
+
+
+def local_share(node: fx.Node, divisor: float) -> LocalShare | None:
+    """`node`'s inputs on one rank of `divisor`, or None where no factor of `divisor` divides its leading dimension.
+
+    The leading dimension is the output's first (the batch, or batch and sequence flattened, for an op
+    that carries the batch; a parameter's rows for one that does not), or, for an op that reduces to a
+    scalar, its largest input's. It is divided by the largest factor of `divisor` that divides it, in
+    every input that has it first; strides are kept, as a rank's share is the leading rows of the whole.
+    """
+    if divisor <= 1 or divisor != int(divisor):
+        return None
+    outs = _tensor_vals(node.meta.get("val"))
+    ins = [t for t in _tensor_vals((node.args, node.kwargs)) if t.ndim]
+    if outs and outs[0].ndim:
+        rows = int(outs[0].shape[0])
+    elif ins:
+        rows = int(max(ins, key=lambda t: t.numel()).shape[0])
+    else:
+        return None
+    factor = math.gcd(rows, int(divisor))
+    local = {}
+    for leaf in pytree.tree_leaves((node.args, node.kwargs)):
+        meta = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
+        if isinstance(meta, torch.Tensor) and meta.ndim and meta.shape[0] == rows:
+            local[leaf] = torch.empty_strided((rows // factor, *meta.shape[1:]), meta.stride(), dtype=meta.dtype,
+                                              device="meta")  # fmt: skip
+    if factor == 1 or not local:
+        return None
+    shapes = tuple((rows // factor, *t.shape[1:]) if t.ndim and t.shape[0] == rows else tuple(t.shape) for t in outs)
+    return LocalShare(local, factor, tuple(tuple(int(s) for s in shape) for shape in shapes))
 
 
 def _split(total_s: float, fixed_s: float, divisor: float) -> float:
@@ -149,6 +213,7 @@ class ProfiledEstimator:
         self.cache_path = Path(cache_path) if cache_path is not None else default_cache_path(self.device)
         self.num_timed = 0  # measurements taken by this estimator (not served from the cache)
         self.failed_targets: set[str] = set()
+        self.unshared_targets: set[str] = set()  # ops timed whole and divided: their share did not run or shrink
         self._entries: dict[str, dict[str, float]] = self._load()
         self._fallback = fallback
 
@@ -162,7 +227,8 @@ class ProfiledEstimator:
         if self._is_view(node):
             return self.ranks_per_core * (host["view_forward_s"] + cold) if node.op == "call_function" else 0.0
         fixed = host["op_forward_s"] + cold
-        return self.ranks_per_core * _split(self._measure(node)["forward_s"] + cold, fixed, divisor)
+        measured, rest = self._measure(node, divisor)
+        return self.ranks_per_core * _split(measured["forward_s"] + cold, fixed, rest)
 
     def backward_time_s(self, node: fx.Node, divisor: float) -> float:
         if node.target in _NOT_RUN:
@@ -170,12 +236,13 @@ class ProfiledEstimator:
         host = self.host_overheads()
         if self._is_view(node):
             return self.ranks_per_core * host["view_backward_s"] if node.op == "call_function" else 0.0
-        isolated = self._measure(node)["backward_s"]
+        measured, rest = self._measure(node, divisor)
+        isolated = measured["backward_s"]
         if isolated == 0.0:  # no floating input or output: no backward node
             return 0.0
         node_s = host["op_backward_s"]
         in_step = max(isolated - (host["grad_call_s"] - node_s), node_s)
-        return self.ranks_per_core * _split(in_step, node_s, divisor)
+        return self.ranks_per_core * _split(in_step, node_s, rest)
 
     def optimizer_step_time_s(self, num_tensors: int, num_param_bytes: float) -> float:
         """Seconds of one AdamW step over `num_tensors` local parameter tensors holding `num_param_bytes`."""
@@ -231,13 +298,33 @@ class ProfiledEstimator:
 
     # -------------------------------------------------------------------------- measuring
 
-    def _measure(self, node: fx.Node) -> dict[str, float]:
+    def _measure(self, node: fx.Node, divisor: float = 1.0) -> tuple[dict[str, float], float]:
+        """(timings of `node` on one rank of `divisor`, the part of `divisor` they leave to divide)."""
+        share = local_share(node, divisor)
+        if share is not None:
+            key = profile_key(node, self.device, self.num_threads, share)
+            found = self._entries.get(key)
+            if found is None:
+                found = self._entries[key] = self._time_share(node, share)
+                self._save()
+            if "forward_s" in found:
+                return found, divisor / share.factor
+            self.unshared_targets.add(str(node.target))
         key = profile_key(node, self.device, self.num_threads)
         found = self._entries.get(key)
         if found is None:
             found = self._entries[key] = self._time_node(node)
             self._save()
-        return found
+        return found, divisor
+
+    def _time_share(self, node: fx.Node, share: LocalShare) -> dict[str, float]:
+        """Timings on a rank's share; {"unshared": 1.0} (cached too) when the op fails or does not shrink on it."""
+        try:
+            result = self._with_threads(lambda: self._run(node, share))
+        except Exception:  # the whole op is timed instead, and its time divided
+            return {"unshared": 1.0}
+        self.num_timed += 1
+        return result
 
     def _with_threads(self, fn):
         previous = torch.get_num_threads()
@@ -267,17 +354,18 @@ class ProfiledEstimator:
         fb = self._fallback
         return {"forward_s": fb.forward_time_s(node, 1.0), "backward_s": fb.backward_time_s(node, 1.0)}
 
-    def _inputs(self, node: fx.Node):
-        """(args, kwargs, floating leaf inputs) of random tensors shaped like the node's arguments."""
+    def _inputs(self, node: fx.Node, share: LocalShare | None = None):
+        """(args, kwargs, floating leaf inputs) of random tensors shaped like the node's arguments (or `share`'s)."""
+        local = share.inputs if share is not None else {}
         metas = [t for leaf in pytree.tree_leaves((node.args, node.kwargs))
-                 if isinstance(leaf, fx.Node) and isinstance(t := leaf.meta.get("val"), torch.Tensor)]  # fmt: skip
+                 if isinstance(leaf, fx.Node) and isinstance(t := local.get(leaf, leaf.meta.get("val")), torch.Tensor)]  # fmt: skip
         bound = _index_bound(node, metas)
         generator = torch.Generator().manual_seed(0)
         leaves: list[torch.Tensor] = []
 
         def build(value):
             if isinstance(value, fx.Node):
-                value = value.meta.get("val")
+                value = local.get(value, value.meta.get("val"))
                 if not isinstance(value, torch.Tensor):
                     return value
                 tensor = self._random_like(value, bound, generator)
@@ -318,8 +406,13 @@ class ProfiledEstimator:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    def _run(self, node: fx.Node) -> dict[str, float]:
-        args, kwargs, leaves = self._inputs(node)
+    def _run(self, node: fx.Node, share: LocalShare | None = None) -> dict[str, float]:
+        args, kwargs, leaves = self._inputs(node, share)
+        if share is not None:
+            result = node.target(*args, **kwargs)
+            shapes = tuple(tuple(t.shape) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor))
+            if shapes != share.output_shapes:
+                raise ValueError(f"on a rank's share {node.target} returns {shapes}, not {share.output_shapes}")
         forward_s = self._median_s(lambda: node.target(*args, **kwargs))
         outs = [t for t in pytree.tree_leaves(node.target(*args, **kwargs))
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.dtype.is_floating_point]  # fmt: skip

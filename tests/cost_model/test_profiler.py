@@ -107,17 +107,19 @@ def test_times_ops_and_caches_them(graph, tmp_path):
     assert again.num_timed == 0
 
 
-def test_divisor_splits_the_work_not_the_dispatch(graph, tmp_path):
+def test_divisor_without_a_share_splits_the_work_not_the_dispatch(graph, tmp_path):
     path = tmp_path / "p.json"
     _cached(path, graph["linear"], 43e-6, 82e-6)
     est = ProfiledEstimator(path, repeats=1)
+    # 3 does not divide the leading dimension (4): the whole op's time is divided
+    assert profiler.local_share(graph["linear"], 3.0) is None
     # a forward in a step pays the cold-dispatch extra on top of its loop timing, and keeps it whole when split
     assert est.forward_time_s(graph["linear"], 1.0) == pytest.approx(43e-6 + 5e-6)
-    assert est.forward_time_s(graph["linear"], 4.0) == pytest.approx(3e-6 + 5e-6 + 40e-6 / 4)
+    assert est.forward_time_s(graph["linear"], 3.0) == pytest.approx(3e-6 + 5e-6 + 40e-6 / 3)
     # In a step the backward pays one engine node, not the whole autograd.grad call it was timed with.
     in_step = 82e-6 - (HOST["grad_call_s"] - HOST["op_backward_s"])
     assert est.backward_time_s(graph["linear"], 1.0) == pytest.approx(in_step)
-    assert est.backward_time_s(graph["linear"], 4.0) == pytest.approx(2e-6 + (in_step - 2e-6) / 4)
+    assert est.backward_time_s(graph["linear"], 3.0) == pytest.approx(2e-6 + (in_step - 2e-6) / 3)
     assert est.num_timed == 0
 
 
@@ -126,7 +128,7 @@ def test_tiny_backward_costs_at_least_one_node(graph, tmp_path):
     _cached(path, graph["linear"], 1e-6, 5e-6)  # less than the autograd.grad call itself: all of it is overhead
     est = ProfiledEstimator(path, repeats=1)
     assert est.backward_time_s(graph["linear"], 1.0) == pytest.approx(HOST["op_backward_s"])
-    assert est.forward_time_s(graph["linear"], 8.0) == pytest.approx(1e-6 + 5e-6)  # all fixed: nothing to divide
+    assert est.forward_time_s(graph["linear"], 3.0) == pytest.approx(1e-6 + 5e-6)  # all fixed: nothing to divide
 
 
 def test_ranks_sharing_a_core_scale_every_time(graph, tmp_path):
@@ -134,7 +136,7 @@ def test_ranks_sharing_a_core_scale_every_time(graph, tmp_path):
     _cached(path, graph["linear"], 43e-6, 82e-6)
     one, two = ProfiledEstimator(path), ProfiledEstimator(path, ranks_per_core=2)
     for node in (graph["linear"], graph["view"]):
-        for d in (1.0, 4.0):
+        for d in (1.0, 3.0):  # 3: no share of the leading dimension (4), so no timing
             assert two.forward_time_s(node, d) == pytest.approx(2 * one.forward_time_s(node, d))
             assert two.backward_time_s(node, d) == pytest.approx(2 * one.backward_time_s(node, d))
     assert two.optimizer_step_time_s(3, 1e6) == pytest.approx(2 * one.optimizer_step_time_s(3, 1e6))
@@ -187,3 +189,78 @@ def test_dropped_checks_cost_nothing(tmp_path):
     check.meta["val"] = None
     est = ProfiledEstimator(tmp_path / "p.json")
     assert est.forward_time_s(check, 1.0) == 0.0 and est.backward_time_s(check, 1.0) == 0.0
+
+
+def _recording_graph(target, *metas, out):
+    """One call of `target` on placeholders with the given meta values; `out` is its output's meta."""
+    g = fx.Graph()
+    args = []
+    for i, meta in enumerate(metas):
+        p = g.placeholder(f"x{i}")
+        p.meta["val"] = meta
+        args.append(p)
+    node = g.call_function(target, tuple(args))
+    node.meta["val"] = out
+    return node
+
+
+def test_divisor_times_the_share_a_rank_runs(tmp_path):
+    """With a divisor the op runs on a rank's rows: the estimator calls it at the local shapes and prices those."""
+    seen = []
+
+    def linear(x, w):
+        seen.append((tuple(x.shape), tuple(w.shape)))
+        return torch.nn.functional.linear(x, w)
+
+    node = _recording_graph(linear, _meta(8, 32, 16), _meta(4, 16), out=_meta(8, 32, 4))
+    path = tmp_path / "p.json"
+    est = ProfiledEstimator(path, repeats=1)
+    fwd = est.forward_time_s(node, 4.0)
+    # every call (warm-up, timed, and the one that records the backward) saw a quarter of the rows, the weight whole
+    assert seen and set(seen) == {((2, 32, 16), (4, 16))}
+    share = profiler.local_share(node, 4.0)
+    entry = _op_entries(path)[profiler.profile_key(node, "cpu", 1, share)]
+    assert json.loads(profiler.profile_key(node, "cpu", 1, share))[1][0][1] == [2, 32, 16]
+    # the share's own timing, whole: nothing is left to divide
+    assert fwd == pytest.approx(entry["forward_s"] + HOST["op_cold_extra_s"])
+    in_step = max(entry["backward_s"] - (HOST["grad_call_s"] - HOST["op_backward_s"]), HOST["op_backward_s"])
+    assert est.backward_time_s(node, 4.0) == pytest.approx(in_step)
+    assert est.num_timed == 1  # forward and backward come from one measurement
+    assert not est.unshared_targets
+
+
+def test_share_covers_the_largest_factor_and_divides_the_rest(tmp_path):
+    node = _recording_graph(aten.linear.default, _meta(4, 32, 16), _meta(8, 16), out=_meta(4, 32, 8))
+    share = profiler.local_share(node, 8.0)
+    assert share.factor == 4 and share.output_shapes == ((1, 32, 8),)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"version": profiler._CACHE_VERSION, "entries": {
+        profiler.profile_key(node, "cpu", 1, share): {"forward_s": 13e-6, "backward_s": 30e-6}}}))  # fmt: skip
+    est = ProfiledEstimator(path, repeats=1)
+    # the share (a quarter of the rows) is timed; the remaining factor 2 divides its time above the fixed cost
+    fixed = HOST["op_forward_s"] + HOST["op_cold_extra_s"]
+    assert est.forward_time_s(node, 8.0) == pytest.approx(fixed + (13e-6 + HOST["op_cold_extra_s"] - fixed) / 2)
+    assert est.num_timed == 0
+
+
+def test_scalar_output_shares_its_largest_input(graph):
+    share = profiler.local_share(graph["loss"], 2.0)
+    assert sorted(tuple(t.shape) for t in share.inputs.values()) == [(64,), (64, 8)]
+    assert share.output_shapes == ((),)
+
+
+def test_op_that_does_not_shrink_is_timed_whole_and_divided(tmp_path):
+    def fixed_rows(x):  # its output's rows do not follow its input's
+        return x.new_ones(4, 8) * x.mean()
+
+    node = _recording_graph(fixed_rows, _meta(4, 8), out=_meta(4, 8))
+    path = tmp_path / "p.json"
+    est = ProfiledEstimator(path, repeats=1)
+    fwd = est.forward_time_s(node, 2.0)
+    assert est.unshared_targets == {str(fixed_rows)}
+    whole = _op_entries(path)[profiler.profile_key(node, "cpu", 1)]
+    fixed = HOST["op_forward_s"] + HOST["op_cold_extra_s"]
+    assert fwd == pytest.approx(profiler._split(whole["forward_s"] + HOST["op_cold_extra_s"], fixed, 2.0))
+    # the failed share is remembered: a second estimator on the file times nothing
+    again = ProfiledEstimator(path, repeats=1)
+    assert again.forward_time_s(node, 2.0) == pytest.approx(fwd) and again.num_timed == 0
