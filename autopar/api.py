@@ -164,7 +164,19 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
         hardware += times * (cost.flops + cost.backward_flops + cost.flops * again.get(node.name, 0.0))
         if str(node.target) in _ATTENTION_TARGETS:
             attention += times * (cost.flops + cost.backward_flops)
-    return 6.0 * graph.num_parameters() * tokens + attention, hardware
+    return 6.0 * (graph.num_parameters() - _lookup_only_parameters(graph)) * tokens + attention, hardware
+
+
+def _lookup_only_parameters(graph: OpGraph) -> int:
+    """Trainable parameters read only by embedding lookups (an untied input embedding): they cost no
+    multiply-adds, so the 6 FLOPs per parameter per token of model FLOPs leave them out (as PaLM's MFU
+    does); a table the output layer also multiplies by (tied weights) stays in."""
+    total = 0
+    for name, info in graph.params.items():
+        users = list(graph.node(name).users)
+        if info.requires_grad and users and all(str(u.target) == "aten.embedding.default" for u in users):
+            total += info.meta.numel * graph.layer_count[name]
+    return total
 
 
 _ATTENTION_TARGETS = ("aten.scaled_dot_product_attention.default", "autopar.flash_attention.default")

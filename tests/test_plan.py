@@ -9,7 +9,7 @@ import torch
 
 import autopar
 from autopar.errors import PlanFormatError
-from tests.models import make_batch, tiny_llama
+from tests.models import VOCAB, make_batch, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,16 @@ def test_predictions_are_consistent(plan):
     assert p.mfu == pytest.approx(plan.model_flops_per_step / (p.step_time_s * world * peak), rel=1e-9)
     assert p.tflops_per_device == pytest.approx(plan.model_flops_per_step / p.step_time_s / world / 1e12, rel=1e-9)
     # hardware FLOPs count every executed FLOP (lm head, norms, ...); model FLOPs are 6 per parameter per token
+    # plus attention, leaving out the untied input embedding (a lookup: no multiply-adds)
     assert plan.hardware_flops_per_step > 0
-    assert plan.model_flops_per_step >= 6 * plan.num_parameters * plan.tokens_per_step
+    vocab, hidden = VOCAB, 64  # tests.models: tiny LLaMA
+    matmul_params = plan.num_parameters - vocab * hidden
+    assert (
+        6 * matmul_params * plan.tokens_per_step
+        <= plan.model_flops_per_step
+        < 6 * plan.num_parameters * plan.tokens_per_step
+    )
+    assert 0 < p.mfu < 1
     assert p.peak_memory_bytes == pytest.approx(sum(p.memory_breakdown.values()))
     assert set(p.memory_breakdown) >= {"params", "grads", "optimizer", "activations", "transient"}
 
