@@ -117,7 +117,7 @@ def _chain_backward_s(make_link, repeats: int, length: int = 500) -> float:
     return statistics.median(run() for _ in range(repeats)) / length
 
 
-def _small_op_mix() -> list:
+def small_op_mix() -> list:
     """Twenty different ATen ops and views on 4 x 4 tensors, each `x -> y` of the same shape."""
     aten = torch.ops.aten
     b = torch.ones(4, 4)
@@ -134,9 +134,23 @@ def _small_op_mix() -> list:
     ]
 
 
+def evict_dispatch_paths() -> None:
+    """Run each op of `small_op_mix` once: what a forward runs between two calls of one op, in miniature.
+
+    An op timed in a loop of itself keeps its dispatch path and kernel code in the caches and the branch
+    predictors; calling this between its timed calls takes them away, as a forward does.
+    """
+    for op in _MIX_OPS:
+        op(_MIX_INPUT)
+
+
+_MIX_OPS = small_op_mix()
+_MIX_INPUT = torch.ones(4, 4, requires_grad=True)
+
+
 def _cold_dispatch_extra_s(repeats: int, length: int = 2000) -> float:
     """Seconds per op that a chain of different ops pays over the same ops each timed in a loop of itself."""
-    ops = _small_op_mix()
+    ops = small_op_mix()
     a = torch.ones(4, 4, requires_grad=True)
 
     def chain():

@@ -23,9 +23,14 @@ and kept in the cache file next to the ops) turn the isolated timings into in-st
 - a backward timed alone pays one `torch.autograd.grad` call (the engine's start and finish,
   `grad_call_s`) where a step's backward pays one node (`op_backward_s`): the difference is
   taken off, and no op's backward is priced below one node;
-- an op timed in a loop of itself runs with its dispatch path warm in the caches and branch
-  predictors; in a forward, op after different op, it is not: every forward pays
-  `op_cold_extra_s` more;
+- an op timed in a loop of itself runs with its dispatch path and kernel code warm in the caches
+  and branch predictors; in a forward, op after different op, it is not. So a forward is timed
+  with twenty different small ops run between its timed calls (`calibrate.evict_dispatch_paths`).
+  On tiny-llama's and tiny-gpt2's ops (local shapes, one thread, a 2-core machine) running the
+  graph's own other ops between the calls made the sum of their forwards 1.35 to 1.5 times the
+  loop-of-itself sum, and the small mix did about as much; the additive `op_cold_extra_s`
+  (measured on 4 x 4 tensors) had covered a tenth of that. Views are not timed and pay
+  `op_cold_extra_s` on top of their dispatch;
 - `_assert_tensor_metadata` checks cost nothing: the parallel programs drop them before running;
 - views and metadata ops launch no kernel and are not timed, but each still pays dispatch in
   the forward (`view_forward_s`) and, when its output is floating, a backward node
@@ -70,7 +75,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.cost_model.calibrate import measure_host_overheads, measure_optimizer_step
+from autopar.cost_model.calibrate import evict_dispatch_paths, measure_host_overheads, measure_optimizer_step
 from autopar.cost_model.compute import AnalyticEstimator, estimate_node_cost, estimate_optimizer_step_time
 from autopar.cost_model.devices import DType, get_device
 
@@ -87,7 +92,7 @@ _HOST_FIELDS = (
 )
 # Nodes the parallel programs drop before running the graph (export's dtype/device checks): free.
 _NOT_RUN = frozenset({torch.ops.aten._assert_tensor_metadata.default})
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: forwards timed with other ops between their calls
 _WARMUP = 2
 
 
@@ -226,9 +231,9 @@ class ProfiledEstimator:
         cold = host["op_cold_extra_s"]
         if self._is_view(node):
             return self.ranks_per_core * (host["view_forward_s"] + cold) if node.op == "call_function" else 0.0
-        fixed = host["op_forward_s"] + cold
+        fixed = host["op_forward_s"] + cold  # the part of a forward a smaller share does not shrink
         measured, rest = self._measure(node, divisor)
-        return self.ranks_per_core * _split(measured["forward_s"] + cold, fixed, rest)
+        return self.ranks_per_core * _split(measured["forward_s"], fixed, rest)
 
     def backward_time_s(self, node: fx.Node, divisor: float) -> float:
         if node.target in _NOT_RUN:
@@ -394,12 +399,16 @@ class ProfiledEstimator:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    def _median_s(self, fn) -> float:
+    def _median_s(self, fn, between=None) -> float:
+        """Median seconds of `fn` over `repeats` calls after warm-up, running `between` (untimed) before each."""
         for _ in range(_WARMUP):
             fn()
         self._sync()
         times = []
         for _ in range(self.repeats):
+            if between is not None:
+                between()
+                self._sync()
             t0 = time.perf_counter()
             fn()
             self._sync()
@@ -413,7 +422,7 @@ class ProfiledEstimator:
             shapes = tuple(tuple(t.shape) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor))
             if shapes != share.output_shapes:
                 raise ValueError(f"on a rank's share {node.target} returns {shapes}, not {share.output_shapes}")
-        forward_s = self._median_s(lambda: node.target(*args, **kwargs))
+        forward_s = self._median_s(lambda: node.target(*args, **kwargs), between=evict_dispatch_paths)
         outs = [t for t in pytree.tree_leaves(node.target(*args, **kwargs))
                 if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.dtype.is_floating_point]  # fmt: skip
         if not outs or not leaves:
