@@ -70,6 +70,7 @@ Constraints:
         h_o <= sum_w n_w sum_{k,s} u[w,k,s] M_opt[w,k,s],   h_g <= sum_w n_w sum_{k,s} u[w,k,s] M_grad[w,k,s]
         B_opt h_g <= B_grad h_o          (a gradient lives on the host only with its optimizer states)
         h_o + h_g <= host memory / devices per node
+        h_o <= (host memory / devices per node) z[3] when dp > 1 (the offload program runs ZeRO-3 chunks)
     recomputed segment (r != none):
         M_recompute >= sum_{m in S, m kept at none, dropped at r} x[g(m),k] M_value[m,k]   for all S in S_r
 
@@ -743,6 +744,11 @@ class ShardingProgram:
         self.prob += pr.optimizer_bytes * h_g <= pr.grad_bytes * h_o, "offload_grads_with_their_optimizer_states"
         self.prob += pr.optimizer_bytes * h_p == pr.param_bytes * h_o, "offload_weights_with_their_optimizer_states"
         self.prob += h_o + h_g <= self.host_capacity(), "host_memory"
+        if self.dp > 1:  # the offload program runs its chunks as ZeRO-3: only a stage-3 layout offloads
+            if 3 in self.z:
+                self.prob += h_o <= self.host_capacity() * self.z[3], "offload_runs_zero3"
+            else:
+                h_o.upBound = 0
         c_o, c_g, c_p = self.offload_prices()
         self.cost_terms["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else []) + ([c_p * h_p] if c_p else [])
         # the device no longer steps the states on the host (their per-tensor cost is kept: an upper bound)
@@ -827,18 +833,21 @@ class ShardingProgram:
 
     def _states_lower_bound(self, stages) -> float:
         """Device bytes of the states at their leanest: without offload each parameter's least total; with
-        it the least weights plus whatever of the least gradients and optimizer states the host cannot take."""
-        states, weights, movable = 0.0, 0.0, 0.0
+        it, the least weights, gradients and optimizer states less what the host can take (gradients and
+        optimizer states up to its capacity) and the weights that leave with those optimizer states."""
+        states, weights, movable, opt = 0.0, 0.0, 0.0, 0.0
         for name in self._param_groups():
             grp = self.groups[name]
             per = [self.state_bytes(name, k, s) for k in range(len(grp.strategies)) for s in stages]
             states += grp.count * min(sum(b) for b in per)
             weights += grp.count * min(b[0] for b in per)
             movable += grp.count * min(b[1] + b[2] for b in per)
-        if self.offload is False:
+            opt += grp.count * min(b[2] for b in per)
+        if self.offload is False or self.dp > 1 and 3 not in stages:
             return states
-        # the weights may leave with their optimizer states: a bound that lets all of them go
-        return min(states, max(0.0, movable - self.host_capacity()))
+        host = self.host_capacity()
+        leaving = min(movable, host) + self.precision.param_bytes / self.precision.optimizer_bytes * min(opt, host)
+        return min(states, max(0.0, weights + movable - leaving))
 
     def _activations_lower_bound(self, recompute: str) -> tuple[float, float]:
         """(saved activations, recomputed segment) at their leanest under `recompute`."""
@@ -1022,6 +1031,8 @@ class ShardingProgram:
         """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
         faster (its optimizer step is 1/dp; higher stages only add communication)."""
         low = self.zero_choices[0]
+        if self.offload is True and self.dp > 1 and 3 in self.zero_choices:
+            low = 3  # every state on the host: only the ZeRO-3 layout the offload program runs can hold that
         best, choice = self.solve(stage=low, memory=False, recompute=recompute), self.last_choice
         sharded = next((s for s in self.zero_choices if s >= 1), None)
         if self.dp > 1 and low == 0 and sharded is not None:
@@ -1180,6 +1191,9 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
     if offload is True and constraints.get("tp", 1) != 1:
         raise ConfigError(f"offload=True with constraints['tp']={constraints['tp']}: host offload runs on meshes "
                           f"without a tensor axis; pin tp=1 or leave offload to the solver (offload=None)")  # fmt: skip
+    if offload is True and zero is not None and zero < 3 and cluster.world_size > 1 and constraints.get("dp", 2) > 1:
+        raise ConfigError(f"offload=True with constraints['zero']={zero}: the offload program runs the states as "
+                          f"ZeRO-3 chunks over the data axis; pin zero=3 or leave the stage to the solver")  # fmt: skip
     prec = Precision.get(precision)
     recompute = _pinned_recompute(graph, constraints.get("recompute"))
     rules.UNRULED_OPS.clear()
@@ -1267,7 +1281,7 @@ def _solve_mesh(free: MeshResult, prog: ShardingProgram, make, batch_size: int, 
     more micro-batches than `free` has, its own memory-free optimum there tightens its bound first.
     """
     say = progress or (lambda msg: None)
-    if sum(free.memory.values()) <= prog.budget:
+    if free.feasible and sum(free.memory.values()) <= prog.budget:
         say(f"mesh dp={prog.dp} tp={prog.tp} micro-batches={prog.mb}: {free.step_time_s * 1e3:.2f} ms")
         return free, prog  # prog.last_choice holds the memory-free solution
     programs = {prog.mb: prog}
@@ -1363,6 +1377,9 @@ def _infeasible_message(bounds, budget, offload=False) -> str:
     if not bounds:
         return "no layout satisfies the constraints"
     total, dp, tp, m, parts, mode = min(bounds, key=lambda b: b[0])
+    if total <= budget:  # memory is not what stops it
+        return (f"no layout satisfies the constraints, though memory would allow one (at least "
+                f"{format_bytes(total)} of {format_bytes(budget)} per device at dp={dp} tp={tp}); loosen the pins")  # fmt: skip
     recompute = "no activation recompute" if mode == "none" else f"{mode} activation recompute"
     if offload is False:
         recompute += ", nothing offloaded to the host (offload=False)"

@@ -428,3 +428,15 @@ def test_report_names_each_layer_treatment():
     assert "1.00 GiB per device on the host, copies adding 2.00 ms" in report
     with pytest.raises(autopar.PlanFormatError, match="two treatments"):
         dataclasses.replace(plan, layer_modes={"offload": (0, 1), "full": (1,)})
+
+
+def test_offload_plans_are_zero3_as_the_offload_program_runs_them():
+    model, args, kwargs, traced = _meta_llama(layers=2)
+
+    def plan(**pins):
+        return autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={"tp": 1, **pins}, offload=True,
+                            _traced=traced)  # fmt: skip
+
+    assert plan().zero_stage == 3 and plan().offload["optimizer_fraction"] == 1.0
+    with pytest.raises(ConfigError, match="pin zero=3"):
+        plan(zero=1)  # the runtime would run ZeRO-3 chunks: a stage-1 plan with states on the host is refused
