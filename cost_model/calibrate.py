@@ -209,6 +209,71 @@ def measure_host_overheads(repeats: int) -> dict[str, float]:
     }
 
 
+def measure_dtensor_overhead(repeats: int) -> dict[str, float] | None:
+    """What an op costs on DTensors beyond the same op on plain tensors (one-element, replicated).
+
+    - `dtensor_op_forward_s`: dispatch through DTensor (sharding propagation, unwrapping, wrapping);
+    - `dtensor_op_backward_s`: the same for one node of a backward.
+
+    The sharded runtime (`passes.parallelize`) runs every op of the graph this way. Measured on a one-rank
+    gloo mesh made for the purpose (file rendezvous, destroyed after), so only when no process group is
+    initialised yet (the planner's own process); None otherwise.
+    """
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if dist.is_available() and dist.is_initialized():
+        return None
+    add = torch.ops.aten.add.Tensor
+    inner = 200
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
+        try:
+            mesh = DeviceMesh("cpu", [0])
+
+            def wrap(t):
+                return DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+
+            a, b = torch.ones(1, requires_grad=True), torch.ones(1)
+            da, db = wrap(torch.ones(1)).requires_grad_(), wrap(b)
+
+            def forward(x, y):
+                def run():
+                    for _ in range(inner):
+                        add(x, y)
+
+                return median_time_s(run, repeats) / inner
+
+            fwd = forward(da, db) - forward(a, b)
+            mul = torch.ops.aten.mul.Tensor  # its backward runs an op (a product), as most nodes' do
+            bwd = _chain_backward_dtensor_s(wrap, db, repeats) - _chain_backward_s(lambda x: mul(x, b), repeats)
+        finally:
+            dist.destroy_process_group()
+    return {"dtensor_op_forward_s": max(fwd, 0.0), "dtensor_op_backward_s": max(bwd, 0.0)}
+
+
+def _chain_backward_dtensor_s(wrap, other, repeats: int, length: int = 200) -> float:
+    """Seconds per node of one backward through a chain of DTensor products."""
+    mul = torch.ops.aten.mul.Tensor
+    leaf = wrap(torch.ones(1)).requires_grad_()
+
+    def run():
+        x = leaf
+        for _ in range(length):
+            x = mul(x, other)
+        x = x.to_local().sum()
+        t0 = time.perf_counter()
+        x.backward()
+        return time.perf_counter() - t0
+
+    for _ in range(2):
+        run()
+    return statistics.median(run() for _ in range(repeats)) / length
+
+
 def measure_optimizer_step(repeats: int, make_optimizer=None) -> dict[str, float]:
     """Seconds of one optimizer step (default AdamW), split into a cost per parameter tensor and per parameter byte.
 

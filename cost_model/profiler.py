@@ -75,7 +75,12 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.cost_model.calibrate import evict_dispatch_paths, measure_host_overheads, measure_optimizer_step
+from autopar.cost_model.calibrate import (
+    evict_dispatch_paths,
+    measure_dtensor_overhead,
+    measure_host_overheads,
+    measure_optimizer_step,
+)
 from autopar.cost_model.compute import AnalyticEstimator, estimate_node_cost, estimate_optimizer_step_time
 from autopar.cost_model.devices import DType, get_device
 
@@ -267,6 +272,20 @@ class ProfiledEstimator:
             )
             self._save()
         return found
+
+    def sharded_op_overhead_s(self) -> float:
+        """Seconds the sharded runtime adds to each op of a training step (forward and backward) by running
+        it on DTensors (`calibrate.measure_dtensor_overhead`), measured once; 0 where it cannot be measured
+        (a process group already initialised)."""
+        key = json.dumps(["dtensor-overhead", self.device, self.num_threads])
+        found = self._entries.get(key)
+        if found is None:
+            found = self._with_threads(lambda: measure_dtensor_overhead(max(self.repeats, 5)))
+            if found is None:
+                return 0.0
+            self._entries[key] = found
+            self._save()
+        return self.ranks_per_core * (found["dtensor_op_forward_s"] + found["dtensor_op_backward_s"])
 
     @staticmethod
     def _is_view(node: fx.Node) -> bool:

@@ -35,6 +35,7 @@ Objective (predicted step time, seconds; no overlap of communication with comput
        + sum_e n_e sum_{k,l} y[e,k,l] (Rf[e,k,l] + Rb[e,k,l])                   resharding
        + sum_w n_w sum_{k,s} u[w,k,s] Sync[w,k,s]                               gradient sync over dp
        + C_o h_o + C_g h_g + C_p h_p                                            host offload
+       + D sum_{s: tp > 1 or s >= 1} z[s]                                       sharded-runtime overhead
        + sum_w n_w sum_{k,s} u[w,k,s] Opt[w,k,s] - D_o h_o                      optimizer step
        + sum_g n_g sum_{m in g, m in R_r} sum_k x[g,k] T_fwd[m,k]               recomputed forwards
        + sum_{e into R_r} n_e sum_{k,l} y[e,k,l] Rf[e,k,l]                      and their resharding
@@ -50,6 +51,9 @@ Objective (predicted step time, seconds; no overlap of communication with comput
           ((B_grad + B_param) / host_bw + 1 / cpu_adamw_rate) / B_opt
     C_g   per byte of gradient on the host: with m micro-batches every micro-batch's gradient goes down
           (accumulated on the host) instead of the last one only: (m - 1) / host_bw
+    D     host seconds the sharded runtime adds to every op of the step by running it on DTensors
+          (the estimator's `sharded_op_overhead_s` x ops x m; profiled CPU ranks only), paid by every
+          layout but the plain data-parallel one (no tensor axis, stage 0)
     C_p   per byte of weights on the host: they come up for every gather, forward and backward of each
           micro-batch, instead of once after the step: (2m - 1) / host_bw
     Opt   the optimizer step over w's local shard on the device: the estimator's optimizer_step_time_s
@@ -525,6 +529,7 @@ class ShardingProgram:
         self.add_compute_cost()
         self.add_edge_constraint()
         self.add_stage_product_constraint()
+        self.add_sharded_runtime_cost()
         self.add_offload_constraint()
         self.add_memory_constraint()
 
@@ -616,6 +621,21 @@ class ShardingProgram:
                                            if cost[k][m]]  # fmt: skip
             self._edge_fwd += [(c, fwd_cost[k][m], y[k][m], ((gp, k), (gc, m))) for k in range(len(cost))
                                for m in range(len(cost[0])) if fwd_cost[k][m]]  # fmt: skip
+
+    def add_sharded_runtime_cost(self) -> None:
+        """D (sum_s z[s], or sum_{s >= 1} z[s] on a mesh without a tensor axis): the host time the sharded
+        runtime adds to every op by running it on DTensors, where the estimator knows it
+        (`sharded_op_overhead_s`: profiled on CPU ranks, whose steps are dominated by such costs). A plan
+        with no tensor axis and no ZeRO sharding runs as plain tensors (the data-parallel program)."""
+        per_op = getattr(self.estimator, "sharded_op_overhead_s", None)
+        per_op = per_op() if per_op is not None else 0.0
+        if not per_op:
+            return
+        ops = sum(self.graph.layer_count.get(n.name, 1) for n in self.graph.graph.nodes if n.op == "call_function")
+        total = per_op * ops * self.mb
+        stages = [z for s, z in self.z.items() if self.tp > 1 or s >= 1]
+        if stages:
+            self.cost_terms["compute"].append(total * pulp.lpSum(stages))
 
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]

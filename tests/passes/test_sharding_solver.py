@@ -440,3 +440,28 @@ def test_offload_plans_are_zero3_as_the_offload_program_runs_them():
     assert plan().zero_stage == 3 and plan().offload["optimizer_fraction"] == 1.0
     with pytest.raises(ConfigError, match="pin zero=3"):
         plan(zero=1)  # the runtime would run ZeRO-3 chunks: a stage-1 plan with states on the host is refused
+
+
+def test_sharded_runtime_overhead_is_priced_where_the_layout_runs_on_dtensors():
+    """An estimator that knows what DTensor adds per op (profiled CPU ranks) makes every layout but plain data
+    parallelism pay it once per op of the step: exactly that much more at tp=2, nothing more at dp=2, ZeRO-0."""
+    from autopar.cost_model import AnalyticEstimator, DType
+
+    class WithOverhead(AnalyticEstimator):
+        def sharded_op_overhead_s(self):
+            return 1e-4
+
+    model = make_model("llama")
+    args, kwargs = make_batch("llama")
+    traced = trace_model(model, args, kwargs)
+    cluster = autopar.ClusterSpec.parse("cpu:2")
+    plain, priced = AnalyticEstimator(cluster.device, DType("fp32")), WithOverhead(cluster.device, DType("fp32"))
+    ops = sum(1 for n in traced.exported.graph.nodes if n.op == "call_function")
+
+    def step(est, **pins):
+        return autopar.plan(model, cluster, args, kwargs, constraints={"num_microbatches": 1, **pins}, estimator=est,
+                            _traced=traced).predicted.step_time_s  # fmt: skip
+
+    assert step(priced, tp=2) == pytest.approx(step(plain, tp=2) + 1e-4 * ops, rel=1e-6)
+    assert step(priced, dp=2, zero=0) == pytest.approx(step(plain, dp=2, zero=0), rel=1e-9)
+    assert step(priced, dp=2, zero=1) == pytest.approx(step(plain, dp=2, zero=1) + 1e-4 * ops, rel=1e-6)
