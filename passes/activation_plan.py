@@ -7,7 +7,7 @@ memory and time of every treatment is a constant, and the layers of a transforme
 per-layer choice becomes a small problem of counts:
 
     choose c_sel, c_full, c_off >= 0 with c_sel + c_full + c_off <= L (layers), minimising
-        c_sel t_sel + c_full t_full + c_off t_off
+        c_sel t_sel + c_full t_full + c_off t_off  (+ R when any layer is treated)
     subject to
         M_rest + A_none - c_sel d_sel - c_full d_full - c_off d_off + P(used modes) <= budget
         c_off A_layer <= host memory left per device
@@ -19,6 +19,8 @@ per-layer choice becomes a small problem of counts:
                backward: t_off = micro-batches x (down + up) over the host link. On an accelerator the
                copies run on a side stream next to the layer's forward and backward (about twice its
                forward), so only what exceeds them is paid; on a CPU device they are plain copies
+    R          the sharded runtime's per-op cost (`ShardingProgram.sharded_overhead_s`) when any layer is
+               treated on a layout that would otherwise run as plain tensors (no tensor axis, stage 0)
     P          the working memory of the treatments used: the largest recomputed segment of each
                recompute mode used (as the program counts it), and one offloaded layer brought back
 
@@ -79,11 +81,18 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     uniform_acts = res.memory.get("activations", 0.0) + res.memory.get("recompute", 0.0)
     rest = sum(res.memory.values()) - uniform_acts
     _, _, solved_s = prog.fixed_activations(choice, res.recompute)
+    # on a layout that otherwise runs as plain tensors, any treatment moves it to the sharded runtime
+    plain = prog.runs_plain(res.zero_stage)
+    runtime_s = prog.sharded_overhead_s() if plain else 0.0
+    if res.recompute != "none":
+        solved_s += runtime_s
     base_s = res.step_time_s - solved_s
     best = _best_counts(per, layers, prog.budget - rest - none_acts)
     if best is None:
         return res
     counts, seconds, saved, peak = best
+    if any(counts.values()):
+        seconds += runtime_s
     if base_s + seconds >= res.step_time_s * (1 - 1e-9):
         return res
     if res.recompute != "none" and counts.get(res.recompute) == per[res.recompute][3] and len(counts) == 1:
@@ -93,8 +102,8 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     if peak:
         memory["recompute"] = peak
     used = [m for m in ("selective", "full") if counts.get(m)]
-    return dataclasses.replace(res, step_time_s=base_s + seconds,
-                               compute_s=res.compute_s - solved_s + sum(counts[m] * per[m][1] for m in used),
+    copies_s = counts["offload"] * per["offload"][1] if counts.get("offload") else 0.0  # reported as offload
+    return dataclasses.replace(res, step_time_s=base_s + seconds, compute_s=res.compute_s - solved_s + seconds - copies_s,
                                memory=memory, recompute=used[-1] if used else "none",
                                layer_modes={m: c for m, c in counts.items() if c},
                                activation_offload=_activation_offload(counts, per))  # fmt: skip

@@ -627,15 +627,23 @@ class ShardingProgram:
         runtime adds to every op by running it on DTensors, where the estimator knows it
         (`sharded_op_overhead_s`: profiled on CPU ranks, whose steps are dominated by such costs). A plan
         with no tensor axis and no ZeRO sharding runs as plain tensors (the data-parallel program)."""
+        total = self.sharded_overhead_s()
+        stages = [z for s, z in self.z.items() if self.tp > 1 or s >= 1]
+        if total and stages:
+            self.cost_terms["compute"].append(total * pulp.lpSum(stages))
+
+    def sharded_overhead_s(self) -> float:
+        """D: seconds per step the sharded runtime adds over plain tensors (0 where the estimator does not say)."""
         per_op = getattr(self.estimator, "sharded_op_overhead_s", None)
         per_op = per_op() if per_op is not None else 0.0
         if not per_op:
-            return
+            return 0.0
         ops = sum(self.graph.layer_count.get(n.name, 1) for n in self.graph.graph.nodes if n.op == "call_function")
-        total = per_op * ops * self.mb
-        stages = [z for s, z in self.z.items() if self.tp > 1 or s >= 1]
-        if stages:
-            self.cost_terms["compute"].append(total * pulp.lpSum(stages))
+        return per_op * ops * self.mb
+
+    def runs_plain(self, stage: int) -> bool:
+        """Whether a layout at `stage` without recompute runs as plain tensors (the data-parallel program)."""
+        return self.tp == 1 and stage == 0
 
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
@@ -986,6 +994,8 @@ class ShardingProgram:
             rows["memory_peak"] = total <= self.budget
         base = [t for key, terms in self.cost_terms.items() if key != "recompute" for t in terms]
         extra = self.add_recompute_cost(recompute) if recompute != "none" else []
+        if extra and 0 in self.z and self.runs_plain(0) and self.sharded_overhead_s():
+            extra.append(self.sharded_overhead_s() * self.z[0])  # recompute runs on the sharded runtime
         self._modes[recompute] = _ModeTerms(pulp.lpSum(base + extra), extra, acts, peak, rows)
         return self._modes[recompute]
 

@@ -444,7 +444,8 @@ def test_offload_plans_are_zero3_as_the_offload_program_runs_them():
 
 def test_sharded_runtime_overhead_is_priced_where_the_layout_runs_on_dtensors():
     """An estimator that knows what DTensor adds per op (profiled CPU ranks) makes every layout but plain data
-    parallelism pay it once per op of the step: exactly that much more at tp=2, nothing more at dp=2, ZeRO-0."""
+    parallelism pay it once per op of the step: exactly that much more at tp=2, at ZeRO-1 and with recompute,
+    nothing more at dp=2, ZeRO-0."""
     from autopar.cost_model import AnalyticEstimator, DType
 
     class WithOverhead(AnalyticEstimator):
@@ -465,3 +466,31 @@ def test_sharded_runtime_overhead_is_priced_where_the_layout_runs_on_dtensors():
     assert step(priced, tp=2) == pytest.approx(step(plain, tp=2) + 1e-4 * ops, rel=1e-6)
     assert step(priced, dp=2, zero=0) == pytest.approx(step(plain, dp=2, zero=0), rel=1e-9)
     assert step(priced, dp=2, zero=1) == pytest.approx(step(plain, dp=2, zero=1) + 1e-4 * ops, rel=1e-6)
+    # recompute runs on the sharded runtime too, whatever the stage
+    full = {"dp": 2, "zero": 0, "recompute": "full"}
+    assert step(priced, **full) == pytest.approx(step(plain, **full) + 1e-4 * ops, rel=1e-6)
+
+
+def test_layer_treatments_pay_the_sharded_runtime_on_a_plain_layout():
+    from autopar.cost_model import AnalyticEstimator, DType
+
+    class WithOverhead(AnalyticEstimator):
+        def sharded_op_overhead_s(self):
+            return 1e-4
+
+    model = make_model("llama", num_layers=8)
+    args, kwargs = make_batch("llama", seq=32)
+    traced = trace_model(model, args, kwargs)
+    cluster = autopar.ClusterSpec.parse("cpu:1")
+    ops = sum(1 for n in traced.exported.graph.nodes if n.op == "call_function")
+
+    def plan(est, budget=None):
+        return autopar.plan(model, cluster, args, kwargs, constraints={"num_microbatches": 1}, memory_budget=budget,
+                            offload=False, estimator=est, _traced=traced)  # fmt: skip
+
+    plain = AnalyticEstimator(cluster.device, DType("fp32"))
+    keep = plan(plain).predicted
+    budget = keep.peak_memory_bytes - 0.3 * keep.memory_breakdown["activations"]
+    a, b = plan(plain, budget), plan(WithOverhead(cluster.device, DType("fp32")), budget)
+    assert a.layer_modes and b.layer_modes == a.layer_modes  # some layers treated: the sharded runtime runs it
+    assert b.predicted.step_time_s == pytest.approx(a.predicted.step_time_s + 1e-4 * ops, rel=1e-6)
