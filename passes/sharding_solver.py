@@ -72,7 +72,7 @@ Constraints:
       + sum_g n_g sum_k x[g,k] M_saved[g,k,r]  + M_recompute  + M_transient   <=  budget
     offload (unless forbidden; "=" instead of "<=" in the first two when everything is pinned to the host):
         h_o <= sum_w n_w sum_{k,s} u[w,k,s] M_opt[w,k,s],   h_g <= sum_w n_w sum_{k,s} u[w,k,s] M_grad[w,k,s]
-        B_opt h_g <= B_grad h_o          (a gradient lives on the host only with its optimizer states)
+        B_opt h_g = B_grad h_o           (a gradient lives on the host with its optimizer states)
         h_o + h_g <= host memory / devices per node
         h_o <= (host memory / devices per node) z[3] when dp > 1 (the offload program runs ZeRO-3 chunks)
     recomputed segment (r != none):
@@ -744,7 +744,7 @@ class ShardingProgram:
         return self.cluster.host_memory_bytes / self.cluster.devices_per_node
 
     def add_offload_constraint(self) -> None:
-        """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g <= B_grad h_o,
+        """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g = B_grad h_o,
         B_opt h_p = B_param h_o, h_o + h_g <= host memory per device; objective C_o h_o + C_g h_g + C_p h_p;
         memory rows lose h_o + h_g + h_p.
 
@@ -769,7 +769,8 @@ class ShardingProgram:
             self.prob += h_o <= pulp.lpSum(opt), "offload_optimizer_at_most_all"
             self.prob += h_g <= pulp.lpSum(grad), "offload_grads_at_most_all"
         pr = self.precision
-        self.prob += pr.optimizer_bytes * h_g <= pr.grad_bytes * h_o, "offload_grads_with_their_optimizer_states"
+        # the offload program adds each micro-batch's gradient of a host chunk into its host buffer
+        self.prob += pr.optimizer_bytes * h_g == pr.grad_bytes * h_o, "offload_grads_with_their_optimizer_states"
         self.prob += pr.optimizer_bytes * h_p == pr.param_bytes * h_o, "offload_weights_with_their_optimizer_states"
         self.prob += h_o + h_g <= self.host_capacity(), "host_memory"
         if self.dp > 1:  # the offload program runs its chunks as ZeRO-3: only a stage-3 layout offloads
