@@ -336,6 +336,57 @@ def measure_gloo_allreduce(num_ranks: int, repeats: int, max_bytes: int | None =
             return {int(k): v for k, v in json.load(f).items()}
 
 
+def _host_work_s(duration_s: float, length: int = 300) -> float:
+    """Median seconds of a small training step on the host (a forward chain through `small_op_mix` and its
+    backward), repeated for `duration_s` of wall time: ranks started together keep running together."""
+    ops = small_op_mix()
+    a = torch.ones(4, 4, requires_grad=True)
+    samples = []
+    end = time.perf_counter() + duration_s
+    while time.perf_counter() < end or len(samples) < 3:
+        t0 = time.perf_counter()
+        x = a
+        for i in range(length):
+            x = ops[i % len(ops)](x)
+        x.sum().backward()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[1:])
+
+
+def _shared_core_worker(rank: int, world: int, init_file: str, duration_s: float, result_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        dist.barrier()  # every rank starts its host work together, as the ranks of a step do
+        t = _host_work_s(duration_s)
+        with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(t, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_shared_core_slowdown(num_ranks: int, duration_s: float = 1.0) -> float:
+    """How much slower a rank's host work runs while `num_ranks` local ranks run theirs at once, than alone.
+
+    Host work here is a step of small ops (forward and backward through `small_op_mix`), each rank a
+    process with one thread, started together. More ranks than cores share cores (about ranks / cores
+    each); even at one rank per core they share caches, memory bandwidth and whatever else the machine
+    is running. The median over the ranks of their median step, over the same step timed in this
+    process alone, each repeated for `duration_s`; never below 1.
+    """
+    torch.set_num_threads(1)
+    alone = _host_work_s(duration_s)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_shared_core_worker, args=(num_ranks, os.path.join(tmp, "rendezvous"), duration_s, tmp),
+                 nprocs=num_ranks, join=True)  # fmt: skip
+        shared = []
+        for rank in range(num_ranks):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                shared.append(json.load(f))
+    return max(1.0, statistics.median(shared) / alone)
+
+
 def fit_ring_allreduce(times_s: dict[int, float], num_ranks: int) -> tuple[float, float]:
     """(latency_s per step, bandwidth bytes/s) of the ring model t = 2(n-1)·alpha + 2(n-1)/n·S / bandwidth."""
     steps = 2 * (num_ranks - 1)

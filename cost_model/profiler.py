@@ -204,10 +204,11 @@ class ProfiledEstimator:
         num_threads: intra-op threads while timing (1: one rank per core); None leaves torch's setting.
         fallback: the ComputeEstimator for ops that cannot be timed; default the analytic roofline of
             the "cpu" preset (for a CUDA device pass an AnalyticEstimator of its preset).
-        ranks_per_core: how many ranks of the planned job will share one core (more CPU ranks than
-            cores: the scheduler time-slices them, so each rank's host work takes that many times
-            longer); every time this estimator returns is multiplied by it. 1 when each rank has
-            its own core (or its own GPU).
+        ranks_per_core: how many times longer each rank's host work takes while the ranks of the planned
+            job run together than alone: about ranks / cores when CPU ranks share cores (the scheduler
+            time-slices them), more where sharing also costs caches; `bench run` measures it
+            (`calibrate.measure_shared_core_slowdown`). Every time this estimator returns is
+            multiplied by it. 1 when each rank has its own core (or its own GPU).
     """
 
     def __init__(self, cache_path: str | Path | None = None, *, device: str = "cpu", repeats: int = 5,

@@ -429,11 +429,12 @@ def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_pro
 
     The cluster is cpu:`world` with its link fitted to gloo all-reduces among `world` processes
     (`calibrate.measure_gloo_allreduce`); the estimator is a `ProfiledEstimator` whose cache lives in
-    `folder` (so every run profiles afresh), told how many ranks share a core when there are more
-    ranks than cores. The record says what was measured, for run.json.
+    `folder` (so every run profiles afresh), told how much slower each rank's host work runs while all
+    ranks run theirs (`calibrate.measure_shared_core_slowdown`: about ranks / cores when they share
+    cores, and more where sharing costs caches). The record says what was measured, for run.json.
     """
     from autopar.cluster import ClusterSpec
-    from autopar.cost_model.calibrate import fit_ring_allreduce, measure_gloo_allreduce
+    from autopar.cost_model.calibrate import fit_ring_allreduce, measure_gloo_allreduce, measure_shared_core_slowdown
     from autopar.cost_model.profiler import ProfiledEstimator
 
     overrides: dict = {"cluster": f"cpu:{world}"}
@@ -453,7 +454,11 @@ def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_pro
             record["link"] = overrides["intra_node_link"]
     cluster = ClusterSpec.from_overrides(overrides, source="bench run calibration")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    estimator = ProfiledEstimator(folder / "profile-cpu.json", ranks_per_core=max(1.0, world / cores))
+    # each rank's host work runs slower while the others run theirs: measured, not taken as ranks / cores
+    slowdown = measure_shared_core_slowdown(world) if world > 1 else 1.0
+    record["shared_core_slowdown"] = slowdown
+    record["ranks_per_core_nominal"] = max(1.0, world / cores)
+    estimator = ProfiledEstimator(folder / "profile-cpu.json", ranks_per_core=slowdown)
     record |= {"cores": cores, "ranks_per_core": estimator.ranks_per_core, "host": estimator.host_overheads(),
                "profile_cache": str(estimator.cache_path)}  # fmt: skip
     return cluster, estimator, record
@@ -522,7 +527,7 @@ def _cpu_world(cluster: str) -> int:
 
 def markdown(doc: dict) -> str:
     rows = []
-    per_core = (doc.get("calibration") or {}).get("ranks_per_core", 1)
+    per_core = (doc.get("calibration") or {}).get("ranks_per_core_nominal", 1)
     for r in doc["results"]:
         for name, m in r["methods"].items():
             rows.append([r["model"], name, fmt_ms(m["median_step_time_s"]),
@@ -587,8 +592,8 @@ def _calibration_md(cal: dict) -> str:
     elif cal.get("link_error"):
         parts.append(f"link: the cpu preset's ({cal['link_error']})")
     if cal.get("ranks_per_core", 1) > 1:
-        parts.append(f"{cal['ranks_per_core']:g} ranks share each of the {cal['cores']} cores, so each rank's host "
-                     "work is priced that many times slower")  # fmt: skip
+        parts.append(f"each rank's host work measured {cal['ranks_per_core']:.2f}x slower while all ranks run theirs "
+                     f"on the {cal['cores']} cores, and priced so")  # fmt: skip
     return "; ".join(parts) + "."
 
 
