@@ -139,8 +139,7 @@ def apply_layer_treatments(module: torch.nn.Module, plan: Plan, *,
             if not found:
                 continue  # no attention block to recompute in this layer
             where, target = f"{where}.{found[0][0]}", found[0][1]
-        _wrap_forward(target, lambda run, *a, **k: torch.utils.checkpoint.checkpoint(run, *a, use_reentrant=False,
-                                                                                      **k))  # fmt: skip
+        _wrap_forward(target, _checkpointed)
         checkpointed.append(where)
     return offload, checkpointed
 
@@ -148,6 +147,10 @@ def apply_layer_treatments(module: torch.nn.Module, plan: Plan, *,
 def _wrap_forward(mod: torch.nn.Module, wrapper) -> None:
     inner = mod.forward
     mod.forward = lambda *args, **kwargs: wrapper(inner, *args, **kwargs)
+
+
+def _checkpointed(run, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
 
 
 def _offloaded(offload: ActivationOffload, run, *args, **kwargs):

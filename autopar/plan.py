@@ -22,6 +22,9 @@ from autopar.cluster import ClusterSpec
 from autopar.errors import PlanFormatError
 
 FORMAT_VERSION = 1
+# what a plan may do with one layer's activations besides keeping them (`Plan.layer_modes`), in the
+# order `passes.activation_plan` hands layers out
+LAYER_TREATMENTS = ("offload", "full", "selective")
 GIB = 1024**3
 
 
@@ -99,7 +102,7 @@ class Plan:
                                   f"{self.cluster.world_size}")  # fmt: skip
         if self.recompute not in ("none", "selective", "full"):
             raise PlanFormatError(f"plan recompute mode {self.recompute!r} is not one of 'none', 'selective', 'full'")
-        bad = set(self.layer_modes) - {"offload", "full", "selective"}
+        bad = set(self.layer_modes) - set(LAYER_TREATMENTS)
         if bad:
             raise PlanFormatError(f"plan layer_modes holds {sorted(bad)}: expected 'offload', 'full' or 'selective'")
         seen: set[int] = set()

@@ -100,14 +100,19 @@ def measure_kernel_overhead(repeats: int) -> float:
     return median_time_s(run, repeats) / inner
 
 
-def _chain_backward_s(make_link, repeats: int, length: int = 500) -> float:
-    """Seconds per node of one backward through a chain of `length` nodes that `make_link(x)` records."""
-    leaf = torch.ones(1, requires_grad=True)
+def _chain_backward_s(make_link, repeats: int, length: int = 500, *, leaf: torch.Tensor | None = None,
+                      finish=None) -> float:  # fmt: skip
+    """Seconds per node of one backward through a chain of `length` nodes that `make_link(x)` records.
+
+    The chain starts at `leaf` (a one-element tensor requiring grad by default); `finish` turns its end
+    into the scalar the backward starts from (default: the end itself)."""
+    leaf = torch.ones(1, requires_grad=True) if leaf is None else leaf
 
     def run():
         x = leaf
         for _ in range(length):
             x = make_link(x)
+        x = finish(x) if finish is not None else x
         t0 = time.perf_counter()
         x.backward()
         return time.perf_counter() - t0
@@ -249,29 +254,13 @@ def measure_dtensor_overhead(repeats: int) -> dict[str, float] | None:
 
             fwd = forward(da, db) - forward(a, b)
             mul = torch.ops.aten.mul.Tensor  # its backward runs an op (a product), as most nodes' do
-            bwd = _chain_backward_dtensor_s(wrap, db, repeats) - _chain_backward_s(lambda x: mul(x, b), repeats)
+            on_dtensors = _chain_backward_s(lambda x: mul(x, db), repeats, 200,
+                                            leaf=wrap(torch.ones(1)).requires_grad_(),
+                                            finish=lambda x: x.to_local().sum())  # fmt: skip
+            bwd = on_dtensors - _chain_backward_s(lambda x: mul(x, b), repeats)
         finally:
             dist.destroy_process_group()
     return {"dtensor_op_forward_s": max(fwd, 0.0), "dtensor_op_backward_s": max(bwd, 0.0)}
-
-
-def _chain_backward_dtensor_s(wrap, other, repeats: int, length: int = 200) -> float:
-    """Seconds per node of one backward through a chain of DTensor products."""
-    mul = torch.ops.aten.mul.Tensor
-    leaf = wrap(torch.ones(1)).requires_grad_()
-
-    def run():
-        x = leaf
-        for _ in range(length):
-            x = mul(x, other)
-        x = x.to_local().sum()
-        t0 = time.perf_counter()
-        x.backward()
-        return time.perf_counter() - t0
-
-    for _ in range(2):
-        run()
-    return statistics.median(run() for _ in range(repeats)) / length
 
 
 def measure_optimizer_step(repeats: int, make_optimizer=None) -> dict[str, float]:

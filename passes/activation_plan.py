@@ -40,8 +40,7 @@ import dataclasses
 import math
 
 from autopar.passes.recompute import layer_containers, recompute_segments, segment_layer
-
-LAYER_TREATMENTS = ("offload", "full", "selective")  # the order layers are handed out in
+from autopar.plan import LAYER_TREATMENTS
 
 
 def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
@@ -83,7 +82,7 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     _, _, solved_s = prog.fixed_activations(choice, res.recompute)
     # on a layout that otherwise runs as plain tensors, any treatment moves it to the sharded runtime
     plain = prog.runs_plain(res.zero_stage)
-    runtime_s = prog.sharded_overhead_s() if plain else 0.0
+    runtime_s = prog.sharded_overhead_s if plain else 0.0
     if res.recompute != "none":
         solved_s += runtime_s
     base_s = res.step_time_s - solved_s

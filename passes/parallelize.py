@@ -41,7 +41,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
 from autopar.ir import is_tensor_node
-from autopar.memory.activations import ActivationOffload
+from autopar.memory.activations import ActivationOffload, local_tensor
 from autopar.passes.recompute import offloaded_nodes, plan_segments
 from autopar.passes.sharding_rules import parse_placement
 
@@ -133,12 +133,12 @@ class ShardedInterpreter(fx.Interpreter):
     def run(self, *args, **kwargs):
         self.loss_counts = []
         if self.activation_offload is not None:  # parameters stay where they are, whoever saves them
-            self._param_ptrs = {_local(a).untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)
+            self._param_ptrs = {local_tensor(a).untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)
                                 and a.requires_grad}  # fmt: skip
         return super().run(*args, **kwargs)
 
     def _is_parameter(self, t: torch.Tensor) -> bool:
-        return _local(t).untyped_storage().data_ptr() in self._param_ptrs
+        return local_tensor(t).untyped_storage().data_ptr() in self._param_ptrs
 
     def _to(self, value, tp_placement: Placement):
         if not isinstance(value, DTensor) or (tp_placement.is_partial() and not value.placements[1].is_partial()):
@@ -376,10 +376,6 @@ def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inp
     """
     del example_inputs  # placements come from the plan; shapes from the graph
     return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:

@@ -48,8 +48,6 @@ class RecomputeMode(StrEnum):
 
 
 RECOMPUTE_MODES = tuple(m.value for m in RecomputeMode)
-# what a plan may give one layer besides keeping its activations, the leanest last
-LAYER_MODES = ("offload", "selective", "full")
 
 _ATTENTION_OPS = {"aten.scaled_dot_product_attention.default", "aten._softmax.default", "aten.softmax.int",
                   "autopar.flash_attention.default"}  # fmt: skip

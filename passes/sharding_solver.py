@@ -120,6 +120,7 @@ Only meshes without a tensor axis (tp = 1) offload, as the offload program runs 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -627,11 +628,12 @@ class ShardingProgram:
         runtime adds to every op by running it on DTensors, where the estimator knows it
         (`sharded_op_overhead_s`: profiled on CPU ranks, whose steps are dominated by such costs). A plan
         with no tensor axis and no ZeRO sharding runs as plain tensors (the data-parallel program)."""
-        total = self.sharded_overhead_s()
+        total = self.sharded_overhead_s
         stages = [z for s, z in self.z.items() if self.tp > 1 or s >= 1]
         if total and stages:
             self.cost_terms["compute"].append(total * pulp.lpSum(stages))
 
+    @functools.cached_property
     def sharded_overhead_s(self) -> float:
         """D: seconds per step the sharded runtime adds over plain tensors (0 where the estimator does not say)."""
         per_op = getattr(self.estimator, "sharded_op_overhead_s", None)
@@ -995,8 +997,8 @@ class ShardingProgram:
             rows["memory_peak"] = total <= self.budget
         base = [t for key, terms in self.cost_terms.items() if key != "recompute" for t in terms]
         extra = self.add_recompute_cost(recompute) if recompute != "none" else []
-        if extra and 0 in self.z and self.runs_plain(0) and self.sharded_overhead_s():
-            extra.append(self.sharded_overhead_s() * self.z[0])  # recompute runs on the sharded runtime
+        if extra and 0 in self.z and self.runs_plain(0) and self.sharded_overhead_s:
+            extra.append(self.sharded_overhead_s * self.z[0])  # recompute runs on the sharded runtime
         self._modes[recompute] = _ModeTerms(pulp.lpSum(base + extra), extra, acts, peak, rows)
         return self._modes[recompute]
 

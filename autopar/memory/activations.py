@@ -21,16 +21,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
-class ActivationOffload:
-    """Saved-tensor hooks that keep saved activations on the host; use as a context manager (re-entrant)."""
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
-    def __init__(self, keep: Callable[[torch.Tensor], bool] | None = None, tracker=None):
-        self.keep = keep or (lambda t: False)
-        self.tracker = tracker  # a MemoryTracker: counts a tensor brought back while backward holds it
-        self.packed = 0
-        self.unpacked = 0
-        self.host_bytes = 0
-        self.peak_host_bytes = 0
+
+class _SavedTensorHooks:
+    """`_pack` / `_unpack` as saved-tensor hooks, installed while the object is used as a context manager."""
+
+    def __init__(self):
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def __enter__(self):
@@ -41,7 +40,26 @@ class ActivationOffload:
         return self._hooks.__exit__(*exc)
 
     def _pack(self, t: torch.Tensor):
-        local = t.to_local() if isinstance(t, DTensor) else t
+        raise NotImplementedError
+
+    def _unpack(self, packed):
+        raise NotImplementedError
+
+
+class ActivationOffload(_SavedTensorHooks):
+    """Saved-tensor hooks that keep saved activations on the host; use as a context manager (re-entrant)."""
+
+    def __init__(self, keep: Callable[[torch.Tensor], bool] | None = None, tracker=None):
+        super().__init__()
+        self.keep = keep or (lambda t: False)
+        self.tracker = tracker  # a MemoryTracker: counts a tensor brought back while backward holds it
+        self.packed = 0
+        self.unpacked = 0
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
+
+    def _pack(self, t: torch.Tensor):
+        local = local_tensor(t)
         if self.keep(t) or (t.requires_grad and t.is_leaf) or local.device.type == "meta" or local.numel() == 0:
             return ("kept", t)
         cuda = local.device.type == "cuda"
@@ -74,7 +92,7 @@ class ActivationOffload:
         self.host_bytes -= nbytes
 
 
-class ActivationTracker:
+class ActivationTracker(_SavedTensorHooks):
     """Saved-tensor hooks that count, on a `MemoryTracker`, the device bytes autograd holds for backward.
 
     Every tensor an op saves is counted once per storage (views of one value share it) from the
@@ -85,24 +103,17 @@ class ActivationTracker:
     """
 
     def __init__(self, tracker, device: str | torch.device):
+        super().__init__()
         self.tracker = tracker
         self.device = torch.device(device)
         self._held: dict[int, list[int]] = {}  # storage pointer -> [saved references alive, bytes]
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._hooks.__exit__(*exc)
 
     @property
     def held_bytes(self) -> int:
         return sum(nbytes for _, nbytes in self._held.values())
 
     def _pack(self, t: torch.Tensor):
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local_tensor(t)
         base = local._base if local._base is not None else local
         if base.requires_grad and base.is_leaf or local.device.type != self.device.type or local.numel() == 0:
             return _Kept(t, None)
