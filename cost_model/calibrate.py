@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 
 _ALLREDUCE_SIZES_BYTES = tuple(4 * 4**k for k in range(0, 13))  # 4 B .. 64 MiB
 _FIT_MIN_BYTES = 1 << 20
-_LATENCY_MAX_BYTES = 1 << 10
+_MIN_ALLREDUCE_S = 1e-6  # a difference of two noisy loop times can come out below zero: never price it so
 
 
 def median_time_s(fn, repeats: int, warmup: int = 2) -> float:
@@ -293,20 +293,33 @@ def _allreduce_worker(rank: int, world: int, init_file: str, repeats: int, resul
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        work = small_op_step()
+        work()
+
+        def per_iteration_s(fn, iterations: int = 8) -> float:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(iterations):
+                fn()
+            return (time.perf_counter() - t0) / iterations
+
         results = {}
         for size in sizes:
             t = torch.ones(max(size // 4, 1))
             for _ in range(2):  # the first calls set up the algorithm's buffers
                 dist.all_reduce(t)
-            samples = []
-            # One call per sample, after a barrier, as in a training step where ranks arrive together.
-            # (Back-to-back calls measured slower on a 2-core machine: the ranks' threads contend.)
-            for _ in range(2 * repeats):
-                dist.barrier()
-                t0 = time.perf_counter()
+
+            def step(t=t):
+                work()
                 dist.all_reduce(t)
-                samples.append(time.perf_counter() - t0)
-            results[size] = statistics.median(samples)
+
+            alone, with_collective = [], []
+            for _ in range(repeats):
+                alone.append(per_iteration_s(work))
+                with_collective.append(per_iteration_s(step))
+            added = torch.tensor([statistics.median(with_collective) - statistics.median(alone)], dtype=torch.float64)
+            dist.all_reduce(added, op=dist.ReduceOp.MAX)  # the slowest rank's, as a step's time is
+            results[size] = max(added.item(), _MIN_ALLREDUCE_S)
         if rank == 0:
             with open(result_file, "w") as f:
                 json.dump(results, f)
@@ -315,7 +328,17 @@ def _allreduce_worker(rank: int, world: int, init_file: str, repeats: int, resul
 
 
 def measure_gloo_allreduce(num_ranks: int, repeats: int, max_bytes: int | None = None) -> dict[int, float]:
-    """{bytes: median seconds} of a gloo all-reduce among `num_ranks` local processes (sizes up to `max_bytes`)."""
+    """{bytes: seconds} that a gloo all-reduce among `num_ranks` local processes adds to a step (sizes up to
+    `max_bytes`).
+
+    Measured as a training step meets it: each rank runs a short step of host work (`small_op_step`)
+    and then the all-reduce, back to back without a barrier, and the time per iteration less that of
+    the work alone is the all-reduce's (the median over `repeats` loops, the slowest rank's). So it
+    includes what an all-reduce timed alone after a barrier leaves out: the ranks arriving at
+    different times, and a rank that waited idle being slow to run again. On a 2-core virtual machine
+    the 0.5 MB all-reduce took about 0.5 ms after a barrier and added 2.7 ms to a step, as it did in a
+    data-parallel training step of the same size.
+    """
     sizes = tuple(s for s in _ALLREDUCE_SIZES_BYTES if max_bytes is None or s <= max_bytes)
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
@@ -325,29 +348,42 @@ def measure_gloo_allreduce(num_ranks: int, repeats: int, max_bytes: int | None =
             return {int(k): v for k, v in json.load(f).items()}
 
 
-def _host_work_s(duration_s: float, length: int = 300) -> float:
-    """Median seconds of a small training step on the host (a forward chain through `small_op_mix` and its
-    backward), repeated for `duration_s` of wall time: ranks started together keep running together."""
+def small_op_step():
+    """A small training step on the host: a forward chain through `small_op_mix` and its backward."""
     ops = small_op_mix()
     a = torch.ones(4, 4, requires_grad=True)
+
+    def step():
+        x = a
+        for i in range(300):
+            x = ops[i % len(ops)](x)
+        x.sum().backward()
+
+    return step
+
+
+def _host_work_s(duration_s: float, make_work=small_op_step) -> float:
+    """Median seconds of the step `make_work()` returns, repeated for `duration_s` of wall time: ranks
+    started together keep running together."""
+    work = make_work()
     samples = []
     end = time.perf_counter() + duration_s
     while time.perf_counter() < end or len(samples) < 3:
         t0 = time.perf_counter()
-        x = a
-        for i in range(length):
-            x = ops[i % len(ops)](x)
-        x.sum().backward()
+        work()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples[1:])
 
 
-def _shared_core_worker(rank: int, world: int, init_file: str, duration_s: float, result_dir: str) -> None:
+def _shared_core_worker(rank: int, world: int, init_file: str, duration_s: float, result_dir: str,
+                        make_work=small_op_step) -> None:  # fmt: skip
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
+        work = make_work()
+        work()  # built and warm on every rank before any rank starts timing
         dist.barrier()  # every rank starts its host work together, as the ranks of a step do
-        t = _host_work_s(duration_s)
+        t = _host_work_s(duration_s, lambda: work)
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
             json.dump(t, f)
         dist.barrier()
@@ -355,19 +391,27 @@ def _shared_core_worker(rank: int, world: int, init_file: str, duration_s: float
         dist.destroy_process_group()
 
 
-def measure_shared_core_slowdown(num_ranks: int, duration_s: float = 1.0) -> float:
+def measure_shared_core_slowdown(num_ranks: int, duration_s: float = 1.0, make_work=small_op_step) -> float:
     """How much slower a rank's host work runs while `num_ranks` local ranks run theirs at once, than alone.
 
-    Host work here is a step of small ops (forward and backward through `small_op_mix`), each rank a
-    process with one thread, started together. More ranks than cores share cores (about ranks / cores
-    each); even at one rank per core they share caches, memory bandwidth and whatever else the machine
-    is running. The median over the ranks of their median step, over the same step timed in this
-    process alone, each repeated for `duration_s`; never below 1.
+    Host work is the step `make_work()` returns (built once per process; `make_work` must pickle, as the
+    ranks are spawned): by default a step of small ops (forward and backward through `small_op_mix`);
+    `bench run` passes a training step of the model it runs, at one rank's share of the batch, because
+    how much ranks slow each other depends on the work (small ops share cores; larger ones also share
+    caches and memory bandwidth). Each rank is a process with one thread, started together. More ranks
+    than cores share cores (about ranks / cores each); even at one rank per core they share caches,
+    memory bandwidth and whatever else the machine is running. The median over the ranks of their
+    median step, over the same step timed in this process alone, each repeated for `duration_s`;
+    never below 1.
     """
+    previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    alone = _host_work_s(duration_s)
+    try:
+        alone = _host_work_s(duration_s, make_work)
+    finally:
+        torch.set_num_threads(previous)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_shared_core_worker, args=(num_ranks, os.path.join(tmp, "rendezvous"), duration_s, tmp),
+        mp.spawn(_shared_core_worker, args=(num_ranks, os.path.join(tmp, "rendezvous"), duration_s, tmp, make_work),
                  nprocs=num_ranks, join=True)  # fmt: skip
         shared = []
         for rank in range(num_ranks):
@@ -377,16 +421,23 @@ def measure_shared_core_slowdown(num_ranks: int, duration_s: float = 1.0) -> flo
 
 
 def fit_ring_allreduce(times_s: dict[int, float], num_ranks: int) -> tuple[float, float]:
-    """(latency_s per step, bandwidth bytes/s) of the ring model t = 2(n-1)·alpha + 2(n-1)/n·S / bandwidth."""
+    """(latency_s per step, bandwidth bytes/s) of the ring model t = 2(n-1)·alpha + 2(n-1)/n·S / bandwidth.
+
+    The bandwidth is the slope of a least-squares line through the sizes from 1 MiB up; the latency
+    is the median, over the sizes below 1 MiB, of each one's time less its bandwidth part (a median
+    over many sizes, because on a shared machine any one small all-reduce can be several times
+    slower than the next).
+    """
     steps = 2 * (num_ranks - 1)
     moved = {s: 2 * (num_ranks - 1) / num_ranks * s for s in times_s}
-    alpha = statistics.median(t for s, t in times_s.items() if s <= _LATENCY_MAX_BYTES) / steps
     big = [s for s in times_s if s >= _FIT_MIN_BYTES]
     xs, ys = [moved[s] for s in big], [times_s[s] for s in big]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     if not slope > 0:
         raise ValueError(f"all-reduce times do not grow with size ({times_s}): the machine was too busy to measure")
+    small = [times_s[s] - moved[s] * slope for s in times_s if s < _FIT_MIN_BYTES]
+    alpha = max(statistics.median(small), 0.0) / steps
     return alpha, 1.0 / slope
 
 

@@ -209,15 +209,22 @@ class ProfiledEstimator:
             time-slices them), more where sharing also costs caches; `bench run` measures it
             (`calibrate.measure_shared_core_slowdown`). Every time this estimator returns is
             multiplied by it. 1 when each rank has its own core (or its own GPU).
+        in_step: (forward, backward) scale of every op's time: how much longer a graph's ops take when the
+            graph runs as one training step than the sum of their profiles (`measure_in_step_scale`
+            measures it on a graph). (1, 1) trusts the profiles as they are.
     """
 
     def __init__(self, cache_path: str | Path | None = None, *, device: str = "cpu", repeats: int = 5,
-                 num_threads: int | None = 1, fallback=None, ranks_per_core: float = 1.0):  # fmt: skip
+                 num_threads: int | None = 1, fallback=None, ranks_per_core: float = 1.0,
+                 in_step: tuple[float, float] = (1.0, 1.0)):  # fmt: skip
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}")
         if not ranks_per_core >= 1:
             raise ValueError(f"ranks_per_core must be at least 1, got {ranks_per_core}")
+        if len(in_step) != 2 or not all(0 < f < math.inf for f in in_step):
+            raise ValueError(f"in_step must be two positive scales (forward, backward), got {in_step}")
         self.ranks_per_core = float(ranks_per_core)
+        self.in_step = (float(in_step[0]), float(in_step[1]))
         self.device = str(device)
         self.repeats = repeats
         self.num_threads = num_threads
@@ -235,25 +242,27 @@ class ProfiledEstimator:
             return 0.0
         host = self.host_overheads()
         cold = host["op_cold_extra_s"]
+        scale = self.ranks_per_core * self.in_step[0]
         if self._is_view(node):
-            return self.ranks_per_core * (host["view_forward_s"] + cold) if node.op == "call_function" else 0.0
+            return scale * (host["view_forward_s"] + cold) if node.op == "call_function" else 0.0
         fixed = host["op_forward_s"] + cold  # the part of a forward a smaller share does not shrink
         measured, rest = self._measure(node, divisor)
-        return self.ranks_per_core * _split(measured["forward_s"], fixed, rest)
+        return scale * _split(measured["forward_s"], fixed, rest)
 
     def backward_time_s(self, node: fx.Node, divisor: float) -> float:
         if node.target in _NOT_RUN:
             return 0.0
         host = self.host_overheads()
+        scale = self.ranks_per_core * self.in_step[1]
         if self._is_view(node):
-            return self.ranks_per_core * host["view_backward_s"] if node.op == "call_function" else 0.0
+            return scale * host["view_backward_s"] if node.op == "call_function" else 0.0
         measured, rest = self._measure(node, divisor)
         isolated = measured["backward_s"]
         if isolated == 0.0:  # no floating input or output: no backward node
             return 0.0
         node_s = host["op_backward_s"]
-        in_step = max(isolated - (host["grad_call_s"] - node_s), node_s)
-        return self.ranks_per_core * _split(in_step, node_s, rest)
+        in_graph = max(isolated - (host["grad_call_s"] - node_s), node_s)
+        return scale * _split(in_graph, node_s, rest)
 
     def optimizer_step_time_s(self, num_tensors: int, num_param_bytes: float) -> float:
         """Seconds of one AdamW step over `num_tensors` local parameter tensors holding `num_param_bytes`."""
@@ -453,3 +462,58 @@ class ProfiledEstimator:
             torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
 
         return {"forward_s": forward_s, "backward_s": self._median_s(backward)}
+
+
+@dataclass(frozen=True, slots=True)
+class InStepScale:
+    """A graph's forward and backward run as a training step, next to the sum of its ops' profiles (seconds)."""
+
+    forward_measured_s: float
+    forward_profiled_s: float
+    backward_measured_s: float
+    backward_profiled_s: float
+
+    @property
+    def scale(self) -> tuple[float, float]:
+        """(forward, backward): measured over profiled, the `in_step` of a `ProfiledEstimator`."""
+        return (self.forward_measured_s / self.forward_profiled_s, self.backward_measured_s / self.backward_profiled_s)
+
+
+def measure_in_step_scale(estimator: ProfiledEstimator, gm: fx.GraphModule, values: list, *, loss_index: int = 0,
+                          repeats: int = 5) -> InStepScale:  # fmt: skip
+    """Run `gm` forward and backward as a training step does, and compare with the sum of its ops' profiles.
+
+    Ops timed one at a time miss what a step adds around them: the Python of the graph's own code, an
+    allocator serving a growing set of live activations, caches holding other ops' data. Running the
+    graph itself measures all of it. `values` are the graph's placeholder values in order (parameters
+    requiring grad, so that the backward reaches them); output `loss_index` is the scalar the backward
+    starts from. The profiles are `estimator`'s (its cache), summed over the graph's ops at divisor 1
+    with no scale (one rank alone, as measured here); forward and backward are medians over `repeats`.
+    """
+    plain = ProfiledEstimator(estimator.cache_path, device=estimator.device, repeats=estimator.repeats,
+                              num_threads=estimator.num_threads, fallback=estimator._fallback)  # fmt: skip
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    forward_profiled = sum(plain.forward_time_s(n, 1.0) for n in nodes)
+    backward_profiled = sum(plain.backward_time_s(n, 1.0) for n in nodes)
+    leaves = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+    if not leaves:
+        raise ValueError("measure_in_step_scale: no placeholder value requires grad, so there is no backward to time")
+
+    def step() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        loss = gm(*values)[loss_index]
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        for leaf in leaves:
+            leaf.grad = None
+        return t1 - t0, t2 - t1
+
+    def run() -> tuple[float, float]:
+        for _ in range(_WARMUP):
+            step()
+        samples = [step() for _ in range(repeats)]
+        return statistics.median(f for f, _ in samples), statistics.median(b for _, b in samples)
+
+    forward, backward = plain._with_threads(run)
+    return InStepScale(forward, forward_profiled, backward, backward_profiled)

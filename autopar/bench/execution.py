@@ -425,16 +425,15 @@ _LINK_FIT_MAX_BYTES = 16 << 20
 
 
 def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_progress: bool = True):
-    """The cost model profiled on this machine for `world` local ranks: (cluster, estimator, record).
+    """What the cost model needs of this machine for `world` local ranks, whatever the model: (cluster, record).
 
     The cluster is cpu:`world` with its link fitted to gloo all-reduces among `world` processes
-    (`calibrate.measure_gloo_allreduce`); the estimator is a `ProfiledEstimator` whose cache lives in
-    `folder` (so every run profiles afresh), told how much slower each rank's host work runs while all
-    ranks run theirs (`calibrate.measure_shared_core_slowdown`: about ranks / cores when they share
-    cores, and more where sharing costs caches). The record says what was measured, for run.json.
+    (`calibrate.measure_gloo_allreduce`); the record says what was measured, for run.json, including
+    the host costs of the profile cache in `folder` (so every run profiles afresh). What depends on
+    the model is measured by `model_estimator`.
     """
     from autopar.cluster import ClusterSpec
-    from autopar.cost_model.calibrate import fit_ring_allreduce, measure_gloo_allreduce, measure_shared_core_slowdown
+    from autopar.cost_model.calibrate import fit_ring_allreduce, measure_gloo_allreduce
     from autopar.cost_model.profiler import ProfiledEstimator
 
     overrides: dict = {"cluster": f"cpu:{world}"}
@@ -454,14 +453,75 @@ def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_pro
             record["link"] = overrides["intra_node_link"]
     cluster = ClusterSpec.from_overrides(overrides, source="bench run calibration")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    # each rank's host work runs slower while the others run theirs: measured, not taken as ranks / cores
-    slowdown = measure_shared_core_slowdown(world) if world > 1 else 1.0
-    record["shared_core_slowdown"] = slowdown
-    record["ranks_per_core_nominal"] = max(1.0, world / cores)
-    estimator = ProfiledEstimator(folder / "profile-cpu.json", ranks_per_core=slowdown)
-    record |= {"cores": cores, "ranks_per_core": estimator.ranks_per_core, "host": estimator.host_overheads(),
+    estimator = ProfiledEstimator(_profile_cache(folder))
+    record |= {"cores": cores, "ranks_per_core_nominal": max(1.0, world / cores), "host": estimator.host_overheads(),
                "profile_cache": str(estimator.cache_path)}  # fmt: skip
-    return cluster, estimator, record
+    return cluster, record
+
+
+def _profile_cache(folder: Path) -> Path:
+    return Path(folder) / "profile-cpu.json"
+
+
+def plain_training_step(spec: RunModel, world: int):
+    """A step (forward, backward, AdamW) of `spec`'s model on one rank's share of the batch, as a callable."""
+    _, model, ids = _model_and_batch(spec)
+    ids = ids[: max(1, ids.shape[0] // world)]
+    optimizer = _optimizer(model.parameters())
+
+    def step():
+        loss = model(ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 5, show_progress: bool = True):
+    """The profiled estimator autopar plans `spec` with on `world` local ranks: (estimator, record).
+
+    Two things it is told are measured with the model itself, at one rank's share of the batch:
+
+    - how much longer a training step of the model runs while all `world` ranks run theirs than alone
+      (`calibrate.measure_shared_core_slowdown` on `plain_training_step`): ranks on the same cores
+      time-slice them, and even at a core each they share caches and memory bandwidth, by an amount
+      that depends on the work;
+    - how the model's traced graph, run forward and backward as a step, compares with the sum of its
+      ops' profiles (`profiler.measure_in_step_scale`).
+
+    Every op is still priced from its own profile; these two scale them.
+    """
+    import functools
+
+    from autopar.cost_model.calibrate import measure_shared_core_slowdown
+    from autopar.cost_model.profiler import ProfiledEstimator, measure_in_step_scale
+    from autopar.data_parallel import drop_assertions_pass
+    from autopar.runtime import flat_inputs, placeholder_values
+    from autopar.trace import trace_model
+
+    if show_progress:
+        print(f"[autopar bench run] {spec.name}: measuring its step alone and on {world} ranks at once",
+              file=sys.stderr, flush=True)  # fmt: skip
+    slowdown = measure_shared_core_slowdown(world, make_work=functools.partial(plain_training_step, spec, world)) \
+        if world > 1 else 1.0  # fmt: skip
+    _, model, ids = _model_and_batch(spec)
+    ids = ids[: max(1, ids.shape[0] // world)]
+    traced = trace_model(model, (ids,), {"labels": ids})
+    named = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    params = [named[n].detach().clone().requires_grad_(named[n].requires_grad) for n in traced.param_names]
+    values = placeholder_values(traced, params, [buffers[n] for n in traced.buffer_names],
+                                traced.exported.constants.get, flat_inputs(traced, (ids,), {"labels": ids}))  # fmt: skip
+    sig = traced.exported.graph_signature
+    loss_index = len(sig.buffers_to_mutate) + len(getattr(sig, "user_inputs_to_mutate", {}))
+    gm = drop_assertions_pass(traced.graph_module, None)
+    measured = measure_in_step_scale(ProfiledEstimator(_profile_cache(folder)), gm, values, loss_index=loss_index,
+                                     repeats=max(repeats, 5))  # fmt: skip
+    estimator = ProfiledEstimator(_profile_cache(folder), ranks_per_core=slowdown, in_step=measured.scale)
+    record = {"shared_core_slowdown": slowdown, "ranks_per_core": estimator.ranks_per_core,
+              "in_step": asdict(measured) | {"scale": list(measured.scale)}}  # fmt: skip
+    return estimator, record
 
 
 def plan_model(spec: RunModel, cluster, estimator):
@@ -490,9 +550,14 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    spec, estimator, calibration = calibrate_cost_model(world, out, repeats=settings.calibration_repeats,
-                                                        show_progress=show_progress)  # fmt: skip
-    plans = {m.name: plan_model(m, spec, estimator).to_json() for m in models}
+    cluster_spec, calibration = calibrate_cost_model(world, out, repeats=settings.calibration_repeats,
+                                                     show_progress=show_progress)  # fmt: skip
+    plans, per_model = {}, {}
+    for m in models:
+        estimator, per_model[m.name] = model_estimator(m, world, out, repeats=settings.calibration_repeats,
+                                                       show_progress=show_progress)  # fmt: skip
+        plans[m.name] = plan_model(m, cluster_spec, estimator).to_json()
+    calibration["models"] = per_model
     load_before = _load_average()
     results = _summarise(spawn_ranks(world, models, settings, show_progress=show_progress, plans=plans))
     doc = {"environment": environment(), "cluster": cluster, "world_size": world, "settings": asdict(settings),
@@ -591,9 +656,14 @@ def _calibration_md(cal: dict) -> str:
                      f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
     elif cal.get("link_error"):
         parts.append(f"link: the cpu preset's ({cal['link_error']})")
-    if cal.get("ranks_per_core", 1) > 1:
-        parts.append(f"each rank's host work measured {cal['ranks_per_core']:.2f}x slower while all ranks run theirs "
-                     f"on the {cal['cores']} cores, and priced so")  # fmt: skip
+    for name, m in (cal.get("models") or {}).items():
+        fwd, bwd = m["in_step"]["scale"]
+        part = (f"{name}: its traced graph run forward and backward at one rank's share took {fwd:.2f}x and "
+                f"{bwd:.2f}x the sums of its ops' profiles, and every op is scaled so")  # fmt: skip
+        if m.get("ranks_per_core", 1) > 1:
+            part += (f"; its training step ran {m['ranks_per_core']:.2f}x slower with all ranks at once than alone "
+                     f"on the {cal['cores']} cores, and is priced so")  # fmt: skip
+        parts.append(part)
     return "; ".join(parts) + "."
 
 

@@ -144,6 +144,50 @@ def test_ranks_sharing_a_core_scale_every_time(graph, tmp_path):
         ProfiledEstimator(path, ranks_per_core=0.5)
 
 
+def test_in_step_scale_multiplies_forward_and_backward_apart(graph, tmp_path):
+    path = tmp_path / "p.json"
+    _cached(path, graph["linear"], 43e-6, 82e-6)
+    plain, scaled = ProfiledEstimator(path), ProfiledEstimator(path, ranks_per_core=2, in_step=(1.5, 0.5))
+    for node in (graph["linear"], graph["view"]):
+        for d in (1.0, 3.0):
+            assert scaled.forward_time_s(node, d) == pytest.approx(2 * 1.5 * plain.forward_time_s(node, d))
+            assert scaled.backward_time_s(node, d) == pytest.approx(2 * 0.5 * plain.backward_time_s(node, d))
+    # the optimizer's step is not an op of the graph: only the sharing of cores scales it
+    assert scaled.optimizer_step_time_s(3, 1e6) == pytest.approx(2 * plain.optimizer_step_time_s(3, 1e6))
+    for bad in ((0.0, 1.0), (1.0,), (1.0, float("inf"))):
+        with pytest.raises(ValueError, match="in_step"):
+            ProfiledEstimator(path, in_step=bad)
+
+
+def test_in_step_scale_compares_a_graph_run_with_its_profiles(tmp_path):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)
+
+        def forward(self, x):
+            return (self.b(torch.relu(self.a(x))) ** 2).mean()
+
+    exported = torch.export.export(Net(), (torch.randn(16, 32),))
+    graph_module = exported.graph_module
+    params = [p.detach().clone().requires_grad_(True) for p in exported.state_dict.values()]
+    values = params + [torch.randn(16, 32)]
+    est = ProfiledEstimator(tmp_path / "p.json", repeats=2, ranks_per_core=3, in_step=(5.0, 5.0))
+    got = profiler.measure_in_step_scale(est, graph_module, values, repeats=3)
+    nodes = [n for n in graph_module.graph.nodes if n.op == "call_function"]
+    # the profiles are summed unscaled (one rank alone, as the graph was run), from the estimator's cache
+    plain = ProfiledEstimator(tmp_path / "p.json")
+    plain._run = None  # everything was profiled by the measurement: nothing left to time
+    assert got.forward_profiled_s == pytest.approx(sum(plain.forward_time_s(n, 1.0) for n in nodes))
+    assert got.backward_profiled_s == pytest.approx(sum(plain.backward_time_s(n, 1.0) for n in nodes))
+    assert got.forward_measured_s > 0 and got.backward_measured_s > 0
+    assert got.scale == (got.forward_measured_s / got.forward_profiled_s,
+                         got.backward_measured_s / got.backward_profiled_s)  # fmt: skip
+    assert all(p.grad is None for p in params)  # the measurement leaves no gradients behind
+    with pytest.raises(ValueError, match="requires grad"):
+        profiler.measure_in_step_scale(est, graph_module, [p.detach() for p in params] + [values[-1]])
+
+
 def test_optimizer_step_per_tensor_and_per_byte(tmp_path):
     est = ProfiledEstimator(tmp_path / "p.json")
     assert est.optimizer_step_time_s(0, 0) == 0
