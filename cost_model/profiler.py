@@ -68,6 +68,7 @@ import statistics
 import tempfile
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +98,7 @@ _HOST_FIELDS = (
 )
 # Nodes the parallel programs drop before running the graph (export's dtype/device checks): free.
 _NOT_RUN = frozenset({torch.ops.aten._assert_tensor_metadata.default})
-_CACHE_VERSION = 2  # 2: forwards timed with other ops between their calls
+_CACHE_VERSION = 3  # 2: forwards timed with other ops between their calls; 3: only inputs that need grad get one
 _WARMUP = 2
 
 
@@ -119,10 +120,53 @@ def _signature(value, local: dict[fx.Node, torch.Tensor] | None = None) -> objec
 
 
 def profile_key(node: fx.Node, device: str, num_threads: int | None, share: LocalShare | None = None) -> str:
-    """The cache key of `node` on `device` with `num_threads` threads, at a rank's `share` of it if given."""
+    """The cache key of `node` on `device` with `num_threads` threads, at a rank's `share` of it if given.
+
+    It names which floating inputs need a gradient (`needs_grad`): the same op with fewer of them has a
+    cheaper backward.
+    """
     local = share.inputs if share is not None else None
-    args = [_signature(leaf, local) for leaf in pytree.tree_leaves((node.args, node.kwargs))]
-    return json.dumps([str(node.target), args, device, num_threads])
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    args = [_signature(leaf, local) for leaf in leaves]
+    grads = [isinstance(leaf, fx.Node) and needs_grad(leaf) for leaf in leaves]
+    return json.dumps([str(node.target), args, device, num_threads, grads])
+
+
+def needs_grad(node: fx.Node) -> bool:
+    """Whether the backward of a training step computes a gradient for `node`'s value.
+
+    A placeholder needs one when its value requires grad (export keeps that on the parameters' meta
+    values); any other node when one of its inputs needs one and it returns a floating tensor. A graph
+    none of whose placeholders says so (a graph built by hand, without that information) is taken to
+    need gradients for every floating value, as if each were trained.
+    """
+    graph = node.graph
+    found = _NEEDS_GRAD.get(graph)
+    if found is None or found[0] != len(graph.nodes):
+        found = _NEEDS_GRAD[graph] = (len(graph.nodes), _nodes_needing_grad(graph))
+    return node in found[1]
+
+
+def _floating(value) -> bool:
+    return any(t.dtype.is_floating_point for t in _tensor_vals(value))
+
+
+def _nodes_needing_grad(graph: fx.Graph) -> set[fx.Node]:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    informed = any(getattr(n.meta.get("val"), "requires_grad", False) for n in placeholders)
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            val = n.meta.get("val")
+            if (getattr(val, "requires_grad", False) if informed else _floating(val)):
+                out.add(n)
+        elif n.op != "output" and _floating(n.meta.get("val")) and any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+# per graph: (its node count when computed, the nodes that need a gradient); weak, so graphs are not kept
+_NEEDS_GRAD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _tensor_vals(tree) -> list[torch.Tensor]:
@@ -399,12 +443,13 @@ class ProfiledEstimator:
 
         def build(value):
             if isinstance(value, fx.Node):
+                trained = needs_grad(value)
                 value = local.get(value, value.meta.get("val"))
                 if not isinstance(value, torch.Tensor):
                     return value
                 tensor = self._random_like(value, bound, generator)
-                if tensor.dtype.is_floating_point:
-                    leaves.append(tensor)
+                if tensor.dtype.is_floating_point and trained:
+                    leaves.append(tensor.requires_grad_(True))
                 return tensor
             return torch.device(self.device) if isinstance(value, torch.device) else value
 
@@ -412,7 +457,7 @@ class ProfiledEstimator:
         return args, kwargs, leaves
 
     def _random_like(self, meta: torch.Tensor, bound: int, generator: torch.Generator) -> torch.Tensor:
-        """A tensor with `meta`'s shape, strides and dtype; floating ones are leaves that require grad."""
+        """A tensor with `meta`'s shape, strides and dtype (not requiring grad)."""
         shape, stride = tuple(meta.shape), tuple(meta.stride())
         storage = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) if all(shape) else 0
         if meta.dtype.is_floating_point:
@@ -421,8 +466,7 @@ class ProfiledEstimator:
             base = torch.ones(storage, dtype=torch.bool)
         else:
             base = torch.randint(0, bound, (storage,), generator=generator).to(meta.dtype)
-        tensor = base.to(self.device).as_strided(shape, stride).detach()
-        return tensor.requires_grad_(True) if tensor.dtype.is_floating_point else tensor
+        return base.to(self.device).as_strided(shape, stride).detach()
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):

@@ -19,7 +19,7 @@ per-layer choice becomes a small problem of counts:
                backward: t_off = micro-batches x (down + up) over the host link. On an accelerator the
                copies run on a side stream next to the layer's forward and backward (about twice its
                forward), so only what exceeds them is paid; on a CPU device they are plain copies
-    R          the sharded runtime's per-op cost (`ShardingProgram.sharded_overhead_s`) when any layer is
+    R          what leaving the data-parallel program costs (`ShardingProgram.leaving_plain_s`) when any layer is
                treated on a layout that would otherwise run as plain tensors (no tensor axis, stage 0)
     P          the working memory of the treatments used: the largest recomputed segment of each
                recompute mode used (as the program counts it), and one offloaded layer brought back
@@ -82,7 +82,7 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     _, _, solved_s = prog.fixed_activations(choice, res.recompute)
     # on a layout that otherwise runs as plain tensors, any treatment moves it to the sharded runtime
     plain = prog.runs_plain(res.zero_stage)
-    runtime_s = prog.sharded_overhead_s if plain else 0.0
+    runtime_s = prog.leaving_plain_s if plain else 0.0
     if res.recompute != "none":
         solved_s += runtime_s
     base_s = res.step_time_s - solved_s

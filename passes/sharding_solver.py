@@ -674,8 +674,10 @@ class ShardingProgram:
         # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
         # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
         # the parameters for every micro-batch's forward and backward.
-        if stage == 0:
+        if stage == 0 and self.tp == 1:
             return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
+        if stage == 0:  # the sharded runtime reduces each gradient on its own (the backward of its from_local)
+            return estimate_collective_time(Collective.ALL_REDUCE, grad_bytes, self.dp, self.dp_link)
         # From stage 1 the sharded runtime gathers and reduce-scatters each parameter on its own (one DTensor
         # redistribution per parameter, no buckets): every one pays a whole collective's latency.
         rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
@@ -694,10 +696,29 @@ class ShardingProgram:
         return full - latency + latency * nbytes / BUCKET_BYTES
 
     def sync_floor(self, stage: int) -> float:
-        """Latency of the one bucket that a step with any gradient pays (stage 0; later stages pay per parameter)."""
-        if self.dp == 1 or stage >= 1:
+        """Latency of the one bucket that a step with any gradient pays (the data-parallel program, at stage 0
+        without a tensor axis; the sharded runtime pays per parameter)."""
+        if self.dp == 1 or stage >= 1 or self.tp > 1:
             return 0.0
         return estimate_collective_time(Collective.ALL_REDUCE, 1.0, self.dp, self.dp_link)
+
+    @functools.cached_property
+    def leaving_plain_s(self) -> float:
+        """Seconds per step a plain layout (no tensor axis, ZeRO-0) pays when recompute or a layer treatment
+        moves it onto the sharded runtime: the per-op DTensor cost (`sharded_overhead_s`), and one
+        all-reduce per parameter's gradient where the data-parallel program sends buckets."""
+        if self.tp > 1:
+            return 0.0
+        extra = 0.0
+        if self.dp > 1:
+            for name in self._param_groups():
+                info = self.graph.params[name]
+                if info.requires_grad:
+                    nbytes = info.meta.numel * self.precision.grad_bytes
+                    whole = estimate_collective_time(Collective.ALL_REDUCE, nbytes, self.dp, self.dp_link)
+                    extra += self.groups[name].count * (whole - self._bucketed(Collective.ALL_REDUCE, nbytes))
+            extra = max(extra - self.sync_floor(0), 0.0)
+        return self.sharded_overhead_s + extra
 
     def add_stage_product_constraint(self) -> None:
         """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u."""
@@ -997,8 +1018,8 @@ class ShardingProgram:
             rows["memory_peak"] = total <= self.budget
         base = [t for key, terms in self.cost_terms.items() if key != "recompute" for t in terms]
         extra = self.add_recompute_cost(recompute) if recompute != "none" else []
-        if extra and 0 in self.z and self.runs_plain(0) and self.sharded_overhead_s:
-            extra.append(self.sharded_overhead_s * self.z[0])  # recompute runs on the sharded runtime
+        if extra and 0 in self.z and self.runs_plain(0) and self.leaving_plain_s:
+            extra.append(self.leaving_plain_s * self.z[0])  # recompute runs on the sharded runtime
         self._modes[recompute] = _ModeTerms(pulp.lpSum(base + extra), extra, acts, peak, rows)
         return self._modes[recompute]
 

@@ -494,3 +494,34 @@ def test_layer_treatments_pay_the_sharded_runtime_on_a_plain_layout():
     a, b = plan(plain, budget), plan(WithOverhead(cluster.device, DType("fp32")), budget)
     assert a.layer_modes and b.layer_modes == a.layer_modes  # some layers treated: the sharded runtime runs it
     assert b.predicted.step_time_s == pytest.approx(a.predicted.step_time_s + 1e-4 * ops, rel=1e-6)
+
+
+def test_gradient_sync_is_per_parameter_on_the_sharded_runtime_and_bucketed_on_plain_tensors():
+    """At ZeRO-0 the data-parallel program sends gradients in buckets (one latency for the tiny model's few
+    hundred KB), while the sharded runtime reduces each parameter's gradient on its own, in the backward of
+    its from_local: one whole all-reduce, latency included, per parameter. Checked against the ring formula."""
+    model = make_model("llama")
+    args, kwargs = make_batch("llama")
+    traced = trace_model(model, args, kwargs)
+    cluster = autopar.ClusterSpec.parse("cpu:4")
+    link = cluster.intra_node_link
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+
+    def plan(**pins):
+        return autopar.plan(model, cluster, args, kwargs, constraints={"num_microbatches": 1, "zero": 0, **pins},
+                            pipeline=False, _traced=traced)  # fmt: skip
+
+    tp = plan(tp=2, dp=2)
+    grads = tp.predicted.memory_breakdown["grads"]  # each rank's gradients, tp shards included
+    # two ranks on the data axis: 2(n-1) = 2 latencies and 2(n-1)/n = 1 pass of the bytes per all-reduce
+    assert tp.predicted.grad_sync_s == pytest.approx(trainable * 2 * link.latency_s + grads / link.bandwidth_bytes_per_s,
+                                                     rel=1e-6)  # fmt: skip
+    dp = plan(tp=1, dp=4)
+    grads = dp.predicted.memory_breakdown["grads"]
+    steps, moved = 2 * 3, 2 * 3 / 4 * grads
+    bucket = 25 * 2**20  # the data-parallel program's bucket (DDP's default)
+    # one bucket's latency, plus each parameter's share of a latency in proportion to its bytes (the solver takes
+    # a latency as a 1-byte all-reduce, whose 1.5 bytes per parameter on the wire lie well inside rel=1e-4)
+    assert dp.predicted.grad_sync_s == pytest.approx(
+        steps * link.latency_s * (1 + grads / bucket) + moved / link.bandwidth_bytes_per_s, rel=1e-4)  # fmt: skip
+    assert tp.predicted.grad_sync_s > 5 * dp.predicted.grad_sync_s  # many small all-reduces against one bucket
