@@ -13,6 +13,7 @@ parameters' `from_local`), and the optimizer step on the local shards.
 from __future__ import annotations
 
 import os
+import weakref
 from datetime import timedelta
 
 import torch
@@ -161,7 +162,7 @@ class ParallelModule(torch.nn.Module):
         """Run the model on a global batch; tensors in the output are whole (gathered) tensors."""
         outs = self._run(args, kwargs)
         full = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
-        return pytree.tree_unflatten(full, self.traced.exported.call_spec.out_spec)
+        return pytree.tree_unflatten(full, call_spec(self.traced.exported).out_spec)
 
     def train_step(self, *args, **kwargs) -> float:
         """One optimizer step on a global batch (every rank passes the same batch); returns the loss.
@@ -250,10 +251,22 @@ def micro_batches(args, kwargs, batch: int, m: int) -> list[tuple]:
     return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(m)]
 
 
+def call_spec(exported):
+    """`exported.call_spec`, kept per program: torch builds a new NamedTuple class on every access (about a
+    quarter of a millisecond, paid on every step of a small model otherwise)."""
+    found = _CALL_SPECS.get(exported)
+    if found is None:
+        found = _CALL_SPECS[exported] = exported.call_spec
+    return found
+
+
+_CALL_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def flat_inputs(traced: TracedModel, args, kwargs) -> list:
     """The call's inputs flattened in placeholder order, checked against the structure the model was traced with."""
     flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    expected = traced.exported.call_spec.in_spec
+    expected = call_spec(traced.exported).in_spec
     if expected is not None and spec != expected:
         raise ConfigError(f"the inputs do not have the structure the model was compiled with: expected "
                           f"{expected}, got {spec}")  # fmt: skip

@@ -23,6 +23,7 @@ through /proc/self/clear_refs before it; None where that file cannot be written)
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 import sys
@@ -67,15 +68,40 @@ QUICK_MODELS: tuple[RunModel, ...] = MODELS[:2]
 
 @dataclass(frozen=True, slots=True)
 class RunSettings:
-    """How long to measure: steps before timing, repetitions, steps per repetition, and samples per calibration."""
+    """How long to measure: steps before timing, repetitions, steps per repetition, samples per calibration.
+
+    `repetitions` is the least; a model whose steps are short gets more, up to `max_repetitions`, until
+    each method has been timed for about `min_measured_s` (as `timeit` picks its loop count): a few
+    steps of a millisecond-scale model are too few to tell its methods apart on a busy machine.
+    """
 
     warmup_steps: int = 2
     repetitions: int = 5
     steps_per_repetition: int = 5
     calibration_repeats: int = 5
+    min_measured_s: float = 1.5
+    max_repetitions: int = 30
 
 
-QUICK_SETTINGS = RunSettings(warmup_steps=2, repetitions=3, steps_per_repetition=3, calibration_repeats=3)
+QUICK_SETTINGS = RunSettings(warmup_steps=2, repetitions=3, steps_per_repetition=3, calibration_repeats=3,
+                             min_measured_s=0.5, max_repetitions=15)  # fmt: skip
+
+
+def _repetitions(settings: RunSettings, methods: dict) -> int:
+    """Repetitions for these methods: enough that each is timed for about `min_measured_s` (one step of every
+    method timed to estimate it), the same on every rank (the slowest rank's estimate)."""
+    import torch.distributed as dist
+
+    if settings.min_measured_s <= 0 or settings.max_repetitions <= settings.repetitions:
+        return settings.repetitions
+    dist.barrier()
+    t0 = time.perf_counter()
+    for m in methods.values():
+        m.step()
+    mean_step = torch.tensor([(time.perf_counter() - t0) / len(methods)], dtype=torch.float64)
+    dist.all_reduce(mean_step, op=dist.ReduceOp.MAX)
+    need = math.ceil(settings.min_measured_s / (mean_step.item() * settings.steps_per_repetition))
+    return max(settings.repetitions, min(settings.max_repetitions, need))
 
 
 # ----------------------------------------------------------------------------------------- methods
@@ -324,8 +350,9 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
     rss = {n: [] for n in methods}
     cpu_times = {n: [] for n in methods}
     order = list(methods)
-    for rep in range(settings.repetitions):
-        say(f"{spec.name}: repetition {rep + 1}/{settings.repetitions}")
+    repetitions = _repetitions(settings, methods)
+    for rep in range(repetitions):
+        say(f"{spec.name}: repetition {rep + 1}/{repetitions}")
         for n in order[rep % len(order):] + order[:rep % len(order)]:
             t, cpu, grow = _measure(methods[n], settings.steps_per_repetition)
             times[n].append(t)
@@ -611,7 +638,9 @@ def markdown(doc: dict) -> str:
     return "\n\n".join([
         f"# autopar bench run ({doc['cluster']})",
         f"Measured on {doc['world_size']} gloo ranks, one thread each: {s['warmup_steps']} warm-up steps, then "
-        f"{s['repetitions']} repetitions of {s['steps_per_repetition']} steps per method, methods in rotating "
+        f"at least {s['repetitions']} repetitions of {s['steps_per_repetition']} steps per method (more, up to "
+        f"{s.get('max_repetitions', s['repetitions'])}, until each method is timed for about "
+        f"{s.get('min_measured_s', 0):g} s; the count is in each row's times), methods in rotating "
         f"order. Step time: {doc['time_measure']}. Memory: {doc['memory_measure']}. " + env_md(doc["environment"]),
         _calibration_md(doc.get("calibration") or {}) + _load_md(doc.get("load_average") or {}),
         md_table(["model", "method", "median step", "min – max ((max − min) / median)", "CPU time per step",
