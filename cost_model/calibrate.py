@@ -362,17 +362,18 @@ def small_op_step():
     return step
 
 
-def _host_work_s(duration_s: float, make_work=small_op_step) -> float:
-    """Median seconds of the step `make_work()` returns, repeated for `duration_s` of wall time: ranks
-    started together keep running together."""
+def _host_work_s(duration_s: float, make_work=small_op_step, min_samples: int = 5) -> float:
+    """Median seconds of the step `make_work()` returns, repeated for `duration_s` of wall time and at least
+    `min_samples` times (after one untimed call): ranks started together keep running together."""
     work = make_work()
+    work()
     samples = []
     end = time.perf_counter() + duration_s
-    while time.perf_counter() < end or len(samples) < 3:
+    while time.perf_counter() < end or len(samples) < min_samples:
         t0 = time.perf_counter()
         work()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples[1:])
+    return statistics.median(samples)
 
 
 def _shared_core_worker(rank: int, world: int, init_file: str, duration_s: float, result_dir: str,
@@ -382,10 +383,17 @@ def _shared_core_worker(rank: int, world: int, init_file: str, duration_s: float
     try:
         work = make_work()
         work()  # built and warm on every rank before any rank starts timing
-        dist.barrier()  # every rank starts its host work together, as the ranks of a step do
-        t = _host_work_s(duration_s, lambda: work)
+        result = {"alone": []}
+        # rank 0 alone (the others wait at the barrier), all together, rank 0 alone again: the machine's load
+        # may drift over the measurement, and bracketing the shared phase cancels a steady drift
+        for phase in ("alone", "together", "alone"):
+            dist.barrier()
+            if phase == "together":
+                result["together"] = _host_work_s(duration_s, lambda: work)
+            elif rank == 0:
+                result["alone"].append(_host_work_s(duration_s, lambda: work))
         with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(t, f)
+            json.dump(result, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -398,26 +406,21 @@ def measure_shared_core_slowdown(num_ranks: int, duration_s: float = 1.0, make_w
     ranks are spawned): by default a step of small ops (forward and backward through `small_op_mix`);
     `bench run` passes a training step of the model it runs, at one rank's share of the batch, because
     how much ranks slow each other depends on the work (small ops share cores; larger ones also share
-    caches and memory bandwidth). Each rank is a process with one thread, started together. More ranks
-    than cores share cores (about ranks / cores each); even at one rank per core they share caches,
-    memory bandwidth and whatever else the machine is running. The median over the ranks of their
-    median step, over the same step timed in this process alone, each repeated for `duration_s`;
-    never below 1.
+    caches and memory bandwidth). Each rank is a process with one thread. More ranks than cores share
+    cores (about ranks / cores each); even at one rank per core they share caches, memory bandwidth and
+    whatever else the machine is running. The median over the ranks of their median step while all run
+    together, over rank 0's median step alone (the mean of a phase before and a phase after, while the
+    other ranks wait), each phase at least `duration_s`; never below 1.
     """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = _host_work_s(duration_s, make_work)
-    finally:
-        torch.set_num_threads(previous)
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_shared_core_worker, args=(num_ranks, os.path.join(tmp, "rendezvous"), duration_s, tmp, make_work),
                  nprocs=num_ranks, join=True)  # fmt: skip
-        shared = []
+        results = []
         for rank in range(num_ranks):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                shared.append(json.load(f))
-    return max(1.0, statistics.median(shared) / alone)
+                results.append(json.load(f))
+    alone = statistics.fmean(results[0]["alone"])
+    return max(1.0, statistics.median(r["together"] for r in results) / alone)
 
 
 def fit_ring_allreduce(times_s: dict[int, float], num_ranks: int) -> tuple[float, float]:

@@ -150,11 +150,12 @@ def test_run_suite_measures_every_method(tmp_path):
     assert auto["plan_stats"]["estimator"] == "ProfiledEstimator"
     cal = doc["calibration"]
     assert all(t > 0 for k, t in cal["host"].items() if k not in ("optimizer_s_per_param_byte", "op_cold_extra_s"))
-    assert cal["host"]["optimizer_s_per_param_byte"] >= 0 and ("link" in cal or "link_error" in cal)
-    assert all(t > 0 for t in cal["allreduce_median_s"].values())
+    # the link is fitted afresh for each model, just before its run
+    m = cal["models"]["tiny-llama"]
+    assert cal["host"]["optimizer_s_per_param_byte"] >= 0 and ("link" in m or "link_error" in m)
+    assert all(t > 0 for t in m["allreduce_median_s"].values())
     # each rank's host work is priced as measured while the ranks run the model's step together (never faster
     # than alone), and the ops scaled by the model's own graph run as a step against the sum of their profiles
-    m = cal["models"]["tiny-llama"]
     assert m["shared_core_slowdown"] >= 1.0 and m["ranks_per_core"] == m["shared_core_slowdown"]
     in_step = m["in_step"]
     assert in_step["forward_measured_s"] > 0 and in_step["backward_profiled_s"] > 0

@@ -452,6 +452,8 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
 
 # The largest all-reduce the link fit measures: past the gradients of the models above (a few MiB).
 _LINK_FIT_MAX_BYTES = 16 << 20
+# what `calibrate_cost_model` records of the link: kept per model, as each model's run is priced with its own
+_LINK_RECORD = ("allreduce_median_s", "link", "link_error")
 
 
 def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_progress: bool = True):
@@ -580,16 +582,21 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cluster_spec, calibration = calibrate_cost_model(world, out, repeats=settings.calibration_repeats,
-                                                     show_progress=show_progress)  # fmt: skip
-    plans, per_model = {}, {}
-    for m in models:
-        estimator, per_model[m.name] = model_estimator(m, world, out, repeats=settings.calibration_repeats,
-                                                       show_progress=show_progress)  # fmt: skip
-        plans[m.name] = plan_model(m, cluster_spec, estimator).to_json()
-    calibration["models"] = per_model
+    # Each model is calibrated (link, shared cores, in-step scale) and planned just before it is measured: the
+    # machine's speed drifts over minutes, and a calibration taken long before a run prices another machine.
+    calibration: dict = {"models": {}}
     load_before = _load_average()
-    results = _summarise(spawn_ranks(world, models, settings, show_progress=show_progress, plans=plans))
+    results = []
+    for m in models:
+        cluster_spec, record = calibrate_cost_model(world, out, repeats=settings.calibration_repeats,
+                                                    show_progress=show_progress)  # fmt: skip
+        link = {k: record.pop(k) for k in _LINK_RECORD if k in record}
+        calibration.update(record)
+        estimator, calibration["models"][m.name] = model_estimator(m, world, out, repeats=settings.calibration_repeats,
+                                                                   show_progress=show_progress)  # fmt: skip
+        calibration["models"][m.name] |= link
+        plan_json = plan_model(m, cluster_spec, estimator).to_json()
+        results += _summarise(spawn_ranks(world, [m], settings, show_progress=show_progress, plans={m.name: plan_json}))
     doc = {"environment": environment(), "cluster": cluster, "world_size": world, "settings": asdict(settings),
            "calibration": calibration, "load_average": {"before": load_before, "after": _load_average()},
            "memory_measure": "state_bytes_per_rank: parameters + gradients + optimizer states held by a rank, "
@@ -682,22 +689,22 @@ def _load_md(load: dict) -> str:
 def _calibration_md(cal: dict) -> str:
     """How the prediction was priced: the cost model as profiled on this machine before the run."""
     host = cal.get("host", {})
-    link = cal.get("link")
     parts = ["Predicted: autopar's plan priced by the cost model profiled on this machine just before the run: "
              "every op timed at the shapes one rank runs, with other ops run between its calls (ProfiledEstimator)"]  # fmt: skip
     if host:
         parts.append(f"host costs per op {host['op_forward_s'] * 1e6:.1f} µs forward, {host['op_backward_s'] * 1e6:.1f}"
                      f" µs backward, per view {host['view_forward_s'] * 1e6:.1f} µs + "
                      f"{host['view_backward_s'] * 1e6:.1f} µs")  # fmt: skip
-    if link:
-        parts.append(f"gloo link fitted to all-reduces among the ranks: {link['latency_s'] * 1e6:.0f} µs per ring step, "
-                     f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
-    elif cal.get("link_error"):
-        parts.append(f"link: the cpu preset's ({cal['link_error']})")
     for name, m in (cal.get("models") or {}).items():
         fwd, bwd = m["in_step"]["scale"]
-        part = (f"{name}: its traced graph run forward and backward at one rank's share took {fwd:.2f}x and "
-                f"{bwd:.2f}x the sums of its ops' profiles, and every op is scaled so")  # fmt: skip
+        part = (f"{name}, calibrated just before its run: its traced graph run forward and backward at one rank's "
+                f"share took {fwd:.2f}x and {bwd:.2f}x the sums of its ops' profiles, and every op is scaled so")  # fmt: skip
+        if m.get("link"):
+            part += (f"; the gloo link, fitted to what all-reduces among the ranks add to a step of host work: "
+                     f"{m['link']['latency_s'] * 1e6:.0f} µs per ring step, "
+                     f"{m['link']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
+        elif m.get("link_error"):
+            part += f"; link: the cpu preset's ({m['link_error']})"
         if m.get("ranks_per_core", 1) > 1:
             part += (f"; its training step ran {m['ranks_per_core']:.2f}x slower with all ranks at once than alone "
                      f"on the {cal['cores']} cores, and is priced so")  # fmt: skip
