@@ -159,8 +159,7 @@ class DataParallelProgram(torch.nn.Module):
             from autopar.passes.fused_ops import fuse_traced
 
             self.traced = fuse_traced(self.traced)
-        sig = self.traced.exported.graph_signature
-        self._num_mutated = len(sig.buffers_to_mutate) + len(getattr(sig, "user_inputs_to_mutate", {}))
+        self._num_mutated = self.traced.num_mutated_outputs
         self._gm = sum_loss_pass(drop_assertions_pass(self.traced.graph_module, None), None,
                                  loss_index=self._num_mutated)  # fmt: skip
         self._counted = self._gm.meta["autopar_loss_count"]

@@ -153,7 +153,7 @@ class PipelineProgram(torch.nn.Module):
         self.pp_rank = self.world.get_local_rank("pp")
         self.node_inputs, self.node_output = placements.node_inputs, placements.node_output
         sig = traced.exported.graph_signature
-        if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None):
+        if traced.num_mutated_outputs:
             raise LoweringError("the model updates buffers or inputs in place, which pipeline stages do not "
                                 "support; plan with constraints={'pp': 1}")  # fmt: skip
 
@@ -184,7 +184,7 @@ class PipelineProgram(torch.nn.Module):
             )
         param_nodes = set(graph.params)
         stages = split_stages(traced.graph_module, graph.node_layer, containers.pop(), stage_layers,
-                              param_nodes=param_nodes, loss_output=len(sig.buffers_to_mutate))  # fmt: skip
+                              param_nodes=param_nodes, loss_output=traced.num_mutated_outputs)  # fmt: skip
         mine = [sg for sg in stages if sg.index % pp == self.pp_rank]
 
         # this rank's parameter shards: one per name, shared by its stages

@@ -154,9 +154,7 @@ class ParallelModule(torch.nn.Module):
 
     def _run(self, args, kwargs):
         outs = self._interp.run(*self._placeholders(args, kwargs))
-        sig = self.traced.exported.graph_signature
-        n_mut = len(sig.buffers_to_mutate) + len(getattr(sig, "user_inputs_to_mutate", {}))
-        return list(outs)[n_mut:]
+        return list(outs)[self.traced.num_mutated_outputs:]
 
     def forward(self, *args, **kwargs):
         """Run the model on a global batch; tensors in the output are whole (gathered) tensors."""

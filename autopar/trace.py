@@ -98,6 +98,13 @@ class TracedModel:
     def graph_module(self) -> fx.GraphModule:
         return self.exported.graph_module
 
+    @property
+    def num_mutated_outputs(self) -> int:
+        """Outputs ahead of the model's own: the new values of the buffers and inputs the graph updates in
+        place (export returns them first), so the model's first output (the loss) is output this index."""
+        sig = self.exported.graph_signature
+        return len(sig.buffers_to_mutate) + len(getattr(sig, "user_inputs_to_mutate", {}))
+
 
 def trace_model(
     model: torch.nn.Module,

@@ -629,7 +629,7 @@ class ShardingProgram:
         (`sharded_op_overhead_s`: profiled on CPU ranks, whose steps are dominated by such costs). A plan
         with no tensor axis and no ZeRO sharding runs as plain tensors (the data-parallel program)."""
         total = self.sharded_overhead_s
-        stages = [z for s, z in self.z.items() if self.tp > 1 or s >= 1]
+        stages = [z for s, z in self.z.items() if not self.runs_plain(s)]
         if total and stages:
             self.cost_terms["compute"].append(total * pulp.lpSum(stages))
 
@@ -674,7 +674,7 @@ class ShardingProgram:
         # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
         # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
         # the parameters for every micro-batch's forward and backward.
-        if stage == 0 and self.tp == 1:
+        if self.runs_plain(stage):
             return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
         if stage == 0:  # the sharded runtime reduces each gradient on its own (the backward of its from_local)
             return estimate_collective_time(Collective.ALL_REDUCE, grad_bytes, self.dp, self.dp_link)
@@ -698,7 +698,7 @@ class ShardingProgram:
     def sync_floor(self, stage: int) -> float:
         """Latency of the one bucket that a step with any gradient pays (the data-parallel program, at stage 0
         without a tensor axis; the sharded runtime pays per parameter)."""
-        if self.dp == 1 or stage >= 1 or self.tp > 1:
+        if self.dp == 1 or not self.runs_plain(stage):
             return 0.0
         return estimate_collective_time(Collective.ALL_REDUCE, 1.0, self.dp, self.dp_link)
 
@@ -707,7 +707,7 @@ class ShardingProgram:
         """Seconds per step a plain layout (no tensor axis, ZeRO-0) pays when recompute or a layer treatment
         moves it onto the sharded runtime: the per-op DTensor cost (`sharded_overhead_s`), and one
         all-reduce per parameter's gradient where the data-parallel program sends buckets."""
-        if self.tp > 1:
+        if not self.runs_plain(0):
             return 0.0
         extra = 0.0
         if self.dp > 1:

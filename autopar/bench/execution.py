@@ -495,10 +495,15 @@ def _profile_cache(folder: Path) -> Path:
     return Path(folder) / "profile-cpu.json"
 
 
+def _one_rank(spec: RunModel, world: int):
+    """`spec`'s model and the rows of its global batch one of `world` data-parallel ranks trains on."""
+    _, model, ids = _model_and_batch(spec)
+    return model, ids[: max(1, ids.shape[0] // world)]
+
+
 def plain_training_step(spec: RunModel, world: int):
     """A step (forward, backward, AdamW) of `spec`'s model on one rank's share of the batch, as a callable."""
-    _, model, ids = _model_and_batch(spec)
-    ids = ids[: max(1, ids.shape[0] // world)]
+    model, ids = _one_rank(spec, world)
     optimizer = _optimizer(model.parameters())
 
     def step():
@@ -537,19 +542,16 @@ def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 
               file=sys.stderr, flush=True)  # fmt: skip
     slowdown = measure_shared_core_slowdown(world, make_work=functools.partial(plain_training_step, spec, world)) \
         if world > 1 else 1.0  # fmt: skip
-    _, model, ids = _model_and_batch(spec)
-    ids = ids[: max(1, ids.shape[0] // world)]
+    model, ids = _one_rank(spec, world)
     traced = trace_model(model, (ids,), {"labels": ids})
     named = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     params = [named[n].detach().clone().requires_grad_(named[n].requires_grad) for n in traced.param_names]
     values = placeholder_values(traced, params, [buffers[n] for n in traced.buffer_names],
                                 traced.exported.constants.get, flat_inputs(traced, (ids,), {"labels": ids}))  # fmt: skip
-    sig = traced.exported.graph_signature
-    loss_index = len(sig.buffers_to_mutate) + len(getattr(sig, "user_inputs_to_mutate", {}))
     gm = drop_assertions_pass(traced.graph_module, None)
-    measured = measure_in_step_scale(ProfiledEstimator(_profile_cache(folder)), gm, values, loss_index=loss_index,
-                                     repeats=max(repeats, 5))  # fmt: skip
+    measured = measure_in_step_scale(ProfiledEstimator(_profile_cache(folder)), gm, values,
+                                     loss_index=traced.num_mutated_outputs, repeats=max(repeats, 5))  # fmt: skip
     estimator = ProfiledEstimator(_profile_cache(folder), ranks_per_core=slowdown, in_step=measured.scale)
     record = {"shared_core_slowdown": slowdown, "ranks_per_core": estimator.ranks_per_core,
               "in_step": asdict(measured) | {"scale": list(measured.scale)}}  # fmt: skip
