@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import PlanFormatError
@@ -26,6 +27,32 @@ FORMAT_VERSION = 1
 # order `passes.activation_plan` hands layers out
 LAYER_TREATMENTS = ("offload", "full", "selective")
 GIB = 1024**3
+
+
+class ProgramKind(StrEnum):
+    """The programs a plan can run as (`autopar.runtime.PROGRAMS` maps each to its class)."""
+
+    DATA_PARALLEL = "data-parallel"  # whole model per rank, plain tensors, bucketed gradient all-reduce
+    SHARDED = "sharded"  # the traced graph on DTensors: tensor axis, ZeRO stages, recompute
+    PIPELINE = "pipeline"  # stages over a pp axis, each sharded over its own dp x tp block
+    OFFLOAD = "offload"  # ZeRO-3 chunks whose states (and weights) partly live on the host
+
+
+def program_kind(*, pp: int = 1, tp: int = 1, zero_stage: int = 0, recompute: str = "none",
+                 layer_modes: dict | None = None, offload: bool = False) -> ProgramKind:  # fmt: skip
+    """THE rule from a layout to the program that runs it; the solver prices what it says, `compile` builds it.
+
+    A pipeline axis runs the pipeline program; host offload the offload program; a layout with no tensor
+    axis, replicated states and every layer keeping its activations is DDP's, run on plain tensors (the
+    data-parallel program); anything else runs the traced graph on DTensors (the sharded program).
+    """
+    if pp > 1:
+        return ProgramKind.PIPELINE
+    if offload:
+        return ProgramKind.OFFLOAD
+    if tp == 1 and zero_stage == 0 and recompute == "none" and not layer_modes:
+        return ProgramKind.DATA_PARALLEL
+    return ProgramKind.SHARDED
 
 
 def format_flops_rate(tflops: float) -> str:
@@ -87,6 +114,13 @@ class Plan:
     # the offloaded layers' activations: layers, bytes_per_device, time_s (empty: none)
     activation_offload: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+
+    @property
+    def program(self) -> ProgramKind:
+        """The program that runs this plan (`program_kind` of its layout)."""
+        return program_kind(pp=self.mesh.get("pp", 1), tp=self.mesh.get("tp", 1), zero_stage=self.zero_stage,
+                            recompute=self.recompute, layer_modes=self.layer_modes,
+                            offload=bool(self.offload))  # fmt: skip
 
     @property
     def micro_batch_size(self) -> int:
@@ -219,6 +253,7 @@ class Plan:
             v = self.pipeline.get("virtual_stages", 1)
             accum += f", {self.pipeline.get('schedule')}" + (f" x{v} virtual stages" if v > 1 else "")
         return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}{accum}, "
+                f"runs as the {self.program} program, "
                 f"step {p.step_time_s * 1e3:.1f} ms, {format_flops_rate(p.tflops_per_device)}/device, MFU {p.mfu:.1%}, "
                 f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device")  # fmt: skip
 

@@ -141,6 +141,7 @@ from autopar.cost_model.compute import optimizer_step_time_s
 from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
+from autopar.plan import ProgramKind, program_kind
 from autopar.passes import sharding_rules as rules
 from autopar.passes.activation_plan import layer_indices, mix_layer_modes
 from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
@@ -645,7 +646,7 @@ class ShardingProgram:
 
     def runs_plain(self, stage: int) -> bool:
         """Whether a layout at `stage` without recompute runs as plain tensors (the data-parallel program)."""
-        return self.tp == 1 and stage == 0
+        return program_kind(tp=self.tp, zero_stage=stage) == ProgramKind.DATA_PARALLEL
 
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
