@@ -239,7 +239,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     if _traced is None and isinstance(model, str):
         graph = _trace_shortened(module, args, kwargs, say, fuse)
     if graph is None:
-        traced = _traced if _traced is not None else trace_model(module, args, kwargs)
+        traced = _traced if _traced is not None else trace_model(module, args, kwargs,
+                                                                 compute_dtype=_MIXED.get(precision))  # fmt: skip
         traced = fuse_traced(traced) if fuse else traced
         frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
         graph = OpGraph.from_traced(traced, frozen_params=frozen)
@@ -409,6 +410,10 @@ def _stats(graph: OpGraph, est, t0: float, t_trace: float, solve_time_s: float, 
     }
 
 
+# the format mixed precision computes in; "fp32" runs a model in its own dtype
+_MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _dtype_of(precision: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
@@ -426,7 +431,9 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     """Plan (unless `plan` is given) and build the parallel program; call inside torchrun.
 
     Every rank must call it with the same model (same initial parameters) and inputs. The world
-    size of the process group must equal the cluster's.
+    size of the process group must equal the cluster's. The model is traced once for planning (at the
+    global batch) and at most once more, at the shape the program runs (`Program.trace_parts`), both in the
+    plan's compute format.
 
     Args:
         model: the single-device model with real parameters on the CPU.
@@ -436,95 +443,78 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
         plan: a plan from `autopar.plan` / `Plan.from_json` to use instead of planning.
         plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, ...).
     """
-    from autopar.runtime import ParallelModule, ensure_process_group, micro_batches
+    from autopar import runtime
 
     cluster = _as_cluster(cluster)
-    ensure_process_group(cluster)
-    traced = None
+    runtime.ensure_process_group(cluster)
+    args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
+    planning_trace = None
     if plan is None:
-        traced = trace_model(model, tuple(example_inputs), dict(example_kwargs or {}))
-        plan = globals()["plan"](model, cluster, example_inputs, example_kwargs, _traced=traced, **plan_kwargs)
-    batch = _batch_size(tuple(example_inputs), dict(example_kwargs or {}))
+        precision = plan_kwargs.get("precision") or _default_precision(cluster)
+        planning_trace = trace_model(model, args, kwargs, compute_dtype=runtime.compute_dtype(precision))
+        plan = _plan(model, cluster, args, kwargs, _traced=planning_trace, **plan_kwargs)
+    batch = _batch_size(args, kwargs)
     if batch != plan.global_batch_size:
         raise ConfigError(f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "
                           f"{batch}; plan with the batch you will train on")  # fmt: skip
-    if plan.mesh.get("pp", 1) > 1:
-        return _compile_pipeline(model, cluster, plan, tuple(example_inputs), dict(example_kwargs or {}), optimizer)
-    if plan.offload:
-        from autopar.offload_runtime import OffloadProgram
-
-        return OffloadProgram(model, plan, tuple(example_inputs), dict(example_kwargs or {}), optimizer=optimizer)
-    if _is_data_parallel(plan):
-        from autopar.data_parallel import DataParallelProgram
-        from autopar.runtime import _device_type
-
-        return DataParallelProgram(model, plan, tuple(example_inputs), dict(example_kwargs or {}),
-                                   optimizer=optimizer, device=_device_type(cluster))  # fmt: skip
-    if traced is None:
-        traced = trace_model(model, tuple(example_inputs), dict(example_kwargs or {}))
-    if plan.num_microbatches > 1:
-        # The graph runs once per micro-batch, and its shapes are those it was traced with.
-        args, kwargs = micro_batches(example_inputs, dict(example_kwargs or {}), plan.global_batch_size,
-                                     plan.num_microbatches)[0]
-        traced = trace_model(model, args, kwargs)
-        plan = _rebind_to_micro_graph(plan, model, cluster, traced, args, kwargs)
-    return ParallelModule(model, traced, plan, cluster, optimizer=optimizer)
+    program = runtime.program_class(plan)
+    parts = program.trace_parts(plan)
+    traced = None
+    if parts is not None:
+        part_args, part_kwargs = runtime.micro_batches(args, kwargs, plan.global_batch_size, parts)[0]
+        traced = planning_trace if parts == 1 and planning_trace is not None else _program_trace(
+            model, plan, part_args, part_kwargs)
+        plan = _complete_placements(plan, model, cluster, traced, part_args, part_kwargs)
+    return program(model, plan, traced, cluster, optimizer=optimizer)
 
 
-def _compile_pipeline(model, cluster: ClusterSpec, plan: Plan, args, kwargs, optimizer):
-    """The pipeline program: the model traced at one micro-batch, placements solved on one stage's sub-mesh."""
-    from autopar.pipeline_runtime import PipelineProgram, sub_cluster
-    from autopar.runtime import micro_batches
+def _program_trace(model, plan: Plan, args, kwargs):
+    """The model traced at the program's shape in the plan's compute format, fused when the plan fuses."""
+    from autopar.runtime import compute_dtype
 
-    mb_args, mb_kwargs = micro_batches(args, kwargs, plan.global_batch_size, plan.num_microbatches)[0]
-    traced = trace_model(model, mb_args, mb_kwargs)
-    fuse = bool(plan.fusion.get("enabled"))
-    if fuse:  # the stages run the graph the plan priced
+    traced = trace_model(model, args, kwargs, compute_dtype=compute_dtype(plan.precision))
+    if plan.fusion.get("enabled"):  # the program runs the graph the plan priced
         from autopar.passes.fused_ops import fuse_traced
 
         traced = fuse_traced(traced)
-    dp, tp = plan.mesh["dp"], plan.mesh["tp"]
-    pins = {"pp": 1, "dp": dp, "tp": tp, "zero": plan.zero_stage, "num_microbatches": 1, "recompute": plan.recompute}
-    placements = globals()["plan"](model, sub_cluster(cluster, dp * tp), mb_args, mb_kwargs, _traced=traced,
-                                   constraints=pins, memory_budget=float("inf"), precision=plan.precision,
-                                   offload=False, fuse_kernels=fuse)  # fmt: skip
-    return PipelineProgram(model, traced, plan, placements, cluster, optimizer=optimizer)
+    return traced
 
 
-def _rebind_to_micro_graph(plan: Plan, model, cluster, traced, args, kwargs) -> Plan:
-    """The plan's placements for the graph traced at the micro-batch size.
+def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, kwargs) -> Plan:
+    """The plan with per-node placements for `traced`, the graph its program runs.
 
-    Usually that graph has the same nodes as the one planned; where the smaller batch changes it
-    (a batch of one drops some expands), the placements are solved again on it with the plan's mesh,
-    ZeRO stage and memory pinned: the same program, so the same predictions.
+    The data-parallel and offload programs need none. A sharded plan names the nodes of the graph it was
+    planned on; where the program's graph (traced at one micro-batch) has other nodes (a batch of one drops
+    some expands), the placements are solved again on it with the plan's mesh, ZeRO stage and memory pinned:
+    the same program, so the same predictions. A pipeline plan carries none: its stages' placements are solved
+    on one stage's (dp, tp) block for the micro-batch graph.
     """
-    import dataclasses
+    from autopar.plan import ProgramKind
 
-    fused = bool(plan.fusion.get("enabled", False))
-    if fused:  # the runtime fuses this graph too (in place): compare with the names it will have
-        from autopar.passes.fused_ops import fuse_traced
-
-        traced = fuse_traced(traced)
-    names = {n.name for n in traced.exported.graph.nodes}
-    if all(n in names for n in plan.node_output):
+    if plan.program not in (ProgramKind.SHARDED, ProgramKind.PIPELINE):
         return plan
-    pins = {"dp": plan.mesh["dp"], "tp": plan.mesh["tp"], "zero": plan.zero_stage, "num_microbatches": 1,
-            "recompute": plan.recompute}
-    budget = plan.predicted.peak_memory_bytes * 1.01
-    try:
-        micro = globals()["plan"](model, cluster, args, kwargs, _traced=traced, constraints=pins,
-                                  memory_budget=budget, precision=plan.precision, fuse_kernels=fused)  # fmt: skip
-    except InfeasiblePlanError:
-        micro = globals()["plan"](model, cluster, args, kwargs, _traced=traced, constraints=pins,
-                                  precision=plan.precision, memory_budget=float("inf"), fuse_kernels=fused)  # fmt: skip
+    fused = bool(plan.fusion.get("enabled", False))
+    names = {n.name for n in traced.exported.graph.nodes}
+    if plan.node_output and all(n in names for n in plan.node_output):
+        return plan
+    dp, tp = plan.mesh["dp"], plan.mesh["tp"]
+    pins = {"dp": dp, "tp": tp, "zero": plan.zero_stage, "num_microbatches": 1, "recompute": plan.recompute}
+    if plan.program == ProgramKind.PIPELINE:
+        micro = _plan(model, cluster.sub_cluster(dp * tp), args, kwargs, _traced=traced, constraints=pins | {"pp": 1},
+                      memory_budget=float("inf"), precision=plan.precision, offload=False, fuse_kernels=fused)  # fmt: skip
+    else:
+        try:
+            micro = _plan(model, cluster, args, kwargs, _traced=traced, constraints=pins,
+                          memory_budget=plan.predicted.peak_memory_bytes * 1.01, precision=plan.precision,
+                          fuse_kernels=fused)  # fmt: skip
+        except InfeasiblePlanError:
+            micro = _plan(model, cluster, args, kwargs, _traced=traced, constraints=pins, precision=plan.precision,
+                          memory_budget=float("inf"), fuse_kernels=fused)  # fmt: skip
     return dataclasses.replace(plan, node_output=micro.node_output, node_inputs=micro.node_inputs,
                                node_strategy=micro.node_strategy, param_placements=micro.param_placements)  # fmt: skip
 
 
-def _is_data_parallel(plan: Plan) -> bool:
-    """A plan with no tensor axis, replicated states and nothing recomputed: DDP's layout, run without DTensor."""
-    return (plan.mesh.get("tp", 1) == 1 and plan.zero_stage == 0 and getattr(plan, "recompute", "none") == "none"
-            and not plan.layer_modes)  # fmt: skip
+_plan = plan  # `compile` takes a `plan=` argument that hides the function
 
 
 __all__ = ["plan", "compile", "parse_bytes"]

@@ -31,6 +31,7 @@ CPU ranks of one node share the host's memory, so a "cpu" cluster gives each ran
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -118,6 +119,14 @@ class ClusterSpec:
     @property
     def world_size(self) -> int:
         return self.num_nodes * self.devices_per_node
+
+    def sub_cluster(self, devices: int) -> ClusterSpec:
+        """The cluster of a block of `devices` consecutive devices (one pipeline stage's block)."""
+        if devices <= self.devices_per_node:
+            return dataclasses.replace(self, num_nodes=1, devices_per_node=devices)
+        if devices % self.devices_per_node:
+            raise ConfigError(f"a block of {devices} devices does not fill whole nodes of {self.devices_per_node}")
+        return dataclasses.replace(self, num_nodes=devices // self.devices_per_node)
 
     # ------------------------------------------------------------------------------ building
 

@@ -28,6 +28,7 @@ and what to do; the original exception is chained.
 
 from __future__ import annotations
 
+import copy
 import functools
 import linecache
 import os
@@ -110,6 +111,8 @@ def trace_model(
     model: torch.nn.Module,
     example_inputs: tuple = (),
     example_kwargs: dict | None = None,
+    *,
+    compute_dtype: torch.dtype | None = None,
 ) -> TracedModel:
     """Export ``model`` called as ``model(*example_inputs, **example_kwargs)`` into a :class:`TracedModel`.
 
@@ -119,6 +122,10 @@ def trace_model(
             training graph.
         example_inputs: positional arguments (a single tensor is taken as a one-element tuple).
         example_kwargs: keyword arguments, e.g. ``{"labels": ids}``.
+        compute_dtype: trace the graph ``model.to(compute_dtype)`` would give (floating parameters and
+            buffers in that format), without converting or copying ``model``: mixed precision computes in
+            this format whatever dtype the model was handed in, and the graph differs by format (a norm
+            that upcasts to fp32 casts back to the input's format). None: the model's own dtypes.
 
     Raises:
         ConfigError: example inputs of the wrong container type.
@@ -126,11 +133,14 @@ def trace_model(
             exception from ``torch.export`` is its ``__cause__``.
     """
     args, kwargs = _normalize_inputs(example_inputs, example_kwargs)
+    subject = _in_format(model, compute_dtype) if compute_dtype is not None else model
     try:
-        exported = torch.export.export(model, args, kwargs, strict=False)
+        exported = torch.export.export(subject, args, kwargs, strict=False)
     except Exception as e:
         raise TraceError(_describe_failure(e, model)) from e
-    exported, aliases = _merge_tied_placeholders(exported, model)
+    if subject is not model:
+        _take_real_constants(exported, model, compute_dtype)
+    exported, aliases = _merge_tied_placeholders(exported, subject)
     specs = exported.graph_signature.input_specs
     placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(specs), "export gives one placeholder per input spec"
@@ -145,6 +155,50 @@ def trace_model(
         num_layers=len(layers),
         param_aliases=aliases,
     )
+
+
+def _in_format(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` as ``model.to(dtype)`` would make it, with fake tensors for its parameters and buffers (a
+    shallow stand-in for tracing: nothing allocated, ``model`` untouched, tied tensors still tied).
+    The model itself when it is in that format already."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if all(not t.is_floating_point() or t.dtype == dtype for t in tensors):
+        return model
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if id(t) in memo:
+            continue
+        with mode:
+            fake = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=t.device)
+        memo[id(t)] = torch.nn.Parameter(fake, t.requires_grad) if isinstance(t, torch.nn.Parameter) else fake
+    return copy.deepcopy(model, memo)
+
+
+def _take_real_constants(exported: ExportedProgram, model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Lifted constants that are the stand-in's fake buffers (export lifts some non-persistent buffers as
+    constants) get the model's real values, in the traced format."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for name, value in list(exported.constants.items()):
+        if not isinstance(value, FakeTensor):
+            continue
+        real = _tensor_at(model, name)
+        if real is None:
+            raise TraceError(f"the traced constant {name!r} has no value in the model: trace the model in its own "
+                             f"format (precision matching its dtype)")  # fmt: skip
+        exported.constants[name] = real.detach().to(dtype) if real.is_floating_point() else real.detach()
+
+
+def _tensor_at(model: torch.nn.Module, path: str) -> torch.Tensor | None:
+    owner, _, attr = path.rpartition(".")
+    try:
+        value = getattr(model.get_submodule(owner) if owner else model, attr)
+    except AttributeError:
+        return None
+    return value if isinstance(value, torch.Tensor) else None
 
 
 @functools.lru_cache(maxsize=65536)

@@ -141,11 +141,11 @@ from autopar.cost_model.compute import optimizer_step_time_s
 from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
-from autopar.plan import ProgramKind, program_kind
 from autopar.passes import sharding_rules as rules
 from autopar.passes.activation_plan import layer_indices, mix_layer_modes
 from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
 from autopar.passes.sharding_rules import OpStrategy, placement_str
+from autopar.plan import ProgramKind, program_kind
 
 R = Replicate()
 GIB = 1024**3

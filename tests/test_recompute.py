@@ -9,7 +9,7 @@ import torch
 
 import autopar
 from autopar.passes.recompute import recompute_segments
-from autopar.runtime import ParallelModule, ensure_process_group
+from autopar.runtime import OffloadProgram, ShardedProgram, ensure_process_group
 from autopar.trace import trace_model
 from tests.models import make_batch, make_model
 
@@ -21,7 +21,7 @@ GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-5
 def _grads(name: str, recompute: str, **pins):
     """(program, loss, gradients by parameter name) after one step of a `recompute` plan on one rank.
 
-    Both modes run on DTensors through `ParallelModule` (compile would give a plan without recompute
+    Both modes run on DTensors through the sharded program (compile would give a plan without recompute
     the plain data-parallel program), so the two runs differ in recompute only.
     """
     model = make_model(name)
@@ -33,7 +33,7 @@ def _grads(name: str, recompute: str, **pins):
         pm = autopar.compile(model, "cpu:1", args, kwargs, plan=plan, optimizer=_no_step)
     else:
         ensure_process_group(plan.cluster)
-        pm = ParallelModule(model, traced, plan, plan.cluster, optimizer=_no_step)
+        pm = ShardedProgram(model, plan, traced, plan.cluster, optimizer=_no_step)
     loss = pm.train_step(*args, **kwargs)
     grads = {n: p.grad.detach().clone() for n, p in zip(pm._param_names, pm.shards, strict=True) if p.grad is not None}
     return pm, loss, grads
@@ -105,7 +105,7 @@ def test_per_layer_treatments_give_the_same_gradients():
     ensure_process_group(plain.cluster)
     results = []
     for plan in (plain, mixed):
-        pm = ParallelModule(make_model("llama", num_layers=4), traced, plan, plan.cluster, optimizer=_no_step)
+        pm = ShardedProgram(make_model("llama", num_layers=4), plan, traced, plan.cluster, optimizer=_no_step)
         loss = pm.train_step(*args, **kwargs)
         grads = {n: p.grad.detach().clone() for n, p in zip(pm._param_names, pm.shards, strict=True)}
         results.append((pm, loss, grads))
@@ -125,8 +125,6 @@ def test_offload_program_applies_the_layer_treatments():
     """The host-offload program runs the model eagerly: its layers are checkpointed or offloaded as the plan
     says, with the chunk scheduler gathering parameters again for a recomputed forward, and trains as the
     untreated program does."""
-    from autopar.offload_runtime import OffloadProgram
-
     # small chunks, so that a layer's chunks are released after its forward and must be gathered again
     # for its recompute in backward
     CHUNK = 8192  # noqa: N806
@@ -138,7 +136,7 @@ def test_offload_program_applies_the_layer_treatments():
     ensure_process_group(plain.cluster)
     runs = []
     for plan in (plain, mixed):
-        pm = OffloadProgram(make_model("llama", num_layers=4), plan, chunk_numel=CHUNK)
+        pm = OffloadProgram(make_model("llama", num_layers=4), plan, None, plan.cluster, chunk_numel=CHUNK)
         runs.append((pm, [pm.train_step(*args, **kwargs) for _ in range(3)]))
     (plain_pm, plain_losses), (pm, losses) = runs
     assert pm.checkpointed == ["model.layers.1", "model.layers.3.self_attn"] and not plain_pm.checkpointed

@@ -533,7 +533,7 @@ def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 
 
     from autopar.cost_model.calibrate import measure_shared_core_slowdown
     from autopar.cost_model.profiler import ProfiledEstimator, measure_in_step_scale
-    from autopar.data_parallel import drop_assertions_pass
+    from autopar.passes.program_graph import drop_assertions_pass
     from autopar.runtime import flat_inputs, placeholder_values
     from autopar.trace import trace_model
 

@@ -58,7 +58,7 @@ def _train(rank: int, world_size: int, name: str, constraints: dict, shard_fused
     fused = {n.name: str(n.target) for n in graph.nodes if str(n.target).startswith("autopar.")}
     interp = getattr(pm, "_interp", None)
     state = pm.state_dict()  # gathers shards: every rank takes part
-    return {"loss": loss, "state": state if rank == 0 else None, "program": type(pm).__name__,
+    return {"loss": loss, "state": state if rank == 0 else None, "program": str(pm.plan.program),
             "mesh": dict(pm.plan.mesh), "fusion": pm.plan.fusion, "fused": fused,
             "strategies": {n: pm.plan.node_strategy.get(n, "") for n in fused},
             "fallback": sorted(interp.fallback_ops) if interp is not None else []}  # fmt: skip
@@ -112,7 +112,7 @@ GPT2_OPS = {"flash_attention": 2, "layer_norm": 5, "linear_cross_entropy": 1}
 @pytest.mark.parametrize("name, ops", [("llama", LLAMA_OPS), ("gpt2", GPT2_OPS)])
 def test_fused_model_trains_like_the_original_on_one_process(name, ops, one_rank_group):
     got = _train(0, 1, name, {})  # the DTensor program runs the fused ops in the two-rank test below
-    assert got["program"] == "DataParallelProgram"
+    assert got["program"] == "data-parallel"
     assert got["fusion"]["enabled"] and {k: v for k, v in got["fusion"]["counts"].items() if v} == ops
     assert sorted(set(got["fused"].values())) == sorted(f"autopar.{op}.default" for op in ops)
     _check(got, name)
@@ -135,5 +135,5 @@ def test_fused_llama_on_two_ranks_tensor_and_data_axes():
     tp_run, zero_run, dp_run = ranks[0]
     assert tp_run["mesh"] == {"dp": 1, "tp": 2} and zero_run["mesh"] == dp_run["mesh"] == {"dp": 2, "tp": 1}
     programs = [run["program"] for run in ranks[0]]
-    assert programs == ["ParallelModule", "ParallelModule", "DataParallelProgram"]
+    assert programs == ["sharded", "sharded", "data-parallel"]
     assert set(tp_run["strategies"].values()) == {"head parallel", "rows S(0)", "split tokens S(0)"}

@@ -35,12 +35,12 @@ def _one_rank(rank: int, world_size: int):
     losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
     with torch.no_grad():
         logits = pm(*args).logits
-    return {"program": type(pm).__name__, "losses": losses, "state": pm.state_dict(), "logits": logits}
+    return {"program": str(pm.plan.program), "losses": losses, "state": pm.state_dict(), "logits": logits}
 
 
 def test_one_rank_matches_the_model():
     got = run_distributed(_one_rank, 1)[0]
-    assert got["program"] == "DataParallelProgram"
+    assert got["program"] == "data-parallel"
     losses, state = _reference("llama")
     model = make_model("llama")
     model.load_state_dict(state)

@@ -65,14 +65,12 @@ BF16_LOSS_RTOL = 2e-2
 
 
 def _train(rank: int, world_size: int, cases):
-    from autopar.offload_runtime import OffloadProgram
-
     out = []
     for case, constraints in cases:
         model, args, kwargs = _setup(case)
         pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer, memory_budget=BUDGET,
                              constraints=constraints, precision="bf16" if case == "bf16" else None)  # fmt: skip
-        assert isinstance(pm, OffloadProgram), type(pm)
+        assert pm.plan.program == "offload", pm.plan.program
         losses = [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
         host = [c.index for c in pm.store.chunks if c.device == "host"]
         state = pm.state_dict()  # gathers the shards: every rank calls it

@@ -52,7 +52,7 @@ def _train_cases(rank: int, world_size: int, cases):
         )
         out.append({"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
                     "local_numel": local, "num_microbatches": pm.plan.num_microbatches,
-                    "program": type(pm).__name__, "zero": pm.plan.zero_stage,
+                    "program": str(pm.plan.program), "zero": pm.plan.zero_stage,
                     "recompute": getattr(pm.plan, "recompute", "none"),
                     # checkpointed segments run: once in forward and once more in backward per micro-batch
                     "segment_calls": getattr(getattr(pm, "_interp", None), "segment_calls", 0),
@@ -74,7 +74,7 @@ def _check(world_size: int, cases) -> None:
             assert got["mesh"]["tp"] == constraints["tp"]
         # DDP's layout runs as the plain data-parallel program; everything else on DTensors
         plain = got["mesh"]["tp"] == 1 and got["zero"] == 0 and got.get("recompute", "none") == "none"
-        assert got["program"] == ("DataParallelProgram" if plain else "ParallelModule"), (name, constraints)
+        assert got["program"] == ("data-parallel" if plain else "sharded"), (name, constraints)
         if "recompute" in constraints:
             assert got["recompute"] == constraints["recompute"]
             if constraints["recompute"] != "none":  # the layers really ran under checkpointing

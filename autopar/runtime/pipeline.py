@@ -7,7 +7,7 @@ as the pipeline search laid them out. On each rank:
   stages (`passes.pipeline_split`); this rank runs stage d, or with interleaving the virtual
   stages d, d + pp, ...;
 - every stage is a `ShardedInterpreter` over the (dp, tp) sub-mesh with the placements of a plan
-  solved for that sub-mesh, its parameters this rank's shards, exactly as in `ParallelModule`;
+  solved for that sub-mesh, its parameters this rank's shards, exactly as in the sharded program;
 - the stages are `PipelineStage`s over the pp process group, driven by the plan's schedule
   (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`).
 
@@ -27,8 +27,6 @@ micro-batches and are all-reduced over dp once per step, in buckets, as the plan
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -39,9 +37,10 @@ from autopar.errors import ConfigError, LoweringError
 from autopar.ir import OpGraph
 from autopar.passes.parallelize import dp_placement, local_shard, shard_pass
 from autopar.passes.pipeline_split import StageGraph, split_stages, values_needing_grad
+from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
-from autopar.plan import Plan
-from autopar.runtime import _contiguous_stride, _device_type, flat_inputs, micro_batches, sum_in_buckets
+from autopar.plan import Plan, ProgramKind
+from autopar.runtime.base import Program, check_scalar_loss, contiguous_stride, flat_inputs, sum_in_buckets
 from autopar.trace import TracedModel
 
 R = Replicate()
@@ -65,9 +64,11 @@ class _Stage(torch.nn.Module):
         super().__init__()
         self.program, self.sg = program, sg
         self.is_last = sg.index == program.num_stages - 1
-        self.interp = shard_pass(sg.graph_module, None, mesh=program.mesh, node_inputs=program.node_inputs,
-                                 node_output=program.node_output, batch_size=program.micro_batch,
-                                 recompute=recompute)  # fmt: skip
+        knobs = dict(mesh=program.mesh, node_inputs=program.node_inputs, node_output=program.node_output,
+                     batch_size=program.micro_batch)  # fmt: skip
+        self.train_interp = shard_pass(sg.graph_module, None, recompute=recompute, **knobs)
+        self.eval_interp = shard_pass(eval_pass(copy_graph_module(sg.graph_module), None), None, **knobs)
+        self.interp = self.train_interp
         nodes = {n.name: n for n in sg.graph_module.graph.nodes}
         self._in_meta = [nodes[name].meta["val"] for name in sg.received]
         self._in_grad = [name in program.grad_values for name in sg.received]
@@ -99,19 +100,17 @@ class _Stage(torch.nn.Module):
         for t, val in zip(received, self._in_meta, strict=True):
             pl = _boundary_placement(val.shape, prog.micro_batch, prog.dp)
             values.append(DTensor.from_local(t, prog.mesh, pl, run_check=False, shape=val.shape,
-                                             stride=_contiguous_stride(val.shape)))  # fmt: skip
+                                             stride=contiguous_stride(val.shape)))  # fmt: skip
         values += [prog.placeholder_value(name, mb) for name in self.sg.placeholders]
         out = self.interp.run(*values)
         if self.is_last:
             loss = out
-            if not isinstance(loss, DTensor) or loss.ndim != 0:
-                raise LoweringError("the model's first output is not a scalar loss: pass labels so the model "
-                                    "computes one")  # fmt: skip
+            check_scalar_loss(loss)
             counts = self.interp.loss_counts
             w = counts[0] if prog.num_microbatches > 1 and len(counts) == 1 else 1.0
             self.weights.append(w)
-            local = loss.redistribute(prog.mesh, (R, R)).to_local()
-            return local * w if w != 1.0 else local
+            local = loss.redistribute(prog.mesh, (R, R)).to_local().float()
+            return prog.scaled(local * w if w != 1.0 else local)
         sent = [index]
         for v, val in zip(out, self._out_meta, strict=True):
             if not isinstance(v, DTensor):
@@ -121,37 +120,38 @@ class _Stage(torch.nn.Module):
         return tuple(sent)
 
 
-class PipelineProgram(torch.nn.Module):
+class PipelineProgram(Program):
     """The parallel program of a pipeline plan on this rank (see the module docstring).
 
     Args:
         model: the single-device model with real parameters.
+        plan: the pipeline plan (`plan.pipeline` holds the stages' layers, the schedule, the micro-batches),
+            its per-node and parameter placements those of one stage's (dp, tp) sub-mesh for `traced`
+            (compile completes them), used on every stage.
         traced: the model traced at one micro-batch of the global batch.
-        plan: the pipeline plan (`plan.pipeline` holds the stages' layers, the schedule, the micro-batches).
-        placements: a plan of the same model on one stage's (dp, tp) sub-mesh, traced as `traced`:
-            its per-node and parameter placements are used on every stage.
         cluster: the cluster (its world size must equal pp x dp x tp).
     """
 
-    def __init__(self, model: torch.nn.Module, traced: TracedModel, plan: Plan, placements: Plan,
-                 cluster: ClusterSpec, *, optimizer=None):  # fmt: skip
-        super().__init__()
+    kind = ProgramKind.PIPELINE
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *,
+                 optimizer=None):  # fmt: skip
+        super().__init__(model, plan, traced, cluster, optimizer=optimizer)
         from torch.distributed.pipelining import PipelineStage
 
         info = plan.pipeline
         pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh["tp"]
-        if pp * dp * tp != cluster.world_size:
-            raise LoweringError(f"plan mesh {plan.mesh} does not match the cluster's {cluster.world_size} devices")
-        self.plan, self.traced = plan, traced
         self.pp, self.dp, self.tp = pp, dp, tp
         self.num_microbatches = plan.num_microbatches
         self.micro_batch = plan.global_batch_size // plan.num_microbatches
-        self.device_type = _device_type(cluster)
         self.world: DeviceMesh = init_device_mesh(self.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         self.mesh: DeviceMesh = self.world["dp", "tp"]
         self.pp_group = self.world.get_group("pp")
         self.pp_rank = self.world.get_local_rank("pp")
-        self.node_inputs, self.node_output = placements.node_inputs, placements.node_output
+        if not plan.node_output:
+            raise LoweringError("the pipeline plan holds no per-node placements for its stages: build it with "
+                                "autopar.compile, which completes them")  # fmt: skip
+        self.node_inputs, self.node_output = plan.node_inputs, plan.node_output
         sig = traced.exported.graph_signature
         if traced.num_mutated_outputs:
             raise LoweringError("the model updates buffers or inputs in place, which pipeline stages do not "
@@ -203,18 +203,17 @@ class PipelineProgram(torch.nn.Module):
         for fqn in self._param_names:
             p = named[fqn]
             sharded = max(zero.get(d, plan.zero_stage) for d in holders[fqn]) >= 1
-            pl = (dp_placement(tuple(p.shape), dp, sharded), parse_placement(placements.param_placements.get(fqn, "R")))
+            pl = (dp_placement(tuple(p.shape), dp, sharded), parse_placement(plan.param_placements.get(fqn, "R")))
             self._placements[fqn] = pl
-            shards[fqn] = torch.nn.Parameter(local_shard(p.detach().to(self.device_type), self.mesh, pl),
+            shards[fqn] = torch.nn.Parameter(local_shard(self.master(p), self.mesh, pl),
                                              requires_grad=p.requires_grad)  # fmt: skip
         self.shards = torch.nn.ParameterDict({k.replace(".", "/"): v for k, v in shards.items()})
         self._shard = shards
         self._shapes = {k: tuple(named[k].shape) for k in self._param_names}
         self._buffers = {k: b.detach().to(self.device_type) for k, b in buffers_by_name.items()}
-        self._constants = {k: c.to(self.device_type) if isinstance(c, torch.Tensor) else c
+        self._run_buffers = {k: self.in_compute_format(b) for k, b in self._buffers.items()}
+        self._constants = {k: self.in_compute_format(c.to(self.device_type)) if isinstance(c, torch.Tensor) else c
                            for k, c in traced.exported.constants.items()}  # fmt: skip
-        self._aliases = dict(traced.param_aliases)
-        self._state_names = list(model.state_dict().keys())
         self._tie_groups = self._make_tie_groups(holders)
         self._dp_summed = [k for k in self._param_names if dp > 1 and self._placements[k][0] == R]
 
@@ -225,8 +224,7 @@ class PipelineProgram(torch.nn.Module):
                                            group=self.pp_group) for st in self.stages]  # fmt: skip
         self.schedule = self._schedule(str(info.get("schedule", "1f1b")), v)
         self._micro_inputs: list[list] = []
-        make_opt = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-3))
-        self.optimizer = make_opt([shards[k] for k in self._param_names])
+        self._build_optimizer([shards[k] for k in self._param_names])
 
     def _schedule(self, name: str, v: int):
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -268,10 +266,11 @@ class PipelineProgram(torch.nn.Module):
             shape, pl = self._shapes[key], self._placements[key]
             # replicated over dp: keep this rank's partial gradient; `train_step` sums it over dp once per step
             grad_pl = (Partial(), pl[1]) if key in self._dp_summed else pl
-            return DTensor.from_local(self._shard[key], self.mesh, pl, run_check=False, shape=torch.Size(shape),
-                                      stride=_contiguous_stride(shape), grad_placements=grad_pl)  # fmt: skip
+            dt = DTensor.from_local(self._shard[key], self.mesh, pl, run_check=False, shape=torch.Size(shape),
+                                    stride=contiguous_stride(shape), grad_placements=grad_pl)  # fmt: skip
+            return self.in_compute_format(dt)
         if kind == "buffer":
-            return DTensor.from_local(self._buffers[key], self.mesh, (R, R), run_check=False)
+            return DTensor.from_local(self._run_buffers[key], self.mesh, (R, R), run_check=False)
         if kind == "constant":
             c = self._constants[key]
             return DTensor.from_local(c, self.mesh, (R, R), run_check=False) if isinstance(c, torch.Tensor) else c
@@ -282,9 +281,7 @@ class PipelineProgram(torch.nn.Module):
         local = t.chunk(self.dp, dim=0)[self.mesh.get_local_rank("dp")] if pl[0] != R else t
         return DTensor.from_local(local.contiguous(), self.mesh, pl, run_check=False)
 
-    def train_step(self, *args, **kwargs) -> float:
-        """One optimizer step on a global batch (every rank passes the same batch); returns the loss."""
-        micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.num_microbatches)
+    def _set_micro_inputs(self, micro: list[tuple]) -> None:
         self._micro_inputs = []
         for a, k in micro:
             flat = [
@@ -295,38 +292,46 @@ class PipelineProgram(torch.nn.Module):
                     raise ConfigError(f"a micro-batch of {t.shape[0]} does not divide over the data axis "
                                       f"(dp={self.dp})")  # fmt: skip
             self._micro_inputs.append(flat)
-        self.optimizer.zero_grad(set_to_none=True)
+
+    def _run_schedule(self, micro: list[tuple], backward: bool) -> tuple[float, float]:
+        """Run the schedule over the micro-batches (forward only unless `backward`); (loss sum, weight sum) on
+        every stage, the loss sum without the loss scale."""
+        self._set_micro_inputs(micro)
         for st in self.stages:
             st.weights = []
+            st.interp = st.train_interp if backward else st.eval_interp
         index = torch.arange(self.num_microbatches, device=self.device_type)
         has_first = any(st.sg.index == 0 for st in self.stages)
         has_last = any(st.is_last for st in self.stages)
         losses: list = []
         step_args = (index,) if has_first else ()
-        self.schedule.step(
-            *step_args, target=index if has_last else None, losses=losses if has_last else None, return_outputs=False
-        )
+        run = self.schedule.step if backward else self.schedule.eval
+        kw = {"return_outputs": False} if backward else {}
+        run(*step_args, target=index if has_last else None, losses=losses if has_last else None, **kw)
         # loss sum and weight sum from the last stage to every stage
         totals = torch.zeros(2, dtype=torch.float64, device=self.device_type)
         if has_last:
             last = next(st for st in self.stages if st.is_last)
-            totals[0] = sum(float(x.detach()) for x in losses)
+            scale = self.scaler.scale if self.scaler is not None and backward else 1.0
+            totals[0] = sum(float(x.detach()) for x in losses) / scale
             totals[1] = sum(last.weights)
         last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
         dist.broadcast(totals, src=last_rank, group=self.pp_group)
-        loss_sum, weight = float(totals[0]), float(totals[1])
+        return float(totals[0]), float(totals[1])
+
+    def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
+        loss_sum, weight = self._run_schedule(micro, backward=True)
         self._sum_over_dp()
         for names, group in self._tie_groups:
             for fqn in names:
                 g = self._shard[fqn].grad
                 if g is not None:
                     dist.all_reduce(g, group=group)
-        if self.num_microbatches > 1 and weight > 0:
-            for p in self._shard.values():
-                if p.grad is not None:
-                    p.grad.div_(weight)
-        self.optimizer.step()
-        return loss_sum / weight if weight > 0 else loss_sum / self.num_microbatches
+        return loss_sum, weight
+
+    def _evaluate(self, micro: list[tuple]) -> float:
+        loss_sum, weight = self._run_schedule(micro, backward=False)
+        return loss_sum / weight if weight > 0 else loss_sum / len(micro)
 
     def _sum_over_dp(self) -> None:
         """All-reduce the gradients of dp-replicated parameters once per step."""
@@ -334,17 +339,18 @@ class PipelineProgram(torch.nn.Module):
         sum_in_buckets(grads, self.mesh.get_group("dp"))
 
     def forward(self, *args, **kwargs):
-        raise LoweringError("a pipeline program runs training steps (train_step); it has no plain forward")
+        """The loss of a global batch, as `eval_step` computes it (a pipeline's outputs stay on its last stage)."""
+        return self.eval_step(*args, **kwargs)
 
     # ---------------------------------------------------------------------------------- states
 
-    def state_dict(self, *args, **kwargs) -> dict:  # noqa: ARG002 - the nn.Module signature
-        """Full tensors under the original names, on every rank (each stage block contributes its parameters)."""
+    def _full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter on every rank (each stage block contributes its own)."""
         mine = {}
         for fqn in self._param_names:
             shape = self._shapes[fqn]
             dt = DTensor.from_local(self._shard[fqn].detach(), self.mesh, self._placements[fqn], run_check=False,
-                                    shape=torch.Size(shape), stride=_contiguous_stride(shape))  # fmt: skip
+                                    shape=torch.Size(shape), stride=contiguous_stride(shape))  # fmt: skip
             full = dt.full_tensor().cpu()
             if self.mesh.get_local_rank("dp") == 0 and self.mesh.get_local_rank("tp") == 0:
                 mine[fqn] = full
@@ -353,20 +359,7 @@ class PipelineProgram(torch.nn.Module):
         params = {}
         for part in gathered:
             params.update(part)
-        out = {}
-        for name in self._state_names:
-            key = self._aliases.get(name, name)
-            if key in params:
-                out[name] = params[key]
-            elif name in self._buffers:
-                out[name] = self._buffers[name].cpu()
-        return out
+        return params
 
-
-def sub_cluster(cluster: ClusterSpec, devices: int) -> ClusterSpec:
-    """The cluster of one stage's block of `devices` consecutive devices."""
-    if devices <= cluster.devices_per_node:
-        return dataclasses.replace(cluster, num_nodes=1, devices_per_node=devices)
-    if devices % cluster.devices_per_node:
-        raise LoweringError(f"a stage of {devices} devices does not fill whole nodes of {cluster.devices_per_node}")
-    return dataclasses.replace(cluster, num_nodes=devices // cluster.devices_per_node)
+    def _named_buffers(self) -> dict[str, torch.Tensor]:
+        return self._buffers

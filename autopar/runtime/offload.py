@@ -38,15 +38,16 @@ import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from autopar.cluster import ClusterSpec
 from autopar.errors import LoweringError
 from autopar.memory import ChunkAdamW, ChunkScheduler, ChunkStore, MemoryTracker, choose_chunk_size, pack
 from autopar.memory.activations import ActivationOffload, ActivationTracker
 from autopar.memory.layout import ALIGN_NUMEL, MAX_CHUNK_NUMEL, MIN_CHUNK_NUMEL
 from autopar.memory.store import module_params
-from autopar.plan import Plan
-from autopar.runtime import _device_type, micro_batches
+from autopar.plan import Plan, ProgramKind
+from autopar.runtime.base import COMPUTE_DTYPES, Program, check_scalar_loss, rank_rows
+from autopar.trace import TracedModel
 
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Device bytes the chunks in flight may take, as a fraction of the budget: about two gathered payloads
 # (the one in use and the one prefetched) and two gradient staging buffers, each at most 1/16 of it.
 _CHUNK_SHARE_OF_BUDGET = 16
@@ -80,8 +81,7 @@ def _loss_of(out) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if loss is None:
         loss = out[0] if isinstance(out, (tuple, list)) else out
-    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-        raise LoweringError("the model's output holds no scalar loss: pass labels so that the model computes one")
+    check_scalar_loss(loss)
     return loss
 
 
@@ -171,27 +171,29 @@ def host_chunks(layouts, fraction: float) -> set[int]:
     return chosen
 
 
-class OffloadProgram(torch.nn.Module):
-    """A dp x 1 plan with host offload on this rank (see the module docstring).
+class OffloadProgram(Program):
+    """A dp x 1 plan with host offload on this rank (see the module docstring); `store` and `tracker` are the
+    chunks and their device accounting."""
 
-    Same surface as `ParallelModule`: `train_step`, `forward`, `state_dict`, `parameters`, `plan`,
-    `optimizer`; and `store` and `tracker`, the chunks and their device accounting.
-    """
+    kind = ProgramKind.OFFLOAD
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, example_inputs=(), example_kwargs=None, *,
+    @classmethod
+    def trace_parts(cls, plan: Plan) -> None:
+        return None  # the model runs eagerly over the chunks
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, traced: TracedModel | None, cluster: ClusterSpec, *,
                  optimizer=None, chunk_numel: int | None = None):  # fmt: skip
-        super().__init__()
-        del example_inputs, example_kwargs  # the model runs eagerly; the plan holds the batch size
+        super().__init__(model, plan, traced, cluster, optimizer=optimizer)
         dp = plan.mesh.get("dp", 1)
-        if plan.mesh.get("tp", 1) != 1 or plan.mesh.get("pp", 1) != 1 or dp != dist.get_world_size():
+        if plan.mesh.get("tp", 1) != 1 or dp != dist.get_world_size():
             raise LoweringError(f"host offload runs plans with a data axis over all ranks only, got mesh {plan.mesh}; "
                                 f"plan with constraints={{'tp': 1}} or offload=False")  # fmt: skip
-        self.plan, self.dp, self.rank = plan, dp, dist.get_rank()
-        self.device = _device_type(plan.cluster)
+        self.dp, self.rank = dp, dist.get_rank()
+        self.device = self.device_type
         module = copy.deepcopy(model).to(self.device)
         specs, aliases, values = module_params(module)
         budget = plan.offload.get("device_budget_bytes") or plan.cluster.device.memory_bytes
-        compute = _COMPUTE_DTYPES.get(plan.precision, torch.float32)
+        compute = COMPUTE_DTYPES.get(plan.precision, torch.float32)
         multiple = ALIGN_NUMEL * dp
         if chunk_numel is None:
             per_elem = compute.itemsize + torch.float32.itemsize  # payload + gradient staging
@@ -211,8 +213,8 @@ class OffloadProgram(torch.nn.Module):
         self.activations = ActivationTracker(self.tracker, self.device)
         self.activation_offload, self.checkpointed = apply_layer_treatments(module, plan, tracker=self.tracker)
         self._module_box = (module,)  # not a submodule: its parameters are the store's transient views
-        self._state_names = list(model.state_dict().keys())
         self.optimizer = ChunkAdamW(self.store, **_adamw_hyperparameters(optimizer))
+        self._grad_scale = 1.0
 
     @property
     def module(self) -> torch.nn.Module:
@@ -225,27 +227,58 @@ class OffloadProgram(torch.nn.Module):
 
         def share(t):
             if isinstance(t, torch.Tensor):
-                t = t.chunk(self.dp, dim=0)[self.rank] if t.ndim else t
-                return t.to(self.device).contiguous()
+                return rank_rows(t, self.dp, self.rank).to(self.device).contiguous()
             return t
 
         return pytree.tree_map(share, tree)
 
-    def train_step(self, *args, **kwargs) -> float:
-        """One optimizer step on a global batch (every rank passes the same batch); returns the loss."""
+    def _zero_grads(self) -> None:
+        pass  # the store's gradient buffers restart from zero after every optimizer step
+
+    def _run_micro_batches(self, micro: list[tuple], backward: bool) -> tuple[float, float]:
+        """(loss sum, kept-label count) over the ranks and micro-batches, running backward from each if asked."""
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for mb_args, mb_kwargs in micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches):
+        for mb_args, mb_kwargs in micro:
             local_args, local_kwargs = self._local((mb_args, mb_kwargs))
             with _SumCrossEntropy() as ce, self.activations:
                 loss = _loss_of(self.module(*local_args, **local_kwargs))
-            loss.backward()
+            if backward:
+                self.scaled(loss).backward()
             totals[0] += loss.detach().double()
             totals[1] += ce.count.double() if ce.count is not None else 1.0
         if self.dp > 1:
             dist.all_reduce(totals)
         loss_sum, count = totals.tolist()
-        # the store averaged the gradients over dp; the loss is the sum over every kept label
-        self.optimizer.step(grad_scale=count / self.dp)
+        return loss_sum, count
+
+    def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
+        return self._run_micro_batches(micro, backward=True)
+
+    def _scale_gradients(self, weight: float, scale: float) -> None:
+        # the store averaged the gradients over dp; the loss is the sum over every kept label. ChunkAdamW
+        # divides them in its own pass over them
+        self._grad_scale = weight * scale / self.dp
+
+    def _gradients(self) -> list[torch.Tensor]:
+        return [c.grad for c in self.store.chunks if c.grad is not None]
+
+    def _found_inf(self) -> bool:
+        self.store.finish_grads()  # idempotent: the step finds nothing left to reduce
+        found = super()._found_inf()
+        if found:  # the step is skipped: its gradients must not carry into the next one
+            self.store.zero_grad()
+        return found
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step(grad_scale=self._grad_scale)
+
+    def _evaluate(self, micro: list[tuple]) -> float:
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            loss_sum, count = self._run_micro_batches(micro, backward=False)
+        finally:
+            self.module.train(was_training)
         return loss_sum / count
 
     def forward(self, *args, **kwargs):
@@ -258,14 +291,8 @@ class OffloadProgram(torch.nn.Module):
         """This rank's shards of the master weights, one flat tensor per chunk: what its optimizer updates."""
         return iter([chunk.master for chunk in self.store.chunks])
 
-    def state_dict(self, *args, **kwargs) -> dict:  # noqa: ARG002 - the nn.Module signature
-        """Full tensors under the original names (gathers the sharded chunks: every rank must call it)."""
-        params = self.store.full_state()
-        buffers = dict(self.module.named_buffers(remove_duplicate=False))
-        out = {}
-        for name in self._state_names:
-            if name in params:
-                out[name] = params[name]
-            elif name in buffers:
-                out[name] = buffers[name].detach().cpu().clone()
-        return out
+    def _full_parameters(self) -> dict[str, torch.Tensor]:
+        return self.store.full_state()
+
+    def _named_buffers(self) -> dict[str, torch.Tensor]:
+        return dict(self.module.named_buffers(remove_duplicate=False))

@@ -1,10 +1,10 @@
-"""Graph passes of the data-parallel program: each counts the ops it removes and keeps the numerics."""
+"""Graph passes the programs run (passes.program_graph): each counts the ops it removes and keeps the numerics."""
 
 from __future__ import annotations
 
 import torch
 
-from autopar.data_parallel import drop_assertions_pass, fold_constants_pass
+from autopar.passes.program_graph import drop_assertions_pass, fold_constants_pass
 from autopar.runtime import flat_inputs, placeholder_values
 from autopar.trace import trace_model
 from tests.models import VOCAB, tiny_llama

@@ -1,0 +1,352 @@
+"""The program base: what every emitted program shares, written once.
+
+A program is the parallel training job of one plan on this rank. Every program kind
+(`autopar.plan.ProgramKind`) subclasses `Program` and says only what makes it different:
+
+- the constructor signature `(model, plan, traced, cluster, *, optimizer)`: `traced` is the model traced
+  once by `compile` at the shape the program runs (`Program.trace_parts`) and in the plan's compute
+  format; a constructor does not trace, fuse or plan;
+- the step template `train_step`: the global batch is cut into the plan's micro-batches (every rank passes
+  the same batch; `rank_rows` takes this rank's share), the program runs forward and backward
+  (`_forward_backward`, returning the loss sum and the weight it was summed with), the base divides the
+  gradients by that weight and by the loss scale, skips the step on an overflow (fp16), and steps the
+  optimizer;
+- `eval_step`: the loss of a global batch, no gradients, no optimizer state touched, dropout off;
+- `state_dict()` / `load_state_dict()`: full tensors under the model's own (Hugging Face) names, tied
+  names included, in the dtypes the model was handed in; `parameters()`: this rank's master shards.
+
+Mixed precision (`plan.precision` "bf16"/"fp16"): the masters (what `parameters()` returns and the
+optimizer updates, with its states) are fp32 whatever dtype the model was handed in; the graph computes
+in the compute format, on copies cast from the masters (a differentiable cast, so gradients reach the
+masters in fp32); gradients are reduced in the compute format, as the cost model prices them; fp16
+multiplies the loss by a dynamic scale (`LossScaler`) and skips steps whose gradients overflow. "fp32"
+runs the model in its own dtype.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable
+from datetime import timedelta
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from autopar.cluster import ClusterSpec
+from autopar.errors import ConfigError, LoweringError
+from autopar.plan import Plan, ProgramKind
+from autopar.trace import TracedModel
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The format a plan of `precision` computes in; None for "fp32" (the model's own dtype)."""
+    return COMPUTE_DTYPES.get(precision)
+
+
+def ensure_process_group(cluster: ClusterSpec) -> None:
+    """Join the process group torchrun set up (or a one-rank group), and check its size against the cluster."""
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            backend = "nccl" if cluster.device.kind == "gpu" else "gloo"
+            dist.init_process_group(backend, timeout=timedelta(minutes=5))
+        elif cluster.world_size == 1:
+            store = dist.HashStore()
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        else:
+            raise LoweringError(f"the cluster has {cluster.world_size} devices but no process group is running: "
+                                f"launch with `torchrun --nproc_per_node {cluster.world_size} ...`")  # fmt: skip
+    if dist.get_world_size() != cluster.world_size:
+        raise LoweringError(f"the process group has {dist.get_world_size()} ranks but the cluster "
+                            f"{cluster.describe()} has {cluster.world_size}; launch one rank per device")  # fmt: skip
+
+
+def device_type(cluster: ClusterSpec) -> str:
+    """"cuda" (this rank's GPU made current) for GPU clusters, "cpu" otherwise."""
+    if cluster.device.kind == "gpu":
+        if not torch.cuda.is_available():
+            raise LoweringError(f"the cluster is {cluster.describe()} but this machine has no CUDA device; "
+                                f"plan for GPUs here, run on GPUs there, or compile for 'cpu:N'")  # fmt: skip
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return "cuda"
+    return "cpu"
+
+
+def default_optimizer(params) -> torch.optim.Optimizer:
+    """compile's optimizer when none is given: AdamW, lr 1e-3."""
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def micro_batches(args, kwargs, batch: int, m: int) -> list[tuple]:
+    """Cut a batch of `batch` rows into `m` micro-batches along dim 0 (every batch input alike), as (args, kwargs)."""
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    for t in flat:
+        if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] != batch:
+            raise ConfigError(f"the plan is for a global batch of {batch} but an input has {t.shape[0]} rows; "
+                              f"pass the batch the model was compiled for")  # fmt: skip
+    if m == 1:
+        return [(tuple(args), dict(kwargs))]
+    pieces = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim else [t] * m for t in flat]
+    return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(m)]
+
+
+def rank_rows(t, parts: int, index: int):
+    """Rows `index` of `parts` equal shares of a batch tensor (a scalar or non-tensor as it is)."""
+    if not isinstance(t, torch.Tensor) or not t.ndim or parts == 1:
+        return t
+    if t.shape[0] % parts:
+        raise ConfigError(f"a batch of {t.shape[0]} rows does not divide over {parts} data-parallel ranks; "
+                          f"pass a global batch that is a multiple of {parts}")  # fmt: skip
+    return t.chunk(parts, dim=0)[index]
+
+
+def call_spec(exported):
+    """`exported.call_spec`, kept per program: torch builds a new NamedTuple class on every access (about a
+    quarter of a millisecond, paid on every step of a small model otherwise)."""
+    found = _CALL_SPECS.get(exported)
+    if found is None:
+        found = _CALL_SPECS[exported] = exported.call_spec
+    return found
+
+
+_CALL_SPECS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def flat_inputs(traced: TracedModel, args, kwargs) -> list:
+    """The call's inputs flattened in placeholder order, checked against the structure the model was traced with."""
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    expected = call_spec(traced.exported).in_spec
+    if expected is not None and spec != expected:
+        raise ConfigError(f"the inputs do not have the structure the model was compiled with: expected "
+                          f"{expected}, got {spec}")  # fmt: skip
+    return flat
+
+
+def placeholder_values(traced: TracedModel, params, buffers, constant, inputs) -> list:
+    """Values for the graph's placeholders in order, from parameters, buffers, `constant(name)` and user inputs."""
+    params, buffers, inputs = iter(params), iter(buffers), iter(inputs)
+    sig = traced.exported.graph_signature
+    names = iter(spec.target for spec in sig.input_specs if spec.kind.name in ("CONSTANT_TENSOR", "CUSTOM_OBJ"))
+    source = {"param": params, "buffer": buffers, "input": inputs}
+    return [constant(next(names)) if kind == "constant" else next(source[kind]) for kind in traced.placeholder_kinds]
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def sum_in_buckets(grads: list[torch.Tensor], group, bucket_bytes: int = 25 * 2**20) -> None:
+    """All-reduce (sum) `grads` in place over `group`, packed into flat buckets of one dtype."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for g in [*grads, None]:
+        if bucket and (g is None or g.dtype != bucket[0].dtype or size >= bucket_bytes):
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat, group=group)
+            for b, piece in zip(bucket, flat.split([b.numel() for b in bucket]), strict=True):
+                b.copy_(piece.view_as(b))
+            bucket, size = [], 0
+        if g is not None:
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+
+
+def check_scalar_loss(loss) -> None:
+    """The model's first output must be a scalar loss."""
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        raise LoweringError("the model's first output is not a scalar loss: pass labels so the model computes one")
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16, by torch.amp.GradScaler's rule: the loss is multiplied by `scale` before
+    backward; a step whose gradients hold an inf or NaN is skipped and the scale halved; after
+    `growth_interval` good steps in a row the scale doubles."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000):  # fmt: skip
+        self.scale = float(init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.good_steps = 0
+            self.skipped_steps += 1
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+
+class Program(torch.nn.Module):
+    """The parallel program of one plan on this rank (see the module docstring).
+
+    Subclasses set `kind`, build their layout in `__init__` (after calling this one) and end it with
+    `self._build_optimizer(masters)`; they implement `_forward_backward`, `_evaluate` and `_full_parameters`,
+    and override `_zero_grads`, `_scale_gradients`, `_gradients` or `_optimizer_step` where they hold
+    gradients their own way.
+    """
+
+    kind: ClassVar[ProgramKind]
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, traced: TracedModel | None, cluster: ClusterSpec, *,
+                 optimizer: Callable | None = None):  # fmt: skip
+        super().__init__()
+        if not self.runs(plan):
+            raise LoweringError(f"a {plan.program} plan cannot run as the {self.kind} program")
+        size = 1
+        for v in plan.mesh.values():
+            size *= v
+        if size != cluster.world_size:
+            raise LoweringError(f"plan mesh {plan.mesh} does not match the cluster's {cluster.world_size} devices")
+        self.plan, self.cluster, self.traced = plan, cluster, traced
+        self.device_type = device_type(cluster)
+        self.compute_dtype = compute_dtype(plan.precision)
+        self.scaler = LossScaler() if plan.precision == "fp16" else None
+        state = model.state_dict(keep_vars=True)
+        self._state_names = list(state)
+        self._state_dtypes = {k: v.dtype for k, v in state.items()}
+        self._aliases = dict(traced.param_aliases) if traced is not None else {}
+        self._make_optimizer = optimizer or default_optimizer
+
+    @classmethod
+    def runs(cls, plan: Plan) -> bool:
+        """Whether this program can run `plan` (the one `plan.program` names always can)."""
+        return plan.program == cls.kind
+
+    @classmethod
+    def trace_parts(cls, plan: Plan) -> int | None:
+        """Into how many equal parts the global batch is cut for the shape this program's graph runs at (None:
+        the program runs the model eagerly and needs no trace)."""
+        return plan.num_microbatches
+
+    # ------------------------------------------------------------------------------- precision
+
+    def master(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A detached copy of a model parameter as this program's master holds it: fp32 under mixed precision."""
+        mixed = self.compute_dtype is not None and tensor.is_floating_point()
+        return tensor.detach().to(self.device_type, dtype=torch.float32 if mixed else tensor.dtype, copy=True)
+
+    def in_compute_format(self, tensor):
+        """A floating tensor (buffer, constant, master) in the format the graph computes in; differentiable."""
+        if self.compute_dtype is None or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            return tensor
+        return tensor.to(self.compute_dtype)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to run backward from: times the loss scale under fp16."""
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    # ------------------------------------------------------------------------------------ step
+
+    def _build_optimizer(self, masters) -> None:
+        self.optimizer = self._make_optimizer(list(masters))
+
+    def train_step(self, *args, **kwargs) -> float:
+        """One optimizer step on a global batch (every rank passes the same batch); returns the loss.
+
+        Micro-batch i contributes its loss times its weight w_i (the labels its mean cross-entropy kept, or
+        1 for other losses); the gradients are divided by sum w_i before the step, so the step equals one
+        over the whole batch.
+        """
+        micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches)
+        self._zero_grads()
+        loss_sum, weight = self._forward_backward(micro)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self._scale_gradients(weight, scale)
+        if self.scaler is not None:
+            found_inf = self._found_inf()
+            self.scaler.update(found_inf)
+            if found_inf:
+                return loss_sum / weight if weight > 0 else float("nan")
+        self._optimizer_step()
+        return loss_sum / weight if weight > 0 else loss_sum / len(micro)
+
+    def _zero_grads(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
+        """Forward and backward over the micro-batches (gradients reduced over the data axis as the plan says);
+        returns (sum of w_i * loss_i, sum of w_i), the gradients being those of the first sum (times the loss
+        scale)."""
+        raise NotImplementedError
+
+    def _gradients(self) -> list[torch.Tensor]:
+        """This rank's gradients of the masters the optimizer steps."""
+        return [p.grad for p in self.parameters() if p.grad is not None]
+
+    def _scale_gradients(self, weight: float, scale: float) -> None:
+        """Divide the gradients by the weight their loss was summed with and by the loss scale."""
+        divisor = (weight if weight > 0 and self.plan.num_microbatches > 1 else 1.0) * scale
+        if divisor != 1.0:
+            for g in self._gradients():
+                g.div_(divisor)
+
+    def _found_inf(self) -> bool:
+        """Whether any rank's gradients hold an inf or NaN (every rank must call it)."""
+        bad = torch.zeros(1, device=self.device_type)
+        for g in self._gradients():
+            if not torch.isfinite(g).all():
+                bad.fill_(1.0)
+                break
+        if dist.get_world_size() > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bool(bad.item())
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    # ------------------------------------------------------------------------------ evaluation
+
+    def eval_step(self, *args, **kwargs) -> float:
+        """The loss of a global batch (every rank passes the same batch) with dropout off, computing no gradient
+        and touching no optimizer state; every rank returns it."""
+        micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches)
+        with torch.no_grad():
+            return self._evaluate(micro)
+
+    def _evaluate(self, micro: list[tuple]) -> float:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------------------- states
+
+    def _full_parameters(self) -> dict[str, torch.Tensor]:
+        """Full master tensors on the CPU under their graph names (collective: every rank calls it)."""
+        raise NotImplementedError
+
+    def _named_buffers(self) -> dict[str, torch.Tensor]:
+        """This program's buffers under the model's names."""
+        raise NotImplementedError
+
+    def state_dict(self, *args, **kwargs) -> dict:  # noqa: ARG002 - the nn.Module signature
+        """Full tensors under the model's names (tied names included), in the dtypes the model was handed in;
+        parameters are gathered from every rank, so every rank must call it."""
+        params = self._full_parameters()
+        buffers = self._named_buffers()
+        out = {}
+        for name in self._state_names:
+            key = self._aliases.get(name, name)
+            value = params.get(key)
+            if value is None:
+                value = buffers.get(name)
+            if value is not None:
+                out[name] = value.detach().cpu().to(self._state_dtypes[name], copy=True)
+        return out

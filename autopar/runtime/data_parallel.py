@@ -1,0 +1,238 @@
+"""The data-parallel program: what a plan with no tensor axis and replicated states compiles to.
+
+When the plan's mesh is dp x 1 with ZeRO stage 0, every rank holds the whole model and the only
+communication is the gradient all-reduce. Running that through DTensor, op by op, buys nothing
+and costs host time on every op, so this program runs the exported graph itself, traced at the
+shape one rank sees (its share of one micro-batch), on plain tensors, and reduces gradients the
+way DDP does: in buckets, one all-reduce per bucket, after the last micro-batch.
+
+Every gradient is a view into its bucket's flat buffer (DDP's `gradient_as_bucket_view`): the
+backward accumulates straight into the buckets, so a step neither concatenates the gradients
+before the all-reduce nor copies them back after it, and clearing them is one fill per bucket.
+Only parameters the graph uses get a view: a parameter that never receives a gradient keeps
+`grad=None`, so the optimizer skips it as it would without this program.
+
+The loss stays exact with uneven ignored labels: a graph pass (`sum_loss_pass`) turns a mean
+cross-entropy output into its sum and adds the count of kept labels as an output; the step
+divides the all-reduced gradient sums by the all-reduced count (the count travels in the last
+bucket, so it costs no extra collective). A loss that is not a cross-entropy is taken as a mean
+over samples: equal shares, so the mean over ranks and micro-batches is exact.
+
+Under mixed precision the buckets hold the gradients of compute-format copies of the masters (made
+again from the masters before each forward), are reduced in that format, and are then cast into the
+masters' fp32 gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.cluster import ClusterSpec
+from autopar.passes.program_graph import (
+    copy_graph_module,
+    drop_assertions_pass,
+    eval_pass,
+    fold_constants_pass,
+    sum_loss_pass,
+)
+from autopar.plan import Plan, ProgramKind
+from autopar.runtime.base import Program, check_scalar_loss, flat_inputs, placeholder_values, rank_rows
+from autopar.trace import TracedModel
+
+BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's default)
+
+
+class DataParallelProgram(Program):
+    """A dp x 1 plan on this rank: the whole model, the exported graph run directly, bucketed all-reduce."""
+
+    kind = ProgramKind.DATA_PARALLEL
+
+    @classmethod
+    def trace_parts(cls, plan: Plan) -> int:
+        return plan.mesh["dp"] * plan.num_microbatches  # one rank's share of one micro-batch
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *,
+                 optimizer=None):  # fmt: skip
+        super().__init__(model, plan, traced, cluster, optimizer=optimizer)
+        self.dp, self.rank = plan.mesh["dp"], dist.get_rank()
+        device = self.device = self.device_type
+        self._model_box = (model,)  # for forward(); boxed so that its parameters are not this module's
+        self._num_mutated = traced.num_mutated_outputs
+        self._gm = sum_loss_pass(drop_assertions_pass(traced.graph_module, None), None, loss_index=self._num_mutated)
+        self._counted = self._gm.meta["autopar_loss_count"]
+        named = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        self.params = torch.nn.ParameterList(
+            torch.nn.Parameter(self.master(named[n]), requires_grad=named[n].requires_grad) for n in traced.param_names
+        )
+        # what the graph computes with: the masters themselves, or their compute-format copies
+        mixed = self.compute_dtype is not None
+        self._compute = [p.detach().to(self.compute_dtype).requires_grad_(p.requires_grad) if mixed else p
+                         for p in self.params]  # fmt: skip
+        self._buffers_list = [buffers[n].detach().to(device, copy=True) for n in traced.buffer_names]
+        self._constants = {k: self.in_compute_format(v.to(device)) if isinstance(v, torch.Tensor) else v
+                           for k, v in traced.exported.constants.items()}  # fmt: skip
+        self._buckets = self._gradient_buckets()
+        # Placeholder values but the user inputs, fixed for the program's life (parameters are updated in place):
+        # a step fills in the inputs instead of walking the signature again.
+        kinds = traced.placeholder_kinds
+        self._input_slots = [i for i, kind in enumerate(kinds) if kind == "input"]
+        run_buffers = [self.in_compute_format(b) for b in self._buffers_list]
+        self._placeholders = placeholder_values(traced, self._compute, run_buffers, self._constants.get,
+                                                [None] * len(self._input_slots))  # fmt: skip
+        # Buffers no step writes (this program does not write mutated ones back either) and lifted constants.
+        placeholders = [n.name for n in self._gm.graph.nodes if n.op == "placeholder"]
+        constant = {name for name, kind in zip(placeholders, kinds, strict=True) if kind in ("buffer", "constant")}
+        if self._num_mutated == 0:
+            self._gm = fold_constants_pass(self._gm, self._placeholders, constant_placeholders=constant)
+        self._eval_gm = None  # built on the first eval_step
+        self._build_optimizer(self.params)
+
+    def _gradient_buckets(self) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """(flat buffer, [(computed parameter, its gradient view)]) per bucket of about BUCKET_BYTES, in order.
+
+        Parameters of one dtype share buckets. The last bucket of a fp32/fp64 model has two more
+        elements, where the loss sum and the label count ride (see `_all_reduce_grads`).
+        """
+        placeholders = [n for n in self._gm.graph.nodes if n.op == "placeholder"]
+        used = [bool(n.users) for n, kind in zip(placeholders, self.traced.placeholder_kinds, strict=True)
+                if kind == "param"]  # fmt: skip
+        trainable = [p for p, u in zip(self._compute, used, strict=True) if p.requires_grad and u]
+        groups: list[list[torch.Tensor]] = []
+        size = BUCKET_BYTES
+        for p in trainable:
+            if size >= BUCKET_BYTES or p.dtype != groups[-1][0].dtype:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += p.numel() * p.element_size()
+        self._ride = bool(groups) and all(g[0].dtype in (torch.float32, torch.float64) for g in groups)
+        buckets = []
+        for i, group in enumerate(groups):
+            extra = 2 if self._ride and i == len(groups) - 1 else 0
+            flat = torch.zeros(sum(p.numel() for p in group) + extra, dtype=group[0].dtype, device=self.device)
+            views, offset = [], 0
+            for p in group:
+                views.append((p, flat[offset:offset + p.numel()].view_as(p)))
+                offset += p.numel()
+            buckets.append((flat, views))
+        return buckets
+
+    def _zero_grads(self) -> None:
+        """Clear the buckets and (re)attach every gradient view; an optimizer's zero_grad may have dropped them."""
+        for flat, views in self._buckets:
+            flat.zero_()
+            for p, view in views:
+                if p.grad is not view:
+                    p.grad = view
+
+    # ------------------------------------------------------------------------------------ running
+
+    def _refresh_compute(self) -> None:
+        """Cast the masters into the compute-format copies the graph reads (mixed precision only)."""
+        if self.compute_dtype is not None:
+            with torch.no_grad():
+                for master, copy in zip(self.params, self._compute, strict=True):
+                    copy.copy_(master)
+
+    def _local_micro_batches(self, micro: list[tuple]) -> list[list]:
+        """This rank's share of each micro-batch, as flat input lists in placeholder order."""
+        out = []
+        for mb_args, mb_kwargs in micro:
+            local = []
+            for t in flat_inputs(self.traced, mb_args, mb_kwargs):
+                if isinstance(t, torch.Tensor):
+                    t = rank_rows(t, self.dp, self.rank).to(self.device).contiguous()
+                local.append(t)
+            out.append(local)
+        return out
+
+    def _run_local(self, gm, micro: list[tuple], backward: bool) -> tuple[list, list]:
+        """Run `gm` on this rank's share of every micro-batch; (losses, kept-label counts or None)."""
+        self._refresh_compute()
+        losses, counts = [], []
+        for flat in self._local_micro_batches(micro):
+            values = list(self._placeholders)
+            for slot, value in zip(self._input_slots, flat, strict=False):
+                values[slot] = value
+            outs = gm(*values)
+            loss = outs[self._num_mutated]
+            check_scalar_loss(loss)
+            if backward:
+                self.scaled(loss).backward()
+            losses.append(loss.detach())
+            counts.append(outs[-1] if self._counted else None)
+        return losses, counts
+
+    def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
+        losses, counts = self._run_local(self._gm, micro, backward=True)
+        return self._all_reduce_grads(losses, counts)
+
+    def _evaluate(self, micro: list[tuple]) -> float:
+        if self._eval_gm is None:
+            self._eval_gm = eval_pass(copy_graph_module(self._gm), None)
+        totals = self._totals(*self._run_local(self._eval_gm, micro, backward=False))
+        if self.dp > 1:
+            dist.all_reduce(totals)
+        loss_sum, count = totals.tolist()
+        return loss_sum / count
+
+    def _totals(self, losses: list[torch.Tensor], counts: list) -> torch.Tensor:
+        """[loss sum, label count] of this rank's micro-batches, in fp64 (a count of None stands for 1)."""
+        loss = losses[0].double() if len(losses) == 1 else torch.stack(losses).double().sum()
+        if all(c is None for c in counts):
+            count = torch.tensor(float(len(counts)), dtype=torch.float64, device=self.device)
+        else:
+            count = torch.stack([c if c is not None else torch.ones((), device=self.device) for c in counts])
+            count = count.double().sum()
+        return torch.stack([loss, count])
+
+    def _all_reduce_grads(self, losses: list[torch.Tensor], counts: list) -> tuple[float, float]:
+        """Sum the gradient buckets over the ranks, the loss and the count riding in the last one; (loss sum, count).
+
+        They ride in the gradients' own format when it holds integers exactly up to 2^24 (fp32, fp64); a
+        16-bit bucket would round the count, so then they travel alone in fp64.
+        """
+        totals = self._totals(losses, counts)
+        for i, (flat, _) in enumerate(self._buckets):
+            ride = self._ride and i == len(self._buckets) - 1
+            if ride:
+                flat[-2:].copy_(totals)
+            if self.dp > 1:
+                dist.all_reduce(flat)
+            if ride:
+                totals = flat[-2:].double()
+        if not self._ride and self.dp > 1:
+            dist.all_reduce(totals)
+        loss_sum, count = totals.tolist()
+        return loss_sum, count
+
+    def _scale_gradients(self, weight: float, scale: float) -> None:
+        """Divide the summed gradients by the label count (and the loss scale); hand them to the masters."""
+        for flat, _ in self._buckets:
+            flat.mul_(1.0 / (weight * scale))
+        if self.compute_dtype is not None:
+            for master, copy in zip(self.params, self._compute, strict=True):
+                if copy.grad is None:
+                    continue
+                if master.grad is None:
+                    master.grad = copy.grad.to(master.dtype)
+                else:
+                    master.grad.copy_(copy.grad)
+
+    def forward(self, *args, **kwargs):
+        """Run the model on any batch with this program's parameters (every rank computes the whole batch)."""
+        names = self.traced.param_names
+        state = {n: p for n, p in zip(names, self.params, strict=True)}
+        state.update({other: state[graph] for other, graph in self._aliases.items() if graph in state})
+        state.update(dict(zip(self.traced.buffer_names, self._buffers_list, strict=True)))
+        return torch.func.functional_call(self._model_box[0], state, args, kwargs)
+
+    # ---------------------------------------------------------------------------------- states
+
+    def _full_parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu() for n, p in zip(self.traced.param_names, self.params, strict=True)}
+
+    def _named_buffers(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.traced.buffer_names, self._buffers_list, strict=True))
