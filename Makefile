@@ -17,7 +17,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/train_llama.py --steps 5
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	test -x $(VENV)/bin/ruff || $(PY) -m pip install -q 'ruff>=0.6'

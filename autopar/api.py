@@ -239,8 +239,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     if _traced is None and isinstance(model, str):
         graph = _trace_shortened(module, args, kwargs, say, fuse)
     if graph is None:
-        traced = _traced if _traced is not None else trace_model(module, args, kwargs,
-                                                                 compute_dtype=_MIXED.get(precision))  # fmt: skip
+        traced = _traced if _traced is not None else _trace_in_format(module, args, kwargs, precision)
         traced = fuse_traced(traced) if fuse else traced
         frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
         graph = OpGraph.from_traced(traced, frozen_params=frozen)
@@ -410,8 +409,12 @@ def _stats(graph: OpGraph, est, t0: float, t_trace: float, solve_time_s: float, 
     }
 
 
-# the format mixed precision computes in; "fp32" runs a model in its own dtype
-_MIXED = {"bf16": torch.bfloat16, "fp16": torch.float16}
+def _trace_in_format(model, args, kwargs, precision: str):
+    """The model traced as a plan of `precision` computes it (the one trace call of plan and compile): mixed
+    precision in its compute format, "fp32" in the model's own dtype."""
+    from autopar.runtime.base import compute_dtype
+
+    return trace_model(model, args, kwargs, compute_dtype=compute_dtype(precision))
 
 
 def _dtype_of(precision: str):
@@ -451,7 +454,7 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     planning_trace = None
     if plan is None:
         precision = plan_kwargs.get("precision") or _default_precision(cluster)
-        planning_trace = trace_model(model, args, kwargs, compute_dtype=runtime.compute_dtype(precision))
+        planning_trace = _trace_in_format(model, args, kwargs, precision)
         plan = _plan(model, cluster, args, kwargs, _traced=planning_trace, **plan_kwargs)
     batch = _batch_size(args, kwargs)
     if batch != plan.global_batch_size:
@@ -470,9 +473,7 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
 
 def _program_trace(model, plan: Plan, args, kwargs):
     """The model traced at the program's shape in the plan's compute format, fused when the plan fuses."""
-    from autopar.runtime import compute_dtype
-
-    traced = trace_model(model, args, kwargs, compute_dtype=compute_dtype(plan.precision))
+    traced = _trace_in_format(model, args, kwargs, plan.precision)
     if plan.fusion.get("enabled"):  # the program runs the graph the plan priced
         from autopar.passes.fused_ops import fuse_traced
 

@@ -65,6 +65,15 @@ def _bench_cmd(args) -> int:
 
     from autopar.bench import run_suite
 
+    if args.suite == "calibrate":  # Megatron-LM (SC'21) Table 1: predicted next to published step times
+        from autopar.bench import megatron
+
+        megatron.run(args.out or "out/calibrate", rows=args.rows, show_progress=not args.quiet)
+        print(f"[autopar] wrote calibrate.json and calibrate.md to {args.out or 'out/calibrate'}", file=sys.stderr)
+        return 0
+    args.out = args.out or "bench-results"
+    if args.rows is not None:
+        warnings.warn(f"--rows applies to the calibrate suite only; the {args.suite} suite ignores it", stacklevel=1)
     if args.cluster is not None and args.suite != "run":
         warnings.warn(f"--cluster applies to the run suite only; the {args.suite} suite ignores it", stacklevel=1)
     run_suite(args.suite, args.out, quick=args.quick, cluster=args.cluster or "cpu:2", show_progress=not args.quiet)
@@ -119,10 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="benchmark suites: plans (predicted, vs baselines), compile (planning time), "
-        "run (measured on CPU ranks, vs DDP/FSDP2/TP)",
+        "run (measured on CPU ranks, vs DDP/FSDP2/TP), calibrate (predicted vs Megatron-LM's published step times)",
     )
-    b.add_argument("suite", choices=["plans", "compile", "run"])
-    b.add_argument("--out", default="bench-results", help="folder for the JSON, Markdown and PNG results")
+    b.add_argument("suite", choices=["plans", "compile", "run", "calibrate"])
+    b.add_argument("--out", help="folder for the JSON, Markdown and PNG results "
+                   "(default bench-results; out/calibrate for calibrate)")  # fmt: skip
+    b.add_argument("--rows", help="calibrate suite: Table 1 rows, e.g. 1.7b,18.4b (default: all five)")
     b.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
     b.add_argument("--cluster", help="run suite: local CPU ranks, cpu:N (default cpu:2)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -72,3 +72,22 @@ def test_explain_reports(plan):
     assert page.startswith("<!doctype html>") and "<table>" in page
     with pytest.raises(ValueError):
         plan.explain("pdf")
+
+
+def test_a_model_handed_in_fp32_is_priced_as_the_plans_compute_format():
+    """At precision bf16 on a GPU cluster the model is traced and priced in bf16 whatever dtype it was handed
+    in: fp32 and bf16 copies of one model give the same plan (the cost model sees the same graph)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=8, use_cache=False)  # fmt: skip
+    ids = torch.zeros(16, 512, dtype=torch.long, device="meta")
+    plans = []
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg).to(dtype)
+        plans.append(autopar.plan(model, "8xA100-80GB", (ids,), {"labels": ids}))
+    fp32, bf16 = plans
+    assert fp32.precision == bf16.precision == "bf16"
+    assert fp32.predicted.step_time_s == pytest.approx(bf16.predicted.step_time_s, rel=1e-3)
+    assert fp32.predicted.peak_memory_bytes == pytest.approx(bf16.predicted.peak_memory_bytes, rel=1e-3)

@@ -306,8 +306,7 @@ class PipelineProgram(Program):
         losses: list = []
         step_args = (index,) if has_first else ()
         run = self.schedule.step if backward else self.schedule.eval
-        kw = {"return_outputs": False} if backward else {}
-        run(*step_args, target=index if has_last else None, losses=losses if has_last else None, **kw)
+        run(*step_args, target=index if has_last else None, losses=losses if has_last else None, return_outputs=False)
         # loss sum and weight sum from the last stage to every stage
         totals = torch.zeros(2, dtype=torch.float64, device=self.device_type)
         if has_last:
