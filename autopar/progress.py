@@ -3,7 +3,7 @@
 The solvers tell `autopar.plan(progress=...)` about every mesh and pipeline layout they price. On a
 terminal, `PlanProgress` turns those messages into one line rewritten in place (the phase, the meshes and
 pipeline layouts priced so far, the alternatives priced, seconds elapsed); when stderr is not a terminal
-it writes one line per phase. `verbose=True` writes every message, as the solvers say it. Nothing goes
+it writes one line per phase and the totals at the end. `verbose=True` writes every message, as the solvers say it. Nothing goes
 to stdout, so `--json` files and piped reports never hold progress.
 """
 
@@ -32,8 +32,10 @@ class PlanProgress:
         phase = self._classify(msg)
         if self.live:
             self._draw()
-        elif phase != self.phase or phase == "tracing":
+        elif phase == "tracing":
             print(f"[autopar] {msg}", file=self.stream, flush=True)
+        elif phase != self.phase:
+            print(f"[autopar] {phase} ...", file=self.stream, flush=True)
         self.phase = phase
 
     def _classify(self, msg: str) -> str:
@@ -50,16 +52,23 @@ class PlanProgress:
             return "tracing"
         return self.phase
 
-    def _draw(self) -> None:
-        line = (f"[autopar] {self.phase}: {self.meshes} meshes, {self.layouts} pipeline layouts, "
+    def _line(self) -> str:
+        return (f"[autopar] {self.phase}: {self.meshes} meshes, {self.layouts} pipeline layouts, "
                 f"{self.alternatives} alternatives priced ({time.perf_counter() - self.t0:.1f} s)")  # fmt: skip
+
+    def _draw(self) -> None:
+        line = self._line()
         self.stream.write("\r" + line.ljust(self._width))
         self.stream.flush()
         self._width = len(line)
 
     def close(self) -> None:
-        """End the status line (on a terminal) with the totals."""
-        if self.live and not self.verbose and self._width:
+        """End the status line (on a terminal) with the totals; elsewhere write the totals as one line."""
+        if self.verbose:
+            return
+        if self.live:
             self._draw()
             self.stream.write("\n")
             self.stream.flush()
+        else:
+            print(self._line(), file=self.stream, flush=True)

@@ -27,15 +27,12 @@ def _esc(text) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _colour_of(parts: list[str]) -> dict[str, str]:
-    return {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(parts)}
-
-
-def _parts(rows: list[tuple[str, dict]]) -> list[str]:
-    seen: list[str] = []
+def _parts(rows: list[tuple[str, dict]], order=()) -> list[str]:
+    """The parts with a positive value in some row, in `order` first (so a part keeps its colour across charts)."""
+    seen = list(order)
     for _, values in rows:
-        seen += [k for k, v in values.items() if v > 0 and k not in seen]
-    return seen
+        seen += [k for k in values if k not in seen]
+    return [k for k in seen if any(values.get(k, 0.0) > 0 for _, values in rows)]
 
 
 def bars_svg(rows: list[tuple[str, dict]], *, unit: str, scale: float, title: str, labels: dict | None = None,
@@ -45,8 +42,9 @@ def bars_svg(rows: list[tuple[str, dict]], *, unit: str, scale: float, title: st
     `limit` draws a dashed line at (label, value) (the memory capacity); `labels` names the parts in the legend.
     """
     labels = labels or {}
-    parts = _parts(rows)
-    colour = _colour_of(parts)
+    parts = _parts(rows, labels)
+    colour = {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(_parts([("", dict.fromkeys(labels, 1.0))], labels))}
+    colour |= {p: PALETTE[(len(labels) + i) % len(PALETTE)] for i, p in enumerate(parts) if p not in colour}
     top = max([sum(v for v in values.values() if v > 0) for _, values in rows] + [limit[1] if limit else 0.0])
     top = top or 1.0
     left, width, bar_h, gap = 190, 520, 18, 8
@@ -89,7 +87,7 @@ def bars_text(rows: list[tuple[str, dict]], *, unit: str, scale: float, labels: 
               limit: tuple[str, float] | None = None) -> list[str]:  # fmt: skip
     """The same chart as `bars_svg` in characters: one fill character per part, a `|` at the limit."""
     labels = labels or {}
-    parts = _parts(rows)
+    parts = _parts(rows, labels)
     fill = {p: TEXT_FILL[i % len(TEXT_FILL)] for i, p in enumerate(parts)}
     top = max([sum(v for v in values.values() if v > 0) for _, values in rows] + [limit[1] if limit else 0.0])
     top = top or 1.0
