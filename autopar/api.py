@@ -219,8 +219,6 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         _traced: the TracedModel of `model` when the caller has one already (compile does); its graph is
             fused in place when fusion is on.
     """
-    from autopar.passes.sharding_solver import solve_sharding
-
     cluster = _as_cluster(cluster)
     constraints = dict(constraints or {})
     unknown = set(constraints) - _CONSTRAINT_KEYS

@@ -149,7 +149,9 @@ def _memory(plan) -> list:
               ("p", "Peak bytes per device by kind, at the turn from forward to backward where every saved activation "
                     f"is live; capacity {_gib(capacity)} GiB per device, budget {_gib(budget)} GiB."),
               ("table", ["device"] + [_MEMORY_WORDS.get(k, k) for k in kinds] + ["total GiB", "budget GiB"], table)]  # fmt: skip
-    limit = ("budget", budget)
+    fullest = max(sum(mem.values()) for _, mem in rows)
+    # a budget far above every bar would flatten them to slivers: it is then in the words above, not on the axis
+    limit = ("budget", budget) if budget <= 4 * fullest else None
     blocks.append(("chart", bars_svg(rows, unit="GiB", scale=GIB, title="Memory per device (GiB)", labels=_MEMORY_WORDS,
                                      limit=limit),
                    bars_text(rows, unit="GiB", scale=GIB, labels=_MEMORY_WORDS, limit=limit)))  # fmt: skip
