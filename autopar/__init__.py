@@ -5,7 +5,7 @@ cluster and returns the fastest plan that fits; `autopar.compile(...)` turns a p
 parallel program that trains on `torch.distributed`.
 """
 
-from autopar.api import compile, parse_bytes, plan
+from autopar.api import compare, compile, parse_bytes, plan
 from autopar.cluster import ClusterSpec
 from autopar.errors import (
     AutoparError,
@@ -29,6 +29,7 @@ __all__ = [
     "PlanFormatError",
     "Predicted",
     "TraceError",
+    "compare",
     "compile",
     "parse_bytes",
     "plan",

@@ -185,7 +185,8 @@ _ATTENTION_TARGETS = ("aten.scaled_dot_product_attention.default", "autopar.flas
 def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch_size: int | None = None,
          seq_len: int | None = None, constraints: dict | None = None, memory_budget=None, offload: bool | None = None,
          precision: str | None = None, estimator=None, progress: Callable[[str], None] | None = None,
-         pipeline: bool | None = None, fuse_kernels: bool | None = None, _traced=None) -> Plan:  # fmt: skip
+         pipeline: bool | None = None, fuse_kernels: bool | None = None, compare=(), alternatives: bool | None = None,
+         _traced=None) -> Plan:  # fmt: skip
     """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
 
     Args:
@@ -210,11 +211,14 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         fuse_kernels: replace attention, norms and the LM-head loss by autopar's Triton ops before planning
             (`passes.fused_ops`), so the plan prices and names the fused graph. Default: on for GPU clusters,
             off on CPUs (where the kernels only run interpreted).
+        compare: layouts to price next to the plan, for the report's "Your layout" section: strings like
+            "tp=8,pp=4,zero=1" or constraint dicts (`autopar.compare` adds them to a plan afterwards).
+        alternatives: price the layouts a user would pick by hand (DDP, ZeRO-3, the best Megatron-style
+            tp x pp point, the search's runner-up) for the report's "Why this plan". Default: on, except for
+            the plans `compile` makes for itself (`_traced` given).
         _traced: the TracedModel of `model` when the caller has one already (compile does); its graph is
             fused in place when fusion is on.
     """
-    from autopar.passes.sharding_solver import solve_sharding
-
     cluster = _as_cluster(cluster)
     constraints = dict(constraints or {})
     unknown = set(constraints) - _CONSTRAINT_KEYS
@@ -248,26 +252,112 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     batch = _batch_size(args, kwargs)
     say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} deduplicated)")
     est = _estimator(estimator, cluster, precision)
-    if _searches_pipeline(pipeline, cluster, constraints):
+    job = _Job(graph, name, cluster, est, precision, budget, offload, pipeline, batch, args, kwargs, fusion, t0,
+               t_trace, say)  # fmt: skip
+    chosen, runner_up = _solve(job, constraints)
+    if alternatives is None:
+        alternatives = _traced is None  # compile's own planning builds a program, never a report
+    if alternatives or compare:
+        from autopar.rationale import with_rationale
+
+        t_alt = time.perf_counter()
+        chosen = with_rationale(chosen, runner_up, lambda pins: _solve(job, pins, quiet=True)[0], say=say,
+                                baselines=alternatives, compare=compare or (), adopt=not constraints)  # fmt: skip
+        chosen = dataclasses.replace(chosen, stats=chosen.stats | {
+            "alternatives_time_s": round(time.perf_counter() - t_alt, 3),
+            "total_time_s": round(time.perf_counter() - t0, 3)})  # fmt: skip
+    config = getattr(module, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
+    return dataclasses.replace(chosen, stats=stats, assumptions=_assumptions(est, cluster, budget))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Job:
+    """What one `plan` call solves on: the traced graph and the settings every layout it prices shares."""
+
+    graph: OpGraph
+    name: str
+    cluster: ClusterSpec
+    est: object
+    precision: str
+    budget: float | None
+    offload: bool | None
+    pipeline: bool | None
+    batch: int
+    args: tuple
+    kwargs: dict
+    fusion: dict
+    t0: float
+    t_trace: float
+    say: Callable[[str], None]
+
+
+def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
+    """The fastest plan under `constraints`, and the search's runner-up: a Plan, constraints to price, or None.
+
+    `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan.
+    """
+    from autopar.passes.sharding_solver import solve_sharding
+
+    graph, cluster, est, precision, batch, budget = job.graph, job.cluster, job.est, job.precision, job.batch, job.budget
+    say = (lambda msg: None) if quiet else job.say
+    if _searches_pipeline(job.pipeline, cluster, constraints):
         from autopar.passes.pipeline_search import search_pipeline
 
         psol = search_pipeline(graph, cluster, estimator=est, precision=precision, constraints=constraints,
                                memory_budget_bytes=budget, batch_size=batch, progress=say)  # fmt: skip
-        if offload:
-            warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=2)
+        if job.offload and not quiet:
+            warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=3)
         if psol.pp > 1:
-            pplan = _pipeline_plan(psol, graph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est)
-            return dataclasses.replace(pplan, fusion=fusion)
+            pplan = _pipeline_plan(psol, graph, job.name, cluster, precision, batch, job.args, job.kwargs, job.t0,
+                                   job.t_trace, est)  # fmt: skip
+            pplan = dataclasses.replace(pplan, fusion=job.fusion)
+            return pplan, _pipeline_runner_up(job, psol, pplan)
         sol = psol.single_stage
     else:
         ignored = sorted(k for k in ("schedule", "virtual_stages") if constraints.get(k) is not None)
-        if ignored:
+        if ignored and not quiet:
             warnings.warn(f"constraints {ignored} apply to pipeline layouts, and this plan searches none (pp=1); "
-                          f"pin pp > 1 or pass pipeline=True to search one", stacklevel=2)  # fmt: skip
+                          f"pin pp > 1 or pass pipeline=True to search one", stacklevel=3)  # fmt: skip
         flat = {k: v for k, v in constraints.items() if k not in _PIPELINE_KEYS}
         sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=flat,
-                             memory_budget_bytes=budget, batch_size=batch, progress=say, offload=offload)  # fmt: skip
-    tokens = _tokens(args, kwargs)
+                             memory_budget_bytes=budget, batch_size=batch, progress=say,
+                             offload=job.offload)  # fmt: skip
+    chosen = _sharded_plan(job, sol)
+    return chosen, _sharded_runner_up(sol)
+
+
+def _sharded_runner_up(sol) -> dict | None:
+    """The mesh that came closest to the chosen one (solved, or its bound when it could not win), as pins."""
+    others = [r for r in sol.candidates if (r.dp, r.tp) != (sol.dp, sol.tp) and r.step_time_s < float("inf")]
+    if not others:
+        return None
+    r = min(others, key=lambda r: (not r.feasible, r.step_time_s))
+    return {"pp": 1, "dp": r.dp, "tp": r.tp}
+
+
+def _pipeline_runner_up(job: _Job, psol, chosen: Plan):
+    """The next fastest layout the pipeline search priced exactly (as pins), else the best plan without one."""
+    layout = (chosen.mesh["pp"], chosen.mesh["dp"], chosen.mesh["tp"], chosen.num_microbatches,
+              chosen.pipeline["schedule"], chosen.pipeline.get("virtual_stages", 1))  # fmt: skip
+    priced = [c for c in psol.candidates if c["step_time_s"] is not None
+              and (c["pp"], c["dp"], c["tp"], c["num_microbatches"], c["schedule"], c["virtual_stages"]) != layout]
+    if priced:
+        c = min(priced, key=lambda c: c["step_time_s"])
+        return {"pp": c["pp"], "dp": c["dp"], "tp": c["tp"], "num_microbatches": c["num_microbatches"],
+                "schedule": c["schedule"], "virtual_stages": c["virtual_stages"]}  # fmt: skip
+    if psol.single_stage is not None:
+        return _sharded_plan(job, psol.single_stage)
+    return None
+
+
+def _sharded_plan(job: _Job, sol) -> Plan:
+    """The Plan of a layout without a pipeline (mesh dp x tp), from the sharding solver's solution."""
+    from autopar.rationale import sharded_terms
+
+    graph, cluster, precision = job.graph, job.cluster, job.precision
+    tokens = _tokens(job.args, job.kwargs)
     model_flops, hw_flops = _flops(graph, tokens, sol.recompute, sol.layer_modes)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world = cluster.world_size
@@ -285,9 +375,11 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
          "reason": r.reason}
         for r in sol.candidates
     )  # fmt: skip
-    stats = _stats(graph, est, t0, t_trace, sol.solve_time_s, decision_groups=sol.num_groups)
+    stats = _stats(graph, job.est, job.t0, job.t_trace, sol.solve_time_s, decision_groups=sol.num_groups)
+    terms = sharded_terms(step_s=step, compute_s=sol.compute_s, recompute_s=sol.recompute_s, reshard_s=sol.reshard_s,
+                          grad_sync_s=sol.grad_sync_s, offload_s=offload_s, optimizer_s=sol.optimizer_s)
     return Plan(
-        model_name=name,
+        model_name=job.name,
         cluster=cluster,
         mesh={"dp": sol.dp, "tp": sol.tp},
         zero_stage=sol.zero_stage,
@@ -297,7 +389,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         layer_modes=dict(sol.layer_modes),
         activation_offload=dict(sol.activation_offload),
         precision=precision,
-        global_batch_size=batch,
+        global_batch_size=job.batch,
         tokens_per_step=tokens,
         num_parameters=graph.num_parameters(),
         model_flops_per_step=model_flops,
@@ -310,8 +402,26 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         alternatives=alternatives,
         unruled_ops=sol.unruled_ops,
         stats=stats,
-        fusion=fusion,
+        fusion=job.fusion,
+        time_breakdown=terms,
     )
+
+
+def _assumptions(est, cluster: ClusterSpec, budget: float | None) -> dict:
+    """What the predictions rest on besides the cluster's figures: the estimator (and its profile) and the budget."""
+    import os
+
+    out = {"estimator": "analytic" if type(est).__name__ == "AnalyticEstimator" else type(est).__name__,
+           "memory_budget_bytes": float(budget if budget is not None else cluster.device.memory_bytes)}  # fmt: skip
+    path = getattr(est, "cache_path", None)
+    if path is not None:
+        out["estimator"] = "profile"
+        found = os.path.exists(path)
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(os.path.getmtime(path))) if found else None
+        out["profile"] = {"path": str(path), "device": getattr(est, "device", None), "written": stamp,
+                          "ranks_per_core": getattr(est, "ranks_per_core", 1.0),
+                          "in_step": list(getattr(est, "in_step", (1.0, 1.0)))}  # fmt: skip
+    return out
 
 
 _PIPELINE_KEYS = {"pp", "schedule", "virtual_stages"}
@@ -361,19 +471,24 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
                "recompute": st.sharding.recompute if st.sharding is not None else "none",
                "time_per_microbatch_s": st.time_per_microbatch_s, "transfer_per_microbatch_s": st.transfer_per_microbatch_s,
                "grad_sync_s": st.grad_sync_s, "activation_copies": st.activation_copies,
-               "memory_bytes": sum(st.memory.values())} for st in psol.stages]  # fmt: skip
+               "memory_bytes": sum(st.memory.values()), "memory": dict(st.memory)} for st in psol.stages]  # fmt: skip
     info = {"schedule": str(psol.schedule), "virtual_stages": psol.virtual_stages,
             "bubble_fraction": psol.bubble_fraction, "micro_batch_size": psol.micro_batch_size, "stages": stages,
             "step_time_without_pipeline_s": psol.single_stage_step_time_s,
             "priced": [dict(c) for c in psol.candidates]}  # fmt: skip
     stats = _stats(graph, est, t0, t_trace, psol.solve_time_s, stage_programs=psol.num_stage_programs)
+    from autopar.rationale import pipeline_terms
+
+    slowest = max(psol.stages, key=lambda st: st.time_per_microbatch_s + st.transfer_per_microbatch_s)
+    terms = pipeline_terms(step_s=step, num_microbatches=psol.num_microbatches, stage_s=slowest.time_per_microbatch_s,
+                           transfer_s=slowest.transfer_per_microbatch_s, grad_sync_s=sync, optimizer_s=opt)  # fmt: skip
     return Plan(model_name=name, cluster=cluster, mesh={"pp": psol.pp, "dp": psol.dp, "tp": psol.tp},
                 zero_stage=max(st.zero_stage for st in psol.stages), num_microbatches=psol.num_microbatches,
                 recompute=recompute, precision=precision, global_batch_size=batch, tokens_per_step=tokens,
                 num_parameters=graph.num_parameters(), model_flops_per_step=model_flops,
                 hardware_flops_per_step=hw_flops, predicted=predicted, param_placements=placements, node_output={},
                 node_inputs={}, node_strategy={}, alternatives=(), unruled_ops=(), stats=stats,
-                pipeline=info)  # fmt: skip
+                pipeline=info, time_breakdown=terms)  # fmt: skip
 
 
 def _predicted(step: float, model_flops: float, hw_flops: float, tokens: int, world: int, peak: float, memory: dict,
@@ -518,4 +633,26 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
 _plan = plan  # `compile` takes a `plan=` argument that hides the function
 
 
-__all__ = ["plan", "compile", "parse_bytes"]
+def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=None, **plan_kwargs) -> Plan:
+    """`plan` with `layouts` priced next to it under the same cost model (the report's "Your layout").
+
+    Args:
+        plan: a plan from `autopar.plan` or `Plan.from_json`.
+        layouts: strings like "tp=8,pp=4,zero=1" or constraint dicts; one that cannot run is listed
+            with the reason, never dropped.
+        model: the model the plan is for; default its preset name (`plan.model_name`). A plan of an
+            nn.Module needs the module and `example_inputs` / `example_kwargs` (one global batch).
+        plan_kwargs: other `autopar.plan` settings (estimator=, offload=, pipeline=) when the plan used some.
+    """
+    if isinstance(layouts, (str, dict)):
+        layouts = [layouts]
+    kw = {"precision": plan.precision, "fuse_kernels": bool(plan.fusion.get("enabled", False)),
+          "memory_budget": plan.assumptions.get("memory_budget_bytes")} | plan_kwargs  # fmt: skip
+    if model is None or isinstance(model, str):
+        kw |= {"global_batch_size": plan.global_batch_size, "seq_len": plan.tokens_per_step // plan.global_batch_size}
+    priced = globals()["plan"](model if model is not None else plan.model_name, plan.cluster, example_inputs,
+                               example_kwargs, alternatives=False, compare=list(layouts), **kw)  # fmt: skip
+    return dataclasses.replace(plan, comparisons=tuple(plan.comparisons) + tuple(priced.comparisons))
+
+
+__all__ = ["plan", "compile", "compare", "parse_bytes"]

@@ -23,7 +23,10 @@ def _plan_cmd(args) -> int:
     constraints = {k: getattr(args, k) for k in _CONSTRAINT_FLAGS if getattr(args, k) is not None}
     # Unset switches stay out of the call, so autopar.plan's own defaults (None: decide by cluster) apply.
     switches = {k: getattr(args, k) for k in ("offload", "pipeline", "fuse_kernels") if getattr(args, k) is not None}
+    from autopar.progress import PlanProgress
+
     cluster = autopar.ClusterSpec.from_file(args.cluster) if Path(args.cluster).is_file() else args.cluster
+    progress = None if args.quiet else PlanProgress(verbose=args.verbose)
     plan = autopar.plan(
         args.model,
         cluster,
@@ -33,16 +36,20 @@ def _plan_cmd(args) -> int:
         memory_budget=args.memory_budget,
         precision=args.precision,
         estimator=args.estimator,
-        progress=(lambda msg: print(f"[autopar] {msg}", file=sys.stderr)) if not args.quiet else None,
+        progress=progress,
+        compare=args.compare or (),
         **switches,
     )
+    if progress is not None:
+        progress.close()
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[autopar] {msg}", file=sys.stderr))
     if args.json:
         Path(args.json).write_text(plan.to_json())
-        print(f"[autopar] wrote {args.json}", file=sys.stderr)
+        say(f"wrote {args.json}")
     if args.report:
         fmt = "html" if args.report.endswith((".html", ".htm")) else "markdown"
         Path(args.report).write_text(plan.explain(fmt))
-        print(f"[autopar] wrote {args.report}", file=sys.stderr)
+        say(f"wrote {args.report}")
     print(plan.explain() if args.explain else plan.summary())
     return 0
 
@@ -56,7 +63,12 @@ def _explain_cmd(args) -> int:
         from autopar.errors import ConfigError
 
         raise ConfigError(f"cannot read plan file {args.plan}: {e.strerror}") from e
-    print(Plan.from_json(text).explain(args.format))
+    plan = Plan.from_json(text)
+    if args.html:
+        Path(args.html).write_text(plan.explain("html"))
+        print(f"[autopar] wrote {args.html}", file=sys.stderr)
+        return 0
+    print(plan.explain(args.format))
     return 0
 
 
@@ -119,11 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the plan as JSON to this file")
     p.add_argument("--report", help="write the report to this file (.md or .html)")
     p.add_argument("--explain", action="store_true", help="print the full report instead of the summary")
-    p.add_argument("--quiet", action="store_true", help="no progress messages")
+    p.add_argument("--compare", action="append", metavar="LAYOUT",
+                   help="price this layout next to the plan, e.g. 'tp=8,pp=4,zero=1' (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="print only the result (no progress)")
+    p.add_argument("--verbose", action="store_true", help="log every mesh and pipeline layout priced")
     p.set_defaults(fn=_plan_cmd)
     e = sub.add_parser("explain", help="print the report of a saved plan")
     e.add_argument("plan", help="a plan JSON file")
     e.add_argument("--format", choices=["markdown", "html"], default="markdown")
+    e.add_argument("--html", metavar="OUT", help="write the HTML page to this file instead of printing")
     e.set_defaults(fn=_explain_cmd)
     b = sub.add_parser(
         "bench",

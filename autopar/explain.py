@@ -1,4 +1,11 @@
-"""Strategy-explain reports: what the plan chose, what it predicts, and what it was chosen over."""
+"""Strategy-explain reports: what the plan chose, what it predicts, and what it was chosen over.
+
+`render_markdown` (readable in a terminal, charts as text bars) and `render_html` (one self-contained page,
+charts as inline SVG) render the same sections, in this order: Summary, Memory per device, Time breakdown,
+Layer table, Pipeline (with a Gantt chart of one step), Why this plan, Your layout, Assumptions, then an
+appendix (fusion, ops without a rule, planning statistics). Every figure is one of the plan's own fields,
+formatted; nothing is priced again here, so a plan read back from JSON reports identically.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,8 @@ import html
 from collections import Counter
 
 from autopar.plan import format_flops_rate
+from autopar.rationale import TERM_LABELS, TERMS
+from autopar.report_charts import bars_svg, bars_text, gantt_svg, gantt_text, schedule_order, simulate
 
 GIB = 1024**3
 _RECOMPUTE_WORDS = {
@@ -13,25 +22,6 @@ _RECOMPUTE_WORDS = {
     "selective": "selective (attention internals run again in backward)",
     "full": "full (each layer keeps its input; its forward runs again in backward)",
 }
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return out
-
-
-def _linear_summary(plan) -> list[list[str]]:
-    """How the parameters of each kind are laid out on the tensor axis (names with layer indices folded)."""
-    groups: dict[str, Counter] = {}
-    for name, pl in plan.param_placements.items():
-        parts = [("*" if p.isdigit() else p) for p in name.split(".")]
-        key = ".".join(parts)
-        groups.setdefault(key, Counter())[pl] += 1
-    rows = []
-    for key, cnt in groups.items():
-        rows.append([f"`{key}`", ", ".join(f"{pl} x{n}" if n > 1 else pl for pl, n in cnt.items())])
-    return rows
 
 
 def _activation_words(plan) -> str:
@@ -75,37 +65,6 @@ def _offload_words(plan) -> str:
             f"add {off['time_s'] * 1e3:,.2f} ms")  # fmt: skip
 
 
-def _pipeline_section(plan) -> list[str]:
-    """Stages, schedule and bubble of a pipeline plan (nothing for a plan without one)."""
-    info = plan.pipeline
-    if not info:
-        return []
-    lines = ["## Pipeline", "",
-             f"Schedule {info['schedule']}, {info.get('virtual_stages', 1)} virtual stage(s) per device, "
-             f"{plan.num_microbatches} micro-batches of {info['micro_batch_size']} sample(s) per data-parallel rank, "
-             f"bubble {info['bubble_fraction']:.1%} of the time without one ((p - 1) / m, / v when interleaved)."]  # fmt: skip
-    without = info.get("step_time_without_pipeline_s")
-    lines += [f"The best plan without a pipeline: {without * 1e3:,.2f} ms." if without else
-              "No plan without a pipeline was priced (the number of stages is pinned) or none fits.", ""]  # fmt: skip
-    rows = [[str(st["index"]), ", ".join(f"{a}-{b - 1}" for a, b in st["layers"]), f"dp={st['dp']} tp={st['tp']}",
-             str(st["zero_stage"]), st["recompute"], f"{st['time_per_microbatch_s'] * 1e3:,.3f}",
-             f"{st['transfer_per_microbatch_s'] * 1e3:,.3f}", f"{st['activation_copies']:g}",
-             f"{st['memory_bytes'] / GIB:,.2f}"] for st in info["stages"]]  # fmt: skip
-    lines += _table(["stage", "layers", "sub-mesh", "ZeRO", "recompute", "ms / micro-batch", "transfer ms",
-                     "micro-batches in flight", "memory GiB"], rows)  # fmt: skip
-    priced = sorted(info.get("priced", ()), key=lambda c: (c["step_time_s"] is None, c["step_time_s"] or 0.0))
-    if priced:
-        lines += ["", "Layouts priced exactly, fastest first (each at its best cut of the layers; the search "
-                  "stops once no remaining layout's estimate can beat the best):", ""]  # fmt: skip
-        rows = [[f"pp={c['pp']} dp={c['dp']} tp={c['tp']}", str(c["num_microbatches"]),
-                 c["schedule"] + (f" x{c['virtual_stages']}" if c.get("virtual_stages", 1) > 1 else ""),
-                 f"{c['estimate_s'] * 1e3:,.2f}",
-                 f"{c['step_time_s'] * 1e3:,.2f}" if c["step_time_s"] is not None else c.get("reason", "")]
-                for c in priced]  # fmt: skip
-        lines += _table(["layout", "micro-batches", "schedule", "estimate ms", "step ms"], rows)
-    return lines + [""]
-
-
 def _fusion_words(fusion: dict) -> str:
     """'on: 32 flash_attention, 65 rms_norm, ...' (ops of the whole model), or 'off'."""
     if not fusion.get("enabled"):
@@ -115,117 +74,392 @@ def _fusion_words(fusion: dict) -> str:
     return f"on: {counts}" + (f"; {skipped} site(s) left alone (see Fusion)" if skipped else "")
 
 
-def _fusion_section(plan) -> list[str]:
-    """The sites the fusion pass matched but left alone, with the reason (nothing when there are none)."""
-    skipped = plan.fusion.get("skipped", ())
-    if not skipped:
+# ------------------------------------------------------------------------------------------ blocks
+# A report is a list of blocks, rendered to Markdown (charts as text) or HTML (charts as inline SVG):
+#   ("h1" | "h2" | "h3" | "p" | "li", text)   ("table", header, rows)   ("chart", svg, text lines)
+
+
+def _ms(s) -> str:
+    return "-" if s is None else f"{s * 1e3:,.2f}"
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / GIB:,.2f}"
+
+
+def _mapping_words(plan) -> str:
+    """How the mesh axes lie on the nodes (tensor innermost), and the link each one crosses."""
+    cluster, inner, words = plan.cluster, 1, []
+    for axis in reversed(list(plan.mesh)):
+        size = plan.mesh[axis]
+        if size > 1:
+            link = cluster.link_for_axis(size, inner)
+            where = "inside a node" if link is cluster.intra_node_link else "across nodes"
+            words.append(f"{axis}={size} {where} ({link.name})")
+        inner *= size
+    return "; ".join(reversed(words)) or "one device"
+
+
+def _summary(plan) -> list:
+    p, st = plan.predicted, plan.stats
+    hidden = st.get("hidden_size")
+    model = f"{plan.num_parameters / 1e9:,.2f} B parameters, {st.get('layers', '?')} layers" + (
+        f", hidden size {hidden}" if hidden else "")
+    rows = [
+        ["model", f"{plan.model_name}: {model}"],
+        ["cluster", plan.cluster.describe()],
+        ["mesh", " x ".join(f"{k}={v}" for k, v in plan.mesh.items()) + f" ({_mapping_words(plan)})"],
+        ["program", f"{plan.program}"],
+        ["ZeRO stage (over dp)", str(plan.zero_stage)],
+        ["micro-batches per step", f"{plan.num_microbatches} of {plan.micro_batch_size} sample(s) per data-parallel rank"],
+        ["activation recompute", _activation_words(plan)],
+        ["host offload", _offload_words(plan)],
+        ["precision", plan.precision],
+        ["global batch", f"{plan.global_batch_size} ({plan.tokens_per_step:,} tokens)"],
+        ["predicted step time", f"{_ms(p.step_time_s)} ms"],
+        ["tokens/s", f"{p.tokens_per_s:,.0f}"],
+        ["FLOP/s per device (model FLOPs)", format_flops_rate(p.tflops_per_device)],
+        ["MFU (model FLOPs)", f"{p.mfu:.1%}"],
+        ["hardware FLOPs utilisation", f"{p.hardware_flops_utilization:.1%}"],
+        ["peak memory per device", f"{_gib(p.peak_memory_bytes)} GiB"],
+        ["kernel fusion", _fusion_words(plan.fusion)],
+        ["planning time", f"{st['total_time_s']:,.2f} s" if "total_time_s" in st else "-"],
+    ]  # fmt: skip
+    return [("h1", f"autopar plan: {plan.model_name}"), ("h2", "Summary"), ("table", ["", ""], rows)]
+
+
+_MEMORY_WORDS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
+                 "activations": "activations", "recompute": "recompute working set", "transient": "transient peak",
+                 "buffers": "buffers"}  # fmt: skip
+
+
+def _memory(plan) -> list:
+    p = plan.predicted
+    capacity = plan.cluster.device.memory_bytes
+    budget = plan.assumptions.get("memory_budget_bytes", capacity)
+    stages = plan.pipeline.get("stages", ()) if plan.pipeline else ()
+    if stages and all("memory" in s for s in stages):
+        rows = [(f"stage {s['index']}", dict(s["memory"])) for s in stages]
+    else:
+        rows = [(f"each of {plan.cluster.world_size} {plan.cluster.device.name}", dict(p.memory_breakdown))]
+    kinds = list(dict.fromkeys(k for _, mem in rows for k in mem))
+    table = [[label] + [_gib(mem.get(k, 0.0)) for k in kinds] + [_gib(sum(mem.values())), _gib(budget)]
+             for label, mem in rows]  # fmt: skip
+    blocks = [("h2", "Memory per device"),
+              ("p", "Peak bytes per device by kind, at the turn from forward to backward where every saved activation "
+                    f"is live; capacity {_gib(capacity)} GiB per device, budget {_gib(budget)} GiB."),
+              ("table", ["device"] + [_MEMORY_WORDS.get(k, k) for k in kinds] + ["total GiB", "budget GiB"], table)]  # fmt: skip
+    fullest = max(sum(mem.values()) for _, mem in rows)
+    # a budget far above every bar would flatten them to slivers: it is then in the words above, not on the axis
+    limit = ("budget", budget) if budget <= 4 * fullest else None
+    blocks.append(("chart", bars_svg(rows, unit="GiB", scale=GIB, title="Memory per device (GiB)", labels=_MEMORY_WORDS,
+                                     limit=limit),
+                   bars_text(rows, unit="GiB", scale=GIB, labels=_MEMORY_WORDS, limit=limit)))  # fmt: skip
+    host = [f"optimizer states and gradients: {_offload_words(plan)}"] if plan.offload else []
+    if plan.activation_offload:
+        off = plan.activation_offload
+        host.append(f"activations of {len(off.get('layers', ()))} layer(s): {_gib(off['bytes_per_device'])} GiB per device")
+    blocks.append(("p", "On the host: " + ("; ".join(host) if host else "nothing (every state on the device).")))
+    return blocks
+
+
+def _time(plan) -> list:
+    terms = {k: v for k, v in plan.time_breakdown.items() if v}
+    if not terms:
         return []
-    rows = [[s["kind"], f"`{s['node']}`", s["reason"]] for s in skipped]
-    return ["## Fusion", "", "Sites left as ATen ops:", "", *_table(["kind", "node", "reason"], rows), ""]
+    step = plan.predicted.step_time_s
+    rows = [[TERM_LABELS.get(k, k), _ms(v), f"{v / step:.1%}" if step else "-"] for k, v in terms.items()]
+    chart_rows = [("chosen plan", terms)]
+    return [("h2", "Time breakdown"),
+            ("p", "One step's predicted time by term; communication is not overlapped with compute, so the terms add "
+                  f"up to the step time ({_ms(step)} ms)."),
+            ("table", ["term", "ms", "share"], rows),
+            ("chart", bars_svg(chart_rows, unit="ms", scale=1e-3, title="Step time (ms)", labels=TERM_LABELS),
+             bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS))]  # fmt: skip
+
+
+def _stage_of(plan, name: str):
+    """The pipeline stage that holds parameter `name` (by its layer index), or None."""
+    if not plan.pipeline:
+        return None
+    idx = next((int(p) for p in name.split(".") if p.isdigit()), None)
+    for st in plan.pipeline["stages"]:
+        if idx is None:
+            if (st["index"] == 0) == ("embed" in name or "wte" in name or "wpe" in name):
+                return st["index"] if st["index"] == 0 else plan.pipeline["stages"][-1]["index"]
+        elif any(a <= idx < b for a, b in st["layers"]):
+            return st["index"]
+    return None
+
+
+def _layers(plan) -> list:
+    groups: dict[str, Counter] = {}
+    stages: dict[str, set] = {}
+    for name, pl in plan.param_placements.items():
+        key = ".".join("*" if p.isdigit() else p for p in name.split("."))
+        groups.setdefault(key, Counter())[pl] += 1
+        st = _stage_of(plan, name)
+        if st is not None:
+            stages.setdefault(key, set()).add(st)
+    rows = [[f"`{key}`", ", ".join(f"{pl} x{n}" if n > 1 else pl for pl, n in cnt.items()),
+             _ranges(stages[key]) if key in stages else "-"] for key, cnt in groups.items()]  # fmt: skip
+    blocks = [("h2", "Layer table"),
+              ("p", "Parameters by kind (layer indices folded into *), their placement on the tensor axis, and the "
+                    "pipeline stage(s) holding them."),
+              ("table", ["parameter", "placement", "stage"], rows)]  # fmt: skip
+    ops = plan.stats.get("layer_ops") or []
+    if ops:
+        blocks += [("h3", "Ops of one layer (deduplicated: it stands for every layer) and the collectives inserted"),
+                   ("table", ["op", "strategy", "inputs", "output", "collective", "MiB", "ms"],
+                    [[f"`{o['op']}`", o["strategy"], ", ".join(o["inputs"]), o["output"], o.get("collective", ""),
+                      f"{o['bytes'] / 2**20:,.2f}" if o.get("bytes") else "", _ms(o["time_s"]) if o.get("time_s") else ""]
+                     for o in ops])]  # fmt: skip
+    strategies = Counter(s for s in plan.node_strategy.values() if not s.startswith("follows"))
+    if strategies:
+        blocks += [("h3", "Op strategies (whole model)"),
+                   ("table", ["strategy", "ops"], [[s or "(single choice)", str(n)] for s, n in strategies.most_common()])]
+    return blocks
+
+
+def _pipeline(plan) -> list:
+    info = plan.pipeline
+    if not info:
+        return []
+    blocks = [("h2", "Pipeline"),
+              ("p", f"Schedule {info['schedule']}, {info.get('virtual_stages', 1)} virtual stage(s) per device, "
+                    f"{plan.num_microbatches} micro-batches of {info['micro_batch_size']} sample(s) per data-parallel "
+                    f"rank, bubble {info['bubble_fraction']:.1%} of the time without one ((p - 1) / m, / v when "
+                    "interleaved).")]  # fmt: skip
+    without = info.get("step_time_without_pipeline_s")
+    blocks.append(("p", f"The best plan without a pipeline: {_ms(without)} ms." if without else
+                   "No plan without a pipeline was priced (the number of stages is pinned) or none fits."))  # fmt: skip
+    rows = [[str(st["index"]), ", ".join(f"{a}-{b - 1}" for a, b in st["layers"]), f"dp={st['dp']} tp={st['tp']}",
+             str(st["zero_stage"]), st["recompute"], f"{st['time_per_microbatch_s'] * 1e3:,.3f}",
+             f"{st['transfer_per_microbatch_s'] * 1e3:,.3f}", f"{st['activation_copies']:g}",
+             _gib(st["memory_bytes"])] for st in info["stages"]]  # fmt: skip
+    blocks.append(("table", ["stage", "layers", "sub-mesh", "ZeRO", "recompute", "ms / micro-batch", "transfer ms",
+                             "micro-batches in flight", "memory GiB"], rows))  # fmt: skip
+    blocks += _gantt(plan)
+    priced = sorted(info.get("priced", ()), key=lambda c: (c["step_time_s"] is None, c["step_time_s"] or 0.0))
+    if priced:
+        rows = [[f"pp={c['pp']} dp={c['dp']} tp={c['tp']}", str(c["num_microbatches"]),
+                 c["schedule"] + (f" x{c['virtual_stages']}" if c.get("virtual_stages", 1) > 1 else ""),
+                 _ms(c["estimate_s"]), _ms(c["step_time_s"]) if c["step_time_s"] is not None else c.get("reason", "")]
+                for c in priced]  # fmt: skip
+        blocks += [("p", "Layouts priced exactly, fastest first (each at its best cut of the layers; the search stops "
+                         "once no remaining layout's estimate can beat the best):"),
+                   ("table", ["layout", "micro-batches", "schedule", "estimate ms", "step ms"], rows)]  # fmt: skip
+    return blocks
+
+
+def _gantt(plan) -> list:
+    """One step of the schedule: the slowest stage's time per micro-batch, split 1:2 between forward and backward."""
+    info, pp = plan.pipeline, plan.mesh.get("pp", 1)
+    slowest = max(info["stages"], key=lambda st: st["time_per_microbatch_s"] + st["transfer_per_microbatch_s"])
+    per_mb = slowest["time_per_microbatch_s"] + slowest["transfer_per_microbatch_s"]
+    v = info.get("virtual_stages", 1)
+    orders = schedule_order(info["schedule"], pp, plan.num_microbatches, v)
+    slots = simulate(orders, 1.0 / (3 * v), 2.0 / (3 * v))
+    title = (f"One step of {info['schedule']}" + (f" x{v}" if v > 1 else "") + f": {pp} stages, "
+             f"{plan.num_microbatches} micro-batches")  # fmt: skip
+    return [("h3", "Schedule"),
+            ("p", "Boxes are the forward (F) and backward (B) of each micro-batch on each stage in the order the "
+                  "schedule runs them, every stage at the slowest stage's time per micro-batch "
+                  f"({_ms(per_mb)} ms, forward to backward drawn 1:2); gaps are the bubble. The step's gradient sync "
+                  "and optimizer step follow the last backward."),
+            ("chart", gantt_svg(slots, pp, title=title, unit_s=per_mb), gantt_text(slots, pp))]  # fmt: skip
+
+
+def _why(plan) -> list:
+    blocks = [("h2", "Why this plan")]
+    if plan.baselines:
+        step = plan.predicted.step_time_s
+        rows = [["**chosen**", _layout_words(plan), _ms(step), "-", _gib(plan.predicted.peak_memory_bytes), "yes", ""]]
+        for b in sorted(plan.baselines, key=lambda b: (not b["feasible"], b["step_time_s"] or 0.0)):
+            rows.append([b["label"], b["layout"], _ms(b["step_time_s"]),
+                         f"{b['step_time_s'] / step:.2f}x" if b["feasible"] and step else "-",
+                         _gib(b["peak_memory_bytes"]), "yes" if b["feasible"] else "no", b["reason"]])  # fmt: skip
+        blocks += [("p", "The layouts a user would pick by hand, each priced by the same cost model with what it does not "
+                         "pin left to the solver (the best of its family); a layout that cannot run says which "
+                         "constraint ruled it out and by how much."),
+                   ("table", ["alternative", "layout", "step ms", "vs chosen", "peak GiB", "fits", "why not"], rows)]  # fmt: skip
+        chart_rows = [("chosen", plan.time_breakdown)] + [
+            (b["name"], b["terms"]) for b in plan.baselines if b["feasible"] and b.get("terms")]
+        blocks.append(("chart", bars_svg(chart_rows, unit="ms", scale=1e-3, title="Step time of each alternative (ms)",
+                                         labels=TERM_LABELS),
+                       bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS)))  # fmt: skip
+    else:
+        blocks.append(("p", "No alternatives were priced for this plan (planned with alternatives=False)."))
+    if plan.alternatives:
+        blocks += [("h3", "Meshes solved"),
+                   ("p", "Every factorisation of the world size into dp x tp was solved; each row is the optimum for "
+                         "that mesh, with the fewest micro-batches whose activations fit, recomputing activations only "
+                         "where memory required it.")]  # fmt: skip
+        rows = []
+        for alt in sorted(plan.alternatives, key=lambda a: (a["step_time_s"] is None, a["step_time_s"] or 0.0)):
+            chosen = alt["dp"] == plan.mesh.get("dp") and alt["tp"] == plan.mesh.get("tp")
+            rows.append([
+                f"dp={alt['dp']} tp={alt['tp']}" + (" (chosen)" if chosen else ""), str(alt.get("num_microbatches", 1)),
+                _ms(alt["step_time_s"]) if alt["feasible"] else "-",
+                _ms(alt["compute_s"]), _ms(alt["reshard_s"]), _ms(alt["grad_sync_s"]),
+                str(alt["zero_stage"]) if alt["feasible"] else "-", alt.get("recompute", "none") if alt["feasible"] else "-",
+                _gib(sum(alt["memory"].values())) if alt["feasible"] else alt.get("reason") or "does not fit",
+            ])  # fmt: skip
+        blocks.append(("table", ["mesh", "micro-batches", "step ms", "compute ms", "reshard ms", "grad sync ms", "ZeRO",
+                                 "recompute", "memory GiB"], rows))  # fmt: skip
+    return blocks
+
+
+def _layout_words(plan) -> str:
+    from autopar.rationale import layout_words
+
+    return layout_words(plan)
+
+
+def _yours(plan) -> list:
+    if not plan.comparisons:
+        return []
+    blocks = [("h2", "Your layout"),
+              ("p", "Each layout you asked for, priced by the same cost model next to the chosen plan, with the "
+                    "difference per term (positive: yours takes longer or needs more).")]  # fmt: skip
+    chosen = plan.time_breakdown
+    for c in plan.comparisons:
+        blocks.append(("h3", f"{c['name']}: {c['layout']}"))
+        if not c["feasible"]:
+            blocks.append(("p", f"Cannot run: {c['reason']}"))
+            continue
+        rows = [[TERM_LABELS.get(k, k), _ms(chosen.get(k, 0.0)), _ms(c["terms"].get(k, 0.0)),
+                 f"{(c['terms'].get(k, 0.0) - chosen.get(k, 0.0)) * 1e3:+,.2f}"]
+                for k in TERMS if chosen.get(k) or c["terms"].get(k)]  # fmt: skip
+        rows.append(["**step time**", _ms(plan.predicted.step_time_s), _ms(c["step_time_s"]),
+                     f"{(c['step_time_s'] - plan.predicted.step_time_s) * 1e3:+,.2f}"])
+        rows.append(["peak memory GiB", _gib(plan.predicted.peak_memory_bytes), _gib(c["peak_memory_bytes"]),
+                     f"{(c['peak_memory_bytes'] - plan.predicted.peak_memory_bytes) / GIB:+,.2f}"])  # fmt: skip
+        blocks += [("table", ["term (ms)", "chosen", "yours", "difference"], rows), ("p", f"In one line: {c['reason']}.")]
+    return blocks
+
+
+def _assumptions(plan) -> list:
+    dev, a = plan.cluster.device, plan.assumptions
+    rows = [[f"peak matrix FLOP/s ({dt.value})", format_flops_rate(rate / 1e12)] for dt, rate in dev.matmul_flops_per_s]
+    rows += [
+        ["peak vector FLOP/s", format_flops_rate(dev.vector_flops_per_s / 1e12)],
+        ["matmul efficiency (achievable share of peak)", f"{dev.matmul_efficiency:.3f}"],
+        ["memory bandwidth", f"{dev.memory_bandwidth_bytes_per_s / 1e9:,.0f} GB/s"],
+        ["memory efficiency", f"{dev.memory_efficiency:.3f}"],
+        ["kernel overhead per op", f"{dev.kernel_overhead_s * 1e6:,.1f} µs"],
+        ["device memory", f"{_gib(dev.memory_bytes)} GiB"],
+        ["memory budget per device", f"{_gib(a['memory_budget_bytes'])} GiB" if "memory_budget_bytes" in a else "-"],
+        ["host AdamW rate per device", f"{dev.host_adamw_params_per_s / 1e9:,.2f} G parameters/s"],
+    ]  # fmt: skip
+    for level, link in (("inside a node", dev.intra_node_link), ("across nodes", dev.inter_node_link),
+                        ("to the host", dev.host_link)):  # fmt: skip
+        rows.append([f"link {level}: {link.name}", f"{link.bandwidth_bytes_per_s / 1e9:,.1f} GB/s per device, "
+                                                   f"latency {link.latency_s * 1e6:,.1f} µs"])  # fmt: skip
+    estimator = a.get("estimator", plan.stats.get("estimator", "?"))
+    prof = a.get("profile")
+    if prof:
+        where = (f"op times measured on {prof.get('device')} and cached in {prof['path']} (written {prof.get('written')}), "
+                 f"scaled by {prof.get('ranks_per_core', 1):g} for ranks sharing cores")  # fmt: skip
+    elif estimator == "analytic":
+        where = "the analytic roofline: each op's FLOPs and bytes against the figures above"
+    else:
+        where = f"the estimator {estimator}"
+    rows.append(["op costs from", where])
+    rows.append(["collectives", "alpha-beta model of the link each mesh axis crosses (ring all-reduce moves "
+                                "2(n-1)/n of the bytes); communication not overlapped with compute"])  # fmt: skip
+    return [("h2", "Assumptions"), ("table", ["constant", "value"], rows)]
+
+
+def _appendix(plan) -> list:
+    blocks = []
+    skipped = plan.fusion.get("skipped", ())
+    if skipped:
+        blocks += [("h2", "Fusion"), ("p", "Sites left as ATen ops:"),
+                   ("table", ["kind", "node", "reason"], [[s["kind"], f"`{s['node']}`", s["reason"]] for s in skipped])]
+    if plan.unruled_ops:
+        blocks += [("h2", "Ops without a sharding rule (run replicated on the tensor axis)")]
+        blocks += [("li", f"`{op}`") for op in plan.unruled_ops]
+    if plan.stats:
+        blocks += [("h2", "Planning")] + [("li", f"{k}: {v}") for k, v in plan.stats.items() if k != "layer_ops"]
+    return blocks
+
+
+def report_blocks(plan) -> list:
+    """The report's sections, in order: Summary, Memory, Time, Layers, Pipeline, Why, Your layout, Assumptions."""
+    return [*_summary(plan), *_memory(plan), *_time(plan), *_layers(plan), *_pipeline(plan), *_why(plan),
+            *_yours(plan), *_assumptions(plan), *_appendix(plan)]  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------- renderers
+
+
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
 
 
 def render_markdown(plan) -> str:
-    p = plan.predicted
-    mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh.items())
-    lines = [f"# autopar plan: {plan.model_name}", "", f"Cluster: {plan.cluster.describe()}.", ""]
-    lines += [
-        "## Summary",
-        "",
-        *_table(["", ""], [
-            ["mesh", mesh],
-            ["ZeRO stage (over dp)", str(plan.zero_stage)],
-            ["micro-batches per step (gradient accumulation)",
-             f"{plan.num_microbatches} of {plan.micro_batch_size} sample(s) per data-parallel rank"],
-            ["activation recompute", _activation_words(plan)],
-            ["host offload", _offload_words(plan)],
-            ["precision", plan.precision],
-            ["parameters", f"{plan.num_parameters / 1e6:,.1f} M"],
-            ["global batch", f"{plan.global_batch_size} ({plan.tokens_per_step:,} tokens)"],
-            ["predicted step time", f"{p.step_time_s * 1e3:,.2f} ms (compute {p.compute_s * 1e3:,.2f}, "
-                                    f"resharding {p.reshard_s * 1e3:,.2f}, gradient sync {p.grad_sync_s * 1e3:,.2f}, "
-                                    f"optimizer step {p.optimizer_s * 1e3:,.2f}, host offload {p.offload_s * 1e3:,.2f})"],
-            ["FLOP/s per device (model FLOPs)", format_flops_rate(p.tflops_per_device)],
-            ["MFU (model FLOPs)", f"{p.mfu:.1%}"],
-            ["hardware FLOPs utilisation", f"{p.hardware_flops_utilization:.1%}"],
-            ["peak memory per device", f"{p.peak_memory_bytes / GIB:,.2f} GiB"],
-            ["kernel fusion", _fusion_words(plan.fusion)],
-        ]),  # fmt: skip
-        "",
-        "## Memory per device (peak, at the turn from forward to backward)",
-        "",
-        *_table(["part", "GiB"], [[k, f"{v / GIB:,.3f}"] for k, v in p.memory_breakdown.items()]),
-        "",
-        *_pipeline_section(plan),
-        *_fusion_section(plan),
-    ]
-    if plan.alternatives:  # a pipeline plan lists the layouts it priced in its Pipeline section instead
-        lines += [
-            "## Why this mesh",
-            "",
-            "Every factorisation of the world size into dp x tp was solved; each row is the optimum for that "
-            "mesh, with the fewest micro-batches whose activations fit (more when that let the states stay less "
-            "sharded), recomputing activations only where memory required it.",
-            "",
-        ]
-    rows = []
-    for alt in sorted(plan.alternatives, key=lambda a: (a["step_time_s"] is None, a["step_time_s"] or 0.0)):
-        chosen = alt["dp"] == plan.mesh.get("dp") and alt["tp"] == plan.mesh.get("tp")
-        rows.append([
-            f"dp={alt['dp']} tp={alt['tp']}" + (" (chosen)" if chosen else ""),
-            str(alt.get("num_microbatches", 1)),
-            f"{alt['step_time_s'] * 1e3:,.2f}" if alt["feasible"] else "-",
-            f"{alt['compute_s'] * 1e3:,.2f}", f"{alt['reshard_s'] * 1e3:,.2f}", f"{alt['grad_sync_s'] * 1e3:,.2f}",
-            str(alt["zero_stage"]) if alt["feasible"] else "-",
-            alt.get("recompute", "none") if alt["feasible"] else "-",
-            f"{sum(alt['memory'].values()) / GIB:,.2f}" if alt["feasible"] else alt.get("reason") or "does not fit",
-        ])  # fmt: skip
-    if rows:
-        lines += _table(["mesh", "micro-batches", "step ms", "compute ms", "reshard ms", "grad sync ms", "ZeRO",
-                         "recompute", "memory GiB"], rows)  # fmt: skip
-    lines += ["", "## Parameter placements on the tensor axis", ""]
-    lines += _table(["parameter", "placement"], _linear_summary(plan))
-    strategies = Counter(s for s in plan.node_strategy.values() if not s.startswith("follows"))
-    if strategies:
-        lines += ["", "## Op strategies", ""]
-        lines += _table(["strategy", "ops"], [[s or "(single choice)", str(n)] for s, n in strategies.most_common()])
-    if plan.unruled_ops:
-        lines += ["", "## Ops without a sharding rule (run replicated on the tensor axis)", ""]
-        lines += [f"- `{op}`" for op in plan.unruled_ops]
-    st = plan.stats
-    if st:
-        lines += ["", "## Planning", ""]
-        lines += [f"- {k}: {v}" for k, v in st.items()]
-    return "\n".join(lines) + "\n"
+    """The report as Markdown: tables, and charts as fixed-width text bars a terminal shows."""
+    lines: list[str] = []
+    for block in report_blocks(plan):
+        kind = block[0]
+        if lines and lines[-1].startswith("- ") and kind != "li":
+            lines.append("")
+        if kind in ("h1", "h2", "h3"):
+            lines += ["#" * int(kind[1]) + " " + block[1], ""]
+        elif kind == "p":
+            lines += [block[1], ""]
+        elif kind == "li":
+            lines.append("- " + block[1])
+            continue
+        elif kind == "table":
+            lines += _md_table(block[1], block[2]) + [""]
+        elif kind == "chart":
+            lines += ["```", *block[2], "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _inline(text: str) -> str:
+    """Markdown's `code` and **bold** in a cell, escaped."""
+    out = html.escape(str(text))
+    parts = out.split("`")
+    out = "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+    parts = out.split("**")
+    return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
+
+
+_STYLE = ("body{font-family:sans-serif;max-width:72em;margin:2em auto;padding:0 1em;color:#222}"
+          "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;"
+          "vertical-align:top}th{background:#f4f4f4}code{font-size:90%}.chart{margin:1em 0;overflow-x:auto}"
+          "h2{border-bottom:1px solid #ddd;padding-bottom:2px;margin-top:1.6em}")  # fmt: skip
 
 
 def render_html(plan) -> str:
-    """A self-contained page: the Markdown report with its tables rendered."""
-    body = []
-    in_table = False
-    for line in render_markdown(plan).splitlines():
-        if line.startswith("|"):
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            if set("".join(cells)) <= set("-"):
-                continue
-            if not in_table:
-                body.append("<table>")
-                in_table = True
-            body.append("<tr>" + "".join(f"<td>{html.escape(c).replace('`', '')}</td>" for c in cells) + "</tr>")
-            continue
-        if in_table:
-            body.append("</table>")
-            in_table = False
-        if line.startswith("## "):
-            body.append(f"<h2>{html.escape(line[3:])}</h2>")
-        elif line.startswith("# "):
-            body.append(f"<h1>{html.escape(line[2:])}</h1>")
-        elif line.startswith("- "):
-            body.append(f"<li>{html.escape(line[2:]).replace('`', '')}</li>")
-        elif line:
-            body.append(f"<p>{html.escape(line)}</p>")
-    if in_table:
-        body.append("</table>")
-    style = "body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}" \
-            "td{border:1px solid #ccc;padding:2px 8px}"  # fmt: skip
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>autopar plan</title><style>{style}</style>" \
-           f"</head><body>{''.join(body)}</body></html>\n"  # fmt: skip
+    """One self-contained page: the same sections, tables as HTML, charts as inline SVG (nothing fetched)."""
+    body, in_list = [], False
+    for block in report_blocks(plan):
+        kind = block[0]
+        if in_list and kind != "li":
+            body.append("</ul>")
+            in_list = False
+        if kind in ("h1", "h2", "h3"):
+            body.append(f"<{kind}>{_inline(block[1])}</{kind}>")
+        elif kind == "p":
+            body.append(f"<p>{_inline(block[1])}</p>")
+        elif kind == "li":
+            if not in_list:
+                body.append("<ul>")
+                in_list = True
+            body.append(f"<li>{_inline(block[1])}</li>")
+        elif kind == "table":
+            head = "".join(f"<th>{_inline(h)}</th>" for h in block[1])
+            rows = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in block[2])
+            body.append(f"<table><tr>{head}</tr>{rows}</table>")
+        elif kind == "chart":
+            body.append(f'<div class="chart">{block[1]}</div>')
+    if in_list:
+        body.append("</ul>")
+    title = html.escape(f"autopar plan: {plan.model_name}")
+    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{title}</title>"
+            f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n")  # fmt: skip

@@ -113,6 +113,16 @@ class Plan:
     layer_modes: dict = field(default_factory=dict)
     # the offloaded layers' activations: layers, bytes_per_device, time_s (empty: none)
     activation_offload: dict = field(default_factory=dict)
+    # the step's predicted time by term (`autopar.rationale.TERMS`: compute, recompute, each axis's
+    # communication, bubble, offload, optimizer, other); the terms sum to predicted.step_time_s
+    time_breakdown: dict = field(default_factory=dict)
+    # the layouts a user would pick (DDP, ZeRO-3, the best Megatron-style tp x pp point, the search's
+    # runner-up), each priced by the same cost model (`autopar.rationale.entry`), or why it cannot run
+    baselines: tuple = ()
+    # the layouts a user asked to see next to this plan (`autopar.compare`, `--compare`), in the same form
+    comparisons: tuple = ()
+    # what the predictions rest on besides the cluster's figures: estimator, profile, memory budget
+    assumptions: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -176,6 +186,10 @@ class Plan:
             "unruled_ops": list(self.unruled_ops),
             "stats": self.stats,
             "fusion": self.fusion,
+            "time_breakdown": self.time_breakdown,
+            "baselines": list(self.baselines),
+            "comparisons": list(self.comparisons),
+            "assumptions": self.assumptions,
         }
         return json.dumps(d, indent=indent)
 
@@ -219,6 +233,10 @@ class Plan:
                 unruled_ops=tuple(d.get("unruled_ops", ())),
                 stats=dict(d.get("stats", {})),
                 fusion=dict(d.get("fusion") or {}),
+                time_breakdown=dict(d.get("time_breakdown") or {}),
+                baselines=tuple(d.get("baselines") or ()),
+                comparisons=tuple(d.get("comparisons") or ()),
+                assumptions=dict(d.get("assumptions") or {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, PlanFormatError):

@@ -103,7 +103,7 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     used = [m for m in ("selective", "full") if counts.get(m)]
     copies_s = counts["offload"] * per["offload"][1] if counts.get("offload") else 0.0  # reported as offload
     return dataclasses.replace(res, step_time_s=base_s + seconds, compute_s=res.compute_s - solved_s + seconds - copies_s,
-                               memory=memory, recompute=used[-1] if used else "none",
+                               memory=memory, recompute=used[-1] if used else "none", recompute_s=seconds - copies_s,
                                layer_modes={m: c for m, c in counts.items() if c},
                                activation_offload=_activation_offload(counts, per))  # fmt: skip
 

@@ -232,6 +232,7 @@ class MeshResult:
     # (empty: `recompute` applies to every layer); the offloaded activations' host bytes and seconds
     layer_modes: dict = field(default_factory=dict)
     activation_offload: dict = field(default_factory=dict)
+    recompute_s: float = 0.0  # the part of compute_s that runs forwards again (and what leaving plain tensors adds)
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ class ShardingSolution:
     optimizer_s: float = 0.0
     layer_modes: dict = field(default_factory=dict)  # treatment -> layer indices (empty: uniform `recompute`)
     activation_offload: dict = field(default_factory=dict)
+    recompute_s: float = 0.0  # the part of compute_s spent running forwards again
 
 
 _ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -1080,7 +1082,7 @@ class ShardingProgram:
                           val.get("reshard", 0.0), val.get("grad_sync", 0.0), chosen_stage, mem, dt,
                           num_microbatches=self.mb, recompute=mode,
                           offload=self._offload_result(mem, val.get("offload", 0.0)),
-                          optimizer_s=val.get("optimizer", 0.0))  # fmt: skip
+                          optimizer_s=val.get("optimizer", 0.0), recompute_s=val.get("recompute", 0.0))  # fmt: skip
 
     def solve_free(self, recompute: str | None = None) -> MeshResult:
         """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
@@ -1413,7 +1415,8 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
                             best.grad_sync_s, best.memory, out, ins, strat, params, results, unruled,
                             len(prog.groups), dt, recompute=best.recompute, offload=best.offload,
                             layer_modes=layer_indices(best.layer_modes, graph) if best.layer_modes else {},
-                            activation_offload=best.activation_offload, optimizer_s=best.optimizer_s)  # fmt: skip
+                            activation_offload=best.activation_offload, optimizer_s=best.optimizer_s,
+                            recompute_s=best.recompute_s)  # fmt: skip
 
 
 def format_bytes(n: float) -> str:

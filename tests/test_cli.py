@@ -24,7 +24,7 @@ def test_plan_json_and_explain(tmp_path):
     assert doc["mesh"]["dp"] * doc["mesh"]["tp"] == 8
     assert report.read_text().startswith("<!doctype html>")
     r = _run("explain", str(out))
-    assert r.returncode == 0 and "Why this mesh" in r.stdout
+    assert r.returncode == 0 and "Why this plan" in r.stdout
 
 
 def test_user_errors_exit_with_a_message(tmp_path):

@@ -67,7 +67,7 @@ def test_corrupt_and_wrong_version_files(plan):
 
 def test_explain_reports(plan):
     md = plan.explain()
-    assert "# autopar plan" in md and "Why this mesh" in md and "(chosen)" in md
+    assert "# autopar plan" in md and "## Why this plan" in md and "(chosen)" in md
     page = plan.explain("html")
     assert page.startswith("<!doctype html>") and "<table>" in page
     with pytest.raises(ValueError):

@@ -29,7 +29,7 @@ def test_pinned_pipeline_is_in_the_plan(pinned):
     report = pinned.explain()
     assert "## Pipeline" in report and "1f1b" in pinned.summary()
     # the layouts the search priced, the chosen one among them at the plan's predicted step time
-    assert "Layouts priced" in report and "## Why this mesh" not in report
+    assert "Layouts priced" in report and "### Meshes solved" not in report
     chosen = [c for c in info["priced"] if c["pp"] == 2 and c["step_time_s"] is not None]
     assert min(c["step_time_s"] for c in chosen) == pytest.approx(pinned.predicted.step_time_s)
 

@@ -1,0 +1,258 @@
+"""Why a plan won: the layouts a user would pick by hand, priced by the same cost model, and the terms of a step.
+
+The report's "Why this plan" and "Your layout" sections are built from what this module records while
+planning (`autopar.plan` stores it in the plan, so a plan read back from JSON reports the same):
+
+- `time_terms`: one step's predicted time split into compute, recompute, the communication of each
+  mesh axis (tp: resharding inside ops; dp: gradient sync and ZeRO gathers; pp: stage-to-stage sends),
+  the pipeline bubble, host offload traffic, the optimizer step and what is left (the sharded
+  runtime's per-op overhead). The terms sum to the step time.
+- `standard_layouts`: the hand-configured layouts (pure data parallelism, ZeRO-1/2/3, tensor parallel
+  across a node, the Megatron-style tp x pp grid) as `autopar.plan` constraints; `bench plans`
+  prices the same ones.
+- `entry`: one priced layout (or the reason it cannot run) as a JSON-ready dict, with the one line
+  that says why it lost to the chosen plan (`loss_reason`), worked out from the two plans' terms.
+- `parse_layout`: the `--compare` syntax, "tp=8,pp=4,zero=1", as constraints.
+"""
+
+from __future__ import annotations
+
+from autopar.errors import ConfigError
+
+GIB = 1024**3
+# the terms of one step, in the order the report stacks them
+TERMS = ("compute", "recompute", "comm_tp", "comm_dp", "comm_pp", "bubble", "offload", "optimizer", "other")
+TERM_LABELS = {
+    "compute": "compute",
+    "recompute": "recompute",
+    "comm_tp": "tp communication (resharding)",
+    "comm_dp": "dp communication (gradient sync, ZeRO gathers)",
+    "comm_pp": "pp communication (stage sends)",
+    "bubble": "pipeline bubble",
+    "offload": "host offload traffic",
+    "optimizer": "optimizer step",
+    "other": "runtime overhead",
+}
+# layout keys `parse_layout` accepts and how their values read ("zero" is the ZeRO stage)
+_INT_KEYS = ("tp", "dp", "pp", "zero", "num_microbatches", "micro_batch_size", "virtual_stages")
+_STR_KEYS = ("schedule", "recompute")
+_ALIASES = {"m": "num_microbatches", "microbatches": "num_microbatches", "mbs": "micro_batch_size",
+            "v": "virtual_stages"}  # fmt: skip
+
+
+def sharded_terms(*, step_s: float, compute_s: float, recompute_s: float, reshard_s: float, grad_sync_s: float,
+                  offload_s: float, optimizer_s: float) -> dict[str, float]:  # fmt: skip
+    """The terms of a layout without a pipeline (`compute_s` includes `recompute_s`, as the solver reports it)."""
+    terms = {"compute": compute_s - recompute_s, "recompute": recompute_s, "comm_tp": reshard_s,
+             "comm_dp": grad_sync_s, "offload": offload_s, "optimizer": optimizer_s}  # fmt: skip
+    terms["other"] = max(0.0, step_s - sum(terms.values()))
+    return {k: terms.get(k, 0.0) for k in TERMS}
+
+
+def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, transfer_s: float, grad_sync_s: float,
+                   optimizer_s: float) -> dict[str, float]:  # fmt: skip
+    """The terms of a pipeline: the slowest stage's m micro-batches of compute and sends, the bubble the rest.
+
+    `stage_s` and `transfer_s` are the bottleneck stage's compute (with its tp resharding) and sends per
+    micro-batch; the step is (m + bubble slots) x (stage_s + transfer_s) + grad_sync_s + optimizer_s.
+    """
+    busy = num_microbatches * (stage_s + transfer_s)
+    terms = {"compute": num_microbatches * stage_s, "comm_pp": num_microbatches * transfer_s,
+             "bubble": max(0.0, step_s - grad_sync_s - optimizer_s - busy), "comm_dp": grad_sync_s,
+             "optimizer": optimizer_s}  # fmt: skip
+    return {k: terms.get(k, 0.0) for k in TERMS}
+
+
+def standard_layouts(cluster) -> dict[str, dict]:
+    """Hand-configured layouts as constraints: DDP, ZeRO-1/2/3 (no tensor axis) and tp across one node."""
+    out = {"dp": {"tp": 1, "zero": 0}}
+    out.update({f"zero{k}": {"tp": 1, "zero": k} for k in (1, 2, 3)})
+    out["tp_intra_node"] = {"tp": cluster.devices_per_node}
+    return out
+
+
+def megatron_tp_sizes(cluster) -> list[int]:
+    """Tensor-parallel sizes of the Megatron-style grid: the node's devices (at most 8) and half of that."""
+    full = max(d for d in range(1, min(8, cluster.devices_per_node) + 1) if cluster.devices_per_node % d == 0)
+    return sorted({full, full // 2} - {0}, reverse=True)
+
+
+def layout_words(plan) -> str:
+    """'pp=8 dp=16 tp=4, ZeRO-1, 96 micro-batches, 1f1b, selective recompute' for a plan."""
+    words = [" ".join(f"{k}={v}" for k, v in plan.mesh.items()), f"ZeRO-{plan.zero_stage}"]
+    if plan.num_microbatches > 1:
+        words.append(f"{plan.num_microbatches} micro-batches")
+    if plan.pipeline:
+        v = plan.pipeline.get("virtual_stages", 1)
+        words.append(plan.pipeline.get("schedule", "") + (f" x{v}" if v > 1 else ""))
+    if plan.layer_modes:
+        words.append("per-layer activation treatment")
+    elif plan.recompute != "none":
+        words.append(f"{plan.recompute} recompute")
+    if plan.offload:
+        words.append(f"{plan.offload.get('optimizer_fraction', 0.0):.0%} of optimizer states on the host")
+    return ", ".join(words)
+
+
+def entry(name: str, label: str, constraints: dict, priced, chosen) -> dict:
+    """One alternative for the report: `priced` is its Plan, or the autopar error that says why it cannot run."""
+    base = {"name": name, "label": label, "constraints": dict(constraints)}
+    if isinstance(priced, Exception):
+        return base | {"feasible": False, "layout": _constraint_words(constraints), "step_time_s": None,
+                       "peak_memory_bytes": None, "reason": f"{type(priced).__name__}: {priced}"}  # fmt: skip
+    p = priced.predicted
+    return base | {
+        "feasible": True,
+        "layout": layout_words(priced),
+        "mesh": dict(priced.mesh),
+        "zero_stage": priced.zero_stage,
+        "num_microbatches": priced.num_microbatches,
+        "program": str(priced.program),
+        "step_time_s": p.step_time_s,
+        "mfu": p.mfu,
+        "peak_memory_bytes": p.peak_memory_bytes,
+        "memory": dict(p.memory_breakdown),
+        "terms": dict(priced.time_breakdown),
+        "reason": loss_reason(priced, chosen),
+    }
+
+
+def loss_reason(alt, chosen) -> str:
+    """One line: why `alt` (a Plan) lost to `chosen`, from the term that grew most."""
+    t_alt, t_chosen = alt.predicted.step_time_s, chosen.predicted.step_time_s
+    if _same_layout(alt, chosen):
+        return "the chosen plan's layout"
+    if t_alt < t_chosen * (1 - 1e-9):  # only where the chosen plan is pinned (a free plan adopts a faster one)
+        return f"{1 - t_alt / t_chosen:.1%} faster than the chosen plan, whose layout the constraints pin"
+    if t_alt <= t_chosen * (1 + 1e-9):
+        return "as fast as the chosen plan"
+    deltas = {k: alt.time_breakdown.get(k, 0.0) - chosen.time_breakdown.get(k, 0.0) for k in TERMS}
+    worst = max(deltas, key=deltas.get)
+    before = chosen.time_breakdown.get(worst, 0.0)
+    grew = f" (+{deltas[worst] / before:.0%})" if before > 0 else ""
+    prefix = ""
+    tp, per_node = alt.mesh.get("tp", 1), alt.cluster.devices_per_node
+    if tp > per_node and alt.cluster.num_nodes > 1:
+        prefix = f"tp={tp} crosses nodes: "
+    return (f"{prefix}{t_alt / t_chosen - 1:+.0%} step time, most of it {TERM_LABELS[worst]} "
+            f"+{_seconds(deltas[worst])}{grew}")
+
+
+def _same_layout(a, b) -> bool:
+    return (a.mesh == b.mesh and a.zero_stage == b.zero_stage and a.num_microbatches == b.num_microbatches
+            and a.recompute == b.recompute and a.layer_modes == b.layer_modes and bool(a.offload) == bool(b.offload)
+            and a.pipeline.get("schedule") == b.pipeline.get("schedule")
+            and a.pipeline.get("virtual_stages") == b.pipeline.get("virtual_stages"))  # fmt: skip
+
+
+def _seconds(s: float) -> str:
+    return f"{s:,.2f} s" if s >= 1 else f"{s * 1e3:,.2f} ms"
+
+
+def _constraint_words(constraints: dict) -> str:
+    return ", ".join(f"{'ZeRO' if k == 'zero' else k}={v}" for k, v in constraints.items()) or "(free)"
+
+
+def parse_layout(text) -> dict:
+    """'tp=8,pp=4,zero=1' (or a dict) as `autopar.plan` constraints; a ConfigError names what is wrong."""
+    if isinstance(text, dict):
+        items = list(text.items())
+    else:
+        items = []
+        for part in str(text).replace(" ", ",").split(","):
+            if not part:
+                continue
+            key, sep, value = part.partition("=")
+            if not sep or not value:
+                raise ConfigError(f"layout {text!r}: {part!r} is not key=value; write layouts like 'tp=8,pp=4,zero=1'")
+            items.append((key.strip().lower(), value.strip()))
+    out = {}
+    for key, value in items:
+        key = _ALIASES.get(key, key)
+        if key in _INT_KEYS:
+            try:
+                out[key] = int(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"layout {text!r}: {key}={value!r} is not a whole number") from None
+        elif key in _STR_KEYS:
+            out[key] = str(value)
+        else:
+            raise ConfigError(f"layout {text!r}: unknown key {key!r}; expected some of "
+                              f"{', '.join(_INT_KEYS + _STR_KEYS)}")  # fmt: skip
+    if not out:
+        raise ConfigError(f"layout {text!r} names nothing; write layouts like 'tp=8,pp=4,zero=1'")
+    return out
+
+
+def layout_name(constraints: dict) -> str:
+    """The --compare spelling of a layout's constraints."""
+    return ",".join(f"{k}={v}" for k, v in constraints.items())
+
+
+def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True, compare=(), adopt: bool = True):
+    """`chosen` with its `baselines` and `comparisons` priced; the fastest plan of all when one beats it.
+
+    Args:
+        chosen: the search's plan.
+        runner_up: the search's next best layout: a Plan, constraints to price, or None.
+        price: callable(constraints) -> Plan under the same cost model and settings; raises an autopar
+            error (InfeasiblePlanError, ConfigError) when the layout cannot run.
+        say: progress callable.
+        baselines: price DDP, ZeRO-3, the Megatron-style grid and the runner-up.
+        compare: the user's layouts ("tp=8,pp=4,zero=1" strings or constraint dicts).
+        adopt: let a faster alternative replace `chosen` (False when the user pinned the layout: the
+            alternatives are then listed next to the pinned plan, not put in its place).
+    """
+    say = say or (lambda msg: None)
+    rows = []  # (name, label, constraints, Plan or error)
+    if baselines:
+        rows += [_price_one(name, label, pins, price, say) for name, label, pins in _hand_layouts()]
+        rows.append(_best_grid_point(chosen.cluster, price, say))
+        if isinstance(runner_up, dict):
+            rows.append(_price_one("runner_up", "the search's runner-up", runner_up, price, say))
+        elif runner_up is not None:
+            rows.append(("runner_up", "the search's runner-up (the best plan without a pipeline)", {"pp": 1},
+                         runner_up))  # fmt: skip
+    mine = [_price_one(layout_name(pins), "your layout", pins, price, say)
+            for pins in (parse_layout(c) for c in compare)]  # fmt: skip
+    fitting = [r[3] for r in rows + mine if not isinstance(r[3], Exception)]
+    best = min(fitting, key=lambda p: p.predicted.step_time_s, default=chosen)
+    if adopt and best.predicted.step_time_s < chosen.predicted.step_time_s * (1 - 1e-9):
+        # a layout the search's pruning passed over is faster under the same cost model: it is the plan
+        say(f"an alternative beats the search's plan: {layout_words(best)}")
+        rows.append(("search", "the search's own answer (beaten by an alternative)", {}, chosen))
+        chosen = best
+    import dataclasses
+
+    return dataclasses.replace(chosen, baselines=tuple(entry(*r, chosen) for r in rows),
+                               comparisons=tuple(entry(*r, chosen) for r in mine))  # fmt: skip
+
+
+def _hand_layouts() -> list[tuple[str, str, dict]]:
+    return [("dp", "pure data parallelism (DDP: every state replicated)", {"pp": 1, "tp": 1, "zero": 0}),
+            ("zero3", "ZeRO-3 / FSDP (every state sharded over all devices)", {"pp": 1, "tp": 1, "zero": 3})]
+
+
+def _best_grid_point(cluster, price, say) -> tuple:
+    """The fastest point of the Megatron-style grid: tp inside a node, pp (and micro-batches) searched."""
+    sizes = megatron_tp_sizes(cluster)
+    label = f"best Megatron-style grid point (tp in {{{', '.join(map(str, sizes))}}} x pp searched)"
+    priced = [_price_one("megatron", label, {"tp": t}, price, say) for t in sizes]
+    fitting = [r for r in priced if not isinstance(r[3], Exception)]
+    if fitting:
+        return min(fitting, key=lambda r: r[3].predicted.step_time_s)
+    return priced[0]
+
+
+def _price_one(name: str, label: str, pins: dict, price, say) -> tuple:
+    import warnings
+
+    from autopar.errors import AutoparError
+
+    say(f"pricing alternative {name}: {layout_name(pins)}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the user's own plan already said what these would
+            return name, label, pins, price(dict(pins))
+    except AutoparError as e:
+        return name, label, pins, e

@@ -1,0 +1,218 @@
+"""Strategy-explain reports: the numbers are the plan's, the alternatives are real plans, reports survive JSON."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import autopar
+from autopar import explain
+from autopar.errors import ConfigError
+from autopar.rationale import TERMS, parse_layout
+from autopar.report_charts import schedule_order, simulate
+from tests.models import make_batch, make_model
+
+SECTIONS = ("Summary", "Memory per device", "Time breakdown", "Layer table", "Why this plan", "Your layout",
+            "Assumptions")  # fmt: skip
+
+
+def _plan(name: str, **kw):
+    args, kwargs = make_batch(name, batch=8, seq=16)
+    return autopar.plan(make_model(name), "cpu:2", args, kwargs, **kw)
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict:
+    """One plan per report kind: plain (free, with compared layouts), pipeline (pinned), offload."""
+    return {
+        "plain": _plan("llama", compare=["tp=2", "dp=2,zero=3", "tp=3"]),
+        "pipeline": _plan("gpt2", constraints={"pp": 2, "num_microbatches": 4}),
+        "offload": _plan("llama", offload=True),
+    }
+
+
+def test_sections_come_in_the_issue_order(plans):
+    md = plans["plain"].explain()
+    heads = [line[3:] for line in md.splitlines() if line.startswith("## ")]
+    assert [h for h in heads if h in SECTIONS] == list(SECTIONS)
+    pipe = [line[3:] for line in plans["pipeline"].explain().splitlines() if line.startswith("## ")]
+    assert pipe.index("Layer table") < pipe.index("Pipeline") < pipe.index("Why this plan")
+
+
+@pytest.mark.parametrize("kind", ["plain", "pipeline", "offload"])
+def test_report_numbers_are_the_plans_fields(plans, kind):
+    plan = plans[kind]
+    md = plan.explain()
+    p = plan.predicted
+    assert f"{p.step_time_s * 1e3:,.2f} ms" in md
+    assert f"{p.mfu:.1%}" in md and f"{p.tokens_per_s:,.0f}" in md
+    for term, seconds in plan.time_breakdown.items():
+        if seconds:
+            assert f"| {explain.TERM_LABELS[term]} | {seconds * 1e3:,.2f} |" in md, term
+    for b in plan.baselines:
+        assert b["reason"] in md
+        if b["feasible"]:
+            assert f"| {b['step_time_s'] * 1e3:,.2f} |" in md
+    if plan.pipeline:
+        for st in plan.pipeline["stages"]:
+            assert f"{st['time_per_microbatch_s'] * 1e3:,.3f}" in md
+    if plan.offload:
+        assert f"{plan.offload['host_bytes_per_device'] / 1024**3:,.2f} GiB" in md
+
+
+def test_reports_price_nothing(plans, monkeypatch):
+    """Rendering reads the plan: with every solver and estimator unusable, the report is the same."""
+    before = {k: (p.explain(), p.explain("html")) for k, p in plans.items()}
+
+    def boom(*a, **k):
+        raise AssertionError("the report priced something")
+
+    import autopar.cost_model.compute as compute
+    import autopar.passes.pipeline_search as ps
+    import autopar.passes.sharding_solver as ss
+
+    monkeypatch.setattr(ss, "solve_sharding", boom)
+    monkeypatch.setattr(ps, "search_pipeline", boom)
+    monkeypatch.setattr(compute, "estimate_node_cost", boom)
+    assert {k: (p.explain(), p.explain("html")) for k, p in plans.items()} == before
+
+
+def test_time_terms_add_up_to_the_step(plans):
+    for plan in plans.values():
+        assert set(plan.time_breakdown) == set(TERMS)
+        # float sums of a handful of terms: relative error well under 1e-9
+        assert sum(plan.time_breakdown.values()) == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+
+
+def test_alternatives_are_real_plans_and_never_faster_than_a_free_plan(plans):
+    plan = plans["plain"]
+    names = {b["name"] for b in plan.baselines}
+    assert {"dp", "zero3", "megatron", "runner_up"} <= names
+    args, kwargs = make_batch("llama", batch=8, seq=16)
+    for b in plan.baselines:
+        if not b["feasible"]:
+            assert b["reason"]
+            continue
+        assert b["step_time_s"] >= plan.predicted.step_time_s * (1 - 1e-12), b["name"]
+        again = autopar.plan(make_model("llama"), "cpu:2", args, kwargs, constraints=b["constraints"],
+                             alternatives=False)  # fmt: skip
+        assert again.predicted.step_time_s == pytest.approx(b["step_time_s"], rel=1e-9), b["name"]
+        assert again.predicted.peak_memory_bytes == pytest.approx(b["peak_memory_bytes"], rel=1e-9)
+
+
+def test_an_infeasible_layout_is_listed_with_its_reason(plans):
+    by_name = {c["name"]: c for c in plans["plain"].comparisons}
+    assert set(by_name) == {"tp=2", "dp=2,zero=3", "tp=3"}
+    assert not by_name["tp=3"]["feasible"] and "does not divide" in by_name["tp=3"]["reason"]
+    assert "Cannot run: ConfigError" in plans["plain"].explain()
+    # one that does not fit in memory: a budget between ZeRO-3's peak and DDP's
+    base = {b["name"]: b for b in plans["plain"].baselines}
+    budget = (base["dp"]["peak_memory_bytes"] + base["zero3"]["peak_memory_bytes"]) / 2
+    assert base["zero3"]["peak_memory_bytes"] < budget < base["dp"]["peak_memory_bytes"]
+    tight = _plan("llama", memory_budget=budget, offload=False, alternatives=False, compare=["dp=2,zero=0,m=1"])
+    (entry,) = tight.comparisons
+    assert not entry["feasible"] and "InfeasiblePlanError" in entry["reason"] and "short" in entry["reason"]
+
+
+@pytest.mark.parametrize("kind", ["plain", "pipeline", "offload"])
+def test_reports_of_a_plan_read_back_from_json_are_identical(plans, kind):
+    plan = plans[kind]
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.explain() == plan.explain()
+    assert again.explain("html") == plan.explain("html")
+
+
+def test_compare_adds_layouts_to_a_plan(plans):
+    args, kwargs = make_batch("llama", batch=8, seq=16)
+    plan = autopar.Plan.from_json(plans["offload"].to_json())
+    out = autopar.compare(plan, "dp=2,zero=0", model=make_model("llama"), example_inputs=args,
+                          example_kwargs=kwargs)  # fmt: skip
+    (entry,) = out.comparisons
+    assert entry["feasible"] and entry["mesh"] == {"dp": 2, "tp": 1} and entry["zero_stage"] == 0
+    assert "## Your layout" in out.explain() and "### dp=2,zero=0" in out.explain()
+
+
+def test_parse_layout():
+    assert parse_layout("tp=8,pp=4,zero=1") == {"tp": 8, "pp": 4, "zero": 1}
+    assert parse_layout("m=4 schedule=1f1b") == {"num_microbatches": 4, "schedule": "1f1b"}
+    for bad in ("tp=two", "tp", "foo=1", ""):
+        with pytest.raises(ConfigError):
+            parse_layout(bad)
+
+
+def test_html_is_self_contained(plans):
+    for plan in plans.values():
+        page = plan.explain("html")
+        assert page.count("<svg") >= 3
+        # the only URL is the SVG namespace, an identifier that is never fetched
+        assert set(re.findall(r"https?://[^\"' )]+", page)) <= {"http://www.w3.org/2000/svg"}
+        for fetching in ("<script", "<link", "<img", "@import", "url(", "<iframe"):
+            assert fetching not in page
+
+
+def test_markdown_charts_are_text(plans):
+    md = plans["pipeline"].explain()
+    assert "<svg" not in md
+    assert re.search(r"^stage  0 [FB.]+$", md, re.M) and re.search(r"^stage  1 [FB.]+$", md, re.M)
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_gantt_schedule_runs_every_microbatch_once(schedule, v):
+    pp, m = 4, 8
+    slots = simulate(schedule_order(schedule, pp, m, v), 1.0, 2.0)
+    assert len(slots) == 2 * pp * m * v
+    for stage in range(pp):
+        mine = sorted((s for s in slots if s.stage == stage), key=lambda s: s.start)
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(mine, mine[1:], strict=False))  # one box at a time
+    if schedule == "1f1b":  # the textbook makespan: (m + p - 1) (f + b)
+        assert max(s.end for s in slots) == pytest.approx((m + pp - 1) * 3.0)
+
+
+def test_cli_progress_goes_to_stderr_never_into_stdout_or_json(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "autopar", "plan", "--model", "tiny-llama", "--cluster", "cpu:2",
+            "--global-batch-size", "8", "--seq-len", "16"]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    out = tmp_path / "plan.json"
+    done = subprocess.run(base + ["--json", str(out), "--report", str(tmp_path / "r.html"), "--compare", "tp=1"],
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("\n") == 1 and "[autopar]" not in done.stdout  # the summary, nothing else
+    plan = autopar.Plan.from_json(out.read_text())
+    assert json.loads(out.read_text())["comparisons"][0]["name"] == "tp=1" == plan.comparisons[0]["name"]
+    ours = [line for line in done.stderr.splitlines() if line.startswith("[autopar]")]
+    assert ours and not any(line.startswith("[autopar] mesh dp=") for line in ours)  # no line per candidate
+    quiet = subprocess.run(base + ["--quiet"], capture_output=True, text=True, timeout=600, env=env)
+    assert quiet.returncode == 0 and "[autopar]" not in quiet.stderr and quiet.stdout.count("\n") == 1
+
+
+def test_progress_line_updates_in_place_on_a_terminal():
+    import io
+
+    from autopar.progress import PlanProgress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    msgs = ["tracing m", "traced 10 nodes", "mesh dp=2 tp=1 micro-batches=1: 1 ms", "mesh dp=1 tp=2 micro-batches=1: 2 ms",
+            "pipeline pp=2 dp=1 tp=1: 3 ms", "pricing alternative dp: tp=1"]  # fmt: skip
+    tty = Tty()
+    bar = PlanProgress(tty)
+    for m in msgs:
+        bar(m)
+    assert "\n" not in tty.getvalue() and tty.getvalue().count("\r") == len(msgs)
+    bar.close()
+    last = tty.getvalue().rstrip("\n").rsplit("\r", 1)[-1]
+    assert "2 meshes, 1 pipeline layouts, 1 alternatives priced" in last
+    log = io.StringIO()
+    verbose = PlanProgress(log, verbose=True)
+    for m in msgs:
+        verbose(m)
+    assert log.getvalue().count("\n") == len(msgs)  # --verbose: every candidate on its own line
