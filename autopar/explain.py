@@ -158,7 +158,7 @@ def _memory(plan) -> list:
     host = [f"optimizer states and gradients: {_offload_words(plan)}"] if plan.offload else []
     if plan.activation_offload:
         off = plan.activation_offload
-        host.append(f"activations of {len(off.get('layers', ()))} layer(s): {_gib(off['bytes_per_device'])} GiB per device")
+        host.append(f"activations of {off.get('layers', 0)} layer(s): {_gib(off['bytes_per_device'])} GiB per device")
     blocks.append(("p", "On the host: " + ("; ".join(host) if host else "nothing (every state on the device).")))
     return blocks
 
