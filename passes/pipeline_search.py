@@ -74,7 +74,8 @@ from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
 from autopar.passes import sharding_solver as ss
-from autopar.passes.sharding_solver import MeshResult, Precision, ShardingProgram, ShardingSolution, format_bytes
+from autopar.passes.sharding_solver import (MeshResult, Precision, ShardingProgram, ShardingSolution, TensorSplit,
+                                            format_bytes)
 
 ESTIMATE_SLACK = 0.02  # how far an estimate may sit above the exact price before a configuration is skipped
 MICRO_BATCH_STOP = 0.10  # see _Search._micro_batches
@@ -339,8 +340,9 @@ class _StagePricer:
 
     def __init__(self, graph: OpGraph, structure: LayerStructure, cluster: ClusterSpec, *, estimator,
                  precision: Precision, zero: int | None, budget: float, batch: int,
-                 recompute: str | None = None):  # fmt: skip
+                 recompute: str | None = None, constraints: dict | None = None):  # fmt: skip
         self.graph, self.structure, self.cluster = graph, structure, cluster
+        self.constraints = dict(constraints or {})  # the pins the tensor-split rule reads (tp, tp_min_split)
         self.recompute = recompute  # a pinned activation recompute mode, or None to choose per stage
         self.estimator, self.precision, self.budget, self.batch = estimator, precision, budget, batch
         # ZeRO-2/3 reduce-scatter gradients and gather parameters once per micro-batch, which a pipeline
@@ -363,7 +365,8 @@ class _StagePricer:
         prog = ShardingProgram(self.view(k, first, last), self.cluster, dp, tp, estimator=self.estimator,
                                precision=self.precision, zero_stage=None, memory_budget_bytes=self.budget,
                                batch_dim_size=self.batch, num_microbatches=m, activation_copies=copies,
-                               recompute=self.recompute)  # fmt: skip
+                               recompute=self.recompute,
+                               tensor_split=TensorSplit.from_constraints(self.constraints, tp))  # fmt: skip
         if dp > 1:
             prog.zero_choices = list(self.zero_choices)
         return prog
@@ -373,6 +376,9 @@ class _StagePricer:
         key = (k, first, last, dp, tp, m)
         if key not in self._free:
             prog = self.program(k, first, last, dp, tp, m)
+            if prog.cannot_split():  # a tensor axis with no weight to split is data parallelism
+                self._free[key] = _Priced(False)
+                return self._free[key]
             prog.build()
             self.num_programs += 1
             self._free[key] = self._record(prog, prog.solve(stage=prog.zero_choices[0], memory=False), 1.0)
@@ -766,7 +772,7 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
     if structure is not None and c.get("pp") != 1 and num_layers >= 2:
         pricer = _StagePricer(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision),
                               zero=c.get("zero"), budget=budget, batch=batch_size,
-                              recompute=c.get("recompute"))  # fmt: skip
+                              recompute=c.get("recompute"), constraints=c)  # fmt: skip
         search = _Search(pricer, c, say)
         records, best = search.run()
     else:

@@ -217,6 +217,13 @@ def _follow_t(node, p, tp):
     return p if d is None else Shard(1 - d)
 
 
+@register_follow(aten.numpy_T.default)
+def _follow_numpy_t(node, p, tp):
+    """`x.T`: every dim reversed."""
+    d = shard_dim(p)
+    return p if d is None else Shard(len(_shape(node)) - 1 - d)
+
+
 @register_follow(aten.permute.default)
 def _follow_permute(node, p, tp):
     d = shard_dim(p)
@@ -252,7 +259,10 @@ def _follow_slice(node, p, tp):
     if d is None:
         return p
     in_shape = _shape(node.args[0])
-    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
+    # slice and narrow take the dim first; split and split_with_sizes take the sizes first, then the dim
+    dim_at = 2 if node.target in (aten.split.Tensor, aten.split_with_sizes.default) else 1
+    dim = node.args[dim_at] if len(node.args) > dim_at else node.kwargs.get("dim", 0)
+    dim = _norm_dim(dim, len(in_shape))
     if node.target == aten.slice.Tensor:
         out_shape = _shape(node)
         if d != dim or out_shape == in_shape:
@@ -461,6 +471,8 @@ def _mm_rule(node, tp):
 def _bmm_rule(node, tp):
     a, b = tensor_args(node)
     sa, sb, so = _shape(a), _shape(b), _shape(node)
+    if node.target == aten.matmul.default and len(sb) == 2 and len(sa) >= 2:  # x @ W: a linear without bias
+        return _linear_like(node, tp, x_idx=0, w_idx=1, b_idx=None, w_out_dim=1, w_in_dim=0)
     out = []
     if len(sa) == len(sb) == len(so) >= 3:
         for d in _divisible_dims(so[:-2], tp):
