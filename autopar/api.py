@@ -20,7 +20,7 @@ from autopar.trace import trace_model
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size", "pp", "schedule", "virtual_stages", "recompute",
-                    "tp_min_split"}
+                    "tp_min_split", "param_placements"}
 _RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -198,7 +198,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
             steps per data-parallel rank), "micro_batch_size" (samples per micro-batch per rank) or
             "recompute" (activation recompute: "none", "selective" for attention internals, "full" for
             whole layers), "tp_min_split" (the fraction of the layer matmul weights' elements a tensor axis
-            must split: 1 by default when "tp" > 1 is pinned, 0 lets it split nothing).
+            must split: 1 by default, 0 lets it split nothing), "param_placements" (parameter name ->
+            placement on the tensor axis, "R" or "S(dim)").
         memory_budget: per-device cap, bytes or "20GB"; defaults to the device memory.
         offload: None (default) lets the solver put optimizer states (fp32 master weights and moments) and
             gradients on the host where device memory requires it; False keeps every state on the device;

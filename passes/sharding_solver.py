@@ -78,9 +78,8 @@ Constraints:
     recomputed segment (r != none):
         M_recompute >= sum_{m in S, m kept at none, dropped at r} x[g(m),k] M_value[m,k]   for all S in S_r
     tensor split (tp > 1; M the layer matmul weights with a dim divisible by tp, N_w their elements):
-        sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w     f = tp_min_split (1 when tp is
-                                                                                  pinned, unless the user says less)
-        sum_{w in M} sum_{k: split} x[w,k] >= 1                                   unpinned tp: the axis splits a weight
+        sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w     f = tp_min_split, 1 unless the
+                                                                                  user says less
 
     M_state   parameter, gradient and optimizer bytes of w's local shard under stage s
     M_saved   bytes of the group's outputs kept for backward under r, split over dp and, where
@@ -115,10 +114,11 @@ T_fwd[m,k] (or its own memory-free optimum at its fewest micro-batches); within 
 is solved with z fixed (presolve then removes the product rows, which HiGHS solves much faster than
 the joint program), stopping at a stage that reaches the mode's bound.
 
-A tensor axis that splits no weight is data parallelism run on DTensors: the dp mesh of the same size prices
-and runs it better, so the free search asks every tensor axis to split at least one matmul weight (a mesh
-with none it can split is dropped), and a pinned tp splits every layer matmul weight (attention, MLP,
-experts) unless `tp_min_split` lowers the fraction. What stays replicated, and why, is in the solution.
+A tensor axis that splits no weight is data parallelism run on DTensors, which the dp mesh of the same size
+runs better. So a tensor axis, pinned or searched, splits every layer matmul weight (attention, MLP, experts)
+unless `tp_min_split` lowers the fraction, and a mesh with no such weight it can split is dropped; pinned and
+searched axes follow one rule, so `compile`, which plans again with the plan's tp pinned, builds what was
+priced. What stays replicated, and why, is in the solution.
 
 Offload only adds time (the host link and the CPU step are not overlapped with compute), so a program
 keeps states on the host only where memory requires it; it enters the lower bounds above as the
@@ -358,26 +358,22 @@ def layer_matmul_weights(graph: OpGraph) -> frozenset[str]:
 
 @dataclass(frozen=True, slots=True)
 class TensorSplit:
-    """What a tensor axis must split: a fraction of the layer matmul weights' elements (`tp_min_split`), or,
-    with `at_least_one`, one of them (the free search: an axis that splits nothing is data parallelism)."""
+    """What a tensor axis must split: at least `min_fraction` of the layer matmul weights' elements."""
 
     min_fraction: float = 0.0
-    at_least_one: bool = False
 
     @classmethod
     def from_constraints(cls, constraints: dict, tp: int) -> TensorSplit:
-        """The rule for a tensor axis of size `tp` under the user's `constraints` (validated here)."""
+        """The rule for a tensor axis of size `tp` under the user's `constraints` (validated here): every layer
+        matmul weight by default, pinned or searched alike (so that `compile`, which plans again with the
+        plan's tp pinned, builds what was priced), or the fraction `tp_min_split` says."""
         f = constraints.get("tp_min_split")
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
             raise ConfigError(f"constraints['tp_min_split']={f!r}: expected a fraction between 0 and 1 (0 lets the "
                               f"tensor axis split nothing, 1 splits every layer matmul weight)")  # fmt: skip
         if tp == 1:
             return cls()
-        if f is not None:
-            return cls(float(f))
-        if constraints.get("tp", 1) > 1:
-            return cls(1.0)
-        return cls(at_least_one=True)
+        return cls(1.0 if f is None else float(f))
 
 
 def redistribute_time(src: Placement, dst: Placement, nbytes: float, tp: int, link: LinkSpec) -> float:
@@ -414,9 +410,10 @@ class ShardingProgram:
                  zero_stage: int | None, memory_budget_bytes: float, batch_dim_size: int,
                  num_microbatches: int = 1, activation_copies: float = 1.0,
                  recompute: str | None = None, offload: bool | None = False,
-                 tensor_split: TensorSplit = TensorSplit()):  # fmt: skip
+                 tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
         self.tensor_split = tensor_split
+        self.pinned_placements = dict(pinned_placements or {})  # parameter name -> placement string on tp
         # False: states stay on the device; None: the program places them; True: all optimizer states
         # and gradients on the host
         self.offload = offload
@@ -611,6 +608,7 @@ class ShardingProgram:
         self.add_sharded_runtime_cost()
         self.add_offload_constraint()
         self.add_tensor_split_constraint()
+        self.add_pinned_placement_constraint()
         self.add_memory_constraint()
 
     def splittable_weights(self) -> list[str]:
@@ -622,25 +620,50 @@ class ShardingProgram:
 
     def cannot_split(self) -> bool:
         """Whether the tensor-split rule asks for a split this mesh has no weight to make."""
-        rule = self.tensor_split
-        return self.tp > 1 and (rule.at_least_one or rule.min_fraction > 0) and not self.splittable_weights()
+        return self.tp > 1 and self.tensor_split.min_fraction > 0 and not self.splittable_weights()
 
     def add_tensor_split_constraint(self) -> None:
-        """sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w (tp_min_split), or
-        sum_{w in M} sum_{k: split} x[w,k] >= 1 where the free search asks the axis to split something."""
-        rule, weights = self.tensor_split, self.splittable_weights()
-        if not weights:
+        """sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w  (f = tp_min_split)."""
+        f, weights = self.tensor_split.min_fraction, self.splittable_weights()
+        if not weights or f <= 0:
             return
-        split = {w: [self.x[w][k] for k, s in enumerate(self.groups[w].strategies) if isinstance(s.output, Shard)]
-                 for w in weights}  # fmt: skip
-        if rule.min_fraction > 0:
-            size = {w: self.groups[w].count * self.graph.params[w].meta.numel for w in weights}
-            total = sum(size.values())
-            # fractions of the total keep the coefficients near 1; the slack absorbs their rounding at f = 1
-            self.prob += (pulp.lpSum(size[w] / total * x for w in weights for x in split[w])
-                          >= rule.min_fraction - 1e-9), "tp_min_split"  # fmt: skip
-        elif rule.at_least_one:
-            self.prob += pulp.lpSum(x for w in weights for x in split[w]) >= 1, "tp_splits_a_weight"
+        size = {w: self.groups[w].count * self.graph.params[w].meta.numel for w in weights}
+        total = sum(size.values())
+        split = [size[w] / total * self.x[w][k] for w in weights
+                 for k, s in enumerate(self.groups[w].strategies) if isinstance(s.output, Shard)]  # fmt: skip
+        # fractions of the total keep the coefficients near 1; the slack absorbs their rounding at f = 1
+        self.prob += pulp.lpSum(split) >= f - 1e-9, "tp_min_split"
+
+    def pinned_strategies(self) -> dict[str, int]:
+        """Parameter group -> the strategy its pinned placement (`param_placements`) names; ConfigError when a pin
+        names no parameter, a placement it cannot take, or two placements for one set of identical layers."""
+        if not self.pinned_placements:
+            return {}
+        names = {}
+        for node_name, info in self.graph.params.items():
+            for fqn in self.graph.expand_param_name(info.name, info.layer):
+                names[fqn] = self.graph.representative[node_name]
+        out: dict[str, int] = {}
+        for fqn, text in self.pinned_placements.items():
+            if fqn not in names:
+                raise ConfigError(f"constraints['param_placements'] names {fqn!r}, which is no parameter of the model")
+            grp = self.groups[names[fqn]]
+            ks = [k for k, st in enumerate(grp.strategies) if rules.placement_str(st.output) == text]
+            if not ks:
+                shape = self.graph.params[names[fqn]].meta.shape
+                raise ConfigError(f"constraints['param_placements'][{fqn!r}]={text!r}: a parameter of shape {shape} "
+                                  f"takes one of {[rules.placement_str(st.output) for st in grp.strategies]} "
+                                  f"on a tensor axis of {self.tp}")  # fmt: skip
+            if out.get(names[fqn], ks[0]) != ks[0]:
+                raise ConfigError(f"constraints['param_placements'] pins identical layers' {fqn!r} two ways; "
+                                  f"identical layers share one placement")  # fmt: skip
+            out[names[fqn]] = ks[0]
+        return out
+
+    def add_pinned_placement_constraint(self) -> None:
+        """x[w,k] = 1 for the placement k pinned for parameter w."""
+        for name, k in self.pinned_strategies().items():
+            self.prob += self.x[name][k] == 1, f"pinned_placement_{name}"
 
     def add_one_strategy_constraint(self) -> None:
         """sum_k x[g,k] = 1 for every group g."""
@@ -1336,7 +1359,7 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         constraints: optional pins: "tp", "dp", "zero" (0-3), "num_microbatches" (gradient accumulation
             steps per data-parallel rank), "micro_batch_size" (samples per micro-batch per rank) or
             "recompute" ("none", "selective", "full"), "tp_min_split" (the fraction of the layer matmul
-            weights' elements a tensor axis must split: default 1 when tp > 1 is pinned; 0 opts out).
+            weights' elements a tensor axis must split: default 1; 0 opts out).
         memory_budget_bytes: per-device cap; defaults to the device memory.
         batch_size: the global batch (dim 0 of the inputs), split over dp.
         progress: optional callable(str) told about each mesh as it is solved.
@@ -1358,6 +1381,10 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         raise ConfigError(f"offload=True with constraints['zero']={zero}: the offload program runs the states as "
                           f"ZeRO-3 chunks over the data axis; pin zero=3 or leave the stage to the solver")  # fmt: skip
     prec = Precision.get(precision)
+    pins = constraints.get("param_placements") or {}
+    if not isinstance(pins, dict) or not all(isinstance(v, str) for v in pins.values()):
+        raise ConfigError(f"constraints['param_placements']={pins!r}: expected a mapping of parameter names to "
+                          f"placements on the tensor axis, such as {{'lm_head.weight': 'S(0)'}}")  # fmt: skip
     recompute = _pinned_recompute(graph, constraints.get("recompute"))
     rules.UNRULED_OPS.clear()
     t0 = time.perf_counter()
@@ -1370,7 +1397,12 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         make = _program_factory(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
                                 budget=budget, batch_size=batch_size, recompute=recompute,
                                 offload=offload if tp == 1 else False,
-                                tensor_split=TensorSplit.from_constraints(constraints, tp))  # fmt: skip
+                                tensor_split=TensorSplit.from_constraints(constraints, tp),
+                                pinned_placements=pins)  # fmt: skip
+        if tp == 1 and any(v != "R" for v in pins.values()):
+            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
+                                      "param_placements splits parameters, and this mesh has no tensor axis"))
+            continue
         fits = None
         for m in _microbatch_choices(batch_size // dp, constraints):
             prog = make(m)
@@ -1430,12 +1462,12 @@ def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
 
 
 def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None,
-                     offload=False, tensor_split: TensorSplit = TensorSplit()):  # fmt: skip
+                     offload=False, tensor_split: TensorSplit = TensorSplit(), pinned_placements=None):  # fmt: skip
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
                                zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
                                num_microbatches=m, recompute=recompute, offload=offload,
-                               tensor_split=tensor_split)  # fmt: skip
+                               tensor_split=tensor_split, pinned_placements=pinned_placements)  # fmt: skip
 
     return make
 
@@ -1563,7 +1595,7 @@ def tensor_split_report(prog: ShardingProgram, chosen: dict[str, int]) -> dict:
                     replicated[fqn] = reason
     return {"split_fraction": split / total if total else 0.0,
             "layer_matmul_split_fraction": layer_split / layer_total if layer_total else 0.0,
-            "min_fraction": rule.min_fraction, "at_least_one": rule.at_least_one,
+            "min_fraction": rule.min_fraction,
             "replicated": dict(sorted(replicated.items()))}  # fmt: skip
 
 

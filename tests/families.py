@@ -84,20 +84,21 @@ class TorchBlock(nn.Module):
 class TorchTransformer(nn.Module):
     """A causal LM of plain torch.nn modules whose input is the sum of token and position embeddings."""
 
-    def __init__(self, num_layers: int = 2):
+    def __init__(self, num_layers: int = 2, vocab: int = VOCAB):
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, HIDDEN)
+        self.vocab = vocab
+        self.tok = nn.Embedding(vocab, HIDDEN)
         self.pos = nn.Embedding(POSITIONS, HIDDEN)
         self.layers = nn.ModuleList(TorchBlock() for _ in range(num_layers))
         self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head = nn.Linear(HIDDEN, vocab, bias=False)
 
     def forward(self, ids, labels=None):
         x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
         for layer in self.layers:
             x = layer(x)
         logits = self.head(self.norm(x))
-        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, self.vocab), labels[:, 1:].reshape(-1))
         return loss, logits
 
 
