@@ -169,6 +169,30 @@ def layer_structure(graph: OpGraph, batch_size: int) -> LayerStructure | None:
                           _boundary_bytes(graph, in_layer, idxs[0], batch_size))  # fmt: skip
 
 
+def why_no_layer_run(graph: OpGraph) -> str:
+    """Why `graph` has no one run of alike layers a pipeline can cut, naming the containers of layers it found."""
+    found: dict[str, set[int]] = {}
+    for c, i in graph.node_layer.values():
+        if c is not None:
+            found.setdefault(c, set()).add(i)
+    if not found:
+        return "the model has no repeated layers to cut into stages (pipeline cuts need one container of alike layers)"
+    # a stack inside a layer of another (T5's encoder.block.0.layer) is part of that one
+    outer = {c: i for c, i in found.items() if not any(c.startswith(o + ".") for o in found if o != c)}
+    if len(outer) > 1:
+        names = sorted(outer)
+        listed = ", ".join(names[:-1]) + f" and {names[-1]}"
+        return (f"the model has {_count_words(len(names))} stacks of layers: {listed}; pipelines over more than one "
+                f"stack (an encoder and a decoder) are not supported yet")  # fmt: skip
+    container = next(iter(outer))
+    return (f"the layers of {container} are not all alike (their shapes or ops differ), so a cut cannot count "
+            f"them; pipeline cuts need one container of identical layers")  # fmt: skip
+
+
+def _count_words(n: int) -> str:
+    return {2: "two", 3: "three", 4: "four"}.get(n, str(n))
+
+
 def _boundary_bytes(graph: OpGraph, in_layer: dict[str, int], first: int, batch_size: int) -> float:
     """Bytes per sample of the values the first traced layer hands the second (the hidden state)."""
     sent = set()
@@ -753,10 +777,10 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
     world = cluster.world_size
     structure = layer_structure(graph, batch_size)
     num_layers = structure.num_layers if structure is not None else 1
+    pinned_pp = (constraints or {}).get("pp")
+    if structure is None and isinstance(pinned_pp, int) and pinned_pp > 1:
+        raise ConfigError(f"constraints['pp']={pinned_pp}: {why_no_layer_run(graph)}; drop 'pp'")
     c = _check_constraints(dict(constraints or {}), world, num_layers)
-    if structure is None and c.get("pp", 1) > 1:
-        raise ConfigError(f"constraints['pp']={c['pp']}: the model has no run of identical layers to cut into stages "
-                          f"(pipeline cuts need one container of alike layers); drop 'pp'")  # fmt: skip
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     single, single_error = None, None
     wants_pipeline = c.get("pp", 0) > 1 or c.get("schedule") is not None or c.get("virtual_stages", 1) > 1
