@@ -19,7 +19,8 @@ from autopar.trace import trace_model
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size", "pp", "schedule", "virtual_stages", "recompute"}
+_CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size", "pp", "schedule", "virtual_stages", "recompute",
+                    "tp_min_split", "param_placements"}
 _RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -197,7 +198,9 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         constraints: pins: "tp", "dp" (axis sizes), "zero" (0-3), "num_microbatches" (gradient accumulation
             steps per data-parallel rank), "micro_batch_size" (samples per micro-batch per rank) or
             "recompute" (activation recompute: "none", "selective" for attention internals, "full" for
-            whole layers).
+            whole layers), "tp_min_split" (the fraction of the layer matmul weights' elements a tensor axis
+            must split: 1 by default, 0 lets it split nothing), "param_placements" (parameter name ->
+            placement on the tensor axis, "R" or "S(dim)").
         memory_budget: per-device cap, bytes or "20GB"; defaults to the device memory.
         offload: None (default) lets the solver put optimizer states (fp32 master weights and moments) and
             gradients on the host where device memory requires it; False keeps every state on the device;
@@ -388,6 +391,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         offload=dict(sol.offload),
         layer_modes=dict(sol.layer_modes),
         activation_offload=dict(sol.activation_offload),
+        tensor_split=dict(sol.tensor_split),
         precision=precision,
         global_batch_size=job.batch,
         tokens_per_step=tokens,
@@ -614,7 +618,11 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
     if plan.node_output and all(n in names for n in plan.node_output):
         return plan
     dp, tp = plan.mesh["dp"], plan.mesh["tp"]
-    pins = {"dp": dp, "tp": tp, "zero": plan.zero_stage, "num_microbatches": 1, "recompute": plan.recompute}
+    # the layout the plan priced: its axes, ZeRO stage, recompute and where every parameter sits on the tensor axis
+    pins = {"dp": dp, "tp": tp, "zero": plan.zero_stage, "num_microbatches": 1, "recompute": plan.recompute,
+            "param_placements": dict(plan.param_placements)}
+    if plan.tensor_split:
+        pins["tp_min_split"] = plan.tensor_split["min_fraction"]
     if plan.program == ProgramKind.PIPELINE:
         micro = _plan(model, cluster.sub_cluster(dp * tp), args, kwargs, _traced=traced, constraints=pins | {"pp": 1},
                       memory_budget=float("inf"), precision=plan.precision, offload=False, fuse_kernels=fused)  # fmt: skip

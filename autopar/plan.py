@@ -123,6 +123,9 @@ class Plan:
     comparisons: tuple = ()
     # what the predictions rest on besides the cluster's figures: estimator, profile, memory budget
     assumptions: dict = field(default_factory=dict)
+    # tp > 1: split_fraction (of all parameter elements), layer_matmul_split_fraction, min_fraction (the
+    # tp_min_split rule), replicated (parameter -> why it stays whole on the tensor axis); empty: no tensor axis
+    tensor_split: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -171,6 +174,7 @@ class Plan:
             "offload": self.offload,
             "layer_modes": {k: list(v) for k, v in self.layer_modes.items()},
             "activation_offload": self.activation_offload,
+            "tensor_split": self.tensor_split,
             "precision": self.precision,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
@@ -218,6 +222,7 @@ class Plan:
                 offload=dict(d.get("offload") or {}),
                 layer_modes={str(k): tuple(int(i) for i in v) for k, v in (d.get("layer_modes") or {}).items()},
                 activation_offload=dict(d.get("activation_offload") or {}),
+                tensor_split=dict(d.get("tensor_split") or {}),
                 precision=d["precision"],
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
@@ -273,7 +278,22 @@ class Plan:
         return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}{accum}, "
                 f"runs as the {self.program} program, "
                 f"step {p.step_time_s * 1e3:.1f} ms, {format_flops_rate(p.tflops_per_device)}/device, MFU {p.mfu:.1%}, "
-                f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device")  # fmt: skip
+                f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device" + self._tensor_split_words())  # fmt: skip
+
+    def _tensor_split_words(self) -> str:
+        """What the tensor axis splits and, grouped by reason, what it keeps whole ("" without a tensor axis)."""
+        ts = self.tensor_split
+        if not ts:
+            return ""
+        words = (f"; the tensor axis splits {ts['split_fraction']:.0%} of the parameters "
+                 f"({ts['layer_matmul_split_fraction']:.0%} of the layer matmul weights)")  # fmt: skip
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in ts.get("replicated", {}).items():
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names in by_reason.items():
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            words += f"; kept whole ({reason}): {shown}"
+        return words
 
 
 _TREATMENT_WORDS = {"offload": "activations offloaded", "full": "full recompute", "selective": "selective recompute"}

@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 from autopar.ir import is_tensor_node
 from autopar.memory.activations import ActivationOffload, local_tensor
 from autopar.passes.recompute import offloaded_nodes, plan_segments
-from autopar.passes.sharding_rules import parse_placement
+from autopar.passes.sharding_rules import is_masked_partial, parse_placement
 
 aten = torch.ops.aten
 R = Replicate()
@@ -143,6 +143,8 @@ class ShardedInterpreter(fx.Interpreter):
     def _to(self, value, tp_placement: Placement):
         if not isinstance(value, DTensor) or (tp_placement.is_partial() and not value.placements[1].is_partial()):
             return value
+        if is_masked_partial(tp_placement) and value.placements[1].is_partial():
+            return value  # DTensor's own masked partial sum: only it holds the mask its reduction needs
         dp_pl = value.placements[0]
         want = (dp_pl, tp_placement)
         if tuple(value.placements) == want:

@@ -74,7 +74,14 @@ from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
 from autopar.passes import sharding_solver as ss
-from autopar.passes.sharding_solver import MeshResult, Precision, ShardingProgram, ShardingSolution, format_bytes
+from autopar.passes.sharding_solver import (
+    MeshResult,
+    Precision,
+    ShardingProgram,
+    ShardingSolution,
+    TensorSplit,
+    format_bytes,
+)
 
 ESTIMATE_SLACK = 0.02  # how far an estimate may sit above the exact price before a configuration is skipped
 MICRO_BATCH_STOP = 0.10  # see _Search._micro_batches
@@ -166,6 +173,30 @@ def layer_structure(graph: OpGraph, batch_size: int) -> LayerStructure | None:
             pre.add(n.name)
     return LayerStructure(container, num, traced, frozenset(pre), frozenset(post),
                           _boundary_bytes(graph, in_layer, idxs[0], batch_size))  # fmt: skip
+
+
+def why_no_layer_run(graph: OpGraph) -> str:
+    """Why `graph` has no one run of alike layers a pipeline can cut, naming the containers of layers it found."""
+    found: dict[str, set[int]] = {}
+    for c, i in graph.node_layer.values():
+        if c is not None:
+            found.setdefault(c, set()).add(i)
+    if not found:
+        return "the model has no repeated layers to cut into stages (pipeline cuts need one container of alike layers)"
+    # a stack inside a layer of another (T5's encoder.block.0.layer) is part of that one
+    outer = {c: i for c, i in found.items() if not any(c.startswith(o + ".") for o in found if o != c)}
+    if len(outer) > 1:
+        names = sorted(outer)
+        listed = ", ".join(names[:-1]) + f" and {names[-1]}"
+        return (f"the model has {_count_words(len(names))} stacks of layers: {listed}; pipelines over more than one "
+                f"stack (an encoder and a decoder) are not supported yet")  # fmt: skip
+    container = next(iter(outer))
+    return (f"the layers of {container} are not all alike (their shapes or ops differ), so a cut cannot count "
+            f"them; pipeline cuts need one container of identical layers")  # fmt: skip
+
+
+def _count_words(n: int) -> str:
+    return {2: "two", 3: "three", 4: "four"}.get(n, str(n))
 
 
 def _boundary_bytes(graph: OpGraph, in_layer: dict[str, int], first: int, batch_size: int) -> float:
@@ -339,8 +370,9 @@ class _StagePricer:
 
     def __init__(self, graph: OpGraph, structure: LayerStructure, cluster: ClusterSpec, *, estimator,
                  precision: Precision, zero: int | None, budget: float, batch: int,
-                 recompute: str | None = None):  # fmt: skip
+                 recompute: str | None = None, constraints: dict | None = None):  # fmt: skip
         self.graph, self.structure, self.cluster = graph, structure, cluster
+        self.constraints = dict(constraints or {})  # the pins the tensor-split rule reads (tp, tp_min_split)
         self.recompute = recompute  # a pinned activation recompute mode, or None to choose per stage
         self.estimator, self.precision, self.budget, self.batch = estimator, precision, budget, batch
         # ZeRO-2/3 reduce-scatter gradients and gather parameters once per micro-batch, which a pipeline
@@ -363,7 +395,8 @@ class _StagePricer:
         prog = ShardingProgram(self.view(k, first, last), self.cluster, dp, tp, estimator=self.estimator,
                                precision=self.precision, zero_stage=None, memory_budget_bytes=self.budget,
                                batch_dim_size=self.batch, num_microbatches=m, activation_copies=copies,
-                               recompute=self.recompute)  # fmt: skip
+                               recompute=self.recompute,
+                               tensor_split=TensorSplit.from_constraints(self.constraints, tp))  # fmt: skip
         if dp > 1:
             prog.zero_choices = list(self.zero_choices)
         return prog
@@ -373,6 +406,9 @@ class _StagePricer:
         key = (k, first, last, dp, tp, m)
         if key not in self._free:
             prog = self.program(k, first, last, dp, tp, m)
+            if prog.cannot_split():  # a tensor axis with no weight to split is data parallelism
+                self._free[key] = _Priced(False)
+                return self._free[key]
             prog.build()
             self.num_programs += 1
             self._free[key] = self._record(prog, prog.solve(stage=prog.zero_choices[0], memory=False), 1.0)
@@ -747,10 +783,10 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
     world = cluster.world_size
     structure = layer_structure(graph, batch_size)
     num_layers = structure.num_layers if structure is not None else 1
+    pinned_pp = (constraints or {}).get("pp")
+    if structure is None and isinstance(pinned_pp, int) and pinned_pp > 1:
+        raise ConfigError(f"constraints['pp']={pinned_pp}: {why_no_layer_run(graph)}; drop 'pp'")
     c = _check_constraints(dict(constraints or {}), world, num_layers)
-    if structure is None and c.get("pp", 1) > 1:
-        raise ConfigError(f"constraints['pp']={c['pp']}: the model has no run of identical layers to cut into stages "
-                          f"(pipeline cuts need one container of alike layers); drop 'pp'")  # fmt: skip
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     single, single_error = None, None
     wants_pipeline = c.get("pp", 0) > 1 or c.get("schedule") is not None or c.get("virtual_stages", 1) > 1
@@ -766,7 +802,7 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
     if structure is not None and c.get("pp") != 1 and num_layers >= 2:
         pricer = _StagePricer(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision),
                               zero=c.get("zero"), budget=budget, batch=batch_size,
-                              recompute=c.get("recompute"))  # fmt: skip
+                              recompute=c.get("recompute"), constraints=c)  # fmt: skip
         search = _Search(pricer, c, say)
         records, best = search.run()
     else:

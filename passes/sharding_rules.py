@@ -38,6 +38,30 @@ R = Replicate()
 P = Partial()
 
 
+class MaskedPartial(Partial):
+    """A partial sum whose reduction first masks each rank's out-of-range rows: what DTensor's embedding on a
+    vocabulary-split table produces (its `_MaskPartial`). It reduces to replicated or sharded values like a
+    partial sum, but never turns into a plain one, so no op that wants `Partial` inputs may consume it."""
+
+    def __repr__(self) -> str:
+        return "MaskedPartial()"
+
+    # Partial compares by its reduce op only; a masked sum is another placement (it never turns into a plain one)
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MaskedPartial) and self.reduce_op == other.reduce_op
+
+    def __hash__(self) -> int:
+        return hash(("masked", self.reduce_op))
+
+
+MP = MaskedPartial()
+
+
+def is_masked_partial(p: Placement) -> bool:
+    """Whether `p` is a masked partial sum: ours (`MaskedPartial`) or DTensor's (its embedding's output)."""
+    return isinstance(p, MaskedPartial) or type(p).__name__ == "_MaskPartial"
+
+
 @dataclass(frozen=True, slots=True)
 class OpStrategy:
     """One way to run an op on the tensor axis (see the module docstring)."""
@@ -88,9 +112,11 @@ def shard_dim(p: Placement) -> int | None:
 
 
 def placement_str(p: Placement) -> str:
-    """Compact name used in plans and reports: R, P, S(d)."""
+    """Compact name used in plans and reports: R, P, MP (a masked partial sum), S(d)."""
     if isinstance(p, Shard):
         return f"S({p.dim})"
+    if is_masked_partial(p):
+        return "MP"
     return "P" if p.is_partial() else "R"
 
 
@@ -99,9 +125,11 @@ def parse_placement(text: str) -> Placement:
         return R
     if text == "P":
         return P
+    if text == "MP":
+        return MP
     if text.startswith("S(") and text.endswith(")"):
         return Shard(int(text[2:-1]))
-    raise ValueError(f"not a placement: {text!r} (expected R, P or S(dim))")
+    raise ValueError(f"not a placement: {text!r} (expected R, P, MP or S(dim))")
 
 
 def _shape(node) -> tuple[int, ...]:
@@ -124,6 +152,10 @@ def is_follower(node: fx.Node) -> bool:
 
 def follow(node: fx.Node, placement: Placement, tp: int) -> Placement | None:
     """The output placement of follower `node` when its input has `placement` (None: not expressible)."""
+    if is_masked_partial(placement):
+        # DTensor carries its mask along views and copies without reshaping it (so the sum can no longer be
+        # reduced) and sums a masked partial only after ops that keep the shape and are linear
+        return placement if node.target in _MASK_KEEPING else None
     return _FOLLOW_RULES[node.target](node, placement, tp)
 
 
@@ -168,13 +200,16 @@ _UNARY_ELEMENTWISE = [
     aten.pow.Tensor_Scalar, aten.dropout.default, aten.ne.Scalar, aten.eq.Scalar, aten.ge.Scalar,
     aten.gt.Scalar, aten.le.Scalar, aten.lt.Scalar, aten.logical_not.default, aten.abs.default,
     aten.mul.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.masked_fill.Scalar,
-    aten.gelu_.default, aten.silu_.default,
+    aten.gelu_.default, aten.silu_.default, aten.clone.default,  # DTensor sums a partial before it copies it
 ]  # fmt: skip
 _LINEAR_UNARY = [
-    aten.neg.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clone.default,
-    aten.contiguous.default, aten.alias.default, aten.detach.default, aten.to.device, aten.type_as.default,
+    aten.neg.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.contiguous.default, aten.alias.default, aten.detach.default, aten.to.device, aten.type_as.default,
     aten.mul.Scalar, aten.div.Scalar,
 ]  # fmt: skip
+
+
+# what a masked partial sum stays one through (DTensor sums it before any other op, copies and casts included)
+_MASK_KEEPING = {aten.contiguous.default, aten.alias.default, aten.detach.default}
 
 
 @register_follow(*_UNARY_ELEMENTWISE)
@@ -217,6 +252,13 @@ def _follow_t(node, p, tp):
     return p if d is None else Shard(1 - d)
 
 
+@register_follow(aten.numpy_T.default)
+def _follow_numpy_t(node, p, tp):
+    """`x.T`: every dim reversed."""
+    d = shard_dim(p)
+    return p if d is None else Shard(len(_shape(node)) - 1 - d)
+
+
 @register_follow(aten.permute.default)
 def _follow_permute(node, p, tp):
     d = shard_dim(p)
@@ -252,7 +294,10 @@ def _follow_slice(node, p, tp):
     if d is None:
         return p
     in_shape = _shape(node.args[0])
-    dim = _norm_dim(node.args[1] if len(node.args) > 1 else 0, len(in_shape))
+    # slice and narrow take the dim first; split and split_with_sizes take the sizes first, then the dim
+    dim_at = 2 if node.target in (aten.split.Tensor, aten.split_with_sizes.default) else 1
+    dim = node.args[dim_at] if len(node.args) > dim_at else node.kwargs.get("dim", 0)
+    dim = _norm_dim(dim, len(in_shape))
     if node.target == aten.slice.Tensor:
         out_shape = _shape(node)
         if d != dim or out_shape == in_shape:
@@ -461,6 +506,8 @@ def _mm_rule(node, tp):
 def _bmm_rule(node, tp):
     a, b = tensor_args(node)
     sa, sb, so = _shape(a), _shape(b), _shape(node)
+    if node.target == aten.matmul.default and len(sb) == 2 and len(sa) >= 2:  # x @ W: a linear without bias
+        return _linear_like(node, tp, x_idx=0, w_idx=1, b_idx=None, w_out_dim=1, w_in_dim=0)
     out = []
     if len(sa) == len(sb) == len(so) >= 3:
         for d in _divisible_dims(so[:-2], tp):
@@ -478,7 +525,8 @@ def _embedding_rule(node, tp):
     if ws[1] % tp == 0:
         out.append(OpStrategy((Shard(1), R), Shard(out_ndim - 1), tp, name="hidden parallel"))
     if ws[0] % tp == 0:
-        out.append(OpStrategy((Shard(0), R), P, tp, name="vocab parallel"))
+        # each rank looks up the ids in its rows and zeroes the others: DTensor's masked partial sum
+        out.append(OpStrategy((Shard(0), R), MP, tp, name="vocab parallel"))
     for d in _divisible_dims(ids_shape, tp):
         out.append(OpStrategy((R, Shard(d)), Shard(d), tp, (P, Shard(d)), name=f"split rows S({d})"))
     return out

@@ -77,6 +77,9 @@ Constraints:
         h_o <= (host memory / devices per node) z[3] when dp > 1 (the offload program runs ZeRO-3 chunks)
     recomputed segment (r != none):
         M_recompute >= sum_{m in S, m kept at none, dropped at r} x[g(m),k] M_value[m,k]   for all S in S_r
+    tensor split (tp > 1; M the layer matmul weights with a dim divisible by tp, N_w their elements):
+        sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w     f = tp_min_split, 1 unless the
+                                                                                  user says less
 
     M_state   parameter, gradient and optimizer bytes of w's local shard under stage s
     M_saved   bytes of the group's outputs kept for backward under r, split over dp and, where
@@ -110,6 +113,12 @@ helps), skipped when the best plan found reaches its bound L + sum_g n_g min_k s
 T_fwd[m,k] (or its own memory-free optimum at its fewest micro-batches); within a mode each stage
 is solved with z fixed (presolve then removes the product rows, which HiGHS solves much faster than
 the joint program), stopping at a stage that reaches the mode's bound.
+
+A tensor axis that splits no weight is data parallelism run on DTensors, which the dp mesh of the same size
+runs better. So a tensor axis, pinned or searched, splits every layer matmul weight (attention, MLP, experts)
+unless `tp_min_split` lowers the fraction, and a mesh with no such weight it can split is dropped; pinned and
+searched axes follow one rule, so `compile`, which plans again with the plan's tp pinned, builds what was
+priced. What stays replicated, and why, is in the solution.
 
 Offload only adds time (the host link and the CPU step are not overlapped with compute), so a program
 keeps states on the host only where memory requires it; it enters the lower bounds above as the
@@ -262,6 +271,8 @@ class ShardingSolution:
     layer_modes: dict = field(default_factory=dict)  # treatment -> layer indices (empty: uniform `recompute`)
     activation_offload: dict = field(default_factory=dict)
     recompute_s: float = 0.0  # the part of compute_s spent running forwards again
+    # tp > 1: what the tensor axis splits and which parameters stay whole, and why (`tensor_split_report`)
+    tensor_split: dict = field(default_factory=dict)
 
 
 _ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -307,6 +318,66 @@ def batch_split_nodes(graph: OpGraph, batch: int) -> frozenset[str]:
     return out
 
 
+# Matrix products and the argument holding the weight (None: whichever argument a parameter reaches)
+_MATMUL_WEIGHT_ARG = {"aten.linear.default": 1, "aten.addmm.default": 2, "aten.mm.default": 1,
+                      "aten.bmm.default": None, "aten.matmul.default": None}  # fmt: skip
+# Ops a weight passes through on its way to a matmul: views, casts, and the selection of experts
+_WEIGHT_PATH_OPS = _VIEW_OPS | {
+    "aten.index.Tensor", "aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.clone.default",
+    "aten.contiguous.default", "aten.chunk.default", "aten.narrow.default", "aten.numpy_T.default",
+}  # fmt: skip
+
+
+def matmul_weights(graph: OpGraph) -> frozenset[str]:
+    """Parameter nodes (representatives) that are the weight of a matrix product: attention and MLP projections,
+    experts (reached through their selection by index), the LM head. Embedding tables are not: a lookup is no
+    product."""
+    cache = _analysis(graph)
+    if "matmul_weights" in cache:
+        return cache["matmul_weights"]
+    found: set[str] = set()
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or str(node.target) not in _MATMUL_WEIGHT_ARG:
+            continue
+        args = tensor_args(node)
+        idx = _MATMUL_WEIGHT_ARG[str(node.target)]
+        for a in args if idx is None else args[idx : idx + 1]:
+            while a.op == "call_function" and str(a.target) in _WEIGHT_PATH_OPS and tensor_args(a):
+                a = tensor_args(a)[0]
+            if graph.kinds.get(a.name) == NodeKind.PARAM:
+                found.add(graph.representative[a.name])
+    out = cache["matmul_weights"] = frozenset(found)
+    return out
+
+
+def layer_matmul_weights(graph: OpGraph) -> frozenset[str]:
+    """The matmul weights a pinned tensor axis must split: those of the repeated layers (all of them in a model
+    without layers). The LM head is left to the solver: splitting it pays only where the vocabulary is large."""
+    weights = matmul_weights(graph)
+    inside = frozenset(w for w in weights if graph.params[w].layer[0] is not None)
+    return inside or weights
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSplit:
+    """What a tensor axis must split: at least `min_fraction` of the layer matmul weights' elements."""
+
+    min_fraction: float = 0.0
+
+    @classmethod
+    def from_constraints(cls, constraints: dict, tp: int) -> TensorSplit:
+        """The rule for a tensor axis of size `tp` under the user's `constraints` (validated here): every layer
+        matmul weight by default, pinned or searched alike (so that `compile`, which plans again with the
+        plan's tp pinned, builds what was priced), or the fraction `tp_min_split` says."""
+        f = constraints.get("tp_min_split")
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
+            raise ConfigError(f"constraints['tp_min_split']={f!r}: expected a fraction between 0 and 1 (0 lets the "
+                              f"tensor axis split nothing, 1 splits every layer matmul weight)")  # fmt: skip
+        if tp == 1:
+            return cls()
+        return cls(1.0 if f is None else float(f))
+
+
 def redistribute_time(src: Placement, dst: Placement, nbytes: float, tp: int, link: LinkSpec) -> float:
     """Time to turn a tensor of `nbytes` (full size) from placement `src` into `dst` on the tensor axis."""
     if tp == 1 or src == dst:
@@ -340,8 +411,11 @@ class ShardingProgram:
     def __init__(self, graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, *, estimator, precision: Precision,
                  zero_stage: int | None, memory_budget_bytes: float, batch_dim_size: int,
                  num_microbatches: int = 1, activation_copies: float = 1.0,
-                 recompute: str | None = None, offload: bool | None = False):  # fmt: skip
+                 recompute: str | None = None, offload: bool | None = False,
+                 tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
+        self.tensor_split = tensor_split
+        self.pinned_placements = dict(pinned_placements or {})  # parameter name -> placement string on tp
         # False: states stay on the device; None: the program places them; True: all optimizer states
         # and gradients on the host
         self.offload = offload
@@ -535,7 +609,63 @@ class ShardingProgram:
         self.add_stage_product_constraint()
         self.add_sharded_runtime_cost()
         self.add_offload_constraint()
+        self.add_tensor_split_constraint()
+        self.add_pinned_placement_constraint()
         self.add_memory_constraint()
+
+    def splittable_weights(self) -> list[str]:
+        """The layer matmul weights (representatives) with a placement split on the tensor axis."""
+        if self.tp == 1:
+            return []
+        return [w for w in sorted(layer_matmul_weights(self.graph)) if w in self.groups
+                and any(isinstance(s.output, Shard) for s in self.groups[w].strategies)]  # fmt: skip
+
+    def cannot_split(self) -> bool:
+        """Whether the tensor-split rule asks for a split this mesh has no weight to make."""
+        return self.tp > 1 and self.tensor_split.min_fraction > 0 and not self.splittable_weights()
+
+    def add_tensor_split_constraint(self) -> None:
+        """sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w  (f = tp_min_split)."""
+        f, weights = self.tensor_split.min_fraction, self.splittable_weights()
+        if not weights or f <= 0:
+            return
+        size = {w: self.groups[w].count * self.graph.params[w].meta.numel for w in weights}
+        total = sum(size.values())
+        split = [size[w] / total * self.x[w][k] for w in weights
+                 for k, s in enumerate(self.groups[w].strategies) if isinstance(s.output, Shard)]  # fmt: skip
+        # fractions of the total keep the coefficients near 1; the slack absorbs their rounding at f = 1
+        self.prob += pulp.lpSum(split) >= f - 1e-9, "tp_min_split"
+
+    def pinned_strategies(self) -> dict[str, int]:
+        """Parameter group -> the strategy its pinned placement (`param_placements`) names; ConfigError when a pin
+        names no parameter, a placement it cannot take, or two placements for one set of identical layers."""
+        if not self.pinned_placements:
+            return {}
+        names = {}
+        for node_name, info in self.graph.params.items():
+            for fqn in self.graph.expand_param_name(info.name, info.layer):
+                names[fqn] = self.graph.representative[node_name]
+        out: dict[str, int] = {}
+        for fqn, text in self.pinned_placements.items():
+            if fqn not in names:
+                raise ConfigError(f"constraints['param_placements'] names {fqn!r}, which is no parameter of the model")
+            grp = self.groups[names[fqn]]
+            ks = [k for k, st in enumerate(grp.strategies) if rules.placement_str(st.output) == text]
+            if not ks:
+                shape = self.graph.params[names[fqn]].meta.shape
+                raise ConfigError(f"constraints['param_placements'][{fqn!r}]={text!r}: a parameter of shape {shape} "
+                                  f"takes one of {[rules.placement_str(st.output) for st in grp.strategies]} "
+                                  f"on a tensor axis of {self.tp}")  # fmt: skip
+            if out.get(names[fqn], ks[0]) != ks[0]:
+                raise ConfigError(f"constraints['param_placements'] pins identical layers' {fqn!r} two ways; "
+                                  f"identical layers share one placement")  # fmt: skip
+            out[names[fqn]] = ks[0]
+        return out
+
+    def add_pinned_placement_constraint(self) -> None:
+        """x[w,k] = 1 for the placement k pinned for parameter w."""
+        for name, k in self.pinned_strategies().items():
+            self.prob += self.x[name][k] == 1, f"pinned_placement_{name}"
 
     def add_one_strategy_constraint(self) -> None:
         """sum_k x[g,k] = 1 for every group g."""
@@ -1230,7 +1360,8 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32".
         constraints: optional pins: "tp", "dp", "zero" (0-3), "num_microbatches" (gradient accumulation
             steps per data-parallel rank), "micro_batch_size" (samples per micro-batch per rank) or
-            "recompute" ("none", "selective", "full").
+            "recompute" ("none", "selective", "full"), "tp_min_split" (the fraction of the layer matmul
+            weights' elements a tensor axis must split: default 1; 0 opts out).
         memory_budget_bytes: per-device cap; defaults to the device memory.
         batch_size: the global batch (dim 0 of the inputs), split over dp.
         progress: optional callable(str) told about each mesh as it is solved.
@@ -1252,6 +1383,10 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         raise ConfigError(f"offload=True with constraints['zero']={zero}: the offload program runs the states as "
                           f"ZeRO-3 chunks over the data axis; pin zero=3 or leave the stage to the solver")  # fmt: skip
     prec = Precision.get(precision)
+    pins = constraints.get("param_placements") or {}
+    if not isinstance(pins, dict) or not all(isinstance(v, str) for v in pins.values()):
+        raise ConfigError(f"constraints['param_placements']={pins!r}: expected a mapping of parameter names to "
+                          f"placements on the tensor axis, such as {{'lm_head.weight': 'S(0)'}}")  # fmt: skip
     recompute = _pinned_recompute(graph, constraints.get("recompute"))
     rules.UNRULED_OPS.clear()
     t0 = time.perf_counter()
@@ -1263,15 +1398,28 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
             continue
         make = _program_factory(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
                                 budget=budget, batch_size=batch_size, recompute=recompute,
-                                offload=offload if tp == 1 else False)  # fmt: skip
+                                offload=offload if tp == 1 else False,
+                                tensor_split=TensorSplit.from_constraints(constraints, tp),
+                                pinned_placements=pins)  # fmt: skip
+        if tp == 1 and any(v != "R" for v in pins.values()):
+            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
+                                      "param_placements splits parameters, and this mesh has no tensor axis"))
+            continue
         fits = None
         for m in _microbatch_choices(batch_size // dp, constraints):
             prog = make(m)
+            if prog.cannot_split():
+                break
             bound = prog.memory_lower_bound()
             bounds.append((sum(bound.values()), dp, tp, m, bound, prog.leanest_recompute()))
             if sum(bound.values()) <= budget:
                 fits = prog
                 break
+        if fits is None and prog.cannot_split():
+            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
+                                      f"the tensor axis would split no matmul weight (none has a dimension divisible "
+                                      f"by tp={tp}): that is data parallelism, which dp={dp * tp} runs"))  # fmt: skip
+            continue
         if fits is None:
             results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
                                       "does not fit even with micro-batches of one sample"))  # fmt: skip
@@ -1316,11 +1464,12 @@ def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
 
 
 def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None,
-                     offload=False):  # fmt: skip
+                     offload=False, tensor_split: TensorSplit = TensorSplit(), pinned_placements=None):  # fmt: skip
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
                                zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
-                               num_microbatches=m, recompute=recompute, offload=offload)  # fmt: skip
+                               num_microbatches=m, recompute=recompute, offload=offload,
+                               tensor_split=tensor_split, pinned_placements=pinned_placements)  # fmt: skip
 
     return make
 
@@ -1416,7 +1565,54 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
                             len(prog.groups), dt, recompute=best.recompute, offload=best.offload,
                             layer_modes=layer_indices(best.layer_modes, graph) if best.layer_modes else {},
                             activation_offload=best.activation_offload, optimizer_s=best.optimizer_s,
-                            recompute_s=best.recompute_s)  # fmt: skip
+                            recompute_s=best.recompute_s,
+                            tensor_split=tensor_split_report(prog, chosen))  # fmt: skip
+
+
+def tensor_split_report(prog: ShardingProgram, chosen: dict[str, int]) -> dict:
+    """What the tensor axis of `prog`'s layout `chosen` splits: the fraction of all parameter elements and of the
+    layer matmul weights', the rule it was held to, and every parameter kept whole (under each name of the model)
+    with the reason. Empty without a tensor axis."""
+    if prog.tp == 1:
+        return {}
+    graph, rule = prog.graph, prog.tensor_split
+    layer, matmul = layer_matmul_weights(graph), matmul_weights(graph)
+    total = split = layer_total = layer_split = 0
+    replicated = {}
+    members = defaultdict(list)  # representative -> every parameter node it stands for (identical layers)
+    for node_name in graph.params:
+        members[graph.representative[node_name]].append(graph.params[node_name])
+    for name in prog._param_groups():
+        grp, info = prog.groups[name], graph.params[name]
+        size = grp.count * info.meta.numel
+        whole = not isinstance(grp.strategies[chosen[name]].output, Shard)
+        total += size
+        split += 0 if whole else size
+        if name in layer:
+            layer_total += size
+            layer_split += 0 if whole else size
+        if whole:
+            reason = _kept_whole_reason(prog, name, name in layer, name in matmul)
+            for member in members[name]:
+                for fqn in graph.expand_param_name(member.name, member.layer):
+                    replicated[fqn] = reason
+    return {"split_fraction": split / total if total else 0.0,
+            "layer_matmul_split_fraction": layer_split / layer_total if layer_total else 0.0,
+            "min_fraction": rule.min_fraction,
+            "replicated": dict(sorted(replicated.items()))}  # fmt: skip
+
+
+def _kept_whole_reason(prog: ShardingProgram, name: str, in_layer: bool, is_matmul: bool) -> str:
+    """Why parameter `name` stays whole on the tensor axis, in words for the report."""
+    if not any(isinstance(s.output, Shard) for s in prog.groups[name].strategies):
+        return f"no dimension divisible by tp={prog.tp}"
+    if in_layer:
+        return f"splitting it prices dearer and tp_min_split={prog.tensor_split.min_fraction:g} allows it whole"
+    if is_matmul:
+        return "matmul outside the layers (LM head): splitting it prices dearer"
+    if len(prog.graph.params[name].meta.shape) == 1:
+        return "a vector (norm weight or bias): splitting it prices dearer"
+    return "not a matmul weight (embedding or table): splitting it prices dearer"
 
 
 def format_bytes(n: float) -> str:

@@ -218,3 +218,15 @@ def test_stages_pay_their_optimizer_step():
     assert sol.pp == 2
     for st in sol.stages:
         assert st.optimizer_s > 0 and st.optimizer_s == pytest.approx(st.sharding.optimizer_s)
+
+
+def test_an_encoder_decoder_pipeline_names_its_two_stacks():
+    import autopar
+    from autopar.errors import ConfigError
+    from tests.families import family_batch, make_family
+
+    model = make_family("t5")
+    args, kwargs = family_batch("t5")
+    with pytest.raises(ConfigError, match=r"two stacks of layers: decoder\.block and encoder\.block; pipelines over "
+                                          r"more than one stack"):  # fmt: skip
+        autopar.plan(model, "cpu:2", args, kwargs, constraints={"pp": 2})

@@ -525,3 +525,79 @@ def test_gradient_sync_is_per_parameter_on_the_sharded_runtime_and_bucketed_on_p
     assert dp.predicted.grad_sync_s == pytest.approx(
         steps * link.latency_s * (1 + grads / bucket) + moved / link.bandwidth_bytes_per_s, rel=1e-4)  # fmt: skip
     assert tp.predicted.grad_sync_s > 5 * dp.predicted.grad_sync_s  # many small all-reduces against one bucket
+
+
+# ------------------------------------------------------------------- a tensor axis splits weights
+
+
+def _rank_share(model: nn.Module, plan) -> float:
+    """The fraction of the model's parameter elements one rank holds under the plan (tensor axis only)."""
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    held = sum(v / plan.mesh["tp"] if plan.param_placements.get(n, "R") != "R" else v for n, v in sizes.items())
+    return held / sum(sizes.values())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5", "bloom", "falcon", "gemma2", "mixtral", "torch"])
+def test_pinned_tp_splits_every_layer_matmul_weight(family):
+    from tests.families import family_batch, make_family
+
+    model = make_family(family)
+    args, kwargs = family_batch(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ops without a rule: not what this test is about
+        plan = autopar.plan(model, "cpu:2", args, kwargs, constraints={"tp": 2})
+    assert plan.mesh["tp"] == 2
+    assert plan.tensor_split["layer_matmul_split_fraction"] == pytest.approx(1.0)
+    # attention and MLP weights are most of each tiny model: split in two, they leave a rank well under 80%
+    # of the parameters (the embeddings, norms and biases it keeps whole are the rest)
+    assert _rank_share(model, plan) < 0.8, (family, plan.tensor_split["replicated"])
+    # what stays whole is named with its reason, in the plan and in its summary
+    kept = [n for n, p in plan.param_placements.items() if p == "R"]
+    assert set(kept) == set(plan.tensor_split["replicated"])
+    assert "kept whole" in plan.summary() and "of the layer matmul weights" in plan.summary()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5", "falcon", "torch"])
+def test_free_search_never_returns_a_tensor_axis_that_splits_nothing(family):
+    from tests.families import family_batch, make_family
+
+    model = make_family(family)
+    args, kwargs = family_batch(family)
+    for cluster in ("cpu:2", "cpu:4"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plan = autopar.plan(model, cluster, args, kwargs)
+        if plan.mesh["tp"] > 1:
+            assert any(p != "R" for p in plan.param_placements.values()), (family, cluster, plan.mesh)
+            assert plan.tensor_split["split_fraction"] > 0
+        else:
+            assert plan.tensor_split == {}
+
+
+def test_a_tensor_axis_with_nothing_to_split_is_dropped_from_the_free_search():
+    # no weight dimension divides by 2: a tensor axis could only run the whole model on every rank
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3))
+    plan = autopar.plan(model, "cpu:2", (torch.randn(8, 3),))
+    assert plan.mesh == {"dp": 2, "tp": 1}
+    (dropped,) = [a for a in plan.alternatives if a["tp"] == 2]
+    assert not dropped["feasible"] and "split no matmul weight" in dropped["reason"]
+
+
+def test_tp_min_split_lowers_or_lifts_the_rule():
+    model, (args, kwargs) = make_model("llama"), make_batch("llama")
+
+    def plan(**pins):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return autopar.plan(model, "cpu:2", args, kwargs, constraints={"tp": 2, **pins})
+
+    # opting out: on these tiny shapes the tensor axis pays most as a second data axis, splitting nothing
+    free = plan(tp_min_split=0)
+    assert free.tensor_split["min_fraction"] == 0
+    assert free.tensor_split["layer_matmul_split_fraction"] < 1.0
+    half = plan(tp_min_split=0.5)
+    assert half.tensor_split["layer_matmul_split_fraction"] >= 0.5
+    assert half.predicted.step_time_s <= plan().predicted.step_time_s * (1 + 1e-9)  # a looser rule never costs more
+    for bad in (1.5, -0.1, "all", True):
+        with pytest.raises(ConfigError, match="tp_min_split"):
+            plan(tp_min_split=bad)
