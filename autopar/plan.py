@@ -126,6 +126,9 @@ class Plan:
     # tp > 1: split_fraction (of all parameter elements), layer_matmul_split_fraction, min_fraction (the
     # tp_min_split rule), replicated (parameter -> why it stays whole on the tensor axis); empty: no tensor axis
     tensor_split: dict = field(default_factory=dict)
+    # mixed precision: the format ZeRO-0 gradients are held and all-reduced in ("fp32", or the compute format
+    # when pinned); dp-sharded gradients (ZeRO >= 1) are reduce-scattered in the compute format
+    grad_reduce: str = "fp32"
     format_version: int = FORMAT_VERSION
 
     @property
@@ -176,6 +179,7 @@ class Plan:
             "activation_offload": self.activation_offload,
             "tensor_split": self.tensor_split,
             "precision": self.precision,
+            "grad_reduce": self.grad_reduce,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
             "num_parameters": self.num_parameters,
@@ -224,6 +228,7 @@ class Plan:
                 activation_offload=dict(d.get("activation_offload") or {}),
                 tensor_split=dict(d.get("tensor_split") or {}),
                 precision=d["precision"],
+                grad_reduce=str(d.get("grad_reduce", "fp32")),
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
                 num_parameters=int(d["num_parameters"]),

@@ -800,7 +800,7 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
             single_error = e
     records, best = [], None
     if structure is not None and c.get("pp") != 1 and num_layers >= 2:
-        pricer = _StagePricer(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision),
+        pricer = _StagePricer(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision, c.get("grad_reduce")),
                               zero=c.get("zero"), budget=budget, batch=batch_size,
                               recompute=c.get("recompute"), constraints=c)  # fmt: skip
         search = _Search(pricer, c, say)

@@ -182,21 +182,39 @@ _VIEW_OPS = {
 
 @dataclass(frozen=True, slots=True)
 class Precision:
-    """Bytes per parameter of each model state (AdamW)."""
+    """Bytes per parameter of each model state (AdamW), as the programs hold them.
+
+    `grad_bytes` is a ZeRO-0 gradient: held and all-reduced in `grad_reduce`'s format (mixed precision:
+    fp32 by default, the compute format when pinned). Gradients of parameters sharded over the data axis
+    (ZeRO >= 1) are reduce-scattered in the compute format, the transpose of their compute-format gathers
+    (`grad_bytes_at`).
+    """
 
     name: str
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
+    grad_reduce: str = "fp32"
 
     @classmethod
-    def get(cls, name: str) -> Precision:
+    def get(cls, name: str, grad_reduce: str | None = None) -> Precision:
+        reduce = grad_reduce or "fp32"
         if name in ("bf16", "fp16"):
-            # bf16 weights and gradients, fp32 master weights and two fp32 moments (ZeRO paper: 2 + 2 + 12)
-            return cls(name, 2, 2, 12)
+            if reduce not in ("fp32", name):
+                raise ConfigError(f"grad_reduce={reduce!r} with precision {name!r}: gradients are reduced in 'fp32' "
+                                  f"(the default) or in the compute format {name!r}")  # fmt: skip
+            # compute-format weights, fp32 master weights and two fp32 moments (ZeRO paper: 2 + 2 + 12), and
+            # gradients in the format they are reduced in
+            return cls(name, 2, 4 if reduce == "fp32" else 2, 12, reduce)
         if name == "fp32":
-            return cls(name, 4, 4, 8)
+            if reduce != "fp32":
+                raise ConfigError(f"grad_reduce={reduce!r} with precision 'fp32': fp32 training reduces in 'fp32'")
+            return cls(name, 4, 4, 8, reduce)
         raise ConfigError(f"unknown precision {name!r}: expected 'bf16', 'fp16' or 'fp32'")
+
+    def grad_bytes_at(self, stage: int) -> int:
+        """Bytes of one gradient element as held and reduced at ZeRO stage `stage`."""
+        return self.grad_bytes if stage == 0 else self.param_bytes
 
 
 @dataclass
@@ -792,7 +810,7 @@ class ShardingProgram:
         params = local * pr.param_bytes / (self.dp if stage >= 3 else 1)
         if not info.requires_grad:
             return params, 0.0, 0.0
-        grads = local * pr.grad_bytes / (self.dp if stage >= 2 else 1)
+        grads = local * pr.grad_bytes_at(stage) / (self.dp if stage >= 2 else 1)
         opt = local * pr.optimizer_bytes / (self.dp if stage >= 1 else 1)
         return params, grads, opt
 
@@ -803,7 +821,7 @@ class ShardingProgram:
             return 0.0
         pl = self.groups[name].strategies[k].output
         local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
-        grad_bytes, param_bytes = local * self.precision.grad_bytes, local * self.precision.param_bytes
+        grad_bytes, param_bytes = local * self.precision.grad_bytes_at(stage), local * self.precision.param_bytes
         # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
         # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
         # the parameters for every micro-batch's forward and backward.
@@ -847,7 +865,7 @@ class ShardingProgram:
             for name in self._param_groups():
                 info = self.graph.params[name]
                 if info.requires_grad:
-                    nbytes = info.meta.numel * self.precision.grad_bytes
+                    nbytes = info.meta.numel * self.precision.grad_bytes_at(0)
                     whole = estimate_collective_time(Collective.ALL_REDUCE, nbytes, self.dp, self.dp_link)
                     extra += self.groups[name].count * (whole - self._bucketed(Collective.ALL_REDUCE, nbytes))
             extra = max(extra - self.sync_floor(0), 0.0)
@@ -889,7 +907,7 @@ class ShardingProgram:
     def offload_prices(self) -> tuple[float, float, float]:
         """(C_o, C_g, C_p): seconds per byte of optimizer state, of gradient and of weights kept on the host."""
         pr, link = self.precision, self.cluster.host_link
-        per_param = (pr.grad_bytes + pr.param_bytes) / link.bandwidth_bytes_per_s
+        per_param = (pr.grad_bytes_at(3) + pr.param_bytes) / link.bandwidth_bytes_per_s
         per_param += 1.0 / self.cluster.device.host_adamw_params_per_s
         # weights on the host come up for every gather (forward and backward of each micro-batch), not once
         c_p = (2 * self.mb - 1) / link.bandwidth_bytes_per_s
@@ -926,7 +944,7 @@ class ShardingProgram:
             self.prob += h_g <= pulp.lpSum(grad), "offload_grads_at_most_all"
         pr = self.precision
         # the offload program adds each micro-batch's gradient of a host chunk into its host buffer
-        self.prob += pr.optimizer_bytes * h_g == pr.grad_bytes * h_o, "offload_grads_with_their_optimizer_states"
+        self.prob += pr.optimizer_bytes * h_g == pr.grad_bytes_at(3) * h_o, "offload_grads_with_their_optimizer_states"
         self.prob += pr.optimizer_bytes * h_p == pr.param_bytes * h_o, "offload_weights_with_their_optimizer_states"
         self.prob += h_o + h_g <= self.host_capacity(), "host_memory"
         if self.dp > 1:  # the offload program runs its chunks as ZeRO-3: only a stage-3 layout offloads
@@ -1382,7 +1400,7 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
     if offload is True and zero is not None and zero < 3 and cluster.world_size > 1 and constraints.get("dp", 2) > 1:
         raise ConfigError(f"offload=True with constraints['zero']={zero}: the offload program runs the states as "
                           f"ZeRO-3 chunks over the data axis; pin zero=3 or leave the stage to the solver")  # fmt: skip
-    prec = Precision.get(precision)
+    prec = Precision.get(precision, constraints.get("grad_reduce"))
     pins = constraints.get("param_placements") or {}
     if not isinstance(pins, dict) or not all(isinstance(v, str) for v in pins.values()):
         raise ConfigError(f"constraints['param_placements']={pins!r}: expected a mapping of parameter names to "

@@ -93,3 +93,20 @@ def test_a_model_handed_in_fp32_is_priced_as_the_plans_compute_format():
     assert fp32.precision == bf16.precision == "bf16"
     assert fp32.predicted.step_time_s == pytest.approx(bf16.predicted.step_time_s, rel=1e-3)
     assert fp32.predicted.peak_memory_bytes == pytest.approx(bf16.predicted.peak_memory_bytes, rel=1e-3)
+
+
+def test_gradient_reduction_format_is_priced():
+    """Mixed precision all-reduces ZeRO-0 gradients in fp32 unless the compute format is pinned: the pinned
+    plan moves half the bytes and holds half the gradient memory."""
+    pins = {"dp": 8, "tp": 1, "zero": 0}
+    fp32 = autopar.plan("gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024, constraints=pins)
+    bf16 = autopar.plan("gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024,
+                        constraints={**pins, "grad_reduce": "bf16"})  # fmt: skip
+    assert fp32.grad_reduce == "fp32" and bf16.grad_reduce == "bf16"
+    # bandwidth-bound all-reduce of 2.6-5.3 GB: twice the bytes take about twice the time (latency is negligible)
+    assert fp32.predicted.grad_sync_s == pytest.approx(2 * bf16.predicted.grad_sync_s, rel=0.02)
+    assert fp32.predicted.memory_breakdown["grads"] == pytest.approx(2 * bf16.predicted.memory_breakdown["grads"])
+    assert autopar.Plan.from_json(bf16.to_json()).grad_reduce == "bf16"
+    with pytest.raises(autopar.ConfigError, match="grad_reduce"):
+        autopar.plan("gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024,
+                     constraints={**pins, "grad_reduce": "fp16"})  # fmt: skip

@@ -64,7 +64,8 @@ class MegatronRow:
         return f"{self.gpus // GPUS_PER_NODE}x{GPUS_PER_NODE}x{DEVICE}"
 
     def constraints(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "recompute": "full"}
+        # the paper's runs replicate optimizer states over the data axis (no ZeRO) and recompute every layer
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero": 0, "recompute": "full"}
 
 
 ROWS: tuple[MegatronRow, ...] = (

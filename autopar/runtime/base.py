@@ -143,14 +143,21 @@ def contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def sum_in_buckets(grads: list[torch.Tensor], group, bucket_bytes: int = 25 * 2**20) -> None:
-    """All-reduce (sum) `grads` in place over `group`, packed into flat buckets of one dtype."""
+def sum_in_buckets(grads: list[torch.Tensor], group, bucket_bytes: int = 25 * 2**20,
+                   dtype: torch.dtype | None = None) -> None:  # fmt: skip
+    """All-reduce (sum) `grads` in place over `group`, packed into flat buckets of one dtype (sent in `dtype`
+    when given)."""
     bucket: list[torch.Tensor] = []
     size = 0
     for g in [*grads, None]:
         if bucket and (g is None or g.dtype != bucket[0].dtype or size >= bucket_bytes):
             flat = torch.cat([b.reshape(-1) for b in bucket])
-            dist.all_reduce(flat, group=group)
+            if dtype is not None and flat.dtype != dtype:
+                sent = flat.to(dtype)
+                dist.all_reduce(sent, group=group)
+                flat = sent.to(flat.dtype)
+            else:
+                dist.all_reduce(flat, group=group)
             for b, piece in zip(bucket, flat.split([b.numel() for b in bucket]), strict=True):
                 b.copy_(piece.view_as(b))
             bucket, size = [], 0
@@ -220,6 +227,8 @@ class Program(torch.nn.Module):
         self.plan, self.cluster, self.traced = plan, cluster, traced
         self.device_type = device_type(cluster)
         self.compute_dtype = compute_dtype(plan.precision)
+        # ZeRO-0 gradients all-reduced in the compute format (pinned) rather than in fp32
+        self.reduce_in_compute = self.compute_dtype is not None and plan.grad_reduce != "fp32"
         self.scaler = LossScaler() if plan.precision == "fp16" else None
         state = model.state_dict(keep_vars=True)
         self._state_names = list(state)

@@ -18,9 +18,12 @@ divides the all-reduced gradient sums by the all-reduced count (the count travel
 bucket, so it costs no extra collective). A loss that is not a cross-entropy is taken as a mean
 over samples: equal shares, so the mean over ranks and micro-batches is exact.
 
-Under mixed precision the buckets hold the gradients of compute-format copies of the masters (made
-again from the masters before each forward), are reduced in that format, and are then cast into the
-masters' fp32 gradients.
+Under mixed precision the graph computes with compute-format copies of the masters (made again from
+the masters before each forward). With fp32 reduction (the default) the buckets are the masters' fp32
+gradients: each copy's gradient is added into its master's bucket view as soon as autograd has
+accumulated it (and then dropped), so micro-batches accumulate in fp32 and the all-reduce is fp32. With
+the compute format pinned (`plan.grad_reduce`), the buckets hold the copies' gradients, are reduced in
+that format, and are cast into the masters' gradients after.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class DataParallelProgram(Program):
         mixed = self.compute_dtype is not None
         self._compute = [p.detach().to(self.compute_dtype).requires_grad_(p.requires_grad) if mixed else p
                          for p in self.params]  # fmt: skip
+        # what the buckets hold: the copies' gradients when reduced in the compute format, else the masters'
+        self._bucketed = self._compute if self.reduce_in_compute else list(self.params)
         self._buffers_list = [buffers[n].detach().to(device, copy=True) for n in traced.buffer_names]
         self._constants = {k: self.in_compute_format(v.to(device)) if isinstance(v, torch.Tensor) else v
                            for k, v in traced.exported.constants.items()}  # fmt: skip
@@ -98,7 +103,7 @@ class DataParallelProgram(Program):
         placeholders = [n for n in self._gm.graph.nodes if n.op == "placeholder"]
         used = [bool(n.users) for n, kind in zip(placeholders, self.traced.placeholder_kinds, strict=True)
                 if kind == "param"]  # fmt: skip
-        trainable = [p for p, u in zip(self._compute, used, strict=True) if p.requires_grad and u]
+        trainable = [p for p, u in zip(self._bucketed, used, strict=True) if p.requires_grad and u]
         groups: list[list[torch.Tensor]] = []
         size = BUCKET_BYTES
         for p in trainable:
@@ -117,6 +122,11 @@ class DataParallelProgram(Program):
                 views.append((p, flat[offset:offset + p.numel()].view_as(p)))
                 offset += p.numel()
             buckets.append((flat, views))
+        if self.compute_dtype is not None and not self.reduce_in_compute:
+            in_bucket = {id(p) for _, views in buckets for p, _ in views}
+            for master, copy in zip(self.params, self._compute, strict=True):
+                if id(master) in in_bucket:
+                    copy.register_post_accumulate_grad_hook(_into_master(master))
         return buckets
 
     def _zero_grads(self) -> None:
@@ -212,7 +222,7 @@ class DataParallelProgram(Program):
         """Divide the summed gradients by the label count (and the loss scale); hand them to the masters."""
         for flat, _ in self._buckets:
             flat.mul_(1.0 / (weight * scale))
-        if self.compute_dtype is not None:
+        if self.reduce_in_compute:
             for master, copy in zip(self.params, self._compute, strict=True):
                 if copy.grad is None:
                     continue
@@ -236,3 +246,14 @@ class DataParallelProgram(Program):
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers_list, strict=True))
+
+
+def _into_master(master: torch.Tensor):
+    """A post-accumulate hook for a compute-format copy: add its gradient into the master's fp32 gradient (a
+    bucket view) and drop it, so the copy holds no gradient between layers."""
+
+    def hook(copy: torch.Tensor) -> None:
+        master.grad.add_(copy.grad)
+        copy.grad = None
+
+    return hook

@@ -266,7 +266,10 @@ class PipelineProgram(Program):
             shape, pl = self._shapes[key], self._placements[key]
             # replicated over dp: keep this rank's partial gradient; `train_step` sums it over dp once per step
             grad_pl = (Partial(), pl[1]) if key in self._dp_summed else pl
-            dt = DTensor.from_local(self._shard[key], self.mesh, pl, run_check=False, shape=torch.Size(shape),
+            local = self._shard[key]
+            if self.reduce_in_compute and pl[0] == R:  # the dp reduction (from_local's backward) in the compute format
+                local = self.in_compute_format(local)
+            dt = DTensor.from_local(local, self.mesh, pl, run_check=False, shape=torch.Size(shape),
                                     stride=contiguous_stride(shape), grad_placements=grad_pl)  # fmt: skip
             return self.in_compute_format(dt)
         if kind == "buffer":
@@ -335,7 +338,7 @@ class PipelineProgram(Program):
     def _sum_over_dp(self) -> None:
         """All-reduce the gradients of dp-replicated parameters once per step."""
         grads = [self._shard[k].grad for k in self._dp_summed if self._shard[k].grad is not None]
-        sum_in_buckets(grads, self.mesh.get_group("dp"))
+        sum_in_buckets(grads, self.mesh.get_group("dp"), dtype=self.compute_dtype if self.reduce_in_compute else None)
 
     def forward(self, *args, **kwargs):
         """The loss of a global batch, as `eval_step` computes it (a pipeline's outputs stay on its last stage)."""

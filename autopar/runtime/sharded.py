@@ -95,8 +95,10 @@ class ShardedProgram(Program):
         out = []
         for local, pl, shape in zip(self.shards, self._placements, self._shapes, strict=True):
             grad_pl = (Partial(), pl[1]) if defer and pl[0] == R else pl
-            dt = DTensor.from_local(local, self.mesh, pl, run_check=False, shape=torch.Size(shape),
-                                    stride=contiguous_stride(shape), grad_placements=grad_pl)  # fmt: skip
+            # cast before from_local: its backward (the dp reduction) runs in the compute format; after it, in fp32
+            early = self.reduce_in_compute and pl[0] == R
+            dt = DTensor.from_local(self.in_compute_format(local) if early else local, self.mesh, pl, run_check=False,
+                                    shape=torch.Size(shape), stride=contiguous_stride(shape), grad_placements=grad_pl)
             out.append(self.in_compute_format(dt))
         return out
 
@@ -151,7 +153,8 @@ class ShardedProgram(Program):
         loss_sum, total = self._weighted_losses(micro, self._interp, backward=True)
         if len(micro) > 1 and self.plan.mesh["dp"] > 1:
             deferred = [p.grad for p, pl in zip(self.shards, self._placements, strict=True) if pl[0] == R]
-            sum_in_buckets([g for g in deferred if g is not None], self.mesh.get_group("dp"))
+            sum_in_buckets([g for g in deferred if g is not None], self.mesh.get_group("dp"),
+                           dtype=self.compute_dtype if self.reduce_in_compute else None)
         return loss_sum, total
 
     def _evaluate(self, micro: list[tuple]) -> float:
