@@ -475,7 +475,11 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
                "recompute": st.sharding.recompute if st.sharding is not None else "none",
                "time_per_microbatch_s": st.time_per_microbatch_s, "transfer_per_microbatch_s": st.transfer_per_microbatch_s,
                "grad_sync_s": st.grad_sync_s, "activation_copies": st.activation_copies,
-               "memory_bytes": sum(st.memory.values()), "memory": dict(st.memory)} for st in psol.stages]  # fmt: skip
+               "memory_bytes": sum(st.memory.values()), "memory": dict(st.memory),
+               # the placements the stage was priced with (its layer nodes stand for every layer of the stage)
+               "node_output": dict(st.sharding.node_output) if st.sharding is not None else {},
+               "node_inputs": {k: list(v) for k, v in st.sharding.node_inputs.items()} if st.sharding is not None
+               else {}} for st in psol.stages]  # fmt: skip
     info = {"schedule": str(psol.schedule), "virtual_stages": psol.virtual_stages,
             "bubble_fraction": psol.bubble_fraction, "micro_batch_size": psol.micro_batch_size, "stages": stages,
             "step_time_without_pipeline_s": psol.single_stage_step_time_s,
@@ -606,8 +610,9 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
     The data-parallel and offload programs need none. A sharded plan names the nodes of the graph it was
     planned on; where the program's graph (traced at one micro-batch) has other nodes (a batch of one drops
     some expands), the placements are solved again on it with the plan's mesh, ZeRO stage and memory pinned:
-    the same program, so the same predictions. A pipeline plan carries none: its stages' placements are solved
-    on one stage's (dp, tp) block for the micro-batch graph.
+    the same program, so the same predictions. A pipeline plan carries its stages' placements
+    (`plan.stage_plans`); only where the graph's nodes differ (or a plan file predates them) are they solved
+    again on one stage's (dp, tp) block for the micro-batch graph.
     """
     from autopar.plan import ProgramKind
 
@@ -615,6 +620,9 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
         return plan
     fused = bool(plan.fusion.get("enabled", False))
     names = {n.name for n in traced.exported.graph.nodes}
+    stages = plan.stage_plans
+    if stages and all(st.node_output and all(n in names for n in st.node_output) for st in stages):
+        return plan  # the pipeline runs the placements its stages were priced with
     if plan.node_output and all(n in names for n in plan.node_output):
         return plan
     dp, tp = plan.mesh["dp"], plan.mesh["tp"]

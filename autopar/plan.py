@@ -55,6 +55,35 @@ def program_kind(*, pp: int = 1, tp: int = 1, zero_stage: int = 0, recompute: st
     return ProgramKind.SHARDED
 
 
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One pipeline stage of a plan (`Plan.stage_plans`, read from `plan.pipeline["stages"]`).
+
+    `node_output` / `node_inputs` are the placements the stage was priced with, keyed by the nodes of the
+    planned graph; a repeated layer's nodes are those of its first layer and stand for every layer of the
+    stage (`OpGraph.representative`). Empty in plan files written before stages carried them.
+    """
+
+    index: int
+    layers: tuple[tuple[int, int], ...]  # layer ranges [a, b), one per virtual stage on this device
+    dp: int
+    tp: int
+    zero_stage: int
+    recompute: str
+    node_output: dict
+    node_inputs: dict
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StagePlan:
+        try:
+            return cls(index=int(d["index"]), layers=tuple((int(a), int(b)) for a, b in d["layers"]), dp=int(d["dp"]),
+                       tp=int(d["tp"]), zero_stage=int(d.get("zero_stage", 0)), recompute=str(d.get("recompute", "none")),
+                       node_output=dict(d.get("node_output") or {}),
+                       node_inputs={k: tuple(v) for k, v in (d.get("node_inputs") or {}).items()})  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanFormatError(f"corrupt pipeline stage in the plan: {type(e).__name__}: {e}") from e
+
+
 def format_flops_rate(tflops: float) -> str:
     """A FLOP/s figure given in TFLOP/s, in GFLOP/s below one TFLOP/s (CPU plans would read 0.0 otherwise)."""
     return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:,.2f} GFLOP/s"
@@ -137,6 +166,11 @@ class Plan:
         return program_kind(pp=self.mesh.get("pp", 1), tp=self.mesh.get("tp", 1), zero_stage=self.zero_stage,
                             recompute=self.recompute, layer_modes=self.layer_modes,
                             offload=bool(self.offload))  # fmt: skip
+
+    @property
+    def stage_plans(self) -> tuple[StagePlan, ...]:
+        """The pipeline's stages, typed (empty without a pipeline)."""
+        return tuple(StagePlan.from_dict(d) for d in (self.pipeline or {}).get("stages", ()))
 
     @property
     def micro_batch_size(self) -> int:

@@ -563,7 +563,8 @@ def plan_model(spec: RunModel, cluster, estimator):
     import autopar
 
     _, base, ids = _model_and_batch(spec)
-    return autopar.plan(base, cluster, example_inputs=(ids,), example_kwargs={"labels": ids}, estimator=estimator)
+    return autopar.plan(base, cluster, example_inputs=(ids,), example_kwargs={"labels": ids}, estimator=estimator,
+                        alternatives=False)  # fmt: skip
 
 
 def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, models=None, settings=None,

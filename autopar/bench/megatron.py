@@ -127,7 +127,8 @@ def plan_row(row: MegatronRow, dtype: torch.dtype = torch.float32, progress=None
     model = build_model(row, dtype)
     ids = torch.zeros(row.batch, SEQ_LEN, dtype=torch.int64, device="meta")
     return autopar.plan(model, row.cluster, (ids,), {"labels": ids}, precision="bf16",
-                        constraints=row.constraints(), pipeline=row.pp > 1, progress=progress)  # fmt: skip
+                        constraints=row.constraints(), pipeline=row.pp > 1, progress=progress,
+                        alternatives=False)  # fmt: skip
 
 
 def layout(plan) -> str:

@@ -39,7 +39,7 @@ from autopar.passes.parallelize import dp_placement, local_shard, shard_pass
 from autopar.passes.pipeline_split import StageGraph, split_stages, values_needing_grad
 from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
-from autopar.plan import Plan, ProgramKind
+from autopar.plan import Plan, ProgramKind, StagePlan
 from autopar.runtime.base import Program, check_scalar_loss, contiguous_stride, flat_inputs, sum_in_buckets
 from autopar.trace import TracedModel
 
@@ -60,11 +60,12 @@ def _local_shape(shape, placement, dp: int) -> tuple[int, ...]:
 class _Stage(torch.nn.Module):
     """One (virtual) stage on this rank: runs its graph on DTensors, takes and gives local pieces."""
 
-    def __init__(self, program: PipelineProgram, sg: StageGraph, recompute: str):
+    def __init__(self, program: PipelineProgram, sg: StageGraph, recompute: str, placements: tuple[dict, dict]):
         super().__init__()
         self.program, self.sg = program, sg
         self.is_last = sg.index == program.num_stages - 1
-        knobs = dict(mesh=program.mesh, node_inputs=program.node_inputs, node_output=program.node_output,
+        node_inputs, node_output = placements
+        knobs = dict(mesh=program.mesh, node_inputs=node_inputs, node_output=node_output,
                      batch_size=program.micro_batch)  # fmt: skip
         self.train_interp = shard_pass(sg.graph_module, None, recompute=recompute, **knobs)
         self.eval_interp = shard_pass(eval_pass(copy_graph_module(sg.graph_module), None), None, **knobs)
@@ -148,10 +149,6 @@ class PipelineProgram(Program):
         self.mesh: DeviceMesh = self.world["dp", "tp"]
         self.pp_group = self.world.get_group("pp")
         self.pp_rank = self.world.get_local_rank("pp")
-        if not plan.node_output:
-            raise LoweringError("the pipeline plan holds no per-node placements for its stages: build it with "
-                                "autopar.compile, which completes them")  # fmt: skip
-        self.node_inputs, self.node_output = plan.node_inputs, plan.node_output
         sig = traced.exported.graph_signature
         if traced.num_mutated_outputs:
             raise LoweringError("the model updates buffers or inputs in place, which pipeline stages do not "
@@ -168,7 +165,8 @@ class PipelineProgram(Program):
 
         # the stages: layer ranges in pipeline order (virtual stage j = chunk j // pp on device j % pp)
         v = int(info.get("virtual_stages", 1) or 1)
-        per_device = [st["layers"] for st in info["stages"]]
+        stage_plans = plan.stage_plans
+        per_device = [st.layers for st in stage_plans]
         if len(per_device) != pp or any(len(r) != v for r in per_device):
             raise LoweringError(f"the plan's pipeline does not list {v} layer ranges on each of {pp} stages")
         stage_layers = [[tuple(per_device[j % pp][j // pp])] for j in range(pp * v)]
@@ -190,7 +188,7 @@ class PipelineProgram(Program):
         # this rank's parameter shards: one per name, shared by its stages
         named = dict(model.named_parameters(remove_duplicate=False))
         buffers_by_name = dict(model.named_buffers(remove_duplicate=False))
-        zero = {st["index"]: st.get("zero_stage", plan.zero_stage) for st in info["stages"]}
+        zero = {st.index: st.zero_stage for st in stage_plans}
         holders: dict[str, set[int]] = {}  # parameter -> devices (pp ranks) whose stages read it
         for sg in stages:
             for name in sg.placeholders:
@@ -217,14 +215,29 @@ class PipelineProgram(Program):
         self._tie_groups = self._make_tie_groups(holders)
         self._dp_summed = [k for k in self._param_names if dp > 1 and self._placements[k][0] == R]
 
-        recompute = {st["index"]: st.get("recompute", plan.recompute) for st in info["stages"]}
-        self.stages = [_Stage(self, sg, recompute.get(sg.index % pp, plan.recompute)) for sg in mine]
+        by_device = {st.index: st for st in stage_plans}
+        self.stages = [_Stage(self, sg, by_device[sg.index % pp].recompute,
+                              self._stage_placements(by_device[sg.index % pp], sg, graph)) for sg in mine]
         self._pipe_stages = [PipelineStage(st, st.sg.index, self.num_stages, torch.device(self.device_type),
                                            input_args=st.example_inputs(), output_args=st.example_outputs(),
                                            group=self.pp_group) for st in self.stages]  # fmt: skip
         self.schedule = self._schedule(str(info.get("schedule", "1f1b")), v)
         self._micro_inputs: list[list] = []
         self._build_optimizer([shards[k] for k in self._param_names])
+
+    def _stage_placements(self, st: StagePlan, sg: StageGraph, graph: OpGraph) -> tuple[dict, dict]:
+        """(node_inputs, node_output) of stage graph `sg`: those its stage plan was priced with, each node taking
+        its representative's (a layer's nodes stand for every layer of the stage); else the plan's own."""
+        if not st.node_output:
+            if not self.plan.node_output:
+                raise LoweringError("the pipeline plan holds no per-node placements for its stages: build it with "
+                                    "autopar.compile, which completes them")  # fmt: skip
+            return self.plan.node_inputs, self.plan.node_output
+        names = [n.name for n in sg.graph_module.graph.nodes]
+        rep = {n: graph.representative.get(n, n) for n in names}
+        node_inputs = {n: st.node_inputs[rep[n]] for n in names if rep[n] in st.node_inputs}
+        node_output = {n: st.node_output[rep[n]] for n in names if rep[n] in st.node_output}
+        return node_inputs, node_output
 
     def _schedule(self, name: str, v: int):
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
