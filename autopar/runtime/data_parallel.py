@@ -4,7 +4,9 @@ When the plan's mesh is dp x 1 with ZeRO stage 0, every rank holds the whole mod
 communication is the gradient all-reduce. Running that through DTensor, op by op, buys nothing
 and costs host time on every op, so this program runs the exported graph itself, traced at the
 shape one rank sees (its share of one micro-batch), on plain tensors, and reduces gradients the
-way DDP does: in buckets, one all-reduce per bucket, after the last micro-batch.
+way DDP does: in buckets, one all-reduce per bucket, launched (asynchronously) from the last
+micro-batch's backward as soon as a bucket's gradients are all in, so communication overlaps the rest
+of backward; the step waits for them before the optimizer runs.
 
 Every gradient is a view into its bucket's flat buffer (DDP's `gradient_as_bucket_view`): the
 backward accumulates straight into the buckets, so a step neither concatenates the gradients
@@ -92,13 +94,18 @@ class DataParallelProgram(Program):
         if self._num_mutated == 0:
             self._gm = fold_constants_pass(self._gm, self._placeholders, constant_placeholders=constant)
         self._eval_gm = None  # built on the first eval_step
+        self._pending: list[int] | None = None  # gradients each bucket still awaits on the last micro-batch
+        self._launched: list[int] = []
+        self._works: list = []
         self._build_optimizer(self.params)
 
     def _gradient_buckets(self) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]]:
-        """(flat buffer, [(computed parameter, its gradient view)]) per bucket of about BUCKET_BYTES, in order.
+        """(flat buffer, [(bucketed tensor, its gradient view)]) per bucket of about BUCKET_BYTES.
 
-        Parameters of one dtype share buckets. The last bucket of a fp32/fp64 model has two more
-        elements, where the loss sum and the label count ride (see `_all_reduce_grads`).
+        Parameters of one dtype share buckets, filled in reverse parameter order (about the order backward
+        produces their gradients, as DDP orders its buckets), so each bucket is ready, and its all-reduce
+        launched, while backward goes on (`_grad_ready`). The last bucket of a fp32/fp64 model has two more
+        elements, where the loss sum and the label count ride (see `_finish_reduction`).
         """
         placeholders = [n for n in self._gm.graph.nodes if n.op == "placeholder"]
         used = [bool(n.users) for n, kind in zip(placeholders, self.traced.placeholder_kinds, strict=True)
@@ -106,7 +113,7 @@ class DataParallelProgram(Program):
         trainable = [p for p, u in zip(self._bucketed, used, strict=True) if p.requires_grad and u]
         groups: list[list[torch.Tensor]] = []
         size = BUCKET_BYTES
-        for p in trainable:
+        for p in reversed(trainable):
             if size >= BUCKET_BYTES or p.dtype != groups[-1][0].dtype:
                 groups.append([])
                 size = 0
@@ -122,12 +129,34 @@ class DataParallelProgram(Program):
                 views.append((p, flat[offset:offset + p.numel()].view_as(p)))
                 offset += p.numel()
             buckets.append((flat, views))
-        if self.compute_dtype is not None and not self.reduce_in_compute:
-            in_bucket = {id(p) for _, views in buckets for p, _ in views}
-            for master, copy in zip(self.params, self._compute, strict=True):
-                if id(master) in in_bucket:
-                    copy.register_post_accumulate_grad_hook(_into_master(master))
+        bucket_of = {id(p): i for i, (_, views) in enumerate(buckets) for p, _ in views}
+        for bucketed, master, copy in zip(self._bucketed, self.params, self._compute, strict=True):
+            if id(bucketed) in bucket_of:
+                # the leaf autograd accumulates into: the compute copy under mixed precision, else the bucketed tensor
+                leaf = copy if self.compute_dtype is not None else master
+                leaf.register_post_accumulate_grad_hook(self._grad_ready(bucketed, bucket_of[id(bucketed)]))
         return buckets
+
+    def _grad_ready(self, bucketed: torch.Tensor, index: int):
+        """A post-accumulate hook: a compute copy's gradient goes into its master's fp32 bucket view (and is
+        dropped, so copies hold no gradient between layers); on the last micro-batch, the bucket whose last
+        gradient this was starts its all-reduce."""
+
+        def hook(leaf: torch.Tensor) -> None:
+            if leaf is not bucketed:  # fp32 reduction under mixed precision
+                bucketed.grad.add_(leaf.grad)
+                leaf.grad = None
+            if self._pending is not None:
+                self._pending[index] -= 1
+                if self._pending[index] == 0:
+                    self._launch(index)
+
+        return hook
+
+    def _launch(self, index: int) -> None:
+        self._launched.append(index)
+        if self.dp > 1:
+            self._works.append(dist.all_reduce(self._buckets[index][0], async_op=True))
 
     def _zero_grads(self) -> None:
         """Clear the buckets and (re)attach every gradient view; an optimizer's zero_grad may have dropped them."""
@@ -158,31 +187,37 @@ class DataParallelProgram(Program):
             out.append(local)
         return out
 
-    def _run_local(self, gm, micro: list[tuple], backward: bool) -> tuple[list, list]:
-        """Run `gm` on this rank's share of every micro-batch; (losses, kept-label counts or None)."""
-        self._refresh_compute()
-        losses, counts = [], []
-        for flat in self._local_micro_batches(micro):
-            values = list(self._placeholders)
-            for slot, value in zip(self._input_slots, flat, strict=False):
-                values[slot] = value
-            outs = gm(*values)
-            loss = outs[self._num_mutated]
-            check_scalar_loss(loss)
-            if backward:
-                self.scaled(loss).backward()
-            losses.append(loss.detach())
-            counts.append(outs[-1] if self._counted else None)
-        return losses, counts
+    def _run_one(self, gm, flat: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run `gm` on one micro-batch's local inputs; (loss, kept-label count or None)."""
+        values = list(self._placeholders)
+        for slot, value in zip(self._input_slots, flat, strict=False):
+            values[slot] = value
+        outs = gm(*values)
+        loss = outs[self._num_mutated]
+        check_scalar_loss(loss)
+        return loss, outs[-1] if self._counted else None
 
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
-        losses, counts = self._run_local(self._gm, micro, backward=True)
-        return self._all_reduce_grads(losses, counts)
+        """Forward and backward over this rank's micro-batches; the last one's backward launches each bucket's
+        all-reduce as soon as the bucket is full, and the step waits for them all here."""
+        self._refresh_compute()
+        local = self._local_micro_batches(micro)
+        losses, counts = [], []
+        for i, flat in enumerate(local):
+            loss, count = self._run_one(self._gm, flat)
+            losses.append(loss.detach())
+            counts.append(count)
+            if i == len(local) - 1:
+                self._arm(self._totals(losses, counts))
+            self.scaled(loss).backward()
+        return self._finish_reduction()
 
     def _evaluate(self, micro: list[tuple]) -> float:
         if self._eval_gm is None:
             self._eval_gm = eval_pass(copy_graph_module(self._gm), None)
-        totals = self._totals(*self._run_local(self._eval_gm, micro, backward=False))
+        self._refresh_compute()
+        results = [self._run_one(self._eval_gm, flat) for flat in self._local_micro_batches(micro)]
+        totals = self._totals([loss for loss, _ in results], [count for _, count in results])
         if self.dp > 1:
             dist.all_reduce(totals)
         loss_sum, count = totals.tolist()
@@ -198,22 +233,29 @@ class DataParallelProgram(Program):
             count = count.double().sum()
         return torch.stack([loss, count])
 
-    def _all_reduce_grads(self, losses: list[torch.Tensor], counts: list) -> tuple[float, float]:
-        """Sum the gradient buckets over the ranks, the loss and the count riding in the last one; (loss sum, count).
+    def _arm(self, totals: torch.Tensor) -> None:
+        """Before the last backward: the loss sum and label count ride in the last bucket (in the gradients' own
+        format when it holds integers exactly up to 2^24: fp32, fp64; a 16-bit bucket would round the count, so
+        then they travel alone in fp64), and each bucket is launched when its last gradient arrives."""
+        self._totals_now = totals
+        if self._ride:
+            self._buckets[-1][0][-2:].copy_(totals)
+        self._pending = [len(views) for _, views in self._buckets]
+        self._launched, self._works = [], []
 
-        They ride in the gradients' own format when it holds integers exactly up to 2^24 (fp32, fp64); a
-        16-bit bucket would round the count, so then they travel alone in fp64.
-        """
-        totals = self._totals(losses, counts)
-        for i, (flat, _) in enumerate(self._buckets):
-            ride = self._ride and i == len(self._buckets) - 1
-            if ride:
-                flat[-2:].copy_(totals)
-            if self.dp > 1:
-                dist.all_reduce(flat)
-            if ride:
-                totals = flat[-2:].double()
-        if not self._ride and self.dp > 1:
+    def _finish_reduction(self) -> tuple[float, float]:
+        """Launch the buckets backward left unfilled (a parameter without a gradient this step), in bucket order;
+        wait for every all-reduce; (loss sum, label count) over the ranks."""
+        self._pending = None
+        for index in range(len(self._buckets)):
+            if index not in self._launched:
+                self._launch(index)
+        for work in self._works:
+            work.wait()
+        totals = self._totals_now
+        if self._ride:
+            totals = self._buckets[-1][0][-2:].double()
+        elif self.dp > 1:
             dist.all_reduce(totals)
         loss_sum, count = totals.tolist()
         return loss_sum, count
@@ -247,13 +289,3 @@ class DataParallelProgram(Program):
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers_list, strict=True))
 
-
-def _into_master(master: torch.Tensor):
-    """A post-accumulate hook for a compute-format copy: add its gradient into the master's fp32 gradient (a
-    bucket view) and drop it, so the copy holds no gradient between layers."""
-
-    def hook(copy: torch.Tensor) -> None:
-        master.grad.add_(copy.grad)
-        copy.grad = None
-
-    return hook

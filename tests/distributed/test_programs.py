@@ -222,3 +222,38 @@ def test_compile_traces_at_most_once_beyond_planning():
     # the planning trace, then one at the program's shape; the sharded program at one micro-batch reuses it
     assert [n for _, n, _ in got] == [2, 1, 2, 2]
     assert [staged for _, _, staged in got] == [False, False, False, True]
+
+
+def _overlap_order(rank: int, world_size: int):
+    import autopar.runtime.data_parallel as dp_program
+
+    dp_program.BUCKET_BYTES = 16 * 1024  # several buckets for a tiny model
+    events = []
+    real = torch.distributed.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        events.append(("all_reduce", tensor.numel()))
+        return real(tensor, *args, **kwargs)
+
+    model = make_model("llama")
+    args, kwargs = make_batch("llama")
+    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, constraints={"dp": 2, "tp": 1})
+    names = list(pm.traced.param_names)
+    first = pm.params[names.index("model.embed_tokens.weight")]  # its gradient comes last in backward
+    first.register_post_accumulate_grad_hook(lambda p: events.append(("embedding grad", 0)))
+    torch.distributed.all_reduce = recording
+    try:
+        loss = pm.train_step(*args, **kwargs)
+    finally:
+        torch.distributed.all_reduce = real
+    return {"events": events, "buckets": len(pm._buckets), "loss": loss}
+
+
+def test_data_parallel_buckets_are_reduced_while_backward_runs():
+    """The first buckets' all-reduces are issued before the embedding's gradient (the last of backward) exists;
+    one all-reduce per bucket, no more."""
+    got = run_distributed(_overlap_order, 2)[0]
+    kinds = [kind for kind, _ in got["events"]]
+    assert got["buckets"] > 2
+    assert kinds.count("all_reduce") == got["buckets"]
+    assert kinds.index("all_reduce") < kinds.index("embedding grad"), kinds
