@@ -294,6 +294,9 @@ class _Job:
     t0: float
     t_trace: float
     say: Callable[[str], None]
+    # the pipeline search's stage programs, kept for the layouts priced after the search (`search_pipeline`'s
+    # `pricers`): a layout the search priced is read back, not solved again
+    pricers: dict = dataclasses.field(default_factory=dict)
 
 
 def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
@@ -309,7 +312,8 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
         from autopar.passes.pipeline_search import search_pipeline
 
         psol = search_pipeline(graph, cluster, estimator=est, precision=precision, constraints=constraints,
-                               memory_budget_bytes=budget, batch_size=batch, progress=say)  # fmt: skip
+                               memory_budget_bytes=budget, batch_size=batch, progress=say,
+                               pricers=job.pricers)  # fmt: skip
         if job.offload and not quiet:
             warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=3)
         if psol.pp > 1:

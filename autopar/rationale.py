@@ -223,7 +223,7 @@ def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True
     if baselines:
         hand = standard_layouts(chosen.cluster)
         rows += [_price_one(name, *hand[name], price, say) for name in REPORTED_LAYOUTS]
-        rows.append(_best_grid_point(chosen.cluster, price, say))
+        rows.append(_best_grid_point(chosen, price, say, searched=adopt))
         if isinstance(runner_up, dict):
             rows.append(_price_one("runner_up", "the search's runner-up", runner_up, price, say))
         elif runner_up is not None:
@@ -244,10 +244,20 @@ def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True
                                comparisons=tuple(entry(*r, chosen) for r in mine))  # fmt: skip
 
 
-def _best_grid_point(cluster, price, say) -> tuple:
-    """The fastest point of the Megatron-style grid: tp inside a node, pp (and micro-batches) searched."""
-    sizes = megatron_tp_sizes(cluster)
+def _best_grid_point(chosen, price, say, *, searched: bool) -> tuple:
+    """The fastest point of the Megatron-style grid: tp inside a node, pp (and micro-batches) searched.
+
+    `searched`: `chosen` is the search's optimum over a space that holds the whole grid (a free plan: the
+    search covers every tensor axis inside a node, with and without a pipeline). No grid point is then
+    faster than `chosen`, and when its tensor axis is one of the grid's it is the best grid point itself:
+    nothing is priced again. Otherwise each of the grid's tensor axes is searched with tp pinned.
+    """
+    sizes = megatron_tp_sizes(chosen.cluster)
     label = f"best Megatron-style grid point (tp in {{{', '.join(map(str, sizes))}}} x pp searched)"
+    tp = chosen.mesh.get("tp", 1)
+    if searched and tp in sizes:
+        say(f"alternative megatron: the search's own plan (tp={tp})")
+        return "megatron", label, {"tp": tp}, chosen
     priced = [_price_one("megatron", label, {"tp": t}, price, say) for t in sizes]
     fitting = [r for r in priced if not isinstance(r[3], Exception)]
     if fitting:
