@@ -126,6 +126,11 @@ class Plan:
     # tp > 1: split_fraction (of all parameter elements), layer_matmul_split_fraction, min_fraction (the
     # tp_min_split rule), replicated (parameter -> why it stays whole on the tensor axis); empty: no tensor axis
     tensor_split: dict = field(default_factory=dict)
+    # per deduplicated layer (and one entry for what runs outside the layers), as the solver priced it
+    # (`passes.sharding_solver.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
+    # it; empty without a pipeline) and "ops": each op's placements and the collectives inserted for it
+    # (kind, mesh axis, pass, bytes, seconds per run, runs per step)
+    layer_ops: tuple = ()
     format_version: int = FORMAT_VERSION
 
     @property
@@ -175,6 +180,7 @@ class Plan:
             "layer_modes": {k: list(v) for k, v in self.layer_modes.items()},
             "activation_offload": self.activation_offload,
             "tensor_split": self.tensor_split,
+            "layer_ops": list(self.layer_ops),
             "precision": self.precision,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
@@ -223,6 +229,7 @@ class Plan:
                 layer_modes={str(k): tuple(int(i) for i in v) for k, v in (d.get("layer_modes") or {}).items()},
                 activation_offload=dict(d.get("activation_offload") or {}),
                 tensor_split=dict(d.get("tensor_split") or {}),
+                layer_ops=tuple(d.get("layer_ops") or ()),
                 precision=d["precision"],
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
