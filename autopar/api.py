@@ -294,6 +294,9 @@ class _Job:
     t0: float
     t_trace: float
     say: Callable[[str], None]
+    # the pipeline search's stage programs, kept for the layouts priced after the search (`search_pipeline`'s
+    # `pricers`): a layout the search priced is read back, not solved again
+    pricers: dict = dataclasses.field(default_factory=dict)
 
 
 def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
@@ -309,7 +312,8 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
         from autopar.passes.pipeline_search import search_pipeline
 
         psol = search_pipeline(graph, cluster, estimator=est, precision=precision, constraints=constraints,
-                               memory_budget_bytes=budget, batch_size=batch, progress=say)  # fmt: skip
+                               memory_budget_bytes=budget, batch_size=batch, progress=say,
+                               pricers=job.pricers)  # fmt: skip
         if job.offload and not quiet:
             warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=3)
         if psol.pp > 1:
@@ -392,6 +396,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         layer_modes=dict(sol.layer_modes),
         activation_offload=dict(sol.activation_offload),
         tensor_split=dict(sol.tensor_split),
+        layer_ops=tuple(dict(e, stages=[]) for e in sol.layer_ops),
         precision=precision,
         global_batch_size=job.batch,
         tokens_per_step=tokens,
@@ -485,6 +490,7 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
             "step_time_without_pipeline_s": psol.single_stage_step_time_s,
             "priced": [dict(c) for c in psol.candidates]}  # fmt: skip
     stats = _stats(graph, est, t0, t_trace, psol.solve_time_s, stage_programs=psol.num_stage_programs)
+    layer_ops = _stage_layer_ops(psol.stages)
     from autopar.rationale import pipeline_terms
 
     slowest = max(psol.stages, key=lambda st: st.time_per_microbatch_s + st.transfer_per_microbatch_s)
@@ -496,7 +502,21 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
                 num_parameters=graph.num_parameters(), model_flops_per_step=model_flops,
                 hardware_flops_per_step=hw_flops, predicted=predicted, param_placements=placements, node_output={},
                 node_inputs={}, node_strategy={}, alternatives=(), unruled_ops=(), stats=stats,
-                pipeline=info, time_breakdown=terms)  # fmt: skip
+                pipeline=info, time_breakdown=terms, layer_ops=layer_ops)  # fmt: skip
+
+
+def _stage_layer_ops(stages) -> tuple[dict, ...]:
+    """The stages' layer tables (`ShardingSolution.layer_ops`), one entry per distinct table with the stages
+    that run it (stages holding as many layers on the same sub-mesh share one)."""
+    out: list[dict] = []
+    for st in stages:
+        for entry in st.sharding.layer_ops if st.sharding is not None else ():
+            same = next((e for e in out if e["layer"] == entry["layer"] and e["ops"] == entry["ops"]), None)
+            if same is not None:
+                same["stages"].append(st.index)
+            else:
+                out.append(dict(entry, stages=[st.index]))
+    return tuple(out)
 
 
 def _predicted(step: float, model_flops: float, hw_flops: float, tokens: int, world: int, peak: float, memory: dict,

@@ -207,18 +207,51 @@ def _layers(plan) -> list:
               ("p", "Parameters by kind (layer indices folded into *), their placement on the tensor axis, and the "
                     "pipeline stage(s) holding them."),
               ("table", ["parameter", "placement", "stage"], rows)]  # fmt: skip
-    ops = plan.stats.get("layer_ops") or []
-    if ops:
-        blocks += [("h3", "Ops of one layer (deduplicated: it stands for every layer) and the collectives inserted"),
-                   ("table", ["op", "strategy", "inputs", "output", "collective", "MiB", "ms"],
-                    [[f"`{o['op']}`", o["strategy"], ", ".join(o["inputs"]), o["output"], o.get("collective", ""),
-                      f"{o['bytes'] / 2**20:,.2f}" if o.get("bytes") else "", _ms(o["time_s"]) if o.get("time_s") else ""]
-                     for o in ops])]  # fmt: skip
+    if plan.layer_ops:
+        blocks.append(("p", "Each deduplicated layer's ops (one layer stands for all alike), with their placement on the "
+                            "tensor axis (the inputs as the op needs them, its output) and the collectives the plan "
+                            "inserts for them: kind, mesh axis, pass, bytes (the full tensor on one data-parallel rank "
+                            "for one micro-batch), time of one run, runs per step (layers x micro-batches) and time per "
+                            "step. Views and elementwise ops that keep their producer's layout and need no collective "
+                            "are left out; a parameter's dp row is its gradient sync (and ZeRO gathers) in one step."))  # fmt: skip
+        for entry in plan.layer_ops:
+            blocks += _layer_ops(entry)
     strategies = Counter(s for s in plan.node_strategy.values() if not s.startswith("follows"))
     if strategies:
         blocks += [("h3", "Op strategies (whole model)"),
                    ("table", ["strategy", "ops"], [[s or "(single choice)", str(n)] for s, n in strategies.most_common()])]
     return blocks
+
+
+def _layer_ops(entry: dict) -> list:
+    """One layer's (or the ops outside the layers') table: each op, then a row per collective inserted for it."""
+    if entry["layer"]:
+        title = f"Ops of one `{entry['layer']}.*` layer (it stands for {entry['num_layers']} layers"
+    else:
+        title = "Ops outside the layers (embeddings, final norm, head, loss"
+    stages = entry.get("stages") or []
+    title += (f"; pipeline stage{'s' if len(stages) > 1 else ''} {_ranges(stages)})" if stages else ")")
+    rows, totals = [], Counter()
+    for op in entry["ops"]:
+        head = [f"`{op['node']}`", op["op"], op["strategy"], ", ".join(op["inputs"]) or "-", op["output"]]
+        if not op["collectives"]:
+            rows.append(head + [""] * 7)
+        for i, c in enumerate(op["collectives"]):
+            per_step = c["time_s"] * c["per_step"]
+            totals[(c["axis"], c["pass"])] += per_step
+            what = c["kind"] + (f" of `{c['from']}` ({c['placements']})" if c.get("placements") else "")
+            rows.append((head if i == 0 else [""] * 5) + [what, c["axis"], c["pass"], _bytes(c["bytes"]),
+                        f"{c['time_s'] * 1e3:,.3f}", f"{c['per_step']:,.4g}", f"{per_step * 1e3:,.3f}"])  # fmt: skip
+    words = "; ".join(f"{axis} {when} {t * 1e3:,.3f} ms" for (axis, when), t in sorted(totals.items()))
+    return [("h3", title),
+            ("p", f"Collectives per step: {words}." if words else "No collectives."),
+            ("table", ["node", "op", "strategy", "inputs", "output", "collective", "axis", "pass", "bytes",
+                       "ms per run", "runs per step", "ms per step"], rows)]  # fmt: skip
+
+
+def _bytes(n: float) -> str:
+    """Bytes in MiB, or KiB below one MiB."""
+    return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.2f} KiB"
 
 
 def _pipeline(plan) -> list:
@@ -381,7 +414,7 @@ def _appendix(plan) -> list:
         blocks += [("h2", "Ops without a sharding rule (run replicated on the tensor axis)")]
         blocks += [("li", f"`{op}`") for op in plan.unruled_ops]
     if plan.stats:
-        blocks += [("h2", "Planning")] + [("li", f"{k}: {v}") for k, v in plan.stats.items() if k != "layer_ops"]
+        blocks += [("h2", "Planning")] + [("li", f"{k}: {v}") for k, v in plan.stats.items()]
     return blocks
 
 

@@ -158,6 +158,11 @@ class Plan:
     # mixed precision: the format ZeRO-0 gradients are held and all-reduced in ("fp32", or the compute format
     # when pinned); dp-sharded gradients (ZeRO >= 1) are reduce-scattered in the compute format
     grad_reduce: str = "fp32"
+    # per deduplicated layer (and one entry for what runs outside the layers), as the solver priced it
+    # (`passes.sharding_solver.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
+    # it; empty without a pipeline) and "ops": each op's placements and the collectives inserted for it
+    # (kind, mesh axis, pass, bytes, seconds per run, runs per step)
+    layer_ops: tuple = ()
     format_version: int = FORMAT_VERSION
 
     @property
@@ -212,6 +217,7 @@ class Plan:
             "layer_modes": {k: list(v) for k, v in self.layer_modes.items()},
             "activation_offload": self.activation_offload,
             "tensor_split": self.tensor_split,
+            "layer_ops": list(self.layer_ops),
             "precision": self.precision,
             "grad_reduce": self.grad_reduce,
             "global_batch_size": self.global_batch_size,
@@ -261,6 +267,7 @@ class Plan:
                 layer_modes={str(k): tuple(int(i) for i in v) for k, v in (d.get("layer_modes") or {}).items()},
                 activation_offload=dict(d.get("activation_offload") or {}),
                 tensor_split=dict(d.get("tensor_split") or {}),
+                layer_ops=tuple(d.get("layer_ops") or ()),
                 precision=d["precision"],
                 grad_reduce=str(d.get("grad_reduce", "fp32")),
                 global_batch_size=int(d["global_batch_size"]),

@@ -8,8 +8,8 @@ planning (`autopar.plan` stores it in the plan, so a plan read back from JSON re
   the pipeline bubble, host offload traffic, the optimizer step and what is left (the sharded
   runtime's per-op overhead). The terms sum to the step time.
 - `standard_layouts`: the hand-configured layouts (pure data parallelism, ZeRO-1/2/3, tensor parallel
-  across a node, the Megatron-style tp x pp grid) as `autopar.plan` constraints; `bench plans`
-  prices the same ones.
+  across a node) as `autopar.plan` constraints, the one list of them: `bench plans` prices every one,
+  the report DDP and ZeRO-3 (`REPORTED_LAYOUTS`) next to the best Megatron-style tp x pp point.
 - `entry`: one priced layout (or the reason it cannot run) as a JSON-ready dict, with the one line
   that says why it lost to the chosen plan (`loss_reason`), worked out from the two plans' terms.
 - `parse_layout`: the `--compare` syntax, "tp=8,pp=4,zero=1", as constraints.
@@ -63,11 +63,26 @@ def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, tran
     return {k: terms.get(k, 0.0) for k in TERMS}
 
 
-def standard_layouts(cluster) -> dict[str, dict]:
-    """Hand-configured layouts as constraints: DDP, ZeRO-1/2/3 (no tensor axis) and tp across one node."""
-    out = {"dp": {"tp": 1, "zero": 0}}
-    out.update({f"zero{k}": {"tp": 1, "zero": k} for k in (1, 2, 3)})
-    out["tp_intra_node"] = {"tp": cluster.devices_per_node}
+# the hand layouts the report's "Why this plan" prices (`bench plans` prices every one of `standard_layouts`)
+REPORTED_LAYOUTS = ("dp", "zero3")
+
+
+def standard_layouts(cluster) -> dict[str, tuple[str, dict]]:
+    """The hand-configured layouts, name -> (label, `autopar.plan` constraints), none of them pipelined: DDP,
+    ZeRO-1/2/3 (no tensor axis, states sharded over every device) and tp across one node (dp across nodes).
+
+    The one list of them: `bench plans` prices all, the report those named in `REPORTED_LAYOUTS`. What a
+    layout does not pin (micro-batches, recompute, the ZeRO stage of the tensor-parallel one) is left to the
+    solver, as a careful user would tune it, so each is the best of its family.
+    """
+    per_node = cluster.devices_per_node
+    words = {1: "optimizer states", 2: "optimizer states and gradients"}
+    out = {"dp": ("pure data parallelism (DDP: every state replicated)", {"pp": 1, "tp": 1, "zero": 0})}
+    out |= {f"zero{k}": (f"ZeRO-{k} ({words[k]} sharded over all devices)", {"pp": 1, "tp": 1, "zero": k})
+            for k in (1, 2)}  # fmt: skip
+    out["zero3"] = ("ZeRO-3 / FSDP (every state sharded over all devices)", {"pp": 1, "tp": 1, "zero": 3})
+    out["tp_intra_node"] = (f"tensor parallel across the {per_node} devices of a node, data parallel across nodes",
+                            {"pp": 1, "tp": per_node})  # fmt: skip
     return out
 
 
@@ -206,8 +221,9 @@ def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True
     say = say or (lambda msg: None)
     rows = []  # (name, label, constraints, Plan or error)
     if baselines:
-        rows += [_price_one(name, label, pins, price, say) for name, label, pins in _hand_layouts()]
-        rows.append(_best_grid_point(chosen.cluster, price, say))
+        hand = standard_layouts(chosen.cluster)
+        rows += [_price_one(name, *hand[name], price, say) for name in REPORTED_LAYOUTS]
+        rows.append(_best_grid_point(chosen, price, say, searched=adopt))
         if isinstance(runner_up, dict):
             rows.append(_price_one("runner_up", "the search's runner-up", runner_up, price, say))
         elif runner_up is not None:
@@ -228,15 +244,20 @@ def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True
                                comparisons=tuple(entry(*r, chosen) for r in mine))  # fmt: skip
 
 
-def _hand_layouts() -> list[tuple[str, str, dict]]:
-    return [("dp", "pure data parallelism (DDP: every state replicated)", {"pp": 1, "tp": 1, "zero": 0}),
-            ("zero3", "ZeRO-3 / FSDP (every state sharded over all devices)", {"pp": 1, "tp": 1, "zero": 3})]
+def _best_grid_point(chosen, price, say, *, searched: bool) -> tuple:
+    """The fastest point of the Megatron-style grid: tp inside a node, pp (and micro-batches) searched.
 
-
-def _best_grid_point(cluster, price, say) -> tuple:
-    """The fastest point of the Megatron-style grid: tp inside a node, pp (and micro-batches) searched."""
-    sizes = megatron_tp_sizes(cluster)
+    `searched`: `chosen` is the search's optimum over a space that holds the whole grid (a free plan: the
+    search covers every tensor axis inside a node, with and without a pipeline). No grid point is then
+    faster than `chosen`, and when its tensor axis is one of the grid's it is the best grid point itself:
+    nothing is priced again. Otherwise each of the grid's tensor axes is searched with tp pinned.
+    """
+    sizes = megatron_tp_sizes(chosen.cluster)
     label = f"best Megatron-style grid point (tp in {{{', '.join(map(str, sizes))}}} x pp searched)"
+    tp = chosen.mesh.get("tp", 1)
+    if searched and tp in sizes:
+        say(f"alternative megatron: the search's own plan (tp={tp})")
+        return "megatron", label, {"tp": tp}, chosen
     priced = [_price_one("megatron", label, {"tp": t}, price, say) for t in sizes]
     fitting = [r for r in priced if not isinstance(r[3], Exception)]
     if fitting:

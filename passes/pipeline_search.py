@@ -627,6 +627,7 @@ class _Search:
         self.cluster, self.structure = pricer.cluster, pricer.structure
         self.L, self.B, self.budget = pricer.structure.num_layers, pricer.batch, pricer.budget
         self.num_configurations = 0
+        self.num_programs = 0  # stage programs this search solved (its pricer may hold others' too)
         self.least_memory: tuple[float, _Config] | None = None
 
     def kmin(self, cfg: _Config) -> int:
@@ -760,7 +761,7 @@ class _Search:
 
 def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision: str = "bf16",
                     constraints: dict | None = None, memory_budget_bytes: float | None = None, batch_size: int,
-                    progress=None) -> PipelineSolution:  # fmt: skip
+                    progress=None, pricers: dict | None = None) -> PipelineSolution:  # fmt: skip
     """Choose pp, the stage cuts, the sub-mesh, the micro-batches and the schedule by predicted step time.
 
     Args:
@@ -774,6 +775,10 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
         memory_budget_bytes: per-device cap; defaults to the device memory.
         batch_size: the global batch (dim 0 of the inputs).
         progress: optional callable(str) told what is being priced.
+        pricers: a dict that keeps the stage programs solved here for later searches of the same graph,
+            cluster, estimator, precision and batch (`autopar.plan` prices its alternatives with it: a layout
+            the search priced is then read back, not solved again). Only the pins a stage program depends on
+            (ZeRO stage, recompute, tp_min_split, the budget) tell its entries apart.
     Raises:
         ConfigError: a pin that cannot hold (the message says which values would).
         InfeasiblePlanError: no layout fits the memory budget, with the least memory one needs.
@@ -800,17 +805,24 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
             single_error = e
     records, best = [], None
     if structure is not None and c.get("pp") != 1 and num_layers >= 2:
-        pricer = _StagePricer(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision, c.get("grad_reduce")),
-                              zero=c.get("zero"), budget=budget, batch=batch_size,
-                              recompute=c.get("recompute"), constraints=c)  # fmt: skip
+        key = (c.get("zero"), c.get("recompute"), c.get("tp_min_split"), c.get("grad_reduce"), budget)
+        pricer = (pricers or {}).get(key)
+        if pricer is None:
+            pricer = _StagePricer(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision, c.get("grad_reduce")),
+                                  zero=c.get("zero"), budget=budget, batch=batch_size,
+                                  recompute=c.get("recompute"), constraints=c)  # fmt: skip
+            if pricers is not None:
+                pricers[key] = pricer
+        programs_before = pricer.num_programs
         search = _Search(pricer, c, say)
         records, best = search.run()
+        search.num_programs = pricer.num_programs - programs_before
     else:
         pricer = search = None
     single_ok = single is not None and not wants_pipeline
     if best is None or (single_ok and single.step_time_s <= best[0]):
         if single_ok:
-            return _single_solution(single, graph, batch_size, records, pricer, time.perf_counter() - t0)
+            return _single_solution(single, graph, batch_size, records, search, time.perf_counter() - t0)
         _raise_none_fits(c, search, single_error, budget)
     return _pipeline_solution(best, search, single, records, time.perf_counter() - t0)
 
@@ -830,7 +842,7 @@ def _raise_none_fits(c: dict, search: _Search | None, single_error: Exception | 
         f"{format_bytes(budget)}; raise memory_budget, use more devices or a smaller batch or sequence")  # fmt: skip
 
 
-def _single_solution(sol: ShardingSolution, graph: OpGraph, batch: int, records, pricer, dt) -> PipelineSolution:
+def _single_solution(sol: ShardingSolution, graph: OpGraph, batch: int, records, search, dt) -> PipelineSolution:
     """The plan without a pipeline in the PipelineSolution form: one stage holding every layer."""
     num_layers = graph.num_layers
     stage = StagePlan(0, ((0, num_layers),), num_layers, True, True, sol.dp, sol.tp, sol.zero_stage,
@@ -838,7 +850,7 @@ def _single_solution(sol: ShardingSolution, graph: OpGraph, batch: int, records,
                       dict(sol.memory), sol, sol.optimizer_s)  # fmt: skip
     return PipelineSolution(1, sol.dp, sol.tp, (stage,), sol.num_microbatches, batch // (sol.dp * sol.num_microbatches),
                             None, 1, 0.0, sol.step_time_s, stage.peak_memory_bytes, sol.step_time_s, sol,
-                            tuple(records), pricer.num_programs if pricer else 0, dt)  # fmt: skip
+                            tuple(records), search.num_programs if search else 0, dt)  # fmt: skip
 
 
 def _layer_ranges(alloc: list[int], cfg: _Config) -> list[tuple[tuple[int, int], ...]]:
@@ -869,4 +881,4 @@ def _pipeline_solution(best, search: _Search, single, records, dt) -> PipelineSo
                             bubble_fraction(cfg.schedule, cfg.pp, cfg.m, cfg.v), step,
                             max(st.peak_memory_bytes for st in stages),
                             single.step_time_s if single is not None else None, single, tuple(records),
-                            search.pricer.num_programs, dt)  # fmt: skip
+                            search.num_programs, dt)  # fmt: skip

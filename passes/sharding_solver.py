@@ -291,6 +291,9 @@ class ShardingSolution:
     recompute_s: float = 0.0  # the part of compute_s spent running forwards again
     # tp > 1: what the tensor axis splits and which parameters stay whole, and why (`tensor_split_report`)
     tensor_split: dict = field(default_factory=dict)
+    # per deduplicated layer (and what runs outside the layers): its ops, placements and collectives
+    # (`layer_ops_report`)
+    layer_ops: tuple = ()
 
 
 _ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -396,21 +399,31 @@ class TensorSplit:
         return cls(1.0 if f is None else float(f))
 
 
+def redistribute_kind(src: Placement, dst: Placement) -> Collective | None:
+    """The collective that turns placement `src` into `dst` on the tensor axis; None when none is needed (the
+    same placement, or a slice of a replicated value); ValueError for a conversion the runtime cannot do."""
+    if src == dst:
+        return None
+    if dst.is_replicate():
+        return Collective.ALL_REDUCE if src.is_partial() else Collective.ALL_GATHER
+    if isinstance(dst, Shard):
+        if src.is_replicate():
+            return None  # each rank keeps its slice
+        return Collective.REDUCE_SCATTER if src.is_partial() else Collective.ALL_TO_ALL
+    # Nothing turns a value into a Partial one at run time (DTensor keeps that for its own
+    # ops), so a consumer that wants Partial inputs can only follow a Partial producer.
+    raise ValueError(f"no collective turns {src} into {dst}")
+
+
 def redistribute_time(src: Placement, dst: Placement, nbytes: float, tp: int, link: LinkSpec) -> float:
     """Time to turn a tensor of `nbytes` (full size) from placement `src` into `dst` on the tensor axis."""
-    if tp == 1 or src == dst:
+    if tp == 1:
         return 0.0
-    if dst.is_replicate():
-        kind = Collective.ALL_REDUCE if src.is_partial() else Collective.ALL_GATHER
-    elif isinstance(dst, Shard):
-        if src.is_replicate():
-            return 0.0  # each rank keeps its slice
-        kind = Collective.REDUCE_SCATTER if src.is_partial() else Collective.ALL_TO_ALL
-    else:
-        # Nothing turns a value into a Partial one at run time (DTensor keeps that for its own
-        # ops), so a consumer that wants Partial inputs can only follow a Partial producer.
+    try:
+        kind = redistribute_kind(src, dst)
+    except ValueError:
         return FORBIDDEN_S
-    return estimate_collective_time(kind, nbytes, tp, link)
+    return 0.0 if kind is None else estimate_collective_time(kind, nbytes, tp, link)
 
 
 def grad_layout(p: Placement) -> Placement:
@@ -1584,7 +1597,8 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
                             layer_modes=layer_indices(best.layer_modes, graph) if best.layer_modes else {},
                             activation_offload=best.activation_offload, optimizer_s=best.optimizer_s,
                             recompute_s=best.recompute_s,
-                            tensor_split=tensor_split_report(prog, chosen))  # fmt: skip
+                            tensor_split=tensor_split_report(prog, chosen),
+                            layer_ops=layer_ops_report(prog, chosen, best.zero_stage))  # fmt: skip
 
 
 def tensor_split_report(prog: ShardingProgram, chosen: dict[str, int]) -> dict:
@@ -1618,6 +1632,92 @@ def tensor_split_report(prog: ShardingProgram, chosen: dict[str, int]) -> dict:
             "layer_matmul_split_fraction": layer_split / layer_total if layer_total else 0.0,
             "min_fraction": rule.min_fraction,
             "replicated": dict(sorted(replicated.items()))}  # fmt: skip
+
+
+# what the data axis runs for one parameter's gradient (and, sharded, its weights) at each ZeRO stage
+_SYNC_WORDS = {0: "all_reduce of the gradient", 1: "reduce_scatter of the gradient, all_gather of the weights",
+               2: "reduce_scatter of the gradient per micro-batch, all_gather of the weights",
+               3: "reduce_scatter of the gradient per micro-batch, all_gather of the weights per forward and "
+                  "backward"}  # fmt: skip
+
+
+def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int) -> tuple[dict, ...]:
+    """Per deduplicated layer of `prog`'s layout `chosen` (and one entry for what runs outside the layers):
+    its parameters and ops with their placements on the tensor axis, and the collectives the layout inserts,
+    as the program priced them.
+
+    An entry is {"layer": container ("" outside the layers), "num_layers": layers it stands for, "ops": [...]};
+    an op is {"node", "op", "strategy", "inputs", "output", "collectives"}; a collective is {"kind", "axis",
+    "pass" ("forward", "backward" or "step"), "arg", "from", "bytes" (the full tensor on one data-parallel rank
+    for one micro-batch), "time_s" (one run), "per_step" (runs per step: layers x micro-batches)}. Followers
+    (views, elementwise ops that keep their producer's layout) without a collective are left out.
+    """
+    graph, tp_link = prog.graph, prog.tp_link
+    found: dict[str, list] = defaultdict(list)  # consumer -> its collectives
+
+    def source(name: str) -> str:  # a parameter by its name in the model, anything else by its node
+        return graph.params[name].name if name in graph.params else name
+
+    for (gp, p, gc, c, i), mult in prog._edges().items():
+        src = prog.groups[gp].out[p][chosen[gp]]
+        need, grad = prog.groups[gc].need[c][chosen[gc]][i], prog.groups[gc].grads[c][chosen[gc]][i]
+        nbytes = prog._act_bytes(graph.node(p))
+        for when, a, b in (("forward", src, need), ("backward", grad, grad_layout(src))):
+            t = redistribute_time(a, b, nbytes, prog.tp, tp_link)
+            if t:
+                found[c].append(_collective(redistribute_kind(a, b), "tp", when, i, source(p), a, b, nbytes, t,
+                                            mult * prog.mb))  # fmt: skip
+    for grp in prog.groups.values():
+        for member, gathers in grp.follow_fwd_s.items():
+            if gathers[chosen[grp.leader]]:
+                (arg,) = tensor_args(graph.node(member))
+                src, nbytes = grp.out[arg.name][chosen[grp.leader]], prog._act_bytes(arg)
+                t = redistribute_time(src, R, nbytes, prog.tp, tp_link)
+                found[member].append(_collective(redistribute_kind(src, R), "tp", "forward", 0, source(arg.name), src, R,
+                                                 nbytes, t, grp.count * prog.mb))  # fmt: skip
+    entries: dict[str, dict] = {}
+    for node in graph.graph.nodes:
+        name = node.name
+        if graph.representative.get(name) != name or name not in prog.group_of or not graph.layer_count.get(name):
+            continue
+        gname = prog.group_of[name]
+        grp, k = prog.groups[gname], chosen[gname]
+        kind = graph.kinds.get(name)
+        ops = list(found.get(name, ()))
+        if kind == NodeKind.PARAM and prog.dp > 1:
+            t = prog.sync_time(name, k, stage)
+            if t:
+                local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
+                words = "all_reduce of the gradient (bucketed)" if prog.runs_plain(stage) else _SYNC_WORDS[stage]
+                ops.append({"kind": words, "axis": "dp", "pass": "step", "arg": None, "from": source(name),
+                            "bytes": local * prog.precision.grad_bytes, "time_s": t, "per_step": grp.count})  # fmt: skip
+        if kind not in (NodeKind.PARAM, NodeKind.COMPUTE) or (gname != name and not ops):
+            continue
+        container = graph.node_layer.get(name, (None, None))[0] or ""
+        entry = entries.setdefault(container, {"layer": container, "num_layers": 0, "ops": []})
+        entry["num_layers"] = max(entry["num_layers"], graph.layer_count[name] if container else 1)
+        entry["ops"].append({
+            "node": graph.params[name].name if kind == NodeKind.PARAM else name,
+            "op": "parameter" if kind == NodeKind.PARAM else _short_target(node),
+            "strategy": grp.strategies[k].name if gname == name else "follows " + gname,
+            "inputs": [placement_str(pl) for pl in grp.need[name][k]],
+            "output": placement_str(grp.out[name][k]),
+            "collectives": ops,
+        })  # fmt: skip
+    return tuple(sorted(entries.values(), key=lambda e: e["layer"] == ""))
+
+
+def _collective(kind: Collective, axis: str, when: str, arg: int, source: str, a: Placement, b: Placement,
+                nbytes: float, time_s: float, per_step: float) -> dict:  # fmt: skip
+    return {"kind": str(kind), "axis": axis, "pass": when, "arg": arg, "from": source,
+            "placements": f"{placement_str(a)} -> {placement_str(b)}", "bytes": float(nbytes), "time_s": time_s,
+            "per_step": per_step}  # fmt: skip
+
+
+def _short_target(node: fx.Node) -> str:
+    """aten.mm.default -> mm, aten.add.Tensor -> add.Tensor."""
+    text = str(node.target).removeprefix("aten.")
+    return text.removesuffix(".default")
 
 
 def _kept_whole_reason(prog: ShardingProgram, name: str, in_layer: bool, is_matmul: bool) -> str:

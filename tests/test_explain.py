@@ -5,13 +5,15 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 import autopar
 from autopar import explain
+from autopar.cost_model.comm import Collective, estimate_collective_time
 from autopar.errors import ConfigError
 from autopar.rationale import TERMS, parse_layout
 from autopar.report_charts import schedule_order, simulate
-from tests.models import make_batch, make_model
+from tests.models import MLPBlock, make_batch, make_model
 
 SECTIONS = ("Summary", "Memory per device", "Time breakdown", "Layer table", "Why this plan", "Your layout",
             "Assumptions")  # fmt: skip
@@ -76,6 +78,66 @@ def test_reports_price_nothing(plans, monkeypatch):
     monkeypatch.setattr(ps, "search_pipeline", boom)
     monkeypatch.setattr(compute, "estimate_node_cost", boom)
     assert {k: (p.explain(), p.explain("html")) for k, p in plans.items()} == before
+
+
+class _MLPStack(torch.nn.Module):
+    """An embedding and two pre-norm MLP blocks: a model whose tp=2 layout is Megatron's (one all-reduce)."""
+
+    def __init__(self, hidden: int, layers: int = 2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(128, hidden)
+        self.layers = torch.nn.ModuleList([MLPBlock(hidden) for _ in range(layers)])
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def _collectives(plan, **match) -> list[dict]:
+    return [c for e in plan.layer_ops for op in e["ops"] for c in op["collectives"]
+            if all(c[k] == v for k, v in match.items())]  # fmt: skip
+
+
+def test_layer_table_collectives_of_a_tp2_mlp_match_a_hand_computation():
+    batch, seq, hidden = 4, 8, 256
+    ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(0))
+    plan = autopar.plan(_MLPStack(hidden), "cpu:2", (ids,), constraints={"tp": 2, "dp": 1}, precision="fp32",
+                        alternatives=False)  # fmt: skip
+    (layer,) = [e for e in plan.layer_ops if e["layer"] == "layers"]
+    assert layer["num_layers"] == 2 and layer["stages"] == []
+    ops = {op["node"]: op for op in layer["ops"]}
+    assert ops["layers.0.up.weight"]["output"] == "S(0)" and ops["layers.0.down.weight"]["output"] == "S(1)"
+    # Megatron's MLP: the block output (the row-parallel projection's partial sums) is all-reduced once per layer
+    # in forward, batch x seq x hidden fp32 values on the one data-parallel rank, for each of the 2 layers
+    (fwd,) = _collectives(plan, **{"pass": "forward"})
+    assert fwd["kind"] == "all_reduce" and fwd["axis"] == "tp" and fwd["placements"] == "P -> R"
+    assert ops[fwd["from"]]["strategy"] == "row parallel"
+    assert fwd["bytes"] == batch * seq * hidden * 4 and fwd["per_step"] == 2
+    assert fwd["time_s"] == estimate_collective_time(Collective.ALL_REDUCE, fwd["bytes"], 2,
+                                                     plan.cluster.intra_node_link)  # fmt: skip
+    # backward: the column-parallel projection's input gradient, the same bytes
+    (bwd,) = _collectives(plan, **{"pass": "backward"})
+    assert bwd["kind"] == "all_reduce" and bwd["bytes"] == fwd["bytes"]
+    # every resharding the solver priced is in the table: the step's tp communication term is their sum
+    total = sum(c["time_s"] * c["per_step"] for c in _collectives(plan, axis="tp"))
+    assert total == pytest.approx(plan.predicted.reshard_s, rel=1e-9)  # float sums in another order
+    md = plan.explain()
+    row = (f"| all_reduce of `{fwd['from']}` (P -> R) | tp | forward | 32.00 KiB | {fwd['time_s'] * 1e3:,.3f} | 2 | "
+           f"{2 * fwd['time_s'] * 1e3:,.3f} |")  # fmt: skip
+    assert row in md
+
+
+def test_layer_table_dp_rows_are_the_gradient_sync_and_pipeline_stages_are_named(plans):
+    plan = _plan("llama", constraints={"dp": 2, "tp": 1, "zero": 1}, alternatives=False)
+    rows = _collectives(plan, axis="dp")
+    assert rows and all(c["kind"].startswith("reduce_scatter") for c in rows)
+    # float sums of many terms in another order
+    assert sum(c["time_s"] * c["per_step"] for c in rows) == pytest.approx(plan.predicted.grad_sync_s, rel=1e-9)
+    pipe = plans["pipeline"]
+    assert sorted(s for e in pipe.layer_ops for s in e["stages"] if e["layer"]) == [0, 1]
+    assert "pipeline stage 0)" in pipe.explain() and "pipeline stage 1)" in pipe.explain()
 
 
 def test_time_terms_add_up_to_the_step(plans):

@@ -4,7 +4,8 @@ Each case (a model preset, a simulated cluster, a global batch and a sequence le
 once; autopar's free plan and every baseline are then priced by the same cost model through
 `autopar.plan(..., constraints=...)`, so the comparison is between layouts, never between models.
 
-Baselines (what a user of DDP, DeepSpeed or Megatron-LM would set):
+Baselines (what a user of DDP, DeepSpeed or Megatron-LM would set), from the one list the report's
+"Why this plan" reads too (`autopar.rationale.standard_layouts`), none of them pipelined (`pp: 1`):
 - `dp`: pure data parallel, every state replicated (`{"tp": 1, "zero": 0}`);
 - `zero1`, `zero2`, `zero3`: data parallel with ZeRO stage k (`{"tp": 1, "zero": k}`);
 - `tp_intra_node`: tensor parallel across the devices of a node, data parallel across nodes;
@@ -44,6 +45,7 @@ from autopar.bench.common import (
 )
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.rationale import standard_layouts
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,13 +177,9 @@ def grid_points(cluster: ClusterSpec, grid: dict) -> list[dict]:
 
 
 def baselines(cluster: ClusterSpec) -> dict[str, dict]:
-    """The hand-configured layouts, as constraints for `autopar.plan`."""
-    out = {"dp": {"tp": 1, "zero": 0}}
-    out.update({f"zero{k}": {"tp": 1, "zero": k} for k in (1, 2, 3)})
-    out["tp_intra_node"] = {"tp": cluster.devices_per_node}
-    if accepted_constraint("pp"):  # none of these layouts pipelines
-        out = {name: c | {"pp": 1} for name, c in out.items()}
-    return out
+    """The hand-configured layouts (`autopar.rationale.standard_layouts`, which the report prices too), as
+    constraints for `autopar.plan`."""
+    return {name: dict(pins) for name, (_, pins) in standard_layouts(cluster).items()}
 
 
 def run_case(case: PlanCase, grid: dict) -> dict:
