@@ -75,6 +75,11 @@ def block_forward(
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
         )
+        if vis == Visibility.PARTIAL:
+            # the CPU op reports lse 0 (not -inf) for a row whose every key is masked, which would give that
+            # row's zero output weight in the merge
+            no_keys = torch.arange(q_seg[0], q_seg[0] + q_seg[1], device=q.device) < k_seg[0]
+            lse = lse.masked_fill(no_keys, float("-inf"))
         return out, lse
     return reference_forward(q, k, v, is_causal, mask, scale)
 
