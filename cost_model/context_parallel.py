@@ -216,7 +216,9 @@ def _ring(shape: CPAttentionShape, c: int, fwd: float, link: LinkSpec) -> CPAtte
                            saved_bytes=0.0, peak_extra_bytes=4 * block)  # fmt: skip
 
 
-def _all_to_all(shape: CPAttentionShape, c: int, causal: bool, link: LinkSpec, compute: AttentionTime) -> CPAttentionCost:
+def _all_to_all(
+    shape: CPAttentionShape, c: int, causal: bool, link: LinkSpec, compute: AttentionTime
+) -> CPAttentionCost:
     kv_heads = shape.kv_heads if shape.kv_heads % c == 0 else math.lcm(shape.kv_heads, c)
     qkv = shape.head_bytes(shape.heads + 2 * kv_heads)
     out = shape.head_bytes(shape.heads)

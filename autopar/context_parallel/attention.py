@@ -207,7 +207,7 @@ def _block_grads(
     dk = torch.zeros(k.shape, dtype=dq.dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dq.dtype, device=v.device)
     q_parts = zip(_pieces(q, q_segs), _pieces(dout, q_segs), _pieces(out, q_segs), _pieces(lse, q_segs),
-                  _pieces(dq, q_segs))  # fmt: skip
+                  _pieces(dq, q_segs), strict=True)  # fmt: skip
     for (q_seg, q_i), (_, do_i), (_, o_i), (_, l_i), (_, dq_i) in q_parts:
         for (k_seg, k_j), (_, v_j), (_, dk_j), (_, dv_j) in zip(
             _pieces(k, k_segs), _pieces(v, k_segs), _pieces(dk, k_segs), _pieces(dv, k_segs), strict=True

@@ -10,7 +10,11 @@ from autopar.errors import ConfigError
 
 
 def _qkv(heads=4, kv_heads=2, local_seq=6):
-    return torch.zeros(1, heads, local_seq, 8), torch.zeros(1, kv_heads, local_seq, 8), torch.zeros(1, kv_heads, local_seq, 8)
+    return (
+        torch.zeros(1, heads, local_seq, 8),
+        torch.zeros(1, kv_heads, local_seq, 8),
+        torch.zeros(1, kv_heads, local_seq, 8),
+    )
 
 
 def test_all_to_all_degree_must_divide_the_query_heads():

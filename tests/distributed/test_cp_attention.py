@@ -108,7 +108,7 @@ def _check(world_size: int, algorithm, causal, kv_heads, layout):
     per_rank = [r[(algorithm, causal, kv_heads, layout)] for r in _results(world_size)]
     for name, want in (("out", ref), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         got = unshard_sequence([r[name] for r in per_rank], 2, layout)
-        torch.testing.assert_close(got, want.detach(), atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want.detach(), atol=ATOL, rtol=RTOL, msg=lambda m, name=name: f"{name}: {m}")
     forward, backward = _expected_counts(algorithm, world_size)
     for rank, r in enumerate(per_rank):
         assert (r["forward"], r["backward"]) == (forward, backward), f"rank {rank} collective calls"
