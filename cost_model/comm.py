@@ -13,12 +13,15 @@ with S the size of the full (unsharded) tensor:
 | all-reduce      | 2(n-1)/n · S         | 2(n-1) |
 | all-gather      | (n-1)/n · S          | n-1    |
 | reduce-scatter  | (n-1)/n · S          | n-1    |
-| all-to-all      | (n-1)/n · S          | n-1    |
+| all-to-all      | (n-1)/n² · S         | n-1    |
 | broadcast       | (n-1)/n · S          | n-1    |
 | send/recv       | S                    | 1      |
 
 The moved-bytes factors are the ones nccl-tests uses to turn times into bus bandwidth, so a
-link's `bandwidth_bytes_per_s` is directly the bus bandwidth those tests report. Broadcast is
+link's `bandwidth_bytes_per_s` is directly the bus bandwidth those tests report. In an
+all-to-all each rank holds a shard of S/n and keeps 1/n of it, so it sends (n-1)/n of its own
+shard, (n-1)/n² of the whole tensor: nccl-tests' alltoall busbw is (n-1)/n times the per-rank
+buffer over the time. Broadcast is
 priced like an all-gather (a pipelined ring broadcast). Tree algorithms, NVLink SHARP and
 the hierarchical algorithms NCCL uses across nodes are not modelled: the ring is the
 conservative, well-understood baseline.
@@ -60,6 +63,8 @@ def collective_moved_bytes(kind: Collective, num_bytes: float, num_ranks: int) -
         return 2.0 * (num_ranks - 1) / num_ranks * num_bytes
     if kind == Collective.SEND_RECV:
         return float(num_bytes)
+    if kind == Collective.ALL_TO_ALL:
+        return (num_ranks - 1) / num_ranks**2 * num_bytes
     return (num_ranks - 1) / num_ranks * num_bytes
 
 
@@ -69,7 +74,8 @@ def estimate_collective_time(kind: Collective, num_bytes: float, num_ranks: int,
     Args:
         kind: which collective.
         num_bytes: size of the full tensor: the all-reduced tensor, the gathered result, the
-            input of a reduce-scatter, the tensor sent.
+            input of a reduce-scatter, the whole tensor an all-to-all re-splits (the sum of
+            every rank's shard), the tensor sent.
         num_ranks: ranks taking part; 1 costs nothing.
         link: the slowest link the ranks' ring crosses.
     """

@@ -17,10 +17,18 @@ def test_all_reduce_hand_computed():
     assert estimate_collective_time(Collective.ALL_REDUCE, S, 8, LINK) == pytest.approx(14e-6 + 1.75e9 / 100e9)
 
 
-@pytest.mark.parametrize("kind", [Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL,
-                                  Collective.BROADCAST])  # fmt: skip
+@pytest.mark.parametrize("kind", [Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.BROADCAST])
 def test_one_pass_collectives_hand_computed(kind):
     assert estimate_collective_time(kind, S, 8, LINK) == pytest.approx(7e-6 + 0.875e9 / 100e9)
+
+
+def test_all_to_all_sends_what_a_rank_does_not_keep_of_its_own_shard():
+    # 8 ranks each hold S/8 and keep 1/8 of it: each sends 7/8 · S/8 = 7/64 · S, in 7 pairwise steps
+    assert estimate_collective_time(Collective.ALL_TO_ALL, S, 8, LINK) == pytest.approx(7e-6 + 7 / 64 * 1e9 / 100e9)
+    for n in (2, 4, 16):
+        shard = S / n
+        expected = (n - 1) * LINK.latency_s + (n - 1) / n * shard / LINK.bandwidth_bytes_per_s
+        assert estimate_collective_time(Collective.ALL_TO_ALL, S, n, LINK) == pytest.approx(expected)
 
 
 def test_send_recv_moves_the_whole_tensor_in_one_step():
