@@ -20,7 +20,7 @@ from autopar.trace import trace_model
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size", "pp", "schedule", "virtual_stages", "recompute",
-                    "tp_min_split", "param_placements", "grad_reduce"}
+                    "tp_min_split", "param_placements", "grad_reduce", "overlap"}
 _RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -319,7 +319,8 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
         if psol.pp > 1:
             pplan = _pipeline_plan(psol, graph, job.name, cluster, precision, batch, job.args, job.kwargs, job.t0,
                                    job.t_trace, est)  # fmt: skip
-            pplan = dataclasses.replace(pplan, fusion=job.fusion, grad_reduce=constraints.get("grad_reduce") or "fp32")
+            pplan = dataclasses.replace(pplan, fusion=job.fusion, grad_reduce=constraints.get("grad_reduce") or "fp32",
+                                        overlap=bool(constraints.get("overlap", True)))  # fmt: skip
             return pplan, _pipeline_runner_up(job, psol, pplan)
         sol = psol.single_stage
     else:
@@ -331,7 +332,8 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
         sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=flat,
                              memory_budget_bytes=budget, batch_size=batch, progress=say,
                              offload=job.offload)  # fmt: skip
-    chosen = dataclasses.replace(_sharded_plan(job, sol), grad_reduce=constraints.get("grad_reduce") or "fp32")
+    chosen = dataclasses.replace(_sharded_plan(job, sol), grad_reduce=constraints.get("grad_reduce") or "fp32",
+                                 overlap=bool(constraints.get("overlap", True)))  # fmt: skip
     return chosen, _sharded_runner_up(sol)
 
 
@@ -372,6 +374,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
     offload_s = sol.offload.get("time_s", 0.0) + sol.activation_offload.get("time_s", 0.0)
     predicted = _predicted(step, model_flops, hw_flops, tokens, world, peak, sol.memory,
                            compute_s=sol.compute_s, reshard_s=sol.reshard_s, grad_sync_s=sol.grad_sync_s,
+                           grad_sync_hidden_s=sol.grad_sync_hidden_s,
                            offload_s=offload_s, optimizer_s=sol.optimizer_s)  # fmt: skip
     alternatives = tuple(
         {"dp": r.dp, "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
@@ -648,7 +651,8 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
     dp, tp = plan.mesh["dp"], plan.mesh["tp"]
     # the layout the plan priced: its axes, ZeRO stage, recompute and where every parameter sits on the tensor axis
     pins = {"dp": dp, "tp": tp, "zero": plan.zero_stage, "num_microbatches": 1, "recompute": plan.recompute,
-            "param_placements": dict(plan.param_placements), "grad_reduce": plan.grad_reduce}
+            "param_placements": dict(plan.param_placements), "grad_reduce": plan.grad_reduce,
+            "overlap": plan.overlap}
     if plan.tensor_split:
         pins["tp_min_split"] = plan.tensor_split["min_fraction"]
     if plan.program == ProgramKind.PIPELINE:

@@ -105,6 +105,9 @@ class Predicted:
     tokens_per_s: float = 0.0
     offload_s: float = 0.0
     optimizer_s: float = 0.0  # the optimizer step on the device
+    # gradient all-reduce time hidden behind backward (the data-parallel program overlaps them); grad_sync_s is
+    # the exposed part
+    grad_sync_hidden_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +161,9 @@ class Plan:
     # mixed precision: the format ZeRO-0 gradients are held and all-reduced in ("fp32", or the compute format
     # when pinned); dp-sharded gradients (ZeRO >= 1) are reduce-scattered in the compute format
     grad_reduce: str = "fp32"
+    # whether the program overlaps gradient all-reduces with backward (and the plan priced that); False prices and
+    # runs them after backward
+    overlap: bool = True
     # per deduplicated layer (and one entry for what runs outside the layers), as the solver priced it
     # (`passes.sharding_solver.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
     # it; empty without a pipeline) and "ops": each op's placements and the collectives inserted for it
@@ -220,6 +226,7 @@ class Plan:
             "layer_ops": list(self.layer_ops),
             "precision": self.precision,
             "grad_reduce": self.grad_reduce,
+            "overlap": self.overlap,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
             "num_parameters": self.num_parameters,
@@ -270,6 +277,7 @@ class Plan:
                 layer_ops=tuple(d.get("layer_ops") or ()),
                 precision=d["precision"],
                 grad_reduce=str(d.get("grad_reduce", "fp32")),
+                overlap=bool(d.get("overlap", True)),
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
                 num_parameters=int(d["num_parameters"]),

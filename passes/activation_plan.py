@@ -82,7 +82,8 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     _, _, solved_s = prog.fixed_activations(choice, res.recompute)
     # on a layout that otherwise runs as plain tensors, any treatment moves it to the sharded runtime
     plain = prog.runs_plain(res.zero_stage)
-    runtime_s = prog.leaving_plain_s if plain else 0.0
+    # (and its gradient all-reduces no longer overlap backward)
+    runtime_s = prog.leaving_plain_s + res.grad_sync_hidden_s if plain else 0.0
     if res.recompute != "none":
         solved_s += runtime_s
     base_s = res.step_time_s - solved_s
@@ -104,7 +105,7 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     copies_s = counts["offload"] * per["offload"][1] if counts.get("offload") else 0.0  # reported as offload
     return dataclasses.replace(res, step_time_s=base_s + seconds, compute_s=res.compute_s - solved_s + seconds - copies_s,
                                memory=memory, recompute=used[-1] if used else "none", recompute_s=seconds - copies_s,
-                               layer_modes={m: c for m, c in counts.items() if c},
+                               layer_modes={m: c for m, c in counts.items() if c}, grad_sync_hidden_s=0.0,
                                activation_offload=_activation_offload(counts, per))  # fmt: skip
 
 

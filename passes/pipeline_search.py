@@ -396,7 +396,8 @@ class _StagePricer:
                                precision=self.precision, zero_stage=None, memory_budget_bytes=self.budget,
                                batch_dim_size=self.batch, num_microbatches=m, activation_copies=copies,
                                recompute=self.recompute,
-                               tensor_split=TensorSplit.from_constraints(self.constraints, tp))  # fmt: skip
+                               tensor_split=TensorSplit.from_constraints(self.constraints, tp),
+                               overlap=False)  # a stage reduces its gradients after the schedule  # fmt: skip
         if dp > 1:
             prog.zero_choices = list(self.zero_choices)
         return prog

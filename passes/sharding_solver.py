@@ -260,6 +260,7 @@ class MeshResult:
     layer_modes: dict = field(default_factory=dict)
     activation_offload: dict = field(default_factory=dict)
     recompute_s: float = 0.0  # the part of compute_s that runs forwards again (and what leaving plain tensors adds)
+    grad_sync_hidden_s: float = 0.0  # gradient all-reduce time hidden behind backward (grad_sync_s is what is not)
 
 
 @dataclass(frozen=True)
@@ -289,6 +290,7 @@ class ShardingSolution:
     layer_modes: dict = field(default_factory=dict)  # treatment -> layer indices (empty: uniform `recompute`)
     activation_offload: dict = field(default_factory=dict)
     recompute_s: float = 0.0  # the part of compute_s spent running forwards again
+    grad_sync_hidden_s: float = 0.0  # gradient all-reduce time hidden behind backward (grad_sync_s is what is not)
     # tp > 1: what the tensor axis splits and which parameters stay whole, and why (`tensor_split_report`)
     tensor_split: dict = field(default_factory=dict)
     # per deduplicated layer (and what runs outside the layers): its ops, placements and collectives
@@ -443,8 +445,16 @@ class ShardingProgram:
                  zero_stage: int | None, memory_budget_bytes: float, batch_dim_size: int,
                  num_microbatches: int = 1, activation_copies: float = 1.0,
                  recompute: str | None = None, offload: bool | None = False,
-                 tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None):  # fmt: skip
+                 tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None,
+                 overlap: bool = True):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
+        # the data-parallel program launches each gradient bucket's all-reduce from backward (asynchronously):
+        # price what the last micro-batch's backward hides. On CPU ranks gloo's all-reduce runs on the cores
+        # the compute needs, so nothing is taken as hidden there; pipeline stages reduce after their schedule
+        self.overlap = overlap and cluster.device.kind == "gpu"
+        self._bwd_terms: list = []  # n_g x[g,k] T_bwd: backward seconds per step
+        self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
+        self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
         self.tensor_split = tensor_split
         self.pinned_placements = dict(pinned_placements or {})  # parameter name -> placement string on tp
         # False: states stay on the device; None: the program places them; True: all optimizer states
@@ -712,11 +722,15 @@ class ShardingProgram:
         for name, grp in self.groups.items():
             for k in range(len(grp.strategies)):
                 t = 0.0
+                back = 0.0
                 for m in grp.members:
                     fwd, bwd = self._op_times(self.graph.node(m), grp.divisor[m][k])
                     t += fwd + bwd
+                    back += bwd
                     self._fwd_s[name].setdefault(m, [0.0] * len(grp.strategies))[k] = grp.count * fwd
                 self.cost_terms["compute"].append(grp.count * t * self.x[name][k])
+                if back:
+                    self._bwd_terms.append(grp.count * back * self.x[name][k])
                 if grp.extra_s[k]:
                     self.cost_terms["reshard"].append(grp.extra_s[k] * self.x[name][k])
 
@@ -885,7 +899,9 @@ class ShardingProgram:
         return self.sharded_overhead_s + extra
 
     def add_stage_product_constraint(self) -> None:
-        """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u."""
+        """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u (the plain layout's
+        part through `add_overlap_constraint`)."""
+        plain = []  # the sync terms of the plain layout, when its all-reduces overlap backward
         for name in self._param_groups():
             grp = self.groups[name]
             for k in range(len(grp.strategies)):
@@ -900,13 +916,38 @@ class ShardingProgram:
                     self.prob += u <= self.x[name][k], f"zero_product_x_{name}_{k}_{s}"
                     t = self.sync_time(name, k, s)
                     if t:
-                        self.cost_terms["grad_sync"].append(grp.count * t * u)
+                        hides = self.overlap and self.runs_plain(s)
+                        (plain if hides else self.cost_terms["grad_sync"]).append(grp.count * t * u)
                     t = self.optimizer_time(name, k, s)
                     if t:
                         self.cost_terms["optimizer"].append(grp.count * t * u)
         for s, zs in self.z.items():
             if self.sync_floor(s):
-                self.cost_terms["grad_sync"].append(self.sync_floor(s) * zs)
+                hides = self.overlap and self.runs_plain(s)
+                (plain if hides else self.cost_terms["grad_sync"]).append(self.sync_floor(s) * zs)
+        if plain:
+            self.add_overlap_constraint(plain)
+
+    def add_overlap_constraint(self, plain: list) -> None:
+        """E >= sum(plain) - B / m, E >= T_last z[s], E >= 0; objective E instead of sum(plain).
+
+        The data-parallel program's all-reduces (sum(plain): every bucket's time and the one latency a step
+        pays) run while the last micro-batch's backward (B / m, B the step's backward) goes on; what does not
+        fit behind it is exposed, and so is the last bucket (the first parameters, whose gradients come last),
+        launched when backward ends (T_last: one all-reduce of min(BUCKET_BYTES, all gradient bytes))."""
+        s = next(s for s in self.z if self.runs_plain(s))
+        e = self.prob.add_variable("exposed_sync", 0)
+        self.prob += e >= pulp.lpSum(plain) - pulp.lpSum(self._bwd_terms) * (1.0 / self.mb), "overlap_exposed_sync"
+        self.prob += e >= self.last_bucket_s() * self.z[s], "overlap_last_bucket"
+        self.cost_terms["grad_sync"].append(e)
+        self.sync_report["total"] = plain
+        self._exposed = e
+
+    def last_bucket_s(self) -> float:
+        """T_last: the all-reduce of the bucket launched when backward ends (see `add_overlap_constraint`)."""
+        total = sum(self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(0)
+                    for n in self._param_groups() if self.graph.params[n].requires_grad)  # fmt: skip
+        return estimate_collective_time(Collective.ALL_REDUCE, min(BUCKET_BYTES, total), self.dp, self.dp_link)
 
     def optimizer_time(self, name: str, k: int, stage: int) -> float:
         """Opt[w,k,s]: the device's optimizer step over one parameter's local shard (its fp32 weights)."""
@@ -1184,6 +1225,8 @@ class ShardingProgram:
         extra = self.add_recompute_cost(recompute) if recompute != "none" else []
         if extra and 0 in self.z and self.runs_plain(0) and self.leaving_plain_s:
             extra.append(self.leaving_plain_s * self.z[0])  # recompute runs on the sharded runtime
+        if extra and self._exposed is not None:  # which does not overlap its gradient reductions with backward
+            extra.append(pulp.lpSum(self.sync_report["total"]) - self._exposed)
         self._modes[recompute] = _ModeTerms(pulp.lpSum(base + extra), extra, acts, peak, rows)
         return self._modes[recompute]
 
@@ -1237,13 +1280,18 @@ class ShardingProgram:
             mem.pop("recompute", None)
         chosen_stage = next(s for s, z in self.z.items() if (pulp.value(z) or 0) > 0.5)
         step = sum(val.values())
+        hidden = 0.0
+        if self._exposed is not None and mode == "none":
+            whole = sum(pulp.value(t) or 0.0 for t in self.sync_report["total"])
+            hidden = max(whole - (pulp.value(self._exposed) or 0.0), 0.0)
         self.last_choice = self.chosen()
         # recomputed forwards are compute; resharding they repeat is counted with them
         return MeshResult(self.dp, self.tp, True, step, val.get("compute", 0.0) + val.get("recompute", 0.0),
                           val.get("reshard", 0.0), val.get("grad_sync", 0.0), chosen_stage, mem, dt,
                           num_microbatches=self.mb, recompute=mode,
                           offload=self._offload_result(mem, val.get("offload", 0.0)),
-                          optimizer_s=val.get("optimizer", 0.0), recompute_s=val.get("recompute", 0.0))  # fmt: skip
+                          optimizer_s=val.get("optimizer", 0.0), recompute_s=val.get("recompute", 0.0),
+                          grad_sync_hidden_s=hidden)  # fmt: skip
 
     def solve_free(self, recompute: str | None = None) -> MeshResult:
         """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
@@ -1431,7 +1479,7 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
                                 budget=budget, batch_size=batch_size, recompute=recompute,
                                 offload=offload if tp == 1 else False,
                                 tensor_split=TensorSplit.from_constraints(constraints, tp),
-                                pinned_placements=pins)  # fmt: skip
+                                pinned_placements=pins, overlap=bool(constraints.get("overlap", True)))  # fmt: skip
         if tp == 1 and any(v != "R" for v in pins.values()):
             results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
                                       "param_placements splits parameters, and this mesh has no tensor axis"))
@@ -1495,12 +1543,14 @@ def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
 
 
 def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None,
-                     offload=False, tensor_split: TensorSplit = TensorSplit(), pinned_placements=None):  # fmt: skip
+                     offload=False, tensor_split: TensorSplit = TensorSplit(), pinned_placements=None,
+                     overlap: bool = True):  # fmt: skip
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
                                zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
                                num_microbatches=m, recompute=recompute, offload=offload,
-                               tensor_split=tensor_split, pinned_placements=pinned_placements)  # fmt: skip
+                               tensor_split=tensor_split, pinned_placements=pinned_placements,
+                               overlap=overlap)  # fmt: skip
 
     return make
 
@@ -1596,7 +1646,7 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
                             len(prog.groups), dt, recompute=best.recompute, offload=best.offload,
                             layer_modes=layer_indices(best.layer_modes, graph) if best.layer_modes else {},
                             activation_offload=best.activation_offload, optimizer_s=best.optimizer_s,
-                            recompute_s=best.recompute_s,
+                            recompute_s=best.recompute_s, grad_sync_hidden_s=best.grad_sync_hidden_s,
                             tensor_split=tensor_split_report(prog, chosen),
                             layer_ops=layer_ops_report(prog, chosen, best.zero_stage))  # fmt: skip
 

@@ -240,7 +240,8 @@ class DataParallelProgram(Program):
         self._totals_now = totals
         if self._ride:
             self._buckets[-1][0][-2:].copy_(totals)
-        self._pending = [len(views) for _, views in self._buckets]
+        # without overlap (plan.overlap False) every bucket goes out after backward, in `_finish_reduction`
+        self._pending = [len(views) for _, views in self._buckets] if self.plan.overlap else None
         self._launched, self._works = [], []
 
     def _finish_reduction(self) -> tuple[float, float]:
