@@ -98,7 +98,7 @@ def test_a_model_handed_in_fp32_is_priced_as_the_plans_compute_format():
 def test_gradient_reduction_format_is_priced():
     """Mixed precision all-reduces ZeRO-0 gradients in fp32 unless the compute format is pinned: the pinned
     plan moves half the bytes and holds half the gradient memory."""
-    pins = {"dp": 8, "tp": 1, "zero": 0}
+    pins = {"dp": 8, "tp": 1, "zero": 0, "overlap": False}  # the whole reduction, none of it hidden
     fp32 = autopar.plan("gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024, constraints=pins)
     bf16 = autopar.plan("gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024,
                         constraints={**pins, "grad_reduce": "bf16"})  # fmt: skip
