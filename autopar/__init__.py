@@ -6,6 +6,7 @@ parallel program that trains on `torch.distributed`.
 """
 
 from autopar.api import compare, compile, parse_bytes, plan
+from autopar.checkpoint import latest_checkpoint
 from autopar.cluster import ClusterSpec
 from autopar.errors import (
     AutoparError,
@@ -31,6 +32,7 @@ __all__ = [
     "TraceError",
     "compare",
     "compile",
+    "latest_checkpoint",
     "parse_bytes",
     "plan",
 ]

@@ -576,7 +576,7 @@ def _tokens(args, kwargs) -> int:
 
 
 def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=None, *, optimizer=None,
-            plan: Plan | None = None, **plan_kwargs):  # fmt: skip
+            plan: Plan | None = None, pretrained=None, **plan_kwargs):  # fmt: skip
     """Plan (unless `plan` is given) and build the parallel program; call inside torchrun.
 
     Every rank must call it with the same model (same initial parameters) and inputs. The world
@@ -590,12 +590,22 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
         example_inputs, example_kwargs: one global batch, as `train_step` will get it.
         optimizer: callable(params) -> torch.optim.Optimizer over the local shards (default AdamW, lr 1e-3).
         plan: a plan from `autopar.plan` / `Plan.from_json` to use instead of planning.
+        pretrained: a folder of Hugging Face safetensors weights to start from; each rank reads only its slices
+            (`Program.load_pretrained`). The model may then be built on the meta device: its buffers get values
+            first (`autopar.checkpoint.hf.materialize_buffers`), its parameters are made by the program.
         plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, ...).
     """
     from autopar import runtime
 
     cluster = _as_cluster(cluster)
     runtime.ensure_process_group(cluster)
+    built = model  # what the program is built from; `model` is what is planned and traced
+    if pretrained is not None:
+        from autopar.checkpoint import hf
+
+        hf.materialize_buffers(model, pretrained)  # before tracing: lifted constants take the buffers' values
+        if hf.is_meta(model):
+            model = hf.traceable_stand_in(model)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     planning_trace = None
     if plan is None:
@@ -614,7 +624,14 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
         traced = planning_trace if parts == 1 and planning_trace is not None else _program_trace(
             model, plan, part_args, part_kwargs)
         plan = _complete_placements(plan, model, cluster, traced, part_args, part_kwargs)
-    return program(model, plan, traced, cluster, optimizer=optimizer)
+    if pretrained is None:
+        return program(model, plan, traced, cluster, optimizer=optimizer)
+    if plan.program == "offload" and hf.is_meta(built):  # it copies the whole model: give it parameters to copy
+        built = copy.deepcopy(built)
+        hf.materialize_parameters(built)
+    pm = program(built, plan, traced, cluster, optimizer=optimizer)
+    pm.load_pretrained(pretrained)
+    return pm
 
 
 def _program_trace(model, plan: Plan, args, kwargs):

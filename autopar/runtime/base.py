@@ -235,6 +235,16 @@ class Program(torch.nn.Module):
         self._state_dtypes = {k: v.dtype for k, v in state.items()}
         self._aliases = dict(traced.param_aliases) if traced is not None else {}
         self._make_optimizer = optimizer or default_optimizer
+        # for checkpoints and Hugging Face weights: every parameter name -> the first name of its tensor (the name
+        # the masters go by), their shapes, the persistent buffers, the steps taken, the config
+        first: dict[int, str] = {}
+        self._first_names = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+        self._master_names = list(dict.fromkeys(self._first_names.values()))
+        self._master_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self._persistent_buffers = [n for n in self._state_names if n not in self._first_names]
+        self.num_steps = 0
+        self.hf_config = getattr(model, "config", None)
+        self.generation_config = getattr(model, "generation_config", None)
 
     @classmethod
     def runs(cls, plan: Plan) -> bool:
@@ -252,7 +262,10 @@ class Program(torch.nn.Module):
     def master(self, tensor: torch.Tensor) -> torch.Tensor:
         """A detached copy of a model parameter as this program's master holds it: fp32 under mixed precision."""
         mixed = self.compute_dtype is not None and tensor.is_floating_point()
-        return tensor.detach().to(self.device_type, dtype=torch.float32 if mixed else tensor.dtype, copy=True)
+        dtype = torch.float32 if mixed else tensor.dtype
+        if tensor.is_meta:  # a model built on meta: the values come from load_pretrained
+            return torch.empty(tensor.shape, dtype=dtype, device=self.device_type)
+        return tensor.detach().to(self.device_type, dtype=dtype, copy=True)
 
     def in_compute_format(self, tensor):
         """A floating tensor (buffer, constant, master) in the format the graph computes in; differentiable."""
@@ -277,6 +290,7 @@ class Program(torch.nn.Module):
         over the whole batch.
         """
         micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches)
+        self.num_steps += 1
         self._zero_grads()
         loss_sum, weight = self._forward_backward(micro)
         scale = self.scaler.scale if self.scaler is not None else 1.0
@@ -359,3 +373,85 @@ class Program(torch.nn.Module):
             if value is not None:
                 out[name] = value.detach().cpu().to(self._state_dtypes[name], copy=True)
         return out
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, path, *, extra: dict | None = None, keep_last: int | None = None) -> str:
+        """Write the training state (masters, optimizer states, step, loss scale, every rank's RNG states and
+        `extra`) to the directory `path`, sharded, atomically; keep only the `keep_last` newest checkpoints next
+        to it. Every rank calls it. See `autopar.checkpoint.training`."""
+        from autopar.checkpoint import training
+
+        return training.save(self, path, extra=extra, keep_last=keep_last)
+
+    def load_checkpoint(self, path) -> dict:
+        """Read a checkpoint of this model written under any plan; returns the `extra` dict it was saved with."""
+        from autopar.checkpoint import training
+
+        return training.load(self, path)
+
+    def save_pretrained(self, path, *, max_shard_size="2GB") -> None:
+        """Write the weights as Hugging Face safetensors (sharded with an index above `max_shard_size`, each file
+        written by one rank) with the model's config. Every rank calls it. See `autopar.checkpoint.hf`."""
+        from autopar.checkpoint import hf
+
+        hf.save_pretrained(self, path, max_shard_size=max_shard_size)
+
+    def load_pretrained(self, path) -> None:
+        """Read Hugging Face safetensors weights into the masters, each rank only the slices it holds."""
+        from autopar.checkpoint import hf
+
+        hf.load_pretrained(self, path)
+
+    def _local_masters(self) -> dict:
+        """name -> `autopar.checkpoint.pieces.Piece`: this rank's pieces of the master weights (live storage)
+        under the model's first name of each tensor."""
+        raise NotImplementedError
+
+    def _local_optimizer_state(self) -> dict[str, dict]:
+        """name -> {state: Piece for a tensor shaped like the master's piece, else the value} of this rank's
+        optimizer states, for a torch.optim optimizer over the pieces' `param`s."""
+        out = {}
+        for name, piece in self._local_masters().items():
+            state = self.optimizer.state.get(piece.param) if piece.param is not None else None
+            if not state:
+                continue
+            out[name] = {k: piece.like(v) if isinstance(v, torch.Tensor) and v.shape == piece.tensor.shape and v.ndim
+                         else v for k, v in state.items() if isinstance(v, torch.Tensor)}  # fmt: skip
+        return out
+
+    def _ensure_optimizer_state(self) -> None:
+        """Create the optimizer's states (before a first step there are none to read a checkpoint into): one
+        step at lr 0 on zero gradients, as torch.distributed.checkpoint.state_dict does."""
+        if any(self.optimizer.state.values()):
+            return
+        params = [p for group in self.optimizer.param_groups for p in group["params"] if p.requires_grad]
+        saved_grads = [p.grad for p in params]
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in self.optimizer.param_groups:
+            group["lr"] = 0.0
+        self.optimizer.step()
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        for p, g in zip(params, saved_grads, strict=True):
+            p.grad = g
+
+    def _checkpoint_meta(self) -> dict:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in getattr(self.optimizer, "param_groups", [])]
+        return {"step": self.num_steps, "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "param_groups": groups}  # fmt: skip
+
+    def _restore_checkpoint_meta(self, meta: dict) -> None:
+        self.num_steps = int(meta.get("step", 0))
+        if self.scaler is not None and meta.get("scaler"):
+            self.scaler.load_state_dict(meta["scaler"])
+        groups = meta.get("param_groups") or []
+        mine = getattr(self.optimizer, "param_groups", [])
+        if len(groups) == len(mine):  # hyperparameters a schedule may have moved
+            for group, saved in zip(mine, groups, strict=True):
+                group.update({k: v for k, v in saved.items() if k in group})
+
+    def _after_checkpoint_load(self) -> None:
+        """Make what the program computes with agree with masters just read (copies, payloads)."""

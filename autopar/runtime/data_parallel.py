@@ -287,6 +287,12 @@ class DataParallelProgram(Program):
     def _full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().cpu() for n, p in zip(self.traced.param_names, self.params, strict=True)}
 
+    def _local_masters(self) -> dict:
+        from autopar.checkpoint.pieces import Piece
+
+        return {n: Piece(p.detach(), tuple(p.shape), offsets=(0,) * p.ndim, param=p)
+                for n, p in zip(self.traced.param_names, self.params, strict=True)}  # fmt: skip
+
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers_list, strict=True))
 

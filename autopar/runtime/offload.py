@@ -296,3 +296,22 @@ class OffloadProgram(Program):
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(self.module.named_buffers(remove_duplicate=False))
+
+    # the chunks' shards cut parameters anywhere: their pieces are flat ranges (autopar.checkpoint.chunks)
+    def _local_masters(self) -> dict:
+        from autopar.checkpoint.chunks import chunk_pieces
+
+        return chunk_pieces(self.store, "master")
+
+    def _local_optimizer_state(self) -> dict[str, dict]:
+        from autopar.checkpoint.chunks import chunk_optimizer_state
+
+        return chunk_optimizer_state(self.store, self.optimizer)
+
+    def _ensure_optimizer_state(self) -> None:
+        pass  # the chunks' moments exist from the start
+
+    def _after_checkpoint_load(self) -> None:
+        from autopar.checkpoint.chunks import after_load
+
+        after_load(self.store, self.optimizer)

@@ -378,3 +378,9 @@ class PipelineProgram(Program):
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return self._buffers
+
+    def _local_masters(self) -> dict:
+        from autopar.checkpoint.pieces import dtensor_piece
+
+        return {n: dtensor_piece(self._shard[n].detach(), self._shapes[n], self.mesh, self._placements[n],
+                                 param=self._shard[n]) for n in self._param_names}  # fmt: skip

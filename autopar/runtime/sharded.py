@@ -179,3 +179,10 @@ class ShardedProgram(Program):
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers, strict=True))
+
+    def _local_masters(self) -> dict:
+        from autopar.checkpoint.pieces import dtensor_piece
+
+        return {n: dtensor_piece(p.detach(), shape, self.mesh, pl, param=p)
+                for n, p, pl, shape in zip(self._param_names, self.shards, self._placements, self._shapes,
+                                           strict=True)}  # fmt: skip

@@ -1,0 +1,6 @@
+"""Checkpoints: training state through `torch.distributed.checkpoint` (`training`), Hugging Face safetensors
+weights in and out (`hf`), both on the pieces every program exposes (`pieces`)."""
+
+from autopar.checkpoint.training import latest_checkpoint
+
+__all__ = ["latest_checkpoint"]

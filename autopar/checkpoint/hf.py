@@ -1,0 +1,333 @@
+"""Hugging Face weights in and out: safetensors files that `transformers.AutoModel*.from_pretrained` reads and
+writes, without any rank holding the whole model.
+
+Out (`save_pretrained`): the tensors (the model's first name of each parameter, so a tied LM head is saved
+once, under the name Hugging Face keeps; persistent buffers) are cut into files of at most
+`max_shard_size` bytes in the model's order, in the dtype the model was handed in. One file is
+`model.safetensors`; more are `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`.
+Files are written in rounds, one per rank per round: the pieces of a file's tensors travel to the rank
+writing it (`pieces.assemble`), so a rank holds at most one file's tensors. Rank 0 writes the index, the
+config and the generation config.
+
+In (`load_pretrained`): every rank opens the files' headers (names, shapes, dtypes), checks them against
+the model (a missing or unexpected tensor, a shape that differs, a file that is not safetensors: a
+`ConfigError` naming the tensor and the file), and reads only the slices of its own pieces (safetensors
+slices read only those bytes), converting the dtype (a bf16 checkpoint into fp32 masters).
+
+A model built on the meta device (`compile(..., pretrained=dir)`): its parameters stay on meta until each
+program makes its master pieces (`Program.master` gives an uninitialised tensor for a meta one; the
+offload program, which copies the whole model by design, gets uninitialised parameters); its buffers get
+real values before tracing: persistent ones from the files, the others (rotary tables) by the model's own
+Hugging Face initialisation of the module holding them (`_init_weights`, which recomputes them from the
+config), checked to have produced finite values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from autopar.checkpoint.pieces import Piece, assemble
+from autopar.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        dist.barrier()
+
+
+def _bytes(value) -> int:
+    from autopar.api import parse_bytes
+
+    return int(parse_bytes(value))
+
+
+# ------------------------------------------------------------------------------------------------ out
+
+
+def shard_files(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Names (in order) cut into files of at most `max_bytes` (a tensor larger than that gets a file alone)."""
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, n in sizes.items():
+        if files[-1] and size + n > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += n
+    return files
+
+
+def file_names(num_files: int) -> list[str]:
+    if num_files == 1:
+        return [SINGLE]
+    return [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
+
+
+def save_pretrained(program, path, *, max_shard_size="2GB") -> None:
+    """See the module docstring; every rank calls it."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    max_bytes = _bytes(max_shard_size)
+    masters = program._local_masters()
+    buffers = {n: b for n, b in program._named_buffers().items() if n in program._persistent_buffers}
+    shapes = {n: program._master_shapes[n] for n in program._master_names}
+    shapes |= {n: tuple(b.shape) for n, b in buffers.items()}
+    dtypes = {n: program._state_dtypes[n] for n in shapes}
+    sizes = {n: math.prod(shapes[n]) * dtypes[n].itemsize for n in shapes}
+    files = shard_files(sizes, max_bytes)
+    names = file_names(len(files))
+    if _rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        for old in [*path.glob("model*.safetensors"), path / INDEX]:
+            old.unlink(missing_ok=True)
+    _barrier()
+    world = _world()
+    for first in range(0, len(files), world):  # one file per rank per round
+        owners = {n: (i - first) for i in range(first, min(first + world, len(files))) for n in files[i]}
+        params = {n: r for n, r in owners.items() if n not in buffers}
+        full = assemble({n: p for n, p in masters.items() if n in params}, params, dtypes, shapes=shapes)
+        index = first + _rank()
+        if index < len(files):
+            tensors = {n: full[n] if n in full else buffers[n].detach().to("cpu", dtypes[n]).contiguous()
+                       for n in files[index]}  # fmt: skip
+            save_file(tensors, str(path / names[index]), metadata={"format": "pt"})
+            del tensors, full
+    if _rank() == 0:
+        if len(files) > 1:
+            weight_map = {n: names[i] for i, group in enumerate(files) for n in group}
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+            (path / INDEX).write_text(json.dumps(index, indent=2))
+        if program.hf_config is not None:
+            program.hf_config.save_pretrained(str(path))
+        if program.generation_config is not None:
+            program.generation_config.save_pretrained(str(path))
+    _barrier()
+
+
+# ------------------------------------------------------------------------------------------------ in
+
+
+class WeightFiles:
+    """The tensors of a Hugging Face weights folder: name -> (file, shape, dtype), read from the headers only."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        index = self.path / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {e}") from e
+            files = sorted(set(weight_map.values()))
+        elif (self.path / SINGLE).is_file():
+            weight_map, files = None, [SINGLE]
+        else:
+            found = sorted(p.name for p in self.path.glob("*.safetensors")) if self.path.is_dir() else []
+            if len(found) != 1:
+                raise ConfigError(f"{self.path} holds no {SINGLE} and no {INDEX} (found {found or 'nothing'}): pass a "
+                                  f"folder written by save_pretrained")  # fmt: skip
+            weight_map, files = None, found
+        self.tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
+        for name in files:
+            for key, (shape, dtype) in self._header(name).items():
+                if weight_map is not None and weight_map.get(key) != name:
+                    raise ConfigError(f"{self.path / name} holds {key!r}, which the index {INDEX} puts in "
+                                      f"{weight_map.get(key)!r}")  # fmt: skip
+                self.tensors[key] = (name, shape, dtype)
+        if weight_map is not None:
+            absent = sorted(k for k in weight_map if k not in self.tensors)
+            if absent:
+                raise ConfigError(f"the index {self.path / INDEX} lists {len(absent)} tensor(s) its files do not "
+                                  f"hold, e.g. {absent[:3]} in {weight_map[absent[0]]}")  # fmt: skip
+
+    def _header(self, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (shape, dtype) from a file's header, checked against the file's size."""
+        file = self.path / name
+        try:
+            with open(file, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            size = file.stat().st_size
+        except (OSError, ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+        out, end = {}, 0
+        try:
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                out[key] = (tuple(info["shape"]), info["dtype"])
+                end = max(end, int(info["data_offsets"][1]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{file} has a corrupt safetensors header ({e})") from e
+        if 8 + n + end > size:
+            raise ConfigError(f"{file} is cut short: its header places tensors up to byte {8 + n + end} but the file "
+                              f"has {size} bytes")  # fmt: skip
+        return out
+
+    def file_of(self, key: str) -> Path:
+        return self.path / self.tensors[key][0]
+
+
+def _name_in_files(canonical: str, names_of: dict[str, list[str]], files: WeightFiles) -> str | None:
+    return next((n for n in names_of[canonical] if n in files.tensors), None)
+
+
+def check_files(program, files: WeightFiles) -> dict[str, str]:
+    """canonical master name -> the key holding it in the files; raises on a missing, unexpected or misshapen
+    tensor."""
+    names_of: dict[str, list[str]] = {}
+    for name, first in program._first_names.items():
+        names_of.setdefault(first, []).append(name)
+    known = set(program._first_names) | set(program._persistent_buffers)
+    unexpected = sorted(k for k in files.tensors if k not in known)
+    if unexpected:
+        k = unexpected[0]
+        raise ConfigError(f"{files.file_of(k)} holds {len(unexpected)} tensor(s) the model does not have, e.g. "
+                          f"{unexpected[:3]}: these weights are of another model")  # fmt: skip
+    keys = {}
+    for name in program._master_names:
+        key = _name_in_files(name, names_of, files)
+        if key is None:
+            raise ConfigError(f"the weights in {files.path} lack {name!r} (shape {program._master_shapes[name]}): "
+                              f"they are of another model, or the files are incomplete")  # fmt: skip
+        shape = files.tensors[key][1]
+        if tuple(shape) != tuple(program._master_shapes[name]):
+            raise ConfigError(f"{key!r} in {files.file_of(key)} has shape {tuple(shape)} but the model's "
+                              f"{name!r} has {tuple(program._master_shapes[name])}")  # fmt: skip
+        keys[name] = key
+    return keys
+
+
+def _read_piece(handle, key: str, piece: Piece) -> torch.Tensor:
+    """The slice of `key` a piece holds, read from an open safetensors file (only those bytes, flat pieces the
+    rows that cover them)."""
+    shape = piece.shape
+    if not shape:
+        return handle.get_tensor(key)
+    sl = handle.get_slice(key)
+    if piece.flat is None:
+        return sl[tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.tensor.shape, strict=True))]
+    row = math.prod(shape[1:])
+    start, stop = piece.flat
+    lo, hi = start // row, -(-stop // row)
+    rows = sl[lo:hi].reshape(-1)
+    return rows[start - lo * row : stop - lo * row]
+
+
+def load_pretrained(program, path) -> int:
+    """Read the weights in `path` into `program`'s master pieces; returns the bytes this rank read."""
+    from safetensors import safe_open
+
+    files = WeightFiles(path)
+    keys = check_files(program, files)
+    masters = program._local_masters()
+    by_file: dict[Path, list[str]] = {}
+    for name in masters:
+        by_file.setdefault(files.file_of(keys[name]), []).append(name)
+    read = 0
+    for file, names in sorted(by_file.items()):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in names:
+                    piece = masters[name]
+                    value = _read_piece(handle, keys[name], piece)
+                    read += value.numel() * value.element_size()
+                    with torch.no_grad():
+                        piece.tensor.copy_(value.reshape(piece.tensor.shape))
+        except ConfigError:
+            raise
+        except Exception as e:  # safetensors' own errors carry no common base class
+            raise ConfigError(f"reading {file}: {type(e).__name__}: {e}") from e
+    program._after_checkpoint_load()
+    program.pretrained_bytes_read = read
+    _barrier()
+    return read
+
+
+# ------------------------------------------------------------------------------------------------ meta models
+
+
+def is_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def materialize_buffers(model: torch.nn.Module, path) -> None:
+    """Give a meta model's buffers real values on the CPU: persistent ones from the weights in `path`, the others
+    by the model's Hugging Face initialisation of the module holding them (see the module docstring)."""
+    files = WeightFiles(path)
+    persistent = set(model.state_dict())
+    made: list[tuple[str, torch.nn.Module, str]] = []
+    for prefix, module in model.named_modules():
+        for attr, buf in list(module._buffers.items()):
+            if buf is None or not buf.is_meta:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            if name in persistent and name in files.tensors:
+                from safetensors import safe_open
+
+                with safe_open(str(files.file_of(name)), framework="pt") as f:
+                    module._buffers[attr] = f.get_tensor(name).to(buf.dtype)
+                continue
+            fill = float("nan") if buf.is_floating_point() else 0
+            module._buffers[attr] = torch.full(buf.shape, fill, dtype=buf.dtype)
+            made.append((name, module, attr))
+    init = getattr(model, "_init_weights", None)
+    with torch.no_grad():
+        for _, module in {id(m): (n, m) for n, m, _ in made}.values():
+            if init is not None:
+                init(module)
+    for name, module, attr in made:
+        value = module._buffers[attr]
+        if value.is_floating_point() and not torch.isfinite(value).all():
+            raise ConfigError(f"the buffer {name!r} of the meta model is not in {path} and the model's initialisation "
+                              f"does not compute it: build the model on the CPU, or give that buffer a value "
+                              f"before compile")  # fmt: skip
+
+
+def materialize_parameters(model: torch.nn.Module, device="cpu") -> None:
+    """Replace meta parameters by uninitialised ones on `device` (tied ones stay tied), for a program that holds
+    the whole model per rank; load_pretrained then fills them."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for attr, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                 requires_grad=p.requires_grad)  # fmt: skip
+            module._parameters[attr] = made[id(p)]
+
+
+def traceable_stand_in(model: torch.nn.Module, device="cpu") -> torch.nn.Module:
+    """A copy of a meta model whose parameters are fake tensors on `device` (buffers copied as they are), for
+    planning and tracing: traced as it is, a meta model would put `device="meta"` into the graph's factory ops
+    (`arange(..., device=embeds.device)`), which then could not run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        if p.is_meta and id(p) not in memo:
+            with mode:
+                fake = torch.empty(p.shape, dtype=p.dtype, device=device)
+            memo[id(p)] = torch.nn.Parameter(fake, p.requires_grad)
+    import copy
+
+    return copy.deepcopy(model, memo)

@@ -1,0 +1,171 @@
+"""Training checkpoints on gloo ranks: resuming in a new process group gives the losses of an uninterrupted
+run for every program kind, with SGD (momentum) and AdamW; a checkpoint of one layout on 4 ranks resumes on
+2 ranks in another; a save cut short is skipped; retention keeps the newest."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar.checkpoint.training import MARKER
+from tests.distributed.harness import run_distributed
+from tests.models import make_batch, make_model
+
+pytestmark = pytest.mark.distributed
+
+LR = 1e-2
+# The same program on the same layout runs the same operations in the same order before and after a
+# resume, so the losses agree to the last bit in practice; the issue asks for a relative error below 1e-6.
+RESUME_RTOL = 1e-6
+# Another layout sums in another order (rows over other ranks, matmuls split over tp, micro-batches):
+# ~1e-7 relative per step in fp32; a moment or master read into the wrong place moves a loss by far more.
+RESHARD_RTOL = 1e-5
+CASES = {
+    "data-parallel": ({"dp": 2, "tp": 1}, None),
+    "sharded": ({"tp": 2}, None),
+    "pipeline": ({"pp": 2, "num_microbatches": 2}, None),
+    "offload": ({"tp": 1}, True),
+}
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=LR, eps=1e-6)
+
+
+OPTIMIZERS = {"sgd": _sgd, "adamw": _adamw}
+
+
+def _runs():
+    # the offload program runs AdamW over its chunks only
+    return [(kind, opt) for kind in CASES for opt in OPTIMIZERS if not (kind == "offload" and opt == "sgd")]
+
+
+def _compile(world: int, kind: str, opt: str, seed: int = 0, constraints=None, offload=None):
+    args, kwargs = make_batch("llama")
+    c, off = CASES[kind] if constraints is None else (constraints, offload)
+    pm = autopar.compile(make_model("llama", seed=seed), f"cpu:{world}", args, kwargs, optimizer=OPTIMIZERS[opt],
+                         constraints=c, offload=off)  # fmt: skip
+    return pm, args, kwargs
+
+
+def _first(rank: int, world: int, root: str):
+    """Per run: 6 steps straight, saving after each of the first 3 (keep_last=2); RNG draws after the last save.
+
+    The saves sit inside the straight run (one compile per run instead of two): a save that changed the
+    program's state would show as a resumed run that differs from this one."""
+    out = {}
+    for kind, opt in _runs():
+        pm, args, kwargs = _compile(world, kind, opt)
+        assert str(pm.plan.program) == kind, pm.plan.program
+        straight = []
+        for step in (1, 2, 3):
+            straight.append(pm.train_step(*args, **kwargs))
+            pm.save_checkpoint(f"{root}/{kind}-{opt}/step{step}", extra={"step": step, "kind": kind}, keep_last=2)
+        draws = torch.rand(4)  # what the generator gives after the save; a resumed rank must draw the same
+        torch.manual_seed(1234 + rank)  # and the resumed generator must not depend on what ran before the load
+        straight += [pm.train_step(*args, **kwargs) for _ in range(3)]
+        out[(kind, opt)] = {"straight": straight, "draws": draws}
+    return out
+
+
+def _resume(rank: int, world: int, root: str):
+    out = {}
+    for kind, opt in _runs():
+        pm, args, kwargs = _compile(world, kind, opt, seed=7)  # other initial weights: the load must replace them
+        path = autopar.latest_checkpoint(f"{root}/{kind}-{opt}")
+        extra = pm.load_checkpoint(path)
+        draws = torch.rand(4)
+        losses = [pm.train_step(*args, **kwargs) for _ in range(3)]
+        out[(kind, opt)] = {"path": Path(path).name, "extra": extra, "step": pm.num_steps - 3, "draws": draws,
+                            "losses": losses}  # fmt: skip
+    return out
+
+
+@pytest.mark.slow
+def test_resume_matches_uninterrupted_every_program(tmp_path):
+    root = str(tmp_path)
+    first = run_distributed(_first, 2, root)
+    for kind, opt in _runs():
+        kept = sorted(p.name for p in (tmp_path / f"{kind}-{opt}").iterdir())
+        assert kept == ["step2", "step3"], (kind, opt, kept)  # keep_last=2
+    # a save cut short: the newest folder loses its marker and a shard file; the previous one is taken
+    cut = tmp_path / "pipeline-sgd" / "step3"
+    (cut / MARKER).unlink()
+    next(cut.glob("*.distcp")).unlink()
+    (tmp_path / "pipeline-sgd" / "step9.partial").mkdir()
+    assert autopar.latest_checkpoint(tmp_path / "pipeline-sgd") == str(tmp_path / "pipeline-sgd" / "step2")
+    with pytest.raises(AssertionError, match="ConfigError: .* is not a complete autopar checkpoint"):
+        run_distributed(_load_one, 2, str(cut))
+    resumed = run_distributed(_resume, 2, root)
+    for kind, opt in _runs():
+        a, b = first[0][(kind, opt)], resumed[0][(kind, opt)]
+        for r in range(2):
+            if (kind, opt) != ("pipeline", "sgd"):  # resumed from step 2, whose draws were not taken
+                assert torch.equal(first[r][(kind, opt)]["draws"], resumed[r][(kind, opt)]["draws"]), (kind, r)
+        if (kind, opt) == ("pipeline", "sgd"):  # resumed from step 2: steps 3..5 of the straight run
+            assert b["path"] == "step2" and b["step"] == 2 and b["extra"] == {"step": 2, "kind": kind}
+            assert b["losses"] == pytest.approx(a["straight"][2:5], rel=RESUME_RTOL), (kind, opt)
+            continue
+        assert b["path"] == "step3" and b["step"] == 3 and b["extra"] == {"step": 3, "kind": kind}
+        assert b["losses"] == pytest.approx(a["straight"][3:], rel=RESUME_RTOL), (kind, opt, b["losses"], a)
+
+
+def _load_one(rank: int, world: int, path: str):
+    pm, _, _ = _compile(world, "pipeline", "sgd")
+    pm.load_checkpoint(path)
+
+
+# -------------------------------------------------------------------------------- another world and layout
+
+RESHARD = [  # (layout on 4 ranks, program), (layout on 2 ranks, program), optimizer
+    (({"tp": 2, "dp": 2, "zero": 1}, None), ({"pp": 2, "num_microbatches": 2}, None), "adamw"),
+    (({"pp": 2, "dp": 2, "num_microbatches": 2}, None), ({"tp": 2}, None), "sgd"),
+    (({"dp": 4, "tp": 1}, None), ({"tp": 1}, True), "adamw"),  # into the offload program's chunks
+]
+
+
+def _save_four(rank: int, world: int, root: str):
+    out = []
+    for i, ((c, off), _, opt) in enumerate(RESHARD):
+        pm, args, kwargs = _compile(world, "", opt, constraints=c, offload=off)
+        [pm.train_step(*args, **kwargs) for _ in range(3)]
+        pm.save_checkpoint(f"{root}/{i}/step3")
+        out.append({"program": str(pm.plan.program), "mesh": dict(pm.plan.mesh),
+                    "losses": [pm.train_step(*args, **kwargs) for _ in range(3)]})  # fmt: skip
+    return out
+
+
+def _load_two(rank: int, world: int, root: str):
+    out = []
+    for i, (_, (c, off), opt) in enumerate(RESHARD):
+        pm, args, kwargs = _compile(world, "", opt, seed=7, constraints=c, offload=off)
+        pm.load_checkpoint(autopar.latest_checkpoint(f"{root}/{i}"))
+        out.append({"program": str(pm.plan.program), "mesh": dict(pm.plan.mesh),
+                    "losses": [pm.train_step(*args, **kwargs) for _ in range(3)]})  # fmt: skip
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_of_four_ranks_resumes_on_two_in_another_layout(tmp_path):
+    saved = run_distributed(_save_four, 4, str(tmp_path))[0]
+    loaded = run_distributed(_load_two, 2, str(tmp_path))[0]
+    assert [s["program"] for s in saved] == ["sharded", "pipeline", "data-parallel"]
+    assert [s["program"] for s in loaded] == ["pipeline", "sharded", "offload"]
+    for s, g in zip(saved, loaded, strict=True):
+        assert g["losses"] == pytest.approx(s["losses"], rel=RESHARD_RTOL), (s, g)
+
+
+def test_latest_checkpoint_of_an_empty_or_missing_root(tmp_path):
+    assert autopar.latest_checkpoint(tmp_path) is None
+    assert autopar.latest_checkpoint(tmp_path / "nowhere") is None
+    (tmp_path / "step1").mkdir()
+    shutil.copy(__file__, tmp_path / "step1" / "x.distcp")
+    assert autopar.latest_checkpoint(tmp_path) is None
