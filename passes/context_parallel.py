@@ -175,5 +175,4 @@ def price_cp_attention(attention: list[fx.Node], cluster: ClusterSpec, spec: CPS
         lines.append(f"{alg}: {c.time_s * 1e3:.3f} ms per layer and micro-batch, {c.exposed_comm_s * 1e3:.3f} ms of "
                      f"it exposed communication")  # fmt: skip
     chosen = spec.algorithm or min(costs, key=lambda a: costs[a].time_s)
-    lines = [("* " if line.startswith(f"{chosen}:") else "  ") + line for line in lines]
     return CPPricing(spec.degree, chosen, cluster, DType(precision), (spec.degree, tp), tuple(lines))

@@ -1628,7 +1628,7 @@ def cp_report(pricing: CPPricing | None) -> dict:
     if pricing is None:
         return {}
     return {"degree": pricing.degree, "algorithm": str(pricing.algorithm), "layout": "zigzag",
-            "priced": [line.strip() for line in pricing.lines]}
+            "priced": list(pricing.lines)}
 
 
 def tensor_split_report(prog: ShardingProgram, chosen: dict[str, int]) -> dict:
