@@ -20,7 +20,7 @@ from autopar.trace import trace_model
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size", "pp", "schedule", "virtual_stages", "recompute",
-                    "tp_min_split", "param_placements", "grad_reduce", "overlap"}
+                    "tp_min_split", "param_placements", "grad_reduce", "overlap", "cp", "cp_attention"}
 _RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -137,11 +137,13 @@ def _expand_placements(graph: OpGraph, placements: dict) -> dict:
 
 
 def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
-           layer_modes: dict | None = None) -> tuple[float, float]:  # fmt: skip
+           layer_modes: dict | None = None, cp: int = 1) -> tuple[float, float]:  # fmt: skip
     """(model FLOPs, hardware FLOPs) of one step: 6 per parameter per token plus attention; all executed FLOPs.
 
     Hardware FLOPs count the forward of every node the plan runs again (`recompute` in every layer, or
-    each mode of `layer_modes` in its layers); model FLOPs do not.
+    each mode of `layer_modes` in its layers); model FLOPs do not. A graph traced for a cp plan holds each
+    sequence as cp chunks: its attention nodes count (seq/cp)² scores per chunk, cp times fewer than the
+    whole sequence's, so they count cp times.
     """
     from autopar.cost_model.compute import estimate_node_cost
     from autopar.passes.activation_plan import model_layers
@@ -162,6 +164,8 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
         if node.op != "call_function" or not times:
             continue
         cost = estimate_node_cost(node)
+        if cp > 1 and str(node.target) in _ATTENTION_TARGETS:
+            times *= cp
         hardware += times * (cost.flops + cost.backward_flops + cost.flops * again.get(node.name, 0.0))
         if str(node.target) in _ATTENTION_TARGETS:
             attention += times * (cost.flops + cost.backward_flops)
@@ -238,6 +242,10 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     t0 = time.perf_counter()
     module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
                                                 global_batch_size, seq_len)  # fmt: skip
+    cp = _check_cp(constraints, cluster, args, kwargs, compare, pipeline)
+    if cp > 1:  # traced on the cp ranks' shares stacked on the batch (`context_parallel.inputs`)
+        args, kwargs = _cp_traced_batch(module, args, kwargs, cp)
+        alternatives = False  # the hand layouts are priced without cp; their comparison with a cp plan is to come
     say(f"tracing {name}")
     from autopar.passes.fused_ops import default_fusion, fuse_traced, fusion_report, fusion_summary
 
@@ -256,7 +264,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} deduplicated)")
     est = _estimator(estimator, cluster, precision)
     job = _Job(graph, name, cluster, est, precision, budget, offload, pipeline, batch, args, kwargs, fusion, t0,
-               t_trace, say)  # fmt: skip
+               t_trace, say, cp=cp)  # fmt: skip
     chosen, runner_up = _solve(job, constraints)
     if alternatives is None:
         alternatives = _traced is None  # compile's own planning builds a program, never a report
@@ -297,6 +305,7 @@ class _Job:
     # the pipeline search's stage programs, kept for the layouts priced after the search (`search_pipeline`'s
     # `pricers`): a layout the search priced is read back, not solved again
     pricers: dict = dataclasses.field(default_factory=dict)
+    cp: int = 1  # the pinned cp degree: `batch` counts cp rows per sequence, the data axis dp·cp ranks
 
 
 def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
@@ -308,7 +317,7 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
 
     graph, cluster, est, precision, batch, budget = job.graph, job.cluster, job.est, job.precision, job.batch, job.budget
     say = (lambda msg: None) if quiet else job.say
-    if _searches_pipeline(job.pipeline, cluster, constraints):
+    if job.cp == 1 and _searches_pipeline(job.pipeline, cluster, constraints):
         from autopar.passes.pipeline_search import search_pipeline
 
         psol = search_pipeline(graph, cluster, estimator=est, precision=precision, constraints=constraints,
@@ -343,7 +352,8 @@ def _sharded_runner_up(sol) -> dict | None:
     if not others:
         return None
     r = min(others, key=lambda r: (not r.feasible, r.step_time_s))
-    return {"pp": 1, "dp": r.dp, "tp": r.tp}
+    cp = sol.cp.get("degree", 1)
+    return {"pp": 1, "dp": r.dp // cp, "tp": r.tp} | ({"cp": cp} if cp > 1 else {})
 
 
 def _pipeline_runner_up(job: _Job, psol, chosen: Plan):
@@ -367,7 +377,8 @@ def _sharded_plan(job: _Job, sol) -> Plan:
 
     graph, cluster, precision = job.graph, job.cluster, job.precision
     tokens = _tokens(job.args, job.kwargs)
-    model_flops, hw_flops = _flops(graph, tokens, sol.recompute, sol.layer_modes)
+    cp = job.cp
+    model_flops, hw_flops = _flops(graph, tokens, sol.recompute, sol.layer_modes, cp=cp)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world = cluster.world_size
     step = sol.step_time_s
@@ -377,7 +388,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
                            grad_sync_hidden_s=sol.grad_sync_hidden_s,
                            offload_s=offload_s, optimizer_s=sol.optimizer_s)  # fmt: skip
     alternatives = tuple(
-        {"dp": r.dp, "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
+        {"dp": r.dp // cp, **({"cp": cp} if cp > 1 else {}), "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
          "compute_s": r.compute_s, "reshard_s": r.reshard_s, "grad_sync_s": r.grad_sync_s,
          "zero_stage": r.zero_stage, "recompute": r.recompute, "layer_modes": dict(r.layer_modes), "memory": r.memory,
          "solve_time_s": r.solve_time_s,
@@ -391,7 +402,8 @@ def _sharded_plan(job: _Job, sol) -> Plan:
     return Plan(
         model_name=job.name,
         cluster=cluster,
-        mesh={"dp": sol.dp, "tp": sol.tp},
+        mesh={"dp": sol.dp // cp, "cp": cp, "tp": sol.tp} if cp > 1 else {"dp": sol.dp, "tp": sol.tp},
+        context_parallel=dict(sol.cp),
         zero_stage=sol.zero_stage,
         num_microbatches=sol.num_microbatches,
         recompute=sol.recompute,
@@ -401,7 +413,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         tensor_split=dict(sol.tensor_split),
         layer_ops=tuple(dict(e, stages=[]) for e in sol.layer_ops),
         precision=precision,
-        global_batch_size=job.batch,
+        global_batch_size=job.batch // cp,
         tokens_per_step=tokens,
         num_parameters=graph.num_parameters(),
         model_flops_per_step=model_flops,
@@ -575,6 +587,29 @@ def _tokens(args, kwargs) -> int:
     return _batch_size(args, kwargs)
 
 
+def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs, compare, pipeline) -> int:
+    """The pinned cp degree (1: none), after checking that the batch and the other settings allow it."""
+    from autopar.context_parallel.inputs import check_cp_inputs
+    from autopar.passes.context_parallel import CPSpec
+
+    spec = CPSpec.from_constraints(constraints, cluster.world_size)
+    if not spec.on:
+        return 1
+    check_cp_inputs(args, kwargs, spec.degree)
+    if (constraints.get("pp") or 1) > 1 or pipeline:
+        raise ConfigError("a cp axis with a pipeline is not supported yet: pin pp=1 (or leave it) with cp")
+    if compare:
+        raise ConfigError("comparing layouts with a cp plan is not supported yet: plan without compare=")
+    return spec.degree
+
+
+def _cp_traced_batch(model, args, kwargs, cp: int):
+    """The batch a cp plan traces `model` with (`context_parallel.inputs.traced_batch`)."""
+    from autopar.context_parallel.inputs import is_causal_lm, traced_batch
+
+    return traced_batch(args, kwargs, cp, causal_lm=is_causal_lm(model))
+
+
 def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=None, *, optimizer=None,
             plan: Plan | None = None, pretrained=None, **plan_kwargs):  # fmt: skip
     """Plan (unless `plan` is given) and build the parallel program; call inside torchrun.
@@ -610,7 +645,9 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     planning_trace = None
     if plan is None:
         precision = plan_kwargs.get("precision") or _default_precision(cluster)
-        planning_trace = _trace_in_format(model, args, kwargs, precision)
+        cp = _check_cp(dict(plan_kwargs.get("constraints") or {}), cluster, args, kwargs, (), None)
+        planning_trace = _trace_in_format(model, *(_cp_traced_batch(model, args, kwargs, cp) if cp > 1 else
+                                                   (args, kwargs)), precision)  # fmt: skip
         plan = _plan(model, cluster, args, kwargs, _traced=planning_trace, **plan_kwargs)
     batch = _batch_size(args, kwargs)
     if batch != plan.global_batch_size:
@@ -636,6 +673,9 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
 
 def _program_trace(model, plan: Plan, args, kwargs):
     """The model traced at the program's shape in the plan's compute format, fused when the plan fuses."""
+    cp = plan.mesh.get("cp", 1)
+    if cp > 1:
+        args, kwargs = _cp_traced_batch(model, args, kwargs, cp)
     traced = _trace_in_format(model, args, kwargs, plan.precision)
     if plan.fusion.get("enabled"):  # the program runs the graph the plan priced
         from autopar.passes.fused_ops import fuse_traced
@@ -672,6 +712,8 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
             "overlap": plan.overlap}
     if plan.tensor_split:
         pins["tp_min_split"] = plan.tensor_split["min_fraction"]
+    if plan.mesh.get("cp", 1) > 1:
+        pins |= {"cp": plan.mesh["cp"], "cp_attention": plan.context_parallel["algorithm"]}
     if plan.program == ProgramKind.PIPELINE:
         micro = _plan(model, cluster.sub_cluster(dp * tp), args, kwargs, _traced=traced, constraints=pins | {"pp": 1},
                       memory_budget=float("inf"), precision=plan.precision, offload=False, fuse_kernels=fused)  # fmt: skip

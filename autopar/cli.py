@@ -10,7 +10,7 @@ from autopar.errors import AutoparError
 
 # `plan` flags that become autopar.plan constraints, by their argparse dest (the constraint's key).
 _CONSTRAINT_FLAGS = ("tp", "dp", "zero", "pp", "num_microbatches", "micro_batch_size", "schedule", "virtual_stages",
-                     "recompute")  # fmt: skip
+                     "recompute", "cp", "cp_attention")  # fmt: skip
 # The values of passes.pipeline_search.Schedule and of api._RECOMPUTE_MODES (tests/test_cli.py checks they agree),
 # written out so that `--help` does not import torch.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, required=True)
     p.add_argument("--tp", type=int, help="pin the tensor-parallel axis size")
     p.add_argument("--dp", type=int, help="pin the data-parallel axis size")
+    p.add_argument("--cp", type=int, help="pin the context-parallel axis size (the sequence split over it)")
+    p.add_argument("--cp-attention", choices=["allgather", "ring", "alltoall"],
+                   help="pin the cp attention algorithm (default: the cheapest that applies)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="pin the ZeRO stage")
     p.add_argument("--pp", type=int, help="pin the number of pipeline stages (1: no pipeline)")
     p.add_argument("--num-microbatches", type=int, help="pin the gradient accumulation steps per data-parallel rank")

@@ -39,13 +39,16 @@ class ProgramKind(StrEnum):
 
 
 def program_kind(*, pp: int = 1, tp: int = 1, zero_stage: int = 0, recompute: str = "none",
-                 layer_modes: dict | None = None, offload: bool = False) -> ProgramKind:  # fmt: skip
+                 layer_modes: dict | None = None, offload: bool = False, cp: int = 1) -> ProgramKind:  # fmt: skip
     """THE rule from a layout to the program that runs it; the solver prices what it says, `compile` builds it.
 
     A pipeline axis runs the pipeline program; host offload the offload program; a layout with no tensor
-    axis, replicated states and every layer keeping its activations is DDP's, run on plain tensors (the
-    data-parallel program); anything else runs the traced graph on DTensors (the sharded program).
+    axis, no cp axis, replicated states and every layer keeping its activations is DDP's, run on plain
+    tensors (the data-parallel program); anything else runs the traced graph on DTensors (the sharded
+    program; a cp axis runs there only).
     """
+    if cp > 1:
+        return ProgramKind.SHARDED
     if pp > 1:
         return ProgramKind.PIPELINE
     if offload:
@@ -169,6 +172,9 @@ class Plan:
     # it; empty without a pipeline) and "ops": each op's placements and the collectives inserted for it
     # (kind, mesh axis, pass, bytes, seconds per run, runs per step)
     layer_ops: tuple = ()
+    # a cp axis: "degree", "algorithm" its attention runs, "layout" ("zigzag"), and "priced": one line per
+    # algorithm with its price or why it cannot run (`passes.context_parallel`); empty without a cp axis
+    context_parallel: dict = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -176,7 +182,7 @@ class Plan:
         """The program that runs this plan (`program_kind` of its layout)."""
         return program_kind(pp=self.mesh.get("pp", 1), tp=self.mesh.get("tp", 1), zero_stage=self.zero_stage,
                             recompute=self.recompute, layer_modes=self.layer_modes,
-                            offload=bool(self.offload))  # fmt: skip
+                            offload=bool(self.offload), cp=self.mesh.get("cp", 1))  # fmt: skip
 
     @property
     def stage_plans(self) -> tuple[StagePlan, ...]:
@@ -224,6 +230,7 @@ class Plan:
             "activation_offload": self.activation_offload,
             "tensor_split": self.tensor_split,
             "layer_ops": list(self.layer_ops),
+            **({"context_parallel": self.context_parallel} if self.context_parallel else {}),  # golden plans unchanged
             "precision": self.precision,
             "grad_reduce": self.grad_reduce,
             "overlap": self.overlap,
@@ -275,6 +282,7 @@ class Plan:
                 activation_offload=dict(d.get("activation_offload") or {}),
                 tensor_split=dict(d.get("tensor_split") or {}),
                 layer_ops=tuple(d.get("layer_ops") or ()),
+                context_parallel=dict(d.get("context_parallel") or {}),
                 precision=d["precision"],
                 grad_reduce=str(d.get("grad_reduce", "fp32")),
                 overlap=bool(d.get("overlap", True)),

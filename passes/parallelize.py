@@ -23,6 +23,12 @@ or a layer's attention internals) runs as one `torch.utils.checkpoint.checkpoint
 forward keeps only the segment's inputs, and the backward runs the segment again, collectives
 included, before it differentiates it.
 
+With a cp axis (`cp_group` given) the graph is the one traced for cp, each sequence's zig-zag chunks being
+rows of the batch, and the mesh's data axis holds dp·cp ranks; every op but attention is per token and runs
+as above. Attention (SDPA and autopar::flash_attention) runs by `context_parallel.cp_attention` on each
+rank's rows over the cp group: causal by global position when the graph asked for causality or built a mask
+(the model's causal mask, built from the chunk's shape: a cp plan takes no padding mask), else unmasked.
+
 Input: an exported program's graph module, the plan's per-node placements, the mesh.
 Output: the graph's outputs as DTensors; gradients reach each parameter's local shard through
 `DTensor.from_local`, with the data-axis reduction done by the backward of that call.
@@ -40,6 +46,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils import _pytree as pytree
 
+from autopar.errors import LoweringError
 from autopar.ir import is_tensor_node
 from autopar.memory.activations import ActivationOffload, local_tensor
 from autopar.passes.recompute import offloaded_nodes, plan_segments
@@ -93,12 +100,14 @@ class ShardedInterpreter(fx.Interpreter):
         layer_modes: the plan's per-layer treatment ("offload"/"full"/"selective" -> layer indices);
             when given, it says which layers `recompute` applies to, and which layers' saved
             activations are kept on the host (`autopar.memory.activations.ActivationOffload`).
+        cp_group, cp_algorithm: a cp plan's cp process group and attention algorithm (None: no cp axis).
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
                  local_ops: dict | None = None, batch_size: int | None = None, recompute: str = "none",
-                 layer_modes: dict | None = None):  # fmt: skip
+                 layer_modes: dict | None = None, cp_group=None, cp_algorithm: str | None = None):  # fmt: skip
         super().__init__(gm, garbage_collect_values=True)
+        self.cp_group, self.cp_algorithm = cp_group, cp_algorithm
         self.mesh = mesh
         self.batch_size = batch_size
         self.need = {k: tuple(parse_placement(p) for p in v) for k, v in node_inputs.items()}
@@ -107,6 +116,9 @@ class ShardedInterpreter(fx.Interpreter):
                           aten.cross_entropy_loss.default: self._cross_entropy}
         fused = {"flash_attention": self._run_local, "rms_norm": self._norm, "layer_norm": self._norm,
                  "linear_cross_entropy": self._linear_cross_entropy}  # fmt: skip
+        if cp_group is not None:
+            self.local_ops[aten.scaled_dot_product_attention.default] = self._cp_attention
+            fused["flash_attention"] = self._cp_attention
         for name, run in fused.items():
             op = getattr(torch.ops.autopar, name, None)  # registered by autopar.triton_kernels
             if op is not None:
@@ -273,6 +285,36 @@ class ShardedInterpreter(fx.Interpreter):
         return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, self.mesh, out_pl, run_check=False),
                                     local)  # fmt: skip
 
+    def _cp_attention(self, target, args, kwargs):
+        """Attention of each rank's rows (its sequences' cp chunk) against the whole sequence, over the cp group.
+
+        SDPA ``(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)`` or flash attention
+        ``(q, k, v, causal, scale)``, which also returns an LSE: nothing in the graph reads it, so it comes back
+        as None. Causal when asked, or when the graph built a mask (see the module docstring).
+        """
+        from autopar.context_parallel import cp_attention
+
+        flash = target is not aten.scaled_dot_product_attention.default
+        names = ("q", "k", "v", "causal", "scale") if flash else ("q", "k", "v", "attn_mask", "dropout_p",
+                                                                  "is_causal", "scale", "enable_gqa")  # fmt: skip
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        causal = bool(bound.get("causal")) if flash else bool(bound.get("is_causal")) or bound.get("attn_mask") is not None
+        if not flash and bound.get("dropout_p", 0.0):
+            raise LoweringError("context-parallel attention runs without dropout; set the model's attention dropout "
+                                "to 0 for a cp plan")  # fmt: skip
+        q = bound["q"]
+        batch, data = q.shape[0], self.mesh.size(0)
+
+        def rows(v: DTensor) -> tuple:
+            return (Shard(0) if data > 1 and v.shape[0] == batch and batch % data == 0 else R, v.placements[1])
+
+        out_pl = rows(q)
+        lq, lk, lv = (bound[n].redistribute(self.mesh, rows(bound[n])).to_local() for n in ("q", "k", "v"))
+        out = cp_attention(lq, lk, lv, group=self.cp_group, causal=causal, algorithm=self.cp_algorithm,
+                           scale=bound.get("scale"))  # fmt: skip
+        out = DTensor.from_local(out, self.mesh, out_pl, run_check=False)
+        return (out, None) if flash else out
+
     def _cross_entropy(self, target, args, kwargs):
         """Mean cross-entropy over rows split on the data axis: global sum / global count of kept labels.
 
@@ -371,13 +413,15 @@ class _Segment:
 
 def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
                local_ops: dict | None = None, batch_size: int | None = None,
-               recompute: str = "none", layer_modes: dict | None = None) -> ShardedInterpreter:  # fmt: skip
+               recompute: str = "none", layer_modes: dict | None = None, cp_group=None,
+               cp_algorithm: str | None = None) -> ShardedInterpreter:  # fmt: skip
     """The rewrite pass: bind `gm` to the plan and mesh; the result runs the parallel program.
 
     `recompute` is the plan's activation recompute mode: its segments run under checkpointing.
     """
     del example_inputs  # placements come from the plan; shapes from the graph
-    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes)
+    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes,
+                              cp_group, cp_algorithm)
 
 
 def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:

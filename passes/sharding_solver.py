@@ -152,6 +152,7 @@ from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
 from autopar.passes import sharding_rules as rules
 from autopar.passes.activation_plan import layer_indices, mix_layer_modes
+from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, is_attention, price_cp_attention
 from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
 from autopar.passes.sharding_rules import OpStrategy, placement_str
 from autopar.plan import ProgramKind, program_kind
@@ -296,6 +297,8 @@ class ShardingSolution:
     # per deduplicated layer (and what runs outside the layers): its ops, placements and collectives
     # (`layer_ops_report`)
     layer_ops: tuple = ()
+    # a cp plan: "degree", "algorithm" and "priced" (one line per algorithm, `CPPricing.lines`); empty without
+    cp: dict = field(default_factory=dict)
 
 
 _ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -446,7 +449,7 @@ class ShardingProgram:
                  num_microbatches: int = 1, activation_copies: float = 1.0,
                  recompute: str | None = None, offload: bool | None = False,
                  tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None,
-                 overlap: bool = True):  # fmt: skip
+                 overlap: bool = True, cp: CPPricing | None = None):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
         # the data-parallel program launches each gradient bucket's all-reduce from backward (asynchronously):
         # price what the last micro-batch's backward hides. On CPU ranks gloo's all-reduce runs on the cores
@@ -455,6 +458,7 @@ class ShardingProgram:
         self._bwd_terms: list = []  # n_g x[g,k] T_bwd: backward seconds per step
         self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
         self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
+        self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
         self.tensor_split = tensor_split
         self.pinned_placements = dict(pinned_placements or {})  # parameter name -> placement string on tp
         # False: states stay on the device; None: the program places them; True: all optimizer states
@@ -598,6 +602,9 @@ class ShardingProgram:
             return 0.0, 0.0
         # every op runs once per micro-batch, on 1 / (dp * micro-batches) of the batch when it carries it
         meta = output_meta(node)
+        if self.cp is not None and is_attention(node):  # a rank's queries against the whole sequence
+            fwd, bwd = self.cp.times(node, self.batch // self.batch_div, divisor)
+            return self.mb * fwd, self.mb * bwd
         d = (self.batch_div if self._carries_batch(node) else 1) * divisor
         fwd = self.estimator.forward_time_s(node, d)
         bwd = self.estimator.backward_time_s(node, d) if meta is not None and meta.dtype.is_floating_point else 0.0
@@ -823,7 +830,8 @@ class ShardingProgram:
 
     def runs_plain(self, stage: int) -> bool:
         """Whether a layout at `stage` without recompute runs as plain tensors (the data-parallel program)."""
-        return program_kind(tp=self.tp, zero_stage=stage) == ProgramKind.DATA_PARALLEL
+        cp = self.cp.degree if self.cp is not None else 1
+        return program_kind(tp=self.tp, cp=cp, zero_stage=stage) == ProgramKind.DATA_PARALLEL
 
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
@@ -1467,10 +1475,21 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         raise ConfigError(f"constraints['param_placements']={pins!r}: expected a mapping of parameter names to "
                           f"placements on the tensor axis, such as {{'lm_head.weight': 'S(0)'}}")  # fmt: skip
     recompute = _pinned_recompute(graph, constraints.get("recompute"))
+    cp = CPSpec.from_constraints(constraints, cluster.world_size)
+    attention = check_cp_graph(graph.graph, cp) if cp.on else []
+    if cp.on and constraints.get("dp") is not None:
+        constraints["dp"] = constraints["dp"] * cp.degree  # the data axis: dp·cp ranks
     rules.UNRULED_OPS.clear()
     t0 = time.perf_counter()
     results, bounds, candidates = [], [], []
     for dp, tp in _pinned(constraints, cluster.world_size, batch_size):
+        if dp % cp.degree:
+            continue
+        pricing = None
+        if cp.on:
+            m0 = (_microbatch_choices(batch_size // dp, constraints) or [1])[0]
+            pricing = price_cp_attention(attention, cluster, cp, data=dp, tp=tp, num_microbatches=m0,
+                                         precision=precision)  # fmt: skip
         if offload is True and tp > 1:
             results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
                                       "offload=True: host offload runs on meshes without a tensor axis"))  # fmt: skip
@@ -1479,7 +1498,8 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
                                 budget=budget, batch_size=batch_size, recompute=recompute,
                                 offload=offload if tp == 1 else False,
                                 tensor_split=TensorSplit.from_constraints(constraints, tp),
-                                pinned_placements=pins, overlap=bool(constraints.get("overlap", True)))  # fmt: skip
+                                pinned_placements=pins, overlap=bool(constraints.get("overlap", True)),
+                                cp=pricing)  # fmt: skip
         if tp == 1 and any(v != "R" for v in pins.values()):
             results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
                                       "param_placements splits parameters, and this mesh has no tensor axis"))
@@ -1544,13 +1564,13 @@ def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
 
 def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None,
                      offload=False, tensor_split: TensorSplit = TensorSplit(), pinned_placements=None,
-                     overlap: bool = True):  # fmt: skip
+                     overlap: bool = True, cp: CPPricing | None = None):  # fmt: skip
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
                                zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
                                num_microbatches=m, recompute=recompute, offload=offload,
                                tensor_split=tensor_split, pinned_placements=pinned_placements,
-                               overlap=overlap)  # fmt: skip
+                               overlap=overlap, cp=cp)  # fmt: skip
 
     return make
 
@@ -1648,7 +1668,16 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
                             activation_offload=best.activation_offload, optimizer_s=best.optimizer_s,
                             recompute_s=best.recompute_s, grad_sync_hidden_s=best.grad_sync_hidden_s,
                             tensor_split=tensor_split_report(prog, chosen),
-                            layer_ops=layer_ops_report(prog, chosen, best.zero_stage))  # fmt: skip
+                            layer_ops=layer_ops_report(prog, chosen, best.zero_stage),
+                            cp=cp_report(prog.cp))  # fmt: skip
+
+
+def cp_report(pricing: CPPricing | None) -> dict:
+    """The plan's record of its cp axis: degree, algorithm, and each algorithm's price or why it cannot run."""
+    if pricing is None:
+        return {}
+    return {"degree": pricing.degree, "algorithm": str(pricing.algorithm), "layout": "zigzag",
+            "priced": list(pricing.lines)}
 
 
 def tensor_split_report(prog: ShardingProgram, chosen: dict[str, int]) -> dict:

@@ -7,6 +7,14 @@ checkpointing), and runs forward on this rank's share of each micro-batch and ba
 reductions over the data axis happen in the backward of the parameters' `from_local`). Under mixed
 precision each master DTensor is cast to the compute format where the graph reads it, so parameter
 gathers and gradient reductions run in that format and gradients reach the masters in fp32.
+
+With a cp axis the mesh is (dp, cp, tp) and the graph is the one traced for cp
+(`autopar.context_parallel.inputs.traced_batch`): each sequence's zig-zag chunks are rows of the batch. The
+interpreter runs it on the 2-D mesh (dp·cp, tp), the cp ranks being more rows of the data axis: every
+per-token op is unchanged, the loss is the global sum over dp·cp ranks divided by the global count of kept
+labels, and gradients (and ZeRO shards) are reduced over dp·cp. Attention runs by `cp_attention` over the
+cp group with the plan's algorithm (`passes.parallelize`). Each rank feeds its dp rows' cp chunk, positions
+and pre-shifted labels included (`context_parallel.inputs.local_batch`).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar.cluster import ClusterSpec
+from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import LoweringError
 from autopar.passes.parallelize import dp_placement, local_shard, shard_pass
 from autopar.passes.program_graph import copy_graph_module, eval_pass
@@ -50,8 +59,15 @@ class ShardedProgram(Program):
     def __init__(self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *,
                  optimizer=None):  # fmt: skip
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
-        dp, tp = plan.mesh["dp"], plan.mesh["tp"]
-        self.mesh: DeviceMesh = init_device_mesh(self.device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        dp, tp, cp = plan.mesh["dp"], plan.mesh["tp"], plan.mesh.get("cp", 1)
+        self.cp, self.data_ranks = cp, dp * cp  # the data axis: dp·cp ranks
+        self._causal_lm = is_causal_lm(model)
+        self.cp_mesh: DeviceMesh | None = None
+        cp_knobs = {}
+        if cp > 1:
+            self.cp_mesh = init_device_mesh(self.device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+            cp_knobs = dict(cp_group=self.cp_mesh.get_group("cp"), cp_algorithm=plan.context_parallel["algorithm"])
+        self.mesh: DeviceMesh = init_device_mesh(self.device_type, (dp * cp, tp), mesh_dim_names=("dp", "tp"))
         self._check_plan_matches(traced)
         named = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -61,7 +77,7 @@ class ShardedProgram(Program):
         for fqn in self._param_names:
             p = named[fqn]
             tp_pl = parse_placement(plan.param_placements.get(fqn, "R"))
-            pl = (dp_placement(tuple(p.shape), dp, plan.zero_stage >= 1), tp_pl)
+            pl = (dp_placement(tuple(p.shape), self.data_ranks, plan.zero_stage >= 1), tp_pl)
             self._placements.append(pl)
             local = local_shard(self.master(p), self.mesh, pl)
             shards.append(torch.nn.Parameter(local, requires_grad=p.requires_grad))
@@ -72,7 +88,7 @@ class ShardedProgram(Program):
         self._constants = {k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
                            for k, v in traced.exported.constants.items()}  # fmt: skip
         knobs = dict(mesh=self.mesh, node_inputs=plan.node_inputs, node_output=plan.node_output,
-                     batch_size=plan.global_batch_size // plan.num_microbatches)  # fmt: skip
+                     batch_size=plan.global_batch_size * cp // plan.num_microbatches, **cp_knobs)  # fmt: skip
         self._interp = shard_pass(traced.graph_module, None, recompute=plan.recompute, layer_modes=plan.layer_modes,
                                   **knobs)  # fmt: skip
         self._eval_knobs = knobs
@@ -91,7 +107,7 @@ class ShardedProgram(Program):
     def _param_dtensors(self) -> list[DTensor]:
         # With several micro-batches, gradients of dp-replicated parameters stay partial (no collective per
         # micro-batch) and `_forward_backward` sums them over dp once, as the plan prices it.
-        defer = self.plan.num_microbatches > 1 and self.plan.mesh["dp"] > 1
+        defer = self.plan.num_microbatches > 1 and self.data_ranks > 1
         out = []
         for local, pl, shape in zip(self.shards, self._placements, self._shapes, strict=True):
             grad_pl = (Partial(), pl[1]) if defer and pl[0] == R else pl
@@ -103,15 +119,20 @@ class ShardedProgram(Program):
         return out
 
     def _inputs(self, args, kwargs) -> list:
-        dp = self.plan.mesh["dp"]
-        rank = self.mesh.get_local_rank("dp")
+        if self.cp > 1:  # this dp rank's rows, then this cp rank's chunk of each: the data axis's rows
+            dp_rank = self.cp_mesh.get_local_rank("dp")
+            rows = [pytree.tree_map(lambda t: rank_rows(t, self.plan.mesh["dp"], dp_rank), x) for x in (args, kwargs)]
+            args, kwargs = local_batch(*rows, self.cp, self.cp_mesh.get_local_rank("cp"), causal_lm=self._causal_lm)
+            flat, dp, rank = flat_inputs(self.traced, args, kwargs), 1, 0
+        else:
+            flat, dp, rank = flat_inputs(self.traced, args, kwargs), self.data_ranks, self.mesh.get_local_rank("dp")
         out = []
-        for t in flat_inputs(self.traced, args, kwargs):
+        for t in flat:
             if not isinstance(t, torch.Tensor):
                 out.append(t)
                 continue
             local = rank_rows(t.to(self.device_type), dp, rank)
-            pl = (Shard(0) if t.ndim and dp > 1 else R, R)
+            pl = (Shard(0) if t.ndim and self.data_ranks > 1 else R, R)
             out.append(DTensor.from_local(local.contiguous(), self.mesh, pl, run_check=False))
         return out
 
@@ -151,7 +172,7 @@ class ShardedProgram(Program):
 
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
         loss_sum, total = self._weighted_losses(micro, self._interp, backward=True)
-        if len(micro) > 1 and self.plan.mesh["dp"] > 1:
+        if len(micro) > 1 and self.data_ranks > 1:
             deferred = [p.grad for p, pl in zip(self.shards, self._placements, strict=True) if pl[0] == R]
             sum_in_buckets([g for g in deferred if g is not None], self.mesh.get_group("dp"),
                            dtype=self.compute_dtype if self.reduce_in_compute else None)

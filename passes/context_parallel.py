@@ -1,0 +1,178 @@
+"""Context parallelism (cp) in the planner: which models it applies to, and what its attention costs.
+
+A cp plan traces the model on the batch of `autopar.context_parallel.inputs.traced_batch`: each sequence's cp
+zig-zag chunks are rows of the batch, ``(cp·batch, seq/cp)``. On that graph every op except attention is
+per token, so the sharding solver prices it unchanged with cp folded into the data axis (dp·cp ranks):
+
+* compute and activations per device are those of ``batch/dp`` sequences of ``seq/cp`` tokens, i.e. the
+  per-token work and memory divided by cp;
+* parameters, gradients and optimizer states are replicated over cp exactly as over dp: gradients are
+  reduced over dp·cp ranks and ZeRO shards over dp·cp ranks (the runtime runs them on that flattened axis).
+
+Attention is not per token: a rank's queries attend to keys of the whole sequence. The graph's attention node
+(on a ``seq/cp`` chunk) is priced instead by `cost_model.context_parallel.estimate_cp_attention` for one
+attention layer over the whole sequence split over the cp group (batch: this rank's sequences of one
+micro-batch; heads: those its tensor-axis strategy leaves it), with the algorithm pinned or, unpinned, the
+fastest that applies. What that estimate says the algorithm keeps besides q, k, v and the output (the
+gathered K/V of all-gather, the head-split copies of all-to-all) is not yet added to the memory row.
+
+Terms: `cp` the degree; "data axis" the dp·cp ranks that split the traced batch; an attention node is
+``aten.scaled_dot_product_attention`` or ``autopar::flash_attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopar.cluster import ClusterSpec
+from autopar.context_parallel.attention import CPAlgorithm
+from autopar.context_parallel.inputs import LAYOUT
+from autopar.cost_model.context_parallel import CPAttentionCost, CPAttentionShape, estimate_cp_attention
+from autopar.cost_model.devices import DType
+from autopar.errors import ConfigError
+
+aten = torch.ops.aten
+# convolutions mix neighbouring tokens, which a cp split puts on other ranks
+_CONVOLUTIONS = ("aten.convolution.", "aten.conv1d.", "aten.conv2d.", "aten.conv3d.", "aten._convolution.")
+
+
+def is_attention(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is aten.scaled_dot_product_attention.default:
+        return True
+    flash = getattr(torch.ops.autopar, "flash_attention", None) if hasattr(torch.ops, "autopar") else None
+    return flash is not None and node.target is flash.default
+
+
+def attention_causal(node: fx.Node) -> bool:
+    """Whether an attention node is causal over the sequence: SDPA's is_causal, or a mask the graph built.
+
+    A cp plan refuses a caller's padding mask (`context_parallel.inputs.check_cp_inputs`), so a mask in the
+    graph is the model's own causal mask, built from the local shapes; cp attention applies causality by
+    global position instead.
+    """
+    if node.target is aten.scaled_dot_product_attention.default:
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
+        return bool(causal) or mask is not None
+    return bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("causal", False))
+
+
+@dataclass(frozen=True, slots=True)
+class CPSpec:
+    """The pinned cp degree and attention algorithm (None: the cheapest that applies)."""
+
+    degree: int = 1
+    algorithm: CPAlgorithm | None = None
+
+    @classmethod
+    def from_constraints(cls, constraints: dict, world_size: int) -> CPSpec:
+        cp, alg = constraints.get("cp"), constraints.get("cp_attention")
+        if cp is None:
+            if alg is not None:
+                raise ConfigError("constraints['cp_attention'] picks the attention algorithm of a cp axis: pin 'cp' "
+                                  "too")  # fmt: skip
+            return cls()
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world_size % cp:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ConfigError(f"constraints['cp']={cp!r} does not divide the world size {world_size}; choose one "
+                              f"of {divisors}")  # fmt: skip
+        try:
+            algorithm = CPAlgorithm(alg) if alg is not None else None
+        except ValueError:
+            raise ConfigError(f"constraints['cp_attention']={alg!r}: expected one of "
+                              f"{[a.value for a in CPAlgorithm]}") from None  # fmt: skip
+        return cls(cp, algorithm)
+
+    @property
+    def on(self) -> bool:
+        return self.degree > 1
+
+
+def check_cp_graph(graph: fx.Graph, spec: CPSpec) -> list[fx.Node]:
+    """The attention nodes of a graph traced for cp; ConfigError where cp cannot split this model."""
+    nodes = list(graph.nodes)
+    convs = [n.name for n in nodes if n.op == "call_function" and str(n.target).startswith(_CONVOLUTIONS)]
+    if convs:
+        raise ConfigError(f"context parallelism splits the sequence over {spec.degree} ranks, but the model has "
+                          f"convolutions ({', '.join(convs[:3])}) that mix neighbouring tokens across that split; "
+                          f"plan without cp")  # fmt: skip
+    attn = [n for n in nodes if is_attention(n)]
+    if not attn:
+        raise ConfigError("context parallelism needs the model's attention as scaled_dot_product_attention (or "
+                          "autopar's flash attention), and none was found in the traced graph: load the model "
+                          "with attn_implementation='sdpa', or plan without cp")  # fmt: skip
+    if spec.algorithm == CPAlgorithm.ALL_TO_ALL:
+        for n in attn:
+            heads = n.args[0].meta["val"].shape[1]
+            if heads % spec.degree:
+                raise ConfigError(f"cp_attention='alltoall' splits the {heads} query heads over cp={spec.degree}, "
+                                  f"which does not divide them; pin 'ring' or 'allgather', or a cp dividing "
+                                  f"{heads}")  # fmt: skip
+    return attn
+
+
+@dataclass(frozen=True, slots=True)
+class CPPricing:
+    """What cp attention costs on one mesh: the algorithm used and each algorithm's price (or why it cannot run).
+
+    `lines` holds one line per algorithm for the plan ("ring: 1.20 ms per layer and step, 0.10 ms of it
+    exposed communication", "alltoall: 32 heads not divisible by cp=48").
+    """
+
+    degree: int
+    algorithm: CPAlgorithm
+    cluster: ClusterSpec
+    dtype: DType
+    link_axis: tuple[int, int]
+    lines: tuple[str, ...] = field(default=())
+
+    def cost(self, node: fx.Node, local_batch: int, divisor: int = 1,
+             algorithm: CPAlgorithm | None = None) -> CPAttentionCost:  # fmt: skip
+        """One attention node's cost per micro-batch on the busiest rank; `divisor` splits its heads (tp)."""
+        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if divisor > 1 and heads % divisor == 0 and kv_heads % divisor == 0:
+            heads, kv_heads = heads // divisor, kv_heads // divisor
+        shape = CPAttentionShape(batch=max(1, local_batch), heads=heads, kv_heads=kv_heads,
+                                 seq_len=q.shape[2] * self.degree, head_dim=q.shape[3],
+                                 bytes_per_element=q.element_size())  # fmt: skip
+        return estimate_cp_attention(shape, self.degree, causal=attention_causal(node), layout=LAYOUT,
+                                     algorithm=algorithm or self.algorithm,
+                                     link=self.cluster.link_for_axis(*self.link_axis), compute=self.cluster.device,
+                                     dtype=self.dtype)  # fmt: skip
+
+    def times(self, node: fx.Node, local_batch: int, divisor: int = 1) -> tuple[float, float]:
+        c = self.cost(node, local_batch, divisor)
+        return c.forward_s, c.backward_s
+
+
+def price_cp_attention(attention: list[fx.Node], cluster: ClusterSpec, spec: CPSpec, *, data: int, tp: int,
+                       num_microbatches: int, precision: str) -> CPPricing:  # fmt: skip
+    """The algorithm a (data, tp) mesh runs cp attention with, and every algorithm's price on it.
+
+    Args:
+        attention: the graph's attention nodes (the first stands for all: layers are alike).
+        spec: the pinned degree and algorithm.
+        data: ranks of the data axis (dp·cp); num_microbatches: per data rank.
+        precision: the plan's compute format.
+    """
+    node = attention[0]
+    local_batch = node.args[0].meta["val"].shape[0] // (data * num_microbatches)
+    base = CPPricing(spec.degree, spec.algorithm or CPAlgorithm.RING, cluster, DType(precision), (spec.degree, tp))
+    costs, lines = {}, []
+    heads = node.args[0].meta["val"].shape[1]
+    for alg in CPAlgorithm:
+        if alg == CPAlgorithm.ALL_TO_ALL and heads % spec.degree:
+            lines.append(f"{alg}: {heads} heads not divisible by cp={spec.degree}")
+            continue
+        c = base.cost(node, local_batch, algorithm=alg)
+        costs[alg] = c
+        lines.append(f"{alg}: {c.time_s * 1e3:.3f} ms per layer and micro-batch, {c.exposed_comm_s * 1e3:.3f} ms of "
+                     f"it exposed communication")  # fmt: skip
+    chosen = spec.algorithm or min(costs, key=lambda a: costs[a].time_s)
+    return CPPricing(spec.degree, chosen, cluster, DType(precision), (spec.degree, tp), tuple(lines))

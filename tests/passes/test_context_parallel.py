@@ -1,0 +1,99 @@
+"""Planning a pinned cp axis (`passes.context_parallel`): the mesh, the attention price, and refused pins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.errors import ConfigError
+from tests.models import VOCAB, MLPBlock, make_batch, make_model
+
+
+def _plan(cluster: str, constraints: dict, batch: int = 4, seq: int = 16, **kw):
+    args, kwargs = make_batch("llama", batch=batch, seq=seq)
+    return autopar.plan(make_model("llama"), cluster, args, kwargs | kw, constraints=constraints)
+
+
+def test_pinned_cp_gives_a_dp_cp_tp_mesh_and_records_the_algorithm():
+    plan = _plan("cpu:4", {"cp": 2, "dp": 2})
+    assert plan.mesh == {"dp": 2, "cp": 2, "tp": 1}
+    assert plan.program == "sharded"
+    assert plan.global_batch_size == 4
+    cp = plan.context_parallel
+    assert cp["degree"] == 2 and cp["layout"] == "zigzag"
+    priced = {line.split(":")[0]: line for line in cp["priced"]}
+    assert set(priced) == {"allgather", "ring", "alltoall"}
+    # unpinned, the algorithm is the cheapest priced
+    ms = {a: float(line.split(": ")[1].split(" ms")[0]) for a, line in priced.items()}
+    assert cp["algorithm"] == min(ms, key=ms.get)
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again.context_parallel == cp and again.mesh == plan.mesh
+
+
+def test_pinned_algorithm_is_used_and_inapplicable_ones_say_why():
+    plan = _plan("cpu:3", {"cp": 3, "cp_attention": "ring"}, seq=18)
+    assert plan.context_parallel["algorithm"] == "ring"
+    assert "alltoall: 4 heads not divisible by cp=3" in plan.context_parallel["priced"]
+
+
+def test_cp_halves_per_device_activations():
+    # Every activation of the traced graph is per token (attention's are of the chunk's queries), so cp=2
+    # holds half the tokens per device and, states aside, half the activation bytes. The masks the model
+    # builds shrink more ((S/2)² per chunk), and what the cp algorithms keep besides q, k, v is not counted
+    # yet: expect 0.5 within 0.4..0.6.
+    one = _plan("cpu:1", {}, seq=64)
+    two = _plan("cpu:2", {"cp": 2, "tp": 1}, seq=64)
+    ratio = two.predicted.memory_breakdown["activations"] / one.predicted.memory_breakdown["activations"]
+    assert 0.4 <= ratio <= 0.6, ratio
+
+
+def test_cp_that_does_not_divide_the_world_is_refused():
+    with pytest.raises(ConfigError, match="does not divide the world size 4"):
+        _plan("cpu:4", {"cp": 3})
+
+
+def test_sequence_not_divisible_by_two_cp_is_refused_with_the_layout_message():
+    with pytest.raises(ConfigError, match="is not a multiple of 4. Pad the sequence to 16 tokens"):
+        _plan("cpu:2", {"cp": 2}, seq=14)
+
+
+def test_alltoall_with_heads_not_divisible_is_refused():
+    with pytest.raises(ConfigError, match="splits the 4 query heads over cp=3"):
+        _plan("cpu:3", {"cp": 3, "cp_attention": "alltoall"}, seq=18)
+
+
+def test_padding_mask_is_refused():
+    with pytest.raises(ConfigError, match="padding attention_mask"):
+        _plan("cpu:2", {"cp": 2}, attention_mask=torch.ones(4, 16, dtype=torch.long))
+
+
+def test_algorithm_without_cp_is_refused():
+    with pytest.raises(ConfigError, match="pin 'cp' too"):
+        _plan("cpu:2", {"cp_attention": "ring"})
+
+
+class _TokenModel(nn.Module):
+    """Embedding, an optional token-mixing convolution, MLP blocks, a loss: no attention."""
+
+    def __init__(self, conv: bool):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.conv = nn.Conv1d(32, 32, 3, padding=1) if conv else None
+        self.block = MLPBlock(32)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids, labels, position_ids=None):
+        x = self.embed(input_ids)
+        if self.conv is not None:
+            x = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        logits = self.head(self.block(x))
+        return (nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()),)
+
+
+@pytest.mark.parametrize(("conv", "match"), [(False, "none was found"), (True, "mix neighbouring tokens")])
+def test_model_without_attention_or_with_a_convolution_is_refused(conv, match):
+    ids = torch.randint(0, VOCAB, (4, 16))
+    with pytest.raises(ConfigError, match=match):
+        autopar.plan(_TokenModel(conv), "cpu:2", (ids,), {"labels": ids}, constraints={"cp": 2})
