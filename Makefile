@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-all lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,7 +16,11 @@ demo: $(STAMP)
 	$(PY) -m autopar plan --model llama2-7b --cluster 8xA100-80GB --global-batch-size 8 --seq-len 2048 --explain
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/train_llama.py --steps 5
 
+# The suite without the tests marked slow (the whole of it: `make test-all`).
 test: $(STAMP)
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 lint: $(STAMP)
