@@ -431,8 +431,15 @@ def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placemen
     return distribute_tensor(full.detach(), mesh, placements, src_data_rank=None).to_local().clone()
 
 
-def dp_placement(shape: tuple[int, ...], dp: int, sharded: bool) -> Placement:
-    """Placement of a parameter on the data axis: Shard(0) under ZeRO when dim 0 splits, else replicated."""
-    if sharded and dp > 1 and shape and shape[0] >= dp:
-        return Shard(0)
+def dp_placement(shape: tuple[int, ...], dp: int, sharded: bool, tp_placement: Placement = R) -> Placement:
+    """Placement of a parameter on the data axis: under ZeRO, Shard of its first dim that splits over dp and is
+    not the one the tensor axis splits (DTensor's redistributions of a dim sharded over both mesh axes, e.g.
+    (Shard(0), Shard(0)) to (Replicate, Shard(0)) for a column-parallel weight, give wrong local shapes); else
+    replicated."""
+    if not sharded or dp <= 1:
+        return R
+    taken = tp_placement.dim if isinstance(tp_placement, Shard) else None
+    for d, size in enumerate(shape):
+        if d != taken and size >= dp:
+            return Shard(d)
     return R

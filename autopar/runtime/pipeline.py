@@ -201,7 +201,8 @@ class PipelineProgram(Program):
         for fqn in self._param_names:
             p = named[fqn]
             sharded = max(zero.get(d, plan.zero_stage) for d in holders[fqn]) >= 1
-            pl = (dp_placement(tuple(p.shape), dp, sharded), parse_placement(plan.param_placements.get(fqn, "R")))
+            tp_pl = parse_placement(plan.param_placements.get(fqn, "R"))
+            pl = (dp_placement(tuple(p.shape), dp, sharded, tp_pl), tp_pl)
             self._placements[fqn] = pl
             shards[fqn] = torch.nn.Parameter(local_shard(self.master(p), self.mesh, pl),
                                              requires_grad=p.requires_grad)  # fmt: skip

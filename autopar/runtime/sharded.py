@@ -77,7 +77,7 @@ class ShardedProgram(Program):
         for fqn in self._param_names:
             p = named[fqn]
             tp_pl = parse_placement(plan.param_placements.get(fqn, "R"))
-            pl = (dp_placement(tuple(p.shape), self.data_ranks, plan.zero_stage >= 1), tp_pl)
+            pl = (dp_placement(tuple(p.shape), self.data_ranks, plan.zero_stage >= 1, tp_pl), tp_pl)
             self._placements.append(pl)
             local = local_shard(self.master(p), self.mesh, pl)
             shards.append(torch.nn.Parameter(local, requires_grad=p.requires_grad))
