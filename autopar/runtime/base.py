@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from datetime import timedelta
 from typing import ClassVar
 
 import torch
@@ -38,6 +37,7 @@ from torch.utils import _pytree as pytree
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, LoweringError
 from autopar.plan import Plan, ProgramKind
+from autopar.runtime.collectives import collective_timeout
 from autopar.trace import TracedModel
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,7 +53,7 @@ def ensure_process_group(cluster: ClusterSpec) -> None:
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             backend = "nccl" if cluster.device.kind == "gpu" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(minutes=5))
+            dist.init_process_group(backend, timeout=collective_timeout())
         elif cluster.world_size == 1:
             store = dist.HashStore()
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)

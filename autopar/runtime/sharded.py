@@ -12,7 +12,7 @@ gathers and gradient reductions run in that format and gradients reach the maste
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
@@ -32,6 +32,7 @@ from autopar.runtime.base import (
     rank_rows,
     sum_in_buckets,
 )
+from autopar.runtime.collectives import device_mesh, waiting_for
 from autopar.trace import TracedModel
 
 R = Replicate()
@@ -51,7 +52,7 @@ class ShardedProgram(Program):
                  optimizer=None):  # fmt: skip
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
         dp, tp = plan.mesh["dp"], plan.mesh["tp"]
-        self.mesh: DeviceMesh = init_device_mesh(self.device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        self.mesh: DeviceMesh = device_mesh(self.device_type, (dp, tp), ("dp", "tp"))
         self._check_plan_matches(traced)
         named = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -148,10 +149,12 @@ class ShardedProgram(Program):
         return loss_sum, total
 
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
-        loss_sum, total = self._weighted_losses(micro, self._interp, backward=True)
+        with waiting_for("a collective of the sharded forward or backward on the (dp, tp) mesh"):
+            loss_sum, total = self._weighted_losses(micro, self._interp, backward=True)
         if len(micro) > 1 and self.plan.mesh["dp"] > 1:
             deferred = [p.grad for p, pl in zip(self.shards, self._placements, strict=True) if pl[0] == R]
-            sum_in_buckets([g for g in deferred if g is not None], self.mesh.get_group("dp"))
+            with waiting_for("the all-reduce of the dp-replicated gradients over the data axis"):
+                sum_in_buckets([g for g in deferred if g is not None], self.mesh.get_group("dp"))
         return loss_sum, total
 
     def _evaluate(self, micro: list[tuple]) -> float:

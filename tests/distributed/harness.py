@@ -73,17 +73,15 @@ def _stuck_report(ctx, folder: str, world_size: int, timeout_s: float) -> str:
 
 
 def _main_thread(lines: list[str]) -> list[str]:
-    """The frames of the thread that was running the test (faulthandler lists the current thread first)."""
-    frames, started = [], False
+    """The frames of the thread that runs the rank's function (the one whose stack holds `_entry`); the signal
+    may land on any thread, and faulthandler lists them in no fixed order."""
+    threads: list[list[str]] = []
     for line in lines:
         if line.startswith(("Current thread", "Thread")):
-            if started:
-                break
-            started = True
-            continue
-        if line.strip().startswith("File"):
-            frames.append(line.strip())
-    return frames
+            threads.append([])
+        elif line.strip().startswith("File") and threads:
+            threads[-1].append(line.strip())
+    return next((t for t in threads if any(f.endswith(" in _entry") for f in t)), threads[0] if threads else [])
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
