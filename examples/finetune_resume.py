@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.runtime import ensure_process_group
 
 
 def base_weights(workdir: Path) -> Path:
@@ -42,17 +42,6 @@ def base_weights(workdir: Path) -> Path:
         LlamaForCausalLM(config).save_pretrained(path)
     dist.barrier()
     return path
-
-
-def init_process_group() -> None:
-    """Join torchrun's group under a key prefix of this attempt: after a restart, torchrun's store still holds
-    the previous attempt's gloo addresses under the same keys, and a rank that read one would dial a dead peer."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent and rank == 0, timeout=timedelta(minutes=5))  # fmt: skip
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world)
 
 
 def batch(step: int, size: int, seq_len: int, vocab: int) -> torch.Tensor:
@@ -72,7 +61,8 @@ def main() -> None:
     ap.add_argument("--kill-rank", type=int, default=None, help="this rank kills itself (first attempt only)")
     ap.add_argument("--kill-at-step", type=int, default=None)
     args = ap.parse_args()
-    init_process_group()
+    # torchrun's group (joined under a key prefix of this attempt, so a restarted job never dials a dead peer)
+    ensure_process_group(autopar.ClusterSpec.parse(f"cpu:{os.environ['WORLD_SIZE']}"))
     world, rank = dist.get_world_size(), dist.get_rank()
     weights = args.weights or base_weights(args.workdir)
 

@@ -13,6 +13,11 @@ Where a node runs:
   masks, rotary tables) is copied into every stage that reads it: recomputing it is cheaper than
   sending it (an expanded mask is batch x seq x seq).
 
+Export's metadata assertions (`aten._assert_tensor_metadata`, its record of a `.to()` or `.float()`
+call) are dropped before splitting: they read a value and give none, so placed by the rules above
+one that checks a parameter (Gemma-2's norm weights) would land on stage 0 and make that stage
+hold a parameter it never uses, which the runtime would then tie across stages.
+
 Every stage can read every placeholder (each rank holds its stage's parameters and the whole
 global batch), so only values computed by the graph cross stage boundaries. A value made on stage
 s and read on stage t > s is sent from s to s+1 and passed on by every stage in between. The graph
@@ -31,6 +36,9 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import LoweringError
+from autopar.passes.program_graph import copy_graph_module, drop_assertions_pass
+
+_METADATA_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 
 
 @dataclass
@@ -66,7 +74,9 @@ def assign_stages(graph: fx.Graph, node_layer: dict, container: str, stage_layer
                     raise LoweringError(f"layer {i} is given to stages {layer_stage[i]} and {s}")
                 layer_stage[i] = s
     last = len(stage_layers) - 1
-    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    # metadata assertions run nowhere (split_stages drops them): they must not pull a parameter onto a stage
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target not in _METADATA_CHECKS]
+    checks = {n.name for n in graph.nodes if n.op == "call_function" and n.target in _METADATA_CHECKS}
     seen_layers = {idx for n in nodes for c, idx in [node_layer.get(n.name, (None, None))] if c == container}
     missing = sorted(seen_layers - set(layer_stage))
     if missing:
@@ -89,10 +99,11 @@ def assign_stages(graph: fx.Graph, node_layer: dict, container: str, stage_layer
             fixed.add(n.name)
         elif n.name not in free:
             stage[n.name] = max((stage[i.name] for i in n.all_input_nodes if i.name in stage), default=0)
+    not_placed = free | checks
     for n in reversed(nodes):  # then as late as the readers allow
         if n.name in fixed or n.name in free:
             continue
-        readers = [last if u.op == "output" else stage[u.name] for u in n.users if u.name not in free]
+        readers = [last if u.op == "output" else stage[u.name] for u in n.users if u.name not in not_placed]
         if readers:
             stage[n.name] = max(stage[n.name], min(readers))
     for n in nodes:
@@ -104,6 +115,8 @@ def assign_stages(graph: fx.Graph, node_layer: dict, container: str, stage_layer
     for n in reversed(nodes):
         readers: set[int] = set()
         for u in n.users:
+            if u.name in checks:
+                continue
             if u.op == "output":
                 readers.add(last)
             elif u.name in free:
@@ -119,8 +132,9 @@ def split_stages(gm: fx.GraphModule, node_layer: dict, container: str, stage_lay
                  param_nodes: set[str], loss_output: int = 0) -> list[StageGraph]:  # fmt: skip
     """Cut `gm` into one `StageGraph` per entry of `stage_layers` (see the module docstring).
 
-    `loss_output` is the position of the loss among the graph's outputs.
+    `loss_output` is the position of the loss among the graph's outputs. `gm` is left as it is.
     """
+    gm = drop_assertions_pass(copy_graph_module(gm), None)
     graph = gm.graph
     stage, copies = assign_stages(graph, node_layer, container, stage_layers, param_nodes=param_nodes)
     num = len(stage_layers)

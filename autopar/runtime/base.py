@@ -28,7 +28,6 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
-from datetime import timedelta
 from typing import ClassVar
 
 import torch
@@ -38,6 +37,7 @@ from torch.utils import _pytree as pytree
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, LoweringError
 from autopar.plan import Plan, ProgramKind
+from autopar.runtime.collectives import collective_timeout
 from autopar.trace import TracedModel
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,7 +53,7 @@ def ensure_process_group(cluster: ClusterSpec) -> None:
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             backend = "nccl" if cluster.device.kind == "gpu" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(minutes=5))
+            dist.init_process_group(backend, timeout=collective_timeout(), **_attempt_store())
         elif cluster.world_size == 1:
             store = dist.HashStore()
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)
@@ -63,6 +63,21 @@ def ensure_process_group(cluster: ClusterSpec) -> None:
     if dist.get_world_size() != cluster.world_size:
         raise LoweringError(f"the process group has {dist.get_world_size()} ranks but the cluster "
                             f"{cluster.describe()} has {cluster.world_size}; launch one rank per device")  # fmt: skip
+
+
+def _attempt_store() -> dict:
+    """torchrun's store under a prefix of this attempt (empty outside torchrun): after a restart
+    (`--max-restarts`) the store still holds the dead attempt's gloo addresses under the same keys, and a rank
+    that read one would dial a dead peer."""
+    env = os.environ
+    if "TORCHELASTIC_RESTART_COUNT" not in env or "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return {}
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts the store; ranks are its clients
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
+                          timeout=collective_timeout())  # fmt: skip
+    attempt = env["TORCHELASTIC_RESTART_COUNT"]
+    return {"store": dist.PrefixStore(f"attempt{attempt}", store), "rank": rank, "world_size": world}
 
 
 def device_type(cluster: ClusterSpec) -> str:

@@ -21,15 +21,20 @@ labels its mean cross-entropy kept, or 1); the gradients accumulate over the mic
 divided by sum w_i before the optimizer step, so the step equals one over the whole batch.
 Parameters used on two stages on different ranks (GPT-2's token embedding, tied to its LM head)
 have a copy on each; their gradients are summed over the stages that hold them before the step,
-so the copies stay equal. Gradients of parameters replicated over dp stay partial through the
+so the copies stay equal (a copy its stage gave no gradient joins with zeros: every rank of a group
+calls its collectives in the same order, or its peers wait). Gradients of parameters replicated over dp stay partial through the
 micro-batches and are all-reduced over dp once per step, in buckets, as the plan prices them.
+
+No silent hang: the mesh's groups and the tie groups wait at most `collective_timeout()`
+(`autopar.runtime.collectives`), and a wait past it raises a `LoweringError` naming the stage and the
+collective this rank waited in.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from autopar.cluster import ClusterSpec
@@ -41,6 +46,7 @@ from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
 from autopar.plan import Plan, ProgramKind, StagePlan
 from autopar.runtime.base import Program, check_scalar_loss, contiguous_stride, flat_inputs, sum_in_buckets
+from autopar.runtime.collectives import device_mesh, new_group, waiting_for
 from autopar.trace import TracedModel
 
 R = Replicate()
@@ -145,7 +151,7 @@ class PipelineProgram(Program):
         self.pp, self.dp, self.tp = pp, dp, tp
         self.num_microbatches = plan.num_microbatches
         self.micro_batch = plan.global_batch_size // plan.num_microbatches
-        self.world: DeviceMesh = init_device_mesh(self.device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.world: DeviceMesh = device_mesh(self.device_type, (pp, dp, tp), ("pp", "dp", "tp"))
         self.mesh: DeviceMesh = self.world["dp", "tp"]
         self.pp_group = self.world.get_group("pp")
         self.pp_rank = self.world.get_local_rank("pp")
@@ -255,7 +261,7 @@ class PipelineProgram(Program):
             raise LoweringError(f"pipeline schedule {name!r} is not one this runtime knows")
         return cls(self._pipe_stages[0], m, loss_fn=loss_fn, scale_grads=False)
 
-    def _make_tie_groups(self, holders: dict[str, set[int]]) -> list[tuple[list[str], dist.ProcessGroup]]:
+    def _make_tie_groups(self, holders: dict[str, set[int]]) -> list[tuple[list[str], dist.ProcessGroup, tuple]]:
         """Process groups joining the copies of parameters read on several devices' stages (every rank creates all)."""
         by_devices: dict[tuple[int, ...], list[str]] = {}
         for fqn in sorted(holders):
@@ -266,9 +272,9 @@ class PipelineProgram(Program):
         out = []
         for devices, names in sorted(by_devices.items()):
             for pos in range(block):
-                group = dist.new_group([d * block + pos for d in devices])
+                group = new_group([d * block + pos for d in devices])
                 if pos == me and self.pp_rank in devices:
-                    out.append((names, group))
+                    out.append((names, group, devices))
         return out
 
     # -------------------------------------------------------------------------------- execution
@@ -323,7 +329,11 @@ class PipelineProgram(Program):
         losses: list = []
         step_args = (index,) if has_first else ()
         run = self.schedule.step if backward else self.schedule.eval
-        run(*step_args, target=index if has_last else None, losses=losses if has_last else None, return_outputs=False)
+        mine = [st.sg.index for st in self.stages]
+        with waiting_for(f"the pipeline schedule of stage(s) {mine} (pp rank {self.pp_rank} of {self.pp}): a "
+                         f"send or receive of activations or gradients between neighbouring stages"):  # fmt: skip
+            run(*step_args, target=index if has_last else None, losses=losses if has_last else None,
+                return_outputs=False)  # fmt: skip
         # loss sum and weight sum from the last stage to every stage
         totals = torch.zeros(2, dtype=torch.float64, device=self.device_type)
         if has_last:
@@ -332,18 +342,36 @@ class PipelineProgram(Program):
             totals[0] = sum(float(x.detach()) for x in losses) / scale
             totals[1] = sum(last.weights)
         last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
-        dist.broadcast(totals, src=last_rank, group=self.pp_group)
+        with waiting_for(f"the broadcast of the loss from the last stage (rank {last_rank}) over the pp axis"):
+            dist.broadcast(totals, src=last_rank, group=self.pp_group)
         return float(totals[0]), float(totals[1])
 
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
         loss_sum, weight = self._run_schedule(micro, backward=True)
         self._sum_over_dp()
-        for names, group in self._tie_groups:
-            for fqn in names:
-                g = self._shard[fqn].grad
-                if g is not None:
-                    dist.all_reduce(g, group=group)
+        self._sum_tied()
         return loss_sum, weight
+
+    def _grads_of(self, names: list[str]) -> list[torch.Tensor]:
+        """The gradients of the trainable `names`, zeros where this rank's stages gave none: a collective over
+        them then has the same members on every rank whatever the graph of each stage differentiated (a
+        rank that skipped one would leave its peers waiting)."""
+        out = []
+        for fqn in names:
+            shard = self._shard[fqn]
+            if not shard.requires_grad:  # the same on every rank: the model's flag
+                continue
+            if shard.grad is None:
+                shard.grad = torch.zeros_like(shard)
+            out.append(shard.grad)
+        return out
+
+    def _sum_tied(self) -> None:
+        """Sum the gradients of parameters held on several devices' stages over those devices, so the copies
+        take the same step."""
+        for names, group, devices in self._tie_groups:
+            with waiting_for(f"the all-reduce tying {', '.join(names)} over the stages of pp ranks {list(devices)}"):
+                sum_in_buckets(self._grads_of(names), group)
 
     def _evaluate(self, micro: list[tuple]) -> float:
         loss_sum, weight = self._run_schedule(micro, backward=False)
@@ -351,8 +379,12 @@ class PipelineProgram(Program):
 
     def _sum_over_dp(self) -> None:
         """All-reduce the gradients of dp-replicated parameters once per step."""
-        grads = [self._shard[k].grad for k in self._dp_summed if self._shard[k].grad is not None]
-        sum_in_buckets(grads, self.mesh.get_group("dp"), dtype=self.compute_dtype if self.reduce_in_compute else None)
+        if not self._dp_summed:
+            return
+        with waiting_for(f"the all-reduce of the dp-replicated gradients of stage block {self.pp_rank} over the "
+                         f"data axis"):  # fmt: skip
+            sum_in_buckets(self._grads_of(self._dp_summed), self.mesh.get_group("dp"),
+                           dtype=self.compute_dtype if self.reduce_in_compute else None)
 
     def forward(self, *args, **kwargs):
         """The loss of a global batch, as `eval_step` computes it (a pipeline's outputs stay on its last stage)."""
@@ -371,7 +403,8 @@ class PipelineProgram(Program):
             if self.mesh.get_local_rank("dp") == 0 and self.mesh.get_local_rank("tp") == 0:
                 mine[fqn] = full
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        with waiting_for("the gather of every stage's parameters for state_dict"):
+            dist.all_gather_object(gathered, mine)
         params = {}
         for part in gathered:
             params.update(part)

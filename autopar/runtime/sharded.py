@@ -20,7 +20,7 @@ and pre-shifted labels included (`context_parallel.inputs.local_batch`).
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
@@ -41,6 +41,7 @@ from autopar.runtime.base import (
     rank_rows,
     sum_in_buckets,
 )
+from autopar.runtime.collectives import device_mesh, waiting_for
 from autopar.trace import TracedModel
 
 R = Replicate()
@@ -65,9 +66,9 @@ class ShardedProgram(Program):
         self.cp_mesh: DeviceMesh | None = None
         cp_knobs = {}
         if cp > 1:
-            self.cp_mesh = init_device_mesh(self.device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+            self.cp_mesh = device_mesh(self.device_type, (dp, cp, tp), ("dp", "cp", "tp"))
             cp_knobs = dict(cp_group=self.cp_mesh.get_group("cp"), cp_algorithm=plan.context_parallel["algorithm"])
-        self.mesh: DeviceMesh = init_device_mesh(self.device_type, (dp * cp, tp), mesh_dim_names=("dp", "tp"))
+        self.mesh: DeviceMesh = device_mesh(self.device_type, (dp * cp, tp), ("dp", "tp"))
         self._check_plan_matches(traced)
         named = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -171,11 +172,13 @@ class ShardedProgram(Program):
         return loss_sum, total
 
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
-        loss_sum, total = self._weighted_losses(micro, self._interp, backward=True)
+        with waiting_for("a collective of the sharded forward or backward on the (dp, tp) mesh"):
+            loss_sum, total = self._weighted_losses(micro, self._interp, backward=True)
         if len(micro) > 1 and self.data_ranks > 1:
             deferred = [p.grad for p, pl in zip(self.shards, self._placements, strict=True) if pl[0] == R]
-            sum_in_buckets([g for g in deferred if g is not None], self.mesh.get_group("dp"),
-                           dtype=self.compute_dtype if self.reduce_in_compute else None)
+            with waiting_for("the all-reduce of the dp-replicated gradients over the data axis"):
+                sum_in_buckets([g for g in deferred if g is not None], self.mesh.get_group("dp"),
+                               dtype=self.compute_dtype if self.reduce_in_compute else None)
         return loss_sum, total
 
     def _evaluate(self, micro: list[tuple]) -> float:

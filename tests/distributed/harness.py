@@ -2,23 +2,41 @@
 
 Ranks rendezvous through a file in a temporary folder (no fixed ports), run with one thread
 each (two cores are shared by all ranks), and hand their results back as files.
+
+A run never hangs the test session: past `timeout_s` the parent asks every rank that has not
+finished for its Python stack (faulthandler on SIGUSR1), kills every rank still alive, and
+raises `RankTimeoutError` naming the ranks that did not finish and where each was waiting
+(a collective shows as the torch.distributed call on top of its stack).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
+POLL_S = 1.0  # how often the parent checks for a finished or failed rank
+STACK_WAIT_S = 2.0  # how long a stuck rank gets to write its stack before it is killed
+STACK_LINES = 12  # lines of each stuck rank's stack quoted in the error
+
+
+class RankTimeoutError(AssertionError):
+    """Some ranks did not finish within the run's time limit (a hang: usually a collective some rank skipped)."""
+
 
 def _entry(rank: int, world_size: int, folder: str, fn, args) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    stack_file = open(f"{folder}/rank{rank}.stack", "w")  # noqa: SIM115 - open for the life of the rank
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size)
@@ -31,16 +49,54 @@ def _entry(rank: int, world_size: int, folder: str, fn, args) -> None:
         dist.destroy_process_group()
 
 
+def _stuck_report(ctx, folder: str, world_size: int, timeout_s: float) -> str:
+    """Ask the unfinished ranks for their stacks, kill every rank still alive, and say who was stuck where."""
+    stuck = [r for r in range(world_size) if not (Path(folder) / f"rank{r}.pt").exists()]
+    alive = [(r, p) for r, p in enumerate(ctx.processes) if p.is_alive()]
+    for r, p in alive:
+        if r in stuck:
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(STACK_WAIT_S)
+    for _, p in alive:
+        if p.is_alive():
+            p.kill()
+    for _, p in alive:
+        p.join(timeout=10)
+    finished = [r for r in range(world_size) if r not in stuck]
+    lines = [f"rank(s) {stuck} did not finish within {timeout_s:g} s (finished: {finished or 'none'}); "
+             f"every rank was killed"]  # fmt: skip
+    for r in stuck:
+        text = (Path(folder) / f"rank{r}.stack").read_text().strip().splitlines()
+        main = _main_thread(text)
+        lines.append(f"rank {r} was at (innermost first):\n  " + "\n  ".join(main[:STACK_LINES] or ["(no stack)"]))
+    return "\n".join(lines)
+
+
+def _main_thread(lines: list[str]) -> list[str]:
+    """The frames of the thread that runs the rank's function (the one whose stack holds `_entry`); the signal
+    may land on any thread, and faulthandler lists them in no fixed order."""
+    threads: list[list[str]] = []
+    for line in lines:
+        if line.startswith(("Current thread", "Thread")):
+            threads.append([])
+        elif line.strip().startswith("File") and threads:
+            threads[-1].append(line.strip())
+    return next((t for t in threads if any(f.endswith(" in _entry") for f in t)), threads[0] if threads else [])
+
+
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return each rank's result.
 
-    `fn` must be importable (defined at module level). Raises with the first failing rank's traceback.
+    `fn` must be importable (defined at module level). Raises with the first failing rank's traceback, or
+    `RankTimeoutError` naming the ranks still running after `timeout_s` seconds (which are killed).
     """
     with tempfile.TemporaryDirectory() as folder:
         ctx = mp.start_processes(_entry, args=(world_size, folder, fn, args), nprocs=world_size, join=False,
                                  start_method="spawn")  # fmt: skip
-        while not ctx.join(timeout=timeout_s):
-            pass
+        deadline = time.monotonic() + timeout_s
+        while not ctx.join(timeout=POLL_S):
+            if time.monotonic() > deadline:
+                raise RankTimeoutError(_stuck_report(ctx, folder, world_size, timeout_s))
         out = []
         for r in range(world_size):
             path = Path(folder) / f"rank{r}.pt"

@@ -75,8 +75,10 @@ def test_layer_nodes_run_on_their_stage_and_input_only_nodes_are_copied():
     cuts = [[(0, 2)], [(2, 4)]]
     stage, copies = assign_stages(traced.exported.graph, graph.node_layer, "model.layers", cuts,
                                   param_nodes=set(graph.params))  # fmt: skip
+    checks = {n.name for n in traced.exported.graph.nodes if n.target == torch.ops.aten._assert_tensor_metadata.default}
+    assert checks and not checks & (set(stage) | set(copies))  # export's dtype checks run on no stage
     for name, (c, idx) in graph.node_layer.items():
-        if c == "model.layers" and graph.node(name).op == "call_function":
+        if c == "model.layers" and graph.node(name).op == "call_function" and name not in checks:
             assert stage[name] == (0 if idx < 2 else 1)
     # rotary tables come from positions and a buffer only: every stage computes its own
     assert any(at == {0, 1} for at in copies.values())
@@ -93,3 +95,25 @@ def test_layers_out_of_order_are_refused():
     with pytest.raises(LoweringError, match="no pipeline stage"):
         split_stages(traced.graph_module, graph.node_layer, "model.layers", [[(0, 1)], [(1, 3)]],
                      param_nodes=set(graph.params))  # fmt: skip
+
+
+def test_a_dtype_check_on_the_final_norm_weight_puts_it_on_no_earlier_stage():
+    # Gemma-2's RMSNorm reads its weight with .float(): export records an _assert_tensor_metadata on the
+    # weight, a node with no graph inputs that used to land on stage 0 and make stage 0 hold the weight
+    from tests.families import family_batch, make_family
+
+    args, kwargs = family_batch("gemma2")
+    traced = trace_model(make_family("gemma2"), args, kwargs)
+    graph = OpGraph.from_traced(traced)
+    checked = {i.name for n in traced.exported.graph.nodes
+               if n.target == torch.ops.aten._assert_tensor_metadata.default for i in n.all_input_nodes}  # fmt: skip
+    assert "p_model_norm_weight" in checked
+    before = len(traced.exported.graph.nodes)
+    stages = split_stages(traced.graph_module, graph.node_layer, "model.layers", [[(0, 1)], [(1, 2)]],
+                          param_nodes=set(graph.params))  # fmt: skip
+    assert len(traced.exported.graph.nodes) == before  # the traced graph is left as it is
+    assert "p_model_norm_weight" not in stages[0].placeholders
+    assert "p_model_norm_weight" in stages[1].placeholders
+    assert "p_model_layers_1_input_layernorm_weight" not in stages[0].placeholders
+    for sg in stages:
+        assert not any(n.target == torch.ops.aten._assert_tensor_metadata.default for n in sg.graph_module.graph.nodes)

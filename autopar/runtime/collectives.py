@@ -1,0 +1,96 @@
+"""Process groups that wait a bounded time, and the error a rank gets when its peers never come.
+
+A collective that one rank of its group skips (a bug, a rank that failed, ranks running different plans
+or batches) otherwise blocks the others for the backend's default (30 minutes on gloo, or forever). Every
+process group a program creates (its DeviceMesh's groups, a pipeline's tie groups) gets the timeout of
+`collective_timeout()`: `AUTOPAR_COLLECTIVE_TIMEOUT_S` seconds from the environment, 300 by default (the
+limit `ensure_process_group` gives the world group it creates). A wait past it raises in the backend; a
+program runs its collectives inside `waiting_for(what)`, which turns that error into a `LoweringError`
+naming what this rank was waiting for.
+
+The timeout must be the same on every rank (read it from the launch environment, not per rank).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.errors import ConfigError, LoweringError
+
+TIMEOUT_ENV = "AUTOPAR_COLLECTIVE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+# what gloo says when a wait times out ("Timed out waiting 3000ms for send operation to complete"), and what
+# it says of every later operation on the pair it closed; NCCL's watchdog says "timeout"
+_TIMEOUT_WORDS = ("timed out", "timeout")
+
+
+def collective_timeout() -> timedelta:
+    """How long a rank waits in one collective of a group autopar created: `AUTOPAR_COLLECTIVE_TIMEOUT_S`
+    seconds (a positive number), 300 when unset."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set it to e.g. 600, or "
+                          f"unset it for {DEFAULT_TIMEOUT_S:g}")  # fmt: skip
+    return timedelta(seconds=seconds)
+
+
+def _backend_options(device_type: str, timeout: timedelta):
+    """(backend, options carrying `timeout`) for the groups of a mesh on `device_type`."""
+    if device_type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        backend = "nccl"
+    else:
+        options = dist.ProcessGroupGloo._Options()
+        backend = "gloo"
+    options._timeout = timeout
+    return backend, options
+
+
+def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """`init_device_mesh(device_type, shape, mesh_dim_names=names)` whose groups time out after
+    `collective_timeout()` (a mesh dim spanning the world gets a group of its own, not the world group, whose
+    timeout autopar may not have set)."""
+    options = _backend_options(device_type, collective_timeout())
+    return init_device_mesh(device_type, shape, mesh_dim_names=names,
+                            backend_override=dict.fromkeys(names, options))  # fmt: skip
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """`dist.new_group(ranks)` that times out after `collective_timeout()` (every rank must call it)."""
+    return dist.new_group(ranks, timeout=collective_timeout())
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether `error` is a backend's report of a wait that timed out."""
+    return isinstance(error, RuntimeError) and any(w in str(error).lower() for w in _TIMEOUT_WORDS)
+
+
+@contextmanager
+def waiting_for(what: str) -> Iterator[None]:
+    """Run collectives; a timeout among them raises `LoweringError` saying this rank waited for `what`."""
+    try:
+        yield
+    except LoweringError:
+        raise
+    except RuntimeError as e:
+        if not is_timeout(e):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        seconds = collective_timeout().total_seconds()
+        raise LoweringError(
+            f"rank {rank} waited more than {seconds:g} s for {what}: a rank of its group did not join (it "
+            f"failed, skipped the collective, or runs another plan or batch; the other ranks' errors say which). "
+            f"If a step is only slow, raise the limit with {TIMEOUT_ENV}. Backend said: {e}"
+        ) from e
