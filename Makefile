@@ -26,6 +26,7 @@ test-all: $(STAMP)
 lint: $(STAMP)
 	test -x $(VENV)/bin/ruff || $(PY) -m pip install -q 'ruff>=0.6'
 	$(VENV)/bin/ruff check autopar passes cost_model triton_kernels tests examples
+	$(VENV)/bin/ruff format --check autopar passes cost_model triton_kernels tests examples
 
 clean:
 	rm -rf $(VENV) *.egg-info

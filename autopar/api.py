@@ -19,8 +19,23 @@ from autopar.trace import trace_model
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_CONSTRAINT_KEYS = {"tp", "dp", "zero", "num_microbatches", "micro_batch_size", "pp", "schedule", "virtual_stages", "recompute",
-                    "tp_min_split", "param_placements", "grad_reduce", "overlap", "cp", "cp_attention"}
+_CONSTRAINT_KEYS = {
+    "tp",
+    "dp",
+    "zero",
+    "num_microbatches",
+    "micro_batch_size",
+    "pp",
+    "schedule",
+    "virtual_stages",
+    "recompute",
+    "tp_min_split",
+    "param_placements",
+    "grad_reduce",
+    "overlap",
+    "cp",
+    "cp_attention",
+}
 _RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -315,7 +330,14 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
     """
     from autopar.passes.sharding_solver import solve_sharding
 
-    graph, cluster, est, precision, batch, budget = job.graph, job.cluster, job.est, job.precision, job.batch, job.budget
+    graph, cluster, est, precision, batch, budget = (
+        job.graph,
+        job.cluster,
+        job.est,
+        job.precision,
+        job.batch,
+        job.budget,
+    )
     say = (lambda msg: None) if quiet else job.say
     if job.cp == 1 and _searches_pipeline(job.pipeline, cluster, constraints):
         from autopar.passes.pipeline_search import search_pipeline
@@ -360,8 +382,12 @@ def _pipeline_runner_up(job: _Job, psol, chosen: Plan):
     """The next fastest layout the pipeline search priced exactly (as pins), else the best plan without one."""
     layout = (chosen.mesh["pp"], chosen.mesh["dp"], chosen.mesh["tp"], chosen.num_microbatches,
               chosen.pipeline["schedule"], chosen.pipeline.get("virtual_stages", 1))  # fmt: skip
-    priced = [c for c in psol.candidates if c["step_time_s"] is not None
-              and (c["pp"], c["dp"], c["tp"], c["num_microbatches"], c["schedule"], c["virtual_stages"]) != layout]
+    priced = [
+        c
+        for c in psol.candidates
+        if c["step_time_s"] is not None
+        and (c["pp"], c["dp"], c["tp"], c["num_microbatches"], c["schedule"], c["virtual_stages"]) != layout
+    ]
     if priced:
         c = min(priced, key=lambda c: c["step_time_s"])
         return {"pp": c["pp"], "dp": c["dp"], "tp": c["tp"], "num_microbatches": c["num_microbatches"],
@@ -397,8 +423,15 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         for r in sol.candidates
     )  # fmt: skip
     stats = _stats(graph, job.est, job.t0, job.t_trace, sol.solve_time_s, decision_groups=sol.num_groups)
-    terms = sharded_terms(step_s=step, compute_s=sol.compute_s, recompute_s=sol.recompute_s, reshard_s=sol.reshard_s,
-                          grad_sync_s=sol.grad_sync_s, offload_s=offload_s, optimizer_s=sol.optimizer_s)
+    terms = sharded_terms(
+        step_s=step,
+        compute_s=sol.compute_s,
+        recompute_s=sol.recompute_s,
+        reshard_s=sol.reshard_s,
+        grad_sync_s=sol.grad_sync_s,
+        offload_s=offload_s,
+        optimizer_s=sol.optimizer_s,
+    )
     return Plan(
         model_name=job.name,
         cluster=cluster,
@@ -485,7 +518,7 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
         for fqn, pl in st.sharding.param_placements.items():
             container, idx = layer.get(fqn, (None, None))
             if container is not None and container in graph.repeats and idx == 0:
-                rest = fqn[len(f"{container}.0."):]
+                rest = fqn[len(f"{container}.0.") :]
                 for a, b in st.layers:
                     placements.update({f"{container}.{i}.{rest}": pl for i in range(a, b)})
             elif container is None:
@@ -658,8 +691,11 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     traced = None
     if parts is not None:
         part_args, part_kwargs = runtime.micro_batches(args, kwargs, plan.global_batch_size, parts)[0]
-        traced = planning_trace if parts == 1 and planning_trace is not None else _program_trace(
-            model, plan, part_args, part_kwargs)
+        traced = (
+            planning_trace
+            if parts == 1 and planning_trace is not None
+            else _program_trace(model, plan, part_args, part_kwargs)
+        )
         plan = _complete_placements(plan, model, cluster, traced, part_args, part_kwargs)
     if pretrained is None:
         return program(model, plan, traced, cluster, optimizer=optimizer)
@@ -707,9 +743,16 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
         return plan
     dp, tp = plan.mesh["dp"], plan.mesh["tp"]
     # the layout the plan priced: its axes, ZeRO stage, recompute and where every parameter sits on the tensor axis
-    pins = {"dp": dp, "tp": tp, "zero": plan.zero_stage, "num_microbatches": 1, "recompute": plan.recompute,
-            "param_placements": dict(plan.param_placements), "grad_reduce": plan.grad_reduce,
-            "overlap": plan.overlap}
+    pins = {
+        "dp": dp,
+        "tp": tp,
+        "zero": plan.zero_stage,
+        "num_microbatches": 1,
+        "recompute": plan.recompute,
+        "param_placements": dict(plan.param_placements),
+        "grad_reduce": plan.grad_reduce,
+        "overlap": plan.overlap,
+    }
     if plan.tensor_split:
         pins["tp_min_split"] = plan.tensor_split["min_fraction"]
     if plan.mesh.get("cp", 1) > 1:

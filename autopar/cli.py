@@ -104,8 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, help="pin the tensor-parallel axis size")
     p.add_argument("--dp", type=int, help="pin the data-parallel axis size")
     p.add_argument("--cp", type=int, help="pin the context-parallel axis size (the sequence split over it)")
-    p.add_argument("--cp-attention", choices=["allgather", "ring", "alltoall"],
-                   help="pin the cp attention algorithm (default: the cheapest that applies)")
+    p.add_argument(
+        "--cp-attention",
+        choices=["allgather", "ring", "alltoall"],
+        help="pin the cp attention algorithm (default: the cheapest that applies)",
+    )
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="pin the ZeRO stage")
     p.add_argument("--pp", type=int, help="pin the number of pipeline stages (1: no pipeline)")
     p.add_argument("--num-microbatches", type=int, help="pin the gradient accumulation steps per data-parallel rank")
@@ -134,8 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the plan as JSON to this file")
     p.add_argument("--report", help="write the report to this file (.md or .html)")
     p.add_argument("--explain", action="store_true", help="print the full report instead of the summary")
-    p.add_argument("--compare", action="append", metavar="LAYOUT",
-                   help="price this layout next to the plan, e.g. 'tp=8,pp=4,zero=1' (repeatable)")
+    p.add_argument(
+        "--compare",
+        action="append",
+        metavar="LAYOUT",
+        help="price this layout next to the plan, e.g. 'tp=8,pp=4,zero=1' (repeatable)",
+    )
     p.add_argument("--quiet", action="store_true", help="print only the result (no progress)")
     p.add_argument("--verbose", action="store_true", help="log every mesh and pipeline layout priced")
     p.set_defaults(fn=_plan_cmd)

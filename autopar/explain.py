@@ -104,7 +104,8 @@ def _summary(plan) -> list:
     p, st = plan.predicted, plan.stats
     hidden = st.get("hidden_size")
     model = f"{plan.num_parameters / 1e9:,.2f} B parameters, {st.get('layers', '?')} layers" + (
-        f", hidden size {hidden}" if hidden else "")
+        f", hidden size {hidden}" if hidden else ""
+    )
     rows = [
         ["model", f"{plan.model_name}: {model}"],
         ["cluster", plan.cluster.describe()],
@@ -218,8 +219,10 @@ def _layers(plan) -> list:
             blocks += _layer_ops(entry)
     strategies = Counter(s for s in plan.node_strategy.values() if not s.startswith("follows"))
     if strategies:
-        blocks += [("h3", "Op strategies (whole model)"),
-                   ("table", ["strategy", "ops"], [[s or "(single choice)", str(n)] for s, n in strategies.most_common()])]
+        blocks += [
+            ("h3", "Op strategies (whole model)"),
+            ("table", ["strategy", "ops"], [[s or "(single choice)", str(n)] for s, n in strategies.most_common()]),
+        ]
     return blocks
 
 
@@ -230,7 +233,7 @@ def _layer_ops(entry: dict) -> list:
     else:
         title = "Ops outside the layers (embeddings, final norm, head, loss"
     stages = entry.get("stages") or []
-    title += (f"; pipeline stage{'s' if len(stages) > 1 else ''} {_ranges(stages)})" if stages else ")")
+    title += f"; pipeline stage{'s' if len(stages) > 1 else ''} {_ranges(stages)})" if stages else ")"
     rows, totals = [], Counter()
     for op in entry["ops"]:
         head = [f"`{op['node']}`", op["op"], op["strategy"], ", ".join(op["inputs"]) or "-", op["output"]]
@@ -317,7 +320,8 @@ def _why(plan) -> list:
                          "constraint ruled it out and by how much."),
                    ("table", ["alternative", "layout", "step ms", "vs chosen", "peak GiB", "fits", "why not"], rows)]  # fmt: skip
         chart_rows = [("chosen", plan.time_breakdown)] + [
-            (b["name"], b["terms"]) for b in plan.baselines if b["feasible"] and b.get("terms")]
+            (b["name"], b["terms"]) for b in plan.baselines if b["feasible"] and b.get("terms")
+        ]
         blocks.append(("chart", bars_svg(chart_rows, unit="ms", scale=1e-3, title="Step time of each alternative (ms)",
                                          labels=TERM_LABELS),
                        bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS)))  # fmt: skip
@@ -364,11 +368,20 @@ def _yours(plan) -> list:
         rows = [[TERM_LABELS.get(k, k), _ms(chosen.get(k, 0.0)), _ms(c["terms"].get(k, 0.0)),
                  f"{(c['terms'].get(k, 0.0) - chosen.get(k, 0.0)) * 1e3:+,.2f}"]
                 for k in TERMS if chosen.get(k) or c["terms"].get(k)]  # fmt: skip
-        rows.append(["**step time**", _ms(plan.predicted.step_time_s), _ms(c["step_time_s"]),
-                     f"{(c['step_time_s'] - plan.predicted.step_time_s) * 1e3:+,.2f}"])
+        rows.append(
+            [
+                "**step time**",
+                _ms(plan.predicted.step_time_s),
+                _ms(c["step_time_s"]),
+                f"{(c['step_time_s'] - plan.predicted.step_time_s) * 1e3:+,.2f}",
+            ]
+        )
         rows.append(["peak memory GiB", _gib(plan.predicted.peak_memory_bytes), _gib(c["peak_memory_bytes"]),
                      f"{(c['peak_memory_bytes'] - plan.predicted.peak_memory_bytes) / GIB:+,.2f}"])  # fmt: skip
-        blocks += [("table", ["term (ms)", "chosen", "yours", "difference"], rows), ("p", f"In one line: {c['reason']}.")]
+        blocks += [
+            ("table", ["term (ms)", "chosen", "yours", "difference"], rows),
+            ("p", f"In one line: {c['reason']}."),
+        ]
     return blocks
 
 
@@ -408,8 +421,11 @@ def _appendix(plan) -> list:
     blocks = []
     skipped = plan.fusion.get("skipped", ())
     if skipped:
-        blocks += [("h2", "Fusion"), ("p", "Sites left as ATen ops:"),
-                   ("table", ["kind", "node", "reason"], [[s["kind"], f"`{s['node']}`", s["reason"]] for s in skipped])]
+        blocks += [
+            ("h2", "Fusion"),
+            ("p", "Sites left as ATen ops:"),
+            ("table", ["kind", "node", "reason"], [[s["kind"], f"`{s['node']}`", s["reason"]] for s in skipped]),
+        ]
     if plan.unruled_ops:
         blocks += [("h2", "Ops without a sharding rule (run replicated on the tensor axis)")]
         blocks += [("li", f"`{op}`") for op in plan.unruled_ops]

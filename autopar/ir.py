@@ -203,7 +203,7 @@ class OpGraph:
         if container not in self.repeats or idx != 0:
             return [fqn]
         prefix = f"{container}.{idx}."
-        rest = fqn[len(prefix):] if fqn.startswith(prefix) else None
+        rest = fqn[len(prefix) :] if fqn.startswith(prefix) else None
         if rest is None:
             return [fqn]
         return [f"{container}.{i}.{rest}" for i in range(self.repeats[container][1])]

@@ -149,8 +149,10 @@ def loss_reason(alt, chosen) -> str:
     tp, per_node = alt.mesh.get("tp", 1), alt.cluster.devices_per_node
     if tp > per_node and alt.cluster.num_nodes > 1:
         prefix = f"tp={tp} crosses nodes: "
-    return (f"{prefix}{t_alt / t_chosen - 1:+.0%} step time, most of it {TERM_LABELS[worst]} "
-            f"+{_seconds(deltas[worst])}{grew}")
+    return (
+        f"{prefix}{t_alt / t_chosen - 1:+.0%} step time, most of it {TERM_LABELS[worst]} "
+        f"+{_seconds(deltas[worst])}{grew}"
+    )
 
 
 def _same_layout(a, b) -> bool:

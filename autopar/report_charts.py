@@ -201,8 +201,10 @@ def gantt_svg(slots: list[Slot], pp: int, *, title: str, unit_s: float) -> str:
         w = max((sl.end - sl.start) / end * width, 0.4)
         y = 24 + sl.stage * (row_h + 4)
         fill = "#8fb8ec" if sl.kind == "F" else "#1f4e96"
-        out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{fill}" stroke="#fff" '
-                   f'stroke-width="0.3"><title>{sl.kind} micro-batch {sl.microbatch} chunk {sl.chunk}</title></rect>')
+        out.append(
+            f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{fill}" stroke="#fff" '
+            f'stroke-width="0.3"><title>{sl.kind} micro-batch {sl.microbatch} chunk {sl.chunk}</title></rect>'
+        )
     y = 24 + pp * (row_h + 4)
     out.append(f'<text x="{left}" y="{y + 12}">0</text><text x="{left + width}" y="{y + 12}" text-anchor="end">'
                f'{end * unit_s * 1e3:,.1f} ms</text>'

@@ -158,7 +158,7 @@ def _nodes_needing_grad(graph: fx.Graph) -> set[fx.Node]:
     for n in graph.nodes:
         if n.op == "placeholder":
             val = n.meta.get("val")
-            if (getattr(val, "requires_grad", False) if informed else _floating(val)):
+            if getattr(val, "requires_grad", False) if informed else _floating(val):
                 out.add(n)
         elif n.op != "output" and _floating(n.meta.get("val")) and any(a in out for a in n.all_input_nodes):
             out.add(n)

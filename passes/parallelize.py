@@ -112,8 +112,10 @@ class ShardedInterpreter(fx.Interpreter):
         self.batch_size = batch_size
         self.need = {k: tuple(parse_placement(p) for p in v) for k, v in node_inputs.items()}
         self.out = {k: parse_placement(v) for k, v in node_output.items()}
-        self.local_ops = {aten.scaled_dot_product_attention.default: self._run_local,
-                          aten.cross_entropy_loss.default: self._cross_entropy}
+        self.local_ops = {
+            aten.scaled_dot_product_attention.default: self._run_local,
+            aten.cross_entropy_loss.default: self._cross_entropy,
+        }
         fused = {"flash_attention": self._run_local, "rms_norm": self._norm, "layer_norm": self._norm,
                  "linear_cross_entropy": self._linear_cross_entropy}  # fmt: skip
         if cp_group is not None:
@@ -298,7 +300,9 @@ class ShardedInterpreter(fx.Interpreter):
         names = ("q", "k", "v", "causal", "scale") if flash else ("q", "k", "v", "attn_mask", "dropout_p",
                                                                   "is_causal", "scale", "enable_gqa")  # fmt: skip
         bound = dict(zip(names, args, strict=False)) | kwargs
-        causal = bool(bound.get("causal")) if flash else bool(bound.get("is_causal")) or bound.get("attn_mask") is not None
+        causal = (
+            bool(bound.get("causal")) if flash else bool(bound.get("is_causal")) or bound.get("attn_mask") is not None
+        )
         if not flash and bound.get("dropout_p", 0.0):
             raise LoweringError("context-parallel attention runs without dropout; set the model's attention dropout "
                                 "to 0 for a cp plan")  # fmt: skip
@@ -420,8 +424,9 @@ def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inp
     `recompute` is the plan's activation recompute mode: its segments run under checkpointing.
     """
     del example_inputs  # placements come from the plan; shapes from the graph
-    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes,
-                              cp_group, cp_algorithm)
+    return ShardedInterpreter(
+        gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes, cp_group, cp_algorithm
+    )
 
 
 def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:

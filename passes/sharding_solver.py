@@ -802,7 +802,10 @@ class ShardingProgram:
             for k in range(len(gpr.strategies)):
                 self.prob += pulp.lpSum(y[k]) == self.x[gp][k], f"edge_src_{idx}_{k}"
             for m in range(len(gcr.strategies)):
-                self.prob += pulp.lpSum(y[k][m] for k in range(len(gpr.strategies))) == self.x[gc][m], f"edge_dst_{idx}_{m}"
+                self.prob += (
+                    pulp.lpSum(y[k][m] for k in range(len(gpr.strategies))) == self.x[gc][m],
+                    f"edge_dst_{idx}_{m}",
+                )
             self.cost_terms["reshard"] += [cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0]))
                                            if cost[k][m]]  # fmt: skip
             self._edge_fwd += [(c, fwd_cost[k][m], y[k][m], ((gp, k), (gc, m))) for k in range(len(cost))
@@ -1203,7 +1206,9 @@ class ShardingProgram:
         rec = recomputed_nodes(self.graph.graph, recompute)
         total = 0.0
         for name, members in self._fwd_s.items():
-            per_k = [sum(fwd[k] for m, fwd in members.items() if m in rec) for k in range(len(self.groups[name].strategies))]
+            per_k = [
+                sum(fwd[k] for m, fwd in members.items() if m in rec) for k in range(len(self.groups[name].strategies))
+            ]
             total += min(per_k, default=0.0)
         return total
 
@@ -1501,8 +1506,21 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
                                 pinned_placements=pins, overlap=bool(constraints.get("overlap", True)),
                                 cp=pricing)  # fmt: skip
         if tp == 1 and any(v != "R" for v in pins.values()):
-            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
-                                      "param_placements splits parameters, and this mesh has no tensor axis"))
+            results.append(
+                MeshResult(
+                    dp,
+                    tp,
+                    False,
+                    math.inf,
+                    0,
+                    0,
+                    0,
+                    -1,
+                    {},
+                    0.0,
+                    "param_placements splits parameters, and this mesh has no tensor axis",
+                )
+            )
             continue
         fits = None
         for m in _microbatch_choices(batch_size // dp, constraints):
@@ -1532,8 +1550,14 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
     best, best_prog = None, None
     for free, prog, make in candidates:
         if best is not None and free.step_time_s >= best.step_time_s:
-            results.append(dataclasses.replace(free, feasible=False, reason=f"cannot beat the chosen plan: at least "
-                                               f"{free.step_time_s * 1e3:.2f} ms even without a memory limit"))
+            results.append(
+                dataclasses.replace(
+                    free,
+                    feasible=False,
+                    reason=f"cannot beat the chosen plan: at least "
+                    f"{free.step_time_s * 1e3:.2f} ms even without a memory limit",
+                )
+            )
             continue
         res, res_prog = _solve_mesh(free, prog, make, batch_size, constraints, progress,
                                     beat_s=best.step_time_s if best is not None else math.inf)  # fmt: skip
@@ -1676,8 +1700,12 @@ def cp_report(pricing: CPPricing | None) -> dict:
     """The plan's record of its cp axis: degree, algorithm, and each algorithm's price or why it cannot run."""
     if pricing is None:
         return {}
-    return {"degree": pricing.degree, "algorithm": str(pricing.algorithm), "layout": "zigzag",
-            "priced": list(pricing.lines)}
+    return {
+        "degree": pricing.degree,
+        "algorithm": str(pricing.algorithm),
+        "layout": "zigzag",
+        "priced": list(pricing.lines),
+    }
 
 
 def tensor_split_report(prog: ShardingProgram, chosen: dict[str, int]) -> dict:

@@ -35,11 +35,16 @@ def _tiny(name: str, batch: int = 8, seq: int = 16):
 CASES = {
     "llama2-7b-8xA100-80GB": ("llama2-7b", "8xA100-80GB", {"global_batch_size": 8, "seq_len": 2048}),
     "llama2-7b-8xA100-40GB-gbs128": ("llama2-7b", "8xA100-40GB", {"global_batch_size": 128, "seq_len": 4096}),
-    "llama2-7b-8xA100-80GB-tp8": ("llama2-7b", "8xA100-80GB",
-                                  {"global_batch_size": 8, "seq_len": 2048, "constraints": {"tp": 8, "dp": 1}}),
-    "gpt3-1.3b-2x8xA100-80GB-pp2": ("gpt3-1.3b", "2x8xA100-80GB",
-                                    {"global_batch_size": 64, "seq_len": 2048,
-                                     "constraints": {"pp": 2, "schedule": "1f1b"}}),
+    "llama2-7b-8xA100-80GB-tp8": (
+        "llama2-7b",
+        "8xA100-80GB",
+        {"global_batch_size": 8, "seq_len": 2048, "constraints": {"tp": 8, "dp": 1}},
+    ),
+    "gpt3-1.3b-2x8xA100-80GB-pp2": (
+        "gpt3-1.3b",
+        "2x8xA100-80GB",
+        {"global_batch_size": 64, "seq_len": 2048, "constraints": {"pp": 2, "schedule": "1f1b"}},
+    ),
     "gpt3-1.3b-2x8xA100-80GB": ("gpt3-1.3b", "2x8xA100-80GB", {"global_batch_size": 64, "seq_len": 2048}),
     "llama2-70b-8xA100-80GB-offload": ("llama2-70b", "8xA100-80GB", {"global_batch_size": 32, "seq_len": 4096}),
     "gpt2-cpu4": ("gpt2", "cpu:4", {"global_batch_size": 8, "seq_len": 128}),

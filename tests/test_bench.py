@@ -141,7 +141,9 @@ def test_run_suite_measures_every_method(tmp_path):
         times += m["times_s"]
     # the best baseline's ratios are to itself: 1 both ways
     best = min(("ddp", "fsdp2", "tp"), key=lambda n: res["methods"][n]["median_step_time_s"])
-    assert res["methods"][best]["ratio_to_best_baseline"] == res["methods"][best]["paired_ratio_to_best_baseline"] == 1.0
+    assert (
+        res["methods"][best]["ratio_to_best_baseline"] == res["methods"][best]["paired_ratio_to_best_baseline"] == 1.0
+    )
     # Measured, not constants: eight timings from a live run are never all equal.
     assert len(set(times)) > 1
     auto = res["methods"]["autopar"]

@@ -17,8 +17,7 @@ def plan():
     model = tiny_llama().to("meta")
     (ids,), kw = make_batch("llama", batch=16, seq=32)
     # without a pipeline: these tests read a data x tensor layout (tiny layers across two nodes would pipeline)
-    return autopar.plan(model, "2x4xA100-80GB", (ids.to("meta"),), {"labels": kw["labels"].to("meta")},
-                        pipeline=False)
+    return autopar.plan(model, "2x4xA100-80GB", (ids.to("meta"),), {"labels": kw["labels"].to("meta")}, pipeline=False)
 
 
 def test_predictions_are_consistent(plan):

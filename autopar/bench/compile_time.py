@@ -116,8 +116,16 @@ def _rows(points: list[dict], key: str) -> list[list]:
 
 
 def markdown(doc: dict) -> str:
-    cols = ["graph nodes", "decision groups", "candidates solved", "tracing s", "solving s",
-            "other s (pipeline search, ...)", "rewriting s", "total s"]
+    cols = [
+        "graph nodes",
+        "decision groups",
+        "candidates solved",
+        "tracing s",
+        "solving s",
+        "other s (pipeline search, ...)",
+        "rewriting s",
+        "total s",
+    ]
     sw = doc["sweep"]
     return "\n\n".join([
         "# autopar bench compile",

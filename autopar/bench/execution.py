@@ -57,11 +57,23 @@ class RunModel:
 MODELS: tuple[RunModel, ...] = (
     RunModel("tiny-llama", "tiny-llama", 8, 64),
     RunModel("tiny-gpt2", "tiny-gpt2", 8, 64),
-    RunModel("small-llama", "tiny-llama", 8, 128, (("hidden_size", 256), ("intermediate_size", 688),
-             ("num_hidden_layers", 4), ("num_attention_heads", 8), ("num_key_value_heads", 4),
-             ("vocab_size", 2048))),  # fmt: skip
-    RunModel("small-gpt2", "tiny-gpt2", 8, 128, (("n_embd", 256), ("n_layer", 4), ("n_head", 8),
-             ("vocab_size", 2048))),  # fmt: skip
+    RunModel(
+        "small-llama",
+        "tiny-llama",
+        8,
+        128,
+        (
+            ("hidden_size", 256),
+            ("intermediate_size", 688),
+            ("num_hidden_layers", 4),
+            ("num_attention_heads", 8),
+            ("num_key_value_heads", 4),
+            ("vocab_size", 2048),
+        ),
+    ),  # fmt: skip
+    RunModel(
+        "small-gpt2", "tiny-gpt2", 8, 128, (("n_embd", 256), ("n_layer", 4), ("n_head", 8), ("vocab_size", 2048))
+    ),  # fmt: skip
 )
 QUICK_MODELS: tuple[RunModel, ...] = MODELS[:2]
 
@@ -141,7 +153,7 @@ class _Method:
 
     def _slice(self):
         n = self.ids.shape[0] // self.world
-        return self.ids[self.rank * n:(self.rank + 1) * n]
+        return self.ids[self.rank * n : (self.rank + 1) * n]
 
     def _torch_step(self, ids):
         loss = self.model(ids, labels=ids).loss
@@ -353,7 +365,7 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
     repetitions = _repetitions(settings, methods)
     for rep in range(repetitions):
         say(f"{spec.name}: repetition {rep + 1}/{repetitions}")
-        for n in order[rep % len(order):] + order[:rep % len(order)]:
+        for n in order[rep % len(order) :] + order[: rep % len(order)]:
             t, cpu, grow = _measure(methods[n], settings.steps_per_repetition)
             times[n].append(t)
             cpu_times[n].append(cpu)
@@ -435,7 +447,11 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
                 "peak_rss_delta_bytes": max(deltas) if deltas else None,
                 "setup_time_s": max(r["setup_time_s"] for r in ranks),
                 "final_loss": [r["final_loss"] for r in ranks],
-            } | {k: v for k, v in m.items() if k in ("predicted_step_time_s", "predicted_breakdown_s", "mesh", "zero_stage", "plan_stats")}
+            } | {
+                k: v
+                for k, v in m.items()
+                if k in ("predicted_step_time_s", "predicted_breakdown_s", "mesh", "zero_stage", "plan_stats")
+            }
         base = {n: methods[n]["median_step_time_s"] for n in BASELINES if n in methods}
         best = min(base, key=base.get) if base else None
         for m in methods.values():
@@ -625,8 +641,9 @@ def _load_average() -> float | None:
 def _cpu_world(cluster: str) -> int:
     text = str(cluster).strip().lower()
     if not text.startswith("cpu:") or not text[4:].isdigit() or int(text[4:]) < 1:
-        raise ConfigError(f"bench run trains on local CPU ranks: --cluster must be 'cpu:N' (e.g. cpu:2), "
-                          f"got {cluster!r}")
+        raise ConfigError(
+            f"bench run trains on local CPU ranks: --cluster must be 'cpu:N' (e.g. cpu:2), got {cluster!r}"
+        )
     return int(text[4:])
 
 

@@ -254,6 +254,7 @@ def _check_against(entries: dict, metadata: dict, path: Path) -> None:
         raise ConfigError(f"the checkpoint {path} holds tensors of other shapes than the model's: {wrong[:4]}; "
                           f"it is of another model")  # fmt: skip
 
+
 def check_model_names(names, metadata: dict, path: Path) -> None:
     """The checkpoint holds no master the model lacks (`names`: the model's parameter names)."""
     ours = {f"model.{n}" for n in names}

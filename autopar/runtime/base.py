@@ -81,7 +81,7 @@ def _attempt_store() -> dict:
 
 
 def device_type(cluster: ClusterSpec) -> str:
-    """"cuda" (this rank's GPU made current) for GPU clusters, "cpu" otherwise."""
+    """ "cuda" (this rank's GPU made current) for GPU clusters, "cpu" otherwise."""
     if cluster.device.kind == "gpu":
         if not torch.cuda.is_available():
             raise LoweringError(f"the cluster is {cluster.describe()} but this machine has no CUDA device; "

@@ -126,7 +126,7 @@ class DataParallelProgram(Program):
             flat = torch.zeros(sum(p.numel() for p in group) + extra, dtype=group[0].dtype, device=self.device)
             views, offset = [], 0
             for p in group:
-                views.append((p, flat[offset:offset + p.numel()].view_as(p)))
+                views.append((p, flat[offset : offset + p.numel()].view_as(p)))
                 offset += p.numel()
             buckets.append((flat, views))
         bucket_of = {id(p): i for i, (_, views) in enumerate(buckets) for p, _ in views}
@@ -295,4 +295,3 @@ class DataParallelProgram(Program):
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers_list, strict=True))
-

@@ -223,8 +223,15 @@ class PipelineProgram(Program):
         self._dp_summed = [k for k in self._param_names if dp > 1 and self._placements[k][0] == R]
 
         by_device = {st.index: st for st in stage_plans}
-        self.stages = [_Stage(self, sg, by_device[sg.index % pp].recompute,
-                              self._stage_placements(by_device[sg.index % pp], sg, graph)) for sg in mine]
+        self.stages = [
+            _Stage(
+                self,
+                sg,
+                by_device[sg.index % pp].recompute,
+                self._stage_placements(by_device[sg.index % pp], sg, graph),
+            )
+            for sg in mine
+        ]
         self._pipe_stages = [PipelineStage(st, st.sg.index, self.num_stages, torch.device(self.device_type),
                                            input_args=st.example_inputs(), output_args=st.example_outputs(),
                                            group=self.pp_group) for st in self.stages]  # fmt: skip
@@ -383,8 +390,11 @@ class PipelineProgram(Program):
             return
         with waiting_for(f"the all-reduce of the dp-replicated gradients of stage block {self.pp_rank} over the "
                          f"data axis"):  # fmt: skip
-            sum_in_buckets(self._grads_of(self._dp_summed), self.mesh.get_group("dp"),
-                           dtype=self.compute_dtype if self.reduce_in_compute else None)
+            sum_in_buckets(
+                self._grads_of(self._dp_summed),
+                self.mesh.get_group("dp"),
+                dtype=self.compute_dtype if self.reduce_in_compute else None,
+            )
 
     def forward(self, *args, **kwargs):
         """The loss of a global batch, as `eval_step` computes it (a pipeline's outputs stay on its last stage)."""

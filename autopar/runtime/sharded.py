@@ -114,8 +114,15 @@ class ShardedProgram(Program):
             grad_pl = (Partial(), pl[1]) if defer and pl[0] == R else pl
             # cast before from_local: its backward (the dp reduction) runs in the compute format; after it, in fp32
             early = self.reduce_in_compute and pl[0] == R
-            dt = DTensor.from_local(self.in_compute_format(local) if early else local, self.mesh, pl, run_check=False,
-                                    shape=torch.Size(shape), stride=contiguous_stride(shape), grad_placements=grad_pl)
+            dt = DTensor.from_local(
+                self.in_compute_format(local) if early else local,
+                self.mesh,
+                pl,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=contiguous_stride(shape),
+                grad_placements=grad_pl,
+            )
             out.append(self.in_compute_format(dt))
         return out
 
@@ -148,7 +155,7 @@ class ShardedProgram(Program):
 
     def _run(self, args, kwargs, interp=None):
         outs = (interp or self._interp).run(*self._placeholders(args, kwargs))
-        return list(outs)[self.traced.num_mutated_outputs:]
+        return list(outs)[self.traced.num_mutated_outputs :]
 
     def forward(self, *args, **kwargs):
         """Run the model on one micro-batch of the global batch; tensors in the output are whole (gathered)."""
@@ -177,8 +184,11 @@ class ShardedProgram(Program):
         if len(micro) > 1 and self.data_ranks > 1:
             deferred = [p.grad for p, pl in zip(self.shards, self._placements, strict=True) if pl[0] == R]
             with waiting_for("the all-reduce of the dp-replicated gradients over the data axis"):
-                sum_in_buckets([g for g in deferred if g is not None], self.mesh.get_group("dp"),
-                               dtype=self.compute_dtype if self.reduce_in_compute else None)
+                sum_in_buckets(
+                    [g for g in deferred if g is not None],
+                    self.mesh.get_group("dp"),
+                    dtype=self.compute_dtype if self.reduce_in_compute else None,
+                )
         return loss_sum, total
 
     def _evaluate(self, micro: list[tuple]) -> float:

@@ -39,8 +39,10 @@ def main() -> None:
         (HERE / f"{name}.html").write_text(page)
         (HERE / f"{name}.json").write_text(plan.to_json())
         report = (t2 - t1) + (t3 - t2)
-        rows.append(f"| {name} | {batch} x {seq} | {planning:.2f} | {cpu:.2f} | {plan.stats.get('alternatives_time_s', 0):.2f} | "
-                    f"{t2 - t1:.3f} | {t3 - t2:.3f} | {report / planning:.1%} |")
+        rows.append(
+            f"| {name} | {batch} x {seq} | {planning:.2f} | {cpu:.2f} | {plan.stats.get('alternatives_time_s', 0):.2f} | "
+            f"{t2 - t1:.3f} | {t3 - t2:.3f} | {report / planning:.1%} |"
+        )
         print(rows[-1], flush=True)
     (HERE / "timings.md").write_text("\n".join(rows) + "\n")
 

@@ -168,7 +168,10 @@ def test_register_op_cost(monkeypatch):
 def test_bmm_and_mm_flops():
     a, b = _meta(3, 5, 7), _meta(3, 7, 11)
     assert estimate_node_cost(call_node(aten.bmm.default, (a, b), _meta(3, 5, 11))).flops == 2 * 3 * 5 * 7 * 11
-    assert estimate_node_cost(call_node(aten.mm.default, (_meta(5, 7), _meta(7, 11)), _meta(5, 11))).flops == 2 * 5 * 7 * 11
+    assert (
+        estimate_node_cost(call_node(aten.mm.default, (_meta(5, 7), _meta(7, 11)), _meta(5, 11))).flops
+        == 2 * 5 * 7 * 11
+    )
 
 
 def test_roofline_hand_computed():
@@ -192,7 +195,9 @@ def test_analytic_estimator_prices_matmuls_in_the_graph_dtype():
     n = 2048
 
     def mm(dtype):
-        return call_node(aten.mm.default, (_meta(n, n, dtype=dtype), _meta(n, n, dtype=dtype)), _meta(n, n, dtype=dtype))
+        return call_node(
+            aten.mm.default, (_meta(n, n, dtype=dtype), _meta(n, n, dtype=dtype)), _meta(n, n, dtype=dtype)
+        )
 
     bf16 = AnalyticEstimator(a100, DType.BF16).forward_time_s(mm(torch.bfloat16), 1.0)
     fp32 = AnalyticEstimator(a100, DType.BF16).forward_time_s(mm(torch.float32), 1.0)
@@ -222,7 +227,8 @@ def test_analytic_adamw_step_is_memory_bound_with_launches_per_tensor():
     # eager AdamW: 80 bytes read and written per 4-byte fp32 parameter, nine kernels per tensor
     nbytes = 4e6
     assert estimate_adamw_step_time(21, nbytes, cpu) == pytest.approx(
-        21 * 9 * cpu.kernel_overhead_s + 20 * nbytes / (cpu.memory_bandwidth_bytes_per_s * cpu.memory_efficiency))
+        21 * 9 * cpu.kernel_overhead_s + 20 * nbytes / (cpu.memory_bandwidth_bytes_per_s * cpu.memory_efficiency)
+    )
     # on a GPU the foreach path launches each kernel for up to 36 tensors at once
     bw = a100.memory_bandwidth_bytes_per_s * a100.memory_efficiency
     assert estimate_adamw_step_time(36, nbytes, a100) == pytest.approx(9 * 5e-6 + 20 * nbytes / bw)

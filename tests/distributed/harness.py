@@ -44,7 +44,9 @@ def _entry(rank: int, world_size: int, folder: str, fn, args) -> None:
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "result": result}, f"{folder}/rank{rank}.pt")
     except BaseException as e:  # the parent reports it with the rank's traceback
-        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}, f"{folder}/rank{rank}.pt")
+        torch.save(
+            {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}, f"{folder}/rank{rank}.pt"
+        )
     finally:
         dist.destroy_process_group()
 

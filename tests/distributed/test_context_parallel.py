@@ -85,10 +85,12 @@ def test_cp2_on_two_ranks_matches_one_process(algorithm):
     _check(2, [({"cp": 2, "cp_attention": algorithm}, "sgd")])
 
 
+@pytest.mark.slow
 def test_cp2_adamw_on_two_ranks_matches_one_process():
     _check(2, [({"cp": 2, "cp_attention": "ring"}, "adamw")])
 
 
+@pytest.mark.slow
 def test_cp2_times_dp2_on_four_ranks_matches_one_process():
     _check(4, [({"cp": 2, "dp": 2, "tp": 1, "cp_attention": "allgather"}, "sgd"),
                ({"cp": 2, "dp": 2, "tp": 1, "cp_attention": "alltoall"}, "sgd")])  # fmt: skip

@@ -38,7 +38,7 @@ def test_hang_fails_naming_the_rank_within_the_limit():
     rank0, rank1 = message.split("rank 0 was at")[1].split("rank 1 was at")
     assert "_rank0_skips_the_all_reduce" in rank0 and "distributed_c10d" not in rank0
     # the stuck rank's stack shows the collective it waited in
-    assert "distributed_c10d.py\", line" in rank1 and "in all_reduce" in rank1
+    assert 'distributed_c10d.py", line' in rank1 and "in all_reduce" in rank1
     # the limit, the stack request and the start-up of two spawned interpreters (a few seconds each on 2 cores)
     assert elapsed < 10 + 40, elapsed
 

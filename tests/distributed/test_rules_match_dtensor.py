@@ -173,7 +173,9 @@ def _check_rules(rank: int, world_size: int) -> list[str]:
             try:
                 value = got.full_tensor()
             except Exception as e:  # noqa: BLE001 - a placement the runtime cannot reduce is a wrong one
-                wrong.append(f"{label} [{name}]: {got.placements[1]} does not reduce: {type(e).__name__}: {str(e)[:120]}")
+                wrong.append(
+                    f"{label} [{name}]: {got.placements[1]} does not reduce: {type(e).__name__}: {str(e)[:120]}"
+                )
                 continue
             if value.is_floating_point() and not torch.allclose(value, want, atol=1e-5, rtol=1e-5):
                 wrong.append(f"{label} [{name}]: values differ by {(value - want).abs().max().item():.3g}")

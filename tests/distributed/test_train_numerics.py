@@ -47,8 +47,10 @@ def _train_cases(rank: int, world_size: int, cases):
         losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
         state = pm.state_dict()
         local = sum(p.numel() for p in pm.parameters())
-        sharded = pm.plan.zero_stage >= 1 and pm.plan.mesh["dp"] > 1 or any(
-            p != "R" for p in pm.plan.param_placements.values()
+        sharded = (
+            pm.plan.zero_stage >= 1
+            and pm.plan.mesh["dp"] > 1
+            or any(p != "R" for p in pm.plan.param_placements.values())
         )
         out.append({"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
                     "local_numel": local, "num_microbatches": pm.plan.num_microbatches,

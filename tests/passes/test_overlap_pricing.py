@@ -62,7 +62,9 @@ def test_two_buckets_exposed_time_is_what_backward_does_not_hide(monkeypatch):
     total = off.predicted.grad_sync_s  # every bucket's all-reduce, exposed
     assert off.predicted.grad_sync_hidden_s == 0.0
     # the formula by hand: backward of the one micro-batch hides what it can; the last bucket never hides
-    ops = sum(1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point)
+    ops = sum(
+        1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
+    )
     backward = ops * BWD_S
     link = on.cluster.link_for_axis(2, 1)
     last = estimate_collective_time(Collective.ALL_REDUCE, bucket, 2, link)

@@ -292,7 +292,9 @@ def test_offload_is_priced_recorded_and_capped_by_host_memory():
     # upload after the step already paid
     params = off["optimizer_bytes_per_device"] / 12
     dev = cluster.device
-    expected = params * ((2 + 2 + 2 * (2 - 1)) / cluster.host_link.bandwidth_bytes_per_s + 1 / dev.host_adamw_params_per_s)
+    expected = params * (
+        (2 + 2 + 2 * (2 - 1)) / cluster.host_link.bandwidth_bytes_per_s + 1 / dev.host_adamw_params_per_s
+    )
     assert off["time_s"] == pytest.approx(expected, rel=1e-6)
     # and the device no longer steps those states: AdamW's 20 bytes moved per byte of fp32 weight (4 of 12 state
     # bytes per parameter) at the device's bandwidth
