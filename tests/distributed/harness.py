@@ -68,7 +68,8 @@ def _stuck_report(ctx, folder: str, world_size: int, timeout_s: float) -> str:
     lines = [f"rank(s) {stuck} did not finish within {timeout_s:g} s (finished: {finished or 'none'}); "
              f"every rank was killed"]  # fmt: skip
     for r in stuck:
-        text = (Path(folder) / f"rank{r}.stack").read_text().strip().splitlines()
+        path = Path(folder) / f"rank{r}.stack"  # absent when the rank had not started its interpreter yet
+        text = path.read_text().strip().splitlines() if path.exists() else ["(not started)"]
         main = _main_thread(text)
         lines.append(f"rank {r} was at (innermost first):\n  " + "\n  ".join(main[:STACK_LINES] or ["(no stack)"]))
     return "\n".join(lines)
