@@ -29,26 +29,12 @@ import math
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from autopar.checkpoint.pieces import Piece, assemble
+from autopar.checkpoint.pieces import Piece, assemble, barrier, rank, world
 from autopar.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if _world() > 1:
-        dist.barrier()
 
 
 def _bytes(value) -> int:
@@ -93,23 +79,23 @@ def save_pretrained(program, path, *, max_shard_size="2GB") -> None:
     sizes = {n: math.prod(shapes[n]) * dtypes[n].itemsize for n in shapes}
     files = shard_files(sizes, max_bytes)
     names = file_names(len(files))
-    if _rank() == 0:
+    if rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
         for old in [*path.glob("model*.safetensors"), path / INDEX]:
             old.unlink(missing_ok=True)
-    _barrier()
-    world = _world()
-    for first in range(0, len(files), world):  # one file per rank per round
-        owners = {n: (i - first) for i in range(first, min(first + world, len(files))) for n in files[i]}
+    barrier()
+    ranks = world()
+    for first in range(0, len(files), ranks):  # one file per rank per round
+        owners = {n: (i - first) for i in range(first, min(first + ranks, len(files))) for n in files[i]}
         params = {n: r for n, r in owners.items() if n not in buffers}
         full = assemble({n: p for n, p in masters.items() if n in params}, params, dtypes, shapes=shapes)
-        index = first + _rank()
+        index = first + rank()
         if index < len(files):
             tensors = {n: full[n] if n in full else buffers[n].detach().to("cpu", dtypes[n]).contiguous()
                        for n in files[index]}  # fmt: skip
             save_file(tensors, str(path / names[index]), metadata={"format": "pt"})
             del tensors, full
-    if _rank() == 0:
+    if rank() == 0:
         if len(files) > 1:
             weight_map = {n: names[i] for i, group in enumerate(files) for n in group}
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
@@ -118,7 +104,7 @@ def save_pretrained(program, path, *, max_shard_size="2GB") -> None:
             program.hf_config.save_pretrained(str(path))
         if program.generation_config is not None:
             program.generation_config.save_pretrained(str(path))
-    _barrier()
+    barrier()
 
 
 # ------------------------------------------------------------------------------------------------ in
@@ -257,7 +243,7 @@ def load_pretrained(program, path) -> int:
             raise ConfigError(f"reading {file}: {type(e).__name__}: {e}") from e
     program._after_checkpoint_load()
     program.pretrained_bytes_read = read
-    _barrier()
+    barrier()
     return read
 
 

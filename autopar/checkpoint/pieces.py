@@ -72,17 +72,27 @@ class Piece:
             return t
         from torch.distributed.tensor import DTensor
 
+        from autopar.runtime.base import contiguous_stride
+
         stride = contiguous_stride(self.shape)
         return DTensor.from_local(t, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
                                   stride=stride)  # fmt: skip
 
 
-def contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
+def rank() -> int:
+    """This process's rank (0 outside a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world() -> int:
+    """The number of ranks (1 outside a process group)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for alone)."""
+    if world() > 1:
+        dist.barrier()
 
 
 def dtensor_piece(local: torch.Tensor, shape, mesh, placements, *, param=None) -> Piece:

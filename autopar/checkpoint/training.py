@@ -34,25 +34,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from autopar.checkpoint.pieces import Piece, assemble, region_of
+from autopar.checkpoint.pieces import Piece, assemble, barrier, rank, region_of, world
 from autopar.errors import ConfigError
 
 MARKER = "autopar_checkpoint.json"
 FORMAT = "autopar-checkpoint"
 VERSION = 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if _world() > 1:
-        dist.barrier()
 
 
 def latest_checkpoint(root) -> str | None:
@@ -129,10 +116,10 @@ def _for_save(entries: dict) -> dict:
 
 def _assembled_flat(flat: dict[str, Piece]) -> dict[str, torch.Tensor]:
     """Every flat-pieced tensor made whole on the rank that holds its first element (collective)."""
-    firsts = {k: _rank() for k, p in flat.items() if p.flat[0] == 0}
+    firsts = {k: rank() for k, p in flat.items() if p.flat[0] == 0}
     everyone = [firsts]
-    if _world() > 1:
-        everyone = [None] * _world()
+    if world() > 1:
+        everyone = [None] * world()
         dist.all_gather_object(everyone, firsts)
     owners: dict[str, int] = {}
     for part in everyone:
@@ -140,8 +127,8 @@ def _assembled_flat(flat: dict[str, Piece]) -> dict[str, torch.Tensor]:
             owners.setdefault(k, r)
     dtypes = {k: p.tensor.dtype for k, p in flat.items()}
     everyone_dtypes = [dtypes]
-    if _world() > 1:
-        everyone_dtypes = [None] * _world()
+    if world() > 1:
+        everyone_dtypes = [None] * world()
         dist.all_gather_object(everyone_dtypes, dtypes)
     for part in everyone_dtypes:
         for k, d in part.items():
@@ -157,21 +144,21 @@ def save(program, path, *, extra: dict | None = None, keep_last: int | None = No
     partial = path.with_name(path.name + ".partial")
     if keep_last is not None and keep_last < 1:
         raise ConfigError(f"keep_last must be at least 1, got {keep_last}")
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    _barrier()
+    barrier()
     masters, optim = program._local_masters(), program._local_optimizer_state()
     state = _for_save(tensor_entries(masters, optim))
     # objects go as pickled bytes: DCP would flatten a dict into keys of its own
-    if _rank() == 0:  # one copy of what every rank shares; every rank reads it back
+    if rank() == 0:  # one copy of what every rank shares; every rank reads it back
         state["autopar.meta"] = pickle.dumps(program._checkpoint_meta())
         state["autopar.extra"] = pickle.dumps(dict(extra or {}))
-    state[f"autopar.rng.rank{_rank()}"] = pickle.dumps(rng_state())
+    state[f"autopar.rng.rank{rank()}"] = pickle.dumps(rng_state())
     dcp.save(state, checkpoint_id=str(partial))
-    _barrier()
-    if _rank() == 0:
-        marker = {"format": FORMAT, "version": VERSION, "step": program.num_steps, "world_size": _world(),
+    barrier()
+    if rank() == 0:
+        marker = {"format": FORMAT, "version": VERSION, "step": program.num_steps, "world_size": world(),
                   "program": str(program.plan.program), "mesh": dict(program.plan.mesh),
                   "model": program.plan.model_name, "time": time.time()}  # fmt: skip
         with open(partial / MARKER, "w") as f:
@@ -186,7 +173,7 @@ def save(program, path, *, extra: dict | None = None, keep_last: int | None = No
         shutil.rmtree(old, ignore_errors=True)
         if keep_last is not None:
             _retain(path.parent, keep_last)
-    _barrier()
+    barrier()
     return str(path)
 
 
@@ -221,7 +208,7 @@ def load(program, path) -> dict:
             state[key] = torch.empty(v.shape, dtype=v.tensor.dtype)  # read whole, then the piece is copied out
         else:
             state[key] = v.as_checkpoint_value() if isinstance(v, Piece) else v
-    rng_key = f"autopar.rng.rank{_rank()}"
+    rng_key = f"autopar.rng.rank{rank()}"
     objects = ["autopar.meta", "autopar.extra"] + ([rng_key] if rng_key in metadata else [])
     state.update(dict.fromkeys(objects, b""))
     dcp.load(state, checkpoint_id=str(path))
@@ -231,7 +218,7 @@ def load(program, path) -> dict:
     if rng_key in metadata:  # a rank the saving run did not have keeps its own generators
         set_rng_state(pickle.loads(state[rng_key]))
     program._after_checkpoint_load()
-    _barrier()
+    barrier()
     return pickle.loads(state["autopar.extra"])
 
 
