@@ -80,7 +80,9 @@ def _check(world_size: int, cases) -> None:
             assert rel <= rtol, (constraints, opt, name, rel)
 
 
-@pytest.mark.parametrize("algorithm", ["allgather", "ring", "alltoall"])
+# a minute or more each on two cores: all-gather in `make test`, the others with `make test-all`
+@pytest.mark.parametrize("algorithm", ["allgather", pytest.param("ring", marks=pytest.mark.slow),
+                                       pytest.param("alltoall", marks=pytest.mark.slow)])  # fmt: skip
 def test_cp2_on_two_ranks_matches_one_process(algorithm):
     _check(2, [({"cp": 2, "cp_attention": algorithm}, "sgd")])
 
