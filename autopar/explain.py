@@ -171,9 +171,13 @@ def _time(plan) -> list:
     step = plan.predicted.step_time_s
     rows = [[TERM_LABELS.get(k, k), _ms(v), f"{v / step:.1%}" if step else "-"] for k, v in terms.items()]
     chart_rows = [("chosen plan", terms)]
+    hidden = plan.predicted.grad_sync_hidden_s
+    overlap = (f"the gradient all-reduces overlap backward: {_ms(hidden)} ms of them is hidden and not counted here; "
+               f"the rest of the communication is not overlapped with compute"
+               if hidden else "communication is not overlapped with compute")  # fmt: skip
     return [("h2", "Time breakdown"),
-            ("p", "One step's predicted time by term; communication is not overlapped with compute, so the terms add "
-                  f"up to the step time ({_ms(step)} ms)."),
+            ("p", f"One step's predicted time by term; {overlap}, so the terms add up to the step time "
+                  f"({_ms(step)} ms)."),
             ("table", ["term", "ms", "share"], rows),
             ("chart", bars_svg(chart_rows, unit="ms", scale=1e-3, title="Step time (ms)", labels=TERM_LABELS),
              bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS))]  # fmt: skip
