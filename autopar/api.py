@@ -609,7 +609,10 @@ def _trace_in_format(model, args, kwargs, precision: str):
 
 
 def _dtype_of(precision: str):
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    """The format peak FLOP/s are read for: the compute format, fp32 for "fp32"."""
+    from autopar.runtime.base import compute_dtype
+
+    return compute_dtype(precision) or torch.float32
 
 
 def _tokens(args, kwargs) -> int:
@@ -772,7 +775,7 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
                                node_strategy=micro.node_strategy, param_placements=micro.param_placements)  # fmt: skip
 
 
-_plan = plan  # `compile` takes a `plan=` argument that hides the function
+_plan = plan  # `compile` and `compare` take a `plan=` argument that hides the function
 
 
 def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=None, **plan_kwargs) -> Plan:
@@ -792,8 +795,8 @@ def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=N
           "memory_budget": plan.assumptions.get("memory_budget_bytes")} | plan_kwargs  # fmt: skip
     if model is None or isinstance(model, str):
         kw |= {"global_batch_size": plan.global_batch_size, "seq_len": plan.tokens_per_step // plan.global_batch_size}
-    priced = globals()["plan"](model if model is not None else plan.model_name, plan.cluster, example_inputs,
-                               example_kwargs, alternatives=False, compare=list(layouts), **kw)  # fmt: skip
+    priced = _plan(model if model is not None else plan.model_name, plan.cluster, example_inputs, example_kwargs,
+                   alternatives=False, compare=list(layouts), **kw)  # fmt: skip
     return dataclasses.replace(plan, comparisons=tuple(plan.comparisons) + tuple(priced.comparisons))
 
 
