@@ -29,6 +29,12 @@ def test_rows_and_layouts():
         assert row.dp * row.tp * row.pp == row.gpus
         assert row.layers % row.pp == 0 and row.hidden % row.heads == 0
     assert _row("529.6b").cluster == "315x8xA100-80GB"
+    # the run script's --num-layers-per-virtual-pipeline-stage 5 / 3 / 1 over 60/4, 96/16 and 105/35 layers per stage
+    assert [r.virtual_stages for r in megatron.ROWS] == [1, 1, 3, 2, 3]
+    assert [r.micro_batch for r in megatron.ROWS] == [16, 8, 2, 1, 1]
+    assert _row("76.1b").constraints() == {"tp": 8, "pp": 4, "dp": 32, "zero": 0, "recompute": "full",
+                                           "micro_batch_size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 3}
+    assert "schedule" not in _row("18.4b").constraints() and _row("18.4b").constraints()["micro_batch_size"] == 8
     assert [r.name for r in megatron.select_rows("1.7B,18.4")] == ["1.7b", "18.4b"]
     from autopar.errors import ConfigError
 
@@ -48,3 +54,12 @@ def test_small_row_planned_end_to_end(tmp_path, capsys):
     assert json.loads((tmp_path / "calibrate.json").read_text())["rows"][0]["row"]["name"] == "1.7b"
     assert "| 1.7B |" in (tmp_path / "calibrate.md").read_text()
     assert "| 1.7B |" in capsys.readouterr().out
+
+
+def test_tensor_parallel_row_planned_with_the_run_scripts_micro_batch(tmp_path):
+    # 18.4B: tp=8 inside a node, dp=32 across nodes, MBS 8 of the 32 sequences per data-parallel rank
+    doc = megatron.run(tmp_path, rows="18.4b", show_progress=False)
+    (r,) = doc["rows"]
+    assert r["predicted_fp32_handed"]["layout"] == "tp8 pp1 dp32, mbs 8 x4"
+    assert r["predicted_fp32_handed"]["num_microbatches"] == 4
+    assert abs(r["error_pct"]) <= 15.0, r

@@ -10,11 +10,13 @@ step time follows from the paper's FLOPs per iteration (with full recompute, eq.
 
 so the published step time is F / (GPUs x TFLOP/s per GPU).
 
-Each row is planned with its layout pinned (tp, pp, dp, full recompute) as a GPT-2 architecture module
-built on the meta device, once handed in fp32 and once in bf16, both with precision="bf16": mixed
-precision should price the same step whatever dtype the parameters arrive in. The micro-batch size and
-the pipeline schedule (1F1B or interleaved, and its chunks per device) are left to autopar's pipeline
-search, because Table 1 does not give them.
+Table 1 does not print the micro-batch size or the interleaving; the paper's artifact does: Megatron-LM's
+`examples/sc21/run_table_1.sh` gives, per row, the micro-batch size (MBS) and, for the interleaved rows,
+`--num-layers-per-virtual-pipeline-stage` (so v = layers / (pp x that)). Each row is planned with that
+whole layout pinned (tp, pp, dp, micro-batch size, interleaved 1F1B with v chunks where the script
+interleaves, full recompute) as a GPT-2 architecture module built on the meta device, once handed in
+fp32 and once in bf16, both with precision="bf16": mixed precision should price the same step whatever
+dtype the parameters arrive in. The op-level sharding on the tensor axis stays autopar's choice.
 
 The whole model is traced (autopar.plan shortens the trace only for presets given by name, and a preset
 name would fix the parameter dtype to the precision); at 105 layers of width 20480 on meta that stays
@@ -54,6 +56,15 @@ class MegatronRow:
     gpus: int
     batch: int  # global batch, sequences
     tflops: float  # achieved teraFLOP/s per GPU
+    micro_batch: int  # MBS in the paper's run script
+    layers_per_virtual_stage: int | None = None  # the run script's interleaving; None: not interleaved
+
+    @property
+    def virtual_stages(self) -> int:
+        """Model chunks per pipeline device: layers / (pp x layers per virtual stage); 1 when not interleaved."""
+        if self.layers_per_virtual_stage is None:
+            return 1
+        return self.layers // (self.pp * self.layers_per_virtual_stage)
 
     @property
     def dp(self) -> int:
@@ -65,15 +76,20 @@ class MegatronRow:
 
     def constraints(self) -> dict:
         # the paper's runs replicate optimizer states over the data axis (no ZeRO) and recompute every layer
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero": 0, "recompute": "full"}
+        pins = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero": 0, "recompute": "full",
+                "micro_batch_size": self.micro_batch}  # fmt: skip
+        if self.pp > 1:
+            pins["schedule"] = "interleaved_1f1b" if self.virtual_stages > 1 else "1f1b"
+            pins["virtual_stages"] = self.virtual_stages
+        return pins
 
 
 ROWS: tuple[MegatronRow, ...] = (
-    MegatronRow("1.7b", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    MegatronRow("18.4b", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    MegatronRow("76.1b", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    MegatronRow("310.1b", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    MegatronRow("529.6b", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    MegatronRow("1.7b", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16),
+    MegatronRow("18.4b", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8),
+    MegatronRow("76.1b", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 5),
+    MegatronRow("310.1b", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 3),
+    MegatronRow("529.6b", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 1),
 )
 ROW_NAMES = tuple(r.name for r in ROWS)
 
