@@ -32,8 +32,16 @@ def test_rows_and_layouts():
     # the run script's --num-layers-per-virtual-pipeline-stage 5 / 3 / 1 over 60/4, 96/16 and 105/35 layers per stage
     assert [r.virtual_stages for r in megatron.ROWS] == [1, 1, 3, 2, 3]
     assert [r.micro_batch for r in megatron.ROWS] == [16, 8, 2, 1, 1]
-    assert _row("76.1b").constraints() == {"tp": 8, "pp": 4, "dp": 32, "zero": 0, "recompute": "full",
-                                           "micro_batch_size": 2, "schedule": "interleaved_1f1b", "virtual_stages": 3}
+    assert _row("76.1b").constraints() == {
+        "tp": 8,
+        "pp": 4,
+        "dp": 32,
+        "zero": 0,
+        "recompute": "full",
+        "micro_batch_size": 2,
+        "schedule": "interleaved_1f1b",
+        "virtual_stages": 3,
+    }
     assert "schedule" not in _row("18.4b").constraints() and _row("18.4b").constraints()["micro_batch_size"] == 8
     assert [r.name for r in megatron.select_rows("1.7B,18.4")] == ["1.7b", "18.4b"]
     from autopar.errors import ConfigError
