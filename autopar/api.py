@@ -399,7 +399,7 @@ def _pipeline_runner_up(job: _Job, psol, chosen: Plan):
 
 def _sharded_plan(job: _Job, sol) -> Plan:
     """The Plan of a layout without a pipeline (mesh dp x tp), from the sharding solver's solution."""
-    from autopar.rationale import sharded_terms
+    from autopar.rationale import hidden_terms, sharded_terms
 
     graph, cluster, precision = job.graph, job.cluster, job.precision
     tokens = _tokens(job.args, job.kwargs)
@@ -461,6 +461,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         stats=stats,
         fusion=job.fusion,
         time_breakdown=terms,
+        hidden_communication=hidden_terms(grad_sync_hidden_s=sol.grad_sync_hidden_s),
     )
 
 

@@ -6,7 +6,8 @@ planning (`autopar.plan` stores it in the plan, so a plan read back from JSON re
 - `time_terms`: one step's predicted time split into compute, recompute, the communication of each
   mesh axis (tp: resharding inside ops; dp: gradient sync and ZeRO gathers; pp: stage-to-stage sends),
   the pipeline bubble, host offload traffic, the optimizer step and what is left (the sharded
-  runtime's per-op overhead). The terms sum to the step time.
+  runtime's per-op overhead). The terms sum to the step time; a communication term is what the step
+  waits for (exposed), and `hidden_terms` is, per mesh axis, what overlap hides behind compute.
 - `standard_layouts`: the hand-configured layouts (pure data parallelism, ZeRO-1/2/3, tensor parallel
   across a node) as `autopar.plan` constraints, the one list of them: `bench plans` prices every one,
   the report DDP and ZeRO-3 (`REPORTED_LAYOUTS`) next to the best Megatron-style tp x pp point.
@@ -22,6 +23,8 @@ from autopar.errors import ConfigError
 GIB = 1024**3
 # the terms of one step, in the order the report stacks them
 TERMS = ("compute", "recompute", "comm_tp", "comm_dp", "comm_pp", "bubble", "offload", "optimizer", "other")
+# the terms that are one mesh axis's communication: exposed in `time_terms`, hidden in `hidden_terms`
+COMM_TERMS = ("comm_tp", "comm_dp", "comm_pp")
 TERM_LABELS = {
     "compute": "compute",
     "recompute": "recompute",
@@ -47,6 +50,16 @@ def sharded_terms(*, step_s: float, compute_s: float, recompute_s: float, reshar
              "comm_dp": grad_sync_s, "offload": offload_s, "optimizer": optimizer_s}  # fmt: skip
     terms["other"] = max(0.0, step_s - sum(terms.values()))
     return {k: terms.get(k, 0.0) for k in TERMS}
+
+
+def hidden_terms(*, grad_sync_hidden_s: float) -> dict[str, float]:
+    """Per mesh axis (its `COMM_TERMS` key), the communication time overlap hides behind compute: not in the step.
+
+    Only the data axis hides any today: the data-parallel program's gradient all-reduces run while backward goes
+    on (`ShardingProgram.add_overlap_constraint` prices it; `grad_sync_hidden_s` is its figure). Axes that hide
+    nothing are left out, so a plan without overlap has none.
+    """
+    return {"comm_dp": grad_sync_hidden_s} if grad_sync_hidden_s > 0 else {}
 
 
 def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, transfer_s: float, grad_sync_s: float,
@@ -128,6 +141,7 @@ def entry(name: str, label: str, constraints: dict, priced, chosen) -> dict:
         "peak_memory_bytes": p.peak_memory_bytes,
         "memory": dict(p.memory_breakdown),
         "terms": dict(priced.time_breakdown),
+        **({"hidden": dict(priced.hidden_communication)} if priced.hidden_communication else {}),
         "reason": loss_reason(priced, chosen),
     }
 

@@ -278,3 +278,92 @@ def test_progress_line_updates_in_place_on_a_terminal():
     for m in msgs:
         verbose(m)
     assert log.getvalue().count("\n") == len(msgs)  # --verbose: every candidate on its own line
+
+
+# ------------------------------------------------------------------ hidden and exposed communication, per mesh axis
+
+
+@pytest.fixture(scope="module")
+def overlapped():
+    """A GPU data-parallel plan (dp=8, no tensor axis, ZeRO-0): its gradient all-reduces overlap backward, and with
+    GPT-2's 0.5 GB of fp32 gradients in 25 MiB buckets most of them hide."""
+    return autopar.plan("gpt2", "8xA100-80GB", global_batch_size=16, seq_len=256,
+                        constraints={"dp": 8, "tp": 1, "zero": 0}, alternatives=False)  # fmt: skip
+
+
+def test_hidden_communication_is_the_solvers_figure_per_axis(overlapped):
+    p = overlapped.predicted
+    assert overlapped.program == "data-parallel" and p.grad_sync_hidden_s > 0
+    # the data axis is the one axis whose communication overlaps; its exposed part is the step's dp term
+    assert overlapped.hidden_communication == {"comm_dp": p.grad_sync_hidden_s}
+    assert overlapped.time_breakdown["comm_dp"] == p.grad_sync_s
+    # no overlap: nothing hidden, on any axis
+    off = autopar.plan("gpt2", "8xA100-80GB", global_batch_size=16, seq_len=256, alternatives=False,
+                       constraints={"dp": 8, "tp": 1, "zero": 0, "overlap": False})  # fmt: skip
+    assert off.hidden_communication == {} and off.predicted.grad_sync_hidden_s == 0
+    # what overlap hides is what the step no longer waits for (float sums in another order)
+    whole = off.time_breakdown["comm_dp"]
+    assert p.grad_sync_s + p.grad_sync_hidden_s == pytest.approx(whole, rel=1e-9)
+
+
+def test_layer_table_dp_rows_give_their_exposed_part(overlapped):
+    rows = _collectives(overlapped, axis="dp")
+    assert rows and all("exposed_s" in c for c in rows)
+    p, dp = overlapped.predicted, overlapped.mesh["dp"]
+    # the bucketed all-reduces of every parameter plus the one bucket latency a step pays are the whole sync
+    floor = estimate_collective_time(Collective.ALL_REDUCE, 1.0, dp, overlapped.cluster.intra_node_link)
+    whole = p.grad_sync_s + p.grad_sync_hidden_s
+    assert sum(c["time_s"] * c["per_step"] for c in rows) + floor == pytest.approx(whole, rel=1e-9)
+    # the exposed part is apportioned pro rata: one fraction for every row, E / whole, and with the latency's share
+    # the rows' exposed parts add up to the step's exposed sync
+    fraction = p.grad_sync_s / whole
+    for c in rows:
+        assert c["exposed_s"] == pytest.approx(c["time_s"] * fraction, rel=1e-12)
+    exposed = sum(c["exposed_s"] * c["per_step"] for c in rows) + floor * fraction
+    assert exposed == pytest.approx(p.grad_sync_s, rel=1e-9)
+    md = overlapped.explain()
+    c = max(rows, key=lambda c: c["time_s"])
+    assert (f"| {c['time_s'] * 1e3:,.3f} | {c['per_step']:,.4g} | {c['time_s'] * c['per_step'] * 1e3:,.3f} | "
+            f"{c['exposed_s'] * c['per_step'] * 1e3:,.3f} |") in md  # fmt: skip
+    assert "pro rata to its sync time" in md
+
+
+def test_time_breakdown_shows_hidden_apart_from_the_step(overlapped):
+    md, page = overlapped.explain(), overlapped.explain("html")
+    hidden, exposed = overlapped.hidden_communication["comm_dp"], overlapped.time_breakdown["comm_dp"]
+    label = explain.TERM_LABELS["comm_dp"]
+    share = exposed / overlapped.predicted.step_time_s
+    assert f"| {label} | {exposed * 1e3:,.2f} | {share:.1%} | {hidden * 1e3:,.2f} |" in md
+    assert f"dp: {exposed * 1e3:,.2f} ms exposed, {hidden * 1e3:,.2f} ms hidden" in md
+    # the text bar's total is the step; the hidden part follows it, drawn apart
+    step = overlapped.predicted.step_time_s
+    assert re.search(rf"^chosen plan [^ ]*/+ {step * 1e3:,.2f} ms \(\+ {hidden * 1e3:,.2f} ms hidden\)$", md, re.M)
+    # the SVG draws it hatched, after the bar, and leaves it out of the total
+    assert 'fill="url(#hatch-step-time-ms-comm_dp)"' in page
+    assert f"{step * 1e3:,.2f} (+ {hidden * 1e3:,.2f} hidden)" in page
+
+
+def test_hidden_bars_stay_out_of_the_total():
+    from autopar.report_charts import bars_svg, bars_text
+
+    rows = [("a", {"x": 2.0, "y": 1.0})]
+    lines = bars_text(rows, unit="s", scale=1.0, hidden={"a": {"y": 3.0}})
+    assert lines[0].endswith(" 3.00 s (+ 3.00 s hidden)") and lines[0].count("/") == 25  # half of the 6 s axis
+    svg = bars_svg(rows, unit="s", scale=1.0, title="t", hidden={"a": {"y": 3.0}})
+    assert ">3.00 (+ 3.00 hidden)<" in svg and svg.count('fill="url(#hatch-t-y)"') == 2  # the bar and the legend
+    assert "hidden" not in "".join(bars_text(rows, unit="s", scale=1.0))
+
+
+def test_an_overlapped_plan_read_back_from_json_reports_identically(overlapped):
+    import json
+
+    again = autopar.Plan.from_json(overlapped.to_json())
+    assert again == overlapped
+    assert again.explain() == overlapped.explain() and again.explain("html") == overlapped.explain("html")
+    # a file written before plans carried hidden communication per axis: the data axis's, from predicted
+    old = json.loads(overlapped.to_json())
+    del old["hidden_communication"]
+    assert autopar.Plan.from_json(json.dumps(old)).hidden_communication == overlapped.hidden_communication
+    # and a plan without overlap writes no field, as before
+    assert "hidden_communication" not in json.loads(autopar.Plan.from_json(json.dumps(old | {
+        "predicted": old["predicted"] | {"grad_sync_hidden_s": 0.0}})).to_json())  # fmt: skip
