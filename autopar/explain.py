@@ -161,7 +161,36 @@ def _memory(plan) -> list:
         off = plan.activation_offload
         host.append(f"activations of {off.get('layers', 0)} layer(s): {_gib(off['bytes_per_device'])} GiB per device")
     blocks.append(("p", "On the host: " + ("; ".join(host) if host else "nothing (every state on the device).")))
-    return blocks
+    return blocks + _host_memory(plan)
+
+
+def _host_memory(plan) -> list:
+    """What each device keeps on the host, by kind, against its share of the node's host memory ([] if nothing)."""
+    held = {"optimizer": plan.offload.get("optimizer_bytes_per_device", 0.0),
+            "grads": plan.offload.get("grad_bytes_per_device", 0.0),
+            "activations": plan.activation_offload.get("bytes_per_device", 0.0)}  # fmt: skip
+    held = {k: v for k, v in held.items() if v}
+    if not held:
+        return []
+    capacity, per_node = plan.cluster.host_memory_bytes_per_device, plan.cluster.devices_per_node
+    total = sum(held.values())
+    rows = [[_MEMORY_WORDS[k], _gib(v), _gib(v * per_node)] for k, v in held.items()]
+    rows += [["**total**", _gib(total), _gib(total * per_node)],
+             ["host capacity", _gib(capacity), _gib(plan.cluster.host_memory_bytes)]]  # fmt: skip
+    chart = [("host, per device", held)]
+    limit = ("host capacity", capacity)
+    weights = plan.offload.get("param_bytes_per_device")
+    words = (f" The {_gib(weights)} GiB of weights per device whose optimizer states are on the host have no copy on "
+             "the device between uses: each gather brings them up from the host's fp32 master weights (counted with "
+             "the optimizer states)." if weights else "")  # fmt: skip
+    return [("h3", "Host memory"),
+            ("p", f"Bytes each device keeps on the host, by kind, against its share of the node's host memory "
+                  f"({_gib(capacity)} GiB of {_gib(plan.cluster.host_memory_bytes)} GiB over {per_node} devices): "
+                  f"{total / capacity:.1%} of it.{words}"),
+            ("table", ["kind", "GiB per device", "GiB per node"], rows),
+            ("chart", bars_svg(chart, unit="GiB", scale=GIB, title="Host memory per device (GiB)",
+                               labels=_MEMORY_WORDS, limit=limit),
+             bars_text(chart, unit="GiB", scale=GIB, labels=_MEMORY_WORDS, limit=limit))]  # fmt: skip
 
 
 _HIDING = {"comm_dp": "gradient all-reduces overlapping backward", "comm_tp": "resharding overlapping compute",

@@ -18,7 +18,7 @@ import html
 from dataclasses import dataclass
 
 # one colour per part, kept across charts so that "compute" is the same blue everywhere
-PALETTE = ("#3b7dd8", "#e8a33d", "#5aa469", "#d1495b", "#8e6bbf", "#edae49", "#66a182", "#2e4057", "#b0b0b0",
+PALETTE = ("#3b7dd8", "#e8a33d", "#5aa469", "#d1495b", "#8e6bbf", "#17a2b8", "#66a182", "#2e4057", "#b0b0b0",
            "#c97b63")  # fmt: skip
 TEXT_FILL = "#█▓▒░=+*~-"  # a character per part in text bars (after the first, which is "#")
 TEXT_WIDTH = 50
@@ -119,8 +119,9 @@ def bars_svg(rows: list[tuple[str, dict]], *, unit: str, scale: float, title: st
         y += bar_h + gap
     if limit is not None:
         lx = left + limit[1] / top * width
-        out.append(f'<line x1="{lx:.2f}" y1="22" x2="{lx:.2f}" y2="{y}" stroke="#000" stroke-dasharray="4,3"/>'
-                   f'<text x="{lx:.2f}" y="{y + 12}" text-anchor="middle">{_esc(limit[0])}</text>')  # fmt: skip
+        # named above the bars, where neither the axis labels nor a bar's total can cover it
+        out.append(f'<line x1="{lx:.2f}" y1="16" x2="{lx:.2f}" y2="{y}" stroke="#000" stroke-dasharray="4,3"/>'
+                   f'<text x="{lx - 3:.2f}" y="13" text-anchor="end">{_esc(limit[0])}</text>')  # fmt: skip
     out.append(f'<text x="{left}" y="{y + 12}">0</text><text x="{left + width}" y="{y + 12}" text-anchor="end">'
                f'{top / scale:,.2f} {_esc(unit)}</text>')  # fmt: skip
     y += 20

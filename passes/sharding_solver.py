@@ -980,7 +980,7 @@ class ShardingProgram:
 
     def host_capacity(self) -> float:
         """Host bytes one device may use: its share of its node's host memory."""
-        return self.cluster.host_memory_bytes / self.cluster.devices_per_node
+        return self.cluster.host_memory_bytes_per_device
 
     def add_offload_constraint(self) -> None:
         """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g = B_grad h_o,

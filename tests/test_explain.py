@@ -367,3 +367,38 @@ def test_an_overlapped_plan_read_back_from_json_reports_identically(overlapped):
     # and a plan without overlap writes no field, as before
     assert "hidden_communication" not in json.loads(autopar.Plan.from_json(json.dumps(old | {
         "predicted": old["predicted"] | {"grad_sync_hidden_s": 0.0}})).to_json())  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ host memory
+
+
+def test_host_memory_is_charted_by_kind_against_its_capacity(plans):
+    plan = plans["offload"]
+    off, cluster = plan.offload, plan.cluster
+    assert off["host_capacity_bytes_per_device"] == cluster.host_memory_bytes_per_device  # the solver's own capacity
+    md, page = plan.explain(), plan.explain("html")
+    gib = 1024**3
+    host = md[md.index("### Host memory") : md.index("## Time breakdown")]
+    assert f"| optimizer states | {off['optimizer_bytes_per_device'] / gib:,.2f} |" in host
+    assert f"| gradients | {off['grad_bytes_per_device'] / gib:,.2f} |" in host
+    assert f"| host capacity | {cluster.host_memory_bytes_per_device / gib:,.2f} |" in host
+    assert re.search(r"^host, per device .*\| [\d.,]+ GiB$", host, re.M) and "| host capacity" in host
+    svg = page[page.index('aria-label="Host memory per device (GiB)"') :].split("</svg>")[0]
+    assert "stroke-dasharray" in svg and ">host capacity<" in svg  # the capacity line
+    assert "optimizer states: " in svg and "gradients: " in svg  # a segment per kind
+    # a plan that keeps everything on the device has no host chart
+    assert "### Host memory" not in plans["plain"].explain()
+
+
+def test_host_memory_holds_offloaded_activations_too():
+    # llama2-70b on one node of A100-80GB: states and activations both go to the host (the golden offload case)
+    plan = autopar.plan("llama2-70b", "8xA100-80GB", global_batch_size=32, seq_len=4096, alternatives=False)
+    assert plan.offload and plan.activation_offload
+    md, gib = plan.explain(), 1024**3
+    held = (plan.offload["optimizer_bytes_per_device"] + plan.offload["grad_bytes_per_device"]
+            + plan.activation_offload["bytes_per_device"])  # fmt: skip
+    assert f"| activations | {plan.activation_offload['bytes_per_device'] / gib:,.2f} |" in md
+    assert f"| **total** | {held / gib:,.2f} |" in md
+    # what the solver let each device put there stays within its share of the node's host memory
+    assert held <= plan.cluster.host_memory_bytes_per_device
+    assert f"{held / plan.cluster.host_memory_bytes_per_device:.1%} of it" in md
