@@ -384,6 +384,13 @@ def _why(plan) -> list:
                        bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS, hidden=hidden)))  # fmt: skip
     else:
         blocks.append(("p", "No alternatives were priced for this plan (planned with alternatives=False)."))
+    searched = next((b for b in plan.baselines if b["name"] == "search"), None)
+    if searched is not None:
+        adopted = next((b for b in plan.baselines + plan.comparisons if b["name"] == plan.stats.get("adopted")), None)
+        label = adopted["label"] if adopted else plan.stats.get("adopted", "an alternative")
+        blocks.append(("p", f"The search's own answer ({searched['layout']}, {_ms(searched['step_time_s'])} ms) was "
+                            f"beaten by {label}, priced by the same cost model: the plan is that layout, and the "
+                            "search's answer is listed above as an alternative. The meshes below are the search's."))  # fmt: skip
     if plan.alternatives:
         blocks += [("h3", "Meshes solved"),
                    ("p", "Every factorisation of the world size into dp x tp was solved; each row is the optimum for "
@@ -391,9 +398,10 @@ def _why(plan) -> list:
                          "where memory required it.")]  # fmt: skip
         rows = []
         for alt in sorted(plan.alternatives, key=lambda a: (a["step_time_s"] is None, a["step_time_s"] or 0.0)):
-            chosen = alt["dp"] == plan.mesh.get("dp") and alt["tp"] == plan.mesh.get("tp")
+            mesh = alt["dp"] == plan.mesh.get("dp") and alt["tp"] == plan.mesh.get("tp")
+            chosen = " (chosen)" if mesh and searched is None else " (the search's answer)" if mesh else ""
             rows.append([
-                f"dp={alt['dp']} tp={alt['tp']}" + (" (chosen)" if chosen else ""), str(alt.get("num_microbatches", 1)),
+                f"dp={alt['dp']} tp={alt['tp']}" + chosen, str(alt.get("num_microbatches", 1)),
                 _ms(alt["step_time_s"]) if alt["feasible"] else "-",
                 _ms(alt["compute_s"]), _ms(alt["reshard_s"]), _ms(alt["grad_sync_s"]),
                 str(alt["zero_stage"]) if alt["feasible"] else "-", alt.get("recompute", "none") if alt["feasible"] else "-",

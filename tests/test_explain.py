@@ -402,3 +402,54 @@ def test_host_memory_holds_offloaded_activations_too():
     # what the solver let each device put there stays within its share of the node's host memory
     assert held <= plan.cluster.host_memory_bytes_per_device
     assert f"{held / plan.cluster.host_memory_bytes_per_device:.1%} of it" in md
+
+
+# ------------------------------------------------------------------- the chosen plan is never the slower one
+
+
+def test_a_free_plan_beaten_by_an_alternative_adopts_it(monkeypatch):
+    """A search that misses the best layout (made to answer with ZeRO-3's) is beaten by DDP, which the plan adopts;
+    the search's answer becomes an alternative, and the report stays consistent."""
+    import autopar.api as api
+
+    solve = api._solve
+
+    def missing(job, constraints, **kw):
+        return solve(job, constraints or {"zero": 3, "tp": 1}, **kw)
+
+    monkeypatch.setattr(api, "_solve", missing)
+    plan = _plan("llama", compare=["dp=2,zero=1"])
+    entries = {b["name"]: b for b in plan.baselines + plan.comparisons}
+    search = entries["search"]
+    assert search["zero_stage"] == 3 and search["step_time_s"] > plan.predicted.step_time_s
+    fitting = [b["step_time_s"] for b in entries.values() if b["feasible"]]
+    assert plan.predicted.step_time_s == min(fitting)  # never slower than any alternative that fits
+    adopted = entries[plan.stats["adopted"]]
+    assert adopted["step_time_s"] == plan.predicted.step_time_s and adopted["reason"] == "the chosen plan's layout"
+    # the grid point is priced again once the search's answer (taken as the best grid point) is beaten
+    assert entries["megatron"]["step_time_s"] <= search["step_time_s"]
+    assert entries["megatron"]["layout"] != search["layout"]
+    md = plan.explain()
+    assert f"The search's own answer ({search['layout']}, {search['step_time_s'] * 1e3:,.2f} ms) was beaten by" in md
+    assert "(the search's answer)" in md and "(chosen)" not in md  # the meshes table is the search's
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again == plan and again.explain() == md
+
+
+def test_the_search_is_never_beaten_on_the_golden_cases():
+    """Over the golden presets and clusters planned free, the search's own plan is at least as fast as every
+    alternative that fits: none had to be adopted (test_plan_snapshots keeps these files the planner's)."""
+    import json
+
+    from tests.plan_snapshots import CASES, GOLDEN
+
+    free = [name for name, (_, _, kw) in CASES.items() if not kw.get("constraints")]
+    assert len(free) >= 5
+    for name in free:
+        d = json.loads((GOLDEN / f"{name}.json").read_text())
+        assert d["baselines"], name
+        assert not any(b["name"] == "search" for b in d["baselines"]), name
+        step = d["predicted"]["step_time_s"]
+        for b in d["baselines"]:
+            if b["feasible"]:
+                assert step <= b["step_time_s"] * (1 + 1e-12), (name, b["name"])
