@@ -473,8 +473,11 @@ class ShardingProgram:
                               f"{num_microbatches} micro-batches")  # fmt: skip
         self.estimator, self.precision = estimator, precision
         self.zero_choices = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
-        if dp == 1:
-            self.zero_choices = self.zero_choices[:1] if zero_stage is not None else [0]
+        if dp == 1 and zero_stage is None:
+            # one rank shards nothing, so stages 2 and 3 are stage 1; stage 1 still differs from 0 where the
+            # precision holds its gradients leaner (mixed precision: the compute format, not fp32), as the pipeline
+            # search's stages and a pinned stage price it
+            self.zero_choices = [0, 1] if precision.grad_bytes_at(1) < precision.grad_bytes_at(0) else [0]
         self.budget = memory_budget_bytes
         self.batch = batch_dim_size
         # recompute modes to consider, the cheapest first; a pinned mode is the only one

@@ -453,3 +453,18 @@ def test_the_search_is_never_beaten_on_the_golden_cases():
         for b in d["baselines"]:
             if b["feasible"]:
                 assert step <= b["step_time_s"] * (1 + 1e-12), (name, b["name"])
+
+
+def test_the_search_tries_lean_gradients_on_one_device():
+    """llama2-7b on one A100-40GB offloads states: under mixed precision a ZeRO stage >= 1 holds gradients in bf16,
+    half of stage 0's fp32, so less goes to the host. The search once tried stage 0 only on a one-rank data axis,
+    and the ZeRO-3 alternative beat it; now the search's own plan is the fastest, with nothing to adopt."""
+    plan = autopar.plan("llama2-7b", "1xA100-40GB", global_batch_size=8, seq_len=2048)
+    assert plan.mesh == {"dp": 1, "tp": 1} and plan.offload and "adopted" not in plan.stats
+    assert not any(b["name"] == "search" for b in plan.baselines)
+    fitting = [b for b in plan.baselines if b["feasible"]]
+    assert {b["name"] for b in fitting} >= {"dp", "zero3"}
+    assert all(plan.predicted.step_time_s <= b["step_time_s"] * (1 + 1e-12) for b in fitting)
+    # ZeRO-0 (fp32 gradients) is the slower of the two: it keeps more on the host
+    ddp = next(b for b in fitting if b["name"] == "dp")
+    assert plan.zero_stage >= 1 and ddp["step_time_s"] > plan.predicted.step_time_s
