@@ -76,6 +76,8 @@ def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, tran
     return {k: terms.get(k, 0.0) for k in TERMS}
 
 
+# why a faster alternative did not replace the chosen plan (`loss_reason`), unless the caller knows better
+PINNED = "whose layout the constraints pin"
 # the hand layouts the report's "Why this plan" prices (`bench plans` prices every one of `standard_layouts`)
 REPORTED_LAYOUTS = ("dp", "zero3")
 
@@ -122,8 +124,9 @@ def layout_words(plan) -> str:
     return ", ".join(words)
 
 
-def entry(name: str, label: str, constraints: dict, priced, chosen) -> dict:
-    """One alternative for the report: `priced` is its Plan, or the autopar error that says why it cannot run."""
+def entry(name: str, label: str, constraints: dict, priced, chosen, kept: str = PINNED) -> dict:
+    """One alternative for the report: `priced` is its Plan, or the autopar error that says why it cannot run
+    (`kept`: see `loss_reason`)."""
     base = {"name": name, "label": label, "constraints": dict(constraints)}
     if isinstance(priced, Exception):
         return base | {"feasible": False, "layout": _constraint_words(constraints), "step_time_s": None,
@@ -142,17 +145,18 @@ def entry(name: str, label: str, constraints: dict, priced, chosen) -> dict:
         "memory": dict(p.memory_breakdown),
         "terms": dict(priced.time_breakdown),
         **({"hidden": dict(priced.hidden_communication)} if priced.hidden_communication else {}),
-        "reason": loss_reason(priced, chosen),
+        "reason": loss_reason(priced, chosen, kept),
     }
 
 
-def loss_reason(alt, chosen) -> str:
-    """One line: why `alt` (a Plan) lost to `chosen`, from the term that grew most."""
+def loss_reason(alt, chosen, kept: str = PINNED) -> str:
+    """One line: why `alt` (a Plan) lost to `chosen`, from the term that grew most; `kept` says why a faster `alt`
+    did not replace it."""
     t_alt, t_chosen = alt.predicted.step_time_s, chosen.predicted.step_time_s
     if _same_layout(alt, chosen):
         return "the chosen plan's layout"
-    if t_alt < t_chosen * (1 - 1e-9):  # only where the chosen plan is pinned (a free plan adopts a faster one)
-        return f"{1 - t_alt / t_chosen:.1%} faster than the chosen plan, whose layout the constraints pin"
+    if t_alt < t_chosen * (1 - 1e-9):  # a pinned plan, or one priced after planning (a free plan adopts a faster one)
+        return f"{1 - t_alt / t_chosen:.1%} faster than the chosen plan, {kept}"
     if t_alt <= t_chosen * (1 + 1e-9):
         return "as fast as the chosen plan"
     deltas = {k: alt.time_breakdown.get(k, 0.0) - chosen.time_breakdown.get(k, 0.0) for k in TERMS}
@@ -220,7 +224,8 @@ def layout_name(constraints: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in constraints.items())
 
 
-def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True, compare=(), adopt: bool = True):
+def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True, compare=(), adopt: bool = True,
+                   kept: str = PINNED):  # fmt: skip
     """`chosen` with its `baselines` and `comparisons` priced; the fastest plan of all when one beats it.
 
     Args:
@@ -233,6 +238,7 @@ def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True
         compare: the user's layouts ("tp=8,pp=4,zero=1" strings or constraint dicts).
         adopt: let a faster alternative replace `chosen` (False when the user pinned the layout: the
             alternatives are then listed next to the pinned plan, not put in its place).
+        kept: why a faster alternative did not replace `chosen`, as its one line says it (adopt=False).
     """
     say = say or (lambda msg: None)
     rows = []  # (name, label, constraints, Plan or error)
@@ -251,8 +257,8 @@ def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True
         chosen = _adopt(chosen, rows, mine, price, say)
     import dataclasses
 
-    return dataclasses.replace(chosen, baselines=tuple(entry(*r, chosen) for r in rows),
-                               comparisons=tuple(entry(*r, chosen) for r in mine))  # fmt: skip
+    return dataclasses.replace(chosen, baselines=tuple(entry(*r, chosen, kept) for r in rows),
+                               comparisons=tuple(entry(*r, chosen, kept) for r in mine))  # fmt: skip
 
 
 def _fastest(rows: list[tuple], chosen):

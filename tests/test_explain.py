@@ -468,3 +468,18 @@ def test_the_search_tries_lean_gradients_on_one_device():
     # ZeRO-0 (fp32 gradients) is the slower of the two: it keeps more on the host
     ddp = next(b for b in fitting if b["name"] == "dp")
     assert plan.zero_stage >= 1 and ddp["step_time_s"] > plan.predicted.step_time_s
+
+
+def test_compare_prices_layouts_against_the_plan_it_is_given():
+    """A layout compared with a pinned plan afterwards says how it compares with that plan, not with the plan a new
+    search would make (which, here, is that very layout)."""
+    args, kwargs = make_batch("llama", batch=8, seq=16)
+    pinned = _plan("llama", constraints={"tp": 2}, alternatives=False)
+    out = autopar.compare(pinned, "dp=2,zero=0", model=make_model("llama"), example_inputs=args,
+                          example_kwargs=kwargs)  # fmt: skip
+    assert out.predicted == pinned.predicted and out.mesh == {"dp": 1, "tp": 2}  # the plan stays what it was
+    (entry,) = out.comparisons
+    assert entry["feasible"] and entry["step_time_s"] < pinned.predicted.step_time_s
+    share = 1 - entry["step_time_s"] / pinned.predicted.step_time_s
+    assert entry["reason"].startswith(f"{share:.1%} faster than the chosen plan, which was planned before")
+    assert f"In one line: {entry['reason']}." in out.explain()
