@@ -206,7 +206,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
          seq_len: int | None = None, constraints: dict | None = None, memory_budget=None, offload: bool | None = None,
          precision: str | None = None, estimator=None, progress: Callable[[str], None] | None = None,
          pipeline: bool | None = None, fuse_kernels: bool | None = None, compare=(), alternatives: bool | None = None,
-         _traced=None) -> Plan:  # fmt: skip
+         _traced=None, _against: Plan | None = None) -> Plan:  # fmt: skip
     """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
 
     Args:
@@ -240,6 +240,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
             the plans `compile` makes for itself (`_traced` given).
         _traced: the TracedModel of `model` when the caller has one already (compile does); its graph is
             fused in place when fusion is on.
+        _against: a plan made before (`autopar.compare`): no search, the `compare` layouts are priced next to
+            it, and it is never replaced by one of them.
     """
     cluster = _as_cluster(cluster)
     constraints = dict(constraints or {})
@@ -280,15 +282,17 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     est = _estimator(estimator, cluster, precision)
     job = _Job(graph, name, cluster, est, precision, budget, offload, pipeline, batch, args, kwargs, fusion, t0,
                t_trace, say, cp=cp)  # fmt: skip
-    chosen, runner_up = _solve(job, constraints)
+    chosen, runner_up = (_against, None) if _against is not None else _solve(job, constraints)
     if alternatives is None:
         alternatives = _traced is None  # compile's own planning builds a program, never a report
     if alternatives or compare:
-        from autopar.rationale import with_rationale
+        from autopar.rationale import PINNED, with_rationale
 
         t_alt = time.perf_counter()
         chosen = with_rationale(chosen, runner_up, lambda pins: _solve(job, pins, quiet=True)[0], say=say,
-                                baselines=alternatives, compare=compare or (), adopt=not constraints)  # fmt: skip
+                                baselines=alternatives, compare=compare or (),
+                                adopt=not constraints and _against is None,
+                                kept=PLANNED_BEFORE if _against is not None else PINNED)  # fmt: skip
         chosen = dataclasses.replace(chosen, stats=chosen.stats | {
             "alternatives_time_s": round(time.perf_counter() - t_alt, 3),
             "total_time_s": round(time.perf_counter() - t0, 3)})  # fmt: skip
@@ -296,6 +300,10 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
     return dataclasses.replace(chosen, stats=stats, assumptions=_assumptions(est, cluster, budget))
+
+
+# why a layout `compare` prices faster than the plan did not replace it (`rationale.loss_reason`)
+PLANNED_BEFORE = "which was planned before this layout was priced"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -399,7 +407,7 @@ def _pipeline_runner_up(job: _Job, psol, chosen: Plan):
 
 def _sharded_plan(job: _Job, sol) -> Plan:
     """The Plan of a layout without a pipeline (mesh dp x tp), from the sharding solver's solution."""
-    from autopar.rationale import sharded_terms
+    from autopar.rationale import hidden_terms, sharded_terms
 
     graph, cluster, precision = job.graph, job.cluster, job.precision
     tokens = _tokens(job.args, job.kwargs)
@@ -461,6 +469,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         stats=stats,
         fusion=job.fusion,
         time_breakdown=terms,
+        hidden_communication=hidden_terms(grad_sync_hidden_s=sol.grad_sync_hidden_s),
     )
 
 
@@ -795,8 +804,9 @@ def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=N
           "memory_budget": plan.assumptions.get("memory_budget_bytes")} | plan_kwargs  # fmt: skip
     if model is None or isinstance(model, str):
         kw |= {"global_batch_size": plan.global_batch_size, "seq_len": plan.tokens_per_step // plan.global_batch_size}
+    # priced next to `plan` itself, so that each layout's one line says how it compares with this plan
     priced = _plan(model if model is not None else plan.model_name, plan.cluster, example_inputs, example_kwargs,
-                   alternatives=False, compare=list(layouts), **kw)  # fmt: skip
+                   alternatives=False, compare=list(layouts), _against=plan, **kw)  # fmt: skip
     return dataclasses.replace(plan, comparisons=tuple(plan.comparisons) + tuple(priced.comparisons))
 
 

@@ -473,8 +473,11 @@ class ShardingProgram:
                               f"{num_microbatches} micro-batches")  # fmt: skip
         self.estimator, self.precision = estimator, precision
         self.zero_choices = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
-        if dp == 1:
-            self.zero_choices = self.zero_choices[:1] if zero_stage is not None else [0]
+        if dp == 1 and zero_stage is None:
+            # one rank shards nothing, so stages 2 and 3 are stage 1; stage 1 still differs from 0 where the
+            # precision holds its gradients leaner (mixed precision: the compute format, not fp32), as the pipeline
+            # search's stages and a pinned stage price it
+            self.zero_choices = [0, 1] if precision.grad_bytes_at(1) < precision.grad_bytes_at(0) else [0]
         self.budget = memory_budget_bytes
         self.batch = batch_dim_size
         # recompute modes to consider, the cheapest first; a pinned mode is the only one
@@ -980,7 +983,7 @@ class ShardingProgram:
 
     def host_capacity(self) -> float:
         """Host bytes one device may use: its share of its node's host memory."""
-        return self.cluster.host_memory_bytes / self.cluster.devices_per_node
+        return self.cluster.host_memory_bytes_per_device
 
     def add_offload_constraint(self) -> None:
         """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g = B_grad h_o,
@@ -1692,7 +1695,7 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
                             activation_offload=best.activation_offload, optimizer_s=best.optimizer_s,
                             recompute_s=best.recompute_s, grad_sync_hidden_s=best.grad_sync_hidden_s,
                             tensor_split=tensor_split_report(prog, chosen),
-                            layer_ops=layer_ops_report(prog, chosen, best.zero_stage),
+                            layer_ops=layer_ops_report(prog, chosen, best.zero_stage, exposed_fraction(best)),
                             cp=cp_report(prog.cp))  # fmt: skip
 
 
@@ -1748,7 +1751,15 @@ _SYNC_WORDS = {0: "all_reduce of the gradient", 1: "reduce_scatter of the gradie
                   "backward"}  # fmt: skip
 
 
-def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int) -> tuple[dict, ...]:
+def exposed_fraction(res: MeshResult) -> float:
+    """The share of the data axis's sync that the step waits for: E / sum(Sync) of `add_overlap_constraint` at the
+    optimum `res` (its grad_sync_s is E, its grad_sync_hidden_s the rest), 1 where nothing is hidden."""
+    whole = res.grad_sync_s + res.grad_sync_hidden_s
+    return res.grad_sync_s / whole if res.grad_sync_hidden_s > 0 and whole > 0 else 1.0
+
+
+def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
+                     exposed: float = 1.0) -> tuple[dict, ...]:  # fmt: skip
     """Per deduplicated layer of `prog`'s layout `chosen` (and one entry for what runs outside the layers):
     its parameters and ops with their placements on the tensor axis, and the collectives the layout inserts,
     as the program priced them.
@@ -1758,6 +1769,12 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int) 
     "pass" ("forward", "backward" or "step"), "arg", "from", "bytes" (the full tensor on one data-parallel rank
     for one micro-batch), "time_s" (one run), "per_step" (runs per step: layers x micro-batches)}. Followers
     (views, elementwise ops that keep their producer's layout) without a collective are left out.
+
+    `exposed` (`exposed_fraction`): where overlap hides part of the data axis's sync, each parameter's dp
+    collective also carries "exposed_s", the part of one run the step waits for. The program prices the overlap
+    for the step as a whole (E of `add_overlap_constraint`), not per bucket, so the exposed time is apportioned
+    pro rata to each parameter's sync time: exposed_s = time_s x E / sum(Sync). The one bucket latency a step
+    pays (`sync_floor`) is in no row; its exposed share is the rest of E.
     """
     graph, tp_link = prog.graph, prog.tp_link
     found: dict[str, list] = defaultdict(list)  # consumer -> its collectives
@@ -1797,7 +1814,8 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int) 
                 local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
                 words = "all_reduce of the gradient (bucketed)" if prog.runs_plain(stage) else _SYNC_WORDS[stage]
                 ops.append({"kind": words, "axis": "dp", "pass": "step", "arg": None, "from": source(name),
-                            "bytes": local * prog.precision.grad_bytes, "time_s": t, "per_step": grp.count})  # fmt: skip
+                            "bytes": local * prog.precision.grad_bytes, "time_s": t, "per_step": grp.count}
+                           | ({"exposed_s": t * exposed} if exposed < 1.0 else {}))  # fmt: skip
         if kind not in (NodeKind.PARAM, NodeKind.COMPUTE) or (gname != name and not ops):
             continue
         container = graph.node_layer.get(name, (None, None))[0] or ""
