@@ -157,10 +157,10 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
 
     Hardware FLOPs count the forward of every node the plan runs again (`recompute` in every layer, or
     each mode of `layer_modes` in its layers); model FLOPs do not. A graph traced for a cp plan holds each
-    sequence as cp chunks: its attention nodes count (seq/cp)² scores per chunk, cp times fewer than the
-    whole sequence's, so they count cp times.
+    sequence as cp chunks whose attention nodes score (seq/cp)² pairs under a mask built from the chunk's
+    shape: they count as the cp program runs them, over whole sequences and causal by global position
+    (`passes.context_parallel.cp_attention_flops`), so model FLOPs do not depend on the layout.
     """
-    from autopar.cost_model.compute import estimate_node_cost
     from autopar.passes.activation_plan import model_layers
     from autopar.passes.recompute import recompute_segments, recomputed_nodes
 
@@ -178,13 +178,22 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
         times = graph.layer_count.get(node.name, 1)
         if node.op != "call_function" or not times:
             continue
-        cost = estimate_node_cost(node)
-        if cp > 1 and str(node.target) in _ATTENTION_TARGETS:
-            times *= cp
-        hardware += times * (cost.flops + cost.backward_flops + cost.flops * again.get(node.name, 0.0))
+        fwd, bwd = _node_flops(node, cp)
+        hardware += times * (fwd + bwd + fwd * again.get(node.name, 0.0))
         if str(node.target) in _ATTENTION_TARGETS:
-            attention += times * (cost.flops + cost.backward_flops)
+            attention += times * (fwd + bwd)
     return 6.0 * (graph.num_parameters() - _lookup_only_parameters(graph)) * tokens + attention, hardware
+
+
+def _node_flops(node, cp: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs of one node; an attention node of a cp graph over whole sequences."""
+    from autopar.cost_model.compute import estimate_node_cost
+    from autopar.passes.context_parallel import cp_attention_flops
+
+    if cp > 1 and str(node.target) in _ATTENTION_TARGETS:
+        return cp_attention_flops(node, cp)
+    cost = estimate_node_cost(node)
+    return cost.flops, cost.backward_flops
 
 
 def _lookup_only_parameters(graph: OpGraph) -> int:

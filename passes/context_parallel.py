@@ -30,7 +30,12 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.attention import CPAlgorithm
 from autopar.context_parallel.inputs import LAYOUT
-from autopar.cost_model.context_parallel import CPAttentionCost, CPAttentionShape, estimate_cp_attention
+from autopar.cost_model.context_parallel import (
+    CPAttentionCost,
+    CPAttentionShape,
+    attention_flops,
+    estimate_cp_attention,
+)
 from autopar.cost_model.devices import DType
 from autopar.errors import ConfigError
 
@@ -116,6 +121,33 @@ def check_cp_graph(graph: fx.Graph, spec: CPSpec) -> list[fx.Node]:
     return attn
 
 
+def attention_shape(node: fx.Node, degree: int, batch: int, divisor: int = 1) -> CPAttentionShape:
+    """The whole-sequence attention layer an attention node of a graph traced for cp `degree` stands for.
+
+    Args:
+        node: the attention node, on a chunk of ``seq/degree`` tokens.
+        batch: the sequences it runs on (the traced node holds `degree` rows per sequence).
+        divisor: the tensor axis's split of the heads (kept whole when it does not divide them).
+    """
+    q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if divisor > 1 and heads % divisor == 0 and kv_heads % divisor == 0:
+        heads, kv_heads = heads // divisor, kv_heads // divisor
+    return CPAttentionShape(batch=max(1, batch), heads=heads, kv_heads=kv_heads, seq_len=q.shape[2] * degree,
+                            head_dim=q.shape[3], bytes_per_element=q.element_size())  # fmt: skip
+
+
+def cp_attention_flops(node: fx.Node, degree: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs of an attention node of a graph traced for cp `degree`, over whole sequences.
+
+    The traced node runs ``degree·batch`` chunks of ``seq/degree`` tokens under the mask the model built from the
+    chunk's shape; what the cp program runs is attention over whole sequences, causal by global position
+    (`attention_causal`). Its FLOPs are those of the plan without cp (`attention_flops`).
+    """
+    batch = node.args[0].meta["val"].shape[0] // degree
+    return attention_flops(attention_shape(node, degree, batch), causal=attention_causal(node))
+
+
 @dataclass(frozen=True, slots=True)
 class CPPricing:
     """What cp attention costs on one mesh: the algorithm used and each algorithm's price (or why it cannot run).
@@ -134,13 +166,7 @@ class CPPricing:
     def cost(self, node: fx.Node, local_batch: int, divisor: int = 1,
              algorithm: CPAlgorithm | None = None) -> CPAttentionCost:  # fmt: skip
         """One attention node's cost per micro-batch on the busiest rank; `divisor` splits its heads (tp)."""
-        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-        heads, kv_heads = q.shape[1], k.shape[1]
-        if divisor > 1 and heads % divisor == 0 and kv_heads % divisor == 0:
-            heads, kv_heads = heads // divisor, kv_heads // divisor
-        shape = CPAttentionShape(batch=max(1, local_batch), heads=heads, kv_heads=kv_heads,
-                                 seq_len=q.shape[2] * self.degree, head_dim=q.shape[3],
-                                 bytes_per_element=q.element_size())  # fmt: skip
+        shape = attention_shape(node, self.degree, local_batch, divisor)
         return estimate_cp_attention(shape, self.degree, causal=attention_causal(node), layout=LAYOUT,
                                      algorithm=algorithm or self.algorithm,
                                      link=self.cluster.link_for_axis(*self.link_axis), compute=self.cluster.device,

@@ -49,6 +49,34 @@ def test_cp_halves_per_device_activations():
     assert 0.4 <= ratio <= 0.6, ratio
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_model_flops_of_a_cp_plan_are_those_of_the_plan_without_cp(cp):
+    # Model FLOPs do not depend on the layout. By hand (tiny LLaMA, `cost_model.compute`'s conventions): 6 per
+    # matmul parameter per token (the untied input embedding is a lookup) plus, per layer, causal attention
+    # over the whole sequence: forward 4·b·h·S²·d/2, backward 2.5x. The cp graph's attention runs on chunks
+    # under a mask the model built from the chunk's shape (zig-zag chunks are not provably causal, so it stays
+    # unfused), which must not count as a non-causal attention. On a GPU cluster, where the plan without cp
+    # fuses its provably causal mask into a causal flash attention.
+    batch, seq, layers, heads, head_dim, hidden = 4, 32, 2, 4, 16, 64
+    args, kwargs = make_batch("llama", batch=batch, seq=seq)
+    model = make_model("llama").to("meta")
+    args, kwargs = (args[0].to("meta"),), {"labels": kwargs["labels"].to("meta")}
+    cluster = f"{cp}xH100-80GB"
+    none = autopar.plan(model, cluster, args, kwargs, constraints={"tp": 1}, alternatives=False)
+    split = autopar.plan(model, cluster, args, kwargs, constraints={"cp": cp, "tp": 1}, alternatives=False)
+    attention = layers * 3.5 * 4 * batch * heads * seq**2 * head_dim / 2
+    by_hand = 6 * (none.num_parameters - VOCAB * hidden) * batch * seq + attention
+    assert split.mesh["cp"] == cp and "cp" not in none.mesh
+    assert split.tokens_per_step == none.tokens_per_step == batch * seq
+    # the same integers summed in another order: equal to float rounding
+    assert none.model_flops_per_step == pytest.approx(by_hand, rel=1e-12)
+    assert split.model_flops_per_step == pytest.approx(by_hand, rel=1e-12)
+    # what the cp program executes: the same matmuls and attention; only the elementwise ops the model builds
+    # its mask with from the chunk's shape differ (0.03% here; counting the attention as unmasked is 5%)
+    assert split.hardware_flops_per_step == pytest.approx(none.hardware_flops_per_step, rel=1e-3)
+    assert 0 < split.predicted.mfu < 1
+
+
 def test_cp_that_does_not_divide_the_world_is_refused():
     with pytest.raises(ConfigError, match="does not divide the world size 4"):
         _plan("cpu:4", {"cp": 3})
