@@ -433,7 +433,9 @@ def _searched(c: int, result, degrees: list[int], results: dict) -> dict:
                       "memory_breakdown": dict(p.memory_breakdown), "algorithm":
                       result[0].context_parallel.get("algorithm"), "reason": ""}  # fmt: skip
     if isinstance(result, Exception):
-        return out | {"reason": str(result).split(";")[0]}
+        need = re.search(r"needs at least ([0-9.,]+ \w+) per device", str(result))
+        return out | {"reason": f"does not fit: needs at least {need.group(1)} per device" if need
+                      else str(result).split(";")[0]}  # fmt: skip
     higher = [d for d in degrees if d > c and d in results]
     lowest = min(higher) if higher else None
     if lowest is not None and isinstance(results[lowest], InfeasiblePlanError):
