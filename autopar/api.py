@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 import time
 import warnings
@@ -12,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from autopar.cluster import ClusterSpec
+from autopar.cp_search import cp_degrees, search_cp
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted
@@ -272,9 +274,10 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     fuse = default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels)
     settings = _Settings(name, cluster, _estimator(estimator, cluster, precision), precision, budget, offload,
                          pipeline, fuse, t0, say)  # fmt: skip
-    degrees = _cp_degrees(constraints, cluster, args, kwargs, compare, pipeline) if _traced is None else []
+    degrees = cp_degrees(constraints, cluster.world_size, args, kwargs, compare, pipeline) if _traced is None else []
     if len(degrees) > 1:
-        chosen, runner_up, job = _search_cp(settings, module, model, args, kwargs, constraints, degrees)
+        price = functools.partial(_plan_at, settings, module, model, args, kwargs, constraints)
+        chosen, runner_up, job = search_cp(price, degrees)
     else:
         chosen, runner_up, job = _plan_at(settings, module, model, args, kwargs, constraints, cp, _traced)
     if job.cp > 1:
@@ -338,111 +341,6 @@ def _plan_at(st: _Settings, module, model, args, kwargs, constraints: dict, cp: 
                kwargs, fusion, st.t0, t_trace, st.say, cp=cp)  # fmt: skip
     chosen, runner_up = _solve(job, constraints | ({"cp": cp} if cp > 1 else {}))
     return chosen, runner_up, job
-
-
-# A rank's share of a sequence below which cp is not searched: ring blocks this short cannot hide their hop
-# behind their attention on a GPU, and a sequence this short holds few activations against the model states.
-MIN_CP_CHUNK_TOKENS = 4096
-
-
-def _cp_degrees(constraints: dict, cluster: ClusterSpec, args, kwargs, compare, pipeline) -> list[int]:
-    """The cp degrees an unpinned plan prices, ascending, 1 (no cp) first; [1] when none applies.
-
-    Powers of two that divide the world (and what pinned dp and tp leave of it) and leave every rank two zig-zag
-    chunks of the sequence of at least `MIN_CP_CHUNK_TOKENS` together. None when cp is pinned, the inputs cannot
-    be split (a padding mask, no token ids), or the plan is a pipeline or compares layouts (not supported with
-    cp yet).
-    """
-    from autopar.context_parallel.inputs import check_cp_inputs, sequence_length
-
-    if "cp" in constraints or (constraints.get("pp") or 1) > 1 or pipeline or compare:
-        return [1]
-    try:
-        seq = sequence_length(args, kwargs)
-        check_cp_inputs(args, kwargs, 1)
-    except ConfigError:
-        return [1]
-    room = cluster.world_size // ((constraints.get("dp") or 1) * (constraints.get("tp") or 1))
-    out, c = [1], 2
-    while c <= room and room % c == 0 and seq % (2 * c) == 0 and seq // c >= MIN_CP_CHUNK_TOKENS:
-        out.append(c)
-        c *= 2
-    return out
-
-
-def _search_cp(st: _Settings, module, model, args, kwargs, constraints: dict, degrees: list[int]):
-    """The fastest plan over the cp degrees `degrees` (ascending, 1 first): (plan, runner-up, job).
-
-    At a fixed tensor axis every degree gives a device the same tokens per step (the data axis dp·cp has the same
-    size); what cp changes is the smallest micro-batch, one chunk of seq/cp tokens instead of a whole sequence,
-    at the price of attention's communication. Degrees above 1 are priced from the largest down, then 1:
-
-    * a degree that does not fit means no smaller one does, 1 included (each holds more of a sequence at once per
-      device, with the same states): the search stops there (a sound cut);
-    * a degree slower than the one above it has met the memory measures (recompute, micro-batches, a wider
-      tensor axis) that more splitting avoided, and halving cp again only needs more of them: the degrees
-      between it and 1 are not priced (a cut that assumes the step time has one minimum over the degrees);
-      1 is, as the plan without cp is what every cp plan must beat.
-
-    The plan records every degree with its step time and memory, or why it was not priced
-    (``context_parallel["search"]``).
-    """
-    results: dict[int, tuple | Exception] = {}
-    for c in reversed(degrees):
-        try:
-            results[c] = _plan_at(st, module, model, args, kwargs, constraints, c)
-        except InfeasiblePlanError as e:
-            results[c] = e
-            break
-        except ConfigError as e:
-            if c == 1:
-                raise
-            # this model cannot be split by cp (a token-mixing convolution, no attention op): plan it without
-            results.update({d: e for d in degrees if d > 1})
-            results[1] = _plan_at(st, module, model, args, kwargs, constraints, 1)
-            break
-        above = results.get(2 * c)
-        if c > 1 and isinstance(above, tuple) and results[c][0].predicted.step_time_s >= above[0].predicted.step_time_s:
-            if 1 not in results:
-                results[1] = _price_without_cp(st, module, model, args, kwargs, constraints)
-            break
-    plans = {c: r for c, r in results.items() if isinstance(r, tuple)}
-    if not plans:
-        raise next(r for r in results.values() if isinstance(r, InfeasiblePlanError))
-    best = min(plans, key=lambda c: (plans[c][0].predicted.step_time_s, c))
-    chosen, runner_up, job = plans[best]
-    record = [_searched(c, results.get(c), degrees, results) for c in degrees]
-    cp_info = dict(chosen.context_parallel) if best > 1 else {"degree": 1}
-    return dataclasses.replace(chosen, context_parallel=cp_info | {"search": record}), runner_up, job
-
-
-def _price_without_cp(st: _Settings, module, model, args, kwargs, constraints: dict):
-    """(plan, runner-up, job) without cp, or the InfeasiblePlanError that says it does not fit."""
-    try:
-        return _plan_at(st, module, model, args, kwargs, constraints, 1)
-    except InfeasiblePlanError as e:
-        return e
-
-
-def _searched(c: int, result, degrees: list[int], results: dict) -> dict:
-    """One degree of the cp search as the plan records it: its price, or why it was not priced."""
-    out = {"degree": c, "feasible": False, "step_time_s": None, "peak_memory_bytes": None}
-    if isinstance(result, tuple):
-        p = result[0].predicted
-        return out | {"feasible": True, "step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes,
-                      "memory_breakdown": dict(p.memory_breakdown), "algorithm":
-                      result[0].context_parallel.get("algorithm"), "reason": ""}  # fmt: skip
-    if isinstance(result, Exception):
-        need = re.search(r"needs at least ([0-9.,]+ \w+) per device", str(result))
-        return out | {"reason": f"does not fit: needs at least {need.group(1)} per device" if need
-                      else str(result).split(";")[0]}  # fmt: skip
-    higher = [d for d in degrees if d > c and d in results]
-    lowest = min(higher) if higher else None
-    if lowest is not None and isinstance(results[lowest], InfeasiblePlanError):
-        why = f"not priced: cp={lowest} does not fit, and cp={c} holds more of a sequence per device"
-    else:
-        why = f"not priced: cp={lowest} was slower than cp={2 * lowest}, and less cp only adds memory measures"
-    return out | {"reason": why}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

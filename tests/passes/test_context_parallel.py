@@ -168,7 +168,7 @@ def test_search_picks_cp_where_a_sequence_does_not_fit_without_it():
 
 
 def test_search_picks_no_cp_where_it_does_not_help():
-    from autopar.api import MIN_CP_CHUNK_TOKENS
+    from autopar.cp_search import MIN_CP_CHUNK_TOKENS
 
     # 16K tokens and no memory pressure: every degree is priced, and splitting only adds attention's traffic
     model, args, kwargs = _wide_llama(16384)
@@ -211,3 +211,13 @@ def test_allgather_keeps_the_gathered_kv_of_every_layer():
     kv = 2 * per_microbatch * kv_heads * seq * head_dim * 2
     extra = gather.predicted.memory_breakdown["activations"] - ring.predicted.memory_breakdown["activations"]
     assert extra == pytest.approx(layers * kv, rel=1e-9)  # the same layout otherwise: exact but for float sums
+
+
+def test_search_plans_a_model_cp_cannot_split_without_cp():
+    # A token-mixing convolution: the searched degree is refused with the reason, and the plan has no cp axis
+    ids = torch.randint(0, VOCAB, (4, 8192))
+    plan = autopar.plan(_TokenModel(conv=True), "2xH100-80GB", (ids,), {"labels": ids}, alternatives=False)
+    assert "cp" not in plan.mesh
+    search = {r["degree"]: r for r in plan.context_parallel["search"]}
+    assert search[1]["feasible"] and search[1]["step_time_s"] == plan.predicted.step_time_s
+    assert not search[2]["feasible"] and "mix neighbouring tokens" in search[2]["reason"]
