@@ -6,6 +6,7 @@ Each row is what `autopar plan --model llama3-8b --cluster CLUSTER --global-batc
     python examples/long_context_sweep.py                 # 32K..256K on 8xH100-80GB, 1M on 8x8xH100-80GB
     python examples/long_context_sweep.py --quick         # 32K and 128K only
     python examples/long_context_sweep.py --json out.json # also write every row as JSON
+    python examples/long_context_sweep.py --markdown examples/reports/llama3-8b-long-context.md
 
 Columns: the mesh (dp x cp x tp), cp degree and attention algorithm, micro-batches and recompute, predicted
 step time, tokens/s per GPU and MFU, peak memory per device, the degrees the search priced (step time, or why
@@ -73,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="32K and 128K only")
     parser.add_argument("--json", help="write the rows to this JSON file")
+    parser.add_argument("--markdown", help="write the table and each row's searched degrees to this Markdown file")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # per-op notes of the solver, not results
     rows = []
@@ -86,6 +88,23 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(rows))
+
+
+def markdown(rows: list[dict]) -> str:
+    """The sweep as a page: how it was made, the table, and the cp degrees each plan priced."""
+    lines = ["# LLaMA-3-8B at long sequences: the cp layouts autopar plans", "",
+             f"Made by `python examples/long_context_sweep.py` (autopar.plan of {MODEL}, global batch {BATCH}, cp "
+             "unpinned; analytic cost model, bf16). Planning times are wall-clock seconds of the `plan` call on the "
+             "machine that ran it, and vary with its load.", "", table(rows), "",
+             "## The cp degrees each plan priced", ""]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"- {r['cluster']}, {r['seq_len'] // 1024}K tokens: " + "; ".join(f"cp={s}" for s in r["searched"])
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
