@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 import time
 import warnings
@@ -12,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from autopar.cluster import ClusterSpec
+from autopar.cp_search import cp_degrees, search_cp
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted
@@ -157,10 +159,10 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
 
     Hardware FLOPs count the forward of every node the plan runs again (`recompute` in every layer, or
     each mode of `layer_modes` in its layers); model FLOPs do not. A graph traced for a cp plan holds each
-    sequence as cp chunks: its attention nodes count (seq/cp)² scores per chunk, cp times fewer than the
-    whole sequence's, so they count cp times.
+    sequence as cp chunks whose attention nodes score (seq/cp)² pairs under a mask built from the chunk's
+    shape: they count as the cp program runs them, over whole sequences and causal by global position
+    (`passes.context_parallel.cp_attention_flops`), so model FLOPs do not depend on the layout.
     """
-    from autopar.cost_model.compute import estimate_node_cost
     from autopar.passes.activation_plan import model_layers
     from autopar.passes.recompute import recompute_segments, recomputed_nodes
 
@@ -178,13 +180,22 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
         times = graph.layer_count.get(node.name, 1)
         if node.op != "call_function" or not times:
             continue
-        cost = estimate_node_cost(node)
-        if cp > 1 and str(node.target) in _ATTENTION_TARGETS:
-            times *= cp
-        hardware += times * (cost.flops + cost.backward_flops + cost.flops * again.get(node.name, 0.0))
+        fwd, bwd = _node_flops(node, cp)
+        hardware += times * (fwd + bwd + fwd * again.get(node.name, 0.0))
         if str(node.target) in _ATTENTION_TARGETS:
-            attention += times * (cost.flops + cost.backward_flops)
+            attention += times * (fwd + bwd)
     return 6.0 * (graph.num_parameters() - _lookup_only_parameters(graph)) * tokens + attention, hardware
+
+
+def _node_flops(node, cp: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs of one node; an attention node of a cp graph over whole sequences."""
+    from autopar.cost_model.compute import estimate_node_cost
+    from autopar.passes.context_parallel import cp_attention_flops
+
+    if cp > 1 and str(node.target) in _ATTENTION_TARGETS:
+        return cp_attention_flops(node, cp)
+    cost = estimate_node_cost(node)
+    return cost.flops, cost.backward_flops
 
 
 def _lookup_only_parameters(graph: OpGraph) -> int:
@@ -260,29 +271,24 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
                                                 global_batch_size, seq_len)  # fmt: skip
     cp = _check_cp(constraints, cluster, args, kwargs, compare, pipeline)
-    if cp > 1:  # traced on the cp ranks' shares stacked on the batch (`context_parallel.inputs`)
-        args, kwargs = _cp_traced_batch(module, args, kwargs, cp)
-        alternatives = False  # the hand layouts are priced without cp; their comparison with a cp plan is to come
-    say(f"tracing {name}")
-    from autopar.passes.fused_ops import default_fusion, fuse_traced, fusion_report, fusion_summary
+    from autopar.passes.fused_ops import default_fusion
 
     fuse = default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels)
-    graph = None
-    if _traced is None and isinstance(model, str):
-        graph = _trace_shortened(module, args, kwargs, say, fuse)
-    if graph is None:
-        traced = _traced if _traced is not None else _trace_in_format(module, args, kwargs, precision)
-        traced = fuse_traced(traced) if fuse else traced
-        frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
-        graph = OpGraph.from_traced(traced, frozen_params=frozen)
-    t_trace = time.perf_counter() - t0
-    fusion = fusion_summary(fuse, fusion_report(graph.traced), graph.layer_count)
-    batch = _batch_size(args, kwargs)
-    say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} deduplicated)")
-    est = _estimator(estimator, cluster, precision)
-    job = _Job(graph, name, cluster, est, precision, budget, offload, pipeline, batch, args, kwargs, fusion, t0,
-               t_trace, say, cp=cp)  # fmt: skip
-    chosen, runner_up = (_against, None) if _against is not None else _solve(job, constraints)
+    settings = _Settings(name, cluster, _estimator(estimator, cluster, precision), precision, budget, offload,
+                         pipeline, fuse, t0, say)  # fmt: skip
+    degrees = (
+        cp_degrees(constraints, cluster.world_size, args, kwargs, compare, pipeline)
+        if _traced is None and _against is None
+        else []
+    )
+    if len(degrees) > 1:
+        price = functools.partial(_plan_at, settings, module, model, args, kwargs, constraints)
+        chosen, runner_up, job = search_cp(price, degrees)
+    else:
+        chosen, runner_up, job = _plan_at(settings, module, model, args, kwargs, constraints, cp, _traced,
+                                          against=_against)  # fmt: skip
+    if job.cp > 1:
+        alternatives = False  # the hand layouts are priced without cp; their comparison with a cp plan is to come
     if alternatives is None:
         alternatives = _traced is None  # compile's own planning builds a program, never a report
     if alternatives or compare:
@@ -299,7 +305,55 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     config = getattr(module, "config", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
-    return dataclasses.replace(chosen, stats=stats, assumptions=_assumptions(est, cluster, budget))
+    stats["total_time_s"] = round(time.perf_counter() - t0, 3)  # a searched plan may have been priced first
+    return dataclasses.replace(chosen, stats=stats, assumptions=_assumptions(settings.est, cluster, budget))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Settings:
+    """What every cp degree a `plan` call prices shares: the model's name, the cluster and the planning knobs."""
+
+    name: str
+    cluster: ClusterSpec
+    est: object
+    precision: str
+    budget: float | None
+    offload: bool | None
+    pipeline: bool | None
+    fuse: bool
+    t0: float
+    say: Callable[[str], None]
+
+
+def _plan_at(st: _Settings, module, model, args, kwargs, constraints: dict, cp: int, traced=None, *,
+             against: Plan | None = None):  # fmt: skip
+    """(plan, runner-up, job) of `module` traced for cp degree `cp` (1: none) and solved under `constraints`;
+    with `against` (a plan made before, `autopar.compare`), that plan and no search."""
+    from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
+
+    if cp > 1:  # traced on the cp ranks' shares stacked on the batch (`context_parallel.inputs`)
+        args, kwargs = _cp_traced_batch(module, args, kwargs, cp)
+    t_start = time.perf_counter()
+    st.say(f"tracing {st.name}" + (f" for cp={cp}" if cp > 1 else ""))
+    graph = None
+    if traced is None and isinstance(model, str):
+        graph = _trace_shortened(module, args, kwargs, st.say, st.fuse)
+    if graph is None:
+        traced = traced if traced is not None else _trace_in_format(module, args, kwargs, st.precision)
+        traced = fuse_traced(traced) if st.fuse else traced
+        frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
+        graph = OpGraph.from_traced(traced, frozen_params=frozen)
+    t_trace = time.perf_counter() - t_start
+    fusion = fusion_summary(st.fuse, fusion_report(graph.traced), graph.layer_count)
+    batch = _batch_size(args, kwargs)
+    st.say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} "
+           f"deduplicated)")  # fmt: skip
+    job = _Job(graph, st.name, st.cluster, st.est, st.precision, st.budget, st.offload, st.pipeline, batch, args,
+               kwargs, fusion, st.t0, t_trace, st.say, cp=cp)  # fmt: skip
+    if against is not None:
+        return against, None, job
+    chosen, runner_up = _solve(job, constraints | ({"cp": cp} if cp > 1 else {}))
+    return chosen, runner_up, job
 
 
 # why a layout `compare` prices faster than the plan did not replace it (`rationale.loss_reason`)

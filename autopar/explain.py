@@ -1,7 +1,8 @@
 """Strategy-explain reports: what the plan chose, what it predicts, and what it was chosen over.
 
 `render_markdown` (readable in a terminal, charts as text bars) and `render_html` (one self-contained page,
-charts as inline SVG) render the same sections, in this order: Summary, Memory per device, Time breakdown,
+charts as inline SVG) render the same sections, in this order: Summary, Memory per device, Context parallelism
+(when the plan has or searched a cp axis), Time breakdown,
 Layer table, Pipeline (with a Gantt chart of one step), Why this plan, Your layout, Assumptions, then an
 appendix (fusion, ops without a rule, planning statistics). Every figure is one of the plan's own fields,
 formatted; nothing is priced again here, so a plan read back from JSON reports identically.
@@ -195,6 +196,41 @@ def _host_memory(plan) -> list:
 
 _HIDING = {"comm_dp": "gradient all-reduces overlapping backward", "comm_tp": "resharding overlapping compute",
            "comm_pp": "stage sends overlapping compute"}  # fmt: skip
+
+
+def _context_parallel(plan) -> list:
+    """The cp axis: its degree and attention algorithm with every algorithm's price, and the degrees the planner
+    searched with their memory per device (degree 1: without cp). Empty for a plan that neither has nor
+    searched one."""
+    cp = plan.context_parallel
+    if not cp:
+        return []
+    degree = plan.mesh.get("cp", 1)
+    blocks = [("h2", "Context parallelism")]
+    if degree > 1:
+        words = (f"The sequence is split over cp={degree} ranks in the {cp.get('layout', 'zigzag')} layout (each rank "
+                 f"holds chunks r and {2 * degree - 1}-r); attention runs across the group by **{cp['algorithm']}**, "
+                 f"the fastest priced algorithm whose memory fits. Each algorithm, per attention layer and "
+                 f"micro-batch on the busiest rank:")  # fmt: skip
+        blocks += [("p", words)] + [("li", line) for line in cp.get("priced", ())]
+    search = cp.get("search")
+    if search:
+        step = plan.predicted.step_time_s
+
+        def why(r: dict) -> str:
+            if r["degree"] == degree:
+                return "chosen"
+            return r.get("reason") or f"{r['step_time_s'] / step - 1:.1%} slower" if step else ""
+
+        rows = [[str(r["degree"]), _ms(r["step_time_s"]), _gib(r["peak_memory_bytes"]), r.get("algorithm") or "-",
+                 why(r)] for r in search]  # fmt: skip
+        blocks += [("p", "The cp degrees searched (1: without cp), each at its best layout; memory is the peak per "
+                         "device:"),
+                   ("table", ["cp", "step time (ms)", "peak memory (GiB)", "attention", "not chosen because"],
+                    rows)]  # fmt: skip
+    elif degree > 1:
+        blocks.append(("p", "cp was pinned, so the layout without it was not priced; plan without the pin to compare."))
+    return blocks
 
 
 def _time(plan) -> list:
@@ -509,7 +545,7 @@ def _appendix(plan) -> list:
 
 def report_blocks(plan) -> list:
     """The report's sections, in order: Summary, Memory, Time, Layers, Pipeline, Why, Your layout, Assumptions."""
-    return [*_summary(plan), *_memory(plan), *_time(plan), *_layers(plan), *_pipeline(plan), *_why(plan),
+    return [*_summary(plan), *_memory(plan), *_context_parallel(plan), *_time(plan), *_layers(plan), *_pipeline(plan), *_why(plan),
             *_yours(plan), *_assumptions(plan), *_appendix(plan)]  # fmt: skip
 
 

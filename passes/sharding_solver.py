@@ -459,6 +459,7 @@ class ShardingProgram:
         self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
         self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
         self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
+        self._cp_costs: dict = {}  # (attention node, head divisor) -> CPAttentionCost
         self.tensor_split = tensor_split
         self.pinned_placements = dict(pinned_placements or {})  # parameter name -> placement string on tp
         # False: states stay on the device; None: the program places them; True: all optimizer states
@@ -1056,12 +1057,33 @@ class ShardingProgram:
         if "storage_nodes" not in cache:  # representatives only: a deduplicated node has its representative's shape
             cache["storage_nodes"] = [n for n in self.graph.graph.nodes if n.op == "call_function"
                                       and self.graph.layer_count[n.name] and str(n.target) not in _VIEW_OPS]  # fmt: skip
-        return max((2 * self._act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
+        largest = max((2 * self._act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
+        if self.cp is None:
+            return largest
+        # cp attention's buffers while it runs (upper bound: heads not split on tp)
+        attention = [n.name for n in cache["storage_nodes"] if is_attention(n)]
+        return max([largest] + [self._cp_cost(n, 1).peak_extra_bytes for n in attention])
 
     def saved_bytes(self, name: str, k: int, recompute: str = "none") -> float:
-        """Bytes group `name` keeps for backward under strategy k and `recompute`, on one device, for one micro-batch."""
+        """Bytes group `name` keeps for backward under strategy k and `recompute`, on one device, for one micro-batch.
+
+        A cp attention member adds what its algorithm keeps besides its inputs and output (the gathered K/V of
+        all-gather, the head-split copies of all-to-all), unless `recompute` runs it again in backward.
+        """
         grp, saved = self.groups[name], self._saved_for_backward(recompute)
-        return sum(self._member_bytes(grp, m, k) for m in grp.members if m in saved)
+        total = sum(self._member_bytes(grp, m, k) for m in grp.members if m in saved)
+        if self.cp is not None:
+            again = recomputed_nodes(self.graph.graph, recompute) if recompute != "none" else {}
+            total += sum(self._cp_cost(m, grp.divisor[m][k]).saved_bytes for m in grp.members
+                         if m not in again and is_attention(self.graph.node(m)))  # fmt: skip
+        return total
+
+    def _cp_cost(self, name: str, divisor: int):
+        """The cp attention price of attention node `name` on this mesh, per micro-batch, heads split by `divisor`."""
+        key = (name, divisor)
+        if key not in self._cp_costs:
+            self._cp_costs[key] = self.cp.cost(self.graph.node(name), self.batch // self.batch_div, divisor)
+        return self._cp_costs[key]
 
     def _member_bytes(self, grp: Group, member: str, k: int) -> float:
         pl = grp.out[member][k]
@@ -1502,12 +1524,12 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
             results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
                                       "offload=True: host offload runs on meshes without a tensor axis"))  # fmt: skip
             continue
-        make = _program_factory(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
-                                budget=budget, batch_size=batch_size, recompute=recompute,
-                                offload=offload if tp == 1 else False,
-                                tensor_split=TensorSplit.from_constraints(constraints, tp),
-                                pinned_placements=pins, overlap=bool(constraints.get("overlap", True)),
-                                cp=pricing)  # fmt: skip
+        factory = functools.partial(_program_factory, graph, cluster, dp, tp, estimator=estimator, precision=prec,
+                                    zero_stage=zero, budget=budget, batch_size=batch_size, recompute=recompute,
+                                    offload=offload if tp == 1 else False,
+                                    tensor_split=TensorSplit.from_constraints(constraints, tp),
+                                    pinned_placements=pins, overlap=bool(constraints.get("overlap", True)))  # fmt: skip
+        make = factory(cp=pricing)
         if tp == 1 and any(v != "R" for v in pins.values()):
             results.append(
                 MeshResult(
@@ -1526,14 +1548,22 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
             )
             continue
         fits = None
-        for m in _microbatch_choices(batch_size // dp, constraints):
-            prog = make(m)
-            if prog.cannot_split():
-                break
-            bound = prog.memory_lower_bound()
-            bounds.append((sum(bound.values()), dp, tp, m, bound, prog.leanest_recompute()))
-            if sum(bound.values()) <= budget:
-                fits = prog
+        for alg in pricing.ranked if pricing is not None else (None,):
+            if alg is not None and alg != pricing.algorithm:  # the faster ones did not fit
+                faster = ", ".join(str(a) for a in pricing.ranked[: pricing.ranked.index(alg)])
+                pricing = pricing.with_algorithm(alg, f"{faster}: faster, but does not fit the memory budget "
+                                                      f"on dp={dp // cp.degree} cp={cp.degree} tp={tp}")  # fmt: skip
+                make = factory(cp=pricing)
+            for m in _microbatch_choices(batch_size // dp, constraints):
+                prog = make(m)
+                if prog.cannot_split():
+                    break
+                bound = prog.memory_lower_bound()
+                bounds.append((sum(bound.values()), dp, tp, m, bound, prog.leanest_recompute()))
+                if sum(bound.values()) <= budget:
+                    fits = prog
+                    break
+            if fits is not None or prog.cannot_split():
                 break
         if fits is None and prog.cannot_split():
             results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,

@@ -483,3 +483,33 @@ def test_compare_prices_layouts_against_the_plan_it_is_given():
     share = 1 - entry["step_time_s"] / pinned.predicted.step_time_s
     assert entry["reason"].startswith(f"{share:.1%} faster than the chosen plan, which was planned before")
     assert f"In one line: {entry['reason']}." in out.explain()
+
+
+def test_a_searched_cp_plan_reports_its_degree_algorithm_and_the_degrees_priced():
+    # The wide two-layer LLaMA of the cp search tests under a budget only cp fits: the report names the degree,
+    # the algorithm with one priced line per algorithm (all-to-all refused with its reason where the heads do
+    # not divide), and every degree searched with its memory per device or why it was not priced.
+    from tests.passes.test_context_parallel import _search, _wide_llama
+
+    model, args, kwargs = _wide_llama(16384, heads=6, kv_heads=3, hidden=768)
+    plan = _search(model, args, kwargs, memory_budget="200MiB")
+    md = plan.explain()
+    section = md[md.index("## Context parallelism") : md.index("## Time breakdown")]
+    cp = plan.context_parallel
+    assert f"split over cp={plan.mesh['cp']} ranks" in section and f"**{cp['algorithm']}**" in section
+    for line in cp["priced"]:
+        assert f"- {line}" in section
+    assert "- alltoall: 6 heads not divisible by cp=4" in section
+    rows = [r for r in section.splitlines() if r.startswith("| ") and not r.startswith("| cp ")]
+    assert [r.split(" | ")[0].strip("| ") for r in rows] == [str(r["degree"]) for r in cp["search"]]
+    for row, r in zip(rows, cp["search"], strict=True):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] == (f"{r['peak_memory_bytes'] / 2**30:,.2f}" if r["feasible"] else "-")
+        if r["degree"] == plan.mesh["cp"]:
+            assert cells[4] == "chosen"
+        elif r["feasible"]:
+            assert cells[4] == f"{r['step_time_s'] / plan.predicted.step_time_s - 1:.1%} slower"
+        else:
+            assert cells[4] == r["reason"] and r["reason"]
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again.explain() == md
