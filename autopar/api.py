@@ -107,7 +107,7 @@ def _estimator(kind, cluster: ClusterSpec, precision: str):
 # (see OpGraph.edge_weight). Two is the fewest that show how one layer feeds the next.
 _SHORT_TRACE_LAYERS = 2
 # Model types whose layers are identical by construction (no per-layer kinds in their configs).
-_UNIFORM_MODEL_TYPES = {"llama", "gpt2", "bert", "mistral", "qwen2", "opt", "gpt_neox", "gptj", "roberta"}
+_UNIFORM_MODEL_TYPES = {"llama", "gpt2", "bert", "mistral", "mixtral", "qwen2", "opt", "gpt_neox", "gptj", "roberta"}
 
 
 def _trace_shortened(module, args, kwargs, say, fuse: bool = False) -> OpGraph | None:
@@ -157,6 +157,9 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
            layer_modes: dict | None = None, cp: int = 1) -> tuple[float, float]:  # fmt: skip
     """(model FLOPs, hardware FLOPs) of one step: 6 per parameter per token plus attention; all executed FLOPs.
 
+    A mixture of experts' weights meet only the tokens routed to them: for those (`_routed_products`) the
+    model FLOPs are their matmuls' own (the top-k of E experts per token), not 6 per parameter per token.
+
     Hardware FLOPs count the forward of every node the plan runs again (`recompute` in every layer, or
     each mode of `layer_modes` in its layers); model FLOPs do not. A graph traced for a cp plan holds each
     sequence as cp chunks whose attention nodes score (seq/cp)² pairs under a mask built from the chunk's
@@ -184,7 +187,9 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
         hardware += times * (fwd + bwd + fwd * again.get(node.name, 0.0))
         if str(node.target) in _ATTENTION_TARGETS:
             attention += times * (fwd + bwd)
-    return 6.0 * (graph.num_parameters() - _lookup_only_parameters(graph)) * tokens + attention, hardware
+    routed_params, routed_flops = _routed_products(graph)
+    dense = graph.num_parameters() - _lookup_only_parameters(graph) - routed_params
+    return 6.0 * dense * tokens + attention + routed_flops, hardware
 
 
 def _node_flops(node, cp: int) -> tuple[float, float]:
@@ -208,6 +213,53 @@ def _lookup_only_parameters(graph: OpGraph) -> int:
         if info.requires_grad and users and all(str(u.target) == "aten.embedding.default" for u in users):
             total += info.meta.numel * graph.layer_count[name]
     return total
+
+
+_ROUTED_MATMULS = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", "aten.bmm.default")
+_WEIGHT_VIEWS = ("aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.view.default",
+                 "aten._to_copy.default", "aten.to.dtype")  # fmt: skip
+
+
+def _routed_products(graph: OpGraph) -> tuple[int, float]:
+    """(trainable parameters of experts, forward and backward FLOPs of the matmuls that read them) in one step.
+
+    An expert weight [E, ...] reaches its matmul through views and casts, and either whole (a grouped matmul
+    of the tokens sorted by expert) or indexed by each (token, expert) pair (Hugging Face's "batched_mm":
+    `w[expert_ids]` then a bmm): each token meets k of the E experts, so it costs what those matmuls do.
+    """
+    from autopar.cost_model.compute import estimate_node_cost
+
+    params, flops, seen = 0, 0.0, set()
+    for name, info in graph.params.items():
+        ends = _routed_uses(graph.node(name))
+        if not info.requires_grad or not ends:
+            continue
+        params += info.meta.numel * graph.layer_count[name]
+        for end in ends - seen:
+            cost = estimate_node_cost(end)
+            flops += graph.layer_count.get(end.name, 1) * (cost.flops + cost.backward_flops)
+        seen |= ends
+    return params, flops
+
+
+def _routed_uses(node, indexed: bool = False) -> set | None:
+    """The routed matmuls every use of `node` ends in (see `_routed_products`), or None if one use is another op."""
+    ends: set = set()
+    for user in node.users:
+        target = str(user.target)
+        if target in _ROUTED_MATMULS and (indexed or target != "aten.bmm.default"):
+            ends.add(user)
+            continue
+        if target == "aten.index.Tensor" and user.args[0] is node:
+            found = _routed_uses(user, indexed=True)
+        elif target in _WEIGHT_VIEWS:
+            found = _routed_uses(user, indexed)
+        else:
+            return None
+        if not found:
+            return None
+        ends |= found
+    return ends or None
 
 
 _ATTENTION_TARGETS = ("aten.scaled_dot_product_attention.default", "autopar.flash_attention.default")

@@ -9,6 +9,11 @@ Conventions (per op, M·N·K for a product of an M x K and a K x N matrix):
 
 - matmuls (linear, addmm, mm, bmm, matmul, baddbmm): 2·M·N·K forward; backward 2x forward
   (dX = dY·Wᵀ and dW = Xᵀ·dY). A bias add rides in the GEMM epilogue and is not counted.
+- grouped matmuls of a mixture of experts (`aten._grouped_mm`, and `transformers::grouped_mm_fallback`
+  that Hugging Face's "grouped_mm" experts trace to on CPU and meta): x [S, K] holds the routed
+  (token, expert) pairs sorted by expert, w [E, K, N] every expert's matrix; each row meets its own
+  expert only, so 2·S·K·N forward (S = tokens x experts per token: the top-k of E, not all E), the
+  whole weight read once; backward 2x forward.
 - attention (scaled_dot_product_attention and its fused variants): forward 4·b·h·sq·sk·d
   (QKᵀ and PV), half of that when `is_causal`; backward 2.5x forward. An explicit mask does
   not halve anything: the kernel computes every score and masks afterwards. Bytes are those
@@ -396,6 +401,13 @@ def _addmm(node: fx.Node) -> OpCost:
 def _mm(node: fx.Node) -> OpCost:
     a, b = _input_tensors(node)[:2]
     return matmul_cost(a, b, tensors_of(node)[0])
+
+
+@register_op_cost(*_overloads("_grouped_mm.default"), "transformers::grouped_mm_fallback")
+def _grouped_mm(node: fx.Node) -> OpCost:
+    """x [S, K] · w[e] for the rows of expert e, w [E, K, N]: 2·S·K·N (see the module docstring)."""
+    x, w = _input_tensors(node)[:2]
+    return matmul_cost(x, w, tensors_of(node)[0])
 
 
 _SDPA_OPS = _overloads(

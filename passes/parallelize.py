@@ -101,12 +101,20 @@ class ShardedInterpreter(fx.Interpreter):
             when given, it says which layers `recompute` applies to, and which layers' saved
             activations are kept on the host (`autopar.memory.activations.ActivationOffload`).
         cp_group, cp_algorithm: a cp plan's cp process group and attention algorithm (None: no cp axis).
+        params: names of the placeholders that hold parameters. One split over the data axis (ZeRO-3) is
+            gathered there for each op that reads it, as ZeRO-3 gathers a weight before its use (its
+            gradient is reduce-scattered back by the gather's backward). Left split, DTensor picks its own
+            strategy on the data axis: a vocabulary-parallel lookup whose masked partial sum fails after the
+            first view (T5's relative position bias), or a linear whose output is split on its features,
+            which a later view cannot unflatten (a fused qkv projection).
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
                  local_ops: dict | None = None, batch_size: int | None = None, recompute: str = "none",
-                 layer_modes: dict | None = None, cp_group=None, cp_algorithm: str | None = None):  # fmt: skip
+                 layer_modes: dict | None = None, cp_group=None, cp_algorithm: str | None = None, *,
+                 params: frozenset[str] = frozenset()):  # fmt: skip
         super().__init__(gm, garbage_collect_values=True)
+        self.params = params
         self.cp_group, self.cp_algorithm = cp_group, cp_algorithm
         self.mesh = mesh
         self.batch_size = batch_size
@@ -231,6 +239,8 @@ class ShardedInterpreter(fx.Interpreter):
             v = self.env[arg]
             if distributed and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
                 v = self._entering(v)  # made inside the graph from nothing: the same on every rank
+            if arg.name in self.params:
+                v = _gathered_over_dp(v)
             if is_tensor_node(arg):
                 j = next(position)
                 if j < len(need):
@@ -418,15 +428,22 @@ class _Segment:
 def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
                local_ops: dict | None = None, batch_size: int | None = None,
                recompute: str = "none", layer_modes: dict | None = None, cp_group=None,
-               cp_algorithm: str | None = None) -> ShardedInterpreter:  # fmt: skip
+               cp_algorithm: str | None = None, params: frozenset[str] = frozenset()) -> ShardedInterpreter:  # fmt: skip
     """The rewrite pass: bind `gm` to the plan and mesh; the result runs the parallel program.
 
-    `recompute` is the plan's activation recompute mode: its segments run under checkpointing.
+    `recompute` is the plan's activation recompute mode: its segments run under checkpointing. `params` names
+    the placeholders that hold parameters (see `ShardedInterpreter`).
     """
     del example_inputs  # placements come from the plan; shapes from the graph
-    return ShardedInterpreter(
-        gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes, cp_group, cp_algorithm
-    )
+    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes,
+                              cp_group, cp_algorithm, params=params)  # fmt: skip
+
+
+def _gathered_over_dp(value):
+    """A parameter split over the data axis (ZeRO-3), whole there (its tensor-axis placement kept)."""
+    if not isinstance(value, DTensor) or not value.placements[0].is_shard():
+        return value
+    return value.redistribute(value.device_mesh, (R, *value.placements[1:]))
 
 
 def local_shard(full: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> torch.Tensor:

@@ -25,6 +25,16 @@ of a stage takes the values it receives (in the order its predecessor sends them
 placeholders it reads, and returns the values it sends on, or, on the last stage, the model's
 first output (the loss).
 
+A free op that writes into its argument (an in-place `copy_` into a slice of a tensor made from
+nothing, as T5 shifts its labels right into the decoder's inputs) has no reader of its own: it is
+copied into every stage that reads the tensor it writes, else the write would be lost.
+
+Several stacks of layers (an encoder and a decoder) are cut as one sequence: `stack_layers` numbers
+the layers of every stack in the order the graph runs them (the encoder's 0 .. E-1, then the
+decoder's E .. E+D-1), so a stage may end inside either stack or hold the end of one and the start
+of the next. What one stack hands the other (the encoder's output, read by every decoder layer's
+cross-attention) crosses the boundaries like any value: sent on by every stage in between.
+
 Output: `StageGraph`s. Node names are those of the traced graph, so the plan's placements apply.
 """
 
@@ -39,6 +49,39 @@ from autopar.errors import LoweringError
 from autopar.passes.program_graph import copy_graph_module, drop_assertions_pass
 
 _METADATA_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
+
+
+STACKS = "stacks"  # the container name `stack_layers` gives the layers of several stacks
+
+
+def stack_layers(node_layer: dict) -> tuple[dict, str, tuple[tuple[str, int], ...]]:
+    """One sequence of layers over every stack of `node_layer` (see the module docstring).
+
+    A container nested in a layer of another (T5's `encoder.block.0.layer`) belongs to that layer.
+    Returns (node -> (container, layer) with the layers renumbered, that container, and each stack's
+    (module path, number of layers) in the order the graph runs them). One stack keeps its name and numbers.
+    """
+    found: dict[str, set[int]] = {}
+    for c, i in node_layer.values():
+        if c is not None:
+            found.setdefault(c, set()).add(i)
+    order = []
+    for c, _ in node_layer.values():  # in graph order: the stacks in the order they run
+        if c is not None and not any(c.startswith(o + ".") for o in found) and c not in order:
+            order.append(c)
+    stacks = tuple((c, max(found[c]) + 1) for c in order)
+    if len(stacks) == 1:
+        return dict(node_layer), order[0], stacks
+    offset = {c: sum(n for _, n in stacks[:k]) for k, (c, _) in enumerate(stacks)}
+    flat = {}
+    for name, (c, i) in node_layer.items():
+        outer = next((o for o in order if c is not None and (c == o or c.startswith(o + "."))), None)
+        if outer is None:
+            flat[name] = (None, None)
+            continue
+        index = i if c == outer else int(c[len(outer) + 1 :].split(".")[0])
+        flat[name] = (STACKS, offset[outer] + index)
+    return flat, STACKS, stacks
 
 
 @dataclass
@@ -111,9 +154,33 @@ def assign_stages(graph: fx.Graph, node_layer: dict, container: str, stage_layer
             if i.name in stage and n.name in stage and stage[i.name] > stage[n.name]:
                 raise LoweringError(f"{n.name} (stage {stage[n.name]}) reads {i.name} from the later stage "
                                     f"{stage[i.name]}: the layers do not run in the order of the stages")  # fmt: skip
+    copies = _free_copies(nodes, free, checks, stage, last, {})
+    # a free op that writes into its argument (T5 shifts the labels into its decoder inputs by a copy_ into a
+    # slice of zeros) has no reader of its own: it runs wherever the tensor it writes is read
+    writes = {n.name: copies[_written_base(n).name] for n in nodes if n.name in free and _writes_in_place(n)}
+    if writes:
+        copies = _free_copies(nodes, free, checks, stage, last, writes)
+    return stage, copies
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+
+
+def _written_base(node: fx.Node) -> fx.Node:
+    """The tensor an in-place op writes into: its first argument, seen through the views it was taken by."""
+    base = node.args[0]
+    while isinstance(base.target, torch._ops.OpOverload) and base.target.is_view and base.args:
+        base = base.args[0]
+    return base
+
+
+def _free_copies(nodes: list, free: set[str], checks: set[str], stage: dict[str, int], last: int,
+                 seeds: dict[str, set[int]]) -> dict[str, set[int]]:  # fmt: skip
+    """Stages that read each free node (directly or through other free nodes), plus its `seeds`."""
     copies: dict[str, set[int]] = {name: set() for name in free}
     for n in reversed(nodes):
-        readers: set[int] = set()
+        readers: set[int] = set(seeds.get(n.name, ()))
         for u in n.users:
             if u.name in checks:
                 continue
@@ -125,7 +192,7 @@ def assign_stages(graph: fx.Graph, node_layer: dict, container: str, stage_layer
                 readers.add(stage[u.name])
         if n.name in free:
             copies[n.name] = readers
-    return stage, copies
+    return copies
 
 
 def split_stages(gm: fx.GraphModule, node_layer: dict, container: str, stage_layers: list, *,

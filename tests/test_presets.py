@@ -21,6 +21,7 @@ EXACT_COUNTS = {
     "llama3-8b": 8_030_261_248,  # Llama 3 model card, 8.03e9
     "llama3-70b": 70_553_706_496,  # Llama 3 model card, 70.55e9
     "gpt3-175b": 174_604_259_328,  # GPT-3 paper, "175B"
+    "mixtral-8x7b": 46_702_792_704,  # Mixtral of Experts paper, 47B (13B active)
 }
 
 # The GPT-3 paper's sizes are rounded names, not counts; the shapes reproduce them to within 2.5%
@@ -68,6 +69,11 @@ def test_shapes_of_the_big_presets():
     assert llama3.vocab_size == 128256 and llama3.num_key_value_heads == 8
     assert llama3.rope_parameters["rope_theta"] == 500000.0
     assert load_config("bert-large").architectures == ["BertForMaskedLM"]
+    mixtral = load_config("mixtral-8x7b")
+    assert (mixtral.hidden_size, mixtral.intermediate_size, mixtral.num_hidden_layers) == (4096, 14336, 32)
+    assert (mixtral.num_attention_heads, mixtral.num_key_value_heads, mixtral.vocab_size) == (32, 8, 32000)
+    assert (mixtral.num_local_experts, mixtral.num_experts_per_tok, mixtral.max_position_embeddings) == (8, 2, 32768)
+    assert mixtral.rope_parameters["rope_theta"] == 1e6 and mixtral.rms_norm_eps == 1e-5
 
 
 def test_tiny_llama_shape():

@@ -13,6 +13,10 @@ Presets:
   Megatron-LM we use 16 heads and a width of 5120.
 - ``llama2-7b``, ``llama2-13b``, ``llama2-70b`` (grouped-query attention, 8 key/value heads),
   ``llama3-8b``, ``llama3-70b`` (vocabulary 128256, rope theta 500000, 8 key/value heads).
+- ``mixtral-8x7b``: Mixtral 8x7B as published (46.7B parameters, 12.9B active: 8 experts per layer, 2 per
+  token; grouped-query attention with 8 key/value heads, rope theta 1e6). Its experts run as Hugging
+  Face's default "grouped_mm" (tokens sorted by expert, one grouped matmul per projection), which the
+  cost model prices as the routed top-2, not all 8.
 - ``bert-large``: BERT-large, uncased, with the masked-LM head.
 - ``tiny-llama``, ``tiny-gpt2``, ``tiny-bert``: versions of about 100k parameters for
   tests, with dropout off so that runs are deterministic.
@@ -47,6 +51,7 @@ PRESET_NAMES: tuple[str, ...] = (
     "llama2-70b",
     "llama3-8b",
     "llama3-70b",
+    "mixtral-8x7b",
     "bert-large",
     "tiny-llama",
     "tiny-gpt2",

@@ -72,7 +72,7 @@ class _Stage(torch.nn.Module):
         self.is_last = sg.index == program.num_stages - 1
         node_inputs, node_output = placements
         knobs = dict(mesh=program.mesh, node_inputs=node_inputs, node_output=node_output,
-                     batch_size=program.micro_batch)  # fmt: skip
+                     batch_size=program.micro_batch, params=program.param_nodes)  # fmt: skip
         self.train_interp = shard_pass(sg.graph_module, None, recompute=recompute, **knobs)
         self.eval_interp = shard_pass(eval_pass(copy_graph_module(sg.graph_module), None), None, **knobs)
         self.interp = self.train_interp
@@ -187,6 +187,7 @@ class PipelineProgram(Program):
                 f"pipeline stages need one stack of layers; the model has {sorted(containers) or 'none'}"
             )
         param_nodes = set(graph.params)
+        self.param_nodes = frozenset(param_nodes)  # the stages' interpreters gather those split by ZeRO-3
         stages = split_stages(traced.graph_module, graph.node_layer, containers.pop(), stage_layers,
                               param_nodes=param_nodes, loss_output=traced.num_mutated_outputs)  # fmt: skip
         mine = [sg for sg in stages if sg.index % pp == self.pp_rank]

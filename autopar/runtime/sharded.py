@@ -88,8 +88,11 @@ class ShardedProgram(Program):
         self._run_buffers = [self.in_compute_format(b) for b in self._buffers]
         self._constants = {k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
                            for k, v in traced.exported.constants.items()}  # fmt: skip
+        placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
+        params = frozenset(n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param")
         knobs = dict(mesh=self.mesh, node_inputs=plan.node_inputs, node_output=plan.node_output,
-                     batch_size=plan.global_batch_size * cp // plan.num_microbatches, **cp_knobs)  # fmt: skip
+                     batch_size=plan.global_batch_size * cp // plan.num_microbatches, params=params,
+                     **cp_knobs)  # fmt: skip
         self._interp = shard_pass(traced.graph_module, None, recompute=plan.recompute, layer_modes=plan.layer_modes,
                                   **knobs)  # fmt: skip
         self._eval_knobs = knobs

@@ -241,3 +241,59 @@ def test_analytic_adamw_step_is_memory_bound_with_launches_per_tensor():
 
     assert optimizer_step_time_s(OwnFigure(), cpu, 3, 5.0) == 13.0  # the estimator's own figure wins
     assert optimizer_step_time_s(object(), cpu, 3, 5.0) == estimate_adamw_step_time(3, 5.0, cpu)
+
+
+MOE = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+           num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, use_cache=False,
+           attn_implementation="sdpa")  # fmt: skip
+
+
+def _moe_graph(experts: str, dtype: torch.dtype) -> fx.Graph:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    with torch.device("meta"):
+        model = MixtralForCausalLM(MixtralConfig(**MOE, experts_implementation=experts)).to(dtype)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    return torch.export.export(model, (ids,), {"labels": ids}, strict=False).graph
+
+
+# bf16 on meta traces Hugging Face's default experts to aten._grouped_mm, fp32 to its fallback custom op
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_matmuls_of_experts_cost_the_routed_top_k(dtype):
+    graph = _moe_graph("grouped_mm", dtype)
+    grouped = [n for n in graph.nodes if n.op == "call_function" and "grouped_mm" in str(n.target)]
+    assert len(grouped) == 2  # gate_up then down
+    routed = BATCH * SEQ * MOE["num_experts_per_tok"]  # (token, expert) pairs: 2 of 8 experts per token
+    h, i = MOE["hidden_size"], MOE["intermediate_size"]
+    compute.UNKNOWN_OPS.clear()
+    costs = [estimate_node_cost(n) for n in grouped]
+    assert not any("grouped_mm" in op for op in compute.UNKNOWN_OPS)
+    assert [c.flops for c in costs] == [2 * routed * h * 2 * i, 2 * routed * i * h]
+    assert all(c.is_matmul and c.backward_flops == 2 * c.flops for c in costs)
+
+
+def test_model_flops_of_experts_count_the_routed_experts_only():
+    from autopar.api import _flops
+    from autopar.ir import OpGraph
+    from autopar.trace import trace_model
+
+    tokens = BATCH * SEQ
+    h, i, k, e = MOE["hidden_size"], MOE["intermediate_size"], MOE["num_experts_per_tok"], MOE["num_local_experts"]
+    found = []
+    for experts in ("grouped_mm", "batched_mm"):  # the two traceable implementations agree
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        with torch.device("meta"):
+            model = MixtralForCausalLM(MixtralConfig(**MOE, experts_implementation=experts))
+        ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+        graph = OpGraph.from_traced(trace_model(model, (ids,), {"labels": ids}))
+        found.append(_flops(graph, tokens)[0])
+        everything = sum(p.numel() for p in model.parameters())
+    experts_params = 3 * h * i * e
+    # all parameters at 6 FLOPs per token but the experts (k of e per token) and the untied input embedding
+    dense = everything - experts_params - MOE["vocab_size"] * h
+    attention = found[0] - 6 * dense * tokens - 6 * tokens * k * 3 * h * i
+    assert found[0] == pytest.approx(found[1], rel=1e-12)
+    # what is left is attention's score and value products alone: 4·b·h·s²·d (the model passes its causal mask,
+    # which halves nothing), 3.5x with the backward; with all 8 experts charged it would be off by 6·tokens·6·3·h·i
+    assert attention == pytest.approx(3.5 * 4 * BATCH * MOE["num_attention_heads"] * SEQ * SEQ * (h // 4), rel=1e-9)
