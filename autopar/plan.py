@@ -11,6 +11,14 @@ device and per node, the seconds the host link and the CPU optimizer add); empty
 
 `to_json()` writes a versioned document; `Plan.from_json()` refuses other versions and corrupt
 text with a `PlanFormatError` that says what to do.
+
+Plan files are deterministic: the same model, cluster and options give the same bytes (in any process,
+whatever its hash seed). How long planning took is the one thing that differs between runs, so
+`to_json()` leaves the wall-clock figures (`WALL_CLOCK_KEYS`: the trace, solve, alternatives and total
+planning times in `stats`, each priced alternative's solve time) out of the file; the Plan object keeps
+them, so a report rendered from it (`plan.explain()`, `autopar plan --report/--explain`) shows the
+planning time, and `to_json(timings=True)` writes them for whoever wants them on file. A report
+rendered from a plan file without them says so instead of a time.
 """
 
 from __future__ import annotations
@@ -29,6 +37,17 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 # order `passes.activation_plan` hands layers out
 LAYER_TREATMENTS = ("offload", "full", "selective")
 GIB = 1024**3
+# wall-clock figures: they differ on every run and say nothing about the plan (`Plan.to_json`)
+WALL_CLOCK_KEYS = frozenset({"trace_time_s", "solve_time_s", "total_time_s", "alternatives_time_s"})
+
+
+def without_wall_clock(value):
+    """`value` (parsed JSON) with every wall-clock field (`WALL_CLOCK_KEYS`) dropped, recursively."""
+    if isinstance(value, dict):
+        return {k: without_wall_clock(v) for k, v in value.items() if k not in WALL_CLOCK_KEYS}
+    if isinstance(value, (list, tuple)):
+        return [without_wall_clock(v) for v in value]
+    return value
 
 
 class ProgramKind(StrEnum):
@@ -237,7 +256,8 @@ class Plan:
 
     # --------------------------------------------------------------------------- serialisation
 
-    def to_json(self, indent: int | None = 1) -> str:
+    def to_json(self, indent: int | None = 1, *, timings: bool = False) -> str:
+        """The plan file: deterministic, without the wall-clock figures unless `timings` (module docstring)."""
         d = {
             "format": "autopar-plan",
             "format_version": self.format_version,
@@ -276,7 +296,7 @@ class Plan:
             "comparisons": list(self.comparisons),
             "assumptions": self.assumptions,
         }
-        return json.dumps(d, indent=indent)
+        return json.dumps(d if timings else without_wall_clock(d), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
