@@ -9,6 +9,7 @@ What is in one checkpoint directory (keys of the DCP state dict):
   tensor whole to the rank that holds its first element (`pieces.assemble`), which writes it;
 - `optim.<name>.<state>`: the optimizer's states of that master the same way (SGD's momentum_buffer,
   AdamW's exp_avg, exp_avg_sq and step), so a checkpoint moves between program kinds;
+- `buffer.<name>`: the persistent buffers (BatchNorm's running statistics and the like), whole, written once;
 - `autopar.meta` (step, loss scale, optimizer hyperparameters), `autopar.extra` (the user's dict),
   `autopar.rng.rank<r>` (rank r's CPU, CUDA, Python and NumPy generators).
 
@@ -138,6 +139,14 @@ def tensor_entries(masters: dict[str, Piece], optim: dict[str, dict]) -> dict[st
     return out
 
 
+def buffer_entries(program) -> dict[str, torch.Tensor]:
+    """`buffer.<name>` -> the program's persistent buffers (running statistics and the like: state a step may
+    change); every rank holds them whole, so DCP writes each once. Non-persistent buffers (rotary tables) are
+    derived from the config and are not saved, as `state_dict` leaves them out."""
+    buffers = program._named_buffers()
+    return {f"buffer.{n}": buffers[n] for n in program._persistent_buffers if n in buffers}
+
+
 def _for_save(entries: dict) -> dict:
     """DCP values: DTensors and whole tensors as they are; flat pieces whole on the rank holding element 0."""
     out, flat = {}, {}
@@ -192,7 +201,7 @@ def save(program, path, *, extra: dict | None = None, keep_last: int | None = No
         partial.mkdir(parents=True)
     barrier()
     masters, optim = program._local_masters(), program._local_optimizer_state()
-    state = _for_save(tensor_entries(masters, optim))
+    state = _for_save(tensor_entries(masters, optim)) | buffer_entries(program)
     # objects go as pickled bytes: DCP would flatten a dict into keys of its own
     if rank() == 0:  # one copy of what every rank shares; every rank reads it back
         state["autopar.meta"] = pickle.dumps(program._checkpoint_meta())
@@ -249,6 +258,17 @@ def load(program, path) -> dict:
             state[key] = torch.empty(v.shape, dtype=v.tensor.dtype)  # read whole, then the piece is copied out
         else:
             state[key] = v.as_checkpoint_value() if isinstance(v, Piece) else v
+    # checkpoints written before buffers were saved hold none: the program keeps its own then
+    buffers = {k: v for k, v in buffer_entries(program).items() if k in metadata}
+    wrong = [
+        f"{k}: checkpoint {tuple(metadata[k].size)}, model {tuple(v.shape)}"
+        for k, v in buffers.items()
+        if not isinstance(metadata[k], TensorStorageMetadata) or tuple(metadata[k].size) != tuple(v.shape)
+    ]
+    if wrong:
+        raise ConfigError(f"the checkpoint {path} holds buffers of other shapes than the model's: {wrong[:4]}; it is "
+                          f"of another model")  # fmt: skip
+    state.update({k: torch.empty_like(v) for k, v in buffers.items()})
     rng_key = f"autopar.rng.rank{rank()}"
     objects = ["autopar.meta", "autopar.extra"] + ([rng_key] if rng_key in metadata else [])
     state.update(dict.fromkeys(objects, b""))
@@ -259,6 +279,8 @@ def load(program, path) -> dict:
                           f"missing or damaged: load an earlier checkpoint") from e  # fmt: skip
     for key, piece in flat.items():
         piece.tensor.copy_(region_of(state[key], piece.region))
+    for key, buffer in buffers.items():
+        buffer.copy_(state[key])
     meta, extra = _unpickled(state, "autopar.meta", path), _unpickled(state, "autopar.extra", path)
     if fresh:
         program._reset_optimizer_state()
