@@ -163,7 +163,7 @@ def _soak_rank(rank: int, world: int, root: str, settings: SoakSettings, show: b
         after = pm.eval_step(*args, **kwargs)
         records.append({"step": step, "rss_bytes": _rss_bytes(), "save_s": t_load - t_save, "load_s": t_done - t_load,
                         "loaded": extra == {"step": step} and after == before and pm.num_steps == step,
-                        "latest": latest_checkpoint(root) == path})  # fmt: skip
+                        "latest": Path(latest_checkpoint(root) or "").resolve() == Path(path)})  # fmt: skip
         _say(rank, show, f"soak: step {step}, rank 0 RSS {fmt_gib(records[-1]['rss_bytes'])}, "
                          f"{(time.perf_counter() - t0) / step * 1e3:.0f} ms/step")  # fmt: skip
     kept = sorted(int(read_marker(p)["step"]) for p in Path(root).iterdir() if read_marker(p) is not None)
@@ -200,7 +200,7 @@ def _soak_summary(ranks: list[dict], expected: list[int]) -> dict:
     growth = {}
     for r in ranks:
         rss = [rec["rss_bytes"] for rec in r["records"] if rec["rss_bytes"] is not None]
-        growth[r["rank"]] = rss[-1] - rss[1] if len(rss) > 2 else None
+        growth[str(r["rank"])] = rss[-1] - rss[1] if len(rss) > 2 else None  # str: the keys JSON writes
     return {"rss_growth_after_warmup_bytes": growth,
             "every_checkpoint_loadable": all(rec["loaded"] for r in ranks for rec in r["records"]),
             "latest_is_the_newest": all(rec["latest"] for r in ranks for rec in r["records"]),
