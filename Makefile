@@ -18,7 +18,7 @@ demo: $(STAMP)
 
 # The suite without the tests marked slow (the whole of it: `make test-all`).
 test: $(STAMP)
-	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests -m "not slow" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests -m "not slow" --durations=25 $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(PYTEST_ARGS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 import time
 import warnings
@@ -12,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from autopar.cluster import ClusterSpec
+from autopar.cp_search import cp_degrees, search_cp
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted
@@ -205,10 +207,10 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
 
     Hardware FLOPs count the forward of every node the plan runs again (`recompute` in every layer, or
     each mode of `layer_modes` in its layers); model FLOPs do not. A graph traced for a cp plan holds each
-    sequence as cp chunks: its attention nodes count (seq/cp)² scores per chunk, cp times fewer than the
-    whole sequence's, so they count cp times.
+    sequence as cp chunks whose attention nodes score (seq/cp)² pairs under a mask built from the chunk's
+    shape: they count as the cp program runs them, over whole sequences and causal by global position
+    (`passes.context_parallel.cp_attention_flops`), so model FLOPs do not depend on the layout.
     """
-    from autopar.cost_model.compute import estimate_node_cost
     from autopar.passes.activation_plan import model_layers
     from autopar.passes.recompute import recompute_segments, recomputed_nodes
 
@@ -226,13 +228,22 @@ def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
         times = graph.layer_count.get(node.name, 1)
         if node.op != "call_function" or not times:
             continue
-        cost = estimate_node_cost(node)
-        if cp > 1 and str(node.target) in _ATTENTION_TARGETS:
-            times *= cp
-        hardware += times * (cost.flops + cost.backward_flops + cost.flops * again.get(node.name, 0.0))
+        fwd, bwd = _node_flops(node, cp)
+        hardware += times * (fwd + bwd + fwd * again.get(node.name, 0.0))
         if str(node.target) in _ATTENTION_TARGETS:
-            attention += times * (cost.flops + cost.backward_flops)
+            attention += times * (fwd + bwd)
     return 6.0 * (graph.num_parameters() - _lookup_only_parameters(graph)) * tokens + attention, hardware
+
+
+def _node_flops(node, cp: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs of one node; an attention node of a cp graph over whole sequences."""
+    from autopar.cost_model.compute import estimate_node_cost
+    from autopar.passes.context_parallel import cp_attention_flops
+
+    if cp > 1 and str(node.target) in _ATTENTION_TARGETS:
+        return cp_attention_flops(node, cp)
+    cost = estimate_node_cost(node)
+    return cost.flops, cost.backward_flops
 
 
 def _lookup_only_parameters(graph: OpGraph) -> int:
@@ -254,7 +265,7 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
          seq_len: int | None = None, constraints: dict | None = None, memory_budget=None, offload: bool | None = None,
          precision: str | None = None, estimator=None, progress: Callable[[str], None] | None = None,
          pipeline: bool | None = None, fuse_kernels: bool | None = None, compare=(), alternatives: bool | None = None,
-         _traced=None) -> Plan:  # fmt: skip
+         _traced=None, _against: Plan | None = None) -> Plan:  # fmt: skip
     """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
 
     Args:
@@ -288,6 +299,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
             the plans `compile` makes for itself (`_traced` given).
         _traced: the TracedModel of `model` when the caller has one already (compile does); its graph is
             fused in place when fusion is on.
+        _against: a plan made before (`autopar.compare`): no search, the `compare` layouts are priced next to
+            it, and it is never replaced by one of them.
     """
     cluster = _as_cluster(cluster)
     constraints = check_constraints(constraints)
@@ -301,44 +314,93 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
                                                 global_batch_size, seq_len)  # fmt: skip
     cp = _check_cp(constraints, cluster, args, kwargs, compare, pipeline)
-    if cp > 1:  # traced on the cp ranks' shares stacked on the batch (`context_parallel.inputs`)
-        args, kwargs = _cp_traced_batch(module, args, kwargs, cp)
-        alternatives = False  # the hand layouts are priced without cp; their comparison with a cp plan is to come
-    say(f"tracing {name}")
-    from autopar.passes.fused_ops import default_fusion, fuse_traced, fusion_report, fusion_summary
+    from autopar.passes.fused_ops import default_fusion
 
     fuse = default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels)
-    graph = None
-    if _traced is None and isinstance(model, str):
-        graph = _trace_shortened(module, args, kwargs, say, fuse)
-    if graph is None:
-        traced = _traced if _traced is not None else _trace_in_format(module, args, kwargs, precision)
-        traced = fuse_traced(traced) if fuse else traced
-        frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
-        graph = OpGraph.from_traced(traced, frozen_params=frozen)
-    t_trace = time.perf_counter() - t0
-    fusion = fusion_summary(fuse, fusion_report(graph.traced), graph.layer_count)
-    batch = _batch_size(args, kwargs)
-    say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} deduplicated)")
-    est = _estimator(estimator, cluster, precision)
-    job = _Job(graph, name, cluster, est, precision, budget, offload, pipeline, batch, args, kwargs, fusion, t0,
-               t_trace, say, cp=cp)  # fmt: skip
-    chosen, runner_up = _solve(job, constraints)
+    settings = _Settings(name, cluster, _estimator(estimator, cluster, precision), precision, budget, offload,
+                         pipeline, fuse, t0, say)  # fmt: skip
+    degrees = (
+        cp_degrees(constraints, cluster.world_size, args, kwargs, compare, pipeline)
+        if _traced is None and _against is None
+        else []
+    )
+    if len(degrees) > 1:
+        price = functools.partial(_plan_at, settings, module, model, args, kwargs, constraints)
+        chosen, runner_up, job = search_cp(price, degrees)
+    else:
+        chosen, runner_up, job = _plan_at(settings, module, model, args, kwargs, constraints, cp, _traced,
+                                          against=_against)  # fmt: skip
+    if job.cp > 1:
+        alternatives = False  # the hand layouts are priced without cp; their comparison with a cp plan is to come
     if alternatives is None:
         alternatives = _traced is None  # compile's own planning builds a program, never a report
     if alternatives or compare:
-        from autopar.rationale import with_rationale
+        from autopar.rationale import PINNED, with_rationale
 
         t_alt = time.perf_counter()
         chosen = with_rationale(chosen, runner_up, lambda pins: _solve(job, pins, quiet=True)[0], say=say,
-                                baselines=alternatives, compare=compare or (), adopt=not constraints)  # fmt: skip
+                                baselines=alternatives, compare=compare or (),
+                                adopt=not constraints and _against is None,
+                                kept=PLANNED_BEFORE if _against is not None else PINNED)  # fmt: skip
         chosen = dataclasses.replace(chosen, stats=chosen.stats | {
             "alternatives_time_s": round(time.perf_counter() - t_alt, 3),
             "total_time_s": round(time.perf_counter() - t0, 3)})  # fmt: skip
     config = getattr(module, "config", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
-    return dataclasses.replace(chosen, stats=stats, assumptions=_assumptions(est, cluster, budget))
+    stats["total_time_s"] = round(time.perf_counter() - t0, 3)  # a searched plan may have been priced first
+    return dataclasses.replace(chosen, stats=stats, assumptions=_assumptions(settings.est, cluster, budget))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Settings:
+    """What every cp degree a `plan` call prices shares: the model's name, the cluster and the planning knobs."""
+
+    name: str
+    cluster: ClusterSpec
+    est: object
+    precision: str
+    budget: float | None
+    offload: bool | None
+    pipeline: bool | None
+    fuse: bool
+    t0: float
+    say: Callable[[str], None]
+
+
+def _plan_at(st: _Settings, module, model, args, kwargs, constraints: dict, cp: int, traced=None, *,
+             against: Plan | None = None):  # fmt: skip
+    """(plan, runner-up, job) of `module` traced for cp degree `cp` (1: none) and solved under `constraints`;
+    with `against` (a plan made before, `autopar.compare`), that plan and no search."""
+    from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
+
+    if cp > 1:  # traced on the cp ranks' shares stacked on the batch (`context_parallel.inputs`)
+        args, kwargs = _cp_traced_batch(module, args, kwargs, cp)
+    t_start = time.perf_counter()
+    st.say(f"tracing {st.name}" + (f" for cp={cp}" if cp > 1 else ""))
+    graph = None
+    if traced is None and isinstance(model, str):
+        graph = _trace_shortened(module, args, kwargs, st.say, st.fuse)
+    if graph is None:
+        traced = traced if traced is not None else _trace_in_format(module, args, kwargs, st.precision)
+        traced = fuse_traced(traced) if st.fuse else traced
+        frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
+        graph = OpGraph.from_traced(traced, frozen_params=frozen)
+    t_trace = time.perf_counter() - t_start
+    fusion = fusion_summary(st.fuse, fusion_report(graph.traced), graph.layer_count)
+    batch = _batch_size(args, kwargs)
+    st.say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} "
+           f"deduplicated)")  # fmt: skip
+    job = _Job(graph, st.name, st.cluster, st.est, st.precision, st.budget, st.offload, st.pipeline, batch, args,
+               kwargs, fusion, st.t0, t_trace, st.say, cp=cp)  # fmt: skip
+    if against is not None:
+        return against, None, job
+    chosen, runner_up = _solve(job, constraints | ({"cp": cp} if cp > 1 else {}))
+    return chosen, runner_up, job
+
+
+# why a layout `compare` prices faster than the plan did not replace it (`rationale.loss_reason`)
+PLANNED_BEFORE = "which was planned before this layout was priced"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -442,7 +504,7 @@ def _pipeline_runner_up(job: _Job, psol, chosen: Plan):
 
 def _sharded_plan(job: _Job, sol) -> Plan:
     """The Plan of a layout without a pipeline (mesh dp x tp), from the sharding solver's solution."""
-    from autopar.rationale import sharded_terms
+    from autopar.rationale import hidden_terms, sharded_terms
 
     graph, cluster, precision = job.graph, job.cluster, job.precision
     tokens = _tokens(job.args, job.kwargs)
@@ -504,6 +566,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         stats=stats,
         fusion=job.fusion,
         time_breakdown=terms,
+        hidden_communication=hidden_terms(grad_sync_hidden_s=sol.grad_sync_hidden_s),
     )
 
 
@@ -871,8 +934,9 @@ def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=N
           "memory_budget": plan.assumptions.get("memory_budget_bytes")} | plan_kwargs  # fmt: skip
     if model is None or isinstance(model, str):
         kw |= {"global_batch_size": plan.global_batch_size, "seq_len": plan.tokens_per_step // plan.global_batch_size}
+    # priced next to `plan` itself, so that each layout's one line says how it compares with this plan
     priced = _plan(model if model is not None else plan.model_name, plan.cluster, example_inputs, example_kwargs,
-                   alternatives=False, compare=list(layouts), **kw)  # fmt: skip
+                   alternatives=False, compare=list(layouts), _against=plan, **kw)  # fmt: skip
     return dataclasses.replace(plan, comparisons=tuple(plan.comparisons) + tuple(priced.comparisons))
 
 

@@ -133,6 +133,12 @@ class ClusterSpec:
     def world_size(self) -> int:
         return self.num_nodes * self.devices_per_node
 
+    @property
+    def host_memory_bytes_per_device(self) -> float:
+        """The host memory one device may fill (its share of its node's): what offloaded states and activations
+        are held against."""
+        return self.host_memory_bytes / self.devices_per_node
+
     def sub_cluster(self, devices: int) -> ClusterSpec:
         """The cluster of a block of `devices` consecutive devices (one pipeline stage's block)."""
         if devices <= self.devices_per_node:

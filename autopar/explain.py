@@ -1,7 +1,8 @@
 """Strategy-explain reports: what the plan chose, what it predicts, and what it was chosen over.
 
 `render_markdown` (readable in a terminal, charts as text bars) and `render_html` (one self-contained page,
-charts as inline SVG) render the same sections, in this order: Summary, Memory per device, Time breakdown,
+charts as inline SVG) render the same sections, in this order: Summary, Memory per device, Context parallelism
+(when the plan has or searched a cp axis), Time breakdown,
 Layer table, Pipeline (with a Gantt chart of one step), Why this plan, Your layout, Assumptions, then an
 appendix (fusion, ops without a rule, planning statistics). Every figure is one of the plan's own fields,
 formatted; nothing is priced again here, so a plan read back from JSON reports identically.
@@ -13,7 +14,7 @@ import html
 from collections import Counter
 
 from autopar.plan import format_flops_rate
-from autopar.rationale import TERM_LABELS, TERMS
+from autopar.rationale import COMM_TERMS, TERM_LABELS, TERMS
 from autopar.report_charts import bars_svg, bars_text, gantt_svg, gantt_text, schedule_order, simulate
 
 GIB = 1024**3
@@ -163,26 +164,99 @@ def _memory(plan) -> list:
         off = plan.activation_offload
         host.append(f"activations of {off.get('layers', 0)} layer(s): {_gib(off['bytes_per_device'])} GiB per device")
     blocks.append(("p", "On the host: " + ("; ".join(host) if host else "nothing (every state on the device).")))
+    return blocks + _host_memory(plan)
+
+
+def _host_memory(plan) -> list:
+    """What each device keeps on the host, by kind, against its share of the node's host memory ([] if nothing)."""
+    held = {"optimizer": plan.offload.get("optimizer_bytes_per_device", 0.0),
+            "grads": plan.offload.get("grad_bytes_per_device", 0.0),
+            "activations": plan.activation_offload.get("bytes_per_device", 0.0)}  # fmt: skip
+    held = {k: v for k, v in held.items() if v}
+    if not held:
+        return []
+    capacity, per_node = plan.cluster.host_memory_bytes_per_device, plan.cluster.devices_per_node
+    total = sum(held.values())
+    rows = [[_MEMORY_WORDS[k], _gib(v), _gib(v * per_node)] for k, v in held.items()]
+    rows += [["**total**", _gib(total), _gib(total * per_node)],
+             ["host capacity", _gib(capacity), _gib(plan.cluster.host_memory_bytes)]]  # fmt: skip
+    chart = [("host, per device", held)]
+    limit = ("host capacity", capacity)
+    weights = plan.offload.get("param_bytes_per_device")
+    words = (f" The {_gib(weights)} GiB of weights per device whose optimizer states are on the host have no copy on "
+             "the device between uses: each gather brings them up from the host's fp32 master weights (counted with "
+             "the optimizer states)." if weights else "")  # fmt: skip
+    return [("h3", "Host memory"),
+            ("p", f"Bytes each device keeps on the host, by kind, against its share of the node's host memory "
+                  f"({_gib(capacity)} GiB of {_gib(plan.cluster.host_memory_bytes)} GiB over {per_node} devices): "
+                  f"{total / capacity:.1%} of it.{words}"),
+            ("table", ["kind", "GiB per device", "GiB per node"], rows),
+            ("chart", bars_svg(chart, unit="GiB", scale=GIB, title="Host memory per device (GiB)",
+                               labels=_MEMORY_WORDS, limit=limit),
+             bars_text(chart, unit="GiB", scale=GIB, labels=_MEMORY_WORDS, limit=limit))]  # fmt: skip
+
+
+_HIDING = {"comm_dp": "gradient all-reduces overlapping backward", "comm_tp": "resharding overlapping compute",
+           "comm_pp": "stage sends overlapping compute"}  # fmt: skip
+
+
+def _context_parallel(plan) -> list:
+    """The cp axis: its degree and attention algorithm with every algorithm's price, and the degrees the planner
+    searched with their memory per device (degree 1: without cp). Empty for a plan that neither has nor
+    searched one."""
+    cp = plan.context_parallel
+    if not cp:
+        return []
+    degree = plan.mesh.get("cp", 1)
+    blocks = [("h2", "Context parallelism")]
+    if degree > 1:
+        words = (f"The sequence is split over cp={degree} ranks in the {cp.get('layout', 'zigzag')} layout (each rank "
+                 f"holds chunks r and {2 * degree - 1}-r); attention runs across the group by **{cp['algorithm']}**, "
+                 f"the fastest priced algorithm whose memory fits. Each algorithm, per attention layer and "
+                 f"micro-batch on the busiest rank:")  # fmt: skip
+        blocks += [("p", words)] + [("li", line) for line in cp.get("priced", ())]
+    search = cp.get("search")
+    if search:
+        step = plan.predicted.step_time_s
+
+        def why(r: dict) -> str:
+            if r["degree"] == degree:
+                return "chosen"
+            return r.get("reason") or f"{r['step_time_s'] / step - 1:.1%} slower" if step else ""
+
+        rows = [[str(r["degree"]), _ms(r["step_time_s"]), _gib(r["peak_memory_bytes"]), r.get("algorithm") or "-",
+                 why(r)] for r in search]  # fmt: skip
+        blocks += [("p", "The cp degrees searched (1: without cp), each at its best layout; memory is the peak per "
+                         "device:"),
+                   ("table", ["cp", "step time (ms)", "peak memory (GiB)", "attention", "not chosen because"],
+                    rows)]  # fmt: skip
+    elif degree > 1:
+        blocks.append(("p", "cp was pinned, so the layout without it was not priced; plan without the pin to compare."))
     return blocks
 
 
 def _time(plan) -> list:
-    terms = {k: v for k, v in plan.time_breakdown.items() if v}
+    hidden = plan.hidden_communication
+    terms = {k: v for k, v in plan.time_breakdown.items() if v or hidden.get(k)}
     if not terms:
         return []
     step = plan.predicted.step_time_s
-    rows = [[TERM_LABELS.get(k, k), _ms(v), f"{v / step:.1%}" if step else "-"] for k, v in terms.items()]
-    chart_rows = [("chosen plan", terms)]
-    hidden = plan.predicted.grad_sync_hidden_s
-    overlap = (f"the gradient all-reduces overlap backward: {_ms(hidden)} ms of them is hidden and not counted here; "
-               f"the rest of the communication is not overlapped with compute"
-               if hidden else "communication is not overlapped with compute")  # fmt: skip
+    rows = [[TERM_LABELS.get(k, k), _ms(v), f"{v / step:.1%}" if step else "-",
+             _ms(hidden.get(k, 0.0)) if k in COMM_TERMS else ""] for k, v in terms.items()]  # fmt: skip
+    chart_rows = [("chosen plan", {k: v for k, v in terms.items() if v})]
+    axes = [k for k in COMM_TERMS if k in terms]
+    per_axis = "; ".join(f"{k.removeprefix('comm_')}: {_ms(terms[k])} ms exposed, " + (
+        f"{_ms(hidden[k])} ms hidden ({_HIDING[k]})" if hidden.get(k) else "nothing hidden") for k in axes)  # fmt: skip
+    overlap = ("Communication per mesh axis, exposed (the step waits for it: its term above) and hidden behind compute "
+               f"(overlapped, not counted in the step): {per_axis}." if axes else "No communication.")  # fmt: skip
     return [("h2", "Time breakdown"),
-            ("p", f"One step's predicted time by term; {overlap}, so the terms add up to the step time "
-                  f"({_ms(step)} ms)."),
-            ("table", ["term", "ms", "share"], rows),
-            ("chart", bars_svg(chart_rows, unit="ms", scale=1e-3, title="Step time (ms)", labels=TERM_LABELS),
-             bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS))]  # fmt: skip
+            ("p", f"One step's predicted time by term; the terms add up to the step time ({_ms(step)} ms). A "
+                  "communication term is its exposed part; the last column is what overlap hides of it."),
+            ("table", ["term", "ms", "share", "hidden ms (not in the step)"], rows),
+            ("p", overlap),
+            ("chart", bars_svg(chart_rows, unit="ms", scale=1e-3, title="Step time (ms)", labels=TERM_LABELS,
+                               hidden={"chosen plan": hidden}),
+             bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS, hidden={"chosen plan": hidden}))]  # fmt: skip
 
 
 def _stage_of(plan, name: str):
@@ -219,8 +293,9 @@ def _layers(plan) -> list:
                             "tensor axis (the inputs as the op needs them, its output) and the collectives the plan "
                             "inserts for them: kind, mesh axis, pass, bytes (the full tensor on one data-parallel rank "
                             "for one micro-batch), time of one run, runs per step (layers x micro-batches) and time per "
-                            "step. Views and elementwise ops that keep their producer's layout and need no collective "
-                            "are left out; a parameter's dp row is its gradient sync (and ZeRO gathers) in one step."))  # fmt: skip
+                            "step, and the part of it the step waits for (exposed). Views and elementwise ops that keep their "
+                            "producer's layout and need no collective are left out; a parameter's dp row is its "
+                            "gradient sync (and ZeRO gathers) in one step." + _apportion_words(plan)))  # fmt: skip
         for entry in plan.layer_ops:
             blocks += _layer_ops(entry)
     strategies = Counter(s for s in plan.node_strategy.values() if not s.startswith("follows"))
@@ -232,6 +307,15 @@ def _layers(plan) -> list:
     return blocks
 
 
+def _apportion_words(plan) -> str:
+    """How the layer table's dp rows share the data axis's hidden sync ("" where nothing is hidden)."""
+    if not plan.hidden_communication.get("comm_dp"):
+        return ""
+    return (" Overlap hides part of the gradient sync, priced for the step as a whole, not per bucket: each dp row's "
+            "exposed part is its share of the step's exposed sync, pro rata to its sync time (the same fraction for "
+            "every row); the one bucket latency a step pays is in no row.")  # fmt: skip
+
+
 def _layer_ops(entry: dict) -> list:
     """One layer's (or the ops outside the layers') table: each op, then a row per collective inserted for it."""
     if entry["layer"]:
@@ -240,22 +324,27 @@ def _layer_ops(entry: dict) -> list:
         title = "Ops outside the layers (embeddings, final norm, head, loss"
     stages = entry.get("stages") or []
     title += f"; pipeline stage{'s' if len(stages) > 1 else ''} {_ranges(stages)})" if stages else ")"
-    rows, totals = [], Counter()
+    rows, totals, exposed = [], Counter(), Counter()
     for op in entry["ops"]:
         head = [f"`{op['node']}`", op["op"], op["strategy"], ", ".join(op["inputs"]) or "-", op["output"]]
         if not op["collectives"]:
-            rows.append(head + [""] * 7)
+            rows.append(head + [""] * 8)
         for i, c in enumerate(op["collectives"]):
             per_step = c["time_s"] * c["per_step"]
+            # a collective without "exposed_s" hides nothing: the step waits for all of it
+            waits = c.get("exposed_s", c["time_s"]) * c["per_step"]
             totals[(c["axis"], c["pass"])] += per_step
+            exposed[(c["axis"], c["pass"])] += waits
             what = c["kind"] + (f" of `{c['from']}` ({c['placements']})" if c.get("placements") else "")
             rows.append((head if i == 0 else [""] * 5) + [what, c["axis"], c["pass"], _bytes(c["bytes"]),
-                        f"{c['time_s'] * 1e3:,.3f}", f"{c['per_step']:,.4g}", f"{per_step * 1e3:,.3f}"])  # fmt: skip
-    words = "; ".join(f"{axis} {when} {t * 1e3:,.3f} ms" for (axis, when), t in sorted(totals.items()))
+                        f"{c['time_s'] * 1e3:,.3f}", f"{c['per_step']:,.4g}", f"{per_step * 1e3:,.3f}",
+                        f"{waits * 1e3:,.3f}"])  # fmt: skip
+    words = "; ".join(f"{axis} {when} {t * 1e3:,.3f} ms" + (f" ({exposed[axis, when] * 1e3:,.3f} ms exposed)"
+                      if exposed[axis, when] < t else "") for (axis, when), t in sorted(totals.items()))  # fmt: skip
     return [("h3", title),
             ("p", f"Collectives per step: {words}." if words else "No collectives."),
             ("table", ["node", "op", "strategy", "inputs", "output", "collective", "axis", "pass", "bytes",
-                       "ms per run", "runs per step", "ms per step"], rows)]  # fmt: skip
+                       "ms per run", "runs per step", "ms per step", "exposed ms per step"], rows)]  # fmt: skip
 
 
 def _bytes(n: float) -> str:
@@ -325,14 +414,21 @@ def _why(plan) -> list:
                          "pin left to the solver (the best of its family); a layout that cannot run says which "
                          "constraint ruled it out and by how much."),
                    ("table", ["alternative", "layout", "step ms", "vs chosen", "peak GiB", "fits", "why not"], rows)]  # fmt: skip
-        chart_rows = [("chosen", plan.time_breakdown)] + [
-            (b["name"], b["terms"]) for b in plan.baselines if b["feasible"] and b.get("terms")
-        ]
+        shown = [b for b in plan.baselines if b["feasible"] and b.get("terms")]
+        chart_rows = [("chosen", plan.time_breakdown)] + [(b["name"], b["terms"]) for b in shown]
+        hidden = {"chosen": plan.hidden_communication} | {b["name"]: b.get("hidden", {}) for b in shown}
         blocks.append(("chart", bars_svg(chart_rows, unit="ms", scale=1e-3, title="Step time of each alternative (ms)",
-                                         labels=TERM_LABELS),
-                       bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS)))  # fmt: skip
+                                         labels=TERM_LABELS, hidden=hidden),
+                       bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS, hidden=hidden)))  # fmt: skip
     else:
         blocks.append(("p", "No alternatives were priced for this plan (planned with alternatives=False)."))
+    searched = next((b for b in plan.baselines if b["name"] == "search"), None)
+    if searched is not None:
+        adopted = next((b for b in plan.baselines + plan.comparisons if b["name"] == plan.stats.get("adopted")), None)
+        label = adopted["label"] if adopted else plan.stats.get("adopted", "an alternative")
+        blocks.append(("p", f"The search's own answer ({searched['layout']}, {_ms(searched['step_time_s'])} ms) was "
+                            f"beaten by {label}, priced by the same cost model: the plan is that layout, and the "
+                            "search's answer is listed above as an alternative. The meshes below are the search's."))  # fmt: skip
     if plan.alternatives:
         blocks += [("h3", "Meshes solved"),
                    ("p", "Every factorisation of the world size into dp x tp was solved; each row is the optimum for "
@@ -340,9 +436,10 @@ def _why(plan) -> list:
                          "where memory required it.")]  # fmt: skip
         rows = []
         for alt in sorted(plan.alternatives, key=lambda a: (a["step_time_s"] is None, a["step_time_s"] or 0.0)):
-            chosen = alt["dp"] == plan.mesh.get("dp") and alt["tp"] == plan.mesh.get("tp")
+            mesh = alt["dp"] == plan.mesh.get("dp") and alt["tp"] == plan.mesh.get("tp")
+            chosen = " (chosen)" if mesh and searched is None else " (the search's answer)" if mesh else ""
             rows.append([
-                f"dp={alt['dp']} tp={alt['tp']}" + (" (chosen)" if chosen else ""), str(alt.get("num_microbatches", 1)),
+                f"dp={alt['dp']} tp={alt['tp']}" + chosen, str(alt.get("num_microbatches", 1)),
                 _ms(alt["step_time_s"]) if alt["feasible"] else "-",
                 _ms(alt["compute_s"]), _ms(alt["reshard_s"]), _ms(alt["grad_sync_s"]),
                 str(alt["zero_stage"]) if alt["feasible"] else "-", alt.get("recompute", "none") if alt["feasible"] else "-",
@@ -374,6 +471,10 @@ def _yours(plan) -> list:
         rows = [[TERM_LABELS.get(k, k), _ms(chosen.get(k, 0.0)), _ms(c["terms"].get(k, 0.0)),
                  f"{(c['terms'].get(k, 0.0) - chosen.get(k, 0.0)) * 1e3:+,.2f}"]
                 for k in TERMS if chosen.get(k) or c["terms"].get(k)]  # fmt: skip
+        mine, ours = c.get("hidden", {}), plan.hidden_communication
+        rows += [[f"{TERM_LABELS[k]}, hidden (not in the step)", _ms(ours.get(k, 0.0)), _ms(mine.get(k, 0.0)),
+                  f"{(mine.get(k, 0.0) - ours.get(k, 0.0)) * 1e3:+,.2f}"]
+                 for k in COMM_TERMS if ours.get(k) or mine.get(k)]  # fmt: skip
         rows.append(
             [
                 "**step time**",
@@ -418,8 +519,12 @@ def _assumptions(plan) -> list:
     else:
         where = f"the estimator {estimator}"
     rows.append(["op costs from", where])
+    overlap = ("the data-parallel program's gradient all-reduces overlap the last micro-batch's backward (exposed: "
+               "what backward cannot hide, and at least the last bucket; priced on GPUs only, where communication "
+               "does not take the compute's cores); other communication is not overlapped with compute"
+               if plan.overlap else "communication not overlapped with compute (overlap off)")  # fmt: skip
     rows.append(["collectives", "alpha-beta model of the link each mesh axis crosses (ring all-reduce moves "
-                                "2(n-1)/n of the bytes); communication not overlapped with compute"])  # fmt: skip
+                                f"2(n-1)/n of the bytes); {overlap}"])  # fmt: skip
     return [("h2", "Assumptions"), ("table", ["constant", "value"], rows)]
 
 
@@ -442,7 +547,7 @@ def _appendix(plan) -> list:
 
 def report_blocks(plan) -> list:
     """The report's sections, in order: Summary, Memory, Time, Layers, Pipeline, Why, Your layout, Assumptions."""
-    return [*_summary(plan), *_memory(plan), *_time(plan), *_layers(plan), *_pipeline(plan), *_why(plan),
+    return [*_summary(plan), *_memory(plan), *_context_parallel(plan), *_time(plan), *_layers(plan), *_pipeline(plan), *_why(plan),
             *_yours(plan), *_assumptions(plan), *_appendix(plan)]  # fmt: skip
 
 

@@ -172,6 +172,10 @@ class Plan:
     # the step's predicted time by term (`autopar.rationale.TERMS`: compute, recompute, each axis's
     # communication, bubble, offload, optimizer, other); the terms sum to predicted.step_time_s
     time_breakdown: dict = field(default_factory=dict)
+    # per mesh axis (`autopar.rationale.COMM_TERMS`: comm_tp, comm_dp, comm_pp), the communication time overlap
+    # hides behind compute (`autopar.rationale.hidden_terms`): not in the step, nor in time_breakdown, whose
+    # communication terms are the exposed part; an axis that hides nothing is left out
+    hidden_communication: dict = field(default_factory=dict)
     # the layouts a user would pick (DDP, ZeRO-3, the best Megatron-style tp x pp point, the search's
     # runner-up), each priced by the same cost model (`autopar.rationale.entry`), or why it cannot run
     baselines: tuple = ()
@@ -191,7 +195,8 @@ class Plan:
     # per deduplicated layer (and one entry for what runs outside the layers), as the solver priced it
     # (`passes.sharding_solver.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
     # it; empty without a pipeline) and "ops": each op's placements and the collectives inserted for it
-    # (kind, mesh axis, pass, bytes, seconds per run, runs per step)
+    # (kind, mesh axis, pass, bytes, seconds per run, runs per step; a dp collective whose sync overlap partly hides
+    # also its exposed seconds per run, "exposed_s")
     layer_ops: tuple = ()
     # a cp axis: "degree", "algorithm" its attention runs, "layout" ("zigzag"), and "priced": one line per
     # algorithm with its price or why it cannot run (`passes.context_parallel`); empty without a cp axis
@@ -292,6 +297,8 @@ class Plan:
             "stats": self.stats,
             "fusion": self.fusion,
             "time_breakdown": self.time_breakdown,
+            # written only where something is hidden: plans without overlap keep their old text
+            **({"hidden_communication": self.hidden_communication} if self.hidden_communication else {}),
             "baselines": list(self.baselines),
             "comparisons": list(self.comparisons),
             "assumptions": self.assumptions,
@@ -348,6 +355,7 @@ class Plan:
                 stats=dict(d.get("stats", {})),
                 fusion=dict(d.get("fusion") or {}),
                 time_breakdown=dict(d.get("time_breakdown") or {}),
+                hidden_communication=_hidden_communication(d),
                 baselines=tuple(d.get("baselines") or ()),
                 comparisons=tuple(d.get("comparisons") or ()),
                 assumptions=dict(d.get("assumptions") or {}),
@@ -409,6 +417,16 @@ class Plan:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             words += f"; kept whole ({reason}): {shown}"
         return words
+
+
+def _hidden_communication(d: dict) -> dict:
+    """The plan file's hidden communication per axis; files written before the field carried only the data axis's,
+    as predicted.grad_sync_hidden_s."""
+    if "hidden_communication" in d:
+        return {str(k): float(v) for k, v in d["hidden_communication"].items()}
+    from autopar.rationale import hidden_terms
+
+    return hidden_terms(grad_sync_hidden_s=float(d["predicted"].get("grad_sync_hidden_s", 0.0)))
 
 
 _TREATMENT_WORDS = {"offload": "activations offloaded", "full": "full recompute", "selective": "selective recompute"}

@@ -6,7 +6,8 @@ planning (`autopar.plan` stores it in the plan, so a plan read back from JSON re
 - `time_terms`: one step's predicted time split into compute, recompute, the communication of each
   mesh axis (tp: resharding inside ops; dp: gradient sync and ZeRO gathers; pp: stage-to-stage sends),
   the pipeline bubble, host offload traffic, the optimizer step and what is left (the sharded
-  runtime's per-op overhead). The terms sum to the step time.
+  runtime's per-op overhead). The terms sum to the step time; a communication term is what the step
+  waits for (exposed), and `hidden_terms` is, per mesh axis, what overlap hides behind compute.
 - `standard_layouts`: the hand-configured layouts (pure data parallelism, ZeRO-1/2/3, tensor parallel
   across a node) as `autopar.plan` constraints, the one list of them: `bench plans` prices every one,
   the report DDP and ZeRO-3 (`REPORTED_LAYOUTS`) next to the best Megatron-style tp x pp point.
@@ -22,6 +23,8 @@ from autopar.errors import ConfigError
 GIB = 1024**3
 # the terms of one step, in the order the report stacks them
 TERMS = ("compute", "recompute", "comm_tp", "comm_dp", "comm_pp", "bubble", "offload", "optimizer", "other")
+# the terms that are one mesh axis's communication: exposed in `time_terms`, hidden in `hidden_terms`
+COMM_TERMS = ("comm_tp", "comm_dp", "comm_pp")
 TERM_LABELS = {
     "compute": "compute",
     "recompute": "recompute",
@@ -49,6 +52,16 @@ def sharded_terms(*, step_s: float, compute_s: float, recompute_s: float, reshar
     return {k: terms.get(k, 0.0) for k in TERMS}
 
 
+def hidden_terms(*, grad_sync_hidden_s: float) -> dict[str, float]:
+    """Per mesh axis (its `COMM_TERMS` key), the communication time overlap hides behind compute: not in the step.
+
+    Only the data axis hides any today: the data-parallel program's gradient all-reduces run while backward goes
+    on (`ShardingProgram.add_overlap_constraint` prices it; `grad_sync_hidden_s` is its figure). Axes that hide
+    nothing are left out, so a plan without overlap has none.
+    """
+    return {"comm_dp": grad_sync_hidden_s} if grad_sync_hidden_s > 0 else {}
+
+
 def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, transfer_s: float, grad_sync_s: float,
                    optimizer_s: float) -> dict[str, float]:  # fmt: skip
     """The terms of a pipeline: the slowest stage's m micro-batches of compute and sends, the bubble the rest.
@@ -63,6 +76,8 @@ def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, tran
     return {k: terms.get(k, 0.0) for k in TERMS}
 
 
+# why a faster alternative did not replace the chosen plan (`loss_reason`), unless the caller knows better
+PINNED = "whose layout the constraints pin"
 # the hand layouts the report's "Why this plan" prices (`bench plans` prices every one of `standard_layouts`)
 REPORTED_LAYOUTS = ("dp", "zero3")
 
@@ -109,8 +124,9 @@ def layout_words(plan) -> str:
     return ", ".join(words)
 
 
-def entry(name: str, label: str, constraints: dict, priced, chosen) -> dict:
-    """One alternative for the report: `priced` is its Plan, or the autopar error that says why it cannot run."""
+def entry(name: str, label: str, constraints: dict, priced, chosen, kept: str = PINNED) -> dict:
+    """One alternative for the report: `priced` is its Plan, or the autopar error that says why it cannot run
+    (`kept`: see `loss_reason`)."""
     base = {"name": name, "label": label, "constraints": dict(constraints)}
     if isinstance(priced, Exception):
         return base | {"feasible": False, "layout": _constraint_words(constraints), "step_time_s": None,
@@ -128,17 +144,19 @@ def entry(name: str, label: str, constraints: dict, priced, chosen) -> dict:
         "peak_memory_bytes": p.peak_memory_bytes,
         "memory": dict(p.memory_breakdown),
         "terms": dict(priced.time_breakdown),
-        "reason": loss_reason(priced, chosen),
+        **({"hidden": dict(priced.hidden_communication)} if priced.hidden_communication else {}),
+        "reason": loss_reason(priced, chosen, kept),
     }
 
 
-def loss_reason(alt, chosen) -> str:
-    """One line: why `alt` (a Plan) lost to `chosen`, from the term that grew most."""
+def loss_reason(alt, chosen, kept: str = PINNED) -> str:
+    """One line: why `alt` (a Plan) lost to `chosen`, from the term that grew most; `kept` says why a faster `alt`
+    did not replace it."""
     t_alt, t_chosen = alt.predicted.step_time_s, chosen.predicted.step_time_s
     if _same_layout(alt, chosen):
         return "the chosen plan's layout"
-    if t_alt < t_chosen * (1 - 1e-9):  # only where the chosen plan is pinned (a free plan adopts a faster one)
-        return f"{1 - t_alt / t_chosen:.1%} faster than the chosen plan, whose layout the constraints pin"
+    if t_alt < t_chosen * (1 - 1e-9):  # a pinned plan, or one priced after planning (a free plan adopts a faster one)
+        return f"{1 - t_alt / t_chosen:.1%} faster than the chosen plan, {kept}"
     if t_alt <= t_chosen * (1 + 1e-9):
         return "as fast as the chosen plan"
     deltas = {k: alt.time_breakdown.get(k, 0.0) - chosen.time_breakdown.get(k, 0.0) for k in TERMS}
@@ -206,7 +224,8 @@ def layout_name(constraints: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in constraints.items())
 
 
-def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True, compare=(), adopt: bool = True):
+def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True, compare=(), adopt: bool = True,
+                   kept: str = PINNED):  # fmt: skip
     """`chosen` with its `baselines` and `comparisons` priced; the fastest plan of all when one beats it.
 
     Args:
@@ -219,6 +238,7 @@ def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True
         compare: the user's layouts ("tp=8,pp=4,zero=1" strings or constraint dicts).
         adopt: let a faster alternative replace `chosen` (False when the user pinned the layout: the
             alternatives are then listed next to the pinned plan, not put in its place).
+        kept: why a faster alternative did not replace `chosen`, as its one line says it (adopt=False).
     """
     say = say or (lambda msg: None)
     rows = []  # (name, label, constraints, Plan or error)
@@ -233,17 +253,41 @@ def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True
                          runner_up))  # fmt: skip
     mine = [_price_one(layout_name(pins), "your layout", pins, price, say)
             for pins in (parse_layout(c) for c in compare)]  # fmt: skip
-    fitting = [r[3] for r in rows + mine if not isinstance(r[3], Exception)]
-    best = min(fitting, key=lambda p: p.predicted.step_time_s, default=chosen)
-    if adopt and best.predicted.step_time_s < chosen.predicted.step_time_s * (1 - 1e-9):
-        # a layout the search's pruning passed over is faster under the same cost model: it is the plan
-        say(f"an alternative beats the search's plan: {layout_words(best)}")
-        rows.append(("search", "the search's own answer (beaten by an alternative)", {}, chosen))
-        chosen = best
+    if adopt and _fastest(rows + mine, chosen) is not chosen:
+        chosen = _adopt(chosen, rows, mine, price, say)
     import dataclasses
 
-    return dataclasses.replace(chosen, baselines=tuple(entry(*r, chosen) for r in rows),
-                               comparisons=tuple(entry(*r, chosen) for r in mine))  # fmt: skip
+    return dataclasses.replace(chosen, baselines=tuple(entry(*r, chosen, kept) for r in rows),
+                               comparisons=tuple(entry(*r, chosen, kept) for r in mine))  # fmt: skip
+
+
+def _fastest(rows: list[tuple], chosen):
+    """The plan of `rows` that is faster than `chosen` (beyond float noise) and fastest, else `chosen`."""
+    fitting = [r[3] for r in rows if not isinstance(r[3], Exception)]
+    best = min(fitting, key=lambda p: p.predicted.step_time_s, default=chosen)
+    return best if best.predicted.step_time_s < chosen.predicted.step_time_s * (1 - 1e-9) else chosen
+
+
+def _adopt(searched, rows: list[tuple], mine: list[tuple], price, say):
+    """The fastest alternative in place of the search's plan `searched`, which a layout its pruning passed over
+    beats under the same cost model; `rows` gains the search's answer as an alternative.
+
+    The best Megatron-style grid point was taken to be the search's plan (`_best_grid_point`, searched=True);
+    beaten, that no longer holds, so the grid is priced point by point before the fastest is picked. The plan
+    keeps the search's table of meshes solved (its own is that of one pinned layout) and says what it adopted
+    (stats["adopted"]: the alternative's name) in the search's planning statistics.
+    """
+    import dataclasses
+
+    at = next((i for i, r in enumerate(rows) if r[0] == "megatron" and r[3] is searched), None)
+    if at is not None:
+        rows[at] = _best_grid_point(searched, price, say, searched=False)
+    best = _fastest(rows + mine, searched)
+    name = next(r[0] for r in rows + mine if r[3] is best)
+    say(f"an alternative beats the search's plan: {name}: {layout_words(best)}")
+    rows.append(("search", "the search's own answer (beaten by an alternative)", {}, searched))
+    return dataclasses.replace(best, alternatives=searched.alternatives,
+                               stats=searched.stats | {"adopted": name})  # fmt: skip
 
 
 def _best_grid_point(chosen, price, say, *, searched: bool) -> tuple:

@@ -5,7 +5,9 @@ the SVG is text inside the page, with the system's sans-serif font. Each chart c
 the same content: `*_svg` (a string of <svg>) and `*_text` (lines of a fixed-width text chart).
 
 Terms:
-    bar chart   one horizontal bar per row, stacked from its parts (memory kinds, step-time terms)
+    bar chart   one horizontal bar per row, stacked from its parts (memory kinds, step-time terms); a row may
+                carry hidden parts too (communication overlapped with compute), drawn hatched after the bar's
+                end and left out of its total
     Gantt       one row per pipeline stage (device block); a box per forward (F) or backward (B) of a
                 micro-batch, in the order the schedule runs them; the gaps are the bubble
 """
@@ -16,11 +18,14 @@ import html
 from dataclasses import dataclass
 
 # one colour per part, kept across charts so that "compute" is the same blue everywhere
-PALETTE = ("#3b7dd8", "#e8a33d", "#5aa469", "#d1495b", "#8e6bbf", "#edae49", "#66a182", "#2e4057", "#b0b0b0",
+PALETTE = ("#3b7dd8", "#e8a33d", "#5aa469", "#d1495b", "#8e6bbf", "#17a2b8", "#66a182", "#2e4057", "#b0b0b0",
            "#c97b63")  # fmt: skip
 TEXT_FILL = "#█▓▒░=+*~-"  # a character per part in text bars (after the first, which is "#")
 TEXT_WIDTH = 50
+HIDDEN_FILL = "/"  # the text bars' character for hidden parts (not in the total)
+HIDDEN_WORDS = "hidden behind compute (not in the total)"
 _FONT = "font-family:sans-serif;font-size:11px"
+LEGEND_COLUMNS, LEGEND_STEP = 2, 360  # legend entries per row, and pixels between them (the longest label fits)
 
 
 def _esc(text) -> str:
@@ -35,24 +40,56 @@ def _parts(rows: list[tuple[str, dict]], order=()) -> list[str]:
     return [k for k in seen if any(values.get(k, 0.0) > 0 for _, values in rows)]
 
 
+def _positive(values: dict) -> float:
+    return sum(v for v in values.values() if v > 0)
+
+
+def _colours(parts: list[str], labels: dict) -> dict[str, str]:
+    """A part's colour: its place in `labels` (so it is the same in every chart), else after them."""
+    colour = {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(_parts([("", dict.fromkeys(labels, 1.0))], labels))}
+    return colour | {p: PALETTE[(len(labels) + i) % len(PALETTE)] for i, p in enumerate(parts) if p not in colour}
+
+
+def _hatch(chart: str, part: str, colour: str) -> str:
+    """A pattern of `colour` stripes on white, for the hidden parts; its id is unique to the chart and the part
+    (ids of inline SVG are the page's)."""
+    pid = f"hatch-{chart}-{part}"
+    return (f'<pattern id="{_esc(pid)}" patternUnits="userSpaceOnUse" width="6" height="6" '
+            f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#fff"/>'
+            f'<rect width="3" height="6" fill="{colour}"/></pattern>')  # fmt: skip
+
+
+def _slug(text: str) -> str:
+    """'Step time (ms)' -> 'step-time-ms'."""
+    return "-".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
+
+
 def bars_svg(rows: list[tuple[str, dict]], *, unit: str, scale: float, title: str, labels: dict | None = None,
-             limit: tuple[str, float] | None = None) -> str:  # fmt: skip
+             limit: tuple[str, float] | None = None, hidden: dict[str, dict] | None = None) -> str:  # fmt: skip
     """Stacked horizontal bars: `rows` are (label, {part: value}); values are divided by `scale` for the axis.
 
     `limit` draws a dashed line at (label, value) (the memory capacity); `labels` names the parts in the legend.
+    `hidden` maps a row's label to its hidden parts ({part: value}): drawn hatched in the part's colour after
+    the bar's total, which they are not part of, and named "+ x hidden" after it.
     """
-    labels = labels or {}
-    parts = _parts(rows, labels)
-    colour = {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(_parts([("", dict.fromkeys(labels, 1.0))], labels))}
-    colour |= {p: PALETTE[(len(labels) + i) % len(PALETTE)] for i, p in enumerate(parts) if p not in colour}
-    top = max([sum(v for v in values.values() if v > 0) for _, values in rows] + [limit[1] if limit else 0.0])
+    labels, hidden = labels or {}, hidden or {}
+    parts = _parts(rows + list(hidden.items()), labels)
+    colour = _colours(parts, labels)
+    top = max([_positive(values) + _positive(hidden.get(label, {})) for label, values in rows]
+              + [limit[1] if limit else 0.0])  # fmt: skip
     top = top or 1.0
+    hatched = [p for p in parts if any(h.get(p, 0.0) > 0 for h in hidden.values())]
     left, width, bar_h, gap = 190, 520, 18, 8
-    legend_rows = (len(parts) + 2) // 3
+    legend_rows = (len(parts) + bool(hatched) + LEGEND_COLUMNS - 1) // LEGEND_COLUMNS
     height = 28 + len(rows) * (bar_h + gap) + 24 + legend_rows * 16 + 6
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 30}" height="{height}" role="img" '
+    chart = _slug(title)
+    # room after the longest bar for its total ("(+ x hidden)" makes it longer)
+    margin = 150 if hatched else 60
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + margin}" height="{height}" role="img" '
            f'aria-label="{_esc(title)}" style="{_FONT}">', f'<title>{_esc(title)}</title>',
            f'<text x="4" y="14" font-weight="bold">{_esc(title)}</text>']  # fmt: skip
+    if hatched:
+        out.append("<defs>" + "".join(_hatch(chart, p, colour[p]) for p in hatched) + "</defs>")
     y = 24
     for label, values in rows:
         x = left
@@ -65,43 +102,68 @@ def bars_svg(rows: list[tuple[str, dict]], *, unit: str, scale: float, title: st
             out.append(f'<rect x="{x:.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{bar_h}" fill="{colour[part]}">'
                        f'<title>{_esc(labels.get(part, part))}: {v / scale:,.3f} {unit}</title></rect>')  # fmt: skip
             x += w
-        total = sum(v for v in values.values() if v > 0)
-        out.append(f'<text x="{x + 4:.2f}" y="{y + 13}">{total / scale:,.2f}</text>')
+        for part in hatched:
+            v = hidden.get(label, {}).get(part, 0.0)
+            if v <= 0:
+                continue
+            w = v / top * width
+            out.append(f'<rect x="{x:.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{bar_h}" '
+                       f'fill="url(#{_esc(f"hatch-{chart}-{part}")})" stroke="{colour[part]}" stroke-width="0.8">'
+                       f'<title>{_esc(labels.get(part, part))}, hidden behind compute (not in the total): '
+                       f'{v / scale:,.3f} {unit}</title></rect>')  # fmt: skip
+            x += w
+        words = f"{_positive(values) / scale:,.2f}"
+        if _positive(hidden.get(label, {})):
+            words += f" (+ {_positive(hidden[label]) / scale:,.2f} hidden)"
+        out.append(f'<text x="{x + 4:.2f}" y="{y + 13}">{_esc(words)}</text>')
         y += bar_h + gap
     if limit is not None:
         lx = left + limit[1] / top * width
-        out.append(f'<line x1="{lx:.2f}" y1="22" x2="{lx:.2f}" y2="{y}" stroke="#000" stroke-dasharray="4,3"/>'
-                   f'<text x="{lx:.2f}" y="{y + 12}" text-anchor="middle">{_esc(limit[0])}</text>')  # fmt: skip
+        # named above the bars, where neither the axis labels nor a bar's total can cover it
+        out.append(f'<line x1="{lx:.2f}" y1="16" x2="{lx:.2f}" y2="{y}" stroke="#000" stroke-dasharray="4,3"/>'
+                   f'<text x="{lx - 3:.2f}" y="13" text-anchor="end">{_esc(limit[0])}</text>')  # fmt: skip
     out.append(f'<text x="{left}" y="{y + 12}">0</text><text x="{left + width}" y="{y + 12}" text-anchor="end">'
                f'{top / scale:,.2f} {_esc(unit)}</text>')  # fmt: skip
     y += 20
     for i, part in enumerate(parts):
-        lx, ly = 4 + (i % 3) * 240, y + (i // 3) * 16
+        lx, ly = 4 + (i % LEGEND_COLUMNS) * LEGEND_STEP, y + (i // LEGEND_COLUMNS) * 16
         out.append(f'<rect x="{lx}" y="{ly}" width="10" height="10" fill="{colour[part]}"/>'
                    f'<text x="{lx + 14}" y="{ly + 9}">{_esc(labels.get(part, part))}</text>')  # fmt: skip
+    if hatched:
+        i = len(parts)
+        lx, ly = 4 + (i % LEGEND_COLUMNS) * LEGEND_STEP, y + (i // LEGEND_COLUMNS) * 16
+        out.append(f'<rect x="{lx}" y="{ly}" width="10" height="10" fill="url(#{_esc(f"hatch-{chart}-{hatched[0]}")})" '
+                   f'stroke="{colour[hatched[0]]}" stroke-width="0.8"/>'
+                   f'<text x="{lx + 14}" y="{ly + 9}">hatched: {HIDDEN_WORDS}</text>')  # fmt: skip
     out.append("</svg>")
     return "".join(out)
 
 
 def bars_text(rows: list[tuple[str, dict]], *, unit: str, scale: float, labels: dict | None = None,
-              limit: tuple[str, float] | None = None) -> list[str]:  # fmt: skip
-    """The same chart as `bars_svg` in characters: one fill character per part, a `|` at the limit."""
-    labels = labels or {}
-    parts = _parts(rows, labels)
+              limit: tuple[str, float] | None = None, hidden: dict[str, dict] | None = None) -> list[str]:  # fmt: skip
+    """The same chart as `bars_svg` in characters: one fill character per part, a `|` at the limit, hidden parts
+    as `/` after the bar (not in its total)."""
+    labels, hidden = labels or {}, hidden or {}
+    parts = _parts(rows + list(hidden.items()), labels)
     fill = {p: TEXT_FILL[i % len(TEXT_FILL)] for i, p in enumerate(parts)}
-    top = max([sum(v for v in values.values() if v > 0) for _, values in rows] + [limit[1] if limit else 0.0])
+    top = max([_positive(values) + _positive(hidden.get(label, {})) for label, values in rows]
+              + [limit[1] if limit else 0.0])  # fmt: skip
     top = top or 1.0
     name_w = max(len(label) for label, _ in rows)
     lines = []
     for label, values in rows:
         bar = "".join(fill[p] * round(values.get(p, 0.0) / top * TEXT_WIDTH) for p in parts if values.get(p, 0.0) > 0)
+        bar += HIDDEN_FILL * round(_positive(hidden.get(label, {})) / top * TEXT_WIDTH)
         if limit is not None:
             at = round(limit[1] / top * TEXT_WIDTH)
             bar = (bar + " " * TEXT_WIDTH)[:TEXT_WIDTH]
             bar = bar[:at] + "|" + bar[at + 1 :] if at < TEXT_WIDTH else bar + "|"
-        total = sum(v for v in values.values() if v > 0)
-        lines.append(f"{label:<{name_w}} {bar.rstrip()} {total / scale:,.2f} {unit}")
+        words = f"{_positive(values) / scale:,.2f} {unit}"
+        if _positive(hidden.get(label, {})):
+            words += f" (+ {_positive(hidden[label]) / scale:,.2f} {unit} hidden)"
+        lines.append(f"{label:<{name_w}} {bar.rstrip()} {words}")
     lines.append("legend: " + ", ".join(f"{fill[p]} {labels.get(p, p)}" for p in parts)
+                 + (f", {HIDDEN_FILL} {HIDDEN_WORDS}" if any(map(_positive, hidden.values())) else "")
                  + (f"; | {limit[0]}" if limit else ""))  # fmt: skip
     return lines
 

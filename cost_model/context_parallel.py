@@ -52,6 +52,7 @@ __all__ = [
     "AttentionTime",
     "CPAttentionCost",
     "CPAttentionShape",
+    "attention_flops",
     "attention_time_from_device",
     "estimate_cp_attention",
     "estimate_cp_attention_all",
@@ -122,6 +123,16 @@ def load_balance_factor(num_ranks: int, causal: bool, layout: SequenceLayout | s
     if causal and SequenceLayout(layout) == SequenceLayout.CONTIGUOUS:
         return (2 * num_ranks - 1) / num_ranks
     return 1.0
+
+
+def attention_flops(shape: CPAttentionShape, causal: bool) -> tuple[float, float]:
+    """(forward, backward) FLOPs of one attention layer over the whole sequence, however cp splits it.
+
+    4·b·h·S²·d forward (QKᵀ and PV), half of it under a causal mask, and 2.5x that backward: the convention of
+    `cost_model.compute` for an unsplit attention op, so a cp plan counts the same work as the plan without cp.
+    """
+    forward = 4.0 * shape.batch * shape.heads * shape.seq_len**2 * shape.head_dim * (0.5 if causal else 1.0)
+    return forward, BACKWARD_FACTOR * forward
 
 
 def attention_time_from_device(device: DeviceSpec, dtype: DType | str) -> AttentionTime:

@@ -13,8 +13,11 @@ Attention is not per token: a rank's queries attend to keys of the whole sequenc
 (on a ``seq/cp`` chunk) is priced instead by `cost_model.context_parallel.estimate_cp_attention` for one
 attention layer over the whole sequence split over the cp group (batch: this rank's sequences of one
 micro-batch; heads: those its tensor-axis strategy leaves it), with the algorithm pinned or, unpinned, the
-fastest that applies. What that estimate says the algorithm keeps besides q, k, v and the output (the
-gathered K/V of all-gather, the head-split copies of all-to-all) is not yet added to the memory row.
+fastest that applies whose memory fits. What that estimate says the algorithm keeps besides q, k, v and the
+output (the gathered K/V of all-gather, the head-split copies of all-to-all) is added to the saved activations
+of every attention layer the plan does not recompute, and what it holds while it runs (double-buffered ring
+blocks, all-to-all send and receive buffers, the whole sequence's dK/dV before a reduce-scatter) to the
+working memory (`passes.sharding_solver`).
 
 Terms: `cp` the degree; "data axis" the dp·cp ranks that split the traced batch; an attention node is
 ``aten.scaled_dot_product_attention`` or ``autopar::flash_attention``.
@@ -30,7 +33,12 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.attention import CPAlgorithm
 from autopar.context_parallel.inputs import LAYOUT
-from autopar.cost_model.context_parallel import CPAttentionCost, CPAttentionShape, estimate_cp_attention
+from autopar.cost_model.context_parallel import (
+    CPAttentionCost,
+    CPAttentionShape,
+    attention_flops,
+    estimate_cp_attention,
+)
 from autopar.cost_model.devices import DType
 from autopar.errors import ConfigError
 
@@ -116,6 +124,33 @@ def check_cp_graph(graph: fx.Graph, spec: CPSpec) -> list[fx.Node]:
     return attn
 
 
+def attention_shape(node: fx.Node, degree: int, batch: int, divisor: int = 1) -> CPAttentionShape:
+    """The whole-sequence attention layer an attention node of a graph traced for cp `degree` stands for.
+
+    Args:
+        node: the attention node, on a chunk of ``seq/degree`` tokens.
+        batch: the sequences it runs on (the traced node holds `degree` rows per sequence).
+        divisor: the tensor axis's split of the heads (kept whole when it does not divide them).
+    """
+    q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if divisor > 1 and heads % divisor == 0 and kv_heads % divisor == 0:
+        heads, kv_heads = heads // divisor, kv_heads // divisor
+    return CPAttentionShape(batch=max(1, batch), heads=heads, kv_heads=kv_heads, seq_len=q.shape[2] * degree,
+                            head_dim=q.shape[3], bytes_per_element=q.element_size())  # fmt: skip
+
+
+def cp_attention_flops(node: fx.Node, degree: int) -> tuple[float, float]:
+    """(forward, backward) FLOPs of an attention node of a graph traced for cp `degree`, over whole sequences.
+
+    The traced node runs ``degree·batch`` chunks of ``seq/degree`` tokens under the mask the model built from the
+    chunk's shape; what the cp program runs is attention over whole sequences, causal by global position
+    (`attention_causal`). Its FLOPs are those of the plan without cp (`attention_flops`).
+    """
+    batch = node.args[0].meta["val"].shape[0] // degree
+    return attention_flops(attention_shape(node, degree, batch), causal=attention_causal(node))
+
+
 @dataclass(frozen=True, slots=True)
 class CPPricing:
     """What cp attention costs on one mesh: the algorithm used and each algorithm's price (or why it cannot run).
@@ -130,17 +165,18 @@ class CPPricing:
     dtype: DType
     link_axis: tuple[int, int]
     lines: tuple[str, ...] = field(default=())
+    # the algorithms that apply, fastest first (the pinned one alone when pinned)
+    ranked: tuple[CPAlgorithm, ...] = field(default=())
+
+    def with_algorithm(self, algorithm: CPAlgorithm, why: str = "") -> CPPricing:
+        """This pricing running `algorithm` instead; `why` (a line for the plan) says why the faster ones were not."""
+        lines = self.lines + ((why,) if why else ())
+        return CPPricing(self.degree, algorithm, self.cluster, self.dtype, self.link_axis, lines, self.ranked)
 
     def cost(self, node: fx.Node, local_batch: int, divisor: int = 1,
              algorithm: CPAlgorithm | None = None) -> CPAttentionCost:  # fmt: skip
         """One attention node's cost per micro-batch on the busiest rank; `divisor` splits its heads (tp)."""
-        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
-        heads, kv_heads = q.shape[1], k.shape[1]
-        if divisor > 1 and heads % divisor == 0 and kv_heads % divisor == 0:
-            heads, kv_heads = heads // divisor, kv_heads // divisor
-        shape = CPAttentionShape(batch=max(1, local_batch), heads=heads, kv_heads=kv_heads,
-                                 seq_len=q.shape[2] * self.degree, head_dim=q.shape[3],
-                                 bytes_per_element=q.element_size())  # fmt: skip
+        shape = attention_shape(node, self.degree, local_batch, divisor)
         return estimate_cp_attention(shape, self.degree, causal=attention_causal(node), layout=LAYOUT,
                                      algorithm=algorithm or self.algorithm,
                                      link=self.cluster.link_for_axis(*self.link_axis), compute=self.cluster.device,
@@ -165,14 +201,17 @@ def price_cp_attention(attention: list[fx.Node], cluster: ClusterSpec, spec: CPS
     local_batch = node.args[0].meta["val"].shape[0] // (data * num_microbatches)
     base = CPPricing(spec.degree, spec.algorithm or CPAlgorithm.RING, cluster, DType(precision), (spec.degree, tp))
     costs, lines = {}, []
-    heads = node.args[0].meta["val"].shape[1]
+    heads, kv_heads = node.args[0].meta["val"].shape[1], node.args[1].meta["val"].shape[1]
+    # where the tensor axis splits the heads (`CPPricing.cost`), all-to-all splits a tensor rank's share
+    local = heads // tp if tp > 1 and heads % tp == 0 and kv_heads % tp == 0 else heads
     for alg in CPAlgorithm:
-        if alg == CPAlgorithm.ALL_TO_ALL and heads % spec.degree:
-            lines.append(f"{alg}: {heads} heads not divisible by cp={spec.degree}")
+        if alg == CPAlgorithm.ALL_TO_ALL and local % spec.degree:
+            per = f" ({local} per rank of tp={tp})" if local != heads else ""
+            lines.append(f"{alg}: {heads} heads{per} not divisible by cp={spec.degree}")
             continue
         c = base.cost(node, local_batch, algorithm=alg)
         costs[alg] = c
         lines.append(f"{alg}: {c.time_s * 1e3:.3f} ms per layer and micro-batch, {c.exposed_comm_s * 1e3:.3f} ms of "
                      f"it exposed communication")  # fmt: skip
-    chosen = spec.algorithm or min(costs, key=lambda a: costs[a].time_s)
-    return CPPricing(spec.degree, chosen, cluster, DType(precision), (spec.degree, tp), tuple(lines))
+    ranked = (spec.algorithm,) if spec.algorithm else tuple(sorted(costs, key=lambda a: costs[a].time_s))
+    return CPPricing(spec.degree, ranked[0], cluster, DType(precision), (spec.degree, tp), tuple(lines), ranked)

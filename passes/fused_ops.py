@@ -704,6 +704,52 @@ class _MaskValue:
                 done[n] = n.target(*args, **kwargs)
         return done[n]
 
+    def bounds(self, region: tuple[slice, ...]) -> tuple[float, float] | None:
+        """(least, greatest) value of the mask on `region` by interval arithmetic, without evaluating it
+        elementwise; None where an op has no interval rule (the caller evaluates the region instead).
+
+        Sound: the true values lie within the bounds. A comparison is decided where its operands' intervals do
+        not overlap (the causal mask's comparison of key and query positions, away from the diagonal).
+        """
+        try:
+            with torch.no_grad():
+                return self._bounds(self.node, region, {})
+        except Exception:  # noqa: BLE001  (no rule or no value: evaluate instead)
+            return None
+
+    def _bounds(self, n, region: tuple[slice, ...], done: dict) -> tuple[float, float] | None:
+        if not isinstance(n, fx.Node):
+            return (float(n), float(n)) if isinstance(n, (bool, int, float)) else None
+        if n not in self.large:
+            value = _cut(self.whole[n], region)
+            if not isinstance(value, torch.Tensor):
+                return (float(value), float(value))
+            if value.numel() == 0 or value.is_complex():
+                return None
+            return float(value.min()), float(value.max())
+        if n not in done:
+            done[n] = self._large_bounds(n, region, done)
+        return done[n]
+
+    def _large_bounds(self, n: fx.Node, region: tuple[slice, ...], done: dict) -> tuple[float, float] | None:
+        args = [self._bounds(a, region, done) if isinstance(a, fx.Node) else a for a in n.args]
+        if n.target == aten.expand.default or n.target in _IDENTITIES:
+            return args[0]
+        if n.target in _CASTS:
+            dtype = n.meta["val"].dtype
+            if args[0] is None or not (dtype == torch.bool or dtype.is_floating_point):
+                return None
+            return (float(args[0][0] != 0), float(args[0][1] != 0)) if dtype == torch.bool else args[0]
+        a, b = (args + [None])[:2]
+        if a is None or (len(n.args) > 1 and not isinstance(b, tuple)):
+            return None
+        if n.target in _BOOLEAN_OPS and not all(
+            isinstance(x, fx.Node) and x.meta["val"].dtype == torch.bool for x in n.args[:2]
+        ):
+            return None  # on integers these are bitwise: the 0/1 intervals below do not apply
+        rule = _INTERVAL_RULES.get(n.target)
+        return rule(a, b) if rule is not None else None
+
     def leading_groups(self) -> list[tuple[slice, ...]]:
         """The leading dims (all but the last two) of one block per group of blocks with equal values."""
         lead = self.shape[:-2]
@@ -717,6 +763,35 @@ class _MaskValue:
                 seen.add(key)
                 out.append(region[:-2])
         return out
+
+
+def _decided(true: bool, false: bool) -> tuple[float, float]:
+    """The interval of a boolean: (1, 1) when surely true, (0, 0) when surely false, (0, 1) when either."""
+    return (1.0, 1.0) if true else (0.0, 0.0) if false else (0.0, 1.0)
+
+
+# interval rules of the comparisons and boolean ops a causal mask is built with: (lo, hi) of each operand -> result
+_INTERVAL_RULES = {
+    aten.le.Tensor: lambda a, b: _decided(a[1] <= b[0], a[0] > b[1]),
+    aten.lt.Tensor: lambda a, b: _decided(a[1] < b[0], a[0] >= b[1]),
+    aten.ge.Tensor: lambda a, b: _decided(a[0] >= b[1], a[1] < b[0]),
+    aten.gt.Tensor: lambda a, b: _decided(a[0] > b[1], a[1] <= b[0]),
+    aten.eq.Tensor: lambda a, b: _decided(a[0] == a[1] == b[0] == b[1], a[1] < b[0] or b[1] < a[0]),
+    aten.ne.Tensor: lambda a, b: _decided(a[1] < b[0] or b[1] < a[0], a[0] == a[1] == b[0] == b[1]),
+    aten.__and__.Tensor: lambda a, b: _decided(a[0] > 0 and b[0] > 0, a[1] == 0 or b[1] == 0),
+    aten.bitwise_and.Tensor: lambda a, b: _decided(a[0] > 0 and b[0] > 0, a[1] == 0 or b[1] == 0),
+    aten.logical_and.default: lambda a, b: _decided(a[0] > 0 and b[0] > 0, a[1] == 0 or b[1] == 0),
+    aten.__or__.Tensor: lambda a, b: _decided(a[0] > 0 or b[0] > 0, a[1] == 0 and b[1] == 0),
+    aten.bitwise_or.Tensor: lambda a, b: _decided(a[0] > 0 or b[0] > 0, a[1] == 0 and b[1] == 0),
+    aten.logical_or.default: lambda a, b: _decided(a[0] > 0 or b[0] > 0, a[1] == 0 and b[1] == 0),
+    aten.logical_not.default: lambda a, _: _decided(a[1] == 0, a[0] > 0),
+}
+
+
+_BOOLEAN_OPS = {
+    aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default, aten.__or__.Tensor,
+    aten.bitwise_or.Tensor, aten.logical_or.default, aten.logical_not.default,
+}  # fmt: skip
 
 
 def _numel(node: fx.Node) -> int:
@@ -745,15 +820,24 @@ def _off_meta(device: torch.device) -> torch.device:
 def _classify_mask(mask: _MaskValue, seq_q: int, seq_k: int) -> str:
     """'none' for a mask that keeps everything, 'causal' for SDPA's top-left causal mask; raises _Skip otherwise.
 
-    Evaluated in blocks of query rows, at most `MAX_MASK_ELEMENTS` elements each, over one leading index per
-    group of equal blocks (see `_MaskValue`).
+    A large boolean mask whose ops all have interval rules is classified tile by tile (`_classify_tile`): only
+    the tiles across the diagonal are evaluated. Any other is evaluated in blocks of query rows, at most
+    `MAX_MASK_ELEMENTS` elements each. Both go over one leading index per group of equal blocks (`_MaskValue`).
     """
     shape = mask.shape
     if len(shape) < 2 or len(shape) > 4 or shape[-2] not in (1, seq_q) or shape[-1] not in (1, seq_k):
         raise _Skip(f"a mask of shape {tuple(shape)} that does not broadcast to ({seq_q}, {seq_k})")
+    leads = mask.leading_groups()
+    whole = (*leads[0], slice(None), slice(None))
+    if mask.large and shape[-2] == seq_q > 1 and shape[-1] == seq_k > 1 and mask.node.meta["val"].dtype == torch.bool \
+            and mask.bounds(whole) is not None:  # fmt: skip
+        found = {"none", "causal"}
+        for lead in leads:
+            _classify_tile(mask, lead, 0, seq_q, 0, seq_k, found)
+        return "none" if "none" in found else "causal"
     rows = max(1, MAX_MASK_ELEMENTS // max(seq_k, 1)) if mask.large else seq_q
     keeps_all, is_causal = True, True
-    for lead in mask.leading_groups():
+    for lead in leads:
         for r0 in range(0, seq_q, rows):
             r1 = min(r0 + rows, seq_q)
             region = (*lead, slice(r0, r1) if shape[-2] > 1 else slice(None), slice(None))
@@ -765,6 +849,45 @@ def _classify_mask(mask: _MaskValue, seq_q: int, seq_k: int) -> str:
             if not (keeps_all or is_causal):
                 raise _Skip("an arbitrary (non-causal) mask; the flash kernel takes no mask but the causal one")
     return "none" if keeps_all else "causal"
+
+
+def _classify_tile(mask: _MaskValue, lead: tuple[slice, ...], r0: int, r1: int, c0: int, c1: int,
+                   found: set[str]) -> None:  # fmt: skip
+    """Remove from `found` ("none", "causal") what the mask's rows [r0, r1) x columns [c0, c1) rule out.
+
+    A tile the interval bounds decide (`_MaskValue.bounds`: all kept or all blocked) is compared with the causal
+    mask's tile without evaluating it; an undecided one is split in four, down to `_LEAF_ELEMENTS`, where it is
+    evaluated. A causal mask leaves undecided only the tiles across its diagonal: O(seq · leaf side) elements
+    evaluated instead of seq².
+    """
+    region = (*lead, slice(r0, r1), slice(c0, c1))
+    bounds = mask.bounds(region)
+    if bounds is not None and bounds[0] == bounds[1]:
+        kept = bounds[0] > 0
+        if not kept:
+            found.discard("none")
+        causal_all, causal_none = c1 - 1 <= r0, c0 >= r1  # the causal tile keeps all / none of its scores
+        if not (causal_all if kept else causal_none):
+            found.discard("causal")
+    elif (r1 - r0) * (c1 - c0) <= _LEAF_ELEMENTS or r1 - r0 < 2 or c1 - c0 < 2:
+        keep = _keep_of(mask.block(region))
+        causal = torch.arange(r0, r1)[:, None] >= torch.arange(c0, c1)[None, :]
+        keep, causal = torch.broadcast_tensors(keep.cpu(), causal)
+        if not bool(keep.all()):
+            found.discard("none")
+        if not torch.equal(keep, causal):
+            found.discard("causal")
+    else:
+        rm, cm = (r0 + r1) // 2, (c0 + c1) // 2
+        for a, b in ((r0, rm), (rm, r1)):
+            for c, d in ((c0, cm), (cm, c1)):
+                if found:
+                    _classify_tile(mask, lead, a, b, c, d, found)
+    if not found:
+        raise _Skip("an arbitrary (non-causal) mask; the flash kernel takes no mask but the causal one")
+
+
+_LEAF_ELEMENTS = 1 << 16  # a mask tile the interval bounds leave undecided is evaluated at this size
 
 
 def _keep_of(mask: torch.Tensor) -> torch.Tensor:

@@ -459,6 +459,7 @@ class ShardingProgram:
         self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
         self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
         self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
+        self._cp_costs: dict = {}  # (attention node, head divisor) -> CPAttentionCost
         self.tensor_split = tensor_split
         self.pinned_placements = dict(pinned_placements or {})  # parameter name -> placement string on tp
         # False: states stay on the device; None: the program places them; True: all optimizer states
@@ -473,8 +474,11 @@ class ShardingProgram:
                               f"{num_microbatches} micro-batches")  # fmt: skip
         self.estimator, self.precision = estimator, precision
         self.zero_choices = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
-        if dp == 1:
-            self.zero_choices = self.zero_choices[:1] if zero_stage is not None else [0]
+        if dp == 1 and zero_stage is None:
+            # one rank shards nothing, so stages 2 and 3 are stage 1; stage 1 still differs from 0 where the
+            # precision holds its gradients leaner (mixed precision: the compute format, not fp32), as the pipeline
+            # search's stages and a pinned stage price it
+            self.zero_choices = [0, 1] if precision.grad_bytes_at(1) < precision.grad_bytes_at(0) else [0]
         self.budget = memory_budget_bytes
         self.batch = batch_dim_size
         # recompute modes to consider, the cheapest first; a pinned mode is the only one
@@ -980,7 +984,7 @@ class ShardingProgram:
 
     def host_capacity(self) -> float:
         """Host bytes one device may use: its share of its node's host memory."""
-        return self.cluster.host_memory_bytes / self.cluster.devices_per_node
+        return self.cluster.host_memory_bytes_per_device
 
     def add_offload_constraint(self) -> None:
         """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g = B_grad h_o,
@@ -1053,12 +1057,33 @@ class ShardingProgram:
         if "storage_nodes" not in cache:  # representatives only: a deduplicated node has its representative's shape
             cache["storage_nodes"] = [n for n in self.graph.graph.nodes if n.op == "call_function"
                                       and self.graph.layer_count[n.name] and str(n.target) not in _VIEW_OPS]  # fmt: skip
-        return max((2 * self._act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
+        largest = max((2 * self._act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
+        if self.cp is None:
+            return largest
+        # cp attention's buffers while it runs (upper bound: heads not split on tp)
+        attention = [n.name for n in cache["storage_nodes"] if is_attention(n)]
+        return max([largest] + [self._cp_cost(n, 1).peak_extra_bytes for n in attention])
 
     def saved_bytes(self, name: str, k: int, recompute: str = "none") -> float:
-        """Bytes group `name` keeps for backward under strategy k and `recompute`, on one device, for one micro-batch."""
+        """Bytes group `name` keeps for backward under strategy k and `recompute`, on one device, for one micro-batch.
+
+        A cp attention member adds what its algorithm keeps besides its inputs and output (the gathered K/V of
+        all-gather, the head-split copies of all-to-all), unless `recompute` runs it again in backward.
+        """
         grp, saved = self.groups[name], self._saved_for_backward(recompute)
-        return sum(self._member_bytes(grp, m, k) for m in grp.members if m in saved)
+        total = sum(self._member_bytes(grp, m, k) for m in grp.members if m in saved)
+        if self.cp is not None:
+            again = recomputed_nodes(self.graph.graph, recompute) if recompute != "none" else {}
+            total += sum(self._cp_cost(m, grp.divisor[m][k]).saved_bytes for m in grp.members
+                         if m not in again and is_attention(self.graph.node(m)))  # fmt: skip
+        return total
+
+    def _cp_cost(self, name: str, divisor: int):
+        """The cp attention price of attention node `name` on this mesh, per micro-batch, heads split by `divisor`."""
+        key = (name, divisor)
+        if key not in self._cp_costs:
+            self._cp_costs[key] = self.cp.cost(self.graph.node(name), self.batch // self.batch_div, divisor)
+        return self._cp_costs[key]
 
     def _member_bytes(self, grp: Group, member: str, k: int) -> float:
         pl = grp.out[member][k]
@@ -1499,12 +1524,12 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
             results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
                                       "offload=True: host offload runs on meshes without a tensor axis"))  # fmt: skip
             continue
-        make = _program_factory(graph, cluster, dp, tp, estimator=estimator, precision=prec, zero_stage=zero,
-                                budget=budget, batch_size=batch_size, recompute=recompute,
-                                offload=offload if tp == 1 else False,
-                                tensor_split=TensorSplit.from_constraints(constraints, tp),
-                                pinned_placements=pins, overlap=bool(constraints.get("overlap", True)),
-                                cp=pricing)  # fmt: skip
+        factory = functools.partial(_program_factory, graph, cluster, dp, tp, estimator=estimator, precision=prec,
+                                    zero_stage=zero, budget=budget, batch_size=batch_size, recompute=recompute,
+                                    offload=offload if tp == 1 else False,
+                                    tensor_split=TensorSplit.from_constraints(constraints, tp),
+                                    pinned_placements=pins, overlap=bool(constraints.get("overlap", True)))  # fmt: skip
+        make = factory(cp=pricing)
         if tp == 1 and any(v != "R" for v in pins.values()):
             results.append(
                 MeshResult(
@@ -1523,14 +1548,22 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
             )
             continue
         fits = None
-        for m in _microbatch_choices(batch_size // dp, constraints):
-            prog = make(m)
-            if prog.cannot_split():
-                break
-            bound = prog.memory_lower_bound()
-            bounds.append((sum(bound.values()), dp, tp, m, bound, prog.leanest_recompute()))
-            if sum(bound.values()) <= budget:
-                fits = prog
+        for alg in pricing.ranked if pricing is not None else (None,):
+            if alg is not None and alg != pricing.algorithm:  # the faster ones did not fit
+                faster = ", ".join(str(a) for a in pricing.ranked[: pricing.ranked.index(alg)])
+                pricing = pricing.with_algorithm(alg, f"{faster}: faster, but does not fit the memory budget "
+                                                      f"on dp={dp // cp.degree} cp={cp.degree} tp={tp}")  # fmt: skip
+                make = factory(cp=pricing)
+            for m in _microbatch_choices(batch_size // dp, constraints):
+                prog = make(m)
+                if prog.cannot_split():
+                    break
+                bound = prog.memory_lower_bound()
+                bounds.append((sum(bound.values()), dp, tp, m, bound, prog.leanest_recompute()))
+                if sum(bound.values()) <= budget:
+                    fits = prog
+                    break
+            if fits is not None or prog.cannot_split():
                 break
         if fits is None and prog.cannot_split():
             results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
@@ -1692,7 +1725,7 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
                             activation_offload=best.activation_offload, optimizer_s=best.optimizer_s,
                             recompute_s=best.recompute_s, grad_sync_hidden_s=best.grad_sync_hidden_s,
                             tensor_split=tensor_split_report(prog, chosen),
-                            layer_ops=layer_ops_report(prog, chosen, best.zero_stage),
+                            layer_ops=layer_ops_report(prog, chosen, best.zero_stage, exposed_fraction(best)),
                             cp=cp_report(prog.cp))  # fmt: skip
 
 
@@ -1748,7 +1781,15 @@ _SYNC_WORDS = {0: "all_reduce of the gradient", 1: "reduce_scatter of the gradie
                   "backward"}  # fmt: skip
 
 
-def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int) -> tuple[dict, ...]:
+def exposed_fraction(res: MeshResult) -> float:
+    """The share of the data axis's sync that the step waits for: E / sum(Sync) of `add_overlap_constraint` at the
+    optimum `res` (its grad_sync_s is E, its grad_sync_hidden_s the rest), 1 where nothing is hidden."""
+    whole = res.grad_sync_s + res.grad_sync_hidden_s
+    return res.grad_sync_s / whole if res.grad_sync_hidden_s > 0 and whole > 0 else 1.0
+
+
+def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
+                     exposed: float = 1.0) -> tuple[dict, ...]:  # fmt: skip
     """Per deduplicated layer of `prog`'s layout `chosen` (and one entry for what runs outside the layers):
     its parameters and ops with their placements on the tensor axis, and the collectives the layout inserts,
     as the program priced them.
@@ -1758,6 +1799,12 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int) 
     "pass" ("forward", "backward" or "step"), "arg", "from", "bytes" (the full tensor on one data-parallel rank
     for one micro-batch), "time_s" (one run), "per_step" (runs per step: layers x micro-batches)}. Followers
     (views, elementwise ops that keep their producer's layout) without a collective are left out.
+
+    `exposed` (`exposed_fraction`): where overlap hides part of the data axis's sync, each parameter's dp
+    collective also carries "exposed_s", the part of one run the step waits for. The program prices the overlap
+    for the step as a whole (E of `add_overlap_constraint`), not per bucket, so the exposed time is apportioned
+    pro rata to each parameter's sync time: exposed_s = time_s x E / sum(Sync). The one bucket latency a step
+    pays (`sync_floor`) is in no row; its exposed share is the rest of E.
     """
     graph, tp_link = prog.graph, prog.tp_link
     found: dict[str, list] = defaultdict(list)  # consumer -> its collectives
@@ -1797,7 +1844,8 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int) 
                 local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
                 words = "all_reduce of the gradient (bucketed)" if prog.runs_plain(stage) else _SYNC_WORDS[stage]
                 ops.append({"kind": words, "axis": "dp", "pass": "step", "arg": None, "from": source(name),
-                            "bytes": local * prog.precision.grad_bytes, "time_s": t, "per_step": grp.count})  # fmt: skip
+                            "bytes": local * prog.precision.grad_bytes, "time_s": t, "per_step": grp.count}
+                           | ({"exposed_s": t * exposed} if exposed < 1.0 else {}))  # fmt: skip
         if kind not in (NodeKind.PARAM, NodeKind.COMPUTE) or (gname != name and not ops):
             continue
         container = graph.node_layer.get(name, (None, None))[0] or ""

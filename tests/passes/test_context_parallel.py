@@ -49,6 +49,34 @@ def test_cp_halves_per_device_activations():
     assert 0.4 <= ratio <= 0.6, ratio
 
 
+@pytest.mark.parametrize("cp", [2, 4])
+def test_model_flops_of_a_cp_plan_are_those_of_the_plan_without_cp(cp):
+    # Model FLOPs do not depend on the layout. By hand (tiny LLaMA, `cost_model.compute`'s conventions): 6 per
+    # matmul parameter per token (the untied input embedding is a lookup) plus, per layer, causal attention
+    # over the whole sequence: forward 4·b·h·S²·d/2, backward 2.5x. The cp graph's attention runs on chunks
+    # under a mask the model built from the chunk's shape (zig-zag chunks are not provably causal, so it stays
+    # unfused), which must not count as a non-causal attention. On a GPU cluster, where the plan without cp
+    # fuses its provably causal mask into a causal flash attention.
+    batch, seq, layers, heads, head_dim, hidden = 4, 32, 2, 4, 16, 64
+    args, kwargs = make_batch("llama", batch=batch, seq=seq)
+    model = make_model("llama").to("meta")
+    args, kwargs = (args[0].to("meta"),), {"labels": kwargs["labels"].to("meta")}
+    cluster = f"{cp}xH100-80GB"
+    none = autopar.plan(model, cluster, args, kwargs, constraints={"tp": 1}, alternatives=False)
+    split = autopar.plan(model, cluster, args, kwargs, constraints={"cp": cp, "tp": 1}, alternatives=False)
+    attention = layers * 3.5 * 4 * batch * heads * seq**2 * head_dim / 2
+    by_hand = 6 * (none.num_parameters - VOCAB * hidden) * batch * seq + attention
+    assert split.mesh["cp"] == cp and "cp" not in none.mesh
+    assert split.tokens_per_step == none.tokens_per_step == batch * seq
+    # the same integers summed in another order: equal to float rounding
+    assert none.model_flops_per_step == pytest.approx(by_hand, rel=1e-12)
+    assert split.model_flops_per_step == pytest.approx(by_hand, rel=1e-12)
+    # what the cp program executes: the same matmuls and attention; only the elementwise ops the model builds
+    # its mask with from the chunk's shape differ (0.03% here; counting the attention as unmasked is 5%)
+    assert split.hardware_flops_per_step == pytest.approx(none.hardware_flops_per_step, rel=1e-3)
+    assert 0 < split.predicted.mfu < 1
+
+
 def test_cp_that_does_not_divide_the_world_is_refused():
     with pytest.raises(ConfigError, match="does not divide the world size 4"):
         _plan("cpu:4", {"cp": 3})
@@ -97,3 +125,99 @@ def test_model_without_attention_or_with_a_convolution_is_refused(conv, match):
     ids = torch.randint(0, VOCAB, (4, 16))
     with pytest.raises(ConfigError, match=match):
         autopar.plan(_TokenModel(conv), "cpu:2", (ids,), {"labels": ids}, constraints={"cp": 2})
+
+
+# ----------------------------------------------------------------------------- searching the cp degree
+
+
+def _wide_llama(seq: int, heads: int = 8, kv_heads: int = 4, hidden: int = 1024):
+    """A two-layer LLaMA wide enough that its activations, not its masks, set the memory (meta device)."""
+    from autopar import presets
+
+    config = presets.load_config("tiny-llama", hidden_size=hidden, intermediate_size=2 * hidden,
+                                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                                 max_position_embeddings=seq)  # fmt: skip
+    model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
+    return model, *presets.example_batch(config, 4, seq, device="meta")
+
+
+def _search(model, args, kwargs, constraints=None, **kw):
+    return autopar.plan(model, "4xH100-80GB", args, kwargs, constraints=constraints, alternatives=False, **kw)
+
+
+# A per-device budget under which the wide model's 16K-token sequences fit on 4 GPUs only split by cp (checked
+# below with cp pinned to 1, not assumed)
+_TIGHT = "300MiB"
+
+
+def test_search_picks_cp_where_a_sequence_does_not_fit_without_it():
+    from autopar.errors import InfeasiblePlanError
+
+    model, args, kwargs = _wide_llama(16384)
+    with pytest.raises(InfeasiblePlanError):
+        _search(model, args, kwargs, {"cp": 1}, memory_budget=_TIGHT)
+    plan = _search(model, args, kwargs, memory_budget=_TIGHT)
+    assert plan.mesh.get("cp", 1) > 1
+    assert plan.predicted.peak_memory_bytes <= autopar.parse_bytes(_TIGHT)
+    search = {r["degree"]: r for r in plan.context_parallel["search"]}
+    assert set(search) == {1, 2, 4}  # powers of two dividing 4 whose chunks are >= MIN_CP_CHUNK_TOKENS
+    assert not search[1]["feasible"] and search[1]["reason"]
+    chosen = search[plan.mesh["cp"]]
+    assert chosen["feasible"] and chosen["step_time_s"] == plan.predicted.step_time_s
+    assert all(r["step_time_s"] >= plan.predicted.step_time_s for r in search.values() if r["feasible"])
+
+
+def test_search_picks_no_cp_where_it_does_not_help():
+    from autopar.cp_search import MIN_CP_CHUNK_TOKENS
+
+    # 16K tokens and no memory pressure: every degree is priced, and splitting only adds attention's traffic
+    model, args, kwargs = _wide_llama(16384)
+    plan = _search(model, args, kwargs)
+    assert "cp" not in plan.mesh
+    search = {r["degree"]: r for r in plan.context_parallel["search"]}
+    assert search[1]["step_time_s"] == plan.predicted.step_time_s
+    assert any(r["feasible"] for d, r in search.items() if d > 1)  # priced, and slower
+    assert all(r["step_time_s"] >= plan.predicted.step_time_s for r in search.values() if r["feasible"])
+    # a sequence shorter than two chunks of MIN_CP_CHUNK_TOKENS: no degree is searched at all
+    short = 2 * MIN_CP_CHUNK_TOKENS - 2048
+    model, args, kwargs = _wide_llama(short)
+    plan = _search(model, args, kwargs, memory_budget=_TIGHT)
+    assert "cp" not in plan.mesh and plan.context_parallel == {}
+
+
+def test_search_never_runs_ulysses_where_the_heads_do_not_divide():
+    # 6 query heads: all-to-all applies at cp=2 but not at cp=4, which the tight budget needs
+    model, args, kwargs = _wide_llama(16384, heads=6, kv_heads=3, hidden=768)
+    plan = _search(model, args, kwargs, memory_budget="200MiB")
+    assert plan.mesh.get("cp") == 4
+    assert plan.context_parallel["algorithm"] != "alltoall"
+    assert "alltoall: 6 heads not divisible by cp=4" in plan.context_parallel["priced"]
+    for r in plan.context_parallel["search"]:
+        if r["feasible"] and 6 % r["degree"]:
+            assert r["algorithm"] != "alltoall", r
+
+
+def test_allgather_keeps_the_gathered_kv_of_every_layer():
+    # The same layout with all-gather and with ring: all-gather keeps each layer's gathered K/V from forward to
+    # backward, ring keeps nothing beyond its own q, k, v and output. By hand: 2 layers x K and V of the whole
+    # sequence for the rank's sequences of one micro-batch, 2·b·h_kv·S·d bytes of bf16, with h_kv the 8 heads
+    # SDPA gets (Hugging Face repeats the 4 K/V heads before it, and the cp attention gathers what SDPA gets).
+    seq, layers, kv_heads, head_dim = 16384, 2, 8, 128
+    model, args, kwargs = _wide_llama(seq)
+    pins = {"cp": 4, "dp": 1, "tp": 1, "num_microbatches": 2, "recompute": "none", "zero": 0}
+    gather = _search(model, args, kwargs, pins | {"cp_attention": "allgather"}, memory_budget=float("inf"))
+    ring = _search(model, args, kwargs, pins | {"cp_attention": "ring"}, memory_budget=float("inf"))
+    per_microbatch = 4 // 2  # sequences: batch 4 on dp=1, two micro-batches
+    kv = 2 * per_microbatch * kv_heads * seq * head_dim * 2
+    extra = gather.predicted.memory_breakdown["activations"] - ring.predicted.memory_breakdown["activations"]
+    assert extra == pytest.approx(layers * kv, rel=1e-9)  # the same layout otherwise: exact but for float sums
+
+
+def test_search_plans_a_model_cp_cannot_split_without_cp():
+    # A token-mixing convolution: the searched degree is refused with the reason, and the plan has no cp axis
+    ids = torch.randint(0, VOCAB, (4, 8192))
+    plan = autopar.plan(_TokenModel(conv=True), "2xH100-80GB", (ids,), {"labels": ids}, alternatives=False)
+    assert "cp" not in plan.mesh
+    search = {r["degree"]: r for r in plan.context_parallel["search"]}
+    assert search[1]["feasible"] and search[1]["step_time_s"] == plan.predicted.step_time_s
+    assert not search[2]["feasible"] and "mix neighbouring tokens" in search[2]["reason"]

@@ -307,3 +307,53 @@ def test_non_causal_mask_is_rejected_in_blocks(monkeypatch):
     report = fuse_kernels_pass(traced.graph_module, None).meta[FUSED_META_KEY]
     assert report.counts["flash_attention"] == 0
     assert "arbitrary (non-causal) mask" in report.skipped[0].reason, report.skipped
+
+
+class _TiledMask(torch.nn.Module):
+    """SDPA under a boolean mask built by comparisons: causal, or causal but for one key far below the diagonal."""
+
+    def __init__(self, hole: bool):
+        super().__init__()
+        self.hole = hole
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        i = torch.arange(s)
+        keep = i[None, :] <= i[:, None]
+        if self.hole:  # query 50 does not see key 3
+            keep = keep & ((i[:, None] != 50) | (i[None, :] != 3))
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=keep).square().mean(),)
+
+
+@pytest.mark.parametrize("hole", [False, True])
+def test_large_boolean_masks_are_proven_tile_by_tile(hole, monkeypatch):
+    # A 64 x 64 mask with the whole-evaluation limit at 100 elements goes through the tile path: interval bounds
+    # decide the tiles away from the diagonal, and only tiles across it (or, with the hole, the one holding it)
+    # are evaluated. A causal mask must then evaluate O(seq · leaf side) elements, not seq²; a single blocked
+    # score far below the diagonal must still be found.
+    from autopar.passes import fused_ops
+
+    monkeypatch.setattr(fused_ops, "MAX_MASK_ELEMENTS", 100)
+    monkeypatch.setattr(fused_ops, "_LEAF_ELEMENTS", 64)  # 8 x 8 leaves
+    evaluated = []
+    block = fused_ops._MaskValue.block
+
+    def counting_block(self, region):
+        value = block(self, region)
+        evaluated.append((region[-2].stop - region[-2].start) * (region[-1].stop - region[-1].start))
+        return value
+
+    monkeypatch.setattr(fused_ops._MaskValue, "block", counting_block)
+    x = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(0))
+    traced = trace_model(_TiledMask(hole), (x,))
+    report = fuse_kernels_pass(traced.graph_module, None).meta[FUSED_META_KEY]
+    assert 0 < sum(evaluated) < 64 * 64 / 4, evaluated  # the tile path, not the row blocks
+    if hole:
+        assert report.counts["flash_attention"] == 0
+        assert "arbitrary (non-causal) mask" in report.skipped[0].reason, report.skipped
+    else:
+        assert report.counts["flash_attention"] == 1 and report.skipped == ()
+        # the 8 diagonal 8 x 8 leaves, whose interval bounds cannot decide them
+        assert sum(evaluated) == 8 * 64, evaluated
