@@ -366,7 +366,7 @@ def test_hidden_bars_stay_out_of_the_total():
 def test_an_overlapped_plan_read_back_from_json_reports_identically(overlapped):
     import json
 
-    again = autopar.Plan.from_json(overlapped.to_json())
+    again = autopar.Plan.from_json(overlapped.to_json(timings=True))  # the default file leaves the planning time out
     assert again == overlapped
     assert again.explain() == overlapped.explain() and again.explain("html") == overlapped.explain("html")
     # a file written before plans carried hidden communication per axis: the data axis's, from predicted
