@@ -1,6 +1,7 @@
 """Persistent buffers (BatchNorm's running statistics) travel in training checkpoints: a program that loads
-one evaluates exactly as the program that saved it, for the data-parallel and the sharded program; buffers
-that are not persistent (derived tables) are left out, as `state_dict` leaves them out."""
+one holds the saved statistics and then steps exactly as the program that saved it, for the data-parallel
+and the sharded program; buffers that are not persistent (derived tables) are left out, as `state_dict`
+leaves them out."""
 
 from __future__ import annotations
 
@@ -50,10 +51,11 @@ def test_running_statistics_survive_a_checkpoint(tmp_path, kind, constraints):
     for name in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
         assert torch.equal(ours[name], saved[name]), name
     fresh = _compile(constraints, x, y)
-    saving.eval(), loading.eval(), fresh.eval()  # eval normalises with the running statistics
-    # one eval step each (the same on both sides: eval_step of these programs moves the statistics too)
+    saving.eval(), loading.eval(), fresh.eval()
+    # one eval step each, the same on both sides: these programs' eval graphs still run BatchNorm in training
+    # mode (batch statistics, running statistics updated), so the statistics move alike on both
     evaluated = saving.eval_step(x, y)
-    assert fresh.eval_step(x, y) != evaluated, "fresh statistics already agree: the test shows nothing"
+    assert fresh.eval_step(x, y) != evaluated, "a program that loaded nothing agrees: the comparison shows nothing"
     assert loading.eval_step(x, y) == evaluated  # the same program on the same values: the same bits
     saving.train(), loading.train()
     assert loading.train_step(x, y) == saving.train_step(x, y)
