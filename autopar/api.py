@@ -39,6 +39,50 @@ _CONSTRAINT_KEYS = {
     "cp_attention",
 }
 _RECOMPUTE_MODES = ("none", "selective", "full")
+_PRECISIONS = ("bf16", "fp16", "fp32")
+# constraints that pin a count: a positive integer (zero: a stage, 0 to 3); None leaves it to the solver
+_COUNT_KEYS = ("tp", "dp", "pp", "cp", "num_microbatches", "micro_batch_size", "virtual_stages")
+
+
+def check_constraints(constraints) -> dict:
+    """`constraints` as a dict after checking the keys and the kinds of their values (the solvers check the
+    values against the model and the cluster); ConfigError says which key holds what."""
+    if constraints is None:
+        return {}
+    if not isinstance(constraints, dict):
+        raise ConfigError(
+            f"constraints must be a dict such as {{'tp': 2, 'zero': 1}}, got {type(constraints).__name__}"
+        )
+    unknown = set(constraints) - _CONSTRAINT_KEYS
+    if unknown:
+        raise ConfigError(f"unknown constraints {sorted(map(str, unknown))}: supported are {sorted(_CONSTRAINT_KEYS)}")
+    for key in _COUNT_KEYS:
+        v = constraints.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"constraints[{key!r}]={v!r}: expected a positive integer (or None to let the "
+                              f"planner choose)")  # fmt: skip
+    zero = constraints.get("zero")
+    if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
+        raise ConfigError(f"constraints['zero']={zero!r}: expected 0, 1, 2 or 3")
+    if constraints.get("recompute", "none") not in _RECOMPUTE_MODES:
+        raise ConfigError(f"constraints['recompute']={constraints['recompute']!r}: expected one of "
+                          f"{', '.join(_RECOMPUTE_MODES)}")  # fmt: skip
+    if "overlap" in constraints and not isinstance(constraints["overlap"], bool):
+        raise ConfigError(f"constraints['overlap']={constraints['overlap']!r}: expected True or False")
+    for key in ("grad_reduce", "schedule", "cp_attention"):
+        v = constraints.get(key)
+        if v is not None and not isinstance(v, str):
+            raise ConfigError(f"constraints[{key!r}]={v!r}: expected a name (a string)")
+    split = constraints.get("tp_min_split")
+    if split is not None and (isinstance(split, bool) or not isinstance(split, (int, float))):
+        raise ConfigError(f"constraints['tp_min_split']={split!r}: expected a fraction between 0 and 1")
+    return dict(constraints)
+
+
+def check_precision(precision) -> None:
+    if precision is not None and precision not in _PRECISIONS:
+        raise ConfigError(f"precision={precision!r}: expected one of {', '.join(_PRECISIONS)} (or None: bf16 on GPUs, "
+                          f"fp32 on CPUs)")  # fmt: skip
 
 
 def parse_bytes(value) -> float:
@@ -52,11 +96,15 @@ def parse_bytes(value) -> float:
 
 
 def _as_cluster(cluster) -> ClusterSpec:
-    if isinstance(cluster, ClusterSpec):
-        return cluster
-    if isinstance(cluster, str):
-        return ClusterSpec.parse(cluster)
-    raise ConfigError(f"cluster must be a ClusterSpec or a string like '8xA100-80GB', got {type(cluster).__name__}")
+    """A ClusterSpec, a cluster string ("8xA100-80GB") or the path of a cluster file (.yaml, .yml, .json)."""
+    from pathlib import Path
+
+    from autopar.cluster import load_cluster
+
+    if isinstance(cluster, (ClusterSpec, str, Path)):
+        return load_cluster(cluster)
+    raise ConfigError(f"cluster must be a ClusterSpec, a string like '8xA100-80GB' or a cluster file path, got "
+                      f"{type(cluster).__name__}")  # fmt: skip
 
 
 def _default_precision(cluster: ClusterSpec) -> str:
@@ -307,13 +355,8 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
             it, and it is never replaced by one of them.
     """
     cluster = _as_cluster(cluster)
-    constraints = dict(constraints or {})
-    unknown = set(constraints) - _CONSTRAINT_KEYS
-    if unknown:
-        raise ConfigError(f"unknown constraints {sorted(unknown)}: supported are {sorted(_CONSTRAINT_KEYS)}")
-    if constraints.get("recompute", "none") not in _RECOMPUTE_MODES:
-        raise ConfigError(f"constraints['recompute']={constraints['recompute']!r}: expected one of "
-                          f"{', '.join(_RECOMPUTE_MODES)}")  # fmt: skip
+    constraints = check_constraints(constraints)
+    check_precision(precision)
     if offload not in (None, True, False):
         raise ConfigError(f"offload={offload!r}: expected None (the solver decides), True or False")
     precision = precision or _default_precision(cluster)
@@ -784,6 +827,15 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     from autopar import runtime
 
     cluster = _as_cluster(cluster)
+    if optimizer is not None and not callable(optimizer):
+        raise ConfigError(f"optimizer must be a callable that takes the parameters and returns a torch.optim "
+                          f"optimizer (e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), got "
+                          f"{type(optimizer).__name__}")  # fmt: skip
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"compile needs the model as an nn.Module, got {type(model).__name__}; plan a preset "
+                          f"with autopar.plan and build the module from its config to run it")  # fmt: skip
+    if plan is not None:
+        _check_given_plan(plan, cluster, model)
     runtime.ensure_process_group(cluster)
     built = model  # what the program is built from; `model` is what is planned and traced
     if pretrained is not None:
@@ -804,6 +856,10 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     if batch != plan.global_batch_size:
         raise ConfigError(f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "
                           f"{batch}; plan with the batch you will train on")  # fmt: skip
+    if _tokens(args, kwargs) != plan.tokens_per_step:
+        raise ConfigError(f"the plan is for {plan.tokens_per_step:,} tokens per step but the example inputs hold "
+                          f"{_tokens(args, kwargs):,} (another sequence length); plan with the batch you will train "
+                          f"on")  # fmt: skip
     program = runtime.program_class(plan)
     parts = program.trace_parts(plan)
     traced = None
@@ -816,13 +872,33 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
         )
         plan = _complete_placements(plan, model, cluster, traced, part_args, part_kwargs)
     if pretrained is None:
-        return program(model, plan, traced, cluster, optimizer=optimizer)
+        pm = program(model, plan, traced, cluster, optimizer=optimizer)
+        pm.expect_inputs(args, kwargs)
+        return pm
     if plan.program == "offload" and hf.is_meta(built):  # it copies the whole model: give it parameters to copy
         built = copy.deepcopy(built)
         hf.materialize_parameters(built)
     pm = program(built, plan, traced, cluster, optimizer=optimizer)
+    pm.expect_inputs(args, kwargs)
     pm.load_pretrained(pretrained)
     return pm
+
+
+def _check_given_plan(plan, cluster: ClusterSpec, model: torch.nn.Module) -> None:
+    """A plan handed to `compile` is a Plan for this cluster's shape and this model's size; ConfigError otherwise."""
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan= must be an autopar.Plan, got {type(plan).__name__}; read a plan file with "
+                          f"autopar.Plan.from_json(Path(path).read_text())")  # fmt: skip
+    ours, theirs = cluster, plan.cluster
+    shape = (ours.num_nodes, ours.devices_per_node, ours.device.name, ours.device.kind)
+    if shape != (theirs.num_nodes, theirs.devices_per_node, theirs.device.name, theirs.device.kind):
+        raise ConfigError(f"the plan is for {theirs.describe()} but compile was given {ours.describe()}; plan again "
+                          f"for this cluster, or pass the plan's own cluster (plan.cluster)")  # fmt: skip
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trainable != plan.num_parameters:
+        raise ConfigError(f"the plan is for a model ({plan.model_name}) of {plan.num_parameters:,} trainable "
+                          f"parameters but this model ({type(model).__name__}) has {trainable:,}; plan this "
+                          f"model, or pass the model the plan was made for")  # fmt: skip
 
 
 def _program_trace(model, plan: Plan, args, kwargs):

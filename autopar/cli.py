@@ -86,10 +86,12 @@ def _bench_cmd(args) -> int:
     args.out = args.out or "bench-results"
     if args.rows is not None:
         warnings.warn(f"--rows applies to the calibrate suite only; the {args.suite} suite ignores it", stacklevel=1)
-    if args.cluster is not None and args.suite != "run":
-        warnings.warn(f"--cluster applies to the run suite only; the {args.suite} suite ignores it", stacklevel=1)
-    run_suite(args.suite, args.out, quick=args.quick, cluster=args.cluster or "cpu:2", show_progress=not args.quiet)
-    print(f"[autopar] wrote {args.suite}.json, {args.suite}.md and {args.suite}.png to {args.out}", file=sys.stderr)
+    if args.cluster is not None and args.suite not in ("run", "soak", "checkpoint"):
+        warnings.warn(f"--cluster applies to the run, soak and checkpoint suites only; the {args.suite} suite "
+                      f"ignores it", stacklevel=1)  # fmt: skip
+    run_suite(args.suite, args.out, quick=args.quick, cluster=args.cluster, show_progress=not args.quiet)
+    plot = "" if args.suite in ("soak", "checkpoint") else f" and {args.suite}.png"
+    print(f"[autopar] wrote {args.suite}.json, {args.suite}.md{plot} to {args.out}", file=sys.stderr)
     return 0
 
 
@@ -154,14 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="benchmark suites: plans (predicted, vs baselines), compile (planning time), "
-        "run (measured on CPU ranks, vs DDP/FSDP2/TP), calibrate (predicted vs Megatron-LM's published step times)",
+        "run (measured on CPU ranks, vs DDP/FSDP2/TP), calibrate (predicted vs Megatron-LM's published step times), "
+        "soak (300 steps with checkpoints: memory, loadability, retention), checkpoint (save/load time of ~100M "
+        "parameters vs torch.save)",
     )
-    b.add_argument("suite", choices=["plans", "compile", "run", "calibrate"])
+    b.add_argument("suite", choices=["plans", "compile", "run", "calibrate", "soak", "checkpoint"])
     b.add_argument("--out", help="folder for the JSON, Markdown and PNG results "
                    "(default bench-results; out/calibrate for calibrate)")  # fmt: skip
     b.add_argument("--rows", help="calibrate suite: Table 1 rows, e.g. 1.7b,18.4b (default: all five)")
     b.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
-    b.add_argument("--cluster", help="run suite: local CPU ranks, cpu:N (default cpu:2)")
+    b.add_argument("--cluster", help="run, soak and checkpoint suites: local CPU ranks, cpu:N (default cpu:2; "
+                   "cpu:4 for soak)")  # fmt: skip
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     b.set_defaults(fn=_bench_cmd)
     return ap

@@ -32,6 +32,7 @@ CPU ranks of one node share the host's memory, so a "cpu" cluster gives each ran
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
@@ -49,6 +50,9 @@ _CPU = re.compile(r"^cpu:(\d+)$", re.IGNORECASE)
 
 # Host RAM per node: the DGX systems these GPUs ship in (DGX A100 320GB: 1 TB; DGX A100 640GB,
 # DGX H100 and DGX H200: 2 TB). The "cpu" preset's memory is the measured RAM of the machine.
+# The most devices a cluster may have: the planner enumerates the divisors of the world size, and today's largest
+# training clusters hold about 10^5 accelerators; a figure past this one is a typo.
+MAX_DEVICES = 2**20
 _HOST_MEMORY_BYTES = {"A100-40GB": 1e12, "A100-80GB": 2e12, "H100-80GB": 2e12, "H200-141GB": 2e12}
 
 _FILE_KEYS = ("cluster", "device", "intra_node_link", "inter_node_link", "host_link", "host_memory_bytes")
@@ -65,11 +69,11 @@ def parse_quantity(value, field: str) -> float:
     if isinstance(value, bool):
         raise ConfigError(f"{field}: expected a number, got {value!r}")
     if isinstance(value, (int, float)):
-        return float(value)
+        return _finite(float(value), value, field)
     m = _QUANTITY.match(str(value))
     if not m:
         raise ConfigError(f"{field}: {value!r} is not a number or a quantity such as '80GB', '25GB/s' or '2us'")
-    number, unit = float(m.group(1)), m.group(2)
+    number, unit = _finite(float(m.group(1)), value, field), m.group(2)
     if field.endswith("_s") and not field.endswith("_per_s"):
         if unit and unit not in _TIME:
             raise ConfigError(f"{field}: unit {unit!r} is not a time unit (s, ms, us, ns)")
@@ -81,6 +85,12 @@ def parse_quantity(value, field: str) -> float:
     if prefix not in _PREFIX:
         raise ConfigError(f"{field}: unknown prefix {prefix!r} in {value!r}; use k, M, G, T or Ki, Mi, Gi, Ti")
     return number * _PREFIX[prefix]
+
+
+def _finite(number: float, value, field: str) -> float:
+    if not math.isfinite(number):
+        raise ConfigError(f"{field}: {value!r} is not a finite number; give a figure such as '80GB' or '25GB/s'")
+    return number
 
 
 def _known_devices() -> str:
@@ -111,6 +121,9 @@ class ClusterSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"cluster: {name} must be a positive integer, got {value!r}")
+        if self.num_nodes * self.devices_per_node > MAX_DEVICES:
+            raise ConfigError(f"cluster: {self.num_nodes} x {self.devices_per_node} devices is more than the "
+                              f"{MAX_DEVICES:,} autopar plans for; check the node and device counts")  # fmt: skip
         for name in ("device", *_LINK_KEYS):
             expected = DeviceSpec if name == "device" else LinkSpec
             if not isinstance(getattr(self, name), expected):
@@ -228,10 +241,16 @@ class ClusterSpec:
         if not isinstance(d, Mapping) or set(d) != allowed:
             got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
             raise ConfigError(f"cluster dict: expected the fields {sorted(allowed)}, got {got}")
-        return cls(num_nodes=int(d["num_nodes"]), devices_per_node=int(d["devices_per_node"]),
-                   device=DeviceSpec.from_dict(d["device"]),
-                   **{key: LinkSpec.from_dict(d[key]) for key in _LINK_KEYS},
-                   host_memory_bytes=int(d["host_memory_bytes"]))  # fmt: skip
+        try:
+            return cls(num_nodes=_whole(d["num_nodes"]), devices_per_node=_whole(d["devices_per_node"]),
+                       device=DeviceSpec.from_dict(d["device"]),
+                       **{key: LinkSpec.from_dict(d[key]) for key in _LINK_KEYS},
+                       host_memory_bytes=_whole(d["host_memory_bytes"]))  # fmt: skip
+        except (TypeError, ValueError, OverflowError, AttributeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"cluster dict: a field holds a value of the wrong kind ({type(e).__name__}: {e}); "
+                              f"write it with ClusterSpec.to_dict") from e  # fmt: skip
 
     # ----------------------------------------------------------------------------- queries
 
@@ -257,6 +276,13 @@ class ClusterSpec:
         nodes = f"{self.num_nodes} node{'s' if self.num_nodes != 1 else ''}"
         devices = f"{self.world_size} device{'s' if self.world_size != 1 else ''}"
         return f"{nodes} x {self.devices_per_node} {self.device.name} ({devices})"
+
+
+def _whole(value) -> int:
+    """An integer field of a cluster dict: an int, or a float with no fraction (JSON writes 1e12 as a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ConfigError(f"cluster dict: expected a whole number, got {value!r}")
+    return int(value)
 
 
 def _override_device(base: ClusterSpec, overrides, source: str) -> DeviceSpec:
@@ -306,4 +332,4 @@ def load_cluster(value) -> ClusterSpec:
     return ClusterSpec.parse(value)
 
 
-__all__ = ["ClusterSpec", "load_cluster", "parse_quantity"]
+__all__ = ["MAX_DEVICES", "ClusterSpec", "load_cluster", "parse_quantity"]

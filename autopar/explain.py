@@ -125,11 +125,13 @@ def _summary(plan) -> list:
         ["hardware FLOPs utilisation", f"{p.hardware_flops_utilization:.1%}"],
         ["peak memory per device", f"{_gib(p.peak_memory_bytes)} GiB"],
         ["kernel fusion", _fusion_words(plan.fusion)],
-        ["planning time", f"{st['total_time_s']:,.2f} s" if "total_time_s" in st else "-"],
+        ["planning time", f"{st['total_time_s']:,.2f} s" if "total_time_s" in st else _NO_PLANNING_TIME],
     ]  # fmt: skip
     return [("h1", f"autopar plan: {plan.model_name}"), ("h2", "Summary"), ("table", ["", ""], rows)]
 
 
+# plan files leave wall-clock figures out to stay byte-identical across runs (`autopar.plan` module docstring)
+_NO_PLANNING_TIME = "not kept in plan files (the report written by `autopar plan --report` shows it)"
 _MEMORY_WORDS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
                  "activations": "activations", "recompute": "recompute working set", "transient": "transient peak",
                  "buffers": "buffers"}  # fmt: skip

@@ -11,6 +11,14 @@ device and per node, the seconds the host link and the CPU optimizer add); empty
 
 `to_json()` writes a versioned document; `Plan.from_json()` refuses other versions and corrupt
 text with a `PlanFormatError` that says what to do.
+
+Plan files are deterministic: the same model, cluster and options give the same bytes (in any process,
+whatever its hash seed). How long planning took is the one thing that differs between runs, so
+`to_json()` leaves the wall-clock figures (`WALL_CLOCK_KEYS`: the trace, solve, alternatives and total
+planning times in `stats`, each priced alternative's solve time) out of the file; the Plan object keeps
+them, so a report rendered from it (`plan.explain()`, `autopar plan --report/--explain`) shows the
+planning time, and `to_json(timings=True)` writes them for whoever wants them on file. A report
+rendered from a plan file without them says so instead of a time.
 """
 
 from __future__ import annotations
@@ -23,10 +31,23 @@ from autopar.cluster import ClusterSpec
 from autopar.errors import PlanFormatError
 
 FORMAT_VERSION = 1
+MESH_AXES = ("pp", "dp", "cp", "tp")
+PRECISIONS = ("bf16", "fp16", "fp32")
 # what a plan may do with one layer's activations besides keeping them (`Plan.layer_modes`), in the
 # order `passes.activation_plan` hands layers out
 LAYER_TREATMENTS = ("offload", "full", "selective")
 GIB = 1024**3
+# wall-clock figures: they differ on every run and say nothing about the plan (`Plan.to_json`)
+WALL_CLOCK_KEYS = frozenset({"trace_time_s", "solve_time_s", "total_time_s", "alternatives_time_s"})
+
+
+def without_wall_clock(value):
+    """`value` (parsed JSON) with every wall-clock field (`WALL_CLOCK_KEYS`) dropped, recursively."""
+    if isinstance(value, dict):
+        return {k: without_wall_clock(v) for k, v in value.items() if k not in WALL_CLOCK_KEYS}
+    if isinstance(value, (list, tuple)):
+        return [without_wall_clock(v) for v in value]
+    return value
 
 
 class ProgramKind(StrEnum):
@@ -83,7 +104,7 @@ class StagePlan:
                        tp=int(d["tp"]), zero_stage=int(d.get("zero_stage", 0)), recompute=str(d.get("recompute", "none")),
                        node_output=dict(d.get("node_output") or {}),
                        node_inputs={k: tuple(v) for k, v in (d.get("node_inputs") or {}).items()})  # fmt: skip
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanFormatError(f"corrupt pipeline stage in the plan: {type(e).__name__}: {e}") from e
 
 
@@ -200,6 +221,27 @@ class Plan:
         return self.global_batch_size // (self.mesh.get("dp", 1) * self.num_microbatches)
 
     def __post_init__(self):
+        if not isinstance(self.model_name, str):
+            raise PlanFormatError(f"plan model_name must be a string, got {self.model_name!r}")
+        bad_axes = {k: v for k, v in self.mesh.items() if k not in MESH_AXES or isinstance(v, bool)
+                    or not isinstance(v, int) or v < 1}  # fmt: skip
+        if bad_axes:
+            raise PlanFormatError(f"plan mesh {self.mesh}: expected axes {', '.join(MESH_AXES)} with positive integer "
+                                  f"sizes, found {bad_axes}")  # fmt: skip
+        if self.precision not in PRECISIONS:
+            raise PlanFormatError(f"plan precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise PlanFormatError(f"plan zero_stage {self.zero_stage!r} is not 0, 1, 2 or 3")
+        for name in ("global_batch_size", "num_microbatches", "tokens_per_step"):
+            if getattr(self, name) < 1:
+                raise PlanFormatError(f"plan {name} must be at least 1, got {getattr(self, name)!r}")
+        if self.global_batch_size % self.num_microbatches:
+            raise PlanFormatError(f"plan global_batch_size {self.global_batch_size} does not split into "
+                                  f"{self.num_microbatches} micro-batches")  # fmt: skip
+        stages = self.pipeline.get("stages", ()) if isinstance(self.pipeline, dict) else None
+        if not isinstance(stages, (list, tuple)) or not all(isinstance(st, dict) for st in stages):
+            raise PlanFormatError(f"plan pipeline stages must be a list of stage records, got {stages!r:.80}")
+        self.stage_plans  # noqa: B018 - reading them checks every stage record
         size = 1
         for v in self.mesh.values():
             size *= v
@@ -219,7 +261,8 @@ class Plan:
 
     # --------------------------------------------------------------------------- serialisation
 
-    def to_json(self, indent: int | None = 1) -> str:
+    def to_json(self, indent: int | None = 1, *, timings: bool = False) -> str:
+        """The plan file: deterministic, without the wall-clock figures unless `timings` (module docstring)."""
         d = {
             "format": "autopar-plan",
             "format_version": self.format_version,
@@ -260,23 +303,27 @@ class Plan:
             "comparisons": list(self.comparisons),
             "assumptions": self.assumptions,
         }
-        return json.dumps(d, indent=indent)
+        return json.dumps(d if timings else without_wall_clock(d), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """Read a plan written by `to_json`; PlanFormatError for anything else."""
         try:
             d = json.loads(text)
-        except (json.JSONDecodeError, TypeError) as e:
+        except (ValueError, TypeError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise PlanFormatError(f"not a plan file: invalid JSON ({e}); write plans with `autopar plan --json`") from e
         if not isinstance(d, dict) or d.get("format") != "autopar-plan":
-            raise PlanFormatError("not an autopar plan (no 'format': 'autopar-plan' field)")
-        ver = d.get("format_version")
-        if ver != FORMAT_VERSION:
+            raise PlanFormatError("not an autopar plan (no 'format': 'autopar-plan' field); write plans with "
+                                  "`autopar plan --json` or Plan.to_json()")  # fmt: skip
+        if "format_version" not in d:
+            raise PlanFormatError(f"the plan has no format_version field (this autopar reads version "
+                                  f"{FORMAT_VERSION}); re-run `autopar plan` to write a new plan")  # fmt: skip
+        ver = d["format_version"]
+        if ver != FORMAT_VERSION or isinstance(ver, bool):
             raise PlanFormatError(f"plan format version {ver!r} is not supported (this autopar reads version "
                                   f"{FORMAT_VERSION}); re-run `autopar plan` to write a new plan")  # fmt: skip
         try:
-            return cls(
+            plan = cls(
                 model_name=d["model_name"],
                 cluster=ClusterSpec.from_dict(d["cluster"]),
                 mesh=dict(d["mesh"]),
@@ -313,10 +360,16 @@ class Plan:
                 comparisons=tuple(d.get("comparisons") or ()),
                 assumptions=dict(d.get("assumptions") or {}),
             )
-        except (KeyError, TypeError, ValueError) as e:
+            # the report sections are free-form records: a file whose records the report cannot read is corrupt
+            # too, and is refused here rather than by `autopar explain` later
+            plan.summary()
+            plan.explain()
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError, ZeroDivisionError) as e:
             if isinstance(e, PlanFormatError):
                 raise
-            raise PlanFormatError(f"corrupt plan file: {type(e).__name__}: {e}") from e
+            raise PlanFormatError(f"corrupt plan file: {type(e).__name__}: {e}; re-run `autopar plan` to write a "
+                                  f"new plan") from e  # fmt: skip
+        return plan
 
     # ------------------------------------------------------------------------------ reporting
 

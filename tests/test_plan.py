@@ -9,6 +9,7 @@ import torch
 
 import autopar
 from autopar.errors import PlanFormatError
+from autopar.plan import without_wall_clock
 from tests.models import VOCAB, make_batch, tiny_llama
 
 
@@ -45,10 +46,14 @@ def test_predictions_are_consistent(plan):
 
 
 def test_json_round_trip(plan):
-    text = plan.to_json()
+    text = plan.to_json(timings=True)
     again = autopar.Plan.from_json(text)
     assert again == plan
-    assert again.to_json() == text
+    assert again.to_json(timings=True) == text
+    # the default file leaves out the wall-clock figures, and nothing else
+    assert "total_time_s" in plan.stats
+    assert json.loads(plan.to_json()) == without_wall_clock(json.loads(text)) != json.loads(text)
+    assert autopar.Plan.from_json(plan.to_json()).to_json() == plan.to_json()
 
 
 def test_corrupt_and_wrong_version_files(plan):

@@ -6,6 +6,10 @@
 - `compile` (`autopar.bench.compile_time`): planning time against model depth and cluster size.
 - `run` (`autopar.bench.execution`): measured training steps on local CPU ranks, autopar next to
   DDP, FSDP2 and tensor parallelism configured by hand.
+- `soak` (`autopar.bench.checkpoints`): 300 steps on cpu:4 with a checkpoint every 50, each loaded back;
+  every rank's resident set at each checkpoint, retention checked.
+- `checkpoint` (`autopar.bench.checkpoints`): save and load time of a ~100M-parameter model's training
+  checkpoint on cpu:2, next to torch.save / torch.load of the full state dicts from one process.
 
 Each suite writes a JSON document (with autopar and torch versions and a machine description), a
 Markdown table and a PNG plot into the output folder. `quick=True` runs a subset in about a minute.
@@ -15,10 +19,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SUITES = ("plans", "compile", "run")
+SUITES = ("plans", "compile", "run", "soak", "checkpoint")
+# the cluster a suite that runs on local CPU ranks uses when none is given
+DEFAULT_CLUSTERS = {"run": "cpu:2", "soak": "cpu:4", "checkpoint": "cpu:2"}
 
 
-def run_suite(suite: str, out_dir: str | Path, *, quick: bool = False, cluster: str = "cpu:2",
+def run_suite(suite: str, out_dir: str | Path, *, quick: bool = False, cluster: str | None = None,
               show_progress: bool = True):  # fmt: skip
     """Run one suite by name and return what it wrote to its JSON file.
 
@@ -26,10 +32,13 @@ def run_suite(suite: str, out_dir: str | Path, *, quick: bool = False, cluster: 
         suite: "plans", "compile" or "run".
         out_dir: folder for the results.
         quick: the subset that runs in about a minute.
-        cluster: "cpu:N" for the run suite (ignored by the others).
+        cluster: "cpu:N" for the suites that run on local CPU ranks (run, soak, checkpoint; default
+            `DEFAULT_CLUSTERS`); ignored by the others.
         show_progress: progress on stderr.
     """
     from autopar.errors import ConfigError
+
+    cluster = cluster or DEFAULT_CLUSTERS.get(suite, "cpu:2")
 
     if suite == "plans":
         from autopar.bench import plans
@@ -43,7 +52,15 @@ def run_suite(suite: str, out_dir: str | Path, *, quick: bool = False, cluster: 
         from autopar.bench import execution
 
         return execution.run(out_dir, cluster=cluster, quick=quick, show_progress=show_progress)
+    if suite == "soak":
+        from autopar.bench import checkpoints
+
+        return checkpoints.run_soak(out_dir, cluster=cluster, quick=quick, show_progress=show_progress)
+    if suite == "checkpoint":
+        from autopar.bench import checkpoints
+
+        return checkpoints.run_checkpoint_timing(out_dir, cluster=cluster, quick=quick, show_progress=show_progress)
     raise ConfigError(f"unknown bench suite {suite!r}: expected one of {', '.join(SUITES)}")
 
 
-__all__ = ["SUITES", "run_suite"]
+__all__ = ["DEFAULT_CLUSTERS", "SUITES", "run_suite"]

@@ -44,3 +44,14 @@ def _step_holder(optimizer) -> torch.Tensor:
     if holder is None:
         holder = optimizer._checkpoint_step = torch.zeros((), dtype=torch.float32)
     return holder
+
+
+def reset_optimizer_state(store, optimizer) -> None:
+    """Zero the chunks' moments and the step count, as before a first step."""
+    for chunk in store.chunks:
+        for attr in ("exp_avg", "exp_avg_sq"):
+            buf = getattr(chunk, attr)
+            if buf is not None:
+                buf.zero_()
+    optimizer.num_steps = 0
+    _step_holder(optimizer).zero_()  # `after_load` takes the step from it

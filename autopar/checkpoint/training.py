@@ -9,6 +9,7 @@ What is in one checkpoint directory (keys of the DCP state dict):
   tensor whole to the rank that holds its first element (`pieces.assemble`), which writes it;
 - `optim.<name>.<state>`: the optimizer's states of that master the same way (SGD's momentum_buffer,
   AdamW's exp_avg, exp_avg_sq and step), so a checkpoint moves between program kinds;
+- `buffer.<name>`: the persistent buffers (BatchNorm's running statistics and the like), whole, written once;
 - `autopar.meta` (step, loss scale, optimizer hyperparameters), `autopar.extra` (the user's dict),
   `autopar.rng.rank<r>` (rank r's CPU, CUDA, Python and NumPy generators).
 
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.checkpoint.pieces import Piece, assemble, barrier, rank, region_of, world
@@ -44,26 +46,61 @@ VERSION = 1
 
 def latest_checkpoint(root) -> str | None:
     """The newest complete checkpoint directory under `root` (by step, then by when it was committed); None if
-    there is none. Directories without the marker (a save cut short) are skipped."""
-    root = Path(root)
+    there is none. Directories without a valid marker (a save cut short, another version) are skipped."""
+    found = _complete(_path(root, "latest_checkpoint(root)"))
+    return str(max(found)[3]) if found else None
+
+
+def _path(path, what: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        hint = " (latest_checkpoint found none: start from scratch when it returns None)" if path is None else ""
+        raise ConfigError(f"{what}: expected a directory path, got {path!r}{hint}")
+    return Path(path)
+
+
+def _complete(root: Path) -> list[tuple]:
+    """(step, commit time, name, path) of every complete checkpoint directly under `root`."""
     if not root.is_dir():
-        return None
+        return []
     found = []
     for child in root.iterdir():
         info = read_marker(child)
         if info is not None:
-            found.append((int(info.get("step", 0)), (child / MARKER).stat().st_mtime_ns, child.name, child))
-    return str(max(found)[3]) if found else None
+            try:
+                found.append((info["step"], (child / MARKER).stat().st_mtime_ns, child.name, child))
+            except OSError:  # removed since it was read (another job's retention)
+                continue
+    return found
 
 
 def read_marker(path) -> dict | None:
-    """The marker of a complete checkpoint directory, or None."""
+    """The marker of a complete checkpoint directory of this version, or None (`marker_problem` says why)."""
+    info, problem = _read_marker(path)
+    return None if problem else info
+
+
+def marker_problem(path) -> str | None:
+    """Why `path` is not a complete checkpoint this autopar reads (None: it is one)."""
+    return _read_marker(path)[1]
+
+
+def _read_marker(path) -> tuple[dict | None, str | None]:
     marker = Path(path) / MARKER
     try:
         info = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) and info.get("format") == FORMAT else None
+    except OSError:
+        return None, f"it has no {MARKER} (the save was cut short, or it is another kind of folder)"
+    except (ValueError, RecursionError):
+        return None, f"its {MARKER} is not valid JSON"
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        return None, f"its {MARKER} is not an autopar checkpoint marker (no 'format': '{FORMAT}')"
+    if info.get("version") != VERSION or isinstance(info.get("version"), bool):
+        return None, (f"it is of checkpoint format version {info.get('version')!r}; this autopar reads version "
+                      f"{VERSION}")  # fmt: skip
+    step = info.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return None, f"its {MARKER} gives the step as {step!r}, not a count of steps"
+    return info, None
 
 
 # ------------------------------------------------------------------------------------------------ state
@@ -100,6 +137,14 @@ def tensor_entries(masters: dict[str, Piece], optim: dict[str, dict]) -> dict[st
         for key, value in states.items():
             out[f"optim.{name}.{key}"] = value
     return out
+
+
+def buffer_entries(program) -> dict[str, torch.Tensor]:
+    """`buffer.<name>` -> the program's persistent buffers (running statistics and the like: state a step may
+    change); every rank holds them whole, so DCP writes each once. Non-persistent buffers (rotary tables) are
+    derived from the config and are not saved, as `state_dict` leaves them out."""
+    buffers = program._named_buffers()
+    return {f"buffer.{n}": buffers[n] for n in program._persistent_buffers if n in buffers}
 
 
 def _for_save(entries: dict) -> dict:
@@ -140,20 +185,27 @@ def save(program, path, *, extra: dict | None = None, keep_last: int | None = No
     """Write `program`'s training state to the directory `path` (see the module docstring); returns it.
 
     Every rank must call it with the same path, on a file system every rank sees."""
-    path = Path(path).resolve()
+    path = _path(path, "save_checkpoint(path)").resolve()
     partial = path.with_name(path.name + ".partial")
-    if keep_last is not None and keep_last < 1:
-        raise ConfigError(f"keep_last must be at least 1, got {keep_last}")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ConfigError(f"keep_last must be a whole number of checkpoints, at least 1, got {keep_last!r}")
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigError(f"extra must be a dict (data position, schedule state, ...), got {type(extra).__name__}")
+    try:  # on every rank, before any collective: a rank that failed alone would leave the others waiting
+        extra_bytes = pickle.dumps(dict(extra or {}))
+    except Exception as e:  # pickling runs the user's objects' own code: anything may come out
+        raise ConfigError(f"extra holds a value that cannot be pickled ({type(e).__name__}: {e}); keep plain "
+                          f"data (numbers, strings, lists, dicts, tensors) in it") from e  # fmt: skip
     if rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     barrier()
     masters, optim = program._local_masters(), program._local_optimizer_state()
-    state = _for_save(tensor_entries(masters, optim))
+    state = _for_save(tensor_entries(masters, optim)) | buffer_entries(program)
     # objects go as pickled bytes: DCP would flatten a dict into keys of its own
     if rank() == 0:  # one copy of what every rank shares; every rank reads it back
         state["autopar.meta"] = pickle.dumps(program._checkpoint_meta())
-        state["autopar.extra"] = pickle.dumps(dict(extra or {}))
+        state["autopar.extra"] = extra_bytes
     state[f"autopar.rng.rank{rank()}"] = pickle.dumps(rng_state())
     dcp.save(state, checkpoint_id=str(partial))
     barrier()
@@ -179,26 +231,24 @@ def save(program, path, *, extra: dict | None = None, keep_last: int | None = No
 
 def _retain(root: Path, keep_last: int) -> None:
     """Remove all but the `keep_last` newest complete checkpoints in `root`."""
-    found = []
-    for child in root.iterdir():
-        info = read_marker(child)
-        if info is not None:
-            found.append((int(info.get("step", 0)), (child / MARKER).stat().st_mtime_ns, child.name, child))
-    for *_, child in sorted(found)[:-keep_last]:
+    for *_, child in sorted(_complete(root))[:-keep_last]:
         shutil.rmtree(child, ignore_errors=True)
 
 
 def load(program, path) -> dict:
     """Read a checkpoint written by `save` (any plan of the same model) into `program`; returns the user's
     `extra` dict. Every rank must call it."""
-    path = Path(path)
-    info = read_marker(path)
-    if info is None:
-        raise ConfigError(f"{path} is not a complete autopar checkpoint (no {MARKER}: the save was cut short, or "
-                          f"it is another kind of folder); pass autopar.latest_checkpoint(root)")  # fmt: skip
-    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    program._ensure_optimizer_state()
-    entries = tensor_entries(program._local_masters(), program._local_optimizer_state())
+    path = _path(path, "load_checkpoint(path)")
+    problem = marker_problem(path)
+    if problem is not None:
+        raise ConfigError(f"{path} is not a complete autopar checkpoint: {problem}; pass "
+                          f"autopar.latest_checkpoint(root), which skips such folders")  # fmt: skip
+    metadata = _read_metadata(path)
+    # a checkpoint saved before the first optimizer step holds no optimizer states: the program starts afresh too
+    fresh = not any(key.startswith("optim.") for key in metadata)
+    if not fresh:
+        program._ensure_optimizer_state()
+    entries = tensor_entries(program._local_masters(), {} if fresh else program._local_optimizer_state())
     _check_against(entries, metadata, path)
     check_model_names(program._master_names, metadata, path)
     state, flat = {}, {}
@@ -208,18 +258,70 @@ def load(program, path) -> dict:
             state[key] = torch.empty(v.shape, dtype=v.tensor.dtype)  # read whole, then the piece is copied out
         else:
             state[key] = v.as_checkpoint_value() if isinstance(v, Piece) else v
+    # checkpoints written before buffers were saved hold none: the program keeps its own then
+    buffers = {k: v for k, v in buffer_entries(program).items() if k in metadata}
+    wrong = [
+        f"{k}: checkpoint {tuple(metadata[k].size)}, model {tuple(v.shape)}"
+        for k, v in buffers.items()
+        if not isinstance(metadata[k], TensorStorageMetadata) or tuple(metadata[k].size) != tuple(v.shape)
+    ]
+    if wrong:
+        raise ConfigError(f"the checkpoint {path} holds buffers of other shapes than the model's: {wrong[:4]}; it is "
+                          f"of another model")  # fmt: skip
+    state.update({k: torch.empty_like(v) for k, v in buffers.items()})
     rng_key = f"autopar.rng.rank{rank()}"
     objects = ["autopar.meta", "autopar.extra"] + ([rng_key] if rng_key in metadata else [])
     state.update(dict.fromkeys(objects, b""))
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as e:  # every rank raises it (DCP gathers the failures), so none is left waiting
+        raise ConfigError(f"the checkpoint {path} could not be read: {_first_failure(e)}; its shard files are "
+                          f"missing or damaged: load an earlier checkpoint") from e  # fmt: skip
     for key, piece in flat.items():
         piece.tensor.copy_(region_of(state[key], piece.region))
-    program._restore_checkpoint_meta(pickle.loads(state["autopar.meta"]))
+    for key, buffer in buffers.items():
+        buffer.copy_(state[key])
+    meta, extra = _unpickled(state, "autopar.meta", path), _unpickled(state, "autopar.extra", path)
+    if fresh:
+        program._reset_optimizer_state()
+    program._restore_checkpoint_meta(meta)
     if rng_key in metadata:  # a rank the saving run did not have keeps its own generators
-        set_rng_state(pickle.loads(state[rng_key]))
+        set_rng_state(_unpickled(state, rng_key, path))
     program._after_checkpoint_load()
     barrier()
-    return pickle.loads(state["autopar.extra"])
+    return extra
+
+
+def _read_metadata(path: Path) -> dict:
+    """DCP's index of the checkpoint: key -> storage metadata; ConfigError when it is missing or damaged."""
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # an unpickler fed damaged bytes may raise anything
+        raise ConfigError(f"the checkpoint {path} has a missing or damaged index (.metadata: {type(e).__name__}: "
+                          f"{e}); load an earlier checkpoint") from e  # fmt: skip
+    if not isinstance(metadata, dict):
+        raise ConfigError(f"the checkpoint {path} has a damaged index (.metadata); load an earlier checkpoint")
+    return metadata
+
+
+def _unpickled(state: dict, key: str, path: Path) -> dict:
+    """One of the checkpoint's pickled dicts (meta, extra, a rank's RNG states)."""
+    try:
+        value = pickle.loads(state[key])
+    except Exception as e:  # damaged bytes may raise anything
+        raise ConfigError(f"the checkpoint {path} holds a damaged {key} ({type(e).__name__}); load an earlier "
+                          f"checkpoint") from e  # fmt: skip
+    if not isinstance(value, dict):
+        raise ConfigError(f"the checkpoint {path} holds a damaged {key} (a {type(value).__name__}, not a dict)")
+    return value
+
+
+def _first_failure(e: CheckpointException) -> str:
+    failures = getattr(e, "failures", {}) or {}
+    for rank_, failure in sorted(failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure  # (exception, stack summary)
+        return f"rank {rank_}: {type(error).__name__}: {error}"
+    return str(e)
 
 
 def _check_against(entries: dict, metadata: dict, path: Path) -> None:

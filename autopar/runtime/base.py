@@ -109,6 +109,21 @@ def micro_batches(args, kwargs, batch: int, m: int) -> list[tuple]:
     return [pytree.tree_unflatten([p[i] for p in pieces], spec) for i in range(m)]
 
 
+def input_signature(args, kwargs) -> dict:
+    """{input name: (shape, dtype)} of a call's tensor inputs, {name: (None, type name)} of its other inputs: what
+    `Program.check_inputs` compares (keywords in any order)."""
+    leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    return {_input_name(path): (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, type(v).__name__)
+            for path, v in leaves}  # fmt: skip
+
+
+def _input_name(path) -> str:
+    """`args[0]` for a positional input, `labels` for a keyword one (and the key path below it)."""
+    where = "args" if path[0].idx == 0 else ""
+    rest = pytree.keystr(path[1:])
+    return where + rest if where else rest.removeprefix("['").replace("']", "", 1)
+
+
 def rank_rows(t, parts: int, index: int):
     """Rows `index` of `parts` equal shares of a batch tensor (a scalar or non-tensor as it is)."""
     if not isinstance(t, torch.Tensor) or not t.ndim or parts == 1:
@@ -187,6 +202,10 @@ def check_scalar_loss(loss) -> None:
         raise LoweringError("the model's first output is not a scalar loss: pass labels so the model computes one")
 
 
+def _names(tensors) -> str:
+    return ", ".join(tensors) or "no tensors"
+
+
 class LossScaler:
     """Dynamic loss scaling for fp16, by torch.amp.GradScaler's rule: the loss is multiplied by `scale` before
     backward; a step whose gradients hold an inf or NaN is skipped and the scale halved; after
@@ -258,6 +277,7 @@ class Program(torch.nn.Module):
         self._master_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self._persistent_buffers = [n for n in self._state_names if n not in self._first_names]
         self.num_steps = 0
+        self._input_signature: dict | None = None  # set by `expect_inputs`
         self.hf_config = getattr(model, "config", None)
         self.generation_config = getattr(model, "generation_config", None)
 
@@ -294,6 +314,31 @@ class Program(torch.nn.Module):
 
     # ------------------------------------------------------------------------------------ step
 
+    def expect_inputs(self, args, kwargs) -> None:
+        """Remember the inputs the program was planned and built for (`compile` calls it with its example
+        batch); `train_step` and `eval_step` then refuse others."""
+        self._input_signature = input_signature(args, kwargs)
+
+    def check_inputs(self, args, kwargs, where: str = "train_step") -> None:
+        """ConfigError naming the first input whose structure, shape or dtype differs from the planned ones."""
+        if self._input_signature is None:
+            return
+        expected, got = self._input_signature, input_signature(args, kwargs)
+        if set(got) != set(expected):
+            raise ConfigError(f"{where} was given the inputs ({_names(got)}) but the program was compiled for "
+                              f"({_names(expected)}); pass the same arguments and keywords as the example batch "
+                              f"given to compile")  # fmt: skip
+        for name, (shape, dtype) in expected.items():
+            g_shape, g_dtype = got[name]
+            if shape is None and g_shape is None:
+                continue  # a value other than a tensor (a flag, a count) may change between calls
+            if (g_shape, g_dtype) != (shape, dtype):
+                what = f"has shape {g_shape} and dtype {g_dtype}" if g_shape is not None else f"is a {g_dtype}"
+                planned = f"shape {shape} and dtype {dtype}" if shape is not None else f"a {dtype}"
+                raise ConfigError(f"{where}: input {name} {what}, but the program was planned for {planned}; pass "
+                                  f"batches of the planned shape and dtype (pad or cut sequences, cast with .to()), "
+                                  f"or compile again with an example batch of the shape you train on")  # fmt: skip
+
     def _build_optimizer(self, masters) -> None:
         self.optimizer = self._make_optimizer(list(masters))
 
@@ -304,6 +349,7 @@ class Program(torch.nn.Module):
         1 for other losses); the gradients are divided by sum w_i before the step, so the step equals one
         over the whole batch.
         """
+        self.check_inputs(args, kwargs)
         micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches)
         self.num_steps += 1
         self._zero_grads()
@@ -357,6 +403,7 @@ class Program(torch.nn.Module):
     def eval_step(self, *args, **kwargs) -> float:
         """The loss of a global batch (every rank passes the same batch) with dropout off, computing no gradient
         and touching no optimizer state; every rank returns it."""
+        self.check_inputs(args, kwargs, "eval_step")
         micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches)
         with torch.no_grad():
             return self._evaluate(micro)
@@ -452,6 +499,10 @@ class Program(torch.nn.Module):
             group["lr"] = lr
         for p, g in zip(params, saved_grads, strict=True):
             p.grad = g
+
+    def _reset_optimizer_state(self) -> None:
+        """Forget the optimizer's states, as before a first step (a checkpoint saved then is being loaded)."""
+        self.optimizer.state.clear()
 
     def _checkpoint_meta(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in getattr(self.optimizer, "param_groups", [])]

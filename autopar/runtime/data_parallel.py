@@ -295,3 +295,9 @@ class DataParallelProgram(Program):
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers_list, strict=True))
+
+    def _after_checkpoint_load(self) -> None:
+        """The graph's buffer inputs are the buffers just read (in the compute format under mixed precision)."""
+        slots = [i for i, kind in enumerate(self.traced.placeholder_kinds) if kind == "buffer"]
+        for i, b in zip(slots, self._buffers_list, strict=True):
+            self._placeholders[i] = self.in_compute_format(b)

@@ -311,6 +311,11 @@ class OffloadProgram(Program):
     def _ensure_optimizer_state(self) -> None:
         pass  # the chunks' moments exist from the start
 
+    def _reset_optimizer_state(self) -> None:
+        from autopar.checkpoint.chunks import reset_optimizer_state
+
+        reset_optimizer_state(self.store, self.optimizer)
+
     def _after_checkpoint_load(self) -> None:
         from autopar.checkpoint.chunks import after_load
 

@@ -424,6 +424,9 @@ class PipelineProgram(Program):
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return self._buffers
 
+    def _after_checkpoint_load(self) -> None:
+        self._run_buffers = {k: self.in_compute_format(b) for k, b in self._buffers.items()}  # buffers just read
+
     def _local_masters(self) -> dict:
         from autopar.checkpoint.pieces import dtensor_piece
 

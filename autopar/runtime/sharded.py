@@ -217,6 +217,9 @@ class ShardedProgram(Program):
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers, strict=True))
 
+    def _after_checkpoint_load(self) -> None:
+        self._run_buffers = [self.in_compute_format(b) for b in self._buffers]  # buffers just read
+
     def _local_masters(self) -> dict:
         from autopar.checkpoint.pieces import dtensor_piece
 

@@ -1,0 +1,342 @@
+"""Checkpoint benchmarks: `autopar bench soak` and `autopar bench checkpoint`.
+
+- soak: a long run on local CPU ranks (default 300 steps on cpu:4) that saves a training checkpoint every
+  `every` steps with `keep_last` retention. After each save every rank records its resident set (VmRSS), loads
+  the checkpoint it just wrote back into the running program (a save that cannot be read back shows here,
+  not when a job restarts) and checks that the eval loss did not move. At the end: the checkpoints left on
+  disk must be exactly the `keep_last` newest. Resident memory should be flat after the first saves.
+- checkpoint: save and load time of a training checkpoint (masters and AdamW moments, through
+  torch.distributed.checkpoint, each rank writing its own shards) of a ~100M-parameter LLaMA-style model on
+  cpu:2, next to `torch.save` / `torch.load` of the same state (model and optimizer state dicts) from one
+  process, on the same disk.
+
+Both spawn gloo ranks (rendezvous through a file, one thread each) like the run suite, and write JSON and
+Markdown into the output folder. Figures from a machine shared with other work are wall-clock times under
+that load: the documents record the load average next to them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from autopar.bench.common import environment, fmt_gib, md_table, write_json
+from autopar.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SoakSettings:
+    steps: int = 300
+    every: int = 50
+    keep_last: int = 2
+    constraints: tuple = (("tp", 2), ("zero", 1))  # a sharded program: DTensor shards in every checkpoint
+    batch: int = 8
+    seq: int = 32
+
+
+@dataclass(frozen=True)
+class TimingSettings:
+    hidden: int = 768
+    layers: int = 12
+    intermediate: int = 2048
+    vocab: int = 16000  # with the sizes above: about 110M parameters
+    repeats: int = 3
+    constraints: tuple = (("dp", 2), ("zero", 1))
+
+
+# ------------------------------------------------------------------------------------------- helpers
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _llama(hidden: int, layers: int, intermediate: int, vocab: int, heads: int = 4) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=256,
+                      use_cache=False, attn_implementation="sdpa")  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def _batch(vocab: int, batch: int, seq: int) -> tuple[tuple, dict]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return (ids,), {"labels": ids.clone()}
+
+
+def _cpu_world(cluster: str) -> int:
+    text = str(cluster).strip().lower()
+    if not text.startswith("cpu:") or not text[4:].isdigit() or int(text[4:]) < 1:
+        raise ConfigError(f"checkpoint benchmarks run on local CPU ranks: --cluster must be 'cpu:N', got {cluster!r}")
+    return int(text[4:])
+
+
+def _rank_entry(rank: int, world: int, folder: str, fn, args) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    try:
+        torch.save({"ok": True, "result": fn(rank, world, *args)}, f"{folder}/rank{rank}.pt")
+    except BaseException as e:  # the parent reports it with this rank's traceback
+        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"},
+                   f"{folder}/rank{rank}.pt")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world: int, fn, *args) -> list:
+    """fn(rank, world, *args) on `world` spawned gloo ranks; each rank's result."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        ctx = mp.start_processes(_rank_entry, args=(world, folder, fn, args), nprocs=world, join=False,
+                                 start_method="spawn")  # fmt: skip
+        while not ctx.join():
+            pass
+        out = []
+        for r in range(world):
+            data = torch.load(Path(folder) / f"rank{r}.pt", weights_only=False)
+            if not data["ok"]:
+                raise RuntimeError(f"checkpoint bench: rank {r} failed: {data['error']}")
+            out.append(data["result"])
+        return out
+
+
+def _say(rank: int, show: bool, msg: str) -> None:
+    if rank == 0 and show:
+        print(f"[autopar bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- soak
+
+
+def _soak_rank(rank: int, world: int, root: str, settings: SoakSettings, show: bool) -> dict:
+    import autopar
+    from autopar.checkpoint.training import latest_checkpoint, read_marker
+
+    torch.manual_seed(0)
+    model = _llama(64, 2, 128, 256)
+    args, kwargs = _batch(256, settings.batch, settings.seq)
+    pm = autopar.compile(model, f"cpu:{world}", args, kwargs, constraints=dict(settings.constraints),
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))  # fmt: skip
+    _say(rank, show, f"soak: {pm.plan.summary()}")
+    records, losses = [], []
+    t0 = time.perf_counter()
+    for step in range(1, settings.steps + 1):
+        losses.append(pm.train_step(*args, **kwargs))
+        if step % settings.every:
+            continue
+        before = pm.eval_step(*args, **kwargs)
+        t_save = time.perf_counter()
+        path = pm.save_checkpoint(f"{root}/step{step}", extra={"step": step}, keep_last=settings.keep_last)
+        t_load = time.perf_counter()
+        extra = pm.load_checkpoint(path)
+        t_done = time.perf_counter()
+        after = pm.eval_step(*args, **kwargs)
+        records.append({"step": step, "rss_bytes": _rss_bytes(), "save_s": t_load - t_save, "load_s": t_done - t_load,
+                        "loaded": extra == {"step": step} and after == before and pm.num_steps == step,
+                        "latest": Path(latest_checkpoint(root) or "").resolve() == Path(path)})  # fmt: skip
+        _say(rank, show, f"soak: step {step}, rank 0 RSS {fmt_gib(records[-1]['rss_bytes'])}, "
+                         f"{(time.perf_counter() - t0) / step * 1e3:.0f} ms/step")  # fmt: skip
+    kept = sorted(int(read_marker(p)["step"]) for p in Path(root).iterdir() if read_marker(p) is not None)
+    return {"rank": rank, "records": records, "kept_steps": kept, "losses": losses, "program": str(pm.plan.program),
+            "mesh": dict(pm.plan.mesh), "wall_s": time.perf_counter() - t0}  # fmt: skip
+
+
+def run_soak(out_dir, *, cluster: str = "cpu:4", quick: bool = False, show_progress: bool = True,
+             settings: SoakSettings | None = None) -> dict:  # fmt: skip
+    """Run the soak (see the module docstring) and write soak.json and soak.md into `out_dir`."""
+    world = _cpu_world(cluster)
+    settings = settings or (SoakSettings(steps=60, every=10, constraints=()) if quick else SoakSettings())
+    if world % dict(settings.constraints).get("tp", 1):  # a pinned tensor axis this cluster cannot hold
+        settings = SoakSettings(**(asdict(settings) | {"constraints": ()}))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="soak-", dir=out))
+    try:
+        load_before = _load_average()
+        ranks = _spawn(world, _soak_rank, str(root), settings, show_progress)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    expected = [s for s in range(settings.every, settings.steps + 1, settings.every)][-settings.keep_last :]
+    doc = {"suite": "soak", "environment": environment(), "cluster": cluster, "settings": asdict(settings),
+           "load_average_before": load_before, "load_average_after": _load_average(), "ranks": ranks,
+           "expected_kept_steps": expected, "summary": _soak_summary(ranks, expected)}  # fmt: skip
+    write_json(out / "soak.json", doc)
+    (out / "soak.md").write_text(soak_markdown(doc))
+    return doc
+
+
+def _soak_summary(ranks: list[dict], expected: list[int]) -> dict:
+    """Growth of each rank's resident set from the second checkpoint (after warm-up) to the last, and the checks."""
+    growth = {}
+    for r in ranks:
+        rss = [rec["rss_bytes"] for rec in r["records"] if rec["rss_bytes"] is not None]
+        growth[str(r["rank"])] = rss[-1] - rss[1] if len(rss) > 2 else None  # str: the keys JSON writes
+    return {"rss_growth_after_warmup_bytes": growth,
+            "every_checkpoint_loadable": all(rec["loaded"] for r in ranks for rec in r["records"]),
+            "latest_is_the_newest": all(rec["latest"] for r in ranks for rec in r["records"]),
+            "retention_honoured": all(r["kept_steps"] == expected for r in ranks)}  # fmt: skip
+
+
+def soak_markdown(doc: dict) -> str:
+    ranks = doc["ranks"]
+    steps = [rec["step"] for rec in ranks[0]["records"]]
+    header = ["step"] + [f"rank {r['rank']} RSS" for r in ranks] + ["save (rank 0)", "load (rank 0)"]
+    rows = []
+    for i, step in enumerate(steps):
+        rec0 = ranks[0]["records"][i]
+        rows.append([step] + [fmt_gib(r["records"][i]["rss_bytes"]) for r in ranks]
+                    + [f"{rec0['save_s'] * 1e3:.0f} ms", f"{rec0['load_s'] * 1e3:.0f} ms"])  # fmt: skip
+    s = doc["summary"]
+    growth = ", ".join(f"rank {k}: {v / 2**20:+.1f} MiB" if v is not None else f"rank {k}: —"
+                       for k, v in s["rss_growth_after_warmup_bytes"].items())  # fmt: skip
+    return "\n".join([
+        f"# autopar bench soak: {doc['settings']['steps']} steps on {doc['cluster']}, a checkpoint every "
+        f"{doc['settings']['every']} (keep_last={doc['settings']['keep_last']})", "",
+        f"Program: {ranks[0]['program']} {ranks[0]['mesh']}; load average {doc['load_average_before']} before, "
+        f"{doc['load_average_after']} after (other work on the machine slows every figure).", "",
+        md_table(header, rows), "",
+        f"- resident set growth from the second checkpoint to the last: {growth}",
+        f"- every checkpoint loaded back with the same eval loss, step and extra: {s['every_checkpoint_loadable']}",
+        f"- latest_checkpoint named the newest after every save: {s['latest_is_the_newest']}",
+        f"- retention kept exactly steps {doc['expected_kept_steps']}: {s['retention_honoured']}",
+        "",
+    ])  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ save/load timing
+
+
+def _timing_rank(rank: int, world: int, root: str, settings: TimingSettings, show: bool) -> dict:
+    import torch.distributed as dist
+
+    import autopar
+
+    torch.manual_seed(0)
+    model = _llama(settings.hidden, settings.layers, settings.intermediate, settings.vocab)
+    num_params = sum(p.numel() for p in model.parameters())
+    args, kwargs = _batch(settings.vocab, 2, 16)
+    pm = autopar.compile(model, f"cpu:{world}", args, kwargs, constraints=dict(settings.constraints),
+                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))  # fmt: skip
+    del model
+    pm.train_step(*args, **kwargs)  # AdamW's moments exist from the first step
+    _say(rank, show, f"checkpoint: {num_params / 1e6:.0f}M parameters, {pm.plan.summary()}")
+    saves, loads = [], []
+    for i in range(settings.repeats):
+        path = f"{root}/dcp{i}"
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.save_checkpoint(path)
+        saves.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.load_checkpoint(path)
+        loads.append(time.perf_counter() - t0)
+        size = sum(f.stat().st_size for f in Path(path).iterdir())
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        _say(rank, show, f"checkpoint: save {saves[-1]:.2f} s, load {loads[-1]:.2f} s, {size / 2**30:.2f} GiB")
+    return {"rank": rank, "num_parameters": num_params, "save_s": saves, "load_s": loads, "bytes": size,
+            "program": str(pm.plan.program), "mesh": dict(pm.plan.mesh)}  # fmt: skip
+
+
+def _torch_save_reference(root: Path, settings: TimingSettings) -> dict:
+    """torch.save / torch.load of the full model and optimizer state dicts from one process (what a single-process
+    trainer writes), with AdamW's moments made by one step like the ranks'."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = _llama(settings.hidden, settings.layers, settings.intermediate, settings.vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    args, kwargs = _batch(settings.vocab, 2, 16)
+    model(*args, **kwargs).loss.backward()
+    opt.step()
+    saves, loads = [], []
+    for i in range(settings.repeats):
+        path = root / f"full{i}.pt"
+        t0 = time.perf_counter()
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        saves.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        state = torch.load(path, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        loads.append(time.perf_counter() - t0)
+        size = path.stat().st_size
+        del state
+        path.unlink()
+    return {"save_s": saves, "load_s": loads, "bytes": size}
+
+
+def run_checkpoint_timing(out_dir, *, cluster: str = "cpu:2", quick: bool = False, show_progress: bool = True,
+                          settings: TimingSettings | None = None) -> dict:  # fmt: skip
+    """Time checkpoint save and load (see the module docstring); write checkpoint.json and checkpoint.md."""
+    world = _cpu_world(cluster)
+    settings = settings or (TimingSettings(hidden=256, layers=2, intermediate=512, repeats=2) if quick
+                            else TimingSettings())  # fmt: skip
+    if world % dict(settings.constraints).get("dp", 1):  # a pinned data axis this cluster cannot hold
+        settings = TimingSettings(**(asdict(settings) | {"constraints": ()}))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="ckpt-", dir=out))
+    try:
+        load_before = _load_average()
+        ranks = _spawn(world, _timing_rank, str(root), settings, show_progress)
+        reference = _torch_save_reference(root, settings)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    doc = {"suite": "checkpoint", "environment": environment(), "cluster": cluster, "settings": asdict(settings),
+           "load_average_before": load_before, "load_average_after": _load_average(), "ranks": ranks,
+           "torch_save": reference}  # fmt: skip
+    write_json(out / "checkpoint.json", doc)
+    (out / "checkpoint.md").write_text(checkpoint_markdown(doc))
+    return doc
+
+
+def checkpoint_markdown(doc: dict) -> str:
+    ranks, ref = doc["ranks"], doc["torch_save"]
+    # a collective save or load ends when its slowest rank does
+    save = [max(r["save_s"][i] for r in ranks) for i in range(len(ranks[0]["save_s"]))]
+    load = [max(r["load_s"][i] for r in ranks) for i in range(len(ranks[0]["load_s"]))]
+    rows = [[f"autopar save_checkpoint / load_checkpoint ({doc['cluster']}, {ranks[0]['program']} "
+             f"{ranks[0]['mesh']})", f"{statistics.median(save):.2f} s", f"{statistics.median(load):.2f} s",
+             fmt_gib(ranks[0]["bytes"])],
+            ["torch.save / torch.load of the full state dicts, one process", f"{statistics.median(ref['save_s']):.2f} s",
+             f"{statistics.median(ref['load_s']):.2f} s", fmt_gib(ref["bytes"])]]  # fmt: skip
+    return "\n".join([
+        f"# autopar bench checkpoint: {ranks[0]['num_parameters'] / 1e6:.0f}M parameters, AdamW, fp32", "",
+        md_table(["", "save (median)", "load (median)", "on disk"], rows), "",
+        f"Medians of {len(save)} repetitions, wall clock, the slowest rank's; load average "
+        f"{doc['load_average_before']} before, {doc['load_average_after']} after (other work on the machine slows "
+        f"every figure). The autopar load includes the checks against the model and the RNG and step restore.",
+        "",
+    ])  # fmt: skip
