@@ -190,7 +190,8 @@ def test_checkpoint_of_another_model_is_refused(saved):
 
 @pytest.mark.parametrize(("kw", "words"), [({"keep_last": "2"}, "keep_last must be a whole number"),
                                            ({"extra": {"f": lambda: 0}}, "cannot be pickled"),
-                                           ({"extra": [1]}, "extra must be a dict")])  # fmt: skip
+                                           ({"extra": [1]}, "extra must be a dict"),
+                                           ({"async_save": "yes"}, "async_save must be True or False")])  # fmt: skip
 def test_save_refuses_bad_arguments_before_writing(llama, tmp_path, kw, words):
     pm, _, _ = llama
     with pytest.raises(autopar.ConfigError, match=words):

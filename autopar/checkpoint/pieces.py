@@ -89,10 +89,10 @@ def world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def barrier() -> None:
-    """Wait for every rank (nothing to wait for alone)."""
+def barrier(group=None) -> None:
+    """Wait for every rank of `group` (default the world; nothing to wait for alone)."""
     if world() > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def dtensor_piece(local: torch.Tensor, shape, mesh, placements, *, param=None) -> Piece:

@@ -17,6 +17,15 @@ Atomicity: every rank writes into `<dir>.partial`; once DCP has written its meta
 marker `autopar_checkpoint.json` (step, layout) last, fsyncs it, and renames the folder to `<dir>`. A
 directory without the marker is not a checkpoint: `latest_checkpoint` skips it and `load` refuses it.
 `keep_last=K` then removes all but the K newest checkpoints (those with a marker) next to it.
+
+Asynchronous saves (`async_save=True`) go through DCP's `async_save`: before the call returns, DCP copies
+every tensor of the state (whole storages) into fresh CPU memory, so the checkpoint holds the state at the
+call whatever the training does next; a thread then writes the shards and another commits as above (marker,
+rename, retention) once the writes of every rank are done. The background collectives run on a gloo group of
+their own (`new_group`, made at the first asynchronous save), as two threads must not share one group. Until
+the commit, the folder is `<dir>.partial`, which nothing loads. One save is in flight at a time: the next save,
+a load, or `wait_checkpoint` waits for it; wait for it before the process group is destroyed. The copy costs
+one rank's share of the state in memory for as long as the writes take.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import pickle
 import random
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -181,25 +191,64 @@ def _assembled_flat(flat: dict[str, Piece]) -> dict[str, torch.Tensor]:
     return assemble(flat, owners, dtypes)
 
 
-def save(program, path, *, extra: dict | None = None, keep_last: int | None = None) -> str:
+def save(program, path, *, extra: dict | None = None, keep_last: int | None = None, async_save: bool = False):
     """Write `program`'s training state to the directory `path` (see the module docstring); returns it.
 
+    With `async_save`, returns once the state is copied (a `concurrent.futures.Future` of the path): the
+    writes go on in the background and the checkpoint is committed when they are done (see the module
+    docstring); `wait_checkpoint(program)` waits. A save still in flight is waited for first.
     Every rank must call it with the same path, on a file system every rank sees."""
     path = _path(path, "save_checkpoint(path)").resolve()
     partial = path.with_name(path.name + ".partial")
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ConfigError(f"keep_last must be a whole number of checkpoints, at least 1, got {keep_last!r}")
-    if extra is not None and not isinstance(extra, dict):
-        raise ConfigError(f"extra must be a dict (data position, schedule state, ...), got {type(extra).__name__}")
-    try:  # on every rank, before any collective: a rank that failed alone would leave the others waiting
-        extra_bytes = pickle.dumps(dict(extra or {}))
-    except Exception as e:  # pickling runs the user's objects' own code: anything may come out
-        raise ConfigError(f"extra holds a value that cannot be pickled ({type(e).__name__}: {e}); keep plain "
-                          f"data (numbers, strings, lists, dicts, tensors) in it") from e  # fmt: skip
+    if not isinstance(async_save, bool):
+        raise ConfigError(f"async_save must be True or False, got {async_save!r}")
+    extra_bytes = _pickled_extra(extra)
+    wait_checkpoint(program)  # one save at a time: the previous one commits (and retains) before this one starts
     if rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     barrier()
+    state = _state(program, extra_bytes)
+    marker = {"format": FORMAT, "version": VERSION, "step": program.num_steps, "world_size": world(),
+              "program": str(program.plan.program), "mesh": dict(program.plan.mesh),
+              "model": program.plan.model_name}  # fmt: skip
+    if not async_save:
+        _written(lambda: dcp.save(state, checkpoint_id=str(partial)), path)
+        return _commit(path, marker, keep_last, group=None)
+    group = _checkpoint_group(program)
+    # DCP copies the state (every tensor's storage) into CPU memory before it returns, then writes from a thread
+    upload = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)
+    committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-checkpoint")
+    future = committer.submit(_commit_after, upload, path, marker, keep_last, group)
+    committer.shutdown(wait=False)
+    program._pending_checkpoint = future
+    return future
+
+
+def wait_checkpoint(program) -> str | None:
+    """Wait for `program`'s asynchronous save in flight, if any, to be written and committed; returns its path
+    (None: none was in flight). Raises what the save raised (every rank does). Every rank must call it."""
+    future = getattr(program, "_pending_checkpoint", None)
+    if future is None:
+        return None
+    program._pending_checkpoint = None
+    return future.result()
+
+
+def _pickled_extra(extra) -> bytes:
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigError(f"extra must be a dict (data position, schedule state, ...), got {type(extra).__name__}")
+    try:  # on every rank, before any collective: a rank that failed alone would leave the others waiting
+        return pickle.dumps(dict(extra or {}))
+    except Exception as e:  # pickling runs the user's objects' own code: anything may come out
+        raise ConfigError(f"extra holds a value that cannot be pickled ({type(e).__name__}: {e}); keep plain "
+                          f"data (numbers, strings, lists, dicts, tensors) in it") from e  # fmt: skip
+
+
+def _state(program, extra_bytes: bytes) -> dict:
+    """The DCP state dict of `program` now (collective: flat pieces travel to the rank that writes them)."""
     masters, optim = program._local_masters(), program._local_optimizer_state()
     state = _for_save(tensor_entries(masters, optim)) | buffer_entries(program)
     # objects go as pickled bytes: DCP would flatten a dict into keys of its own
@@ -207,26 +256,77 @@ def save(program, path, *, extra: dict | None = None, keep_last: int | None = No
         state["autopar.meta"] = pickle.dumps(program._checkpoint_meta())
         state["autopar.extra"] = extra_bytes
     state[f"autopar.rng.rank{rank()}"] = pickle.dumps(rng_state())
-    dcp.save(state, checkpoint_id=str(partial))
-    barrier()
+    return state
+
+
+def _checkpoint_group(program):
+    """A gloo process group of every rank for the background writes (None alone): their collectives run
+    beside the training's on the default group, and two threads must not interleave calls on one group.
+    Created on the first asynchronous save (every rank calls it then), kept by the program."""
+    if world() == 1:
+        return None
+    group = getattr(program, "_checkpoint_process_group", None)
+    if group is None:
+        group = program._checkpoint_process_group = dist.new_group(backend="gloo")
+    return group
+
+
+def _commit_after(upload: Future, path: Path, marker: dict, keep_last: int | None, group) -> str:
+    """In the background: once DCP's writes are done on every rank, commit the checkpoint."""
+    _written(upload.result, path)
+    return _commit(path, marker, keep_last, group=group)
+
+
+def _written(write, path: Path) -> None:
+    """Run DCP's writes; a failure on any rank (DCP gathers them and raises on every rank) as a ConfigError."""
+    try:
+        write()
+    except CheckpointException as e:
+        raise ConfigError(f"the checkpoint {path} could not be written: {_first_failure(e)}; it is not valid "
+                          f"(latest_checkpoint skips it): check the file system (space, permissions) and save "
+                          f"again") from e  # fmt: skip
+
+
+def _commit(path: Path, marker: dict, keep_last: int | None, *, group) -> str:
+    """Make `<path>.partial` the checkpoint `path` once every rank's shards are written (DCP writes its index
+    after every rank's files, fsynced): rank 0 writes the marker last, renames the folder, then applies
+    retention. Collective over `group`; a failure on rank 0 is raised on every rank."""
+    partial = path.with_name(path.name + ".partial")
+    barrier(group)
+    problem = None
     if rank() == 0:
-        marker = {"format": FORMAT, "version": VERSION, "step": program.num_steps, "world_size": world(),
-                  "program": str(program.plan.program), "mesh": dict(program.plan.mesh),
-                  "model": program.plan.model_name, "time": time.time()}  # fmt: skip
-        with open(partial / MARKER, "w") as f:
-            json.dump(marker, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            path.rename(old)
-        partial.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-        if keep_last is not None:
-            _retain(path.parent, keep_last)
-    barrier()
+        try:
+            _write_marker(partial, marker | {"time": time.time()})
+            _replace(partial, path)
+            if keep_last is not None:
+                _retain(path.parent, keep_last)
+        except OSError as e:
+            problem = f"{type(e).__name__}: {e}"
+    if world() > 1:
+        shared = [problem]
+        dist.broadcast_object_list(shared, src=0, group=group)
+        problem = shared[0]
+    if problem is not None:
+        raise ConfigError(f"the checkpoint {path} could not be committed on rank 0 ({problem}); it is not valid: "
+                          f"check the file system (space, permissions) and save again")  # fmt: skip
     return str(path)
+
+
+def _write_marker(folder: Path, marker: dict) -> None:
+    with open(folder / MARKER, "w") as f:
+        json.dump(marker, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace(partial: Path, path: Path) -> None:
+    """Rename the written folder to `path`, replacing an older checkpoint of that name."""
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+    partial.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _retain(root: Path, keep_last: int) -> None:
@@ -239,6 +339,7 @@ def load(program, path) -> dict:
     """Read a checkpoint written by `save` (any plan of the same model) into `program`; returns the user's
     `extra` dict. Every rank must call it."""
     path = _path(path, "load_checkpoint(path)")
+    wait_checkpoint(program)  # a save of this program in flight may be the checkpoint asked for
     problem = marker_problem(path)
     if problem is not None:
         raise ConfigError(f"{path} is not a complete autopar checkpoint: {problem}; pass "

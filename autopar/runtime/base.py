@@ -438,13 +438,25 @@ class Program(torch.nn.Module):
 
     # ----------------------------------------------------------------------------- checkpoints
 
-    def save_checkpoint(self, path, *, extra: dict | None = None, keep_last: int | None = None) -> str:
+    def save_checkpoint(self, path, *, extra: dict | None = None, keep_last: int | None = None,
+                        async_save: bool = False):  # fmt: skip
         """Write the training state (masters, optimizer states, step, loss scale, every rank's RNG states and
         `extra`) to the directory `path`, sharded, atomically; keep only the `keep_last` newest checkpoints next
-        to it. Every rank calls it. See `autopar.checkpoint.training`."""
+        to it; returns the path. Every rank calls it. See `autopar.checkpoint.training`.
+
+        With `async_save=True` it returns once the state is copied to CPU memory, with a
+        `concurrent.futures.Future` of the path; the files are written and the checkpoint committed in the
+        background (`wait_checkpoint` waits; the next save or load waits for it too)."""
         from autopar.checkpoint import training
 
-        return training.save(self, path, extra=extra, keep_last=keep_last)
+        return training.save(self, path, extra=extra, keep_last=keep_last, async_save=async_save)
+
+    def wait_checkpoint(self) -> str | None:
+        """Wait until the asynchronous save in flight (if any) is written and committed; returns its path (None
+        when there was none) or raises what it raised. Every rank calls it."""
+        from autopar.checkpoint import training
+
+        return training.wait_checkpoint(self)
 
     def load_checkpoint(self, path) -> dict:
         """Read a checkpoint of this model written under any plan; returns the `extra` dict it was saved with."""
