@@ -7,7 +7,8 @@ once, under the name Hugging Face keeps; persistent buffers) are cut into files 
 `model.safetensors`; more are `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json`.
 Files are written in rounds, one per rank per round: the pieces of a file's tensors travel to the rank
 writing it (`pieces.assemble`), so a rank holds at most one file's tensors. Rank 0 writes the index, the
-config and the generation config.
+config (naming the model's class and the weights' dtype, as transformers does) and the generation config
+where the model has one (transformers gives one to models that generate only, not to encoders).
 
 In (`load_pretrained`): every rank opens the files' headers (names, shapes, dtypes), checks them against
 the model (a missing or unexpected tensor, a shape that differs, a file that is not safetensors: a
@@ -24,6 +25,7 @@ config), checked to have produced finite values.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -100,11 +102,27 @@ def save_pretrained(program, path, *, max_shard_size="2GB") -> None:
             weight_map = {n: names[i] for i, group in enumerate(files) for n in group}
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
             (path / INDEX).write_text(json.dumps(index, indent=2))
-        if program.hf_config is not None:
-            program.hf_config.save_pretrained(str(path))
+        config = config_to_write(program)
+        if config is not None:
+            config.save_pretrained(str(path))
         if program.generation_config is not None:
             program.generation_config.save_pretrained(str(path))
     barrier()
+
+
+def config_to_write(program):
+    """The model's Hugging Face config as `PreTrainedModel.save_pretrained` writes it: naming the model's class
+    in `architectures` (so the folder says which head it holds) and the dtype of the weights written; a copy,
+    the model's own is left alone. None when the model has no Hugging Face config."""
+    config = program.hf_config
+    if config is None or not callable(getattr(config, "save_pretrained", None)):
+        return None
+    config = copy.deepcopy(config)
+    config.architectures = [program.hf_class_name]
+    floating = [d for n in program._master_names if (d := program._state_dtypes[n]).is_floating_point]
+    if floating:  # as transformers' `model.dtype`: the first floating parameter's
+        config.dtype = str(floating[0]).removeprefix("torch.")
+    return config
 
 
 # ------------------------------------------------------------------------------------------------ in

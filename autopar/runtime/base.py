@@ -279,7 +279,8 @@ class Program(torch.nn.Module):
         self.num_steps = 0
         self._input_signature: dict | None = None  # set by `expect_inputs`
         self.hf_config = getattr(model, "config", None)
-        self.generation_config = getattr(model, "generation_config", None)
+        self.hf_class_name = type(model).__name__  # the `architectures` a Hugging Face config names
+        self.generation_config = getattr(model, "generation_config", None)  # transformers sets it on generators only
 
     @classmethod
     def runs(cls, plan: Plan) -> bool:
