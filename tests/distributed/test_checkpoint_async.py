@@ -20,8 +20,9 @@ from tests.distributed.test_checkpoint import RESUME_RTOL, _compile
 
 pytestmark = pytest.mark.distributed
 
-# program kind -> optimizer: DTensor shards (tp), whole tensors written once (dp), flat chunk pieces (offload)
-KINDS = {"sharded": "adamw", "data-parallel": "sgd", "offload": "adamw"}
+# program kind -> optimizer: DTensor shards (tp), whole tensors written once (dp), stages on sub-meshes (pp),
+# flat chunk pieces (offload)
+KINDS = {"sharded": "adamw", "data-parallel": "sgd", "pipeline": "sgd", "offload": "adamw"}
 HOLD_S = 120.0  # how long a held write waits for the training steps before it gives up (and the test fails)
 
 
