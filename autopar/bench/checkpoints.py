@@ -8,7 +8,8 @@
 - checkpoint: save and load time of a training checkpoint (masters and AdamW moments, through
   torch.distributed.checkpoint, each rank writing its own shards) of a ~100M-parameter LLaMA-style model on
   cpu:2, next to `torch.save` / `torch.load` of the same state (model and optimizer state dicts) from one
-  process, on the same disk.
+  process, on the same disk; and of an asynchronous save, how long it blocks training (the copy of the state)
+  and how long until the checkpoint is committed.
 
 Both spawn gloo ranks (rendezvous through a file, one thread each) like the run suite, and write JSON and
 Markdown into the output folder. Figures from a machine shared with other work are wall-clock times under
@@ -266,8 +267,31 @@ def _timing_rank(rank: int, world: int, root: str, settings: TimingSettings, sho
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
         _say(rank, show, f"checkpoint: save {saves[-1]:.2f} s, load {loads[-1]:.2f} s, {size / 2**30:.2f} GiB")
+    blocked, committed = _async_timing(rank, pm, root, settings.repeats)
+    _say(rank, show, f"checkpoint: async save blocked {blocked[-1]:.2f} s, committed after {committed[-1]:.2f} s")
     return {"rank": rank, "num_parameters": num_params, "save_s": saves, "load_s": loads, "bytes": size,
-            "program": str(pm.plan.program), "mesh": dict(pm.plan.mesh)}  # fmt: skip
+            "async_blocked_s": blocked, "async_committed_s": committed, "program": str(pm.plan.program),
+            "mesh": dict(pm.plan.mesh)}  # fmt: skip
+
+
+def _async_timing(rank: int, pm, root: str, repeats: int) -> tuple[list[float], list[float]]:
+    """Asynchronous saves: how long the call blocks training (the copy of the state), and how long until the
+    checkpoint is written and committed."""
+    import torch.distributed as dist
+
+    blocked, committed = [], []
+    for i in range(repeats):
+        path = f"{root}/async{i}"
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm.save_checkpoint(path, async_save=True)
+        blocked.append(time.perf_counter() - t0)
+        pm.wait_checkpoint()
+        committed.append(time.perf_counter() - t0)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+    return blocked, committed
 
 
 def _torch_save_reference(root: Path, settings: TimingSettings) -> dict:
@@ -332,6 +356,11 @@ def checkpoint_markdown(doc: dict) -> str:
              fmt_gib(ranks[0]["bytes"])],
             ["torch.save / torch.load of the full state dicts, one process", f"{statistics.median(ref['save_s']):.2f} s",
              f"{statistics.median(ref['load_s']):.2f} s", fmt_gib(ref["bytes"])]]  # fmt: skip
+    if "async_blocked_s" in ranks[0]:
+        blocked = [max(r["async_blocked_s"][i] for r in ranks) for i in range(len(ranks[0]["async_blocked_s"]))]
+        done = [max(r["async_committed_s"][i] for r in ranks) for i in range(len(ranks[0]["async_committed_s"]))]
+        rows.insert(1, ["autopar save_checkpoint(async_save=True): training blocked / until committed",
+                        f"{statistics.median(blocked):.2f} s / {statistics.median(done):.2f} s", "", ""])  # fmt: skip
     return "\n".join([
         f"# autopar bench checkpoint: {ranks[0]['num_parameters'] / 1e6:.0f}M parameters, AdamW, fp32", "",
         md_table(["", "save (median)", "load (median)", "on disk"], rows), "",
