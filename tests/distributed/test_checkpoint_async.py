@@ -16,7 +16,8 @@ from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 import autopar
 from autopar.checkpoint.training import MARKER
 from tests.distributed.harness import run_distributed
-from tests.distributed.test_checkpoint import RESUME_RTOL, _compile
+from tests.distributed.test_checkpoint import OPTIMIZERS, RESUME_RTOL, _compile
+from tests.models import make_batch, make_model
 
 pytestmark = pytest.mark.distributed
 
@@ -148,3 +149,24 @@ def test_failed_async_save_raises_on_every_rank_at_the_wait_and_commits_nothing(
         assert got["latest"] == f"{tmp_path}/step1", (r, got)  # the failed one is skipped
         assert got["again"] == got["final"] == f"{tmp_path}/step2-again", (r, got)
     assert not (tmp_path / "step2" / MARKER).exists() and not (tmp_path / "step2.partial" / MARKER).exists()
+
+
+def test_async_save_alone_without_a_process_group(tmp_path):
+    """One process, no process group (DCP writes without collectives): the same holds at the call."""
+    args, kwargs = make_batch("llama")
+    pm = autopar.compile(make_model("llama"), "cpu:1", args, kwargs, optimizer=OPTIMIZERS["adamw"])
+    pm.train_step(*args, **kwargs)
+    pm.save_checkpoint(tmp_path / "sync")
+    with _HeldWrites() as held:
+        future = pm.save_checkpoint(tmp_path / "async", async_save=True)
+        assert not future.done() and autopar.latest_checkpoint(tmp_path) == str(tmp_path / "sync")
+        pm.train_step(*args, **kwargs)  # moves the masters and moments the held save must not see
+        held.release()
+        assert pm.wait_checkpoint() == str(tmp_path / "async") and not held.timed_out
+    states = []
+    for name in ("sync", "async"):
+        fresh = autopar.compile(make_model("llama", seed=7), "cpu:1", args, kwargs, optimizer=OPTIMIZERS["adamw"])
+        fresh.load_checkpoint(tmp_path / name)
+        states.append((fresh.state_dict(), fresh.train_step(*args, **kwargs)))
+    (sync, sync_loss), (async_, async_loss) = states
+    assert all(torch.equal(async_[k], v) for k, v in sync.items()) and async_loss == sync_loss  # the same bytes
