@@ -12,7 +12,7 @@ from torch import nn
 import autopar
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.trace import trace_model
-from tests.models import MLPBlock, make_batch, make_model, tiny_llama
+from tests.models import MLPBlock, PreNormStack, make_batch, make_model, tiny_llama
 
 GIB = 1024**3
 
@@ -605,36 +605,6 @@ def test_tp_min_split_lowers_or_lifts_the_rule():
             plan(tp_min_split=bad)
 
 
-class _PreNormBlock(nn.Module):
-    """A pre-norm transformer block of torch.nn modules (separate q, k, v projections, as Llama has)."""
-
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.q, self.k, self.v, self.proj = (nn.Linear(hidden, hidden) for _ in range(4))
-        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        y = self.norm1(x)
-        q, k, v = (f(y).view(b, s, self.heads, h // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
-        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
-
-
-class _PreNormStack(nn.Module):
-    def __init__(self, hidden: int = 1024, heads: int = 8, num_layers: int = 2):
-        super().__init__()
-        self.layers = nn.ModuleList(_PreNormBlock(hidden, heads) for _ in range(num_layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x.float().pow(2).mean()
-
-
 def _layer_activation_collectives(plan) -> dict[str, set[tuple[str, str, str]]]:
     """Consumer op -> {(collective, pass, placements)} the tensor axis runs on activations inside the layers."""
     found: dict[str, set] = {}
@@ -655,7 +625,7 @@ def test_sequence_parallel_norms_when_activation_memory_binds():
     and residual regions over the sequence, with a reduce-scatter after each row-parallel matmul and an
     all-gather before each column-parallel one (the same bytes on the wire, 1/tp of those activations held)."""
     with torch.device("meta"):
-        model = _PreNormStack()
+        model = PreNormStack()
     x = torch.randn(1, 512, 1024, device="meta")
     pins = {"tp": 2, "num_microbatches": 1, "recompute": "none", "zero": 0}  # only placements may give
 
