@@ -154,13 +154,14 @@ def _attn_fwd_inner(
                 keep = keep & (offs_n[None, :] <= offs_m[:, None] + diag)
             s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = m_new
         if MASKED:
             # A row that has seen no key yet (diag < 0 puts keys after it) keeps m = -inf; subtracting 0 instead
-            # of -inf leaves its alpha and p at exp2(-inf) = 0 rather than nan. Unmasked blocks give every row
-            # a finite score.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+            # of -inf leaves its alpha and p at exp2(-inf) = 0 rather than nan. (m itself stays -inf, so the row's
+            # first real scores set it.) Unmasked blocks give every row a finite score.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION)
