@@ -43,6 +43,39 @@ class MLPBlock(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
 
 
+class PreNormBlock(nn.Module):
+    """A pre-norm transformer block of torch.nn modules (separate q, k, v projections, as Llama has)."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q, self.k, self.v, self.proj = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        y = self.norm1(x)
+        q, k, v = (f(y).view(b, s, self.heads, h // self.heads).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class PreNormStack(nn.Module):
+    """A stack of `PreNormBlock`s whose loss is the mean square of its output (a model for planner and numerics
+    tests of the tensor axis: Megatron tensor and sequence parallelism)."""
+
+    def __init__(self, hidden: int = 1024, heads: int = 8, num_layers: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(PreNormBlock(hidden, heads) for _ in range(num_layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.float().pow(2).mean()
+
+
 BUILDERS = {"llama": tiny_llama, "gpt2": tiny_gpt2, "bert": tiny_bert}
 
 

@@ -3,6 +3,8 @@
 Public functions (each differentiable, each one op in ``torch.export`` / ``torch.compile`` graphs):
 
 * ``flash_attention(q, k, v, *, causal=False, scale=None)``: ``autopar::flash_attention``;
+  ``flash_attention.attention_block_forward`` / ``attention_block_backward`` run one block of it placed by its
+  first query and key positions and return its log-sum-exp (context parallelism's ring steps and zig-zag halves);
 * ``rms_norm(x, weight, eps=1e-6)``: ``autopar::rms_norm``;
 * ``layer_norm(x, weight, bias, eps=1e-5)``: ``autopar::layer_norm``;
 * ``linear_cross_entropy(hidden, weight, labels, *, ignore_index=-100)``: ``autopar::linear_cross_entropy``.

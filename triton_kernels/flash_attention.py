@@ -23,6 +23,14 @@ masked loads, so 96 (or 80, 40, ...) costs the work of the next power of two.
 
 The op is registered as ``autopar::flash_attention`` (returns ``(out, lse)``) with its backward
 ``autopar::flash_attention_backward``; ``torch.export``, meta tracing and ``torch.compile`` see each as one node.
+
+Blocks placed by global position (context parallelism): ``attention_block_forward(q, k, v, causal=, scale=,
+q_offset=, k_offset=)`` runs one block of queries against one block of keys whose first global positions are the
+offsets, masking by position (query ``i`` sees key ``j`` when ``k_offset + j <= q_offset + i``), and returns
+``(out, lse)``; a row that sees no key gets output 0 and LSE ``-inf``. ``attention_block_backward`` takes the
+merged output and LSE of the query rows, so the blocks of a ring step or of a zig-zag half sum to the whole
+attention's gradients. The kernels take the offsets as one runtime integer (``diag = q_offset - k_offset``; 0 is
+the top-left causal mask), so no extra compilation per offset.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from autopar.errors import ConfigError
 
 from . import kernels_interpreted
 
-__all__ = ["flash_attention", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
+__all__ = ["flash_attention", "attention_block_forward", "attention_block_backward", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
 
 MAX_HEAD_DIM = 128
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -120,6 +128,7 @@ def _attn_fwd_inner(
     hi,
     seq_k,
     qk_scale_log2,
+    diag,
     MASKED: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -129,7 +138,8 @@ def _attn_fwd_inner(
     """Online-softmax update of one query block over key blocks ``[lo, hi)``.
 
     Only blocks that straddle the causal diagonal or the end of the keys pay for the score mask (``MASKED``);
-    the bulk of the blocks below the diagonal skip it.
+    the bulk of the blocks below the diagonal skip it. Causal: query row ``i`` sees key ``j`` when
+    ``j <= i + diag`` (``diag`` is the query block's first global position minus the key block's).
     """
     d_mask = offs_d[None, :] < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
@@ -141,13 +151,17 @@ def _attn_fwd_inner(
         if MASKED:
             keep = offs_n[None, :] < seq_k
             if IS_CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+                keep = keep & (offs_n[None, :] <= offs_m[:, None] + diag)
             s = tl.where(keep, s, float("-inf"))
-        # Every row sees key 0 in the first block it visits, so m_new is finite from then on and
-        # exp2(m_i - m_new) never evaluates -inf - -inf.
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_sub = m_new
+        if MASKED:
+            # A row that has seen no key yet (diag < 0 puts keys after it) keeps m = -inf; subtracting 0 instead
+            # of -inf leaves its alpha and p at exp2(-inf) = 0 rather than nan. (m itself stays -inf, so the row's
+            # first real scores set it.) Unmasked blocks give every row a finite score.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION)
@@ -180,6 +194,7 @@ def _attn_fwd_kernel(
     seq_q,
     seq_k,
     qk_scale_log2,
+    diag,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -203,27 +218,31 @@ def _attn_fwd_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    # Key blocks in [0, hi_full) need no mask: they end before seq_k and, if causal, at or before the first row.
+    # Key blocks in [0, hi_full) need no mask: they end before seq_k and, if causal, at or before the first row's
+    # last visible key (start_m + diag).
     if IS_CAUSAL:
-        hi_full = (tl.minimum(seq_k, start_m + 1) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(seq_k, start_m + BLOCK_M)
+        hi_full = (tl.maximum(tl.minimum(seq_k, start_m + diag + 1), 0) // BLOCK_N) * BLOCK_N
+        hi = tl.maximum(tl.minimum(seq_k, start_m + BLOCK_M + diag), 0)
     else:
         hi_full = (seq_k // BLOCK_N) * BLOCK_N
         hi = seq_k
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, hi_full, seq_k, qk_scale_log2,
-        False, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+        diag, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, hi_full, hi, seq_k, qk_scale_log2,
-        True, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+        diag, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
 
-    out = acc / l_i[:, None]
+    # A row that saw no key (causal with diag < 0) has l = 0: its output is 0 and its LSE -inf, so that a merge
+    # over key blocks gives it no weight.
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
     o_base = o_ptr + batch * stride_ob + head.to(tl.int64) * stride_oh
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=io_mask)
     # The LSE is saved in natural-log units (what torch.logsumexp of the scaled scores gives).
-    lse = (m_i + tl.log2(l_i)) / 1.4426950408889634
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
     lse_base = lse_ptr + (batch * num_heads_q + head) * seq_q
     tl.store(lse_base + offs_m, lse, mask=offs_m < seq_q)
 
@@ -290,6 +309,7 @@ def _attn_bwd_dkdv_inner(
     hi,
     seq_q,
     qk_scale_log2,
+    diag,
     MASKED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -314,7 +334,7 @@ def _attn_bwd_dkdv_inner(
         p_t = tl.exp2(s_t - lse_log2[None, :])
         if MASKED:
             # Masked scores can exceed the LSE (it excludes them), so p_t may be inf there; where() drops it.
-            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            p_t = tl.where(offs_m[None, :] + diag >= offs_n[:, None], p_t, 0.0)
         dv += _mma(p_t.to(do.dtype), do, DOT_PRECISION)
         dp_t = _mma(v, tl.trans(do), DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -354,6 +374,7 @@ def _attn_bwd_dkdv_kernel(
     seq_k,
     qk_scale_log2,
     sm_scale,
+    diag,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -373,12 +394,12 @@ def _attn_bwd_dkdv_kernel(
     v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    # Causal: query rows below start_n never see this block; query blocks in [lo, mid) start before the block's
-    # last key, straddle the diagonal and need the mask; blocks in [mid, seq_q) see every key of the block. (When
-    # seq_q < lo both ranges are empty, since mid = seq_q then.)
+    # Causal: query rows below start_n - diag never see this block; query blocks in [lo, mid) start before the
+    # row that sees the block's last key, straddle the diagonal and need the mask; blocks in [mid, seq_q) see every
+    # key of the block. (When seq_q < lo both ranges are empty, since mid = seq_q then.)
     if IS_CAUSAL:
-        lo = (start_n // BLOCK_M) * BLOCK_M
-        mid = tl.minimum(((start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, seq_q)
+        lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(((tl.maximum(start_n + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, seq_q)
     else:
         lo = 0
         mid = 0
@@ -389,11 +410,11 @@ def _attn_bwd_dkdv_kernel(
         row_base = (batch * num_heads_q + head) * seq_q
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, lse_ptr + row_base, delta_ptr + row_base, stride_qm, stride_dom,
-            offs_n, offs_d, lo, mid, seq_q, qk_scale_log2, True, HEAD_DIM, BLOCK_M, DOT_PRECISION,
+            offs_n, offs_d, lo, mid, seq_q, qk_scale_log2, diag, True, HEAD_DIM, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _attn_bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, lse_ptr + row_base, delta_ptr + row_base, stride_qm, stride_dom,
-            offs_n, offs_d, mid, seq_q, seq_q, qk_scale_log2, False, HEAD_DIM, BLOCK_M, DOT_PRECISION,
+            offs_n, offs_d, mid, seq_q, seq_q, qk_scale_log2, diag, False, HEAD_DIM, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
     dk *= sm_scale
     dk_offs = batch * stride_dkb + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
@@ -419,6 +440,7 @@ def _attn_bwd_dq_inner(
     hi,
     seq_k,
     qk_scale_log2,
+    diag,
     MASKED: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -437,7 +459,7 @@ def _attn_bwd_dq_inner(
         if MASKED:
             keep = offs_n[None, :] < seq_k
             if IS_CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+                keep = keep & (offs_n[None, :] <= offs_m[:, None] + diag)
             p = tl.where(keep, p, 0.0)
         dp = _mma(do, tl.trans(v), DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -476,6 +498,7 @@ def _attn_bwd_dq_kernel(
     seq_k,
     qk_scale_log2,
     sm_scale,
+    diag,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -502,18 +525,18 @@ def _attn_bwd_dq_kernel(
     v_base = v_ptr + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     if IS_CAUSAL:
-        hi_full = (tl.minimum(seq_k, start_m + 1) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(seq_k, start_m + BLOCK_M)
+        hi_full = (tl.maximum(tl.minimum(seq_k, start_m + diag + 1), 0) // BLOCK_N) * BLOCK_N
+        hi = tl.maximum(tl.minimum(seq_k, start_m + BLOCK_M + diag), 0)
     else:
         hi_full = (seq_k // BLOCK_N) * BLOCK_N
         hi = seq_k
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, hi_full, seq_k,
-        qk_scale_log2, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+        qk_scale_log2, diag, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     dq = _attn_bwd_dq_inner(
         dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, hi_full, hi, seq_k,
-        qk_scale_log2, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+        qk_scale_log2, diag, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
     )  # fmt: skip
     dq *= sm_scale
     dq_base = dq_ptr + batch * stride_dqb + head.to(tl.int64) * stride_dqh
@@ -585,7 +608,7 @@ def _head_dim_pad(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, diag: int = 0) -> tuple[Tensor, Tensor]:
     _check_runnable(q)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch, heads_q, seq_q, head_dim = q.shape
@@ -602,7 +625,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tup
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        heads_q, heads_q // heads_kv, seq_q, seq_k, scale * _LOG2E,
+        heads_q, heads_q // heads_kv, seq_q, seq_k, scale * _LOG2E, diag,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim), IS_CAUSAL=causal,
         DOT_PRECISION=_dot_precision(q.dtype),
     )  # fmt: skip
@@ -619,6 +642,7 @@ def _backward(
     lse: Tensor,
     causal: bool,
     scale: float,
+    diag: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_runnable(q)
     q, k, v, out, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, out, grad_out))
@@ -641,7 +665,7 @@ def _backward(
     common.update(IS_CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     qkv_strides += (v.stride(0), v.stride(1), v.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2))
-    sizes = (heads_q, heads_q // heads_kv, seq_q, seq_k, scale * _LOG2E, scale)
+    sizes = (heads_q, heads_q // heads_kv, seq_q, seq_k, scale * _LOG2E, scale, diag)
 
     def dkdv_grid(meta):
         return (triton.cdiv(seq_k, meta["BLOCK_N"]), heads_kv, batch)
@@ -740,3 +764,50 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sc
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return _flash_attention_op(q, k, v, bool(causal), float(scale))[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Blocks placed by global position (context parallelism)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def attention_block_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, q_offset: int = 0, k_offset: int = 0
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of one block of queries against one block of keys, each placed by its global positions.
+
+    A ring step or a zig-zag half holds a run of consecutive positions on each side: queries from `q_offset`,
+    keys from `k_offset`. Under `causal`, query ``i`` sees key ``j`` when ``k_offset + j <= q_offset + i``, so
+    one call serves a diagonal block (equal offsets), a block wholly before the queries (every key visible; pass
+    ``causal=False`` to skip the mask's cost) and any partial overlap. A row that sees no key gets output 0 and
+    LSE ``-inf``, which a log-sum-exp merge gives no weight.
+
+    Args:
+        q, k, v: as in :func:`flash_attention` (``(batch, heads, seq, head_dim)``, grouped-query heads allowed).
+        causal: mask by global position as above; False: every key is visible.
+        scale: multiplier of ``q @ k^T``.
+        q_offset, k_offset: global position of the first query and of the first key.
+
+    Returns:
+        ``out`` in q's dtype and ``lse`` (fp32, ``(batch, heads_q, seq_q)``, natural log) of the scaled scores.
+        Not differentiable: a caller merging blocks runs :func:`attention_block_backward` itself.
+    """
+    _check_inputs(q, k, v)
+    return _forward(q, k, v, bool(causal), float(scale), int(q_offset) - int(k_offset))
+
+
+def attention_block_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
+    q_offset: int = 0, k_offset: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` of one block (the mask of :func:`attention_block_forward`), given `out` and `lse`.
+
+    Pass the *merged* output and LSE of the query rows over every key block: then each block's gradients are its
+    share of the whole attention's, and summing them over the key blocks gives the exact gradients
+    (FlashAttention's recomputation of the probabilities from the LSE). dk and dv have k's heads (grouped-query
+    heads are summed in the kernel).
+    """
+    _check_inputs(q, k, v)
+    lse = lse.to(torch.float32)
+    return _backward(grad_out.to(q.dtype), None, q, k, v, out, lse, bool(causal), float(scale),
+                     int(q_offset) - int(k_offset))  # fmt: skip

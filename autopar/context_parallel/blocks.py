@@ -14,8 +14,12 @@ Each pair's forward returns its output and the log-sum-exp (LSE) of its scaled s
 pairs over key blocks exactly (the online softmax). The backward of a pair takes the *merged* output and LSE
 of the query rows, which is what makes the per-pair gradients sum to those of the whole attention
 (FlashAttention's recomputation from the LSE). On CPU both directions run PyTorch's CPU flash-attention ops
-(``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and take the LSE);
-elsewhere the plain reference below does, materialising only the pair's scores.
+(``aten::_scaled_dot_product_flash_attention_for_cpu`` and its backward, which return and take the LSE). On CUDA
+they run autopar's Triton flash-attention kernel (`autopar.triton_kernels.flash_attention.attention_block_forward`
+and its backward), which places the pair by its first query and key positions, so every visibility but hidden
+is one call without a mask tensor; CPU runs never load it (without a GPU it would only run interpreted).
+Elsewhere (other devices, dtypes or head dims the kernel does not take) the plain reference below runs,
+materialising only the pair's scores. The merge is the same on every path.
 
 Grouped-query attention: k and v may have fewer heads than q; query head h reads key/value head
 h // (heads_q // heads_kv). A pair expands k and v to the query heads and sums their gradients back.
@@ -52,6 +56,20 @@ def visibility(q_seg: Segment, k_seg: Segment, causal: bool) -> Visibility:
     return Visibility.PARTIAL
 
 
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # autopar.triton_kernels.flash_attention's
+_KERNEL_MAX_HEAD_DIM = 128
+
+
+def runs_on_kernel(q: Tensor) -> bool:
+    """Whether pairs of `q` run on the Triton kernel: CUDA tensors of a dtype and head dim it takes."""
+    return q.device.type == "cuda" and q.dtype in _KERNEL_DTYPES and q.shape[-1] <= _KERNEL_MAX_HEAD_DIM
+
+
+def _kernel_offsets(q_seg: Segment, k_seg: Segment, vis: Visibility) -> dict:
+    # a visible pair skips the mask altogether; diagonal and partial pairs mask by global position
+    return {"causal": vis != Visibility.VISIBLE, "q_offset": q_seg[0], "k_offset": k_seg[0]}
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Partial outputs and gradients are summed in at least fp32."""
     return torch.promote_types(dtype, torch.float32)
@@ -68,6 +86,10 @@ def block_forward(
     vis = visibility(q_seg, k_seg, causal)
     if vis == Visibility.HIDDEN:
         return None
+    if runs_on_kernel(q):
+        from autopar.triton_kernels.flash_attention import attention_block_forward
+
+        return attention_block_forward(q, k, v, scale=scale, **_kernel_offsets(q_seg, k_seg, vis))
     k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
     mask = _pair_mask(q_seg, k_seg, q) if vis == Visibility.PARTIAL else None
     is_causal = vis == Visibility.DIAGONAL
@@ -100,6 +122,10 @@ def block_backward(
     vis = visibility(q_seg, k_seg, causal)
     if vis == Visibility.HIDDEN:
         return None
+    if runs_on_kernel(q):
+        from autopar.triton_kernels.flash_attention import attention_block_backward
+
+        return attention_block_backward(dout, q, k, v, out, lse, scale=scale, **_kernel_offsets(q_seg, k_seg, vis))
     heads_kv = k.shape[1]
     ke, ve = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
     mask = _pair_mask(q_seg, k_seg, q) if vis == Visibility.PARTIAL else None

@@ -12,7 +12,7 @@ from torch import nn
 import autopar
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.trace import trace_model
-from tests.models import MLPBlock, make_batch, make_model, tiny_llama
+from tests.models import MLPBlock, PreNormStack, make_batch, make_model, tiny_llama
 
 GIB = 1024**3
 
@@ -603,3 +603,58 @@ def test_tp_min_split_lowers_or_lifts_the_rule():
     for bad in (1.5, -0.1, "all", True):
         with pytest.raises(ConfigError, match="tp_min_split"):
             plan(tp_min_split=bad)
+
+
+def _layer_activation_collectives(plan) -> dict[str, set[tuple[str, str, str]]]:
+    """Consumer op -> {(collective, pass, placements)} the tensor axis runs on activations inside the layers."""
+    found: dict[str, set] = {}
+    for entry in plan.layer_ops:
+        if not entry["layer"]:
+            continue
+        for op in entry["ops"]:
+            for c in op["collectives"]:
+                if c["axis"] == "tp" and c["from"] not in plan.param_placements:
+                    found.setdefault(op["node"], set()).add((c["kind"], c["pass"], c["placements"]))
+    return found
+
+
+def test_sequence_parallel_norms_when_activation_memory_binds():
+    """Megatron-style sequence parallelism (Korthikanti et al.) on a pinned tensor axis: with memory to spare the
+    block runs as Megatron tensor parallelism (norms and residual adds replicated, an all-reduce after each
+    row-parallel matmul); under a budget its replicated activations do not fit, and the solver splits the norm
+    and residual regions over the sequence, with a reduce-scatter after each row-parallel matmul and an
+    all-gather before each column-parallel one (the same bytes on the wire, 1/tp of those activations held)."""
+    with torch.device("meta"):
+        model = PreNormStack()
+    x = torch.randn(1, 512, 1024, device="meta")
+    pins = {"tp": 2, "num_microbatches": 1, "recompute": "none", "zero": 0}  # only placements may give
+
+    def plan(budget=None):
+        return autopar.plan(model, "2xA100-80GB", (x,), constraints=pins, memory_budget=budget, alternatives=False)
+
+    norms = [f"layer_norm{s}" for s in ("", "_1", "_2", "_3")]
+    adds = [f"add{s}" for s in ("", "_1", "_2", "_3")]
+    column = [f"linear{s}" for s in ("", "_1", "_2", "_4", "_6", "_7", "_8", "_10")]  # q, k, v, up of each layer
+    row = ["linear_3", "linear_5", "linear_9", "linear_11"]  # proj, down
+    free = plan()
+    assert {free.node_strategy[n] for n in column} == {"column parallel"}
+    assert {free.node_strategy[n] for n in row} == {"row parallel"}
+    assert {free.node_output[n] for n in norms + adds} == {"R"}, "short sequence, memory to spare: replicated norms"
+    free_ops = _layer_activation_collectives(free)
+    assert ("all_reduce", "forward", "P -> R") in free_ops["add"]
+
+    # the budget a little under the free plan's peak: the norm regions' replicated activations are what can give
+    tight = plan(int(free.predicted.peak_memory_bytes * 0.97))
+    assert tight.predicted.peak_memory_bytes < free.predicted.peak_memory_bytes
+    assert {tight.node_strategy[n] for n in column} == {"column parallel"}, "the matmuls stay tensor parallel"
+    assert {tight.node_strategy[n] for n in row} == {"row parallel"}
+    assert {tight.node_output[n] for n in norms + adds} == {"S(1)"}, "norms and residuals split over the sequence"
+    ops = _layer_activation_collectives(tight)
+    assert not any(kind == "all_reduce" for found in ops.values() for kind, _, _ in found)
+    for name in ("add", "add_1"):  # after each row-parallel matmul: reduce-scatter, its backward an all-gather
+        assert ("reduce_scatter", "forward", "P -> S(1)") in ops[name]
+        assert ("all_gather", "backward", "S(1) -> R") in ops[name]
+    for name in ("linear", "linear_4"):  # before each column-parallel matmul: all-gather, its backward a reduce-scatter
+        assert ops[name] == {("all_gather", "forward", "S(1) -> R"), ("reduce_scatter", "backward", "P -> S(1)")}
+    # the same bytes as the all-reduce they replace, so the step costs only the extra collective latencies
+    assert tight.predicted.step_time_s == pytest.approx(free.predicted.step_time_s, rel=0.02)
