@@ -24,13 +24,12 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from autopar.bench.common import environment, fmt_gib, md_table, write_json
+from autopar.bench.common import environment, fmt_gib, md_table, run_on_ranks, write_json
 from autopar.errors import ConfigError
 
 
@@ -88,40 +87,6 @@ def _cpu_world(cluster: str) -> int:
     if not text.startswith("cpu:") or not text[4:].isdigit() or int(text[4:]) < 1:
         raise ConfigError(f"checkpoint benchmarks run on local CPU ranks: --cluster must be 'cpu:N', got {cluster!r}")
     return int(text[4:])
-
-
-def _rank_entry(rank: int, world: int, folder: str, fn, args) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
-    try:
-        torch.save({"ok": True, "result": fn(rank, world, *args)}, f"{folder}/rank{rank}.pt")
-    except BaseException as e:  # the parent reports it with this rank's traceback
-        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"},
-                   f"{folder}/rank{rank}.pt")  # fmt: skip
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world: int, fn, *args) -> list:
-    """fn(rank, world, *args) on `world` spawned gloo ranks; each rank's result."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(_rank_entry, args=(world, folder, fn, args), nprocs=world, join=False,
-                                 start_method="spawn")  # fmt: skip
-        while not ctx.join():
-            pass
-        out = []
-        for r in range(world):
-            data = torch.load(Path(folder) / f"rank{r}.pt", weights_only=False)
-            if not data["ok"]:
-                raise RuntimeError(f"checkpoint bench: rank {r} failed: {data['error']}")
-            out.append(data["result"])
-        return out
 
 
 def _say(rank: int, show: bool, msg: str) -> None:
@@ -184,7 +149,7 @@ def run_soak(out_dir, *, cluster: str = "cpu:4", quick: bool = False, show_progr
     root = Path(tempfile.mkdtemp(prefix="soak-", dir=out))
     try:
         load_before = _load_average()
-        ranks = _spawn(world, _soak_rank, str(root), settings, show_progress)
+        ranks = run_on_ranks(world, _soak_rank, str(root), settings, show_progress, label="checkpoint bench")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     expected = [s for s in range(settings.every, settings.steps + 1, settings.every)][-settings.keep_last :]
@@ -334,7 +299,7 @@ def run_checkpoint_timing(out_dir, *, cluster: str = "cpu:2", quick: bool = Fals
     root = Path(tempfile.mkdtemp(prefix="ckpt-", dir=out))
     try:
         load_before = _load_average()
-        ranks = _spawn(world, _timing_rank, str(root), settings, show_progress)
+        ranks = run_on_ranks(world, _timing_rank, str(root), settings, show_progress, label="checkpoint bench")
         reference = _torch_save_reference(root, settings)
     finally:
         shutil.rmtree(root, ignore_errors=True)

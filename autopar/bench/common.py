@@ -10,7 +10,9 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -120,3 +122,38 @@ def pyplot():
 def env_md(env: dict) -> str:
     return (f"autopar {env['autopar_version']}, torch {env['torch_version']}, Python {env['python_version']} on "
             f"{env['processor']} ({env['cpu_count']} CPUs), {env['platform']}, {env['time_utc']}")  # fmt: skip
+
+
+def _rank_entry(rank: int, world: int, folder: str, fn, args) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
+    try:
+        torch.save({"ok": True, "result": fn(rank, world, *args)}, f"{folder}/rank{rank}.pt")
+    except BaseException as e:  # the parent reports it with this rank's traceback
+        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"},
+                   f"{folder}/rank{rank}.pt")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_ranks(world: int, fn, *args, label: str) -> list:
+    """fn(rank, world, *args) on `world` spawned gloo ranks (one thread each); each rank's result. A rank that
+    raises fails the call with `label` and that rank's traceback."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        ctx = mp.start_processes(_rank_entry, args=(world, folder, fn, args), nprocs=world, join=False,
+                                 start_method="spawn")  # fmt: skip
+        while not ctx.join():
+            pass
+        out = []
+        for r in range(world):
+            data = torch.load(Path(folder) / f"rank{r}.pt", weights_only=False)
+            if not data["ok"]:
+                raise RuntimeError(f"{label}: rank {r} failed: {data['error']}")
+            out.append(data["result"])
+        return out

@@ -27,16 +27,14 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from autopar.bench.common import env_md, environment, fmt_gib, fmt_ms, md_table, pyplot, write_json
+from autopar.bench.common import env_md, environment, fmt_gib, fmt_ms, md_table, pyplot, run_on_ranks, write_json
 from autopar.errors import ConfigError
 
 LR = 1e-3
@@ -378,26 +376,12 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
             "skipped": {n: r for n, r in skip.items() if r}}  # fmt: skip
 
 
-def _rank_main(rank: int, world: int, folder: str, models, settings, show_progress: bool, plans) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world)
-
+def _measure_on_rank(rank: int, world: int, models, settings, show_progress: bool, plans) -> list[dict]:
     def say(msg):
         if rank == 0 and show_progress:
             print(f"[autopar bench run] {msg}", file=sys.stderr, flush=True)
 
-    try:
-        result = [_train_model(spec, settings, rank, world, say, plans.get(spec.name)) for spec in models]
-        torch.save({"ok": True, "result": result}, f"{folder}/rank{rank}.pt")
-    except BaseException as e:  # the parent reports it with this rank's traceback
-        error = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        torch.save({"ok": False, "error": error}, f"{folder}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    return [_train_model(spec, settings, rank, world, say, plans.get(spec.name)) for spec in models]
 
 
 def spawn_ranks(world: int, models, settings: RunSettings, *, show_progress: bool = True,
@@ -406,21 +390,8 @@ def spawn_ranks(world: int, models, settings: RunSettings, *, show_progress: boo
 
     `plans` maps a model's name to the JSON of the plan autopar runs it with (planned here when absent).
     """
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(_rank_main, args=(world, folder, tuple(models), settings, show_progress,
-                                                   dict(plans or {})),
-                                 nprocs=world, join=False, start_method="spawn")  # fmt: skip
-        while not ctx.join():
-            pass
-        out = []
-        for r in range(world):
-            data = torch.load(Path(folder) / f"rank{r}.pt", weights_only=False)
-            if not data["ok"]:
-                raise RuntimeError(f"bench run: rank {r} failed: {data['error']}")
-            out.append(data["result"])
-        return out
+    return run_on_ranks(world, _measure_on_rank, tuple(models), settings, show_progress, dict(plans or {}),
+                        label="bench run")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- reporting
