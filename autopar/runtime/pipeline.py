@@ -120,6 +120,10 @@ class _Stage(torch.nn.Module):
             return prog.scaled(local * w if w != 1.0 else local)
         sent = [index]
         for v, val in zip(out, self._out_meta, strict=True):
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                # made inside a layer from no distributed value (T5's zero position bias of a decoder's
+                # cross-attention, a factory op at the value's full shape): the same on every rank
+                v = DTensor.from_local(v, prog.mesh, (R, R), run_check=False)
             if not isinstance(v, DTensor):
                 raise LoweringError(f"a value crossing pipeline stage {self.sg.index} is not on the mesh")
             sent.append(v.redistribute(prog.mesh, _boundary_placement(val.shape, prog.micro_batch, prog.dp))

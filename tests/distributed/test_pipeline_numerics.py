@@ -3,8 +3,8 @@
 Layouts pp=2 x tp=2, pp=2 x dp=2 and pp=4, each with GPipe and 1F1B, and interleaved 1F1B where the
 layers allow, on a tiny LLaMA and a tiny GPT-2 (whose LM head is tied to its token embedding, so
 the embedding lives on the first and the last stage); five layers on two stages; a model whose
-layers pass two tensors to the next, so each boundary carries both; and a tiny T5 on pp=2 x dp=2, its
-encoder and decoder stacks cut as one sequence of four unlike layers (with SGD, as the two-stream model).
+layers pass two tensors to the next, so each boundary carries both; and a tiny T5 on pp=2 x dp=2 and pp=4,
+its encoder and decoder stacks cut as one sequence of four unlike layers (with SGD, as the two-stream model).
 
 The plans are made once here and handed to the ranks, which compile them (`plan=`).
 """
@@ -120,6 +120,8 @@ CASES = [
     ("llama", 5, {"pp": 2, "dp": 2, "tp": 1, "zero": 1, "recompute": "full", "schedule": "1f1b", "num_microbatches": 4}),
     ("two_stream", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "num_microbatches": 2}),
     ("t5", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "num_microbatches": 2}),
+    # one layer a stage: the first decoder stage sends on the encoder's output and its zero cross-attention bias
+    ("t5", 4, {"pp": 4, "dp": 1, "tp": 1, "schedule": "1f1b", "num_microbatches": 4}),
 ]  # fmt: skip
 
 
