@@ -947,6 +947,11 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
     if structure is None and isinstance(pinned_pp, int) and pinned_pp > 1:
         raise ConfigError(f"constraints['pp']={pinned_pp}: {why_no_layer_run(graph)}; drop 'pp'")
     c = _check_constraints(dict(constraints or {}), world, num_layers)
+    if structure is not None and structure.stacks and (c.get("schedule") == Schedule.INTERLEAVED_1F1B
+                                                       or (c.get("virtual_stages") or 1) > 1):  # fmt: skip
+        names = " and ".join(path for path, _ in structure.stacks)
+        raise ConfigError(f"constraints: interleaved schedules are not searched over several stacks of layers "
+                          f"({names}); pin schedule '1f1b' or 'gpipe', or drop the pin")  # fmt: skip
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     single, single_error = None, None
     wants_pipeline = c.get("pp", 0) > 1 or c.get("schedule") is not None or c.get("virtual_stages", 1) > 1

@@ -247,6 +247,15 @@ def test_pp_counts_the_layers_of_both_stacks():
         autopar.plan(model, "cpu:8", args, kwargs, constraints={"pp": 8})
 
 
+def test_interleaving_over_two_stacks_says_what_to_pin():
+    import autopar
+    from autopar.errors import ConfigError
+
+    model, args, kwargs = _t5()
+    with pytest.raises(ConfigError, match=r"several stacks of layers \(encoder\.block and decoder\.block\); pin"):
+        autopar.plan(model, "cpu:2", args, kwargs, constraints={"pp": 2, "schedule": "interleaved_1f1b"})
+
+
 def test_a_boundary_is_priced_from_the_values_that_cross_it():
     from autopar.ir import OpGraph
     from autopar.passes.pipeline_search import crossing_bytes, stack_structure
