@@ -274,3 +274,24 @@ def test_a_boundary_is_priced_from_the_values_that_cross_it():
     assert crossing_bytes(graph, flat, 4, 2, 4) == hidden
     # inside the decoder: its hidden state, the encoder's output and the self- and cross-attention biases
     assert crossing_bytes(graph, flat, 4, 3, 4) == 2 * hidden + 2 * bias
+
+
+def test_layers_that_cannot_be_cut_name_their_container():
+    import torch
+    from torch import nn
+
+    import autopar
+    from autopar.errors import ConfigError
+
+    class Unlike(nn.Module):  # one stack whose two layers differ in shape: a cut cannot count them
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 8)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return (x.square().mean(),)
+
+    with pytest.raises(ConfigError, match=r"the layers of layers are not all alike"):
+        autopar.plan(Unlike(), "cpu:2", (torch.randn(4, 8),), constraints={"pp": 2})
