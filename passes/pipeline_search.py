@@ -881,6 +881,18 @@ class _StackSearch(_Search):
             self._exact[cfg] = self._partition(cfg)
         return self._exact[cfg]
 
+    def _note_least_memory(self, cfg: _Config) -> None:
+        """Remember the least memory the fullest stage of a balanced cut needs, for the error message."""
+        p, L = cfg.pp, self.L
+        bounds = [round(s * L / p) for s in range(p + 1)]
+        need = 0.0
+        for s in range(p):
+            prog = self.pricer.program((bounds[s], bounds[s + 1]), s == 0, s == p - 1, cfg.dp, cfg.tp, cfg.m,
+                                       self.copies(cfg, s))  # fmt: skip
+            need = max(need, sum(prog.memory_lower_bound().values()))
+        if self.least_memory is None or need < self.least_memory[0]:
+            self.least_memory = (need, cfg)
+
     def _partition(self, cfg: _Config):
         p, L = cfg.pp, self.L
         slots = _slots(cfg.schedule, p, cfg.m, cfg.v)
@@ -899,6 +911,7 @@ class _StackSearch(_Search):
             best.append({e: min(((max(best[s - 1][a][0], cost(s, a, e)), a) for a in range(s, e)
                                  if math.isfinite(best[s - 1][a][0])), default=(math.inf, 0)) for e in ends})  # fmt: skip
         if not math.isfinite(best[p - 1][L][0]):
+            self._note_least_memory(cfg)
             return None
         cuts, e = [L], L
         for s in range(p - 1, 0, -1):

@@ -256,6 +256,14 @@ def test_interleaving_over_two_stacks_says_what_to_pin():
         autopar.plan(model, "cpu:2", args, kwargs, constraints={"pp": 2, "schedule": "interleaved_1f1b"})
 
 
+def test_two_stacks_past_the_budget_say_how_much_memory_they_need():
+    import autopar
+
+    model, args, kwargs = _t5()
+    with pytest.raises(InfeasiblePlanError, match=r"needs at least .* per device on its fullest stage"):
+        autopar.plan(model, "cpu:2", args, kwargs, constraints={"pp": 2}, memory_budget=4096)
+
+
 def test_a_boundary_is_priced_from_the_values_that_cross_it():
     from autopar.ir import OpGraph
     from autopar.passes.pipeline_search import crossing_bytes, stack_structure
