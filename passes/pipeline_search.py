@@ -1,7 +1,8 @@
 r"""Pipeline search: cut the layers into stages, give each stage a sub-mesh, choose micro-batches and a schedule.
 
 Expects an `OpGraph` whose repeated layers are all alike (one container, every layer deduplicated
-onto the first, as `OpGraph.from_traced` and the shortened preset traces give). Returns a
+onto the first, as `OpGraph.from_traced` and the shortened preset traces give), or a full trace of
+several stacks of layers (an encoder and a decoder; see "Several stacks" below). Returns a
 `PipelineSolution`: the number of stages, the layers, sub-mesh, ZeRO stage, time and memory of
 each stage, the micro-batches and the schedule, with the predicted step time and the best plan
 without a pipeline next to it. It does not rewrite the graph.
@@ -56,6 +57,16 @@ micro-batch size b (ascending) and schedule:
      k_s). Each (k, first, last, sub-mesh, m, a_s) is solved once and cached; middle stages are
      priced at the copies of the fullest of them (stage 1), so one program serves them all.
 Pipelines use ZeRO stages 0 and 1 only, unless a stage is pinned (see `_StagePricer`).
+
+Several stacks. An encoder-decoder model (T5) has two stacks whose layers are not alike (the first of
+each stack computes the position bias, decoder layers cross-attend): `stack_structure` numbers their
+layers as one sequence 0 .. L-1 (`pipeline_split.stack_layers`), and a stage is a range [a, b) of it,
+priced by `range_view` over exactly the nodes `assign_stages` puts on that stage (the nodes between
+the stacks where the split runs them). Each range is its own program, without deduplication (the
+model is traced whole); the cut minimising the bottleneck is found by dynamic programming over
+(stage, last layer), O(p L^2) range prices, with the estimate equal to the exact price. c_s is priced
+from the values that cross each boundary (`crossing_bytes`: in the decoder, the hidden state, the
+encoder's output and the position biases). Interleaving is not searched over several stacks.
 The plan without a pipeline (p = 1) comes from `solve_sharding` and competes with the best pipeline.
 """
 
@@ -74,6 +85,7 @@ from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
 from autopar.passes import sharding_solver as ss
+from autopar.passes.pipeline_split import STACKS, assign_stages, stack_layers
 from autopar.passes.sharding_solver import (
     MeshResult,
     Precision,
@@ -130,6 +142,8 @@ class LayerStructure:
         post: nodes after the layers (final norm, head, loss): priced on the last stage only.
             A parameter read on both sides (tied embeddings) is in both: the two stages each hold it.
         boundary_bytes_per_sample: bytes one layer hands the next for one sample (what crosses a stage boundary).
+        stacks: for several stacks of unlike layers (`stack_structure`), each stack's (module path, layers)
+            in the order they run; empty for one container of alike layers.
     """
 
     container: str
@@ -138,6 +152,7 @@ class LayerStructure:
     pre: frozenset[str]
     post: frozenset[str]
     boundary_bytes_per_sample: float
+    stacks: tuple[tuple[str, int], ...] = ()
 
 
 def layer_structure(graph: OpGraph, batch_size: int) -> LayerStructure | None:
@@ -188,8 +203,8 @@ def why_no_layer_run(graph: OpGraph) -> str:
     if len(outer) > 1:
         names = sorted(outer)
         listed = ", ".join(names[:-1]) + f" and {names[-1]}"
-        return (f"the model has {_count_words(len(names))} stacks of layers: {listed}; pipelines over more than one "
-                f"stack (an encoder and a decoder) are not supported yet")  # fmt: skip
+        return (f"the model has {_count_words(len(names))} stacks of layers: {listed}; pipelines cut several "
+                f"stacks (an encoder and a decoder) only from a trace of every layer, not a shortened one")  # fmt: skip
     container = next(iter(outer))
     return (f"the layers of {container} are not all alike (their shapes or ops differ), so a cut cannot count "
             f"them; pipeline cuts need one container of identical layers")  # fmt: skip
@@ -237,6 +252,60 @@ def stage_view(graph: OpGraph, structure: LayerStructure, num_layers: int, *, fi
     repeats[s.container] = (s.traced_layers, num_layers)
     tag = f"stage-{num_layers}-{'f' if first else ''}{'l' if last else ''}"
     return dataclasses.replace(graph, view=tag, layer_count=counts, edge_scale=scale, repeats=repeats)
+
+
+def stack_structure(graph: OpGraph, batch_size: int) -> LayerStructure | None:
+    """The layers of several stacks (an encoder and a decoder) as one sequence, or None.
+
+    The layers need not be alike (T5's first layer of each stack computes the position bias): a stage
+    is priced by `range_view` over the exact nodes it runs, so every layer is in the trace (no shortened
+    trace). `pre`, `post` and the boundary bytes stay empty: ranges and their boundaries are priced
+    from the nodes `assign_stages` places (see `_StackPricer`).
+    """
+    if graph.repeats:
+        return None
+    _, container, stacks = stack_layers(graph.node_layer)
+    if len(stacks) < 2:
+        return None
+    total = sum(n for _, n in stacks)
+    return LayerStructure(container, total, total, frozenset(), frozenset(), 0.0, stacks)
+
+
+def _stage_nodes(graph: OpGraph, flat: dict, layers: int, a: int, b: int) -> tuple[set[str], dict[str, int]]:
+    """(nodes stage [a, b) runs, computed node -> part) when layers 0..a-1, a..b-1, b..layers-1 make the stages."""
+    parts = [r for r in ((0, a), (a, b), (b, layers)) if r[0] < r[1]]
+    stage, copies = assign_stages(graph.graph, flat, STACKS, [[r] for r in parts], param_nodes=set(graph.params))
+    t = parts.index((a, b))
+    return {n for n, s in stage.items() if s == t} | {n for n, ss in copies.items() if t in ss}, stage
+
+
+def range_view(graph: OpGraph, flat: dict, layers: int, a: int, b: int) -> OpGraph:
+    """The OpGraph of the stage that runs layers a..b-1 of the stacks' sequence (see `stack_structure`).
+
+    Counts exactly the nodes `assign_stages` puts on that stage (the nodes between the stacks where the
+    split puts them, input-only nodes wherever they are copied) and the parameters they read; inputs and
+    buffers count on every stage. A representative counts the nodes of the stage it stands for.
+    """
+    on, _ = _stage_nodes(graph, flat, layers, a, b)
+    held = {n.name for n in graph.nodes() if n.op == "placeholder" and n.name in graph.params
+            and any(u.name in on for u in n.users)}  # fmt: skip
+    counts = {name: 0 for name in graph.layer_count}
+    for n in graph.nodes():
+        if n.op == "call_function" and n.name in on or n.name in held:
+            rep = graph.representative.get(n.name, n.name)
+            counts[rep] = counts.get(rep, 0) + 1
+        elif n.op not in ("call_function", "output") and n.name not in graph.params:
+            counts[n.name] = graph.layer_count.get(n.name, 1)
+    scale = {name: 0.0 for name, c in counts.items() if not c and graph.kinds.get(name) == NodeKind.COMPUTE}
+    return dataclasses.replace(graph, view=f"stage-{a}-{b}", layer_count=counts, edge_scale=scale)
+
+
+def crossing_bytes(graph: OpGraph, flat: dict, layers: int, cut: int, batch_size: int) -> float:
+    """Bytes per sample of the values made before layer `cut` and read after it (what crosses that boundary):
+    the hidden state, and where the cut sits in the decoder also the encoder's output and the position biases."""
+    _, stage = _stage_nodes(graph, flat, layers, 0, cut)
+    sent = {n for n, s in stage.items() if s == 0 and any(stage.get(u.name, 0) == 1 for u in graph.node(n).users)}
+    return sum(m.nbytes for n in sent if (m := output_meta(graph.node(n))) is not None) / batch_size
 
 
 # --------------------------------------------------------------------------------------------- results
@@ -476,9 +545,9 @@ def _block_link(cluster: ClusterSpec, n: int, a: int, b: int) -> LinkSpec:
     return cluster.intra_node_link
 
 
-def _transfer_s(cluster: ClusterSpec, structure: LayerStructure, link: LinkSpec, b: int, tp: int) -> float:
+def _transfer_s(cluster: ClusterSpec, bytes_per_sample: float, link: LinkSpec, b: int, tp: int) -> float:
     """One boundary activation of a micro-batch: 1/tp of it from each device, then an all-gather over tp."""
-    full = structure.boundary_bytes_per_sample * b
+    full = bytes_per_sample * b
     t = estimate_collective_time(Collective.SEND_RECV, full / tp, 2, link)
     if tp > 1:
         t += estimate_collective_time(Collective.ALL_GATHER, full, tp, cluster.link_for_axis(tp, 1))
@@ -496,9 +565,11 @@ def _stage_transfers(cluster: ClusterSpec, structure: LayerStructure, pp: int, t
         bwd = chunks - (1 if s == 0 else 0)
         t = 0.0
         if fwd:
-            t += fwd * _transfer_s(cluster, structure, _block_link(cluster, n, s, (s + 1) % pp), b, tp)
+            t += fwd * _transfer_s(cluster, structure.boundary_bytes_per_sample,
+                                   _block_link(cluster, n, s, (s + 1) % pp), b, tp)  # fmt: skip
         if bwd:
-            t += bwd * _transfer_s(cluster, structure, _block_link(cluster, n, s, (s - 1) % pp), b, tp)
+            t += bwd * _transfer_s(cluster, structure.boundary_bytes_per_sample,
+                                   _block_link(cluster, n, s, (s - 1) % pp), b, tp)  # fmt: skip
         out.append(t)
     return out
 
@@ -757,6 +828,102 @@ class _Search:
         return records, best
 
 
+class _StackPricer(_StagePricer):
+    """A `_StagePricer` whose stage key is a layer range (a, b) of several stacks' sequence, not a count."""
+
+    def __init__(self, graph: OpGraph, structure: LayerStructure, cluster: ClusterSpec, **kw):
+        super().__init__(graph, structure, cluster, **kw)
+        self.flat = stack_layers(graph.node_layer)[0]
+        self._crossing: dict[int, float] = {}
+
+    def view(self, k, first: bool, last: bool) -> OpGraph:
+        if k not in self._views:
+            self._views[k] = range_view(self.graph, self.flat, self.structure.num_layers, *k)
+        return self._views[k]
+
+    def crossing(self, cut: int) -> float:
+        """Bytes per sample crossing the boundary before layer `cut`."""
+        if cut not in self._crossing:
+            self._crossing[cut] = crossing_bytes(self.graph, self.flat, self.structure.num_layers, cut, self.batch)
+        return self._crossing[cut]
+
+
+class _StackSearch(_Search):
+    """The search over several stacks of unlike layers: every stage range priced exactly, cut by a bottleneck
+    partition (dynamic programming over (stage, last layer), O(p L^2) range prices), without interleaving.
+
+    The estimate is the exact price (stage programs of a few unlike layers cannot be extrapolated from one
+    layer), and each boundary's transfer is priced from the values that cross it.
+    """
+
+    def __init__(self, pricer: _StackPricer, constraints: dict, say):
+        super().__init__(pricer, constraints, say)
+        self._exact: dict[_Config, tuple | None] = {}
+
+    def estimate(self, cfg: _Config) -> tuple[float, list[int]] | None:
+        got = self.evaluate(cfg, [])
+        return None if got is None else (got[0], got[1])
+
+    def _transfer(self, cfg: _Config, s: int, a: int, e: int) -> float:
+        """c_s of stage s running layers a..e-1: the values crossing its boundaries, forward and back."""
+        n, b = self.cluster.world_size // cfg.pp, self.micro_batch(cfg)
+        t = 0.0
+        if s < cfg.pp - 1:
+            t += _transfer_s(self.cluster, self.pricer.crossing(e), _block_link(self.cluster, n, s, s + 1), b, cfg.tp)
+        if s > 0:
+            t += _transfer_s(self.cluster, self.pricer.crossing(a), _block_link(self.cluster, n, s, s - 1), b, cfg.tp)
+        return t
+
+    def evaluate(self, cfg: _Config, guess: list[int]) -> tuple[float, list[int], list[_Priced], list[float]] | None:
+        if cfg.schedule == Schedule.INTERLEAVED_1F1B:
+            return None
+        if cfg not in self._exact:
+            self._exact[cfg] = self._partition(cfg)
+        return self._exact[cfg]
+
+    def _note_least_memory(self, cfg: _Config) -> None:
+        """Remember the least memory the fullest stage of a balanced cut needs, for the error message."""
+        p, L = cfg.pp, self.L
+        bounds = [round(s * L / p) for s in range(p + 1)]
+        need = 0.0
+        for s in range(p):
+            prog = self.pricer.program((bounds[s], bounds[s + 1]), s == 0, s == p - 1, cfg.dp, cfg.tp, cfg.m,
+                                       self.copies(cfg, s))  # fmt: skip
+            need = max(need, sum(prog.memory_lower_bound().values()))
+        if self.least_memory is None or need < self.least_memory[0]:
+            self.least_memory = (need, cfg)
+
+    def _partition(self, cfg: _Config):
+        p, L = cfg.pp, self.L
+        slots = _slots(cfg.schedule, p, cfg.m, cfg.v)
+
+        def priced(s: int, a: int, e: int) -> _Priced:
+            return self.pricer.price((a, e), s == 0, s == p - 1, cfg.dp, cfg.tp, cfg.m, self.priced_copies(cfg, s))
+
+        def cost(s: int, a: int, e: int) -> float:
+            q = priced(s, a, e)
+            return slots * (q.t_mb + self._transfer(cfg, s, a, e)) + q.sync if q.feasible else math.inf
+
+        # best[s][e]: the least bottleneck of stages 0..s over layers 0..e-1, and where stage s starts
+        best: list[dict[int, tuple[float, int]]] = [{e: (cost(0, 0, e), 0) for e in range(1, L - p + 2)}]
+        for s in range(1, p):
+            ends = [L] if s == p - 1 else range(s + 1, L - p + s + 2)
+            best.append({e: min(((max(best[s - 1][a][0], cost(s, a, e)), a) for a in range(s, e)
+                                 if math.isfinite(best[s - 1][a][0])), default=(math.inf, 0)) for e in ends})  # fmt: skip
+        if not math.isfinite(best[p - 1][L][0]):
+            self._note_least_memory(cfg)
+            return None
+        cuts, e = [L], L
+        for s in range(p - 1, 0, -1):
+            e = best[s][e][1]
+            cuts.insert(0, e)
+        starts = [0] + cuts[:-1]
+        stages = [priced(s, a, e) for s, (a, e) in enumerate(zip(starts, cuts, strict=True))]
+        transfers = [self._transfer(cfg, s, a, e) for s, (a, e) in enumerate(zip(starts, cuts, strict=True))]
+        step = slots * max(q.t_mb + c for q, c in zip(stages, transfers, strict=True)) + max(q.sync for q in stages)
+        return step, [e - a for a, e in zip(starts, cuts, strict=True)], stages, transfers
+
+
 # ----------------------------------------------------------------------------------------- entry point
 
 
@@ -787,12 +954,17 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     world = cluster.world_size
-    structure = layer_structure(graph, batch_size)
+    structure = layer_structure(graph, batch_size) or stack_structure(graph, batch_size)
     num_layers = structure.num_layers if structure is not None else 1
     pinned_pp = (constraints or {}).get("pp")
     if structure is None and isinstance(pinned_pp, int) and pinned_pp > 1:
         raise ConfigError(f"constraints['pp']={pinned_pp}: {why_no_layer_run(graph)}; drop 'pp'")
     c = _check_constraints(dict(constraints or {}), world, num_layers)
+    if structure is not None and structure.stacks and (c.get("schedule") == Schedule.INTERLEAVED_1F1B
+                                                       or (c.get("virtual_stages") or 1) > 1):  # fmt: skip
+        names = " and ".join(path for path, _ in structure.stacks)
+        raise ConfigError(f"constraints: interleaved schedules are not searched over several stacks of layers "
+                          f"({names}); pin schedule '1f1b' or 'gpipe', or drop the pin")  # fmt: skip
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     single, single_error = None, None
     wants_pipeline = c.get("pp", 0) > 1 or c.get("schedule") is not None or c.get("virtual_stages", 1) > 1
@@ -809,13 +981,14 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
         key = (c.get("zero"), c.get("recompute"), c.get("tp_min_split"), c.get("grad_reduce"), budget)
         pricer = (pricers or {}).get(key)
         if pricer is None:
-            pricer = _StagePricer(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision, c.get("grad_reduce")),
+            pricer_cls = _StackPricer if structure.stacks else _StagePricer
+            pricer = pricer_cls(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision, c.get("grad_reduce")),
                                   zero=c.get("zero"), budget=budget, batch=batch_size,
                                   recompute=c.get("recompute"), constraints=c)  # fmt: skip
             if pricers is not None:
                 pricers[key] = pricer
         programs_before = pricer.num_programs
-        search = _Search(pricer, c, say)
+        search = (_StackSearch if structure.stacks else _Search)(pricer, c, say)
         records, best = search.run()
         search.num_programs = pricer.num_programs - programs_before
     else:

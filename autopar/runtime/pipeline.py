@@ -41,7 +41,7 @@ from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, LoweringError
 from autopar.ir import OpGraph
 from autopar.passes.parallelize import dp_placement, local_shard, shard_pass
-from autopar.passes.pipeline_split import StageGraph, split_stages, values_needing_grad
+from autopar.passes.pipeline_split import StageGraph, split_stages, stack_layers, values_needing_grad
 from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
 from autopar.plan import Plan, ProgramKind, StagePlan
@@ -120,6 +120,10 @@ class _Stage(torch.nn.Module):
             return prog.scaled(local * w if w != 1.0 else local)
         sent = [index]
         for v, val in zip(out, self._out_meta, strict=True):
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                # made inside a layer from no distributed value (T5's zero position bias of a decoder's
+                # cross-attention, a factory op at the value's full shape): the same on every rank
+                v = DTensor.from_local(v, prog.mesh, (R, R), run_check=False)
             if not isinstance(v, DTensor):
                 raise LoweringError(f"a value crossing pipeline stage {self.sg.index} is not on the mesh")
             sent.append(v.redistribute(prog.mesh, _boundary_placement(val.shape, prog.micro_batch, prog.dp))
@@ -181,14 +185,13 @@ class PipelineProgram(Program):
         graph = OpGraph.from_traced(traced, frozen_params=frozen)
         self.grad_values = values_needing_grad(traced.exported.graph, {n for n, p in graph.params.items()
                                                                        if p.requires_grad})  # fmt: skip
-        containers = {c for c, _ in graph.node_layer.values() if c is not None}
-        if len(containers) != 1:
-            raise LoweringError(
-                f"pipeline stages need one stack of layers; the model has {sorted(containers) or 'none'}"
-            )
+        if all(c is None for c, _ in graph.node_layer.values()):
+            raise LoweringError("pipeline stages need a stack of layers to cut; the model has none")
+        # several stacks (an encoder and a decoder) are cut as one sequence of layers
+        node_layer, container, _ = stack_layers(graph.node_layer)
         param_nodes = set(graph.params)
         self.param_nodes = frozenset(param_nodes)  # the stages' interpreters gather those split by ZeRO-3
-        stages = split_stages(traced.graph_module, graph.node_layer, containers.pop(), stage_layers,
+        stages = split_stages(traced.graph_module, node_layer, container, stage_layers,
                               param_nodes=param_nodes, loss_output=traced.num_mutated_outputs)  # fmt: skip
         mine = [sg for sg in stages if sg.index % pp == self.pp_rank]
 

@@ -2,8 +2,9 @@
 
 Layouts pp=2 x tp=2, pp=2 x dp=2 and pp=4, each with GPipe and 1F1B, and interleaved 1F1B where the
 layers allow, on a tiny LLaMA and a tiny GPT-2 (whose LM head is tied to its token embedding, so
-the embedding lives on the first and the last stage); five layers on two stages; and a model whose
-layers pass two tensors to the next, so each boundary carries both.
+the embedding lives on the first and the last stage); five layers on two stages; a model whose
+layers pass two tensors to the next, so each boundary carries both; and a tiny T5 on pp=2 x dp=2 and pp=4,
+its encoder and decoder stacks cut as one sequence of four unlike layers (with SGD, as the two-stream model).
 
 The plans are made once here and handed to the ranks, which compile them (`plan=`).
 """
@@ -18,6 +19,7 @@ import autopar
 from autopar.plan import Plan
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_train_numerics import ADAM_EPS, LOSS_RTOL, PARAM_ATOL, PARAM_MEAN_ATOL, PARAM_RTOL
+from tests.families import family_batch, make_family
 from tests.models import make_batch, make_model, train_locally
 
 pytestmark = pytest.mark.distributed
@@ -57,6 +59,8 @@ class TwoStream(nn.Module):
 
 
 def _model(name: str, layers: int) -> nn.Module:
+    if name == "t5":
+        return make_family("t5")  # two layers in each stack: `layers` counts both
     if name == "two_stream":
         torch.manual_seed(0)
         return TwoStream(num_layers=layers)
@@ -67,6 +71,8 @@ def _batch(name: str):
     if name == "two_stream":
         g = torch.Generator().manual_seed(1)
         return (torch.randn(8, 8, generator=g), torch.randn(8, generator=g)), {}
+    if name == "t5":
+        return family_batch("t5")
     return make_batch(name)
 
 
@@ -79,7 +85,7 @@ def _sgd(params):
 
 
 def _optimizer_for(name: str):
-    return _sgd if name == "two_stream" else _optimizer
+    return _sgd if name in ("two_stream", "t5") else _optimizer
 
 
 def _reference(name: str, layers: int):
@@ -113,6 +119,9 @@ CASES = [
     # five layers on two stages, states sharded over dp (ZeRO-1) and layers recomputed
     ("llama", 5, {"pp": 2, "dp": 2, "tp": 1, "zero": 1, "recompute": "full", "schedule": "1f1b", "num_microbatches": 4}),
     ("two_stream", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "num_microbatches": 2}),
+    ("t5", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "num_microbatches": 2}),
+    # one layer a stage: the first decoder stage sends on the encoder's output and its zero cross-attention bias
+    ("t5", 4, {"pp": 4, "dp": 1, "tp": 1, "schedule": "1f1b", "num_microbatches": 4}),
 ]  # fmt: skip
 
 
@@ -161,3 +170,5 @@ def test_pipeline_training_matches_one_process(results, case):
             assert (got["state"][key] - ref).abs().mean().item() <= PARAM_MEAN_ATOL, (key,)
     if name == "two_stream":  # past stage 0 the index and both streams arrive
         assert max(max(r["boundary"]) for r in per_rank) == 2
+    if name == "t5":  # the stages split the four layers of the two stacks between them
+        assert sum(st["num_layers"] for st in plan.pipeline["stages"]) == 4

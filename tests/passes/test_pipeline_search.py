@@ -220,13 +220,86 @@ def test_stages_pay_their_optimizer_step():
         assert st.optimizer_s > 0 and st.optimizer_s == pytest.approx(st.sharding.optimizer_s)
 
 
-def test_an_encoder_decoder_pipeline_names_its_two_stacks():
-    import autopar
-    from autopar.errors import ConfigError
+def _t5():
     from tests.families import family_batch, make_family
 
-    model = make_family("t5")
     args, kwargs = family_batch("t5")
-    with pytest.raises(ConfigError, match=r"two stacks of layers: decoder\.block and encoder\.block; pipelines over "
-                                          r"more than one stack"):  # fmt: skip
-        autopar.plan(model, "cpu:2", args, kwargs, constraints={"pp": 2})
+    return make_family("t5"), args, kwargs
+
+
+def test_an_encoder_decoder_pipeline_cuts_its_two_stacks_as_one_sequence():
+    import autopar
+
+    model, args, kwargs = _t5()
+    plan = autopar.plan(model, "cpu:2", args, kwargs, constraints={"pp": 2})
+    assert plan.mesh["pp"] == 2 and str(plan.program) == "pipeline"
+    ranges = [st["layers"] for st in plan.pipeline["stages"]]
+    (a, cut), (cut2, end) = ranges[0][0], ranges[1][0]
+    assert a == 0 and cut == cut2 and end == 4  # encoder.block 0..1, then decoder.block 2..3
+
+
+def test_pp_counts_the_layers_of_both_stacks():
+    import autopar
+    from autopar.errors import ConfigError
+
+    model, args, kwargs = _t5()
+    with pytest.raises(ConfigError, match=r"the model has 4 layer\(s\) to cut"):
+        autopar.plan(model, "cpu:8", args, kwargs, constraints={"pp": 8})
+
+
+def test_interleaving_over_two_stacks_says_what_to_pin():
+    import autopar
+    from autopar.errors import ConfigError
+
+    model, args, kwargs = _t5()
+    with pytest.raises(ConfigError, match=r"several stacks of layers \(encoder\.block and decoder\.block\); pin"):
+        autopar.plan(model, "cpu:2", args, kwargs, constraints={"pp": 2, "schedule": "interleaved_1f1b"})
+
+
+def test_two_stacks_past_the_budget_say_how_much_memory_they_need():
+    import autopar
+
+    model, args, kwargs = _t5()
+    with pytest.raises(InfeasiblePlanError, match=r"needs at least .* per device on its fullest stage"):
+        autopar.plan(model, "cpu:2", args, kwargs, constraints={"pp": 2}, memory_budget=4096)
+
+
+def test_a_boundary_is_priced_from_the_values_that_cross_it():
+    from autopar.ir import OpGraph
+    from autopar.passes.pipeline_search import crossing_bytes, stack_structure
+    from autopar.passes.pipeline_split import stack_layers
+    from autopar.trace import trace_model
+
+    model, args, kwargs = _t5()
+    graph = OpGraph.from_traced(trace_model(model, args, kwargs))
+    assert stack_structure(graph, 4).stacks == (("encoder.block", 2), ("decoder.block", 2))
+    flat = stack_layers(graph.node_layer)[0]
+    hidden = 16 * 64 * 4  # one sample's hidden state: seq 16 x d_model 64, fp32
+    bias = 4 * 16 * 16 * 4 / 4  # a position bias: heads 4 x seq x seq, fp32, one for the batch of 4
+    # inside the encoder: its hidden state and its position bias
+    assert crossing_bytes(graph, flat, 4, 1, 4) == hidden + bias
+    # between the stacks: the encoder's output (the decoder embeds its own inputs)
+    assert crossing_bytes(graph, flat, 4, 2, 4) == hidden
+    # inside the decoder: its hidden state, the encoder's output and the self- and cross-attention biases
+    assert crossing_bytes(graph, flat, 4, 3, 4) == 2 * hidden + 2 * bias
+
+
+def test_layers_that_cannot_be_cut_name_their_container():
+    import torch
+    from torch import nn
+
+    import autopar
+    from autopar.errors import ConfigError
+
+    class Unlike(nn.Module):  # one stack whose two layers differ in shape: a cut cannot count them
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 8)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return (x.square().mean(),)
+
+    with pytest.raises(ConfigError, match=r"the layers of layers are not all alike"):
+        autopar.plan(Unlike(), "cpu:2", (torch.randn(4, 8),), constraints={"pp": 2})
