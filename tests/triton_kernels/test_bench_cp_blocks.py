@@ -32,7 +32,10 @@ def test_smoke_run_checks_the_merge_and_prints_a_row(device, capsys):
     assert all(float(x) > 0 for x in fields[3:10]), row
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present: main() would time the GPU instead of printing its no-CUDA message")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="CUDA is present: main() would time the GPU instead of printing its no-CUDA message",
+)
 def test_without_cuda_it_skips_with_a_message(capsys):
     assert cp_blocks.main([]) == 0
     out = capsys.readouterr().out
