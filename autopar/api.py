@@ -811,7 +811,8 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     Every rank must call it with the same model (same initial parameters) and inputs. The world
     size of the process group must equal the cluster's. The model is traced once for planning (at the
     global batch) and at most once more, at the shape the program runs (`Program.trace_parts`), both in the
-    plan's compute format.
+    plan's compute format. Without a cp pin, where the sequence allows a cp axis (`cp_search.cp_degrees`),
+    the cp degree is searched as `plan` searches it: one planning trace per degree priced.
 
     Args:
         model: the single-device model with real parameters on the CPU.
@@ -848,10 +849,15 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     planning_trace = None
     if plan is None:
         precision = plan_kwargs.get("precision") or _default_precision(cluster)
-        cp = _check_cp(dict(plan_kwargs.get("constraints") or {}), cluster, args, kwargs, (), None)
-        planning_trace = _trace_in_format(model, *(_cp_traced_batch(model, args, kwargs, cp) if cp > 1 else
-                                                   (args, kwargs)), precision)  # fmt: skip
-        plan = _plan(model, cluster, args, kwargs, _traced=planning_trace, **plan_kwargs)
+        constraints = dict(plan_kwargs.get("constraints") or {})
+        cp = _check_cp(constraints, cluster, args, kwargs, (), None)
+        if len(cp_degrees(constraints, cluster.world_size, args, kwargs, (), plan_kwargs.get("pipeline"))) > 1:
+            # the cp degree is searched as `plan` searches it (one trace per degree); the program traces its own
+            plan = _plan(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
+        else:
+            planning_trace = _trace_in_format(model, *(_cp_traced_batch(model, args, kwargs, cp) if cp > 1 else
+                                                       (args, kwargs)), precision)  # fmt: skip
+            plan = _plan(model, cluster, args, kwargs, _traced=planning_trace, **plan_kwargs)
     batch = _batch_size(args, kwargs)
     if batch != plan.global_batch_size:
         raise ConfigError(f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "

@@ -51,7 +51,8 @@ def search_cp(price: Callable[[int], tuple], degrees: list[int]) -> tuple:
     """The fastest plan over the cp degrees `degrees` (ascending, 1 first): `price`'s (plan, runner-up, job).
 
     `price(c)` plans for cp degree c (1: none) and returns (plan, runner-up, job), or raises InfeasiblePlanError
-    (nothing fits) or ConfigError (the model cannot be split by cp).
+    (nothing fits) or ConfigError (above 1: the model cannot be split by cp; at 1: the batch cannot be laid out
+    without cp, e.g. one sequence over a data axis of two ranks, which is recorded when a cp degree has a plan).
 
     At a fixed tensor axis every degree gives a device the same tokens per step (the data axis dp·cp has the same
     size); what cp changes is the smallest micro-batch, one chunk of seq/cp tokens instead of a whole sequence,
@@ -76,7 +77,10 @@ def search_cp(price: Callable[[int], tuple], degrees: list[int]) -> tuple:
             break
         except ConfigError as e:
             if c == 1:
-                raise
+                if not any(isinstance(r, tuple) for r in results.values()):
+                    raise
+                results[1] = e  # e.g. one sequence cannot be split over a data axis: only cp uses the ranks
+                break
             # this model cannot be split by cp (a token-mixing convolution, no attention op): plan it without
             results.update({d: e for d in degrees if d > 1})
             results[1] = price(1)
@@ -100,7 +104,7 @@ def _price_without_cp(price: Callable[[int], tuple]):
     """(plan, runner-up, job) without cp, or the InfeasiblePlanError that says it does not fit."""
     try:
         return price(1)
-    except InfeasiblePlanError as e:
+    except (InfeasiblePlanError, ConfigError) as e:  # does not fit, or the batch does not split without cp
         return e
 
 

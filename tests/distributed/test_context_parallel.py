@@ -96,3 +96,35 @@ def test_cp2_adamw_on_two_ranks_matches_one_process():
 def test_cp2_times_dp2_on_four_ranks_matches_one_process():
     _check(4, [({"cp": 2, "dp": 2, "tp": 1, "cp_attention": "allgather"}, "sgd"),
                ({"cp": 2, "dp": 2, "tp": 1, "cp_attention": "alltoall"}, "sgd")])  # fmt: skip
+
+
+def _searched_case(rank: int, world_size: int):
+    import autopar.cp_search
+
+    # the tiny model's sequence is far below the chunk a GPU search needs; the search itself is what is tested
+    autopar.cp_search.MIN_CP_CHUNK_TOKENS = 8
+    model = make_model("llama")
+    args, kwargs = make_batch("llama", batch=1, seq=32)
+    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd, constraints={"tp": 1})
+    losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
+    state = pm.state_dict()  # a collective: every rank takes part
+    return {"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
+            "search": pm.plan.context_parallel.get("search")}  # fmt: skip
+
+
+def test_compile_without_a_cp_pin_searches_the_degree_and_trains():
+    # one sequence on two ranks with tp pinned to 1: no data axis can take it, so only cp=2 uses both ranks
+    results = run_distributed(_searched_case, 2, timeout_s=900)
+    got = results[0]
+    assert got["mesh"] == {"dp": 1, "cp": 2, "tp": 1}
+    search = {r["degree"]: r for r in got["search"]}
+    assert not search[1]["feasible"] and "does not divide over the data axis" in search[1]["reason"]
+    assert search[2]["feasible"]
+    model = make_model("llama")
+    args, kwargs = make_batch("llama", batch=1, seq=32)
+    ref_losses, ref_state = train_locally(model, args, kwargs, _sgd(model.parameters()), 2)
+    assert results[1]["losses"] == pytest.approx(got["losses"], rel=1e-6)
+    assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL)
+    for name, ref in ref_state.items():
+        rel = ((got["state"][name] - ref).abs().max() / max(ref.abs().max().item(), FLOOR)).item()
+        assert rel <= SGD_RTOL, (name, rel)
