@@ -10,7 +10,12 @@ values are DTensors on the 2-D mesh (dp, tp). For every op it
    autopar's fused norms on each rank's rows and its fused LM-head loss on each rank's tokens
    (weights whole, their gradients partial sums; the loss an exact global mean);
    ops DTensor has no rule for run on gathered full tensors (correct, and reported),
-3. brings the output to the plan's placement.
+3. brings the output to the plan's placement. Where the output's first consumer is not the very next op,
+   that collective is launched without waiting (`redistribute(async_op=True)`), and so is the one step 1
+   would run at the consumers when they all ask the same placement of it (moved to where the value is
+   made): the ops in between run while it is in flight and the first op that reads the value waits for it
+   (its backward's transposed collective likewise). Tensor-axis communication launches early and is waited
+   on late; which collectives run, and how many, does not change.
 
 The graph's shape constants are global (it was traced on the global batch), and DTensor works
 in global shapes, so no shape in the graph needs rewriting. Values created inside the graph
@@ -151,6 +156,39 @@ class ShardedInterpreter(fx.Interpreter):
         self.segment_calls = 0
         if self.segments:
             self._keep_segment_inputs()
+        # node -> the placement all its consumers ask of it, applied where it is produced when launched early
+        self.consumed_as: dict[str, Placement] = {}
+        self.launched_early = self._launch_early_set()
+
+    def _launch_early_set(self) -> frozenset[str]:
+        """Nodes whose output's tensor-axis collective is launched without waiting for it (see `_run_op`).
+
+        Those whose first consumer is not the very next node, so that ops between them run while the
+        collective is in flight, and whose consumers are all ATen ops DTensor runs (none of `local_ops`, which
+        hand local tensors to kernels): the waiting is then done by the first op that reads the value."""
+        nodes = list(self.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        early = set()
+        for n in nodes:
+            users = list(n.users)
+            if n.op != "call_function" or not users:
+                continue
+            if any(u.op != "call_function" or u.target in self.local_ops for u in users):
+                continue
+            if min(order[u] for u in users) > order[n] + 1:
+                early.add(n.name)
+                wanted = {self._needed_by(u, n) for u in users}
+                if len(wanted) == 1 and (want := wanted.pop()) is not None and not want.is_partial():
+                    self.consumed_as[n.name] = want
+        return frozenset(early)
+
+    def _needed_by(self, user: fx.Node, value: fx.Node) -> Placement | None:
+        """The tensor-axis placement `user` asks of `value` (None: none, or different ones at two positions)."""
+        need = self.need.get(user.name, ())
+        tensors = []
+        fx.node.map_arg((user.args, user.kwargs), lambda a: tensors.append(a) if is_tensor_node(a) else None)
+        asked = {need[j] if j < len(need) else None for j, a in enumerate(tensors) if a is value}
+        return asked.pop() if len(asked) == 1 else None
 
     def run(self, *args, **kwargs):
         self.loss_counts = []
@@ -162,7 +200,7 @@ class ShardedInterpreter(fx.Interpreter):
     def _is_parameter(self, t: torch.Tensor) -> bool:
         return local_tensor(t).untyped_storage().data_ptr() in self._param_ptrs
 
-    def _to(self, value, tp_placement: Placement):
+    def _to(self, value, tp_placement: Placement, *, early: bool = False):
         if not isinstance(value, DTensor) or (tp_placement.is_partial() and not value.placements[1].is_partial()):
             return value
         if is_masked_partial(tp_placement) and value.placements[1].is_partial():
@@ -171,7 +209,7 @@ class ShardedInterpreter(fx.Interpreter):
         want = (dp_pl, tp_placement)
         if tuple(value.placements) == want:
             return value
-        return value.redistribute(self.mesh, want)
+        return value.redistribute(self.mesh, want, async_op=early)
 
     def _replicated(self, t: torch.Tensor) -> DTensor:
         return DTensor.from_local(t, self.mesh, (R, R), run_check=False)
@@ -250,10 +288,12 @@ class ShardedInterpreter(fx.Interpreter):
         args = fx.node.map_arg(n.args, load)
         kwargs = fx.node.map_arg(n.kwargs, load)
         out = self._call(n.target, args, kwargs, distributed=distributed)
-        want = self.out.get(n.name)
-        if want is None:
-            return out
-        return pytree.tree_map(lambda v: self._to(v, want) if isinstance(v, DTensor) else v, out)
+        early = n.name in self.launched_early
+        for want in (self.out.get(n.name), self.consumed_as.get(n.name)):
+            if want is not None:
+                out = pytree.tree_map(lambda v, w=want: self._to(v, w, early=early) if isinstance(v, DTensor) else v,
+                                      out)  # fmt: skip
+        return out
 
     def _call(self, target, args, kwargs, *, distributed: bool):
         if target in _SKIPPED:
