@@ -1,9 +1,9 @@
 """Numerics: a pinned cp axis trains tiny LLaMA on 2 and 4 gloo ranks to the single-process losses and weights.
 
-Each case compiles with constraints {"cp": ..., "cp_attention": ...}, runs two train_steps on the batch of
-`tests.models.make_batch` (half the rows with their second half of labels ignored, so ranks hold different
-numbers of kept labels and the loss must divide by the global count), and compares with the same model
-trained in one process.
+Each case compiles with constraints {"cp": ..., "cp_attention": ...}, runs one eval_step (forward only) and two
+train_steps on the batch of `tests.models.make_batch` (half the rows with their second half of labels ignored,
+so ranks hold different numbers of kept labels and the loss must divide by the global count), and compares
+with the same model trained in one process.
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ def _cases(rank: int, world_size: int, cases):
         args, kwargs = make_batch("llama", batch=4, seq=16)
         pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=OPTIMIZERS[opt],
                              constraints=constraints)  # fmt: skip
+        evaluated = pm.eval_step(*args, **kwargs)  # forward only, across the cp group
         losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
         state = pm.state_dict()
         out.append({"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
-                    "program": str(pm.plan.program), "cp": dict(pm.plan.context_parallel)})  # fmt: skip
+                    "program": str(pm.plan.program), "cp": dict(pm.plan.context_parallel),
+                    "eval": evaluated})  # fmt: skip
     return out
 
 
@@ -73,6 +75,9 @@ def _check(world_size: int, cases) -> None:
         assert got["program"] == "sharded"
         assert got["cp"]["algorithm"] == constraints["cp_attention"]
         assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (constraints, opt)
+        # eval_step before training is the untrained model's loss: the first training loss, no gradient taken
+        assert got["eval"] == pytest.approx(ref_losses[0], rel=LOSS_RTOL), (constraints, opt)
+        assert all(results[r][i]["eval"] == got["eval"] for r in range(world_size))
         rtol = SGD_RTOL if opt == "sgd" else ADAM_RTOL
         assert set(got["state"]) == set(ref_state)
         for name, ref in ref_state.items():
