@@ -158,7 +158,7 @@ _SHORT_TRACE_LAYERS = 2
 _UNIFORM_MODEL_TYPES = {"llama", "gpt2", "bert", "mistral", "mixtral", "qwen2", "opt", "gpt_neox", "gptj", "roberta"}
 
 
-def _trace_shortened(module, args, kwargs, say, fuse: bool = False) -> OpGraph | None:
+def _trace_shortened(module, args, kwargs, say, fuse: bool = False, cp: int = 1) -> OpGraph | None:
     """Trace a preset with two of its identical layers standing for all of them; None when that is not valid."""
     from autopar import presets
 
@@ -174,7 +174,7 @@ def _trace_shortened(module, args, kwargs, say, fuse: bool = False) -> OpGraph |
     short_config = copy.deepcopy(config)
     short_config.num_hidden_layers = _SHORT_TRACE_LAYERS
     short = presets.build_model(short_config, device="meta", dtype=dtype)
-    traced = trace_model(short, args, kwargs)
+    traced = _cp_graph(trace_model(short, args, kwargs), cp)
     if fuse:
         from autopar.passes.fused_ops import fuse_traced
 
@@ -432,9 +432,9 @@ def _plan_at(st: _Settings, module, model, args, kwargs, constraints: dict, cp: 
     st.say(f"tracing {st.name}" + (f" for cp={cp}" if cp > 1 else ""))
     graph = None
     if traced is None and isinstance(model, str):
-        graph = _trace_shortened(module, args, kwargs, st.say, st.fuse)
+        graph = _trace_shortened(module, args, kwargs, st.say, st.fuse, cp)
     if graph is None:
-        traced = traced if traced is not None else _trace_in_format(module, args, kwargs, st.precision)
+        traced = traced if traced is not None else _trace_in_format(module, args, kwargs, st.precision, cp)
         traced = fuse_traced(traced) if st.fuse else traced
         frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
         graph = OpGraph.from_traced(traced, frozen_params=frozen)
@@ -758,12 +758,22 @@ def _stats(graph: OpGraph, est, t0: float, t_trace: float, solve_time_s: float, 
     }
 
 
-def _trace_in_format(model, args, kwargs, precision: str):
+def _trace_in_format(model, args, kwargs, precision: str, cp: int = 1):
     """The model traced as a plan of `precision` computes it (the one trace call of plan and compile): mixed
-    precision in its compute format, "fp32" in the model's own dtype."""
+    precision in its compute format, "fp32" in the model's own dtype. For a cp degree above 1 (`args` the cp
+    traced batch) without the model's causal masks (`passes.context_parallel.drop_causal_masks`)."""
     from autopar.runtime.base import compute_dtype
 
-    return trace_model(model, args, kwargs, compute_dtype=compute_dtype(precision))
+    return _cp_graph(trace_model(model, args, kwargs, compute_dtype=compute_dtype(precision)), cp)
+
+
+def _cp_graph(traced, cp: int):
+    """`traced` as a cp program runs it: without the causal masks its chunks would build (cp above 1)."""
+    if cp <= 1:
+        return traced
+    from autopar.passes.context_parallel import drop_causal_masks
+
+    return drop_causal_masks(traced)
 
 
 def _dtype_of(precision: str):
@@ -856,7 +866,7 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
             plan = _plan(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
         else:
             planning_trace = _trace_in_format(model, *(_cp_traced_batch(model, args, kwargs, cp) if cp > 1 else
-                                                       (args, kwargs)), precision)  # fmt: skip
+                                                       (args, kwargs)), precision, cp)  # fmt: skip
             plan = _plan(model, cluster, args, kwargs, _traced=planning_trace, **plan_kwargs)
     batch = _batch_size(args, kwargs)
     if batch != plan.global_batch_size:
@@ -912,7 +922,7 @@ def _program_trace(model, plan: Plan, args, kwargs):
     cp = plan.mesh.get("cp", 1)
     if cp > 1:
         args, kwargs = _cp_traced_batch(model, args, kwargs, cp)
-    traced = _trace_in_format(model, args, kwargs, plan.precision)
+    traced = _trace_in_format(model, args, kwargs, plan.precision, cp)
     if plan.fusion.get("enabled"):  # the program runs the graph the plan priced
         from autopar.passes.fused_ops import fuse_traced
 

@@ -70,6 +70,43 @@ def attention_causal(node: fx.Node) -> bool:
     return bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("causal", False))
 
 
+def drop_causal_masks(traced):
+    """A graph traced for cp with the model's causal masks taken out: each SDPA node that reads a mask reads none
+    and is causal instead, and the nodes that built the masks are removed. Returns `traced` (rewritten in place).
+
+    A cp plan refuses a caller's padding mask (`context_parallel.inputs.check_cp_inputs`), so a mask in a cp graph
+    is the model's causal mask built from the shape of one rank's chunks: (seq/cp)² scores per sequence row that
+    mean nothing under the zig-zag layout, where cp attention applies causality by global position. Left in, each
+    rank would build and hold it (and the plan would price it); it is never materialised.
+    """
+    gm = traced.graph_module
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not aten.scaled_dot_product_attention.default:
+            continue
+        args, kwargs = list(n.args), dict(n.kwargs)
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        if not isinstance(mask, fx.Node):
+            continue
+        if len(args) > 3:
+            args[3] = None
+        else:
+            kwargs["attn_mask"] = None
+        if len(args) > 5:
+            args[5] = True
+        else:
+            kwargs["is_causal"] = True
+        n.args, n.kwargs = tuple(args), kwargs
+        changed = True
+    if changed:
+        # shape assertions on the mask's intermediates are all that would keep them alive
+        gm.graph.eliminate_dead_code(
+            is_impure_node=lambda node: node.target is not aten._assert_tensor_metadata.default and node.is_impure()
+        )
+        gm.recompile()
+    return traced
+
+
 @dataclass(frozen=True, slots=True)
 class CPSpec:
     """The pinned cp degree and attention algorithm (None: the cheapest that applies)."""

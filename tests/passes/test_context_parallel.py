@@ -221,3 +221,29 @@ def test_search_plans_a_model_cp_cannot_split_without_cp():
     search = {r["degree"]: r for r in plan.context_parallel["search"]}
     assert search[1]["feasible"] and search[1]["step_time_s"] == plan.predicted.step_time_s
     assert not search[2]["feasible"] and "mix neighbouring tokens" in search[2]["reason"]
+
+
+def test_cp_graph_builds_no_chunk_mask():
+    from autopar import api
+    from tests.models import make_batch, make_model
+
+    # 96 tokens over cp=2: each traced row is one rank's 48 tokens, so the model's mask would be 48 x 48 (no
+    # other size of the tiny model is 48)
+    model = make_model("llama")
+    args, kwargs = api._cp_traced_batch(model, *make_batch("llama", batch=2, seq=96), 2)
+
+    def square(traced):
+        return [n.name for n in traced.graph_module.graph.nodes
+                if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape[-2:]) == (48, 48)]  # fmt: skip
+
+    assert square(api._trace_in_format(model, args, kwargs, "fp32"))  # traced as is, the model builds it
+    traced = api._trace_in_format(model, args, kwargs, "fp32", cp=2)
+    assert square(traced) == []
+    attn = [
+        n for n in traced.graph_module.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default
+    ]
+    assert len(attn) == 2
+    for n in attn:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = n.kwargs | dict(zip(names[: len(n.args)], n.args, strict=True))
+        assert bound.get("attn_mask") is None and bound["is_causal"] is True
