@@ -12,7 +12,8 @@ On top of torch's lowering (`_add_send_recv`, which places a receive where its s
 lock-step simulation), `post_receives_ahead` moves every receive earlier: the receive of micro-batch i+1's
 input (or output gradient) is posted before the compute that reads micro-batch i's starts, so the transfer
 runs while that compute does. Receives keep their order among themselves, which keeps them matched with the
-peer's sends (point-to-point messages between two ranks pair up in the order they are posted), and posting
+peer's sends (point-to-point messages between two ranks pair up in the order they are posted; receives from
+different peers may pass each other), and posting
 a receive earlier cannot create a wait cycle: only the compute waits, for data its schedule already needed.
 
 REDUCE_GRAD calls `on_last_backward(stage_index)`: the program launches the stage's data-parallel gradient
@@ -65,9 +66,10 @@ def one_f_one_b_order(pp: int, m: int) -> dict[int, list[_Action]]:
     return out
 
 
-def post_receives_ahead(actions: list[_Action]) -> list[_Action]:
+def post_receives_ahead(actions: list[_Action], stage_to_rank: Callable[[int], int]) -> list[_Action]:
     """`actions` (one rank's, with communication) with every receive moved before the compute that reads the
-    previous receive of its kind and stage, or left where it is if that is earlier; receives keep their order.
+    previous receive of its kind and stage, or left where it is if that is earlier; receives from one peer rank
+    (`stage_to_rank` of the sending stage) keep their order.
 
     So the input (output gradient) of micro-batch i+1 is posted before the forward (backward) of micro-batch i.
     """
@@ -78,7 +80,7 @@ def post_receives_ahead(actions: list[_Action]) -> list[_Action]:
                 compute_at[(a.stage_index, kind, a.microbatch_index)] = pos
     previous: dict[tuple, int] = {}  # (stage, kind) -> micro-batch of its last receive seen
     target: dict[int, int] = {}  # position of a receive -> position it is posted before
-    floor = 0
+    floor: dict[int, int] = {}  # peer rank -> where its last receive was put
     for pos, a in enumerate(actions):
         if a.computation_type not in _RECEIVES:
             continue
@@ -86,8 +88,9 @@ def post_receives_ahead(actions: list[_Action]) -> list[_Action]:
         before = pos
         if key in previous:
             before = min(pos, compute_at.get((*key, previous[key]), pos))
-        floor = max(floor, before)  # never ahead of an earlier receive: the peer sends in this order
-        target[pos] = floor
+        peer = stage_to_rank(a.stage_index + (-1 if a.computation_type == RECV_F else 1))
+        floor[peer] = max(floor.get(peer, 0), before)  # never ahead of an earlier receive from the same peer
+        target[pos] = floor[peer]
         previous[key] = a.microbatch_index
     out: list[_Action] = []
     hoisted = sorted(target.items(), key=lambda kv: (kv[1], kv[0]))
@@ -133,7 +136,8 @@ class OverlappedSchedule(_PipelineScheduleRuntime):
 
 def finish(schedule: _PipelineScheduleRuntime, on_last_backward: Callable[[int], None]):
     """Post `schedule`'s receives ahead and call `on_last_backward` at each REDUCE_GRAD; returns it."""
-    schedule.pipeline_order_with_comms = {r: post_receives_ahead(a)
+    ranks = schedule.stage_index_to_group_rank
+    schedule.pipeline_order_with_comms = {r: post_receives_ahead(a, ranks.__getitem__)
                                           for r, a in schedule.pipeline_order_with_comms.items()}  # fmt: skip
     schedule.register_custom_function(REDUCE_GRAD, _reduce_hook(on_last_backward))
     return schedule
