@@ -69,8 +69,10 @@ def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, tran
                    optimizer_s: float) -> dict[str, float]:  # fmt: skip
     """The terms of a pipeline: the slowest stage's m micro-batches of compute and sends, the bubble the rest.
 
-    `stage_s` and `transfer_s` are the bottleneck stage's compute (with its tp resharding) and sends per
-    micro-batch; the step is (m + bubble slots) x (stage_s + transfer_s) + grad_sync_s + optimizer_s.
+    `stage_s` and `transfer_s` are the bottleneck stage's compute (with its tp resharding) and the exposed part of
+    its sends per micro-batch, `grad_sync_s` the exposed sync of the stage that ends the step (what overlap hides
+    of either is in `hidden_terms`); the step is (m + bubble slots) x (stage_s + transfer_s) + grad_sync_s +
+    optimizer_s.
     """
     busy = num_microbatches * (stage_s + transfer_s)
     terms = {"compute": num_microbatches * stage_s, "comm_pp": num_microbatches * transfer_s,
