@@ -663,11 +663,13 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     model_flops, hw_flops = _flops(graph, tokens, recompute)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world, step = cluster.world_size, psol.step_time_s
-    tail = max(psol.stages, key=lambda st: st.grad_sync_s + st.optimizer_s)  # the step ends with the slowest
-    sync, opt = tail.grad_sync_s, tail.optimizer_s
+    # the step ends with the stage whose exposed sync and optimizer step take longest
+    tail = max(psol.stages, key=lambda st: st.grad_sync_exposed_s + st.optimizer_s)
+    sync, opt = tail.grad_sync_exposed_s, tail.optimizer_s
     # compute: the pipelined forward and backward, bubble and transfers included
     predicted = _predicted(step, model_flops, hw_flops, tokens, world, peak, fullest.memory,
-                           compute_s=step - sync - opt, reshard_s=0.0, grad_sync_s=sync, optimizer_s=opt)  # fmt: skip
+                           compute_s=step - sync - opt, reshard_s=0.0, grad_sync_s=sync, optimizer_s=opt,
+                           grad_sync_hidden_s=tail.grad_sync_hidden_s)  # fmt: skip
     layer = {p.name: p.layer for p in graph.params.values()}
     placements = {}
     for st in psol.stages:
@@ -686,6 +688,9 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
                "recompute": st.sharding.recompute if st.sharding is not None else "none",
                "time_per_microbatch_s": st.time_per_microbatch_s, "transfer_per_microbatch_s": st.transfer_per_microbatch_s,
                "grad_sync_s": st.grad_sync_s, "activation_copies": st.activation_copies,
+               # what the stage waits for of its transfers, and what its dp sync hides behind later backwards
+               "transfer_exposed_per_microbatch_s": st.transfer_exposed_per_microbatch_s,
+               "grad_sync_hidden_s": st.grad_sync_hidden_s,
                "memory_bytes": sum(st.memory.values()), "memory": dict(st.memory),
                # the placements the stage was priced with (its layer nodes stand for every layer of the stage)
                "node_output": dict(st.sharding.node_output) if st.sharding is not None else {},
@@ -697,18 +702,22 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
             "priced": [dict(c) for c in psol.candidates]}  # fmt: skip
     stats = _stats(graph, est, t0, t_trace, psol.solve_time_s, stage_programs=psol.num_stage_programs)
     layer_ops = _stage_layer_ops(psol.stages)
-    from autopar.rationale import pipeline_terms
+    from autopar.rationale import hidden_terms, pipeline_terms
 
-    slowest = max(psol.stages, key=lambda st: st.time_per_microbatch_s + st.transfer_per_microbatch_s)
+    slowest = max(psol.stages, key=lambda st: st.time_per_microbatch_s + st.transfer_exposed_per_microbatch_s)
     terms = pipeline_terms(step_s=step, num_microbatches=psol.num_microbatches, stage_s=slowest.time_per_microbatch_s,
-                           transfer_s=slowest.transfer_per_microbatch_s, grad_sync_s=sync, optimizer_s=opt)  # fmt: skip
+                           transfer_s=slowest.transfer_exposed_per_microbatch_s, grad_sync_s=sync,
+                           optimizer_s=opt)  # fmt: skip
+    transfer_hidden = slowest.transfer_per_microbatch_s - slowest.transfer_exposed_per_microbatch_s
+    hidden = hidden_terms(grad_sync_hidden_s=tail.grad_sync_hidden_s,
+                          transfer_hidden_s=psol.num_microbatches * transfer_hidden)  # fmt: skip
     return Plan(model_name=name, cluster=cluster, mesh={"pp": psol.pp, "dp": psol.dp, "tp": psol.tp},
                 zero_stage=max(st.zero_stage for st in psol.stages), num_microbatches=psol.num_microbatches,
                 recompute=recompute, precision=precision, global_batch_size=batch, tokens_per_step=tokens,
                 num_parameters=graph.num_parameters(), model_flops_per_step=model_flops,
                 hardware_flops_per_step=hw_flops, predicted=predicted, param_placements=placements, node_output={},
                 node_inputs={}, node_strategy={}, alternatives=(), unruled_ops=(), stats=stats,
-                pipeline=info, time_breakdown=terms, layer_ops=layer_ops)  # fmt: skip
+                pipeline=info, time_breakdown=terms, hidden_communication=hidden, layer_ops=layer_ops)  # fmt: skip
 
 
 def _stage_layer_ops(stages) -> tuple[dict, ...]:

@@ -523,6 +523,11 @@ def _assumptions(plan) -> list:
                "what backward cannot hide, and at least the last bucket; priced on GPUs only, where communication "
                "does not take the compute's cores); other communication is not overlapped with compute"
                if plan.overlap else "communication not overlapped with compute (overlap off)")  # fmt: skip
+    if plan.pipeline and plan.overlap:
+        overlap = ("pipeline transfers are posted ahead and hide their time on the wire behind one micro-batch's "
+                   "compute (their latency and tp all-gather do not hide); each stage's gradient sync starts after "
+                   "its last backward and hides behind the backwards the stages before it still run (the first "
+                   "stage's, which ends the step, hides nothing)")  # fmt: skip
     rows.append(["collectives", "alpha-beta model of the link each mesh axis crosses (ring all-reduce moves "
                                 f"2(n-1)/n of the bytes); {overlap}"])  # fmt: skip
     return [("h2", "Assumptions"), ("table", ["constant", "value"], rows)]

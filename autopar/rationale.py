@@ -52,22 +52,27 @@ def sharded_terms(*, step_s: float, compute_s: float, recompute_s: float, reshar
     return {k: terms.get(k, 0.0) for k in TERMS}
 
 
-def hidden_terms(*, grad_sync_hidden_s: float) -> dict[str, float]:
+def hidden_terms(*, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0) -> dict[str, float]:
     """Per mesh axis (its `COMM_TERMS` key), the communication time overlap hides behind compute: not in the step.
 
-    Only the data axis hides any today: the data-parallel program's gradient all-reduces run while backward goes
-    on (`ShardingProgram.add_overlap_constraint` prices it; `grad_sync_hidden_s` is its figure). Axes that hide
+    The data axis: gradient all-reduces that run while backward goes on (`grad_sync_hidden_s`: the data-parallel
+    program's, priced by `ShardingProgram.add_overlap_constraint`; a pipeline's, the sync of the stage that ends
+    the step hidden behind the backwards still running, `passes.pipeline_search`). The pipeline axis: the part of
+    the stage transfers of a step that runs behind the stage's compute (`transfer_hidden_s`). Axes that hide
     nothing are left out, so a plan without overlap has none.
     """
-    return {"comm_dp": grad_sync_hidden_s} if grad_sync_hidden_s > 0 else {}
+    terms = {"comm_dp": grad_sync_hidden_s, "comm_pp": transfer_hidden_s}
+    return {k: v for k, v in terms.items() if v > 0}
 
 
 def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, transfer_s: float, grad_sync_s: float,
                    optimizer_s: float) -> dict[str, float]:  # fmt: skip
     """The terms of a pipeline: the slowest stage's m micro-batches of compute and sends, the bubble the rest.
 
-    `stage_s` and `transfer_s` are the bottleneck stage's compute (with its tp resharding) and sends per
-    micro-batch; the step is (m + bubble slots) x (stage_s + transfer_s) + grad_sync_s + optimizer_s.
+    `stage_s` and `transfer_s` are the bottleneck stage's compute (with its tp resharding) and the exposed part of
+    its sends per micro-batch, `grad_sync_s` the exposed sync of the stage that ends the step (what overlap hides
+    of either is in `hidden_terms`); the step is (m + bubble slots) x (stage_s + transfer_s) + grad_sync_s +
+    optimizer_s.
     """
     busy = num_microbatches * (stage_s + transfer_s)
     terms = {"compute": num_microbatches * stage_s, "comm_pp": num_microbatches * transfer_s,

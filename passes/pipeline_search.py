@@ -31,9 +31,24 @@ The intra-op program (`ShardingProgram`) prices it on its sub-mesh at m micro-ba
           sending b x (bytes per sample) / tp over the link between the two device blocks (the
           inter-node link when the blocks sit on different nodes), then an all-gather over tp
 
-Step time (communication is not overlapped with compute, as in the intra-op program):
-    GPipe, 1F1B:   T = (m + p - 1)     max_s (t_s + c_s) + max_s S_s        bubble (p - 1) / m
-    interleaved:   T = (m + (p - 1)/v) max_s (t_s + c_s) + max_s S_s        bubble (p - 1) / (v m)
+Step time, with the overlap the pipeline program runs (`plan.overlap`, on by default):
+    GPipe, 1F1B:   T = (m + p - 1)     max_s (t_s + e_s) + max_s (E_s + O_s)     bubble (p - 1) / m
+    interleaved:   T = (m + (p - 1)/v) max_s (t_s + e_s) + max_s (E_s + O_s)     bubble (p - 1) / (v m)
+  e_s  the exposed part of c_s. The program posts the receive of micro-batch i+1 before micro-batch i's
+       compute and sends asynchronously, so a transfer's bandwidth time runs behind the stage's compute of
+       one micro-batch; its per-transfer latency (and the all-gather over tp after it) does not hide:
+           e_s = c_s - H(c_s - f_s, t_s)          f_s  the fixed part of c_s (latencies, tp all-gathers)
+  E_s  the exposed part of the gradient sync G_s (S_s = G_s + O_s, O_s the optimizer step). The program
+       launches stage s's sync when its last backward of the step is done; the stages before it still run
+       their last backward after that (1F1B and GPipe end with the backwards of stages p-1, ..., 0 in turn),
+       so the sync hides behind that window, and stage 0's (the last to finish) behind none:
+           E_s = G_s - H(G_s, w_s)     w_s = BACKWARD_SHARE x sum_{j<s} t_j / v
+  H(x, w) = eta min(x, w): the part of x hidden behind w of compute (`hidden_part`), eta the device's
+       overlap efficiency (`DeviceSpec.overlap_efficiency`, 1 where the device has none).
+  With overlap off (constraints {"overlap": False}) nothing hides: e_s = c_s, E_s = G_s, and
+       T = slots max_s (t_s + c_s) + max_s S_s, the program's behaviour without overlap.
+  The cut search (`_allocate`) prices stage s alone, so there w_s takes the earlier stages as long as s:
+  w_s = BACKWARD_SHARE s t_s / v; the step of a cut is priced with the stages' own t_j.
 
 Schedules. 1F1B needs m >= p (as torch.distributed.pipelining's Schedule1F1B does) and keeps
 fewer activations than GPipe at the same bubble, so GPipe is searched only where 1F1B cannot run
@@ -97,6 +112,8 @@ from autopar.passes.sharding_solver import (
 
 ESTIMATE_SLACK = 0.02  # how far an estimate may sit above the exact price before a configuration is skipped
 MICRO_BATCH_STOP = 0.10  # see _Search._micro_batches
+# of a micro-batch's forward and backward, the backward's share: it runs two matmuls for each of the forward's
+BACKWARD_SHARE = 2 / 3
 MAX_VIRTUAL_STAGES = 8  # searched unless pinned: more chunks pay more transfers than the bubble they save
 PIPELINE_CONSTRAINT_KEYS = frozenset({"pp", "schedule", "virtual_stages"})
 
@@ -329,6 +346,8 @@ class StagePlan:
         memory: per-device bytes by kind (params, grads, optimizer, activations, transient).
         sharding: the stage program's layout (placements of the view's nodes and parameters).
         optimizer_s: its optimizer step, once per step after the last backward (part of S_s).
+        transfer_exposed_per_microbatch_s: the part of c_s the stage waits for (e_s; c_s without overlap).
+        grad_sync_hidden_s: the part of grad_sync_s (G_s) hidden behind the later backwards (H(G_s, w_s)).
     """
 
     index: int
@@ -346,6 +365,17 @@ class StagePlan:
     memory: dict
     sharding: ShardingSolution | None = None
     optimizer_s: float = 0.0
+    transfer_exposed_per_microbatch_s: float | None = None
+    grad_sync_hidden_s: float = 0.0
+
+    def __post_init__(self):
+        if self.transfer_exposed_per_microbatch_s is None:  # nothing hidden unless told
+            object.__setattr__(self, "transfer_exposed_per_microbatch_s", self.transfer_per_microbatch_s)
+
+    @property
+    def grad_sync_exposed_s(self) -> float:
+        """E_s: the part of the gradient sync the step waits for."""
+        return self.grad_sync_s - self.grad_sync_hidden_s
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -410,6 +440,10 @@ class _Priced:
     copies: float = 1.0
     result: MeshResult | None = None
     program: ShardingProgram | None = None
+
+    def grad_sync(self) -> float:
+        """G_s: the gradient synchronisation alone (sync less the optimizer step)."""
+        return self.sync - (self.result.optimizer_s if self.result is not None else 0.0)
 
     def memory_at(self, copies: float) -> dict[str, float]:
         mem = dict(self.memory)
@@ -545,17 +579,35 @@ def _block_link(cluster: ClusterSpec, n: int, a: int, b: int) -> LinkSpec:
     return cluster.intra_node_link
 
 
-def _transfer_s(cluster: ClusterSpec, bytes_per_sample: float, link: LinkSpec, b: int, tp: int) -> float:
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """c_s, the transfers of one micro-batch of a stage, and f_s, its part that overlap cannot hide (each
+    transfer's latency and the all-gather over tp that follows it)."""
+
+    total_s: float = 0.0
+    fixed_s: float = 0.0
+
+    def __add__(self, other: Transfer) -> Transfer:
+        return Transfer(self.total_s + other.total_s, self.fixed_s + other.fixed_s)
+
+    def __mul__(self, k: int) -> Transfer:
+        return Transfer(self.total_s * k, self.fixed_s * k)
+
+
+def _transfer_s(cluster: ClusterSpec, bytes_per_sample: float, link: LinkSpec, b: int, tp: int) -> Transfer:
     """One boundary activation of a micro-batch: 1/tp of it from each device, then an all-gather over tp."""
     full = bytes_per_sample * b
     t = estimate_collective_time(Collective.SEND_RECV, full / tp, 2, link)
+    fixed = estimate_collective_time(Collective.SEND_RECV, 0.0, 2, link)  # the latency: no bytes, all steps
     if tp > 1:
-        t += estimate_collective_time(Collective.ALL_GATHER, full, tp, cluster.link_for_axis(tp, 1))
-    return t
+        gather = estimate_collective_time(Collective.ALL_GATHER, full, tp, cluster.link_for_axis(tp, 1))
+        t += gather
+        fixed += gather
+    return Transfer(t, fixed)
 
 
 def _stage_transfers(cluster: ClusterSpec, structure: LayerStructure, pp: int, tp: int, b: int,
-                     schedule: Schedule, v: int) -> list[float]:  # fmt: skip
+                     schedule: Schedule, v: int) -> list[Transfer]:  # fmt: skip
     """c_s of every stage: forward sends to the next stage, backward sends to the previous one."""
     n = cluster.world_size // pp
     chunks = v if schedule == Schedule.INTERLEAVED_1F1B else 1
@@ -563,15 +615,76 @@ def _stage_transfers(cluster: ClusterSpec, structure: LayerStructure, pp: int, t
     for s in range(pp):
         fwd = chunks - (1 if s == pp - 1 else 0)  # the last chunk of the model sends nothing forward
         bwd = chunks - (1 if s == 0 else 0)
-        t = 0.0
+        t = Transfer()
         if fwd:
-            t += fwd * _transfer_s(cluster, structure.boundary_bytes_per_sample,
-                                   _block_link(cluster, n, s, (s + 1) % pp), b, tp)  # fmt: skip
+            t += _transfer_s(cluster, structure.boundary_bytes_per_sample,
+                             _block_link(cluster, n, s, (s + 1) % pp), b, tp) * fwd  # fmt: skip
         if bwd:
-            t += bwd * _transfer_s(cluster, structure.boundary_bytes_per_sample,
-                                   _block_link(cluster, n, s, (s - 1) % pp), b, tp)  # fmt: skip
+            t += _transfer_s(cluster, structure.boundary_bytes_per_sample,
+                             _block_link(cluster, n, s, (s - 1) % pp), b, tp) * bwd  # fmt: skip
         out.append(t)
     return out
+
+
+# ------------------------------------------------------------------------------------------ overlap
+
+
+def overlap_efficiency(cluster: ClusterSpec) -> float:
+    """eta: the share of the communication that can hide behind compute which the device does hide."""
+    return float(getattr(cluster.device, "overlap_efficiency", 1.0))
+
+
+def hidden_part(comm_s: float, window_s: float, eta: float) -> float:
+    """H(x, w) = eta min(x, w): the part of `comm_s` of communication that overlap hides behind `window_s` of
+    compute (the one rule every hidden figure of this module goes through)."""
+    return eta * min(comm_s, max(0.0, window_s))
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """Whether a pipeline's communication overlaps its compute (`plan.overlap`), and the device's eta."""
+
+    on: bool = True
+    eta: float = 1.0
+
+    def transfer_exposed(self, c: Transfer, t_mb: float) -> float:
+        """e_s = c_s - H(c_s - f_s, t_s): what the stage waits for of its transfers of one micro-batch."""
+        if not self.on:
+            return c.total_s
+        return c.total_s - hidden_part(c.total_s - c.fixed_s, t_mb, self.eta)
+
+    def sync_hidden(self, grad_sync_s: float, window_s: float) -> float:
+        """H(G_s, w_s): the part of a stage's gradient sync hidden behind the later backwards of the step."""
+        return hidden_part(grad_sync_s, window_s, self.eta) if self.on else 0.0
+
+
+def sync_windows(t_mbs: list[float], v: int) -> list[float]:
+    """w_s = BACKWARD_SHARE sum_{j<s} t_j / v: the backward the stages before s run after s's last one."""
+    out, acc = [], 0.0
+    for t in t_mbs:
+        out.append(BACKWARD_SHARE * acc / v)
+        acc += t
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StepPrice:
+    """The step of a pipeline at one cut: T and, per stage, e_s, E_s and what overlap hid of G_s."""
+
+    step_s: float
+    transfer_exposed: tuple[float, ...]
+    sync_hidden: tuple[float, ...]
+
+
+def step_price(slots: float, stages: list[_Priced], transfers: list[Transfer], overlap: Overlap, v: int) -> StepPrice:
+    """T = slots max_s (t_s + e_s) + max_s (S_s - H(G_s, w_s)) (the module docstring)."""
+    exposed = [overlap.transfer_exposed(c, p.t_mb) for p, c in zip(stages, transfers, strict=True)]
+    windows = sync_windows([p.t_mb for p in stages], v)
+    hidden = [overlap.sync_hidden(p.grad_sync(), w) for p, w in zip(stages, windows, strict=True)]
+    step = slots * max(p.t_mb + e for p, e in zip(stages, exposed, strict=True)) + max(
+        p.sync - h for p, h in zip(stages, hidden, strict=True)
+    )
+    return StepPrice(step, tuple(exposed), tuple(hidden))
 
 
 # ----------------------------------------------------------------------------------------- the search
@@ -698,6 +811,7 @@ class _Search:
         self.pricer, self.c, self.say = pricer, constraints, say
         self.cluster, self.structure = pricer.cluster, pricer.structure
         self.L, self.B, self.budget = pricer.structure.num_layers, pricer.batch, pricer.budget
+        self.overlap = Overlap(bool(constraints.get("overlap", True)), overlap_efficiency(pricer.cluster))
         self.num_configurations = 0
         self.num_programs = 0  # stage programs this search solved (its pricer may hold others' too)
         self.least_memory: tuple[float, _Config] | None = None
@@ -763,12 +877,15 @@ class _Search:
                 return math.inf
             f = ends.get(s, mid)
             acts, t = f.acts + (k - 1) * mid.acts, f.t_mb + (k - 1) * mid.t_mb
+            exposed = self.overlap.transfer_exposed(transfers[s], t)
             best = math.inf
             for z, states in f.states.items():
                 need = states + (k - 1) * mid.states[z] + self.copies(cfg, s) * acts + f.transient
                 leanest[0] = min(leanest[0], need)
                 if need <= self.budget:
-                    best = min(best, slots * (t + transfers[s]) + f.sync[z] + (k - 1) * mid.sync[z])
+                    sync = f.sync[z] + (k - 1) * mid.sync[z]  # with the optimizer step: an estimate may err low
+                    sync -= self.overlap.sync_hidden(sync, self._alone_window(cfg, s, t))
+                    best = min(best, slots * (t + exposed) + sync)
             return best
 
         alloc = _allocate(cost, [self.kmin(cfg)] * cfg.pp, self.L)
@@ -781,9 +898,20 @@ class _Search:
             return None
         return max(cost(s, k) for s, k in enumerate(alloc)), alloc
 
+    def _alone_window(self, cfg: _Config, s: int, t_mb: float) -> float:
+        """w_s of stage s priced alone (the cut search): the stages before it taken as long as it."""
+        return BACKWARD_SHARE * s * t_mb / cfg.v
+
+    def stage_cost(self, cfg: _Config, s: int, p: _Priced, transfer: Transfer, slots: float) -> float:
+        """What stage s adds to the step priced alone: slots (t_s + e_s) + S_s - H(G_s, w_s)."""
+        if not p.feasible:
+            return math.inf
+        hidden = self.overlap.sync_hidden(p.grad_sync(), self._alone_window(cfg, s, p.t_mb))
+        return slots * (p.t_mb + self.overlap.transfer_exposed(transfer, p.t_mb)) + p.sync - hidden
+
     # ------------------------------------------------------------------------------ exact pricing
 
-    def evaluate(self, cfg: _Config, guess: list[int]) -> tuple[float, list[int], list[_Priced], list[float]] | None:
+    def evaluate(self, cfg: _Config, guess: list[int]) -> tuple | None:
         """The exact T of `cfg` at its best cut (starting from `guess`), with the stages' prices."""
         b = self.micro_batch(cfg)
         transfers = _stage_transfers(self.cluster, self.structure, cfg.pp, cfg.tp, b, cfg.schedule, cfg.v)
@@ -795,15 +923,14 @@ class _Search:
         def cost(s: int, k: int) -> float:
             if k < self.kmin(cfg) or k > self.L:
                 return math.inf
-            p = priced(s, k)
-            return slots * (p.t_mb + transfers[s]) + p.sync if p.feasible else math.inf
+            return self.stage_cost(cfg, s, priced(s, k), transfers[s], slots)
 
         alloc = _allocate(cost, [max(self.kmin(cfg), k - 1) for k in guess], self.L)
         if alloc is None:
             return None
         stages = [priced(s, k) for s, k in enumerate(alloc)]
-        step = slots * max(p.t_mb + c for p, c in zip(stages, transfers, strict=True)) + max(p.sync for p in stages)
-        return step, alloc, stages, transfers
+        price = step_price(slots, stages, transfers, self.overlap, cfg.v)
+        return price.step_s, alloc, stages, transfers, price
 
     def run(self) -> tuple[list[dict], tuple | None]:
         """Estimate every configuration, price them exactly in order while they can still win."""
@@ -864,17 +991,17 @@ class _StackSearch(_Search):
         got = self.evaluate(cfg, [])
         return None if got is None else (got[0], got[1])
 
-    def _transfer(self, cfg: _Config, s: int, a: int, e: int) -> float:
+    def _transfer(self, cfg: _Config, s: int, a: int, e: int) -> Transfer:
         """c_s of stage s running layers a..e-1: the values crossing its boundaries, forward and back."""
         n, b = self.cluster.world_size // cfg.pp, self.micro_batch(cfg)
-        t = 0.0
+        t = Transfer()
         if s < cfg.pp - 1:
             t += _transfer_s(self.cluster, self.pricer.crossing(e), _block_link(self.cluster, n, s, s + 1), b, cfg.tp)
         if s > 0:
             t += _transfer_s(self.cluster, self.pricer.crossing(a), _block_link(self.cluster, n, s, s - 1), b, cfg.tp)
         return t
 
-    def evaluate(self, cfg: _Config, guess: list[int]) -> tuple[float, list[int], list[_Priced], list[float]] | None:
+    def evaluate(self, cfg: _Config, guess: list[int]) -> tuple | None:
         if cfg.schedule == Schedule.INTERLEAVED_1F1B:
             return None
         if cfg not in self._exact:
@@ -901,8 +1028,7 @@ class _StackSearch(_Search):
             return self.pricer.price((a, e), s == 0, s == p - 1, cfg.dp, cfg.tp, cfg.m, self.priced_copies(cfg, s))
 
         def cost(s: int, a: int, e: int) -> float:
-            q = priced(s, a, e)
-            return slots * (q.t_mb + self._transfer(cfg, s, a, e)) + q.sync if q.feasible else math.inf
+            return self.stage_cost(cfg, s, priced(s, a, e), self._transfer(cfg, s, a, e), slots)
 
         # best[s][e]: the least bottleneck of stages 0..s over layers 0..e-1, and where stage s starts
         best: list[dict[int, tuple[float, int]]] = [{e: (cost(0, 0, e), 0) for e in range(1, L - p + 2)}]
@@ -920,8 +1046,8 @@ class _StackSearch(_Search):
         starts = [0] + cuts[:-1]
         stages = [priced(s, a, e) for s, (a, e) in enumerate(zip(starts, cuts, strict=True))]
         transfers = [self._transfer(cfg, s, a, e) for s, (a, e) in enumerate(zip(starts, cuts, strict=True))]
-        step = slots * max(q.t_mb + c for q, c in zip(stages, transfers, strict=True)) + max(q.sync for q in stages)
-        return step, [e - a for a, e in zip(starts, cuts, strict=True)], stages, transfers
+        price = step_price(slots, stages, transfers, self.overlap, cfg.v)
+        return price.step_s, [e - a for a, e in zip(starts, cuts, strict=True)], stages, transfers, price
 
 
 # ----------------------------------------------------------------------------------------- entry point
@@ -1043,14 +1169,15 @@ def _layer_ranges(alloc: list[int], cfg: _Config) -> list[tuple[tuple[int, int],
 
 
 def _pipeline_solution(best, search: _Search, single, records, dt) -> PipelineSolution:
-    step, cfg, alloc, priced, transfers = best
+    step, cfg, alloc, priced, transfers, price = best
     stages = []
     for s, (k, p, rng) in enumerate(zip(alloc, priced, _layer_ranges(alloc, cfg), strict=True)):
         copies = search.copies(cfg, s)
         sharding = ss._solution(p.program, p.result, (), (), p.result.solve_time_s) if p.program else None
         opt = p.result.optimizer_s if p.result is not None else 0.0
-        stages.append(StagePlan(s, rng, k, s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, p.zero, p.t_mb, transfers[s],
-                                p.sync - opt, copies, p.memory_at(copies), sharding, opt))  # fmt: skip
+        stages.append(StagePlan(s, rng, k, s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, p.zero, p.t_mb,
+                                transfers[s].total_s, p.sync - opt, copies, p.memory_at(copies), sharding, opt,
+                                price.transfer_exposed[s], price.sync_hidden[s]))  # fmt: skip
     return PipelineSolution(cfg.pp, cfg.dp, cfg.tp, tuple(stages), cfg.m, search.micro_batch(cfg), cfg.schedule, cfg.v,
                             bubble_fraction(cfg.schedule, cfg.pp, cfg.m, cfg.v), step,
                             max(st.peak_memory_bytes for st in stages),

@@ -60,3 +60,27 @@ def test_pipeline_pins_without_a_pipeline_search_warn():
     with pytest.warns(UserWarning, match=r"\['schedule'\] apply to pipeline layouts.*searches none"):
         plan = autopar.plan(model, "cpu:2", args, kwargs, constraints={"schedule": "gpipe"})
     assert plan.mesh.get("pp", 1) == 1
+
+
+def test_pipeline_plan_reports_its_exposed_and_hidden_communication(pinned):
+    """The pp and dp parts of the step, exposed (in the time breakdown) and hidden (not in the step), as the search
+    priced them: the transfers of the slowest stage over m micro-batches, the sync of the stage that ends the step."""
+    info, terms, hidden = pinned.pipeline, pinned.time_breakdown, pinned.hidden_communication
+    m = pinned.num_microbatches
+    stages = info["stages"]
+    slowest = max(stages, key=lambda st: st["time_per_microbatch_s"] + st["transfer_exposed_per_microbatch_s"])
+    assert terms["comm_pp"] == pytest.approx(m * slowest["transfer_exposed_per_microbatch_s"], rel=1e-9)
+    wire = m * (slowest["transfer_per_microbatch_s"] - slowest["transfer_exposed_per_microbatch_s"])
+    assert wire > 0 and hidden["comm_pp"] == pytest.approx(wire, rel=1e-9)
+    assert sum(terms.values()) == pytest.approx(pinned.predicted.step_time_s, rel=1e-9)
+    assert stages[0]["grad_sync_hidden_s"] == 0.0  # the first stage ends the step: nothing after it to hide behind
+    report = pinned.explain()
+    assert "pp: " in report and "hidden (stage sends overlapping compute)" in report
+    assert "pipeline transfers are posted ahead" in report
+    off = autopar.plan("gpt3-1.3b", "2x8xA100-80GB", constraints={"pp": 2, "schedule": "1f1b", "overlap": False},
+                       **CASE)  # fmt: skip
+    assert not off.hidden_communication and not off.overlap
+    assert all(
+        st["transfer_exposed_per_microbatch_s"] == st["transfer_per_microbatch_s"] for st in off.pipeline["stages"]
+    )
+    assert off.predicted.step_time_s >= pinned.predicted.step_time_s

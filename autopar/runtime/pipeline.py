@@ -25,6 +25,14 @@ so the copies stay equal (a copy its stage gave no gradient joins with zeros: ev
 calls its collectives in the same order, or its peers wait). Gradients of parameters replicated over dp stay partial through the
 micro-batches and are all-reduced over dp once per step, in buckets, as the plan prices them.
 
+Overlap (`plan.overlap`, on by default). The schedules run on `autopar.runtime.pipeline_schedule`: the receive of
+micro-batch i+1's input (output gradient) is posted before micro-batch i's forward (backward), sends are
+asynchronous and waited on at the end of the step, so transfers run while the stage computes; and as soon as this
+rank's stages have run their last backward of the step, the dp all-reduce of its gradients is launched
+(asynchronously, in the same buckets), so it runs while the stages before them still run their cooldown backwards;
+the step waits for it before the tie sums and the optimizer. With overlap off, torch's own schedules run (each
+transfer waited on where it is posted) and the dp all-reduce follows the whole schedule.
+
 No silent hang: the mesh's groups and the tie groups wait at most `collective_timeout()`
 (`autopar.runtime.collectives`), and a wait past it raises a `LoweringError` naming the stage and the
 collective this rank waited in.
@@ -45,7 +53,15 @@ from autopar.passes.pipeline_split import StageGraph, split_stages, stack_layers
 from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
 from autopar.plan import Plan, ProgramKind, StagePlan
-from autopar.runtime.base import Program, check_scalar_loss, contiguous_stride, flat_inputs, sum_in_buckets
+from autopar.runtime import pipeline_schedule
+from autopar.runtime.base import (
+    BucketedReduction,
+    Program,
+    check_scalar_loss,
+    contiguous_stride,
+    flat_inputs,
+    sum_in_buckets,
+)
 from autopar.runtime.collectives import device_mesh, new_group, waiting_for
 from autopar.trace import TracedModel
 
@@ -239,6 +255,9 @@ class PipelineProgram(Program):
         self._pipe_stages = [PipelineStage(st, st.sg.index, self.num_stages, torch.device(self.device_type),
                                            input_args=st.example_inputs(), output_args=st.example_outputs(),
                                            group=self.pp_group) for st in self.stages]  # fmt: skip
+        self._dp_reduction: BucketedReduction | None = None  # launched from the schedule (overlap on)
+        self._stages_done: set[int] = set()  # stages whose last backward of this step has run
+        self._launch_armed = False  # launch the reduction when every local stage is done (training steps only)
         self.schedule = self._schedule(str(info.get("schedule", "1f1b")), v)
         self._micro_inputs: list[list] = []
         self._build_optimizer([shards[k] for k in self._param_names])
@@ -265,6 +284,13 @@ class PipelineProgram(Program):
             return output
 
         m = self.num_microbatches
+        if self.plan.overlap:
+            hook = dict(loss_fn=loss_fn, scale_grads=False, on_last_backward=self._stage_backward_done)
+            if name == "interleaved_1f1b" or v > 1:
+                return pipeline_schedule.interleaved(self._pipe_stages, m, **hook)
+            if name not in ("gpipe", "1f1b"):
+                raise LoweringError(f"pipeline schedule {name!r} is not one this runtime knows")
+            return pipeline_schedule.OverlappedSchedule(self._pipe_stages[0], m, name, **hook)
         if name == "interleaved_1f1b" or v > 1:
             return ScheduleInterleaved1F1B(self._pipe_stages, m, loss_fn=loss_fn, scale_grads=False)
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(name)
@@ -358,10 +384,39 @@ class PipelineProgram(Program):
         return float(totals[0]), float(totals[1])
 
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
-        loss_sum, weight = self._run_schedule(micro, backward=True)
-        self._sum_over_dp()
+        self._stages_done, self._launch_armed, self._dp_reduction = set(), self.plan.overlap, None
+        try:
+            loss_sum, weight = self._run_schedule(micro, backward=True)
+        finally:
+            self._launch_armed = False
+        if self._dp_reduction is not None:
+            with waiting_for(self._dp_words()):
+                self._dp_reduction.wait()
+            self._dp_reduction = None
+        else:
+            self._sum_over_dp()
         self._sum_tied()
         return loss_sum, weight
+
+    def _stage_backward_done(self, stage_index: int) -> None:
+        """The schedule ran stage `stage_index`'s last backward of the step: once every stage of this rank has,
+        launch the dp reduction of this rank's gradients, so it runs while other stages still run backward."""
+        if not self._launch_armed:
+            return
+        self._stages_done.add(stage_index)
+        if len(self._stages_done) == len(self.stages):
+            self._dp_reduction = self._launch_dp_reduction()
+
+    def _launch_dp_reduction(self) -> BucketedReduction | None:
+        """Start the all-reduce (over dp, in buckets) of the dp-replicated gradients; None when there are none."""
+        if not self._dp_summed:
+            return None
+        with waiting_for(self._dp_words()):
+            return BucketedReduction(self._grads_of(self._dp_summed), self.mesh.get_group("dp"),
+                                     dtype=self.compute_dtype if self.reduce_in_compute else None)  # fmt: skip
+
+    def _dp_words(self) -> str:
+        return f"the all-reduce of the dp-replicated gradients of stage block {self.pp_rank} over the data axis"
 
     def _grads_of(self, names: list[str]) -> list[torch.Tensor]:
         """The gradients of the trainable `names`, zeros where this rank's stages gave none: a collective over
@@ -392,8 +447,7 @@ class PipelineProgram(Program):
         """All-reduce the gradients of dp-replicated parameters once per step."""
         if not self._dp_summed:
             return
-        with waiting_for(f"the all-reduce of the dp-replicated gradients of stage block {self.pp_rank} over the "
-                         f"data axis"):  # fmt: skip
+        with waiting_for(self._dp_words()):
             sum_in_buckets(
                 self._grads_of(self._dp_summed),
                 self.mesh.get_group("dp"),

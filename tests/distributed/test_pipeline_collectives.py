@@ -1,6 +1,7 @@
 """Pipelines never hang: export's metadata assertions place no parameter on a stage, every rank of a group
-calls its collectives in the same order, and a rank that waits too long for a collective raises an autopar
-error naming what it waited for.
+calls its collectives in the same order, and a rank that waits too long for a collective (the tie sums, the dp
+reduction the schedule launched) raises an autopar error naming what it waited for. (The transfer and collective
+counts per step, with overlap and without, are in test_pipeline_overlap.py.)
 
 Gemma-2's RMSNorm reads its weight with `.float()`, and export asserts the weight's dtype
 (`aten._assert_tensor_metadata`), a node with no inputs from the graph that the stage split used to put on
@@ -158,3 +159,34 @@ def test_only_a_timeout_becomes_an_autopar_error():
     with pytest.raises(RuntimeError, match="unrelated"):
         with waiting_for("the thing"):
             raise RuntimeError("unrelated")
+
+
+def _rank0_skips_the_dp_reduction(rank: int, world_size: int):
+    os.environ[TIMEOUT_ENV] = str(TIMEOUT_S)
+    model = make_model("gpt2")
+    args, kwargs = make_batch("gpt2")
+    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd,
+                         constraints={"pp": 2, "dp": 2, "tp": 1, "num_microbatches": 2})  # fmt: skip
+    assert pm.plan.overlap  # the reduction launched from the schedule, waited on after it
+    if rank == 0:  # the bug under test: stage block 0's first dp rank never reduces
+        pm._launch_dp_reduction = lambda: None
+        pm._sum_over_dp = lambda: None
+    start = time.monotonic()
+    try:
+        pm.train_step(*args, **kwargs)
+        error = None
+    except Exception as e:  # the outcome under test
+        error = (type(e).__name__, str(e))
+    elapsed = time.monotonic() - start
+    time.sleep(TIMEOUT_S + 5)  # stay alive past the others' waits (an exit closes connections: another error)
+    return {"error": error, "elapsed": elapsed}
+
+
+def test_a_dp_reduction_one_rank_skips_is_named_in_its_peers_error():
+    got = run_distributed(_rank0_skips_the_dp_reduction, 4, timeout_s=240)
+    kind, message = got[1]["error"]  # rank 1: rank 0's dp peer in stage block 0
+    assert kind == "LoweringError"
+    assert (f"waited more than {TIMEOUT_S} s for the all-reduce of the dp-replicated gradients of stage block 0 "
+            "over the data axis") in message, message  # fmt: skip
+    # the timeout plus one step of a tiny model on four ranks sharing two cores (a few seconds at most)
+    assert got[1]["elapsed"] < TIMEOUT_S + 15

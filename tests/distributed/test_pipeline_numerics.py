@@ -109,7 +109,12 @@ def _run(rank: int, world_size: int, cases):
     return out
 
 
-SCHEDULE_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+# plans overlap by default: GPipe and 1F1B run as `OverlappedSchedule` (receives posted ahead)
+SCHEDULE_CLASS = {
+    "gpipe": "OverlappedSchedule",
+    "1f1b": "OverlappedSchedule",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+}
 LAYOUTS = [{"pp": 2, "tp": 2, "dp": 1}, {"pp": 2, "dp": 2, "tp": 1}, {"pp": 4, "dp": 1, "tp": 1}]
 CASES = [
     *[(name, 4, {**layout, "schedule": schedule, "num_microbatches": layout["pp"]})
