@@ -28,6 +28,7 @@ from tests.models import make_batch, make_model
 pytestmark = pytest.mark.distributed
 
 M = 4  # micro-batches: more than the stages, so 1F1B has a steady phase
+SLOW_S = 1.0  # added to the first stage's last backward (see `_slow_last_backward`)
 CONSTRAINTS = {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "num_microbatches": M}
 
 
@@ -78,6 +79,19 @@ class _Recorder:
             setattr(module, name, inner)
 
 
+def _slow_last_backward(stage, rec: _Recorder) -> None:
+    """The first stage's last backward (the step's last compute) made SLOW_S longer in the recorded step, so that the
+    cross-rank comparison of wall times below has a margin no scheduling delay of a loaded machine comes near."""
+    inner = stage.backward_one_chunk
+
+    def run(*a, **k):
+        if rec.on and a and a[0] == M - 1:
+            time.sleep(SLOW_S)
+        return inner(*a, **k)
+
+    stage.backward_one_chunk = run
+
+
 def _p2p_kinds(args) -> list[str]:
     return ["isend" if op.op is dist.isend else "irecv" for op in args[0]]
 
@@ -91,6 +105,8 @@ def _run(rank: int, world_size: int, plans: dict[str, str]):
                              optimizer=lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9))  # fmt: skip
         rec = _Recorder()
         for st in pm._pipe_stages:
+            if pm.pp_rank == 0:
+                _slow_last_backward(st, rec)
             rec.wrap(st, "forward_one_chunk", "forward_start", "forward_end")
             rec.wrap(st, "backward_one_chunk", "backward_start", "backward_end")
             rec.wrap(st, "get_fwd_recv_ops", "recv_input", None)
