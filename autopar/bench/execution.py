@@ -35,7 +35,9 @@ from pathlib import Path
 import torch
 
 from autopar.bench.common import env_md, environment, fmt_gib, fmt_ms, md_table, pyplot, run_on_ranks, write_json
+from autopar.bench.noop_collectives import noop_collectives
 from autopar.errors import ConfigError
+from autopar.rationale import COMM_TERMS
 
 LR = 1e-3
 
@@ -49,6 +51,21 @@ class RunModel:
     batch_size: int
     seq_len: int
     overrides: tuple[tuple[str, object], ...] = ()
+    # the optimizer every method trains it with (`OPTIMIZERS`)
+    optimizer: str = "adamw"
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"RunModel {self.name!r}: optimizer {self.optimizer!r}, expected one of "
+                              f"{', '.join(OPTIMIZERS)}")  # fmt: skip
+
+
+# name -> how it is built over the parameters; "sgd" (momentum 0.9) for models whose AdamW step would dominate
+# a CPU step and hide what else the methods differ in
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=LR),
+    "sgd": lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9),
+}
 
 
 # Small enough that a step takes well under a second on one core per rank.
@@ -74,6 +91,27 @@ MODELS: tuple[RunModel, ...] = (
     ),  # fmt: skip
 )
 QUICK_MODELS: tuple[RunModel, ...] = MODELS[:2]
+# Communication-bound on cpu:2: ~41M parameters in wide layers (164 MB of fp32 gradients, about 0.15 s of gloo
+# all-reduce on loopback) and little compute per rank (32 tokens), so the gradient sync is a large share of the
+# step and how much of it hides behind backward shows. Trained with SGD: AdamW on CPU would dominate the step.
+# Not in `MODELS` (a step takes a good part of a second): `--models wide-llama` selects it.
+WIDE_LLAMA = RunModel(
+    "wide-llama",
+    "tiny-llama",
+    4,
+    16,
+    (
+        ("hidden_size", 768),
+        ("intermediate_size", 3072),
+        ("num_hidden_layers", 4),
+        ("num_attention_heads", 12),
+        ("num_key_value_heads", 12),
+        ("vocab_size", 2048),
+    ),
+    optimizer="sgd",
+)  # fmt: skip
+# every model `--models` can name
+ALL_MODELS: tuple[RunModel, ...] = MODELS + (WIDE_LLAMA,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +129,9 @@ class RunSettings:
     calibration_repeats: int = 5
     min_measured_s: float = 1.5
     max_repetitions: int = 30
+    # also time each method's step with its collectives replaced by no-ops (`noop_collectives`), interleaved with
+    # the real steps, for the communication the step waits for
+    measure_exposed: bool = True
 
 
 QUICK_SETTINGS = RunSettings(warmup_steps=2, repetitions=3, steps_per_repetition=3, calibration_repeats=3,
@@ -117,8 +158,8 @@ def _repetitions(settings: RunSettings, methods: dict) -> int:
 # ----------------------------------------------------------------------------------------- methods
 
 
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=LR)
+def _optimizer(params, kind: str = "adamw"):
+    return OPTIMIZERS[kind](params)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -142,8 +183,9 @@ class _Method:
 
     name = ""
 
-    def __init__(self, model, ids, rank, world):
+    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw"):
         self.ids, self.rank, self.world = ids, rank, world
+        self.optimizer_kind = optimizer
         self.model = model
         self.optimizer = None
         self.setup_time_s = 0.0
@@ -168,17 +210,25 @@ class _Method:
 
 
 class _Autopar(_Method):
+    """autopar's own plan; the variants below pin part of it (`constraints`)."""
+
     name = "autopar"
 
-    def __init__(self, model, ids, rank, world, plan_json: str | None = None):
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        """What the method pins of the plan on `world` ranks (None: the free search)."""
+        return None
+
+    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw", plan_json: str | None = None):
         import autopar
 
-        super().__init__(model, ids, rank, world)
+        super().__init__(model, ids, rank, world, optimizer=optimizer)
         t0 = time.perf_counter()
         plan = autopar.Plan.from_json(plan_json) if plan_json else None
         cluster = plan.cluster if plan is not None else f"cpu:{world}"
         self.pm = autopar.compile(model, cluster, example_inputs=(ids,), example_kwargs={"labels": ids},
-                                  optimizer=_optimizer, plan=plan)  # fmt: skip
+                                  optimizer=OPTIMIZERS[optimizer], plan=plan,
+                                  constraints=None if plan is not None else self.constraints(world))  # fmt: skip
         self.setup_time_s = time.perf_counter() - t0
         self.optimizer = self.pm.optimizer
 
@@ -195,19 +245,46 @@ class _Autopar(_Method):
                 "predicted_breakdown_s": {"compute": pred.compute_s, "reshard": pred.reshard_s,
                                           "grad_sync": pred.grad_sync_s, "optimizer": pred.optimizer_s,
                                           "offload": pred.offload_s},
-                "plan_stats": dict(plan.stats)}  # fmt: skip
+                "predicted_exposed_comm_s": sum(plan.time_breakdown.get(k, 0.0) for k in COMM_TERMS),
+                "predicted_hidden_comm_s": sum(plan.hidden_communication.values()),
+                "overlap": plan.overlap, "plan_stats": dict(plan.stats)}  # fmt: skip
+
+
+class _AutoparDP(_Autopar):
+    name = "autopar-dp"
+
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        return {"dp": world, "zero": 0}
+
+
+class _AutoparZero3(_Autopar):
+    name = "autopar-zero3"
+
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        return {"dp": world, "zero": 3}
+
+
+class _AutoparDPNoOverlap(_Autopar):
+    name = "autopar-dp-no-overlap"
+
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        return {"dp": world, "zero": 0, "overlap": False}
 
 
 class _DDP(_Method):
     name = "ddp"
 
-    def __init__(self, model, ids, rank, world):
+    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw"):
         from torch.nn.parallel import DistributedDataParallel
 
-        super().__init__(model, ids, rank, world)
+        super().__init__(model, ids, rank, world, optimizer=optimizer)
         t0 = time.perf_counter()
+        # as users run it: 25 MiB buckets whose all-reduces start from backward hooks
         self.model = DistributedDataParallel(model)
-        self.optimizer = _optimizer(self.model.parameters())
+        self.optimizer = _optimizer(self.model.parameters(), optimizer)
         self.setup_time_s = time.perf_counter() - t0
 
     def step(self):
@@ -217,17 +294,17 @@ class _DDP(_Method):
 class _FSDP2(_Method):
     name = "fsdp2"
 
-    def __init__(self, model, ids, rank, world):
+    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        super().__init__(model, ids, rank, world)
+        super().__init__(model, ids, rank, world, optimizer=optimizer)
         t0 = time.perf_counter()
         mesh = init_device_mesh("cpu", (world,))
         for block in _blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        self.optimizer = _optimizer(model.parameters())
+        self.optimizer = _optimizer(model.parameters(), optimizer)
         self.setup_time_s = time.perf_counter() - t0
 
     def step(self):
@@ -238,15 +315,15 @@ class _FSDP2(_Method):
 class _TensorParallel(_Method):
     name = "tp"
 
-    def __init__(self, model, ids, rank, world):
+    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
-        super().__init__(model, ids, rank, world)
+        super().__init__(model, ids, rank, world, optimizer=optimizer)
         t0 = time.perf_counter()
         mesh = init_device_mesh("cpu", (world,))
         parallelize_module(model, mesh, megatron_tp_plan(model))
-        self.optimizer = _optimizer(model.parameters())
+        self.optimizer = _optimizer(model.parameters(), optimizer)
         self.setup_time_s = time.perf_counter() - t0
 
     def step(self):
@@ -284,8 +361,29 @@ def tp_skip_reason(config, world: int) -> str | None:
     return None
 
 
-METHODS = {"autopar": _Autopar, "ddp": _DDP, "fsdp2": _FSDP2, "tp": _TensorParallel}
+METHODS = {m.name: m for m in (_Autopar, _AutoparDP, _AutoparZero3, _AutoparDPNoOverlap, _DDP, _FSDP2,
+                                _TensorParallel)}  # fmt: skip
+# what a run measures unless told (`--methods`)
+DEFAULT_METHODS = ("autopar", "ddp", "fsdp2", "tp")
 BASELINES = ("ddp", "fsdp2", "tp")
+# (autopar method, the PyTorch baseline that runs the same layout): their paired ratio is reported
+PAIRS = (("autopar-dp", "ddp"), ("autopar-zero3", "fsdp2"))
+
+
+def is_autopar(method: str) -> bool:
+    return issubclass(METHODS[method], _Autopar)
+
+
+def select(names, table: dict, what: str) -> tuple:
+    """The entries of `table` named in `names` (comma-separated text or a sequence), in the order given; a
+    ConfigError names an unknown one and lists the known."""
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in names if n not in table]
+    if unknown or not names:
+        raise ConfigError(f"unknown {what} {', '.join(map(repr, unknown)) or '(none given)'}: expected a "
+                          f"comma-separated list of {', '.join(table)}")  # fmt: skip
+    return tuple(table[n] for n in dict.fromkeys(names))
 
 
 # -------------------------------------------------------------------------------------- measuring
@@ -325,6 +423,32 @@ def _measure(method: _Method, steps: int) -> tuple[float, float, int | None]:
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         method.step()
+    return _spent(t0, c0, steps, rss0)
+
+
+def _measure_noop(method: _Method, steps: int) -> tuple[float, int, bool]:
+    """Mean step time over `steps` with every collective a no-op (`noop_collectives`), the slowest rank's; the
+    collectives replaced per step (this rank's) and whether every loss stayed finite. The method's loss is the
+    last real step's afterwards: what no-op steps compute is not the training the run reports."""
+    import torch.distributed as dist
+
+    loss = method.last_loss
+    finite = True
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    with noop_collectives() as replaced:
+        for _ in range(steps):
+            method.step()
+            finite = finite and math.isfinite(float(method.last_loss))
+    wall, _, _ = _spent(t0, c0, steps, None)
+    method.last_loss = loss
+    return wall, replaced.total // steps, finite
+
+
+def _spent(t0: float, c0: float, steps: int, rss0: int | None) -> tuple[float, float, int | None]:
+    """(wall, CPU time) per step since `t0`, `c0`, the slowest rank's, and the resident-set growth since `rss0`."""
+    import torch.distributed as dist
+
     spent = torch.tensor([(time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps],
                          dtype=torch.float64)  # fmt: skip
     dist.all_reduce(spent, op=dist.ReduceOp.MAX)
@@ -345,25 +469,32 @@ def _model_and_batch(spec: RunModel):
     return config, base, ids
 
 
-def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, say, plan_json: str | None) -> dict:
+def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, say, plans: dict[str, str],
+                 names: tuple[str, ...]) -> dict:  # fmt: skip
     config, base, ids = _model_and_batch(spec)
-    skip = {"tp": tp_skip_reason(config, world)}
+    skip = {"tp": tp_skip_reason(config, world)} if "tp" in names else {}
     methods = {}
-    for n, cls in METHODS.items():
+    for n in names:
         if not skip.get(n):
-            extra = (plan_json,) if n == "autopar" else ()
-            methods[n] = cls(copy.deepcopy(base), ids, rank, world, *extra)
+            extra = {"plan_json": plans.get(n)} if is_autopar(n) else {}
+            methods[n] = METHODS[n](copy.deepcopy(base), ids, rank, world, optimizer=spec.optimizer, **extra)
     for m in methods.values():
         for _ in range(settings.warmup_steps):
             m.step()
-    times = {n: [] for n in methods}
-    rss = {n: [] for n in methods}
-    cpu_times = {n: [] for n in methods}
-    order = list(methods)
+    times, rss, cpu_times = ({n: [] for n in methods} for _ in range(3))
+    noop_times, replaced, finite = ({n: [] for n in methods} for _ in range(3))
+    # a no-op step takes its turn like a method: the rotation spreads the load of the machine over both
+    order = [(n, noop) for n in methods for noop in ((False, True) if settings.measure_exposed else (False,))]
     repetitions = _repetitions(settings, methods)
     for rep in range(repetitions):
         say(f"{spec.name}: repetition {rep + 1}/{repetitions}")
-        for n in order[rep % len(order) :] + order[: rep % len(order)]:
+        for n, noop in order[rep % len(order) :] + order[: rep % len(order)]:
+            if noop:
+                t, count, ok = _measure_noop(methods[n], settings.steps_per_repetition)
+                noop_times[n].append(t)
+                replaced[n].append(count)
+                finite[n].append(ok)
+                continue
             t, cpu, grow = _measure(methods[n], settings.steps_per_repetition)
             times[n].append(t)
             cpu_times[n].append(cpu)
@@ -372,29 +503,40 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
     for n, m in methods.items():
         out[n] = {"times_s": times[n], "cpu_times_s": cpu_times[n], "rss_delta_bytes": rss[n], "state_bytes": m.state_bytes(),
                   "setup_time_s": m.setup_time_s, "final_loss": m.last_loss} | m.extra()  # fmt: skip
+        if settings.measure_exposed:
+            out[n] |= {"noop_times_s": noop_times[n], "noop_collectives_per_step": max(replaced[n]),
+                       "noop_losses_finite": all(finite[n])}  # fmt: skip
     return {"model": spec.name, "num_parameters": sum(p.numel() for p in base.parameters()), "methods": out,
-            "skipped": {n: r for n, r in skip.items() if r}}  # fmt: skip
+            "skipped": {n: r for n, r in skip.items() if r}, "optimizer": spec.optimizer}  # fmt: skip
 
 
-def _measure_on_rank(rank: int, world: int, models, settings, show_progress: bool, plans) -> list[dict]:
+def _measure_on_rank(rank: int, world: int, models, settings, show_progress: bool, plans, names) -> list[dict]:
     def say(msg):
         if rank == 0 and show_progress:
             print(f"[autopar bench run] {msg}", file=sys.stderr, flush=True)
 
-    return [_train_model(spec, settings, rank, world, say, plans.get(spec.name)) for spec in models]
+    return [_train_model(spec, settings, rank, world, say, plans.get(spec.name, {}), names) for spec in models]
 
 
 def spawn_ranks(world: int, models, settings: RunSettings, *, show_progress: bool = True,
-                plans: dict[str, str] | None = None) -> list[list[dict]]:  # fmt: skip
+                plans: dict[str, dict[str, str]] | None = None,
+                methods: tuple[str, ...] = DEFAULT_METHODS) -> list[list[dict]]:  # fmt: skip
     """Run the measurements on `world` spawned gloo ranks; each rank's list of per-model results.
 
-    `plans` maps a model's name to the JSON of the plan autopar runs it with (planned here when absent).
+    `plans` maps a model's name to {autopar method: the JSON of the plan it runs} (planned on the ranks, with the
+    method's constraints, where absent); `methods` names the methods to measure (`METHODS`).
     """
     return run_on_ranks(world, _measure_on_rank, tuple(models), settings, show_progress, dict(plans or {}),
-                        label="bench run")  # fmt: skip
+                        tuple(methods), label="bench run")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- reporting
+
+
+# what `_summarise` carries over from rank 0's record of a method as it is
+_CARRIED = ("predicted_step_time_s", "predicted_breakdown_s", "mesh", "zero_stage", "plan_stats",
+            "predicted_exposed_comm_s", "predicted_hidden_comm_s", "overlap", "noop_times_s",
+            "noop_collectives_per_step")  # fmt: skip
 
 
 def _summarise(per_rank: list[list[dict]]) -> list[dict]:
@@ -418,11 +560,8 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
                 "peak_rss_delta_bytes": max(deltas) if deltas else None,
                 "setup_time_s": max(r["setup_time_s"] for r in ranks),
                 "final_loss": [r["final_loss"] for r in ranks],
-            } | {
-                k: v
-                for k, v in m.items()
-                if k in ("predicted_step_time_s", "predicted_breakdown_s", "mesh", "zero_stage", "plan_stats")
-            }
+            } | {k: v for k, v in m.items() if k in _CARRIED}
+            methods[name] |= _exposed(m, ranks)
         base = {n: methods[n]["median_step_time_s"] for n in BASELINES if n in methods}
         best = min(base, key=base.get) if base else None
         for m in methods.values():
@@ -431,8 +570,35 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
             m["paired_ratio_to_best_baseline"] = statistics.median(
                 t / b for t, b in zip(m["times_s"], methods[best]["times_s"], strict=True)) if best else None  # fmt: skip
         results.append({"model": first["model"], "num_parameters": first["num_parameters"], "methods": methods,
-                        "skipped": first["skipped"]})  # fmt: skip
+                        "skipped": first["skipped"], "optimizer": first.get("optimizer", "adamw"),
+                        "pairs": _pairs(methods)})  # fmt: skip
     return results
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _exposed(m: dict, ranks: list[dict]) -> dict:
+    """The communication a step waits for, measured: per repetition, its step time minus the same repetition's
+    no-op step time (both the slowest rank's); the median and range over repetitions."""
+    if "noop_times_s" not in m:
+        return {}
+    exposed = [t - n for t, n in zip(m["times_s"], m["noop_times_s"], strict=True)]
+    return {"noop_median_step_time_s": statistics.median(m["noop_times_s"]), "exposed_comm_s": exposed,
+            "measured_exposed_comm_s": _spread(exposed),
+            "noop_losses_finite": all(r["noop_losses_finite"] for r in ranks)}  # fmt: skip
+
+
+def _pairs(methods: dict) -> dict:
+    """For each (autopar method, baseline) of `PAIRS` both measured: the per-repetition ratios of their step
+    times (the two take turns within a repetition, so a ratio sees one load), median and range."""
+    out = {}
+    for a, b in PAIRS:
+        if a in methods and b in methods:
+            ratios = [x / y for x, y in zip(methods[a]["times_s"], methods[b]["times_s"], strict=True)]
+            out[f"{a}/{b}"] = _spread(ratios) | {"ratios": ratios}
+    return out
 
 
 # ---------------------------------------------------------------------------------------- calibrating
@@ -489,9 +655,9 @@ def _one_rank(spec: RunModel, world: int):
 
 
 def plain_training_step(spec: RunModel, world: int):
-    """A step (forward, backward, AdamW) of `spec`'s model on one rank's share of the batch, as a callable."""
+    """A step (forward, backward, the spec's optimizer) of `spec`'s model on one rank's share of the batch, as a callable."""
     model, ids = _one_rank(spec, world)
-    optimizer = _optimizer(model.parameters())
+    optimizer = _optimizer(model.parameters(), spec.optimizer)
 
     def step():
         loss = model(ids, labels=ids).loss
@@ -545,28 +711,33 @@ def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 
     return estimator, record
 
 
-def plan_model(spec: RunModel, cluster, estimator):
-    """autopar's plan for `spec` on `cluster`, priced by `estimator`."""
+def plan_model(spec: RunModel, cluster, estimator, constraints: dict | None = None):
+    """autopar's plan for `spec` on `cluster`, priced by `estimator`, with `constraints` pinned."""
     import autopar
 
     _, base, ids = _model_and_batch(spec)
     return autopar.plan(base, cluster, example_inputs=(ids,), example_kwargs={"labels": ids}, estimator=estimator,
-                        alternatives=False)  # fmt: skip
+                        alternatives=False, constraints=constraints)  # fmt: skip
 
 
 def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, models=None, settings=None,
-        show_progress: bool = True) -> dict:  # fmt: skip
+        show_progress: bool = True, methods=DEFAULT_METHODS) -> dict:  # fmt: skip
     """Run the run suite on local CPU ranks and write `run.json`, `run.md` and `run.png` into `out_dir`.
 
     Args:
         out_dir: folder for the results (created).
         cluster: "cpu:N", the number of local gloo ranks to spawn.
         quick: the tiny models, fewer repetitions.
-        models: RunModel objects to train instead of the built-in list.
+        models: RunModel objects, or their names in `ALL_MODELS` (a list or comma-separated text), to train
+            instead of the built-in list.
         settings: RunSettings to use instead of the built-in ones.
         show_progress: rank 0 prints a line per repetition on stderr.
+        methods: the methods to measure, names in `METHODS` (a list or comma-separated text).
     """
     world = _cpu_world(cluster)
+    if isinstance(models, str) or (models is not None and any(isinstance(m, str) for m in models)):
+        models = select(models, {m.name: m for m in ALL_MODELS}, "model")
+    methods = tuple(m.name for m in select(methods, METHODS, "method"))
     models = tuple(models) if models is not None else (QUICK_MODELS if quick else MODELS)
     settings = settings or (QUICK_SETTINGS if quick else RunSettings())
     t0 = time.perf_counter()
@@ -585,8 +756,10 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
         estimator, calibration["models"][m.name] = model_estimator(m, world, out, repeats=settings.calibration_repeats,
                                                                    show_progress=show_progress)  # fmt: skip
         calibration["models"][m.name] |= link
-        plan_json = plan_model(m, cluster_spec, estimator).to_json()
-        results += _summarise(spawn_ranks(world, [m], settings, show_progress=show_progress, plans={m.name: plan_json}))
+        plans = {n: plan_model(m, cluster_spec, estimator, METHODS[n].constraints(world)).to_json()
+                 for n in methods if is_autopar(n)}  # fmt: skip
+        results += _summarise(spawn_ranks(world, [m], settings, show_progress=show_progress, plans={m.name: plans},
+                                          methods=methods))  # fmt: skip
     doc = {"environment": environment(), "cluster": cluster, "world_size": world, "settings": asdict(settings),
            "calibration": calibration, "load_average": {"before": load_before, "after": _load_average()},
            "memory_measure": "state_bytes_per_rank: parameters + gradients + optimizer states held by a rank, "
@@ -649,7 +822,52 @@ def markdown(doc: dict) -> str:
         "stretches the wall time of a step much more than its CPU time, so this checks the cost model's work "
         "estimate on a loaded machine; given only when each rank has a core of its own (ranks that share a "
         "core are priced with their time-slicing, which CPU time leaves out).",
+        *_optimizer_md(doc["results"]),
+        *_communication_md(doc["results"]),
     ]) + "\n"  # fmt: skip
+
+
+def _optimizer_md(results: list[dict]) -> list[str]:
+    sgd = [r["model"] for r in results if r.get("optimizer", "adamw") == "sgd"]
+    if not sgd:
+        return []
+    return [f"{', '.join(sgd)}: every method trains with SGD (momentum 0.9), not AdamW: AdamW's update on CPU "
+            f"would take much of the step and hide the communication the run compares. autopar's prediction "
+            f"still prices the optimizer step as AdamW's (its profile measures AdamW)."]  # fmt: skip
+
+
+def _communication_md(results: list[dict]) -> list[str]:
+    """The communication each step waits for, measured next to predicted, and the autopar/baseline ratios."""
+    rows, pairs = [], []
+    for r in results:
+        for name, m in r["methods"].items():
+            if "measured_exposed_comm_s" not in m:
+                continue
+            ex = m["measured_exposed_comm_s"]
+            pred = m.get("predicted_exposed_comm_s")
+            err = f"{(pred - ex['median']) / ex['median']:+.0%}" if pred is not None and ex["median"] > 0 else None
+            rows.append([r["model"], name, fmt_ms(m["median_step_time_s"]), fmt_ms(m["noop_median_step_time_s"]),
+                         f"{fmt_ms(ex['median'])} ({fmt_ms(ex['min'])} – {fmt_ms(ex['max'])})", fmt_ms(pred),
+                         fmt_ms(m.get("predicted_hidden_comm_s")), err,
+                         str(m["noop_collectives_per_step"]) + ("" if m["noop_losses_finite"] else ", loss not finite")])  # fmt: skip
+        for pair, p in r.get("pairs", {}).items():
+            pairs.append([r["model"], pair, f"{p['median']:.2f}", f"{p['min']:.2f} – {p['max']:.2f}"])
+    if not rows:
+        return []
+    out = ["## Communication the step waits for",
+           "Measured exposed: per repetition, the step time minus the same method's step with every collective a "
+           "no-op (`autopar.bench.noop_collectives`: c10d's collective kernels replaced by ones that complete at "
+           "once; all-gathers fill in this rank's shard), taken in turn with the real steps; median (min – max) over "
+           "repetitions. Predicted: the plan's communication terms the step waits for (exposed) and what it "
+           "counts as hidden behind compute.",
+           md_table(["model", "method", "median step", "no-op step", "measured exposed (min – max)",
+                     "predicted exposed", "predicted hidden", "(predicted − measured) / measured",
+                     "collectives replaced per step"], rows)]  # fmt: skip
+    if pairs:
+        out += ["Step time of autopar over the PyTorch baseline that runs the same layout, per repetition (the two "
+                "take turns within one):",
+                md_table(["model", "autopar / baseline", "median", "min – max"], pairs)]  # fmt: skip
+    return out
 
 
 def _ratios(m: dict) -> str | None:
