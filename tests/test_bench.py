@@ -166,6 +166,9 @@ def test_run_suite_measures_every_method(tmp_path):
     m = cal["models"]["tiny-llama"]
     assert cal["host"]["optimizer_s_per_param_byte"] >= 0 and ("link" in m or "link_error" in m)
     assert all(t > 0 for t in m["allreduce_median_s"].values())
+    # the overlap efficiency the plans were priced with, measured among the ranks just before the run
+    o = m["overlap"]
+    assert 0 <= o["eta"] <= 1 and o["comm_s"] > 0 and o["compute_s"] > 0 and o["both_s"] > 0
     # each rank's host work is priced as measured while the ranks run the model's step together (never faster
     # than alone), and the ops scaled by the model's own graph run as a step against the sum of their profiles
     assert m["shared_core_slowdown"] >= 1.0 and m["ranks_per_core"] == m["shared_core_slowdown"]

@@ -606,19 +606,20 @@ def _pairs(methods: dict) -> dict:
 # The largest all-reduce the link fit measures: past the gradients of the models above (a few MiB).
 _LINK_FIT_MAX_BYTES = 16 << 20
 # what `calibrate_cost_model` records of the link: kept per model, as each model's run is priced with its own
-_LINK_RECORD = ("allreduce_median_s", "link", "link_error")
+_LINK_RECORD = ("allreduce_median_s", "link", "link_error", "overlap")
 
 
 def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_progress: bool = True):
     """What the cost model needs of this machine for `world` local ranks, whatever the model: (cluster, record).
 
     The cluster is cpu:`world` with its link fitted to gloo all-reduces among `world` processes
-    (`calibrate.measure_gloo_allreduce`); the record says what was measured, for run.json, including
+    (`calibrate.measure_gloo_allreduce`) and its overlap efficiency measured among them
+    (`calibrate.measure_overlap_efficiency`); the record says what was measured, for run.json, including
     the host costs of the profile cache in `folder` (so every run profiles afresh). What depends on
     the model is measured by `model_estimator`.
     """
     from autopar.cluster import ClusterSpec
-    from autopar.cost_model.calibrate import fit_ring_allreduce, measure_gloo_allreduce
+    from autopar.cost_model.calibrate import fit_ring_allreduce, measure_gloo_allreduce, measure_overlap_efficiency
     from autopar.cost_model.profiler import ProfiledEstimator
 
     overrides: dict = {"cluster": f"cpu:{world}"}
@@ -636,6 +637,8 @@ def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_pro
         else:
             overrides["intra_node_link"] = {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth}
             record["link"] = overrides["intra_node_link"]
+        record["overlap"] = measure_overlap_efficiency(world, repeats=max(repeats, 5))
+        overrides["device"] = {"overlap_efficiency": record["overlap"]["eta"]}
     cluster = ClusterSpec.from_overrides(overrides, source="bench run calibration")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     estimator = ProfiledEstimator(_profile_cache(folder))
@@ -914,6 +917,10 @@ def _calibration_md(cal: dict) -> str:
                      f"{m['link']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
         elif m.get("link_error"):
             part += f"; link: the cpu preset's ({m['link_error']})"
+        if m.get("overlap"):
+            o = m["overlap"]
+            part += (f"; overlap efficiency {o['eta']:.2f} (an all-reduce of {fmt_ms(o['comm_s'])} launched "
+                     f"while {fmt_ms(o['compute_s'])} of matmuls ran took {fmt_ms(o['both_s'])} in all)")  # fmt: skip
         if m.get("ranks_per_core", 1) > 1:
             part += (f"; its training step ran {m['ranks_per_core']:.2f}x slower with all ranks at once than alone "
                      f"on the {cal['cores']} cores, and is priced so")  # fmt: skip
