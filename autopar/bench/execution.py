@@ -1,18 +1,16 @@
 """`autopar bench run`: real training steps on local CPU ranks, autopar next to PyTorch's own APIs.
 
 One spawned gloo job (one process per rank, one thread each, rendezvous through a file) trains
-each model with every method in turn: autopar (`autopar.compile` then `train_step`), DDP,
-FSDP2 (`fully_shard` per decoder block, then the whole model) and, for LLaMA, tensor parallelism
-with `parallelize_module` (Megatron's column-wise q/k/v and gate/up projections, row-wise o and
-down projections). GPT-2 gets no tensor-parallel baseline: its projections are `Conv1D`
-modules (weights stored transposed, which `ColwiseParallel`/`RowwiseParallel` do not accept) and
-its attention fuses q, k and v into one `c_attn` whose column split would cut across q, k and v.
+each model with every method in turn (`autopar.bench.run_methods`: autopar, free or with its layout
+pinned, DDP, FSDP2 and, for LLaMA, tensor parallelism with `parallelize_module`).
 
 Every method starts from the same initial weights and trains on the same global batch (DDP and
 FSDP2 ranks take their slice, tensor-parallel ranks the whole batch, autopar takes its own
 share). After warm-up steps, the methods take turns, one repetition of a few steps each, with
 the order rotated every repetition so that no method always runs first; a repetition's time is
-the slowest rank's mean step time.
+the slowest rank's mean step time. Each method's step is also timed with its collectives replaced
+by no-ops (`autopar.bench.noop_collectives`), in the same rotation: the difference, repetition by
+repetition, is the communication the step waits for (its exposed communication).
 
 Memory per rank, two figures: `state_bytes`, counted from the tensors a rank holds after a step
 (its parameters, gradients and optimizer states, local shards only), and `peak_rss_delta_bytes`,
@@ -36,10 +34,19 @@ import torch
 
 from autopar.bench.common import env_md, environment, fmt_gib, fmt_ms, md_table, pyplot, run_on_ranks, write_json
 from autopar.bench.noop_collectives import noop_collectives
+from autopar.bench.run_methods import (
+    BASELINES,
+    DEFAULT_METHODS,
+    METHODS,
+    OPTIMIZERS,
+    PAIRS,
+    Method,
+    is_autopar,
+    make_optimizer,
+    select,
+    tp_skip_reason,
+)
 from autopar.errors import ConfigError
-from autopar.rationale import COMM_TERMS
-
-LR = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +65,6 @@ class RunModel:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(f"RunModel {self.name!r}: optimizer {self.optimizer!r}, expected one of "
                               f"{', '.join(OPTIMIZERS)}")  # fmt: skip
-
-
-# name -> how it is built over the parameters; "sgd" (momentum 0.9) for models whose AdamW step would dominate
-# a CPU step and hide what else the methods differ in
-OPTIMIZERS = {
-    "adamw": lambda params: torch.optim.AdamW(params, lr=LR),
-    "sgd": lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9),
-}
 
 
 # Small enough that a step takes well under a second on one core per rank.
@@ -155,237 +154,6 @@ def _repetitions(settings: RunSettings, methods: dict) -> int:
     return max(settings.repetitions, min(settings.max_repetitions, need))
 
 
-# ----------------------------------------------------------------------------------------- methods
-
-
-def _optimizer(params, kind: str = "adamw"):
-    return OPTIMIZERS[kind](params)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _state_bytes(params, optimizer) -> int:
-    """Bytes of this rank's parameter shards, their gradients and the optimizer's states."""
-    total = 0
-    for p in params:
-        total += _local(p).nbytes
-        if p.grad is not None:
-            total += _local(p.grad).nbytes
-    for state in optimizer.state.values():
-        total += sum(_local(v).nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
-    return total
-
-
-class _Method:
-    """A model prepared for one method; `step()` runs one optimizer step on the global batch."""
-
-    name = ""
-
-    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw"):
-        self.ids, self.rank, self.world = ids, rank, world
-        self.optimizer_kind = optimizer
-        self.model = model
-        self.optimizer = None
-        self.setup_time_s = 0.0
-        self.last_loss = float("nan")
-
-    def _slice(self):
-        n = self.ids.shape[0] // self.world
-        return self.ids[self.rank * n : (self.rank + 1) * n]
-
-    def _torch_step(self, ids):
-        loss = self.model(ids, labels=ids).loss
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return loss
-
-    def state_bytes(self) -> int:
-        return _state_bytes(list(self.model.parameters()), self.optimizer)
-
-    def extra(self) -> dict:
-        return {}
-
-
-class _Autopar(_Method):
-    """autopar's own plan; the variants below pin part of it (`constraints`)."""
-
-    name = "autopar"
-
-    @staticmethod
-    def constraints(world: int) -> dict | None:
-        """What the method pins of the plan on `world` ranks (None: the free search)."""
-        return None
-
-    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw", plan_json: str | None = None):
-        import autopar
-
-        super().__init__(model, ids, rank, world, optimizer=optimizer)
-        t0 = time.perf_counter()
-        plan = autopar.Plan.from_json(plan_json) if plan_json else None
-        cluster = plan.cluster if plan is not None else f"cpu:{world}"
-        self.pm = autopar.compile(model, cluster, example_inputs=(ids,), example_kwargs={"labels": ids},
-                                  optimizer=OPTIMIZERS[optimizer], plan=plan,
-                                  constraints=None if plan is not None else self.constraints(world))  # fmt: skip
-        self.setup_time_s = time.perf_counter() - t0
-        self.optimizer = self.pm.optimizer
-
-    def step(self):
-        self.last_loss = self.pm.train_step(self.ids, labels=self.ids)
-
-    def state_bytes(self) -> int:
-        return _state_bytes(list(self.pm.parameters()), self.optimizer)
-
-    def extra(self) -> dict:
-        plan = self.pm.plan
-        pred = plan.predicted
-        return {"predicted_step_time_s": pred.step_time_s, "mesh": dict(plan.mesh), "zero_stage": plan.zero_stage,
-                "predicted_breakdown_s": {"compute": pred.compute_s, "reshard": pred.reshard_s,
-                                          "grad_sync": pred.grad_sync_s, "optimizer": pred.optimizer_s,
-                                          "offload": pred.offload_s},
-                "predicted_exposed_comm_s": sum(plan.time_breakdown.get(k, 0.0) for k in COMM_TERMS),
-                "predicted_hidden_comm_s": sum(plan.hidden_communication.values()),
-                "overlap": plan.overlap, "plan_stats": dict(plan.stats)}  # fmt: skip
-
-
-class _AutoparDP(_Autopar):
-    name = "autopar-dp"
-
-    @staticmethod
-    def constraints(world: int) -> dict | None:
-        return {"dp": world, "zero": 0}
-
-
-class _AutoparZero3(_Autopar):
-    name = "autopar-zero3"
-
-    @staticmethod
-    def constraints(world: int) -> dict | None:
-        return {"dp": world, "zero": 3}
-
-
-class _AutoparDPNoOverlap(_Autopar):
-    name = "autopar-dp-no-overlap"
-
-    @staticmethod
-    def constraints(world: int) -> dict | None:
-        return {"dp": world, "zero": 0, "overlap": False}
-
-
-class _DDP(_Method):
-    name = "ddp"
-
-    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw"):
-        from torch.nn.parallel import DistributedDataParallel
-
-        super().__init__(model, ids, rank, world, optimizer=optimizer)
-        t0 = time.perf_counter()
-        # as users run it: 25 MiB buckets whose all-reduces start from backward hooks
-        self.model = DistributedDataParallel(model)
-        self.optimizer = _optimizer(self.model.parameters(), optimizer)
-        self.setup_time_s = time.perf_counter() - t0
-
-    def step(self):
-        self.last_loss = self._torch_step(self._slice()).item()
-
-
-class _FSDP2(_Method):
-    name = "fsdp2"
-
-    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw"):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        super().__init__(model, ids, rank, world, optimizer=optimizer)
-        t0 = time.perf_counter()
-        mesh = init_device_mesh("cpu", (world,))
-        for block in _blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.optimizer = _optimizer(model.parameters(), optimizer)
-        self.setup_time_s = time.perf_counter() - t0
-
-    def step(self):
-        # The loss is this rank's slice; the mean over ranks is the global batch's loss.
-        self.last_loss = self._torch_step(self._slice()).item()
-
-
-class _TensorParallel(_Method):
-    name = "tp"
-
-    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw"):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        super().__init__(model, ids, rank, world, optimizer=optimizer)
-        t0 = time.perf_counter()
-        mesh = init_device_mesh("cpu", (world,))
-        parallelize_module(model, mesh, megatron_tp_plan(model))
-        self.optimizer = _optimizer(model.parameters(), optimizer)
-        self.setup_time_s = time.perf_counter() - t0
-
-    def step(self):
-        self.last_loss = self._torch_step(self.ids).item()
-
-
-def _blocks(model) -> list:
-    if hasattr(model, "model") and hasattr(model.model, "layers"):
-        return list(model.model.layers)
-    return list(model.transformer.h)
-
-
-def megatron_tp_plan(model) -> dict:
-    """Column-wise q/k/v and gate/up, row-wise o and down, in every LLaMA decoder block."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {}
-    for i in range(len(model.model.layers)):
-        prefix = f"model.layers.{i}"
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"{prefix}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"{prefix}.{name}"] = RowwiseParallel()
-    return plan
-
-
-def tp_skip_reason(config, world: int) -> str | None:
-    """Why the hand-written tensor-parallel baseline does not apply to this model, or None."""
-    if config.model_type != "llama":
-        return ("GPT-2's Conv1D projections (transposed weights) and fused q/k/v projection do not fit "
-                "ColwiseParallel/RowwiseParallel")  # fmt: skip
-    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(config, attr) % world:
-            return f"{attr}={getattr(config, attr)} does not divide over {world} ranks"
-    return None
-
-
-METHODS = {m.name: m for m in (_Autopar, _AutoparDP, _AutoparZero3, _AutoparDPNoOverlap, _DDP, _FSDP2,
-                                _TensorParallel)}  # fmt: skip
-# what a run measures unless told (`--methods`)
-DEFAULT_METHODS = ("autopar", "ddp", "fsdp2", "tp")
-BASELINES = ("ddp", "fsdp2", "tp")
-# (autopar method, the PyTorch baseline that runs the same layout): their paired ratio is reported
-PAIRS = (("autopar-dp", "ddp"), ("autopar-zero3", "fsdp2"))
-
-
-def is_autopar(method: str) -> bool:
-    return issubclass(METHODS[method], _Autopar)
-
-
-def select(names, table: dict, what: str) -> tuple:
-    """The entries of `table` named in `names` (comma-separated text or a sequence), in the order given; a
-    ConfigError names an unknown one and lists the known."""
-    if isinstance(names, str):
-        names = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in names if n not in table]
-    if unknown or not names:
-        raise ConfigError(f"unknown {what} {', '.join(map(repr, unknown)) or '(none given)'}: expected a "
-                          f"comma-separated list of {', '.join(table)}")  # fmt: skip
-    return tuple(table[n] for n in dict.fromkeys(names))
-
-
 # -------------------------------------------------------------------------------------- measuring
 
 
@@ -410,7 +178,7 @@ def _proc_status(field: str) -> int | None:
     return None
 
 
-def _measure(method: _Method, steps: int) -> tuple[float, float, int | None]:
+def _measure(method: Method, steps: int) -> tuple[float, float, int | None]:
     """Mean step time and CPU time over `steps` (the slowest rank's of each) and this rank's resident-set growth.
 
     The CPU time (the process's, gloo's threads included) is the work a step costs a rank whatever else
@@ -426,7 +194,7 @@ def _measure(method: _Method, steps: int) -> tuple[float, float, int | None]:
     return _spent(t0, c0, steps, rss0)
 
 
-def _measure_noop(method: _Method, steps: int) -> tuple[float, int, bool]:
+def _measure_noop(method: Method, steps: int) -> tuple[float, int, bool]:
     """Mean step time over `steps` with every collective a no-op (`noop_collectives`), the slowest rank's; the
     collectives replaced per step (this rank's) and whether every loss stayed finite. The method's loss is the
     last real step's afterwards: what no-op steps compute is not the training the run reports."""
@@ -660,7 +428,7 @@ def _one_rank(spec: RunModel, world: int):
 def plain_training_step(spec: RunModel, world: int):
     """A step (forward, backward, the spec's optimizer) of `spec`'s model on one rank's share of the batch, as a callable."""
     model, ids = _one_rank(spec, world)
-    optimizer = _optimizer(model.parameters(), spec.optimizer)
+    optimizer = make_optimizer(model.parameters(), spec.optimizer)
 
     def step():
         loss = model(ids, labels=ids).loss
