@@ -89,7 +89,12 @@ def _bench_cmd(args) -> int:
     if args.cluster is not None and args.suite not in ("run", "soak", "checkpoint"):
         warnings.warn(f"--cluster applies to the run, soak and checkpoint suites only; the {args.suite} suite "
                       f"ignores it", stacklevel=1)  # fmt: skip
-    run_suite(args.suite, args.out, quick=args.quick, cluster=args.cluster, show_progress=not args.quiet)
+    picks = {k: v for k, v in (("methods", args.methods), ("models", args.models)) if v is not None}
+    if picks and args.suite != "run":
+        warnings.warn(f"--{' and --'.join(picks)} apply to the run suite only; the {args.suite} suite ignores them",
+                      stacklevel=1)  # fmt: skip
+        picks = {}
+    run_suite(args.suite, args.out, quick=args.quick, cluster=args.cluster, show_progress=not args.quiet, **picks)
     plot = "" if args.suite in ("soak", "checkpoint") else f" and {args.suite}.png"
     print(f"[autopar] wrote {args.suite}.json, {args.suite}.md{plot} to {args.out}", file=sys.stderr)
     return 0
@@ -167,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
     b.add_argument("--cluster", help="run, soak and checkpoint suites: local CPU ranks, cpu:N (default cpu:2; "
                    "cpu:4 for soak)")  # fmt: skip
+    b.add_argument("--methods", help="run suite: comma-separated methods, e.g. autopar,autopar-dp,ddp (default "
+                   "autopar,ddp,fsdp2,tp; also autopar-zero3, autopar-dp-no-overlap)")  # fmt: skip
+    b.add_argument("--models", help="run suite: comma-separated models, e.g. wide-llama (default: the small ones)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     b.set_defaults(fn=_bench_cmd)
     return ap

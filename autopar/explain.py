@@ -520,8 +520,10 @@ def _assumptions(plan) -> list:
         where = f"the estimator {estimator}"
     rows.append(["op costs from", where])
     overlap = ("the data-parallel program's gradient all-reduces overlap the last micro-batch's backward (exposed: "
-               "what backward cannot hide, and at least the last bucket; priced on GPUs only, where communication "
-               "does not take the compute's cores); other communication is not overlapped with compute"
+               "what backward cannot hide, and at least the last bucket; of the backward it overlaps, the share "
+               f"{plan.cluster.device.overlap_efficiency:g} hides it, the device's overlap efficiency: 1 on GPUs, "
+               "less where communication takes the compute's cores); other communication is not overlapped with "
+               "compute"
                if plan.overlap else "communication not overlapped with compute (overlap off)")  # fmt: skip
     if plan.pipeline and plan.overlap:
         overlap = ("pipeline transfers are posted ahead and hide their time on the wire behind one micro-batch's "

@@ -15,6 +15,9 @@ What is measured, and how:
   4 B to 64 MiB, one call per sample after a barrier. alpha is the median time of the messages
   up to 1 KiB divided by the ring's 2(n-1) steps; the bandwidth is the slope of time over
   ring-moved bytes 2(n-1)/n·S, least-squares fitted on the sizes from 1 MiB.
+- overlap efficiency (`measure_overlap_efficiency`): on `ranks` processes, an all-reduce launched
+  asynchronously while matmuls of about its length run, against the two one after the other; eta is
+  the share of the shorter of the two that running them at once saved.
 - host memory: physical RAM from `sysconf`.
 - host costs of an eager training step (`measure_host_overheads`: dispatch of an op and of a
   view, one backward node, one `autograd.grad` call) and of the optimizer
@@ -423,6 +426,86 @@ def measure_shared_core_slowdown(num_ranks: int, duration_s: float = 1.0, make_w
     return max(1.0, statistics.median(r["together"] for r in results) / alone)
 
 
+def matmul_chain(num_matmuls: int, n: int = 256):
+    """Compute with no communication: `num_matmuls` n x n x n fp32 matmuls, as a callable (the bulk of a backward)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+
+    def work():
+        for _ in range(num_matmuls):
+            torch.mm(a, b, out=out)
+
+    return work
+
+
+def _overlap_worker(rank: int, world: int, init_file: str, num_bytes: int, repeats: int, result_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        t = torch.ones(max(num_bytes // 4, 1))
+
+        def timed(fn) -> float:  # the slowest rank's time of `fn`, started together
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            spent = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+            return spent.item()
+
+        def allreduce():
+            dist.all_reduce(t)
+
+        allreduce()  # the first call sets up gloo's buffers
+        unit = statistics.median(timed(matmul_chain(8)) for _ in range(3))
+        comm = statistics.median(timed(allreduce) for _ in range(3))
+        work = matmul_chain(max(1, round(8 * comm / unit)))  # about as long as the all-reduce
+
+        def both():
+            handle = dist.all_reduce(t, async_op=True)
+            work()
+            handle.wait()
+
+        samples = {"compute": [], "comm": [], "both": []}
+        for _ in range(repeats):
+            for key, fn in (("compute", work), ("comm", allreduce), ("both", both)):
+                samples[key].append(timed(fn))
+        if rank == 0:
+            with open(result_file, "w") as f:
+                json.dump(samples, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def overlap_efficiency(compute_s: float, comm_s: float, both_s: float) -> float:
+    """eta = (compute + comm - both) / min(compute, comm), in [0, 1]: the share of the shorter of the two that
+    running them at once saves (1: the communication fully behind the compute or the other way round; 0:
+    they take as long together as one after the other)."""
+    shorter = min(compute_s, comm_s)
+    if not shorter > 0:
+        raise ValueError(f"overlap efficiency needs positive times, got compute {compute_s} s, comm {comm_s} s")
+    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / shorter))
+
+
+def measure_overlap_efficiency(num_ranks: int, num_bytes: int = 16 << 20, repeats: int = 7) -> dict[str, float]:
+    """How much of a gloo all-reduce hides behind compute on this machine: {"eta", "compute_s", "comm_s",
+    "both_s"}.
+
+    Each of `num_ranks` local ranks (one thread each) times, after a barrier (the slowest rank's time): a chain
+    of fp32 matmuls sized to take about as long as the all-reduce (compute_s), an all-reduce of `num_bytes`
+    (comm_s), and the all-reduce launched asynchronously, the same matmuls run, then waited on (both_s); the
+    three take turns `repeats` times and each is the median. eta = `overlap_efficiency` of the medians. On CPU
+    gloo's communication runs on threads that compete with the compute for the same cores, so eta < 1 there.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, result_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
+        mp.spawn(_overlap_worker, args=(num_ranks, init_file, num_bytes, repeats, result_file), nprocs=num_ranks,
+                 join=True)  # fmt: skip
+        with open(result_file) as f:
+            samples = json.load(f)
+    medians = {f"{k}_s": statistics.median(v) for k, v in samples.items()}
+    return {"eta": overlap_efficiency(medians["compute_s"], medians["comm_s"], medians["both_s"])} | medians
+
+
 def fit_ring_allreduce(times_s: dict[int, float], num_ranks: int) -> tuple[float, float]:
     """(latency_s per step, bandwidth bytes/s) of the ring model t = 2(n-1)·alpha + 2(n-1)/n·S / bandwidth.
 
@@ -470,6 +553,9 @@ def calibrate(num_ranks: int = 2, repeats: int = 7, runs: int = 1) -> dict:
         torch.set_num_threads(previous)
     samples = [measure_gloo_allreduce(num_ranks, repeats) for _ in range(runs)]
     best = {size: min(run[size] for run in samples) for size in samples[0]}
+    # the median, not the best: other load on the machine moves eta either way
+    device["overlap_efficiency"] = statistics.median(measure_overlap_efficiency(num_ranks, repeats=repeats)["eta"]
+                                                     for _ in range(runs))  # fmt: skip
     alpha, bandwidth = fit_ring_allreduce(best, num_ranks)
     ram = host_memory_bytes()  # the cluster file divides it among the ranks
     return {

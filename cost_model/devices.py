@@ -41,6 +41,12 @@ AdamW over whole chunks ran 81M parameters in 58.5 ms on one core (1.38e9 parame
 DGX hosts, from the datasheets, at half of the DRAM peak (no measurement on such a host yet):
 DGX A100, 2x EPYC 7742 with 16 channels of DDR4-3200 (409.6 GB/s): 204.8e9 / 28 / 8 GPUs = 0.91e9 per
 GPU; DGX H100/H200, 2x Xeon 8480C with 16 channels of DDR5-4800 (614.4 GB/s): 1.37e9 per GPU.
+
+Overlap efficiency (`overlap_efficiency`, eta): of the compute that runs while a collective is in flight, the
+share that hides it, so hidden = eta min(communication, compute it overlaps) (`passes.sharding_solver` prices the
+data-parallel program's gradient all-reduces so). GPUs: 1 (NCCL runs on its own SMs and copy engines; the few
+SMs it takes are not modelled). CPU ranks: gloo's threads run on the cores the compute needs; measured (see
+`CPU`) by `calibrate.measure_overlap_efficiency`.
 """
 
 from __future__ import annotations
@@ -138,6 +144,10 @@ class DeviceSpec:
     host_link: LinkSpec
     # AdamW parameter updates per second the host CPU runs for this device (see the module docstring)
     host_adamw_params_per_s: float = 1e9
+    # eta: the share of communication that hides behind compute running at the same time (see the module
+    # docstring): 1 where the link has engines of its own (GPUs: NCCL's kernels take a few SMs), less where the
+    # communication runs on the cores the compute needs (gloo on CPU)
+    overlap_efficiency: float = 1.0
 
     def __post_init__(self):
         owner = f"device {self.name!r}"
@@ -150,6 +160,9 @@ class DeviceSpec:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ConfigError(f"{owner}: {name} must be in (0, 1], got {value!r}")
+        eta = self.overlap_efficiency
+        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
+            raise ConfigError(f"{owner}: overlap_efficiency must be in [0, 1], got {eta!r}")
         if not isinstance(self.kernel_overhead_s, (int, float)) or self.kernel_overhead_s < 0:
             raise ConfigError(f"{owner}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s!r}")
         if not self.matmul_flops_per_s:
@@ -170,6 +183,8 @@ class DeviceSpec:
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.overlap_efficiency == 1.0:  # the default: left out, so that files written before it read the same
+            del d["overlap_efficiency"]
         d["matmul_flops_per_s"] = {dt.value: rate for dt, rate in self.matmul_flops_per_s}
         for name in _LINK_FIELDS:
             d[name] = d[name].to_dict()
@@ -272,6 +287,14 @@ CPU = DeviceSpec(
     # fused AdamW over whole chunks on one core: `python -m autopar.memory bench --threads 1 2 --repeats 7`, 81.0M
     # parameters in 58.5 ms (2026-12-02; the best of four runs, 58.5-125.5 ms as the load of other jobs varied)
     host_adamw_params_per_s=1.38e9,
+    # gloo's all-reduce hides behind compute only partly on CPU ranks: its threads need the cores the compute runs
+    # on. Measured 2026-12-04 on the same machine with
+    #   OMP_NUM_THREADS=1 .venv/bin/python -c "from autopar.cost_model.calibrate import measure_overlap_efficiency \
+    #     as m; print([m(2, repeats=9)['eta'] for _ in range(7)])"
+    # (2 ranks, a 16 MiB all-reduce of ~15-25 ms against as long a run of 256^3 fp32 matmuls, launched
+    # asynchronously, then waited on): 0.0, 0.23, 0.52, 0.25, 0.89, 0.36, 0.35, median 0.35. Other jobs kept the
+    # load average at 8-10 on the 2 vCPUs throughout, hence the spread; `bench run` measures it afresh each run.
+    overlap_efficiency=0.35,
 )
 
 DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType(

@@ -30,10 +30,14 @@ Variables:
                          optimizer states are there (the offload program keeps no device copy of
                          them between uses), so h_p = B_param h_o / B_opt
 
-Objective (predicted step time, seconds; no overlap of communication with compute assumed):
+Objective (predicted step time, seconds; the plain layout's gradient sync overlaps backward, E below; other
+communication is not overlapped with compute):
     min  sum_g n_g sum_k x[g,k] (T_fwd[g,k] + T_bwd[g,k])                       compute
        + sum_e n_e sum_{k,l} y[e,k,l] (Rf[e,k,l] + Rb[e,k,l])                   resharding
        + sum_w n_w sum_{k,s} u[w,k,s] Sync[w,k,s]                               gradient sync over dp
+                                                                                 (but the plain layout's)
+       + E                                                                      exposed sync of the plain
+                                                                                 layout (stage 0, no tp)
        + C_o h_o + C_g h_g + C_p h_p                                            host offload
        + D sum_{s: tp > 1 or s >= 1} z[s]                                       sharded-runtime overhead
        + sum_w n_w sum_{k,s} u[w,k,s] Opt[w,k,s] - D_o h_o                      optimizer step
@@ -43,6 +47,12 @@ Objective (predicted step time, seconds; no overlap of communication with comput
     T_*   roofline (or profiled) time of the op's share of work: work / (dp * divisor_k)
     Rf    time to bring the producer's output placement to the placement argument i needs
     Rb    time to bring the gradient the consumer returns to the producer's layout
+    E     what the step waits for of the plain layout's bucketed all-reduces, launched from the last
+          micro-batch's backward (B its backward seconds, eta the device's overlap_efficiency, 1 on GPUs,
+          measured for gloo on CPU, where communication competes with compute for the cores):
+          E >= sum Sync - eta B / m,  E >= (1 - eta) sum Sync,  E >= T_last (the last bucket, launched when
+          backward ends);  hidden = sum Sync - E = eta min(sum Sync, B / m) while the last bucket fits behind;
+          with overlap off (constraints={"overlap": False}) E is not used and the sync is paid whole
     Sync  all-reduce of the local gradient over dp in buckets (stage 0), reduce-scatter + all-gather
           of the parameters (stages 1, 2), and one more all-gather for the backward (stage 3), one
           collective per parameter (the sharded runtime redistributes each on its own)
@@ -452,9 +462,11 @@ class ShardingProgram:
                  overlap: bool = True, cp: CPPricing | None = None):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
         # the data-parallel program launches each gradient bucket's all-reduce from backward (asynchronously):
-        # price what the last micro-batch's backward hides. On CPU ranks gloo's all-reduce runs on the cores
-        # the compute needs, so nothing is taken as hidden there; pipeline stages reduce after their schedule
-        self.overlap = overlap and cluster.device.kind == "gpu"
+        # price what the last micro-batch's backward hides, at the device's overlap efficiency eta (on CPU ranks
+        # gloo's all-reduce runs on the cores the compute needs, so less hides there); pipeline stages reduce
+        # after their schedule
+        self.eta = cluster.device.overlap_efficiency
+        self.overlap = overlap and self.eta > 0
         self._bwd_terms: list = []  # n_g x[g,k] T_bwd: backward seconds per step
         self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
         self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
@@ -944,15 +956,21 @@ class ShardingProgram:
             self.add_overlap_constraint(plain)
 
     def add_overlap_constraint(self, plain: list) -> None:
-        """E >= sum(plain) - B / m, E >= T_last z[s], E >= 0; objective E instead of sum(plain).
+        """E >= sum(plain) - eta B / m, E >= (1 - eta) sum(plain), E >= T_last z[s], E >= 0; objective E instead
+        of sum(plain).
 
         The data-parallel program's all-reduces (sum(plain): every bucket's time and the one latency a step
-        pays) run while the last micro-batch's backward (B / m, B the step's backward) goes on; what does not
-        fit behind it is exposed, and so is the last bucket (the first parameters, whose gradients come last),
-        launched when backward ends (T_last: one all-reduce of min(BUCKET_BYTES, all gradient bytes))."""
+        pays) run while the last micro-batch's backward (B / m, B the step's backward) goes on. Of that, the
+        share eta (`DeviceSpec.overlap_efficiency`) hides: hidden = eta min(sum(plain), B / m), and the first two
+        rows are exposed = sum(plain) - hidden. The last bucket (the first parameters, whose gradients come last)
+        is launched when backward ends and is exposed whole (T_last: one all-reduce of min(BUCKET_BYTES, all
+        gradient bytes))."""
         s = next(s for s in self.z if self.runs_plain(s))
         e = self.prob.add_variable("exposed_sync", 0)
-        self.prob += e >= pulp.lpSum(plain) - pulp.lpSum(self._bwd_terms) * (1.0 / self.mb), "overlap_exposed_sync"
+        backward = pulp.lpSum(self._bwd_terms) * (self.eta / self.mb)
+        self.prob += e >= pulp.lpSum(plain) - backward, "overlap_exposed_sync"
+        if self.eta < 1:
+            self.prob += e >= pulp.lpSum(plain) * (1.0 - self.eta), "overlap_efficiency"
         self.prob += e >= self.last_bucket_s() * self.z[s], "overlap_last_bucket"
         self.cost_terms["grad_sync"].append(e)
         self.sync_report["total"] = plain

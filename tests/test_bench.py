@@ -125,9 +125,9 @@ def test_run_suite_measures_every_method(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a link fit on a busy machine may fall back to the preset, with a warning
         doc = execution.run(tmp_path, cluster="cpu:2", models=(model,), settings=RunSettings(1, 2, 2, 1, min_measured_s=0.2, max_repetitions=4),
-                            show_progress=False)  # fmt: skip
+                            show_progress=False, methods="autopar,autopar-dp,ddp,fsdp2,tp")  # fmt: skip
     (res,) = doc["results"]
-    assert set(res["methods"]) == {"autopar", "ddp", "fsdp2", "tp"}
+    assert set(res["methods"]) == {"autopar", "autopar-dp", "ddp", "fsdp2", "tp"}
     times = []
     # at least 2 repetitions, more (up to 4) while a method had under 0.2 s timed; the same count for every method
     reps = len(res["methods"]["ddp"]["times_s"])
@@ -139,6 +139,12 @@ def test_run_suite_measures_every_method(tmp_path):
         assert m["state_bytes_per_rank"] > 0 and m["ratio_to_best_baseline"] > 0
         assert m["paired_ratio_to_best_baseline"] > 0
         times += m["times_s"]
+        # each repetition also timed the step with no-op collectives; every method communicates, and every
+        # collective went through the no-op kernels (losses stayed finite)
+        assert len(m["noop_times_s"]) == reps and m["noop_collectives_per_step"] >= 1 and m["noop_losses_finite"]
+        exposed = m["measured_exposed_comm_s"]
+        assert exposed["min"] <= exposed["median"] <= exposed["max"], name
+        assert m["exposed_comm_s"] == [t - n for t, n in zip(m["times_s"], m["noop_times_s"], strict=True)]
     # the best baseline's ratios are to itself: 1 both ways
     best = min(("ddp", "fsdp2", "tp"), key=lambda n: res["methods"][n]["median_step_time_s"])
     assert (
@@ -148,6 +154,10 @@ def test_run_suite_measures_every_method(tmp_path):
     assert len(set(times)) > 1
     auto = res["methods"]["autopar"]
     assert auto["predicted_step_time_s"] > 0 and auto["mesh"]
+    dp = res["methods"]["autopar-dp"]
+    assert dp["mesh"] == {"dp": 2, "tp": 1} and dp["zero_stage"] == 0 and dp["predicted_exposed_comm_s"] > 0
+    pair = res["pairs"]["autopar-dp/ddp"]
+    assert pair["ratios"] == [a / b for a, b in zip(dp["times_s"], res["methods"]["ddp"]["times_s"], strict=True)]
     # The prediction comes from the cost model profiled on this machine before the run.
     assert auto["plan_stats"]["estimator"] == "ProfiledEstimator"
     cal = doc["calibration"]
@@ -156,6 +166,9 @@ def test_run_suite_measures_every_method(tmp_path):
     m = cal["models"]["tiny-llama"]
     assert cal["host"]["optimizer_s_per_param_byte"] >= 0 and ("link" in m or "link_error" in m)
     assert all(t > 0 for t in m["allreduce_median_s"].values())
+    # the overlap efficiency the plans were priced with, measured among the ranks just before the run
+    o = m["overlap"]
+    assert 0 <= o["eta"] <= 1 and o["comm_s"] > 0 and o["compute_s"] > 0 and o["both_s"] > 0
     # each rank's host work is priced as measured while the ranks run the model's step together (never faster
     # than alone), and the ops scaled by the model's own graph run as a step against the sum of their profiles
     assert m["shared_core_slowdown"] >= 1.0 and m["ranks_per_core"] == m["shared_core_slowdown"]
@@ -163,7 +176,9 @@ def test_run_suite_measures_every_method(tmp_path):
     assert in_step["forward_measured_s"] > 0 and in_step["backward_profiled_s"] > 0
     assert in_step["scale"] == [in_step["forward_measured_s"] / in_step["forward_profiled_s"],
                                 in_step["backward_measured_s"] / in_step["backward_profiled_s"]]  # fmt: skip
-    assert "(predicted − measured) / measured" in (tmp_path / "run.md").read_text()
+    md = (tmp_path / "run.md").read_text()
+    assert "(predicted − measured) / measured" in md and "## Communication the step waits for" in md
+    assert "autopar-dp/ddp" in md
     # FSDP2 keeps half of the states on each of two ranks; DDP all of them.
     assert res["methods"]["fsdp2"]["state_bytes_per_rank"] < res["methods"]["ddp"]["state_bytes_per_rank"]
     assert doc["environment"]["torch_version"] and (tmp_path / "run.md").exists() and (tmp_path / "run.png").exists()
@@ -173,6 +188,15 @@ def test_gpt2_has_no_hand_written_tensor_parallel_baseline():
     assert "Conv1D" in execution.tp_skip_reason(presets.load_config("tiny-gpt2"), 2)
     assert execution.tp_skip_reason(presets.load_config("tiny-llama"), 2) is None
     assert "num_key_value_heads" in execution.tp_skip_reason(presets.load_config("tiny-llama"), 4)
+
+
+def test_run_suite_names_an_unknown_method_or_model(tmp_path, capsys):
+    assert main(["bench", "run", "--methods", "autopar,ddp2", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "'ddp2'" in err and "autopar-dp-no-overlap" in err
+    assert main(["bench", "run", "--models", "no-such-model", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "'no-such-model'" in err and "wide-llama" in err
 
 
 def test_cli_rejects_a_gpu_cluster_for_the_run_suite(tmp_path, capsys):

@@ -25,7 +25,7 @@ DEFAULT_CLUSTERS = {"run": "cpu:2", "soak": "cpu:4", "checkpoint": "cpu:2"}
 
 
 def run_suite(suite: str, out_dir: str | Path, *, quick: bool = False, cluster: str | None = None,
-              show_progress: bool = True):  # fmt: skip
+              show_progress: bool = True, **picks):  # fmt: skip
     """Run one suite by name and return what it wrote to its JSON file.
 
     Args:
@@ -35,6 +35,7 @@ def run_suite(suite: str, out_dir: str | Path, *, quick: bool = False, cluster: 
         cluster: "cpu:N" for the suites that run on local CPU ranks (run, soak, checkpoint; default
             `DEFAULT_CLUSTERS`); ignored by the others.
         show_progress: progress on stderr.
+        picks: for the run suite, `methods` and `models` (comma-separated names; see `execution.run`).
     """
     from autopar.errors import ConfigError
 
@@ -51,7 +52,7 @@ def run_suite(suite: str, out_dir: str | Path, *, quick: bool = False, cluster: 
     if suite == "run":
         from autopar.bench import execution
 
-        return execution.run(out_dir, cluster=cluster, quick=quick, show_progress=show_progress)
+        return execution.run(out_dir, cluster=cluster, quick=quick, show_progress=show_progress, **picks)
     if suite == "soak":
         from autopar.bench import checkpoints
 

@@ -1,18 +1,16 @@
 """`autopar bench run`: real training steps on local CPU ranks, autopar next to PyTorch's own APIs.
 
 One spawned gloo job (one process per rank, one thread each, rendezvous through a file) trains
-each model with every method in turn: autopar (`autopar.compile` then `train_step`), DDP,
-FSDP2 (`fully_shard` per decoder block, then the whole model) and, for LLaMA, tensor parallelism
-with `parallelize_module` (Megatron's column-wise q/k/v and gate/up projections, row-wise o and
-down projections). GPT-2 gets no tensor-parallel baseline: its projections are `Conv1D`
-modules (weights stored transposed, which `ColwiseParallel`/`RowwiseParallel` do not accept) and
-its attention fuses q, k and v into one `c_attn` whose column split would cut across q, k and v.
+each model with every method in turn (`autopar.bench.run_methods`: autopar, free or with its layout
+pinned, DDP, FSDP2 and, for LLaMA, tensor parallelism with `parallelize_module`).
 
 Every method starts from the same initial weights and trains on the same global batch (DDP and
 FSDP2 ranks take their slice, tensor-parallel ranks the whole batch, autopar takes its own
 share). After warm-up steps, the methods take turns, one repetition of a few steps each, with
 the order rotated every repetition so that no method always runs first; a repetition's time is
-the slowest rank's mean step time.
+the slowest rank's mean step time. Each method's step is also timed with its collectives replaced
+by no-ops (`autopar.bench.noop_collectives`), in the same rotation: the difference, repetition by
+repetition, is the communication the step waits for (its exposed communication).
 
 Memory per rank, two figures: `state_bytes`, counted from the tensors a rank holds after a step
 (its parameters, gradients and optimizer states, local shards only), and `peak_rss_delta_bytes`,
@@ -35,9 +33,20 @@ from pathlib import Path
 import torch
 
 from autopar.bench.common import env_md, environment, fmt_gib, fmt_ms, md_table, pyplot, run_on_ranks, write_json
+from autopar.bench.noop_collectives import noop_collectives
+from autopar.bench.run_methods import (
+    BASELINES,
+    DEFAULT_METHODS,
+    METHODS,
+    OPTIMIZERS,
+    PAIRS,
+    Method,
+    is_autopar,
+    make_optimizer,
+    select,
+    tp_skip_reason,
+)
 from autopar.errors import ConfigError
-
-LR = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +58,13 @@ class RunModel:
     batch_size: int
     seq_len: int
     overrides: tuple[tuple[str, object], ...] = ()
+    # the optimizer every method trains it with (`OPTIMIZERS`)
+    optimizer: str = "adamw"
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"RunModel {self.name!r}: optimizer {self.optimizer!r}, expected one of "
+                              f"{', '.join(OPTIMIZERS)}")  # fmt: skip
 
 
 # Small enough that a step takes well under a second on one core per rank.
@@ -74,6 +90,27 @@ MODELS: tuple[RunModel, ...] = (
     ),  # fmt: skip
 )
 QUICK_MODELS: tuple[RunModel, ...] = MODELS[:2]
+# Communication-bound on cpu:2: ~41M parameters in wide layers (164 MB of fp32 gradients, about 0.15 s of gloo
+# all-reduce on loopback) and little compute per rank (32 tokens), so the gradient sync is a large share of the
+# step and how much of it hides behind backward shows. Trained with SGD: AdamW on CPU would dominate the step.
+# Not in `MODELS` (a step takes a good part of a second): `--models wide-llama` selects it.
+WIDE_LLAMA = RunModel(
+    "wide-llama",
+    "tiny-llama",
+    4,
+    16,
+    (
+        ("hidden_size", 768),
+        ("intermediate_size", 3072),
+        ("num_hidden_layers", 4),
+        ("num_attention_heads", 12),
+        ("num_key_value_heads", 12),
+        ("vocab_size", 2048),
+    ),
+    optimizer="sgd",
+)  # fmt: skip
+# every model `--models` can name
+ALL_MODELS: tuple[RunModel, ...] = MODELS + (WIDE_LLAMA,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +128,9 @@ class RunSettings:
     calibration_repeats: int = 5
     min_measured_s: float = 1.5
     max_repetitions: int = 30
+    # also time each method's step with its collectives replaced by no-ops (`noop_collectives`), interleaved with
+    # the real steps, for the communication the step waits for
+    measure_exposed: bool = True
 
 
 QUICK_SETTINGS = RunSettings(warmup_steps=2, repetitions=3, steps_per_repetition=3, calibration_repeats=3,
@@ -112,180 +152,6 @@ def _repetitions(settings: RunSettings, methods: dict) -> int:
     dist.all_reduce(mean_step, op=dist.ReduceOp.MAX)
     need = math.ceil(settings.min_measured_s / (mean_step.item() * settings.steps_per_repetition))
     return max(settings.repetitions, min(settings.max_repetitions, need))
-
-
-# ----------------------------------------------------------------------------------------- methods
-
-
-def _optimizer(params):
-    return torch.optim.AdamW(params, lr=LR)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _state_bytes(params, optimizer) -> int:
-    """Bytes of this rank's parameter shards, their gradients and the optimizer's states."""
-    total = 0
-    for p in params:
-        total += _local(p).nbytes
-        if p.grad is not None:
-            total += _local(p.grad).nbytes
-    for state in optimizer.state.values():
-        total += sum(_local(v).nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
-    return total
-
-
-class _Method:
-    """A model prepared for one method; `step()` runs one optimizer step on the global batch."""
-
-    name = ""
-
-    def __init__(self, model, ids, rank, world):
-        self.ids, self.rank, self.world = ids, rank, world
-        self.model = model
-        self.optimizer = None
-        self.setup_time_s = 0.0
-        self.last_loss = float("nan")
-
-    def _slice(self):
-        n = self.ids.shape[0] // self.world
-        return self.ids[self.rank * n : (self.rank + 1) * n]
-
-    def _torch_step(self, ids):
-        loss = self.model(ids, labels=ids).loss
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        return loss
-
-    def state_bytes(self) -> int:
-        return _state_bytes(list(self.model.parameters()), self.optimizer)
-
-    def extra(self) -> dict:
-        return {}
-
-
-class _Autopar(_Method):
-    name = "autopar"
-
-    def __init__(self, model, ids, rank, world, plan_json: str | None = None):
-        import autopar
-
-        super().__init__(model, ids, rank, world)
-        t0 = time.perf_counter()
-        plan = autopar.Plan.from_json(plan_json) if plan_json else None
-        cluster = plan.cluster if plan is not None else f"cpu:{world}"
-        self.pm = autopar.compile(model, cluster, example_inputs=(ids,), example_kwargs={"labels": ids},
-                                  optimizer=_optimizer, plan=plan)  # fmt: skip
-        self.setup_time_s = time.perf_counter() - t0
-        self.optimizer = self.pm.optimizer
-
-    def step(self):
-        self.last_loss = self.pm.train_step(self.ids, labels=self.ids)
-
-    def state_bytes(self) -> int:
-        return _state_bytes(list(self.pm.parameters()), self.optimizer)
-
-    def extra(self) -> dict:
-        plan = self.pm.plan
-        pred = plan.predicted
-        return {"predicted_step_time_s": pred.step_time_s, "mesh": dict(plan.mesh), "zero_stage": plan.zero_stage,
-                "predicted_breakdown_s": {"compute": pred.compute_s, "reshard": pred.reshard_s,
-                                          "grad_sync": pred.grad_sync_s, "optimizer": pred.optimizer_s,
-                                          "offload": pred.offload_s},
-                "plan_stats": dict(plan.stats)}  # fmt: skip
-
-
-class _DDP(_Method):
-    name = "ddp"
-
-    def __init__(self, model, ids, rank, world):
-        from torch.nn.parallel import DistributedDataParallel
-
-        super().__init__(model, ids, rank, world)
-        t0 = time.perf_counter()
-        self.model = DistributedDataParallel(model)
-        self.optimizer = _optimizer(self.model.parameters())
-        self.setup_time_s = time.perf_counter() - t0
-
-    def step(self):
-        self.last_loss = self._torch_step(self._slice()).item()
-
-
-class _FSDP2(_Method):
-    name = "fsdp2"
-
-    def __init__(self, model, ids, rank, world):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        super().__init__(model, ids, rank, world)
-        t0 = time.perf_counter()
-        mesh = init_device_mesh("cpu", (world,))
-        for block in _blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.optimizer = _optimizer(model.parameters())
-        self.setup_time_s = time.perf_counter() - t0
-
-    def step(self):
-        # The loss is this rank's slice; the mean over ranks is the global batch's loss.
-        self.last_loss = self._torch_step(self._slice()).item()
-
-
-class _TensorParallel(_Method):
-    name = "tp"
-
-    def __init__(self, model, ids, rank, world):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        super().__init__(model, ids, rank, world)
-        t0 = time.perf_counter()
-        mesh = init_device_mesh("cpu", (world,))
-        parallelize_module(model, mesh, megatron_tp_plan(model))
-        self.optimizer = _optimizer(model.parameters())
-        self.setup_time_s = time.perf_counter() - t0
-
-    def step(self):
-        self.last_loss = self._torch_step(self.ids).item()
-
-
-def _blocks(model) -> list:
-    if hasattr(model, "model") and hasattr(model.model, "layers"):
-        return list(model.model.layers)
-    return list(model.transformer.h)
-
-
-def megatron_tp_plan(model) -> dict:
-    """Column-wise q/k/v and gate/up, row-wise o and down, in every LLaMA decoder block."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {}
-    for i in range(len(model.model.layers)):
-        prefix = f"model.layers.{i}"
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"{prefix}.{name}"] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[f"{prefix}.{name}"] = RowwiseParallel()
-    return plan
-
-
-def tp_skip_reason(config, world: int) -> str | None:
-    """Why the hand-written tensor-parallel baseline does not apply to this model, or None."""
-    if config.model_type != "llama":
-        return ("GPT-2's Conv1D projections (transposed weights) and fused q/k/v projection do not fit "
-                "ColwiseParallel/RowwiseParallel")  # fmt: skip
-    for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        if getattr(config, attr) % world:
-            return f"{attr}={getattr(config, attr)} does not divide over {world} ranks"
-    return None
-
-
-METHODS = {"autopar": _Autopar, "ddp": _DDP, "fsdp2": _FSDP2, "tp": _TensorParallel}
-BASELINES = ("ddp", "fsdp2", "tp")
 
 
 # -------------------------------------------------------------------------------------- measuring
@@ -312,7 +178,7 @@ def _proc_status(field: str) -> int | None:
     return None
 
 
-def _measure(method: _Method, steps: int) -> tuple[float, float, int | None]:
+def _measure(method: Method, steps: int) -> tuple[float, float, int | None]:
     """Mean step time and CPU time over `steps` (the slowest rank's of each) and this rank's resident-set growth.
 
     The CPU time (the process's, gloo's threads included) is the work a step costs a rank whatever else
@@ -325,6 +191,32 @@ def _measure(method: _Method, steps: int) -> tuple[float, float, int | None]:
     t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         method.step()
+    return _spent(t0, c0, steps, rss0)
+
+
+def _measure_noop(method: Method, steps: int) -> tuple[float, int, bool]:
+    """Mean step time over `steps` with every collective a no-op (`noop_collectives`), the slowest rank's; the
+    collectives replaced per step (this rank's) and whether every loss stayed finite. The method's loss is the
+    last real step's afterwards: what no-op steps compute is not the training the run reports."""
+    import torch.distributed as dist
+
+    loss = method.last_loss
+    finite = True
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    with noop_collectives() as replaced:
+        for _ in range(steps):
+            method.step()
+            finite = finite and math.isfinite(float(method.last_loss))
+    wall, _, _ = _spent(t0, c0, steps, None)
+    method.last_loss = loss
+    return wall, replaced.total // steps, finite
+
+
+def _spent(t0: float, c0: float, steps: int, rss0: int | None) -> tuple[float, float, int | None]:
+    """(wall, CPU time) per step since `t0`, `c0`, the slowest rank's, and the resident-set growth since `rss0`."""
+    import torch.distributed as dist
+
     spent = torch.tensor([(time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps],
                          dtype=torch.float64)  # fmt: skip
     dist.all_reduce(spent, op=dist.ReduceOp.MAX)
@@ -345,25 +237,32 @@ def _model_and_batch(spec: RunModel):
     return config, base, ids
 
 
-def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, say, plan_json: str | None) -> dict:
+def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, say, plans: dict[str, str],
+                 names: tuple[str, ...]) -> dict:  # fmt: skip
     config, base, ids = _model_and_batch(spec)
-    skip = {"tp": tp_skip_reason(config, world)}
+    skip = {"tp": tp_skip_reason(config, world)} if "tp" in names else {}
     methods = {}
-    for n, cls in METHODS.items():
+    for n in names:
         if not skip.get(n):
-            extra = (plan_json,) if n == "autopar" else ()
-            methods[n] = cls(copy.deepcopy(base), ids, rank, world, *extra)
+            extra = {"plan_json": plans.get(n)} if is_autopar(n) else {}
+            methods[n] = METHODS[n](copy.deepcopy(base), ids, rank, world, optimizer=spec.optimizer, **extra)
     for m in methods.values():
         for _ in range(settings.warmup_steps):
             m.step()
-    times = {n: [] for n in methods}
-    rss = {n: [] for n in methods}
-    cpu_times = {n: [] for n in methods}
-    order = list(methods)
+    times, rss, cpu_times = ({n: [] for n in methods} for _ in range(3))
+    noop_times, replaced, finite = ({n: [] for n in methods} for _ in range(3))
+    # a no-op step takes its turn like a method: the rotation spreads the load of the machine over both
+    order = [(n, noop) for n in methods for noop in ((False, True) if settings.measure_exposed else (False,))]
     repetitions = _repetitions(settings, methods)
     for rep in range(repetitions):
         say(f"{spec.name}: repetition {rep + 1}/{repetitions}")
-        for n in order[rep % len(order) :] + order[: rep % len(order)]:
+        for n, noop in order[rep % len(order) :] + order[: rep % len(order)]:
+            if noop:
+                t, count, ok = _measure_noop(methods[n], settings.steps_per_repetition)
+                noop_times[n].append(t)
+                replaced[n].append(count)
+                finite[n].append(ok)
+                continue
             t, cpu, grow = _measure(methods[n], settings.steps_per_repetition)
             times[n].append(t)
             cpu_times[n].append(cpu)
@@ -372,29 +271,40 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
     for n, m in methods.items():
         out[n] = {"times_s": times[n], "cpu_times_s": cpu_times[n], "rss_delta_bytes": rss[n], "state_bytes": m.state_bytes(),
                   "setup_time_s": m.setup_time_s, "final_loss": m.last_loss} | m.extra()  # fmt: skip
+        if settings.measure_exposed:
+            out[n] |= {"noop_times_s": noop_times[n], "noop_collectives_per_step": max(replaced[n]),
+                       "noop_losses_finite": all(finite[n])}  # fmt: skip
     return {"model": spec.name, "num_parameters": sum(p.numel() for p in base.parameters()), "methods": out,
-            "skipped": {n: r for n, r in skip.items() if r}}  # fmt: skip
+            "skipped": {n: r for n, r in skip.items() if r}, "optimizer": spec.optimizer}  # fmt: skip
 
 
-def _measure_on_rank(rank: int, world: int, models, settings, show_progress: bool, plans) -> list[dict]:
+def _measure_on_rank(rank: int, world: int, models, settings, show_progress: bool, plans, names) -> list[dict]:
     def say(msg):
         if rank == 0 and show_progress:
             print(f"[autopar bench run] {msg}", file=sys.stderr, flush=True)
 
-    return [_train_model(spec, settings, rank, world, say, plans.get(spec.name)) for spec in models]
+    return [_train_model(spec, settings, rank, world, say, plans.get(spec.name, {}), names) for spec in models]
 
 
 def spawn_ranks(world: int, models, settings: RunSettings, *, show_progress: bool = True,
-                plans: dict[str, str] | None = None) -> list[list[dict]]:  # fmt: skip
+                plans: dict[str, dict[str, str]] | None = None,
+                methods: tuple[str, ...] = DEFAULT_METHODS) -> list[list[dict]]:  # fmt: skip
     """Run the measurements on `world` spawned gloo ranks; each rank's list of per-model results.
 
-    `plans` maps a model's name to the JSON of the plan autopar runs it with (planned here when absent).
+    `plans` maps a model's name to {autopar method: the JSON of the plan it runs} (planned on the ranks, with the
+    method's constraints, where absent); `methods` names the methods to measure (`METHODS`).
     """
     return run_on_ranks(world, _measure_on_rank, tuple(models), settings, show_progress, dict(plans or {}),
-                        label="bench run")  # fmt: skip
+                        tuple(methods), label="bench run")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- reporting
+
+
+# what `_summarise` carries over from rank 0's record of a method as it is
+_CARRIED = ("predicted_step_time_s", "predicted_breakdown_s", "mesh", "zero_stage", "plan_stats",
+            "predicted_exposed_comm_s", "predicted_hidden_comm_s", "overlap", "noop_times_s",
+            "noop_collectives_per_step")  # fmt: skip
 
 
 def _summarise(per_rank: list[list[dict]]) -> list[dict]:
@@ -418,11 +328,8 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
                 "peak_rss_delta_bytes": max(deltas) if deltas else None,
                 "setup_time_s": max(r["setup_time_s"] for r in ranks),
                 "final_loss": [r["final_loss"] for r in ranks],
-            } | {
-                k: v
-                for k, v in m.items()
-                if k in ("predicted_step_time_s", "predicted_breakdown_s", "mesh", "zero_stage", "plan_stats")
-            }
+            } | {k: v for k, v in m.items() if k in _CARRIED}
+            methods[name] |= _exposed(m, ranks)
         base = {n: methods[n]["median_step_time_s"] for n in BASELINES if n in methods}
         best = min(base, key=base.get) if base else None
         for m in methods.values():
@@ -431,8 +338,35 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
             m["paired_ratio_to_best_baseline"] = statistics.median(
                 t / b for t, b in zip(m["times_s"], methods[best]["times_s"], strict=True)) if best else None  # fmt: skip
         results.append({"model": first["model"], "num_parameters": first["num_parameters"], "methods": methods,
-                        "skipped": first["skipped"]})  # fmt: skip
+                        "skipped": first["skipped"], "optimizer": first.get("optimizer", "adamw"),
+                        "pairs": _pairs(methods)})  # fmt: skip
     return results
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _exposed(m: dict, ranks: list[dict]) -> dict:
+    """The communication a step waits for, measured: per repetition, its step time minus the same repetition's
+    no-op step time (both the slowest rank's); the median and range over repetitions."""
+    if "noop_times_s" not in m:
+        return {}
+    exposed = [t - n for t, n in zip(m["times_s"], m["noop_times_s"], strict=True)]
+    return {"noop_median_step_time_s": statistics.median(m["noop_times_s"]), "exposed_comm_s": exposed,
+            "measured_exposed_comm_s": _spread(exposed),
+            "noop_losses_finite": all(r["noop_losses_finite"] for r in ranks)}  # fmt: skip
+
+
+def _pairs(methods: dict) -> dict:
+    """For each (autopar method, baseline) of `PAIRS` both measured: the per-repetition ratios of their step
+    times (the two take turns within a repetition, so a ratio sees one load), median and range."""
+    out = {}
+    for a, b in PAIRS:
+        if a in methods and b in methods:
+            ratios = [x / y for x, y in zip(methods[a]["times_s"], methods[b]["times_s"], strict=True)]
+            out[f"{a}/{b}"] = _spread(ratios) | {"ratios": ratios}
+    return out
 
 
 # ---------------------------------------------------------------------------------------- calibrating
@@ -440,19 +374,20 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
 # The largest all-reduce the link fit measures: past the gradients of the models above (a few MiB).
 _LINK_FIT_MAX_BYTES = 16 << 20
 # what `calibrate_cost_model` records of the link: kept per model, as each model's run is priced with its own
-_LINK_RECORD = ("allreduce_median_s", "link", "link_error")
+_LINK_RECORD = ("allreduce_median_s", "link", "link_error", "overlap")
 
 
 def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_progress: bool = True):
     """What the cost model needs of this machine for `world` local ranks, whatever the model: (cluster, record).
 
     The cluster is cpu:`world` with its link fitted to gloo all-reduces among `world` processes
-    (`calibrate.measure_gloo_allreduce`); the record says what was measured, for run.json, including
+    (`calibrate.measure_gloo_allreduce`) and its overlap efficiency measured among them
+    (`calibrate.measure_overlap_efficiency`); the record says what was measured, for run.json, including
     the host costs of the profile cache in `folder` (so every run profiles afresh). What depends on
     the model is measured by `model_estimator`.
     """
     from autopar.cluster import ClusterSpec
-    from autopar.cost_model.calibrate import fit_ring_allreduce, measure_gloo_allreduce
+    from autopar.cost_model.calibrate import fit_ring_allreduce, measure_gloo_allreduce, measure_overlap_efficiency
     from autopar.cost_model.profiler import ProfiledEstimator
 
     overrides: dict = {"cluster": f"cpu:{world}"}
@@ -470,6 +405,8 @@ def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_pro
         else:
             overrides["intra_node_link"] = {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth}
             record["link"] = overrides["intra_node_link"]
+        record["overlap"] = measure_overlap_efficiency(world, repeats=max(repeats, 5))
+        overrides["device"] = {"overlap_efficiency": record["overlap"]["eta"]}
     cluster = ClusterSpec.from_overrides(overrides, source="bench run calibration")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     estimator = ProfiledEstimator(_profile_cache(folder))
@@ -489,9 +426,9 @@ def _one_rank(spec: RunModel, world: int):
 
 
 def plain_training_step(spec: RunModel, world: int):
-    """A step (forward, backward, AdamW) of `spec`'s model on one rank's share of the batch, as a callable."""
+    """A step (forward, backward, the spec's optimizer) of `spec`'s model on one rank's share of the batch, as a callable."""
     model, ids = _one_rank(spec, world)
-    optimizer = _optimizer(model.parameters())
+    optimizer = make_optimizer(model.parameters(), spec.optimizer)
 
     def step():
         loss = model(ids, labels=ids).loss
@@ -545,28 +482,33 @@ def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 
     return estimator, record
 
 
-def plan_model(spec: RunModel, cluster, estimator):
-    """autopar's plan for `spec` on `cluster`, priced by `estimator`."""
+def plan_model(spec: RunModel, cluster, estimator, constraints: dict | None = None):
+    """autopar's plan for `spec` on `cluster`, priced by `estimator`, with `constraints` pinned."""
     import autopar
 
     _, base, ids = _model_and_batch(spec)
     return autopar.plan(base, cluster, example_inputs=(ids,), example_kwargs={"labels": ids}, estimator=estimator,
-                        alternatives=False)  # fmt: skip
+                        alternatives=False, constraints=constraints)  # fmt: skip
 
 
 def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, models=None, settings=None,
-        show_progress: bool = True) -> dict:  # fmt: skip
+        show_progress: bool = True, methods=DEFAULT_METHODS) -> dict:  # fmt: skip
     """Run the run suite on local CPU ranks and write `run.json`, `run.md` and `run.png` into `out_dir`.
 
     Args:
         out_dir: folder for the results (created).
         cluster: "cpu:N", the number of local gloo ranks to spawn.
         quick: the tiny models, fewer repetitions.
-        models: RunModel objects to train instead of the built-in list.
+        models: RunModel objects, or their names in `ALL_MODELS` (a list or comma-separated text), to train
+            instead of the built-in list.
         settings: RunSettings to use instead of the built-in ones.
         show_progress: rank 0 prints a line per repetition on stderr.
+        methods: the methods to measure, names in `METHODS` (a list or comma-separated text).
     """
     world = _cpu_world(cluster)
+    if isinstance(models, str) or (models is not None and any(isinstance(m, str) for m in models)):
+        models = select(models, {m.name: m for m in ALL_MODELS}, "model")
+    methods = tuple(m.name for m in select(methods, METHODS, "method"))
     models = tuple(models) if models is not None else (QUICK_MODELS if quick else MODELS)
     settings = settings or (QUICK_SETTINGS if quick else RunSettings())
     t0 = time.perf_counter()
@@ -585,8 +527,10 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
         estimator, calibration["models"][m.name] = model_estimator(m, world, out, repeats=settings.calibration_repeats,
                                                                    show_progress=show_progress)  # fmt: skip
         calibration["models"][m.name] |= link
-        plan_json = plan_model(m, cluster_spec, estimator).to_json()
-        results += _summarise(spawn_ranks(world, [m], settings, show_progress=show_progress, plans={m.name: plan_json}))
+        plans = {n: plan_model(m, cluster_spec, estimator, METHODS[n].constraints(world)).to_json()
+                 for n in methods if is_autopar(n)}  # fmt: skip
+        results += _summarise(spawn_ranks(world, [m], settings, show_progress=show_progress, plans={m.name: plans},
+                                          methods=methods))  # fmt: skip
     doc = {"environment": environment(), "cluster": cluster, "world_size": world, "settings": asdict(settings),
            "calibration": calibration, "load_average": {"before": load_before, "after": _load_average()},
            "memory_measure": "state_bytes_per_rank: parameters + gradients + optimizer states held by a rank, "
@@ -649,7 +593,52 @@ def markdown(doc: dict) -> str:
         "stretches the wall time of a step much more than its CPU time, so this checks the cost model's work "
         "estimate on a loaded machine; given only when each rank has a core of its own (ranks that share a "
         "core are priced with their time-slicing, which CPU time leaves out).",
+        *_optimizer_md(doc["results"]),
+        *_communication_md(doc["results"]),
     ]) + "\n"  # fmt: skip
+
+
+def _optimizer_md(results: list[dict]) -> list[str]:
+    sgd = [r["model"] for r in results if r.get("optimizer", "adamw") == "sgd"]
+    if not sgd:
+        return []
+    return [f"{', '.join(sgd)}: every method trains with SGD (momentum 0.9), not AdamW: AdamW's update on CPU "
+            f"would take much of the step and hide the communication the run compares. autopar's prediction "
+            f"still prices the optimizer step as AdamW's (its profile measures AdamW)."]  # fmt: skip
+
+
+def _communication_md(results: list[dict]) -> list[str]:
+    """The communication each step waits for, measured next to predicted, and the autopar/baseline ratios."""
+    rows, pairs = [], []
+    for r in results:
+        for name, m in r["methods"].items():
+            if "measured_exposed_comm_s" not in m:
+                continue
+            ex = m["measured_exposed_comm_s"]
+            pred = m.get("predicted_exposed_comm_s")
+            err = f"{(pred - ex['median']) / ex['median']:+.0%}" if pred is not None and ex["median"] > 0 else None
+            rows.append([r["model"], name, fmt_ms(m["median_step_time_s"]), fmt_ms(m["noop_median_step_time_s"]),
+                         f"{fmt_ms(ex['median'])} ({fmt_ms(ex['min'])} – {fmt_ms(ex['max'])})", fmt_ms(pred),
+                         fmt_ms(m.get("predicted_hidden_comm_s")), err,
+                         str(m["noop_collectives_per_step"]) + ("" if m["noop_losses_finite"] else ", loss not finite")])  # fmt: skip
+        for pair, p in r.get("pairs", {}).items():
+            pairs.append([r["model"], pair, f"{p['median']:.2f}", f"{p['min']:.2f} – {p['max']:.2f}"])
+    if not rows:
+        return []
+    out = ["## Communication the step waits for",
+           "Measured exposed: per repetition, the step time minus the same method's step with every collective a "
+           "no-op (`autopar.bench.noop_collectives`: c10d's collective kernels replaced by ones that complete at "
+           "once; all-gathers fill in this rank's shard), taken in turn with the real steps; median (min – max) over "
+           "repetitions. Predicted: the plan's communication terms the step waits for (exposed) and what it "
+           "counts as hidden behind compute.",
+           md_table(["model", "method", "median step", "no-op step", "measured exposed (min – max)",
+                     "predicted exposed", "predicted hidden", "(predicted − measured) / measured",
+                     "collectives replaced per step"], rows)]  # fmt: skip
+    if pairs:
+        out += ["Step time of autopar over the PyTorch baseline that runs the same layout, per repetition (the two "
+                "take turns within one):",
+                md_table(["model", "autopar / baseline", "median", "min – max"], pairs)]  # fmt: skip
+    return out
 
 
 def _ratios(m: dict) -> str | None:
@@ -696,6 +685,10 @@ def _calibration_md(cal: dict) -> str:
                      f"{m['link']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
         elif m.get("link_error"):
             part += f"; link: the cpu preset's ({m['link_error']})"
+        if m.get("overlap"):
+            o = m["overlap"]
+            part += (f"; overlap efficiency {o['eta']:.2f} (an all-reduce of {fmt_ms(o['comm_s'])} launched "
+                     f"while {fmt_ms(o['compute_s'])} of matmuls ran took {fmt_ms(o['both_s'])} in all)")  # fmt: skip
         if m.get("ranks_per_core", 1) > 1:
             part += (f"; its training step ran {m['ranks_per_core']:.2f}x slower with all ranks at once than alone "
                      f"on the {cal['cores']} cores, and is priced so")  # fmt: skip

@@ -76,6 +76,26 @@ def test_invalid_specs_raise_config_error():
         DeviceSpec.from_dict({**spec.to_dict(), "tflops": 1})
     with pytest.raises(ConfigError, match="bandwidth"):
         LinkSpec("broken", bandwidth_bytes_per_s=0.0, latency_s=1e-6)
+    with pytest.raises(ConfigError, match="overlap_efficiency"):
+        DeviceSpec.from_dict({**spec.to_dict(), "overlap_efficiency": 1.2})
+
+
+def test_overlap_efficiency_is_one_on_gpus_and_measured_on_cpu():
+    assert all(d.overlap_efficiency == 1.0 for d in DEVICE_PRESETS.values() if d.kind == "gpu")
+    assert 0 < get_device("cpu").overlap_efficiency < 1
+    # the default is left out of the dict, so a GPU preset's (and a plan's) JSON reads as before it existed
+    assert "overlap_efficiency" not in get_device("H100-80GB").to_dict()
+    assert get_device("cpu").to_dict()["overlap_efficiency"] == get_device("cpu").overlap_efficiency
+
+
+def test_overlap_efficiency_formula():
+    # 10 ms of compute and 4 ms of all-reduce: one after the other 14 ms; 11 ms together saves 3 of the 4 ms
+    assert calibrate.overlap_efficiency(10e-3, 4e-3, 11e-3) == pytest.approx(0.75, rel=1e-12)
+    assert calibrate.overlap_efficiency(4e-3, 10e-3, 10e-3) == pytest.approx(1.0, rel=1e-12)
+    # slower together than apart (contention): nothing hides; never negative
+    assert calibrate.overlap_efficiency(10e-3, 4e-3, 15e-3) == 0.0
+    with pytest.raises(ValueError, match="positive"):
+        calibrate.overlap_efficiency(0.0, 4e-3, 4e-3)
 
 
 def test_cpu_preset_holds_measured_rates():
