@@ -15,9 +15,10 @@ Only parameters the graph uses get a view: a parameter that never receives a gra
 `grad=None`, so the optimizer skips it as it would without this program.
 
 The loss stays exact with uneven ignored labels: a graph pass (`sum_loss_pass`) turns a mean
-cross-entropy output into its sum and adds the count of kept labels as an output; the step
-divides the all-reduced gradient sums by the all-reduced count (the count travels in the last
-bucket, so it costs no extra collective). A loss that is not a cross-entropy is taken as a mean
+cross-entropy output into its sum and adds the count of kept labels as an output; the count (with the
+loss sum) is all-reduced on its own before the last micro-batch's backward, which hides it, and each
+bucket is divided by it before its all-reduce, as DDP divides before it reduces, so that no pass over
+the gradients is left after the last wait. A loss that is not a cross-entropy is taken as a mean
 over samples: equal shares, so the mean over ranks and micro-batches is exact.
 
 Under mixed precision the graph computes with compute-format copies of the masters (made again from
@@ -95,6 +96,7 @@ class DataParallelProgram(Program):
             self._gm = fold_constants_pass(self._gm, self._placeholders, constant_placeholders=constant)
         self._eval_gm = None  # built on the first eval_step
         self._pending: list[int] | None = None  # gradients each bucket still awaits on the last micro-batch
+        self._totals_now, self._totals_work, self._divisor = None, None, None
         self._launched: list[int] = []
         self._works: list = []
         self._build_optimizer(self.params)
@@ -104,8 +106,7 @@ class DataParallelProgram(Program):
 
         Parameters of one dtype share buckets, filled in reverse parameter order (about the order backward
         produces their gradients, as DDP orders its buckets), so each bucket is ready, and its all-reduce
-        launched, while backward goes on (`_grad_ready`). The last bucket of a fp32/fp64 model has two more
-        elements, where the loss sum and the label count ride (see `_finish_reduction`).
+        launched, while backward goes on (`_grad_ready`).
         """
         placeholders = [n for n in self._gm.graph.nodes if n.op == "placeholder"]
         used = [bool(n.users) for n, kind in zip(placeholders, self.traced.placeholder_kinds, strict=True)
@@ -119,11 +120,9 @@ class DataParallelProgram(Program):
                 size = 0
             groups[-1].append(p)
             size += p.numel() * p.element_size()
-        self._ride = bool(groups) and all(g[0].dtype in (torch.float32, torch.float64) for g in groups)
         buckets = []
-        for i, group in enumerate(groups):
-            extra = 2 if self._ride and i == len(groups) - 1 else 0
-            flat = torch.zeros(sum(p.numel() for p in group) + extra, dtype=group[0].dtype, device=self.device)
+        for group in groups:
+            flat = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype, device=self.device)
             views, offset = [], 0
             for p in group:
                 views.append((p, flat[offset : offset + p.numel()].view_as(p)))
@@ -154,9 +153,24 @@ class DataParallelProgram(Program):
         return hook
 
     def _launch(self, index: int) -> None:
+        """Divide the bucket by the step's divisor, then start its all-reduce (a sum of pre-divided gradients, as
+        DDP divides before it reduces): nothing is left to scale after the last wait."""
         self._launched.append(index)
+        flat = self._buckets[index][0]
+        flat.mul_(1.0 / self._step_divisor())
         if self.dp > 1:
-            self._works.append(dist.all_reduce(self._buckets[index][0], async_op=True))
+            self._works.append(dist.all_reduce(flat, async_op=True))
+
+    def _step_divisor(self) -> float:
+        """The global label count times the loss scale, from the totals all-reduce `_arm` launched (done by now:
+        it went out before the last backward)."""
+        if self._divisor is None:
+            if self._totals_work is not None:
+                self._totals_work.wait()
+                self._totals_work = None
+            weight = float(self._totals_now[1])
+            self._divisor = (weight if weight > 0 else 1.0) * (self.scaler.scale if self.scaler is not None else 1.0)
+        return self._divisor
 
     def _zero_grads(self) -> None:
         """Clear the buckets and (re)attach every gradient view; an optimizer's zero_grad may have dropped them."""
@@ -234,12 +248,11 @@ class DataParallelProgram(Program):
         return torch.stack([loss, count])
 
     def _arm(self, totals: torch.Tensor) -> None:
-        """Before the last backward: the loss sum and label count ride in the last bucket (in the gradients' own
-        format when it holds integers exactly up to 2^24: fp32, fp64; a 16-bit bucket would round the count, so
-        then they travel alone in fp64), and each bucket is launched when its last gradient arrives."""
-        self._totals_now = totals
-        if self._ride:
-            self._buckets[-1][0][-2:].copy_(totals)
+        """Before the last backward: the loss sum and label count (fp64) go out in an all-reduce of their own,
+        which the last backward hides, so that each bucket can be divided by the global count before it is
+        launched, when its last gradient arrives."""
+        self._totals_now, self._divisor = totals, None
+        self._totals_work = dist.all_reduce(totals, async_op=True) if self.dp > 1 else None
         # without overlap (plan.overlap False) every bucket goes out after backward, in `_finish_reduction`
         self._pending = [len(views) for _, views in self._buckets] if self.plan.overlap else None
         self._launched, self._works = [], []
@@ -253,18 +266,13 @@ class DataParallelProgram(Program):
                 self._launch(index)
         for work in self._works:
             work.wait()
-        totals = self._totals_now
-        if self._ride:
-            totals = self._buckets[-1][0][-2:].double()
-        elif self.dp > 1:
-            dist.all_reduce(totals)
-        loss_sum, count = totals.tolist()
+        self._step_divisor()  # the totals, when no bucket was launched
+        loss_sum, count = self._totals_now.tolist()
         return loss_sum, count
 
-    def _scale_gradients(self, weight: float, scale: float) -> None:
-        """Divide the summed gradients by the label count (and the loss scale); hand them to the masters."""
-        for flat, _ in self._buckets:
-            flat.mul_(1.0 / (weight * scale))
+    def _scale_gradients(self, weight: float, scale: float) -> None:  # noqa: ARG002 - divided before reduction
+        """Hand the gradients, divided by the label count and the loss scale before their all-reduce (`_launch`),
+        to the masters."""
         if self.reduce_in_compute:
             for master, copy in zip(self.params, self._compute, strict=True):
                 if copy.grad is None:

@@ -251,11 +251,12 @@ def _overlap_order(rank: int, world_size: int):
 
 def test_data_parallel_buckets_are_reduced_while_backward_runs():
     """The first buckets' all-reduces are issued before the embedding's gradient (the last of backward) exists;
-    one all-reduce per bucket, no more."""
+    one all-reduce per bucket and one of the loss sum and label count (first, before the last backward)."""
     got = run_distributed(_overlap_order, 2)[0]
     kinds = [kind for kind, _ in got["events"]]
     assert got["buckets"] > 2
-    assert kinds.count("all_reduce") == got["buckets"]
+    assert kinds.count("all_reduce") == got["buckets"] + 1
+    assert got["events"][0] == ("all_reduce", 2)  # the totals
     assert kinds.index("all_reduce") < kinds.index("embedding grad"), kinds
 
 
