@@ -56,8 +56,9 @@ def hidden_terms(*, grad_sync_hidden_s: float) -> dict[str, float]:
     """Per mesh axis (its `COMM_TERMS` key), the communication time overlap hides behind compute: not in the step.
 
     Only the data axis hides any today: the data-parallel program's gradient all-reduces run while backward goes
-    on (`ShardingProgram.add_overlap_constraint` prices it; `grad_sync_hidden_s` is its figure). Axes that hide
-    nothing are left out, so a plan without overlap has none.
+    on (`ShardingProgram.add_overlap_constraint` prices it), and so do the sharded program's gradient buckets and
+    its ZeRO gathers issued ahead of use (`ShardingProgram.add_sharded_overlap_constraint`); `grad_sync_hidden_s`
+    is their figure. Axes that hide nothing are left out, so a plan without overlap has none.
     """
     return {"comm_dp": grad_sync_hidden_s} if grad_sync_hidden_s > 0 else {}
 
