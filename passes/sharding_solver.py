@@ -1446,6 +1446,8 @@ class ShardingProgram:
         mem["transient"] = self.transient
         if not mem.get("recompute"):
             mem.pop("recompute", None)
+        if not mem.get("prefetch"):
+            mem.pop("prefetch", None)
         chosen_stage = next(s for s, z in self.z.items() if (pulp.value(z) or 0) > 0.5)
         step = sum(val.values())
         hidden = 0.0
