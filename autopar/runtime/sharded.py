@@ -70,6 +70,22 @@ from autopar.trace import TracedModel
 R = Replicate()
 
 
+class _PartialGrad(torch.autograd.Function):
+    """Identity on a DTensor whose `from_local` takes partial gradients on the data axis; its backward brings a
+    gradient split over the data axis (an op whose strategy split a weight's gradient, as a mixture of experts'
+    can) to replicated first, as DTensor turns Replicate into Partial but not Shard."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and grad.placements[0].is_shard():
+            return grad.redistribute(grad.device_mesh, (R, *grad.placements[1:]))
+        return grad
+
+
 class _DeferredGather(torch.autograd.Function):
     """A data-axis piece of a parameter gathered whole; its backward hands the gradient (a partial sum over the
     data axis) to the program, which reduce-scatters it in a bucket, and returns none to the piece."""
@@ -255,8 +271,9 @@ class ShardedProgram(Program):
             self._uses[i] += 1
         tp_pl = value.placements[1]
         full = _DeferredGather.apply(value.to_local(), self, i)
-        return DTensor.from_local(full, self.mesh, (R, tp_pl), run_check=False, shape=value.shape,
+        full = DTensor.from_local(full, self.mesh, (R, tp_pl), run_check=False, shape=value.shape,
                                   stride=value.stride(), grad_placements=(Partial(), tp_pl))  # fmt: skip
+        return _PartialGrad.apply(full)
 
     def _gather_now(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """Parameter i whole on the data axis: its gather issued ahead, else one issued now; then the gathers of the
@@ -355,6 +372,8 @@ class ShardedProgram(Program):
                 stride=contiguous_stride(shape),
                 grad_placements=grad_pl,
             )
+            if grad_pl[0].is_partial():
+                dt = _PartialGrad.apply(dt)
             out.append(self.in_compute_format(dt))
         if self.overlap:  # what a gather issued ahead sends: the pieces the graph's own gathers would
             self._sources = [dt.to_local().detach() if d is not None else None
