@@ -35,6 +35,7 @@ _CONSTRAINT_KEYS = {
     "param_placements",
     "grad_reduce",
     "overlap",
+    "prefetch_depth",
     "cp",
     "cp_attention",
 }
@@ -69,6 +70,10 @@ def check_constraints(constraints) -> dict:
                           f"{', '.join(_RECOMPUTE_MODES)}")  # fmt: skip
     if "overlap" in constraints and not isinstance(constraints["overlap"], bool):
         raise ConfigError(f"constraints['overlap']={constraints['overlap']!r}: expected True or False")
+    depth = constraints.get("prefetch_depth")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+        raise ConfigError(f"constraints['prefetch_depth']={depth!r}: expected a count of layers, 0 (gather each "
+                          f"parameter when it is used) or more")  # fmt: skip
     for key in ("grad_reduce", "schedule", "cp_attention"):
         v = constraints.get(key)
         if v is not None and not isinstance(v, str):
@@ -508,7 +513,8 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
             pplan = _pipeline_plan(psol, graph, job.name, cluster, precision, batch, job.args, job.kwargs, job.t0,
                                    job.t_trace, est)  # fmt: skip
             pplan = dataclasses.replace(pplan, fusion=job.fusion, grad_reduce=constraints.get("grad_reduce") or "fp32",
-                                        overlap=bool(constraints.get("overlap", True)))  # fmt: skip
+                                        overlap=bool(constraints.get("overlap", True)),
+                                        prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
             return pplan, _pipeline_runner_up(job, psol, pplan)
         sol = psol.single_stage
     else:
@@ -521,8 +527,17 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
                              memory_budget_bytes=budget, batch_size=batch, progress=say,
                              offload=job.offload)  # fmt: skip
     chosen = dataclasses.replace(_sharded_plan(job, sol), grad_reduce=constraints.get("grad_reduce") or "fp32",
-                                 overlap=bool(constraints.get("overlap", True)))  # fmt: skip
+                                 overlap=bool(constraints.get("overlap", True)),
+                                 prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
     return chosen, _sharded_runner_up(sol)
+
+
+def _prefetch_depth(constraints: dict) -> int:
+    """The plan's prefetch depth: the pinned one, else 1 (0 where overlap is off: gathers stay on demand)."""
+    depth = constraints.get("prefetch_depth")
+    if depth is None:
+        return 1 if constraints.get("overlap", True) else 0
+    return int(depth)
 
 
 def _sharded_runner_up(sol) -> dict | None:
@@ -971,6 +986,7 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
         "param_placements": dict(plan.param_placements),
         "grad_reduce": plan.grad_reduce,
         "overlap": plan.overlap,
+        "prefetch_depth": plan.prefetch_depth,
     }
     if plan.tensor_split:
         pins["tp_min_split"] = plan.tensor_split["min_fraction"]

@@ -192,6 +192,9 @@ class Plan:
     # whether the program overlaps gradient all-reduces with backward (and the plan priced that); False prices and
     # runs them after backward
     overlap: bool = True
+    # parameters split over the data axis (ZeRO >= 1): how many layers ahead of their use the sharded program
+    # gathers them, asynchronously (0: each gathered when an op reads it); written for such plans only
+    prefetch_depth: int = 1
     # per deduplicated layer (and one entry for what runs outside the layers), as the solver priced it
     # (`passes.sharding_solver.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
     # it; empty without a pipeline) and "ops": each op's placements and the collectives inserted for it
@@ -232,6 +235,8 @@ class Plan:
             raise PlanFormatError(f"plan precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanFormatError(f"plan zero_stage {self.zero_stage!r} is not 0, 1, 2 or 3")
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
+            raise PlanFormatError(f"plan prefetch_depth {self.prefetch_depth!r} is not a count of layers (0 or more)")
         for name in ("global_batch_size", "num_microbatches", "tokens_per_step"):
             if getattr(self, name) < 1:
                 raise PlanFormatError(f"plan {name} must be at least 1, got {getattr(self, name)!r}")
@@ -282,6 +287,7 @@ class Plan:
             "precision": self.precision,
             "grad_reduce": self.grad_reduce,
             "overlap": self.overlap,
+            **({"prefetch_depth": self.prefetch_depth} if self.zero_stage >= 1 else {}),  # ZeRO-0 plans unchanged
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
             "num_parameters": self.num_parameters,
@@ -340,6 +346,7 @@ class Plan:
                 precision=d["precision"],
                 grad_reduce=str(d.get("grad_reduce", "fp32")),
                 overlap=bool(d.get("overlap", True)),
+                prefetch_depth=int(d.get("prefetch_depth", 1)),
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
                 num_parameters=int(d["num_parameters"]),

@@ -55,11 +55,12 @@ def sharded_terms(*, step_s: float, compute_s: float, recompute_s: float, reshar
 def hidden_terms(*, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0) -> dict[str, float]:
     """Per mesh axis (its `COMM_TERMS` key), the communication time overlap hides behind compute: not in the step.
 
-    The data axis: gradient all-reduces that run while backward goes on (`grad_sync_hidden_s`: the data-parallel
-    program's, priced by `ShardingProgram.add_overlap_constraint`; a pipeline's, the sync of the stage that ends
-    the step hidden behind the backwards still running, `passes.pipeline_search`). The pipeline axis: the part of
-    the stage transfers of a step that runs behind the stage's compute (`transfer_hidden_s`). Axes that hide
-    nothing are left out, so a plan without overlap has none.
+    The data axis: gradient reductions that run while backward goes on (`grad_sync_hidden_s`: the data-parallel
+    program's, priced by `ShardingProgram.add_overlap_constraint`; the sharded program's gradient buckets and its
+    ZeRO gathers issued ahead of use, `ShardingProgram.add_sharded_overlap_constraint`; a pipeline's, the sync of
+    the stage that ends the step hidden behind the backwards still running, `passes.pipeline_search`). The
+    pipeline axis: the part of the stage transfers of a step that runs behind the stage's compute
+    (`transfer_hidden_s`). Axes that hide nothing are left out, so a plan without overlap has none.
     """
     terms = {"comm_dp": grad_sync_hidden_s, "comm_pp": transfer_hidden_s}
     return {k: v for k, v in terms.items() if v > 0}

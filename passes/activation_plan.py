@@ -105,7 +105,8 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     copies_s = counts["offload"] * per["offload"][1] if counts.get("offload") else 0.0  # reported as offload
     return dataclasses.replace(res, step_time_s=base_s + seconds, compute_s=res.compute_s - solved_s + seconds - copies_s,
                                memory=memory, recompute=used[-1] if used else "none", recompute_s=seconds - copies_s,
-                               layer_modes={m: c for m, c in counts.items() if c}, grad_sync_hidden_s=0.0,
+                               layer_modes={m: c for m, c in counts.items() if c},
+                               grad_sync_hidden_s=0.0 if plain else res.grad_sync_hidden_s,  # the sharded one overlaps
                                activation_offload=_activation_offload(counts, per))  # fmt: skip
 
 

@@ -112,14 +112,18 @@ class ShardedInterpreter(fx.Interpreter):
             strategy on the data axis: a vocabulary-parallel lookup whose masked partial sum fails after the
             first view (T5's relative position bias), or a linear whose output is split on its features,
             which a later view cannot unflatten (a fused qkv projection).
+        gather: how such a parameter is gathered, `gather(placeholder name, value) -> value` (None: a DTensor
+            redistribution, whose backward reduce-scatters the gradient at once); the sharded program hands its
+            own to defer the reduce-scatter to a bucket (`autopar.runtime.sharded`).
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
                  local_ops: dict | None = None, batch_size: int | None = None, recompute: str = "none",
                  layer_modes: dict | None = None, cp_group=None, cp_algorithm: str | None = None, *,
-                 params: frozenset[str] = frozenset()):  # fmt: skip
+                 params: frozenset[str] = frozenset(), gather=None):  # fmt: skip
         super().__init__(gm, garbage_collect_values=True)
         self.params = params
+        self.gather = gather or (lambda name, value: gathered_over_dp(value))
         self.cp_group, self.cp_algorithm = cp_group, cp_algorithm
         self.mesh = mesh
         self.batch_size = batch_size
@@ -278,7 +282,7 @@ class ShardedInterpreter(fx.Interpreter):
             if distributed and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
                 v = self._entering(v)  # made inside the graph from nothing: the same on every rank
             if arg.name in self.params:
-                v = _gathered_over_dp(v)
+                v = self.gather(arg.name, v)
             if is_tensor_node(arg):
                 j = next(position)
                 if j < len(need):
@@ -468,18 +472,20 @@ class _Segment:
 def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
                local_ops: dict | None = None, batch_size: int | None = None,
                recompute: str = "none", layer_modes: dict | None = None, cp_group=None,
-               cp_algorithm: str | None = None, params: frozenset[str] = frozenset()) -> ShardedInterpreter:  # fmt: skip
+               cp_algorithm: str | None = None, params: frozenset[str] = frozenset(),
+               gather=None) -> ShardedInterpreter:  # fmt: skip
     """The rewrite pass: bind `gm` to the plan and mesh; the result runs the parallel program.
 
     `recompute` is the plan's activation recompute mode: its segments run under checkpointing. `params` names
-    the placeholders that hold parameters (see `ShardedInterpreter`).
+    the placeholders that hold parameters, `gather` how one split over the data axis is gathered (see
+    `ShardedInterpreter`).
     """
     del example_inputs  # placements come from the plan; shapes from the graph
     return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes,
-                              cp_group, cp_algorithm, params=params)  # fmt: skip
+                              cp_group, cp_algorithm, params=params, gather=gather)  # fmt: skip
 
 
-def _gathered_over_dp(value):
+def gathered_over_dp(value):
     """A parameter split over the data axis (ZeRO-3), whole there (its tensor-axis placement kept)."""
     if not isinstance(value, DTensor) or not value.placements[0].is_shard():
         return value

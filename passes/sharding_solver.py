@@ -55,7 +55,12 @@ communication is not overlapped with compute):
           with overlap off (constraints={"overlap": False}) E is not used and the sync is paid whole
     Sync  all-reduce of the local gradient over dp in buckets (stage 0), reduce-scatter + all-gather
           of the parameters (stages 1, 2), and one more all-gather for the backward (stage 3), one
-          collective per parameter (the sharded runtime redistributes each on its own)
+          collective per parameter (the sharded runtime redistributes each on its own). With overlap
+          (GPU devices), the sharded runtime's part is priced by `add_sharded_overlap_constraint` instead:
+          gradients in buckets issued from backward, gathers issued `prefetch_depth` layers ahead;
+          only what the backward (gradients) or the forward (gathers) cannot hide, and every
+          collective's fixed latency, is in the step:
+              E_g >= sum G_bw - B/m, E_g >= T_last;  E_a >= sum A_bw - F, E_a >= T_first;  + sum G_fix + A_fix
     C_o   per byte of optimizer state on the host, its parameter's share of: the gradient down and the
           updated 16-bit (or fp32) weight up the host link, and the CPU AdamW update:
           ((B_grad + B_param) / host_bw + 1 / cpu_adamw_rate) / B_opt
@@ -459,8 +464,11 @@ class ShardingProgram:
                  num_microbatches: int = 1, activation_copies: float = 1.0,
                  recompute: str | None = None, offload: bool | None = False,
                  tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None,
-                 overlap: bool = True, cp: CPPricing | None = None):  # fmt: skip
+                 overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
+        # the sharded program's data-axis collectives with overlap (`add_sharded_overlap_constraint`): gradient
+        # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
+        self.prefetch_depth = prefetch_depth if overlap else 0
         # the data-parallel program launches each gradient bucket's all-reduce from backward (asynchronously):
         # price what the last micro-batch's backward hides, at the device's overlap efficiency eta (on CPU ranks
         # gloo's all-reduce runs on the cores the compute needs, so less hides there); pipeline stages reduce
@@ -468,6 +476,9 @@ class ShardingProgram:
         self.eta = cluster.device.overlap_efficiency
         self.overlap = overlap and self.eta > 0
         self._bwd_terms: list = []  # n_g x[g,k] T_bwd: backward seconds per step
+        self._fwd_terms: list = []  # n_g x[g,k] T_fwd: forward seconds per step
+        # the sharded program's hideable communication and the exposed part the objective pays, per family
+        self.sharded_hidden: list[tuple[list, pulp.LpVariable]] = []
         self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
         self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
         self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
@@ -754,6 +765,8 @@ class ShardingProgram:
                 self.cost_terms["compute"].append(grp.count * t * self.x[name][k])
                 if back:
                     self._bwd_terms.append(grp.count * back * self.x[name][k])
+                if t - back:
+                    self._fwd_terms.append(grp.count * (t - back) * self.x[name][k])
                 if grp.extra_s[k]:
                     self.cost_terms["reshard"].append(grp.extra_s[k] * self.x[name][k])
 
@@ -881,6 +894,8 @@ class ShardingProgram:
         # the parameters for every micro-batch's forward and backward.
         if self.runs_plain(stage):
             return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
+        if self.sharded_overlap:
+            return sum(self.sharded_sync_parts(name, k, stage))
         if stage == 0:  # the sharded runtime reduces each gradient on its own (the backward of its from_local)
             return estimate_collective_time(Collective.ALL_REDUCE, grad_bytes, self.dp, self.dp_link)
         # From stage 1 the sharded runtime gathers and reduce-scatters each parameter on its own (one DTensor
@@ -888,6 +903,43 @@ class ShardingProgram:
         rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
         ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
         return rs * (self.mb if stage >= 2 else 1) + ag * (2 * self.mb if stage == 3 else 1)
+
+    @property
+    def sharded_overlap(self) -> bool:
+        """Whether the sharded program's data-axis collectives overlap compute here (and are priced so)."""
+        return self.overlap and self.dp > 1
+
+    def sharded_sync_parts(self, name: str, k: int, stage: int) -> tuple[float, float, float, float]:
+        """(G_bw, G_fix, A_bw, A_fix): one parameter's data-axis collectives in the sharded program with overlap,
+        split into what compute can hide (bandwidth) and what it cannot (a collective's fixed latency).
+
+        G: its gradient in buckets of BUCKET_BYTES, once per step (the last micro-batch's backward issues them):
+        all-reduce at stage 0, reduce-scatter from stage 1; its share of a bucket's latency is pro rata, as in
+        `_bucketed`; stage 3's gathers for the backward (one per micro-batch) share the link with them during
+        backward, so their bandwidth part is in G_bw too. A: its forward gathers (stage 1, 2: once; stage 3: each
+        micro-batch's), one collective each; with prefetch depth 0 no gather hides (their bandwidth in A_fix).
+        """
+        info = self.graph.params[name]
+        pl = self.groups[name].strategies[k].output
+        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        grad_bytes, param_bytes = local * self.precision.grad_bytes_at(stage), local * self.precision.param_bytes
+        kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
+        full = estimate_collective_time(kind, grad_bytes, self.dp, self.dp_link)
+        latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link)
+        g_bw, g_fix = full - latency, latency * grad_bytes / BUCKET_BYTES
+        if stage == 0:
+            return g_bw, g_fix, 0.0, 0.0
+        runs = self.mb if stage == 3 else 1  # forward gathers; stage 3 gathers as many again for the backward
+        one = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
+        ag_latency = estimate_collective_time(Collective.ALL_GATHER, 1.0, self.dp, self.dp_link)
+        if stage == 3:
+            if self.prefetch_depth:
+                g_bw, g_fix = g_bw + (one - ag_latency) * runs, g_fix + ag_latency * runs
+            else:
+                g_fix += one * runs
+        if not self.prefetch_depth:
+            return g_bw, g_fix, 0.0, one * runs
+        return g_bw, g_fix, (one - ag_latency) * runs, ag_latency * runs
 
     def _bucketed(self, kind: Collective, nbytes: float) -> float:
         """A parameter's share of bucketed collectives: its bytes at full bandwidth, latency pro rata.
@@ -929,6 +981,7 @@ class ShardingProgram:
         """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u (the plain layout's
         part through `add_overlap_constraint`)."""
         plain = []  # the sync terms of the plain layout, when its all-reduces overlap backward
+        grads, gathers = [], []  # the sharded program's hideable parts (`sharded_sync_parts`)
         for name in self._param_groups():
             grp = self.groups[name]
             for k in range(len(grp.strategies)):
@@ -942,7 +995,12 @@ class ShardingProgram:
                         self.prob += u >= self.x[name][k], f"zero_product_lo_{name}_{k}_{s}"
                     self.prob += u <= self.x[name][k], f"zero_product_x_{name}_{k}_{s}"
                     t = self.sync_time(name, k, s)
-                    if t:
+                    if t and self.sharded_overlap and not self.runs_plain(s):
+                        g_bw, g_fix, a_bw, a_fix = self.sharded_sync_parts(name, k, s)
+                        grads.append(grp.count * g_bw * u)
+                        gathers += [grp.count * a_bw * u] if a_bw else []
+                        self.cost_terms["grad_sync"].append(grp.count * (g_fix + a_fix) * u)
+                    elif t:
                         hides = self.overlap and self.runs_plain(s)
                         (plain if hides else self.cost_terms["grad_sync"]).append(grp.count * t * u)
                     t = self.optimizer_time(name, k, s)
@@ -954,6 +1012,73 @@ class ShardingProgram:
                 (plain if hides else self.cost_terms["grad_sync"]).append(self.sync_floor(s) * zs)
         if plain:
             self.add_overlap_constraint(plain)
+        if self.sharded_overlap and any(not self.runs_plain(s) for s in self.z):
+            self.add_sharded_overlap_constraint(grads, gathers)
+
+    def hiding(self, compute: list):
+        """The compute time communication can hide behind: the compute terms' sum (one helper, so that a device's
+        overlap efficiency can scale every hidden part in one place)."""
+        return pulp.lpSum(compute) * getattr(self.cluster.device, "overlap_efficiency", 1.0)
+
+    def add_sharded_overlap_constraint(self, grads: list, gathers: list) -> None:
+        """The sharded program with overlap; objective E_g + E_a + fixed costs instead of sum(Sync):
+
+            E_g >= sum G_bw - B / m,   E_g >= T_last,g z[s]   (gradient buckets behind the last micro-batch's backward)
+            E_a >= sum A_bw - F,       E_a >= T_first,a z[s]  (gathers ahead of use behind the forward, depth > 0)
+
+        summed over the sharded stages s (one z[s] is 1). Exposed = what the communication needs beyond the compute
+        it hides behind (B / m: the backward of the layers after each bucket; F: the forward of the layers before
+        each gather, every micro-batch's), never less than the collective nothing hides: the last bucket, issued
+        when backward ends (T_last,g: the bandwidth part of one bucket of min(BUCKET_BYTES, all gradient bytes)),
+        and each micro-batch's first gather, which no layer precedes (T_first,a: the first parameter's, m times;
+        stage 3's backward gathers are in G_bw: they share the backward's link with the buckets). The fixed latency of every collective (G_fix, A_fix of
+        `sharded_sync_parts`) and one bucket's latency per step are in the objective as they are: they never hide.
+        """
+        sharded = [s for s in self.z if not self.runs_plain(s)]
+        e_g = self.prob.add_variable("exposed_sharded_grads", 0)
+        self.prob += e_g >= pulp.lpSum(grads) - self.hiding(self._bwd_terms) * (1.0 / self.mb), "sharded_exposed_grads"
+        self.prob += e_g >= pulp.lpSum(self.last_bucket_bw_s(s) * self.z[s] for s in sharded), "sharded_last_bucket"
+        self.cost_terms["grad_sync"].append(e_g)
+        self.sharded_hidden.append((grads, e_g))
+        for s in sharded:
+            kind = Collective.ALL_REDUCE if s == 0 else Collective.REDUCE_SCATTER
+            self.cost_terms["grad_sync"].append(estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * self.z[s])
+        if gathers:
+            e_a = self.prob.add_variable("exposed_sharded_gathers", 0)
+            self.prob += e_a >= pulp.lpSum(gathers) - self.hiding(self._fwd_terms), "sharded_exposed_gathers"
+            first = pulp.lpSum(self.first_gather_bw_s() * self.z[s] for s in sharded if s >= 1)
+            self.prob += e_a >= first, "sharded_first_gather"
+            self.cost_terms["grad_sync"].append(e_a)
+            self.sharded_hidden.append((gathers, e_a))
+
+    def last_bucket_bw_s(self, stage: int) -> float:
+        """T_last,g of `add_sharded_overlap_constraint`: the bandwidth part of the bucket issued when backward ends."""
+        total = sum(self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
+                    for n in self._param_groups() if self.graph.params[n].requires_grad)  # fmt: skip
+        kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
+        one = estimate_collective_time(kind, min(BUCKET_BYTES, total), self.dp, self.dp_link)
+        return max(one - estimate_collective_time(kind, 1.0, self.dp, self.dp_link), 0.0)
+
+    def first_gather_bw_s(self) -> float:
+        """T_first,a of `add_sharded_overlap_constraint`: the bandwidth part of each micro-batch's first gather (the
+        first trainable parameter the graph reads, whole on the tensor axis)."""
+        names = [n for n in self._param_groups() if self.graph.params[n].requires_grad]
+        if not names:
+            return 0.0
+        nbytes = self.graph.params[names[0]].meta.numel * self.precision.param_bytes
+        one = estimate_collective_time(Collective.ALL_GATHER, nbytes, self.dp, self.dp_link)
+        return max(one - estimate_collective_time(Collective.ALL_GATHER, 1.0, self.dp, self.dp_link), 0.0) * self.mb
+
+    def prefetch_bytes(self) -> float:
+        """Gathered weights in flight ahead of their use (stages >= 1 with prefetch): `prefetch_depth` times the
+        largest layer's weights, whole (an upper bound where the tensor axis splits some)."""
+        if not (self.sharded_overlap and self.prefetch_depth):
+            return 0.0
+        layers: dict = defaultdict(float)
+        for info in self.graph.params.values():
+            if info.requires_grad:
+                layers[info.layer if info.layer[1] is not None else info.name] += info.meta.numel
+        return self.prefetch_depth * max(layers.values(), default=0.0) * self.precision.param_bytes
 
     def add_overlap_constraint(self, plain: list) -> None:
         """E >= sum(plain) - eta B / m, E >= (1 - eta) sum(plain), E >= T_last z[s], E >= 0; objective E instead
@@ -1154,11 +1279,13 @@ class ShardingProgram:
             weights += grp.count * min(b[0] for b in per)
             movable += grp.count * min(b[1] + b[2] for b in per)
             opt += grp.count * min(b[2] for b in per)
+        # every allowed stage gathers its weights, ahead of use with prefetch (`prefetch_bytes`)
+        ahead = self.prefetch_bytes() if stages and min(stages) >= 1 else 0.0
         if self.offload is False or self.dp > 1 and 3 not in stages:
-            return states
+            return states + ahead
         host = self.host_capacity()
         leaving = min(movable, host) + self.precision.param_bytes / self.precision.optimizer_bytes * min(opt, host)
-        return min(states, max(0.0, weights + movable - leaving))
+        return min(states, max(0.0, weights + movable - leaving)) + ahead
 
     def _activations_lower_bound(self, recompute: str) -> tuple[float, float]:
         """(saved activations, recomputed segment) at their leanest under `recompute`."""
@@ -1188,6 +1315,9 @@ class ShardingProgram:
                 self.memory_terms["grads"].append(count * g * u)
                 self.memory_terms["optimizer"].append(count * o * u)
             self.transient = self.transient_bytes()
+            ahead = self.prefetch_bytes()
+            if ahead:
+                self.memory_terms["prefetch"] = [ahead * z for s, z in self.z.items() if s >= 1]
         self._use_mode(recompute or self.recompute_choices[0])
 
     def add_recompute_cost(self, recompute: str) -> list:
@@ -1273,7 +1403,7 @@ class ShardingProgram:
             w = self.prob.add_variable(f"recompute_peak_{recompute}", 0)
             rows = {f"recompute_peak_{recompute}_{i}": w >= e for i, e in enumerate(segs)}
             peak = [w]
-        states = [t for key in ("params", "grads", "optimizer") for t in self.memory_terms[key]]
+        states = [t for key in ("params", "grads", "optimizer", "prefetch") for t in self.memory_terms.get(key, ())]
         total = pulp.lpSum(states + acts + peak) + self.transient
         if math.isfinite(self.budget):
             rows["memory_peak"] = total <= self.budget
@@ -1334,12 +1464,16 @@ class ShardingProgram:
         mem["transient"] = self.transient
         if not mem.get("recompute"):
             mem.pop("recompute", None)
+        if not mem.get("prefetch"):
+            mem.pop("prefetch", None)
         chosen_stage = next(s for s, z in self.z.items() if (pulp.value(z) or 0) > 0.5)
         step = sum(val.values())
         hidden = 0.0
         if self._exposed is not None and mode == "none":
             whole = sum(pulp.value(t) or 0.0 for t in self.sync_report["total"])
             hidden = max(whole - (pulp.value(self._exposed) or 0.0), 0.0)
+        for terms, exposed in self.sharded_hidden:  # the sharded program overlaps under every recompute mode
+            hidden += max(sum(pulp.value(t) or 0.0 for t in terms) - (pulp.value(exposed) or 0.0), 0.0)
         self.last_choice = self.chosen()
         # recomputed forwards are compute; resharding they repeat is counted with them
         return MeshResult(self.dp, self.tp, True, step, val.get("compute", 0.0) + val.get("recompute", 0.0),
@@ -1546,7 +1680,8 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
                                     zero_stage=zero, budget=budget, batch_size=batch_size, recompute=recompute,
                                     offload=offload if tp == 1 else False,
                                     tensor_split=TensorSplit.from_constraints(constraints, tp),
-                                    pinned_placements=pins, overlap=bool(constraints.get("overlap", True)))  # fmt: skip
+                                    pinned_placements=pins, overlap=bool(constraints.get("overlap", True)),
+                                    prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
         make = factory(cp=pricing)
         if tp == 1 and any(v != "R" for v in pins.values()):
             results.append(
@@ -1637,15 +1772,21 @@ def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
     return pinned
 
 
+def _prefetch_depth(constraints: dict) -> int:
+    """The prefetch depth the sharded program runs with: the pinned one, else 1."""
+    depth = constraints.get("prefetch_depth")
+    return 1 if depth is None else int(depth)
+
+
 def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None,
                      offload=False, tensor_split: TensorSplit = TensorSplit(), pinned_placements=None,
-                     overlap: bool = True, cp: CPPricing | None = None):  # fmt: skip
+                     overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1):  # fmt: skip
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
                                zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
                                num_microbatches=m, recompute=recompute, offload=offload,
                                tensor_split=tensor_split, pinned_placements=pinned_placements,
-                               overlap=overlap, cp=cp)  # fmt: skip
+                               overlap=overlap, cp=cp, prefetch_depth=prefetch_depth)  # fmt: skip
 
     return make
 
@@ -1797,6 +1938,12 @@ _SYNC_WORDS = {0: "all_reduce of the gradient", 1: "reduce_scatter of the gradie
                2: "reduce_scatter of the gradient per micro-batch, all_gather of the weights",
                3: "reduce_scatter of the gradient per micro-batch, all_gather of the weights per forward and "
                   "backward"}  # fmt: skip
+# the sharded program with overlap: gradient buckets once per step, gathers issued ahead of use
+_OVERLAP_SYNC_WORDS = {0: "all_reduce of the gradient (bucketed, from backward)",
+                       1: "reduce_scatter of the gradient (bucketed, from backward), all_gather of the weights",
+                       2: "reduce_scatter of the gradient (bucketed, from backward), all_gather of the weights",
+                       3: "reduce_scatter of the gradient (bucketed, from backward), all_gather of the weights per "
+                          "forward and backward"}  # fmt: skip
 
 
 def exposed_fraction(res: MeshResult) -> float:
@@ -1860,7 +2007,8 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
             t = prog.sync_time(name, k, stage)
             if t:
                 local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
-                words = "all_reduce of the gradient (bucketed)" if prog.runs_plain(stage) else _SYNC_WORDS[stage]
+                words = ("all_reduce of the gradient (bucketed)" if prog.runs_plain(stage)
+                         else (_OVERLAP_SYNC_WORDS if prog.sharded_overlap else _SYNC_WORDS)[stage])  # fmt: skip
                 ops.append({"kind": words, "axis": "dp", "pass": "step", "arg": None, "from": source(name),
                             "bytes": local * prog.precision.grad_bytes, "time_s": t, "per_step": grp.count}
                            | ({"exposed_s": t * exposed} if exposed < 1.0 else {}))  # fmt: skip

@@ -65,6 +65,8 @@ def test_plan_takes_a_cluster_file_path(tmp_path):
         ({"pp": "2"}, "constraints\\['pp'\\]='2': expected a positive integer"),
         ({"zero": True}, "constraints\\['zero'\\]=True: expected 0, 1, 2 or 3"),
         ({"overlap": "yes"}, "constraints\\['overlap'\\]='yes': expected True or False"),
+        ({"prefetch_depth": -1}, "constraints\\['prefetch_depth'\\]=-1: expected a count of layers"),
+        ({"prefetch_depth": True}, "constraints\\['prefetch_depth'\\]=True: expected a count of layers"),
         ({"schedule": 1}, "constraints\\['schedule'\\]=1: expected a name"),
         ({"tp_min_split": "all"}, "expected a fraction"),
         ([("tp", 2)], "constraints must be a dict"),

@@ -114,3 +114,15 @@ def test_gradient_reduction_format_is_priced():
     with pytest.raises(autopar.ConfigError, match="grad_reduce"):
         autopar.plan("gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024,
                      constraints={**pins, "grad_reduce": "fp16"})  # fmt: skip
+
+
+def test_prefetch_depth_is_written_for_layouts_that_gather_and_read_back():
+    """A ZeRO >= 1 plan records how far ahead its weights are gathered, and reads it back; a ZeRO-0 plan's file
+    keeps its old fields."""
+    deep = autopar.plan("tiny-llama", "cpu:2", global_batch_size=2, seq_len=8, alternatives=False,
+                        constraints={"dp": 2, "tp": 1, "zero": 3, "prefetch_depth": 2})  # fmt: skip
+    assert deep.prefetch_depth == 2 and json.loads(deep.to_json())["prefetch_depth"] == 2
+    assert autopar.Plan.from_json(deep.to_json()).prefetch_depth == 2
+    plain = autopar.plan("tiny-llama", "cpu:2", global_batch_size=2, seq_len=8, alternatives=False,
+                         constraints={"dp": 2, "tp": 1, "zero": 0})  # fmt: skip
+    assert "prefetch_depth" not in json.loads(plain.to_json())

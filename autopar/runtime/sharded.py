@@ -15,6 +15,28 @@ per-token op is unchanged, the loss is the global sum over dp·cp ranks divided 
 labels, and gradients (and ZeRO shards) are reduced over dp·cp. Attention runs by `cp_attention` over the
 cp group with the plan's algorithm (`passes.parallelize`). Each rank feeds its dp rows' cp chunk, positions
 and pre-shifted labels included (`context_parallel.inputs.local_batch`).
+
+Overlap (`plan.overlap`, with more than one rank on the data axis): no gradient is reduced inside a DTensor
+redistribution. Gradients of dp-replicated parameters stay partial sums (their `from_local` takes partial
+gradients) and a parameter split over the data axis (ZeRO >= 1) is gathered by `_DeferredGather`, whose
+backward hands the full, partial gradient to the program instead of reduce-scattering it. On the last
+micro-batch's backward each parameter's gradient is complete when its last use has been differentiated
+(a post-accumulate hook for the replicated ones, a count of forward gathers for the split ones); the
+parameters go into buckets in the order backward produces their gradients (`autopar.runtime.overlap`), and a
+bucket's all-reduce or reduce-scatter is issued as soon as its last gradient is in, while backward goes on.
+The step waits for every bucket before the optimizer runs. Earlier micro-batches only accumulate (the full
+gradients of split parameters in fp32, on this rank, until the last one).
+
+Prefetch (`plan.prefetch_depth` d > 0, with overlap): the split parameters are grouped by layer (the
+`...layers.<i>.` prefix of their names; a parameter outside numbered layers is a group of its own), in the
+order the graph first reads them. When the forward gathers the first parameter of a group, it issues
+asynchronous gathers of the next d groups' parameters; a parameter's next gather then waits on its prefetched
+one instead of starting its own, so the number of gathers is unchanged. A recompute in backward gathers the
+layers it runs again, in the reverse order: there the next d groups are the previous ones (of those whose
+parameters a recomputed segment reads). At most d groups' gathered parameters are in flight beyond the one
+being used: the plan's memory counts them. `plan.overlap` False keeps the
+synchronous path: reductions in the backward of each redistribution, and one bucketed all-reduce after
+backward when micro-batches are accumulated.
 """
 
 from __future__ import annotations
@@ -27,10 +49,11 @@ from torch.utils import _pytree as pytree
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import LoweringError
-from autopar.passes.parallelize import dp_placement, local_shard, shard_pass
+from autopar.passes.parallelize import dp_placement, gathered_over_dp, local_shard, shard_pass
 from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
 from autopar.plan import Plan, ProgramKind
+from autopar.runtime import overlap
 from autopar.runtime.base import (
     Program,
     call_spec,
@@ -45,6 +68,37 @@ from autopar.runtime.collectives import device_mesh, waiting_for
 from autopar.trace import TracedModel
 
 R = Replicate()
+
+
+class _PartialGrad(torch.autograd.Function):
+    """Identity on a DTensor whose `from_local` takes partial gradients on the data axis; its backward brings a
+    gradient split over the data axis (an op whose strategy split a weight's gradient, as a mixture of experts'
+    can) to replicated first, as DTensor turns Replicate into Partial but not Shard."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and grad.placements[0].is_shard():
+            return grad.redistribute(grad.device_mesh, (R, *grad.placements[1:]))
+        return grad
+
+
+class _DeferredGather(torch.autograd.Function):
+    """A data-axis piece of a parameter gathered whole; its backward hands the gradient (a partial sum over the
+    data axis) to the program, which reduce-scatters it in a bucket, and returns none to the piece."""
+
+    @staticmethod
+    def forward(ctx, local, program, index):
+        ctx.program, ctx.index = program, index
+        return program._gather_now(index, local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.program._full_grad(ctx.index, grad)
+        return None, None, None
 
 
 class ShardedProgram(Program):
@@ -93,8 +147,16 @@ class ShardedProgram(Program):
         knobs = dict(mesh=self.mesh, node_inputs=plan.node_inputs, node_output=plan.node_output,
                      batch_size=plan.global_batch_size * cp // plan.num_microbatches, params=params,
                      **cp_knobs)  # fmt: skip
+        # gradient reductions issued from backward, in buckets (see the module docstring)
+        self.overlap = plan.overlap and self.data_ranks > 1
+        self.comm_events: list | None = None  # a list: (event, what) appended in the order they happen
+        self._in_backward = False
+        if self.overlap:
+            self._setup_overlap(placeholders, traced.placeholder_kinds)
         self._interp = shard_pass(traced.graph_module, None, recompute=plan.recompute, layer_modes=plan.layer_modes,
-                                  **knobs)  # fmt: skip
+                                  gather=self._gather if self.overlap else None, **knobs)  # fmt: skip
+        if self.overlap:
+            self._note_segments(self._interp)
         self._eval_knobs = knobs
         self._eval_interp = None  # built on the first eval_step
         self._build_optimizer(self.shards)
@@ -106,12 +168,196 @@ class ShardedProgram(Program):
             raise LoweringError(f"the plan does not belong to this model: {len(missing)} of its nodes "
                                 f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again")  # fmt: skip
 
+    # -------------------------------------------------------------------------------- overlap
+
+    def _setup_overlap(self, placeholders: list[str], kinds) -> None:
+        """Buckets over the trainable parameters in reverse order (about the order backward produces their
+        gradients, as DDP orders its buckets), hooks on the replicated ones, and the per-step state."""
+        self._dp_group = self.mesh.get_group("dp")
+        n = len(self._param_names)
+        self._split_dim = [pl[0].dim if isinstance(pl[0], Shard) else None for pl in self._placements]
+        self._index_of = {name: i for i, name in enumerate(p for p, kind in zip(placeholders, kinds, strict=True)
+                                                            if kind == "param")}  # fmt: skip
+        order = [i for i in reversed(range(n)) if self.shards[i].requires_grad]
+        sizes = []
+        for i in order:
+            dtype = self.shards[i].dtype
+            if self._split_dim[i] is not None:  # reduce-scattered in the compute format (as priced)
+                kind, dtype = "reduce_scatter", self.compute_dtype or dtype
+            else:
+                kind, dtype = "all_reduce", self.compute_dtype if self.reduce_in_compute else dtype
+            local = self.shards[i].numel() * (self.data_ranks if self._split_dim[i] is not None else 1)
+            sizes.append((local * dtype.itemsize, kind, dtype))
+        self._buckets = overlap.make_buckets(sizes, overlap.BUCKET_BYTES)
+        for bucket in self._buckets:
+            bucket.members = [order[j] for j in bucket.members]
+        self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
+        for i in order:
+            if self._split_dim[i] is None:
+                self.shards[i].register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
+        self._armed = False
+        self._launched: list[int] = []
+        self._setup_prefetch(placeholders, kinds)
+        self._uses = [0] * n  # forward gathers of a split parameter not yet differentiated
+        self._full: list[torch.Tensor | None] = [None] * n  # full gradients of split parameters, this rank's sums
+
+    def _setup_prefetch(self, placeholders: list[str], kinds) -> None:
+        """Groups of split trainable parameters by layer, in the order the graph first reads them."""
+        import re
+
+        self.prefetch_depth = self.plan.prefetch_depth
+        self._prefetched: dict[int, tuple] = {}
+        self._sources: list[torch.Tensor | None] = [None] * len(self._param_names)  # this step's local pieces
+        graph = self.traced.graph_module.graph
+        position = {node: k for k, node in enumerate(graph.nodes)}
+        first_use = {}
+        for node, kind in zip((n for n in graph.nodes if n.op == "placeholder"), kinds, strict=True):
+            i = self._index_of.get(node.name) if kind == "param" else None
+            if i is not None and node.users and self._split_dim[i] is not None and self.shards[i].requires_grad:
+                first_use[i] = min(position[u] for u in node.users)
+        groups: dict[str, list[int]] = {}
+        for i in sorted(first_use, key=first_use.get):
+            found = re.match(r"(.*?\.\d+)\.", self._param_names[i])
+            groups.setdefault(found.group(1) if found else self._param_names[i], []).append(i)
+        self._groups = list(groups.values())
+        self._group_of = {i: g for g, members in enumerate(self._groups) for i in members}
+        self._recomputed: set[int] = set()  # read inside a recompute segment: gathered again in backward
+
+    def _note_segments(self, interp) -> None:
+        """Which split parameters a recompute segment reads (the interpreter knows its segments)."""
+        inside = {node for seg in interp.segments for node in seg.nodes}
+        for node in interp.graph.nodes:
+            i = self._index_of.get(node.name) if node.op == "placeholder" else None
+            if i is not None and any(u in inside for u in node.users):
+                self._recomputed.add(i)
+
+    def _prefetch_after(self, i: int) -> None:
+        """Parameter i, the first of its group, is being gathered: issue the gathers of the next groups."""
+        g = self._group_of.get(i)
+        if not self.prefetch_depth or g is None or self._groups[g][0] != i:
+            return
+        step = -1 if self._in_backward else 1
+        for k in range(1, self.prefetch_depth + 1):
+            h = g + step * k
+            if not 0 <= h < len(self._groups):
+                break
+            for j in self._groups[h]:
+                if j in self._prefetched or self._sources[j] is None:
+                    continue
+                if self._in_backward and j not in self._recomputed:
+                    continue
+                d = self._split_dim[j]
+                self._record("prefetch", self._param_names[j])
+                self._prefetched[j] = overlap.split_gather(self._sources[j], d, self._shapes[j][d], self._dp_group,
+                                                           async_op=True)  # fmt: skip
+
+    def _drop_prefetched(self) -> None:
+        """Wait for gathers issued ahead that nothing used (a forward that stopped early) and forget them."""
+        for work, _ in self._prefetched.values():
+            work.wait()
+        self._prefetched.clear()
+
+    def _record(self, event: str, what) -> None:
+        if self.comm_events is not None:
+            self.comm_events.append((event, what))
+
+    def _gather(self, name: str, value):
+        """The interpreter's gather of a parameter split over the data axis: deferred reduce-scatter."""
+        i = self._index_of.get(name)
+        if (i is None or self._split_dim[i] is None or not isinstance(value, DTensor) or not value.requires_grad
+                or not torch.is_grad_enabled()):  # fmt: skip
+            return gathered_over_dp(value)
+        if not self._in_backward:  # a recompute in backward gathers again but adds no gradient
+            self._uses[i] += 1
+        tp_pl = value.placements[1]
+        full = _DeferredGather.apply(value.to_local(), self, i)
+        full = DTensor.from_local(full, self.mesh, (R, tp_pl), run_check=False, shape=value.shape,
+                                  stride=value.stride(), grad_placements=(Partial(), tp_pl))  # fmt: skip
+        return _PartialGrad.apply(full)
+
+    def _gather_now(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """Parameter i whole on the data axis: its gather issued ahead, else one issued now; then the gathers of the
+        next groups go out, while this one's layer computes."""
+        ahead = self._prefetched.pop(i, None)
+        if ahead is not None:
+            work, finish = ahead
+            work.wait()
+            full = finish()
+        else:
+            self._record("gather", self._param_names[i])
+            d = self._split_dim[i]
+            full = overlap.split_gather(local, d, self._shapes[i][d], self._dp_group)
+        self._record("gathered", self._param_names[i])
+        self._prefetch_after(i)
+        return full
+
+    def _full_grad(self, i: int, grad: torch.Tensor) -> None:
+        """One use's gradient of split parameter i (accumulated in its master's format); the last use's makes it
+        ready."""
+        dtype = self.shards[i].dtype
+        if self._full[i] is None:
+            self._full[i] = grad.to(dtype, copy=True)
+        else:
+            self._full[i].add_(grad.to(dtype))
+        self._uses[i] -= 1
+        if self._uses[i] == 0:
+            self._grad_ready(i)
+
+    def _grad_ready(self, i: int) -> None:
+        """Parameter i's gradient is complete: on the last micro-batch, its bucket goes out when it was the last."""
+        if not self._armed:
+            return
+        self._record("grad", self._param_names[i])
+        b = self._bucket_of[i]
+        self._buckets[b].pending -= 1
+        if self._buckets[b].pending == 0:
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        bucket = self._buckets[b]
+        self._record(bucket.kind, b)
+        self._launched.append(b)
+        if bucket.kind == "all_reduce":
+            overlap.launch_all_reduce(bucket, [p.grad for p in self.shards], self._dp_group)
+        else:
+            overlap.launch_reduce_scatter(bucket, self._full, self._split_dim, self._dp_group)
+
+    def _arm(self) -> None:
+        """Before the last micro-batch's backward: every bucket awaits all its gradients."""
+        self._armed, self._launched = True, []
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.members)
+
+    def _finish_overlap(self) -> None:
+        """Issue the buckets backward left unfilled (a parameter without a gradient), wait for every bucket, and
+        give the split parameters their pieces of the summed gradients."""
+        self._armed = False
+        for b in range(len(self._buckets)):
+            if b not in self._launched:
+                self._launch(b)
+        self._record("wait", len(self._launched))
+        pieces: list[torch.Tensor | None] = [None] * len(self.shards)
+        grads = [p.grad for p in self.shards]
+        for b in self._launched:
+            bucket = self._buckets[b]
+            if bucket.kind == "all_reduce":
+                overlap.finish_all_reduce(bucket, grads)
+            else:
+                overlap.finish_reduce_scatter(bucket, self._full, self._split_dim, self._dp_group, pieces)
+        for shard, piece in zip(self.shards, pieces, strict=True):
+            if piece is not None:
+                shard.grad = piece.to(shard.dtype)
+        self._full = [None] * len(self.shards)
+        self._uses = [0] * len(self.shards)
+        self._drop_prefetched()
+
     # -------------------------------------------------------------------------------- execution
 
     def _param_dtensors(self) -> list[DTensor]:
         # With several micro-batches, gradients of dp-replicated parameters stay partial (no collective per
         # micro-batch) and `_forward_backward` sums them over dp once, as the plan prices it.
-        defer = self.plan.num_microbatches > 1 and self.data_ranks > 1
+        # With overlap, they stay partial on every micro-batch: the buckets of `_launch` sum them.
+        defer = self.data_ranks > 1 and (self.plan.num_microbatches > 1 or self.overlap)
         out = []
         for local, pl, shape in zip(self.shards, self._placements, self._shapes, strict=True):
             grad_pl = (Partial(), pl[1]) if defer and pl[0] == R else pl
@@ -126,7 +372,12 @@ class ShardedProgram(Program):
                 stride=contiguous_stride(shape),
                 grad_placements=grad_pl,
             )
+            if grad_pl[0].is_partial():
+                dt = _PartialGrad.apply(dt)
             out.append(self.in_compute_format(dt))
+        if self.overlap:  # what a gather issued ahead sends: the pieces the graph's own gathers would
+            self._sources = [dt.to_local().detach() if d is not None else None
+                             for dt, d in zip(out, self._split_dim, strict=True)]  # fmt: skip
         return out
 
     def _inputs(self, args, kwargs) -> list:
@@ -166,22 +417,36 @@ class ShardedProgram(Program):
         full = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
         return pytree.tree_unflatten(full, call_spec(self.traced.exported).out_spec)
 
-    def _weighted_losses(self, micro, interp, backward: bool) -> tuple[float, float]:
-        """(sum of w_i * loss_i, sum of w_i) over the micro-batches, running backward from each if asked."""
+    def _weighted_losses(self, micro, interp, backward: bool, arm=None) -> tuple[float, float]:
+        """(sum of w_i * loss_i, sum of w_i) over the micro-batches, running backward from each if asked (calling
+        `arm` before the last one's)."""
         loss_sum, total = 0.0, 0.0
-        for mb_args, mb_kwargs in micro:
+        for j, (mb_args, mb_kwargs) in enumerate(micro):
             loss = self._run(mb_args, mb_kwargs, interp)[0]
             check_scalar_loss(loss)
             loss = loss.redistribute(self.mesh, (R, R))
             counts = interp.loss_counts
             w = counts[0] if len(micro) > 1 and len(counts) == 1 else 1.0
             if backward:
-                self.scaled(loss * w if w != 1.0 else loss).backward()
+                if arm is not None and j == len(micro) - 1:
+                    arm()
+                self._in_backward = True
+                try:
+                    self.scaled(loss * w if w != 1.0 else loss).backward()
+                finally:
+                    self._in_backward = False
             loss_sum += float(loss.to_local().detach()) * w
             total += w
         return loss_sum, total
 
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
+        if self.overlap:
+            self._uses = [0] * len(self.shards)  # a forward run outside a step leaves counts no backward took back
+            self._drop_prefetched()
+            with waiting_for("a collective of the sharded forward or backward, or a gradient bucket's reduction"):
+                loss_sum, total = self._weighted_losses(micro, self._interp, backward=True, arm=self._arm)
+                self._finish_overlap()
+            return loss_sum, total
         with waiting_for("a collective of the sharded forward or backward on the (dp, tp) mesh"):
             loss_sum, total = self._weighted_losses(micro, self._interp, backward=True)
         if len(micro) > 1 and self.data_ranks > 1:

@@ -125,3 +125,77 @@ def test_overlap_is_not_priced_at_eta_zero_or_with_recompute():
     full = _plan(model, x, traced, recompute="full")
     assert full.recompute == "full" and full.program == "sharded"
     assert full.predicted.grad_sync_hidden_s == 0.0
+
+
+# ------------------------------------------------------------- the sharded program: ZeRO buckets and prefetch
+
+
+class _Tiny(_Fixed):
+    """Compute far shorter than any collective: overlap hides almost nothing, the first branch of each max binds."""
+
+    def forward_time_s(self, node, divisor=1):
+        return FWD_S * 1e-6
+
+    def backward_time_s(self, node, divisor=1):
+        return BWD_S * 1e-6
+
+
+def _sharded_plan(model, x, traced, estimator, **pins):
+    cluster = autopar.ClusterSpec.parse("2xA100-80GB")
+    est = estimator(cluster.device, DType("bf16"))
+    constraints = {"dp": 2, "tp": 1, "zero": 1, "num_microbatches": 1, **pins}
+    return autopar.plan(model, cluster, (x,), constraints=constraints, estimator=est, _traced=traced,
+                        alternatives=False, precision="bf16")  # fmt: skip
+
+
+@pytest.mark.parametrize("estimator", [_Fixed, _Tiny], ids=["compute-bound", "link-bound"])
+def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeypatch, estimator):
+    """ZeRO-1 on dp=2, two gradient buckets: the formula by hand, from the link's collective times and the known
+    op times. Gradients: E_g = max(sum RS_bw - B, T_last) (the backward after each bucket hides it, the last
+    bucket nothing); gathers (prefetch depth 1): E_a = max(sum AG_bw - F, T_first) (the forward of the layers
+    before each gather); every collective's latency stays exposed. With overlap off, the old price."""
+    model, x = _stack()
+    traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
+    params = list(model.parameters())
+    prec = sharding_solver.Precision.get("bf16")
+    grad_bytes = [p.numel() * prec.grad_bytes_at(1) for p in params]
+    param_bytes = [p.numel() * prec.param_bytes for p in params]
+    bucket = sum(grad_bytes) // 2 + 1  # two buckets
+    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    off = _sharded_plan(model, x, traced, estimator, overlap=False)
+    on = _sharded_plan(model, x, traced, estimator)
+    assert (off.program, on.program, on.zero_stage, on.prefetch_depth) == ("sharded", "sharded", 1, 1)
+    link = on.cluster.link_for_axis(2, 1)
+
+    def t(kind, nbytes):
+        return estimate_collective_time(kind, nbytes, 2, link)
+
+    rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
+    # overlap off: one reduce-scatter and one gather per parameter, each paying its whole latency
+    old = sum(t(rs, g) + t(ag, p) for g, p in zip(grad_bytes, param_bytes, strict=True))
+    assert off.predicted.grad_sync_s == pytest.approx(old, rel=1e-6) and off.predicted.grad_sync_hidden_s == 0.0
+    ops = sum(1 for n in traced.exported.graph.nodes
+              if n.op == "call_function" and n.meta["val"].dtype.is_floating_point)  # fmt: skip
+    est = estimator(on.cluster.device, DType("bf16"))
+    forward, backward = ops * est.forward_time_s(None), ops * est.backward_time_s(None)
+    rs_bw = sum(t(rs, g) - t(rs, 1.0) for g in grad_bytes)
+    ag_bw = sum(t(ag, p) - t(ag, 1.0) for p in param_bytes)
+    fixed = sum(t(rs, 1.0) * g / bucket for g in grad_bytes) + len(params) * t(ag, 1.0) + t(rs, 1.0)
+    last = t(rs, bucket) - t(rs, 1.0)
+    first = t(ag, param_bytes[0]) - t(ag, 1.0)
+    e_g, e_a = max(rs_bw - backward, last), max(ag_bw - forward, first)
+    # HiGHS meets a row to its feasibility tolerance, 1e-7 (seconds here): the first gather of this model (a norm's
+    # 512 bytes, ~1e-9 s) is below it; a bucket (~3e-6 s) or the gathers' sum is not
+    assert on.predicted.grad_sync_s == pytest.approx(e_g + e_a + fixed, rel=1e-6, abs=1e-7)
+    assert on.predicted.grad_sync_hidden_s == pytest.approx(rs_bw + ag_bw - e_g - e_a, rel=1e-6, abs=1e-7)
+    hidden = on.predicted.grad_sync_hidden_s
+    assert on.hidden_communication == ({"comm_dp": hidden} if hidden > 0 else {})
+    # depth 0: the gathers wait where they are used, whole; the gradient buckets still hide
+    flat = _sharded_plan(model, x, traced, estimator, prefetch_depth=0)
+    gathers = sum(t(ag, p) for p in param_bytes)
+    depth0 = e_g + gathers + fixed - len(params) * t(ag, 1.0)
+    assert flat.predicted.grad_sync_s == pytest.approx(depth0, rel=1e-6, abs=1e-7)
+    # the gathered weights in flight ahead of use: one layer's (the largest), in the compute format
+    layer = sum(p.numel() for p in model.layers[0].parameters()) * prec.param_bytes
+    assert on.predicted.memory_breakdown["prefetch"] == pytest.approx(layer)
+    assert "prefetch" not in flat.predicted.memory_breakdown or not flat.predicted.memory_breakdown["prefetch"]

@@ -193,7 +193,10 @@ def test_shortened_trace_prices_the_whole_model():
                                memory_budget_bytes=budget) for g in (short, full))  # fmt: skip
         assert (a.dp, a.tp, a.zero_stage, a.num_microbatches) == (b.dp, b.tp, b.zero_stage, b.num_microbatches)
         assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-9)
-        assert a.memory == pytest.approx(b.memory, rel=1e-9)
+        # memory is read from the stage product u, which HiGHS meets to its integrality tolerance: where overlap
+        # hides the data axis's bandwidth (GPU meshes), the objective no longer pins u to the last bit (seen: 7e-9
+        # relative); a layout priced on other layers or placements differs by whole tensors, 1e-3 and more
+        assert a.memory == pytest.approx(b.memory, rel=1e-7)
         assert api._expand_placements(short, a.param_placements) == b.param_placements
 
 
