@@ -56,11 +56,12 @@ communication is not overlapped with compute):
     Sync  all-reduce of the local gradient over dp in buckets (stage 0), reduce-scatter + all-gather
           of the parameters (stages 1, 2), and one more all-gather for the backward (stage 3), one
           collective per parameter (the sharded runtime redistributes each on its own). With overlap
-          (GPU devices), the sharded runtime's part is priced by `add_sharded_overlap_constraint` instead:
+          (eta > 0), the sharded runtime's part is priced by `add_sharded_overlap_constraint` instead:
           gradients in buckets issued from backward, gathers issued `prefetch_depth` layers ahead;
           only what the backward (gradients) or the forward (gathers) cannot hide, and every
           collective's fixed latency, is in the step:
-              E_g >= sum G_bw - B/m, E_g >= T_last;  E_a >= sum A_bw - F, E_a >= T_first;  + sum G_fix + A_fix
+              E_g >= sum G_bw - eta B/m, E_g >= (1 - eta) sum G_bw, E_g >= T_last;
+              E_a >= sum A_bw - eta F, E_a >= (1 - eta) sum A_bw, E_a >= T_first;  + sum G_fix + A_fix
     C_o   per byte of optimizer state on the host, its parameter's share of: the gradient down and the
           updated 16-bit (or fp32) weight up the host link, and the CPU AdamW update:
           ((B_grad + B_param) / host_bw + 1 / cpu_adamw_rate) / B_opt
@@ -1023,11 +1024,14 @@ class ShardingProgram:
     def add_sharded_overlap_constraint(self, grads: list, gathers: list) -> None:
         """The sharded program with overlap; objective E_g + E_a + fixed costs instead of sum(Sync):
 
-            E_g >= sum G_bw - B / m,   E_g >= T_last,g z[s]   (gradient buckets behind the last micro-batch's backward)
-            E_a >= sum A_bw - F,       E_a >= T_first,a z[s]  (gathers ahead of use behind the forward, depth > 0)
+            E_g >= sum G_bw - eta B / m,  E_g >= (1 - eta) sum G_bw,  E_g >= T_last,g z[s]   (gradient buckets
+                                                                            behind the last micro-batch's backward)
+            E_a >= sum A_bw - eta F,      E_a >= (1 - eta) sum A_bw,  E_a >= T_first,a z[s]  (gathers ahead of use
+                                                                            behind the forward, depth > 0)
 
-        summed over the sharded stages s (one z[s] is 1). Exposed = what the communication needs beyond the compute
-        it hides behind (B / m: the backward of the layers after each bucket; F: the forward of the layers before
+        summed over the sharded stages s (one z[s] is 1), eta the device's overlap efficiency (`hiding`; hidden =
+        eta min(communication, compute), as in `add_overlap_constraint`). Exposed = what the communication needs
+        beyond the compute it hides behind (B / m: the backward of the layers after each bucket; F: the forward of the layers before
         each gather, every micro-batch's), never less than the collective nothing hides: the last bucket, issued
         when backward ends (T_last,g: the bandwidth part of one bucket of min(BUCKET_BYTES, all gradient bytes)),
         and each micro-batch's first gather, which no layer precedes (T_first,a: the first parameter's, m times;
@@ -1038,6 +1042,8 @@ class ShardingProgram:
         e_g = self.prob.add_variable("exposed_sharded_grads", 0)
         self.prob += e_g >= pulp.lpSum(grads) - self.hiding(self._bwd_terms) * (1.0 / self.mb), "sharded_exposed_grads"
         self.prob += e_g >= pulp.lpSum(self.last_bucket_bw_s(s) * self.z[s] for s in sharded), "sharded_last_bucket"
+        if self.eta < 1:  # at most the share eta of the communication hides, however long the compute
+            self.prob += e_g >= pulp.lpSum(grads) * (1.0 - self.eta), "sharded_grads_efficiency"
         self.cost_terms["grad_sync"].append(e_g)
         self.sharded_hidden.append((grads, e_g))
         for s in sharded:
@@ -1048,6 +1054,8 @@ class ShardingProgram:
             self.prob += e_a >= pulp.lpSum(gathers) - self.hiding(self._fwd_terms), "sharded_exposed_gathers"
             first = pulp.lpSum(self.first_gather_bw_s() * self.z[s] for s in sharded if s >= 1)
             self.prob += e_a >= first, "sharded_first_gather"
+            if self.eta < 1:
+                self.prob += e_a >= pulp.lpSum(gathers) * (1.0 - self.eta), "sharded_gathers_efficiency"
             self.cost_terms["grad_sync"].append(e_a)
             self.sharded_hidden.append((gathers, e_a))
 
@@ -1969,7 +1977,8 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
     collective also carries "exposed_s", the part of one run the step waits for. The program prices the overlap
     for the step as a whole (E of `add_overlap_constraint`), not per bucket, so the exposed time is apportioned
     pro rata to each parameter's sync time: exposed_s = time_s x E / sum(Sync). The one bucket latency a step
-    pays (`sync_floor`) is in no row; its exposed share is the rest of E.
+    pays (`sync_floor`; on the sharded program with overlap, one latency per step) is in no row; its exposed
+    share is the rest of E. With the sharded program's overlap a row's time is its `sharded_sync_parts` summed.
     """
     graph, tp_link = prog.graph, prog.tp_link
     found: dict[str, list] = defaultdict(list)  # consumer -> its collectives
@@ -2005,6 +2014,8 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
         ops = list(found.get(name, ()))
         if kind == NodeKind.PARAM and prog.dp > 1:
             t = prog.sync_time(name, k, stage)
+            if t and prog.sharded_overlap and not prog.runs_plain(stage):
+                t = sum(prog.sharded_sync_parts(name, k, stage))  # as the overlapping sharded program runs them
             if t:
                 local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
                 words = ("all_reduce of the gradient (bucketed)" if prog.runs_plain(stage)

@@ -134,8 +134,12 @@ def test_layer_table_dp_rows_are_the_gradient_sync_and_pipeline_stages_are_named
     plan = _plan("llama", constraints={"dp": 2, "tp": 1, "zero": 1}, alternatives=False)
     rows = _collectives(plan, axis="dp")
     assert rows and all(c["kind"].startswith("reduce_scatter") for c in rows)
-    # float sums of many terms in another order
-    assert sum(c["time_s"] * c["per_step"] for c in rows) == pytest.approx(plan.predicted.grad_sync_s, rel=1e-9)
+    # the rows are the whole sync, what overlap hides included, but the one latency a step pays for its buckets
+    # (in no row); the hidden part is the whole less the exposed part, an LP variable solved to HiGHS's
+    # feasibility tolerance (1e-7 of a row's terms), hence 1e-5 relative
+    floor = estimate_collective_time(Collective.REDUCE_SCATTER, 1.0, 2, plan.cluster.intra_node_link)
+    whole = plan.predicted.grad_sync_s + plan.predicted.grad_sync_hidden_s
+    assert sum(c["time_s"] * c["per_step"] for c in rows) + floor == pytest.approx(whole, rel=1e-5)
     pipe = plans["pipeline"]
     assert sorted(s for e in pipe.layer_ops for s in e["stages"] if e["layer"]) == [0, 1]
     assert "pipeline stage 0)" in pipe.explain() and "pipeline stage 1)" in pipe.explain()
@@ -173,7 +177,10 @@ def test_an_infeasible_layout_is_listed_with_its_reason(plans):
     base = {b["name"]: b for b in plans["plain"].baselines}
     budget = (base["dp"]["peak_memory_bytes"] + base["zero3"]["peak_memory_bytes"]) / 2
     assert base["zero3"]["peak_memory_bytes"] < budget < base["dp"]["peak_memory_bytes"]
-    tight = _plan("llama", memory_budget=budget, offload=False, alternatives=False, compare=["dp=2,zero=0,m=1"])
+    # recompute pinned off: recomputing layers would fit it
+    tight = _plan(
+        "llama", memory_budget=budget, offload=False, alternatives=False, compare=["dp=2,zero=0,m=1,recompute=none"]
+    )
     (entry,) = tight.comparisons
     assert not entry["feasible"] and "InfeasiblePlanError" in entry["reason"] and "short" in entry["reason"]
 
@@ -324,7 +331,7 @@ def test_layer_table_dp_rows_give_their_exposed_part(overlapped):
     # the bucketed all-reduces of every parameter plus the one bucket latency a step pays are the whole sync
     floor = estimate_collective_time(Collective.ALL_REDUCE, 1.0, dp, overlapped.cluster.intra_node_link)
     whole = p.grad_sync_s + p.grad_sync_hidden_s
-    assert sum(c["time_s"] * c["per_step"] for c in rows) + floor == pytest.approx(whole, rel=1e-9)
+    assert sum(c["time_s"] * c["per_step"] for c in rows) + floor == pytest.approx(whole, rel=1e-5)
     # the exposed part is apportioned pro rata: one fraction for every row, E / whole, and with the latency's share
     # the rows' exposed parts add up to the step's exposed sync
     fraction = p.grad_sync_s / whole

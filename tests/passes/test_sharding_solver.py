@@ -501,10 +501,11 @@ def test_layer_treatments_pay_the_sharded_runtime_on_a_plain_layout():
     assert b.predicted.step_time_s == pytest.approx(a.predicted.step_time_s + 1e-4 * ops, rel=1e-6)
 
 
-def test_gradient_sync_is_per_parameter_on_the_sharded_runtime_and_bucketed_on_plain_tensors():
+def test_gradient_sync_is_per_parameter_on_the_sharded_runtime_without_overlap_and_bucketed_otherwise():
     """At ZeRO-0 the data-parallel program sends gradients in buckets (one latency for the tiny model's few
-    hundred KB), while the sharded runtime reduces each parameter's gradient on its own, in the backward of
-    its from_local: one whole all-reduce, latency included, per parameter. Checked against the ring formula."""
+    hundred KB); the sharded runtime does too with overlap on (buckets issued from backward), while with overlap
+    off it reduces each parameter's gradient on its own, in the backward of its from_local: one whole all-reduce,
+    latency included, per parameter. Checked against the ring formula."""
     model = make_model("llama")
     args, kwargs = make_batch("llama")
     traced = trace_model(model, args, kwargs)
@@ -516,11 +517,15 @@ def test_gradient_sync_is_per_parameter_on_the_sharded_runtime_and_bucketed_on_p
         return autopar.plan(model, cluster, args, kwargs, constraints={"num_microbatches": 1, "zero": 0, **pins},
                             pipeline=False, _traced=traced)  # fmt: skip
 
-    tp = plan(tp=2, dp=2)
+    tp = plan(tp=2, dp=2, overlap=False)
     grads = tp.predicted.memory_breakdown["grads"]  # each rank's gradients, tp shards included
     # two ranks on the data axis: 2(n-1) = 2 latencies and 2(n-1)/n = 1 pass of the bytes per all-reduce
     assert tp.predicted.grad_sync_s == pytest.approx(trainable * 2 * link.latency_s + grads / link.bandwidth_bytes_per_s,
                                                      rel=1e-6)  # fmt: skip
+    bucketed = plan(tp=2, dp=2)
+    whole = bucketed.predicted.grad_sync_s + bucketed.predicted.grad_sync_hidden_s
+    # the same bytes once over the link, but a few latencies instead of two per parameter
+    assert grads / link.bandwidth_bytes_per_s <= whole < tp.predicted.grad_sync_s / 5
     dp = plan(tp=1, dp=4)
     grads = dp.predicted.memory_breakdown["grads"]
     steps, moved = 2 * 3, 2 * 3 / 4 * grads
