@@ -16,7 +16,7 @@ from autopar.cluster import ClusterSpec
 from autopar.cp_search import cp_degrees, search_cp
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
-from autopar.plan import Plan, Predicted
+from autopar.plan import Plan, Predicted, ProgramKind
 from autopar.trace import trace_model
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
@@ -526,9 +526,12 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
         sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=flat,
                              memory_budget_bytes=budget, batch_size=batch, progress=say,
                              offload=job.offload)  # fmt: skip
-    chosen = dataclasses.replace(_sharded_plan(job, sol), grad_reduce=constraints.get("grad_reduce") or "fp32",
-                                 overlap=bool(constraints.get("overlap", True)),
-                                 prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
+    chosen = _sharded_plan(job, sol)
+    overlap = bool(constraints.get("overlap", True))
+    if chosen.program == ProgramKind.SHARDED and chosen.zero_stage >= 2 and constraints.get("overlap") is not True:
+        overlap = False  # ZeRO-2/3 overlap only where pinned (`ShardingProgram.split_overlap`): priced without it
+    chosen = dataclasses.replace(chosen, grad_reduce=constraints.get("grad_reduce") or "fp32", overlap=overlap,
+                                 prefetch_depth=_prefetch_depth(constraints | {"overlap": overlap}))  # fmt: skip
     return chosen, _sharded_runner_up(sol)
 
 

@@ -465,8 +465,13 @@ class ShardingProgram:
                  num_microbatches: int = 1, activation_copies: float = 1.0,
                  recompute: str | None = None, offload: bool | None = False,
                  tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None,
-                 overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1):  # fmt: skip
+                 overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1,
+                 split_overlap: bool = False):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
+        # ZeRO-2/3 with the overlapping runtime, only where pinned (constraints {"overlap": True}): it holds every
+        # split parameter's whole fp32 gradient until the last bucket (`overlap_grad_bytes`), which undoes what
+        # those stages save; unpinned, they run (and are priced) on the synchronous path
+        self.split_overlap = split_overlap
         # the sharded program's data-axis collectives with overlap (`add_sharded_overlap_constraint`): gradient
         # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
         self.prefetch_depth = prefetch_depth if overlap else 0
@@ -480,6 +485,7 @@ class ShardingProgram:
         self._fwd_terms: list = []  # n_g x[g,k] T_fwd: forward seconds per step
         # the sharded program's hideable communication and the exposed part the objective pays, per family
         self.sharded_hidden: list[tuple[list, pulp.LpVariable]] = []
+        self._offloading = False  # offload pinned: the ZeRO-3 layouts run as the offload program
         self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
         self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
         self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
@@ -882,6 +888,31 @@ class ShardingProgram:
         opt = local * pr.optimizer_bytes / (self.dp if stage >= 1 else 1)
         return params, grads, opt
 
+    def _add_overlap_grads(self) -> None:
+        """Memory rows gain `overlap_grad_bytes` of the layout, unless offload is pinned (the offload program runs
+        at ZeRO-3 and holds none of them). Where the solver may offload, they are counted whether it does or not:
+        an offloading plan's memory is then priced on the safe side."""
+        for (name, k, s), u in self.u.items():
+            extra = self.groups[name].count * self.overlap_grad_bytes(name, k, s)
+            if extra and not (self._offloading and s == 3):
+                self.memory_terms["grads"].append(extra * u)
+
+    def overlap_grad_bytes(self, name: str, k: int, stage: int) -> float:
+        """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' (ZeRO >= 1): it accumulates
+        each split parameter's whole gradient in its master's format (fp32) on every rank until the last
+        micro-batch's buckets reduce-scatter it (`runtime.sharded`), where `state_bytes` counts the gradient as
+        reduce-scattered in the compute format (and, from stage 2, divided over dp). Device memory only: the
+        offload program, which does not overlap, keeps `state_bytes`' gradients (so an offloading plan is priced
+        on the safe side)."""
+        if stage < 1 or not self.overlaps_at(stage):
+            return 0.0
+        info = self.graph.params[name]
+        if not info.requires_grad:
+            return 0.0
+        pl = self.groups[name].strategies[k].output
+        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        return max(local * _FP32_BYTES - self.state_bytes(name, k, stage)[1], 0.0)
+
     def sync_time(self, name: str, k: int, stage: int) -> float:
         """Gradient synchronisation (and ZeRO parameter gathers) of one parameter over the data axis."""
         info = self.graph.params[name]
@@ -895,7 +926,7 @@ class ShardingProgram:
         # the parameters for every micro-batch's forward and backward.
         if self.runs_plain(stage):
             return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
-        if self.sharded_overlap:
+        if self.overlaps_at(stage):
             return sum(self.sharded_sync_parts(name, k, stage))
         if stage == 0:  # the sharded runtime reduces each gradient on its own (the backward of its from_local)
             return estimate_collective_time(Collective.ALL_REDUCE, grad_bytes, self.dp, self.dp_link)
@@ -909,6 +940,10 @@ class ShardingProgram:
     def sharded_overlap(self) -> bool:
         """Whether the sharded program's data-axis collectives overlap compute here (and are priced so)."""
         return self.overlap and self.dp > 1
+
+    def overlaps_at(self, stage: int) -> bool:
+        """Whether the sharded program overlaps at ZeRO stage `stage`: stages 0 and 1, and 2 and 3 where pinned."""
+        return self.sharded_overlap and not self.runs_plain(stage) and (stage <= 1 or self.split_overlap)
 
     def sharded_sync_parts(self, name: str, k: int, stage: int) -> tuple[float, float, float, float]:
         """(G_bw, G_fix, A_bw, A_fix): one parameter's data-axis collectives in the sharded program with overlap,
@@ -996,7 +1031,7 @@ class ShardingProgram:
                         self.prob += u >= self.x[name][k], f"zero_product_lo_{name}_{k}_{s}"
                     self.prob += u <= self.x[name][k], f"zero_product_x_{name}_{k}_{s}"
                     t = self.sync_time(name, k, s)
-                    if t and self.sharded_overlap and not self.runs_plain(s):
+                    if t and self.overlaps_at(s):
                         g_bw, g_fix, a_bw, a_fix = self.sharded_sync_parts(name, k, s)
                         grads.append(grp.count * g_bw * u)
                         gathers += [grp.count * a_bw * u] if a_bw else []
@@ -1013,7 +1048,7 @@ class ShardingProgram:
                 (plain if hides else self.cost_terms["grad_sync"]).append(self.sync_floor(s) * zs)
         if plain:
             self.add_overlap_constraint(plain)
-        if self.sharded_overlap and any(not self.runs_plain(s) for s in self.z):
+        if any(self.overlaps_at(s) for s in self.z):
             self.add_sharded_overlap_constraint(grads, gathers)
 
     def hiding(self, compute: list):
@@ -1038,7 +1073,7 @@ class ShardingProgram:
         stage 3's backward gathers are in G_bw: they share the backward's link with the buckets). The fixed latency of every collective (G_fix, A_fix of
         `sharded_sync_parts`) and one bucket's latency per step are in the objective as they are: they never hide.
         """
-        sharded = [s for s in self.z if not self.runs_plain(s)]
+        sharded = [s for s in self.z if self.overlaps_at(s)]
         e_g = self.prob.add_variable("exposed_sharded_grads", 0)
         self.prob += e_g >= pulp.lpSum(grads) - self.hiding(self._bwd_terms) * (1.0 / self.mb), "sharded_exposed_grads"
         self.prob += e_g >= pulp.lpSum(self.last_bucket_bw_s(s) * self.z[s] for s in sharded), "sharded_last_bucket"
@@ -1080,7 +1115,7 @@ class ShardingProgram:
     def prefetch_bytes(self) -> float:
         """Gathered weights in flight ahead of their use (stages >= 1 with prefetch): `prefetch_depth` times the
         largest layer's weights, whole (an upper bound where the tensor axis splits some)."""
-        if not (self.sharded_overlap and self.prefetch_depth):
+        if not (self.prefetch_depth and any(s >= 1 and self.overlaps_at(s) for s in self.z)):
             return 0.0
         layers: dict = defaultdict(float)
         for info in self.graph.params.values():
@@ -1167,6 +1202,7 @@ class ShardingProgram:
         self.prob += pr.optimizer_bytes * h_g == pr.grad_bytes_at(3) * h_o, "offload_grads_with_their_optimizer_states"
         self.prob += pr.optimizer_bytes * h_p == pr.param_bytes * h_o, "offload_weights_with_their_optimizer_states"
         self.prob += h_o + h_g <= self.host_capacity(), "host_memory"
+        self._offloading = self.offload is True  # the offload program runs, which holds no `overlap_grad_bytes`
         if self.dp > 1:  # the offload program runs its chunks as ZeRO-3: only a stage-3 layout offloads
             if 3 in self.z:
                 self.prob += h_o <= self.host_capacity() * self.z[3], "offload_runs_zero3"
@@ -1288,7 +1324,7 @@ class ShardingProgram:
             movable += grp.count * min(b[1] + b[2] for b in per)
             opt += grp.count * min(b[2] for b in per)
         # every allowed stage gathers its weights, ahead of use with prefetch (`prefetch_bytes`)
-        ahead = self.prefetch_bytes() if stages and min(stages) >= 1 else 0.0
+        ahead = self.prefetch_bytes() if stages and all(s >= 1 and self.overlaps_at(s) for s in stages) else 0.0
         if self.offload is False or self.dp > 1 and 3 not in stages:
             return states + ahead
         host = self.host_capacity()
@@ -1322,10 +1358,11 @@ class ShardingProgram:
                 self.memory_terms["params"].append(count * p * u)
                 self.memory_terms["grads"].append(count * g * u)
                 self.memory_terms["optimizer"].append(count * o * u)
+            self._add_overlap_grads()
             self.transient = self.transient_bytes()
             ahead = self.prefetch_bytes()
             if ahead:
-                self.memory_terms["prefetch"] = [ahead * z for s, z in self.z.items() if s >= 1]
+                self.memory_terms["prefetch"] = [ahead * z for s, z in self.z.items() if s >= 1 and self.overlaps_at(s)]
         self._use_mode(recompute or self.recompute_choices[0])
 
     def add_recompute_cost(self, recompute: str) -> list:
@@ -1689,7 +1726,8 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
                                     offload=offload if tp == 1 else False,
                                     tensor_split=TensorSplit.from_constraints(constraints, tp),
                                     pinned_placements=pins, overlap=bool(constraints.get("overlap", True)),
-                                    prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
+                                    prefetch_depth=_prefetch_depth(constraints),
+                                    split_overlap=constraints.get("overlap") is True)  # fmt: skip
         make = factory(cp=pricing)
         if tp == 1 and any(v != "R" for v in pins.values()):
             results.append(
@@ -1788,13 +1826,15 @@ def _prefetch_depth(constraints: dict) -> int:
 
 def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None,
                      offload=False, tensor_split: TensorSplit = TensorSplit(), pinned_placements=None,
-                     overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1):  # fmt: skip
+                     overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1,
+                     split_overlap: bool = False):  # fmt: skip
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
                                zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
                                num_microbatches=m, recompute=recompute, offload=offload,
                                tensor_split=tensor_split, pinned_placements=pinned_placements,
-                               overlap=overlap, cp=cp, prefetch_depth=prefetch_depth)  # fmt: skip
+                               overlap=overlap, cp=cp, prefetch_depth=prefetch_depth,
+                               split_overlap=split_overlap)  # fmt: skip
 
     return make
 
@@ -2014,12 +2054,12 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
         ops = list(found.get(name, ()))
         if kind == NodeKind.PARAM and prog.dp > 1:
             t = prog.sync_time(name, k, stage)
-            if t and prog.sharded_overlap and not prog.runs_plain(stage):
+            if t and prog.overlaps_at(stage):
                 t = sum(prog.sharded_sync_parts(name, k, stage))  # as the overlapping sharded program runs them
             if t:
                 local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
                 words = ("all_reduce of the gradient (bucketed)" if prog.runs_plain(stage)
-                         else (_OVERLAP_SYNC_WORDS if prog.sharded_overlap else _SYNC_WORDS)[stage])  # fmt: skip
+                         else (_OVERLAP_SYNC_WORDS if prog.overlaps_at(stage) else _SYNC_WORDS)[stage])  # fmt: skip
                 ops.append({"kind": words, "axis": "dp", "pass": "step", "arg": None, "from": source(name),
                             "bytes": local * prog.precision.grad_bytes, "time_s": t, "per_step": grp.count}
                            | ({"exposed_s": t * exposed} if exposed < 1.0 else {}))  # fmt: skip

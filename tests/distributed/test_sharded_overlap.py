@@ -23,8 +23,10 @@ LOSS_RTOL = 1e-5
 # A wrong reduction (unsummed, or summed twice) moves most elements by ~lr.
 SGD_ATOL, ADAMW_ATOL = 1e-6, 1e-4
 ADAM_EPS = 1e-6
+# ZeRO-2 and 3 overlap only where pinned ("overlap": True: their overlapping runtime holds whole gradients)
 ZERO = [{"dp": 2, "tp": 1, "zero": 0, "recompute": "full"}, {"dp": 2, "tp": 1, "zero": 1},
-        {"dp": 2, "tp": 1, "zero": 2, "num_microbatches": 2}, {"dp": 2, "tp": 1, "zero": 3},
+        {"dp": 2, "tp": 1, "zero": 2, "num_microbatches": 2, "overlap": True},
+        {"dp": 2, "tp": 1, "zero": 3, "overlap": True},
         {"dp": 2, "tp": 1, "zero": 0, "recompute": "full", "num_microbatches": 2}]  # fmt: skip
 
 
@@ -163,8 +165,8 @@ def test_zero3_gathers_the_next_layer_while_the_current_one_computes():
     gathers layer 0 ahead while layer 1 is recomputed. The number of gathers per step is the same at every
     depth, one per gathered weight handed to an op, and so is the loss."""
     last = ("gathered", "model.layers.0.mlp.down_proj.weight")
-    cases = [{"dp": 2, "tp": 1, "zero": 3, "prefetch_depth": d} for d in (0, 1)]
-    cases.append({"dp": 2, "tp": 1, "zero": 3, "recompute": "full"})
+    cases = [{"dp": 2, "tp": 1, "zero": 3, "prefetch_depth": d, "overlap": True} for d in (0, 1)]
+    cases.append({"dp": 2, "tp": 1, "zero": 3, "recompute": "full", "overlap": True})
     on_demand, ahead, recomputed = run_distributed(_gathers, 2, cases)[0]
     assert (on_demand["depth"], ahead["depth"], recomputed["depth"]) == (0, 1, 1)
     assert "prefetch" not in [e for e, _ in on_demand["events"]]
@@ -180,3 +182,20 @@ def test_zero3_gathers_the_next_layer_while_the_current_one_computes():
     backward = next(k for k, (e, _) in enumerate(events) if e == "grad")
     second = events.index(("gathered", "model.layers.1.mlp.down_proj.weight"), backward)
     assert _issued(events, 0, backward) < second, events
+
+
+def test_zero3_overlaps_only_where_pinned():
+    """Unpinned, a ZeRO-2/3 plan runs the synchronous path (the overlapping one holds every split parameter's whole
+    fp32 gradient until the last bucket): the plan says so, and its price counts no such gradients."""
+    from tests.models import make_batch, make_model
+
+    model = make_model("llama")
+    args, kwargs = make_batch("llama")
+    plain = autopar.plan(model, "cpu:2", args, kwargs, constraints={"dp": 2, "tp": 1, "zero": 3}, alternatives=False)
+    pinned = autopar.plan(model, "cpu:2", args, kwargs, constraints={"dp": 2, "tp": 1, "zero": 3, "overlap": True},
+                          alternatives=False)  # fmt: skip
+    assert not plain.overlap and plain.prefetch_depth == 0 and pinned.overlap and pinned.prefetch_depth == 1
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # whole fp32 gradients on each rank with overlap, a half of them without (dp=2 splits them)
+    assert pinned.predicted.memory_breakdown["grads"] >= 4 * trainable * 0.99
+    assert plain.predicted.memory_breakdown["grads"] <= 4 * trainable / 2 * 1.01
