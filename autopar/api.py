@@ -532,6 +532,12 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
         overlap = False  # ZeRO-2/3 overlap only where pinned (`ShardingProgram.split_overlap`): priced without it
     chosen = dataclasses.replace(chosen, grad_reduce=constraints.get("grad_reduce") or "fp32", overlap=overlap,
                                  prefetch_depth=_prefetch_depth(constraints | {"overlap": overlap}))  # fmt: skip
+    if "overlap" not in constraints and overlap and chosen.program == ProgramKind.SHARDED and chosen.zero_stage == 1:
+        # the overlapping ZeRO-1 program holds whole fp32 gradients (`ShardingProgram.overlap_grad_bytes`): where
+        # that memory costs more than the overlap hides, the synchronous program is the faster plan
+        without = _solve(job, constraints | {"overlap": False}, quiet=True)
+        if without[0].predicted.step_time_s < chosen.predicted.step_time_s:
+            return without
     return chosen, _sharded_runner_up(sol)
 
 
