@@ -107,6 +107,15 @@ def test_a_tied_copy_without_a_gradient_joins_the_sum_with_zeros():
 TIMEOUT_S = 5
 
 
+def _train_step_error(pm, args, kwargs) -> tuple[str, str] | None:
+    """(kind, message) of the error one train_step raised, None when it ran through (the outcome under test)."""
+    try:
+        pm.train_step(*args, **kwargs)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
 def _rank0_skips_the_tie(rank: int, world_size: int):
     os.environ[TIMEOUT_ENV] = str(TIMEOUT_S)
     model = make_model("gpt2")  # its token embedding, tied to the LM head, is held on both stages
@@ -116,11 +125,7 @@ def _rank0_skips_the_tie(rank: int, world_size: int):
     if rank == 0:
         pm._sum_tied = lambda: None  # the bug under test: one rank skips a collective
     start = time.monotonic()
-    try:
-        pm.train_step(*args, **kwargs)
-        error = None
-    except Exception as e:  # the outcome under test
-        error = (type(e).__name__, str(e))
+    error = _train_step_error(pm, args, kwargs)
     if rank == 0:  # stay alive past rank 1's wait: a rank that exits closes its connections (another error)
         time.sleep(TIMEOUT_S + 5)
     return {"error": error, "elapsed": time.monotonic() - start}
@@ -172,11 +177,7 @@ def _rank0_skips_the_dp_reduction(rank: int, world_size: int):
         pm._launch_dp_reduction = lambda: None
         pm._sum_over_dp = lambda: None
     start = time.monotonic()
-    try:
-        pm.train_step(*args, **kwargs)
-        error = None
-    except Exception as e:  # the outcome under test
-        error = (type(e).__name__, str(e))
+    error = _train_step_error(pm, args, kwargs)
     elapsed = time.monotonic() - start
     time.sleep(TIMEOUT_S + 5)  # stay alive past the others' waits (an exit closes connections: another error)
     return {"error": error, "elapsed": elapsed}
