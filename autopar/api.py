@@ -370,32 +370,29 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     t0 = time.perf_counter()
     module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
                                                 global_batch_size, seq_len)  # fmt: skip
-    cp = _check_cp(constraints, cluster, args, kwargs, compare, pipeline)
+    cp = _check_cp(constraints, cluster, args, kwargs, pipeline)
     from autopar.passes.fused_ops import default_fusion
 
     fuse = default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels)
     settings = _Settings(name, cluster, _estimator(estimator, cluster, precision), precision, budget, offload,
                          pipeline, fuse, t0, say)  # fmt: skip
     degrees = (
-        cp_degrees(constraints, cluster.world_size, args, kwargs, compare, pipeline)
+        cp_degrees(constraints, cluster.world_size, args, kwargs, pipeline)
         if _traced is None and _against is None
         else []
     )
+    jobs = _Jobs(settings, module, model, args, kwargs, traced=_traced, traced_cp=cp)
     if len(degrees) > 1:
-        price = functools.partial(_plan_at, settings, module, model, args, kwargs, constraints)
-        chosen, runner_up, job = search_cp(price, degrees)
+        chosen, runner_up, job = search_cp(functools.partial(_plan_at, jobs, constraints), degrees)
     else:
-        chosen, runner_up, job = _plan_at(settings, module, model, args, kwargs, constraints, cp, _traced,
-                                          against=_against)  # fmt: skip
-    if job.cp > 1:
-        alternatives = False  # the hand layouts are priced without cp; their comparison with a cp plan is to come
+        chosen, runner_up, job = _plan_at(jobs, constraints, cp, against=_against)
     if alternatives is None:
         alternatives = _traced is None  # compile's own planning builds a program, never a report
     if alternatives or compare:
         from autopar.rationale import PINNED, with_rationale
 
         t_alt = time.perf_counter()
-        chosen = with_rationale(chosen, runner_up, lambda pins: _solve(job, pins, quiet=True)[0], say=say,
+        chosen = with_rationale(chosen, runner_up, functools.partial(_price_layout, jobs), say=say,
                                 baselines=alternatives, compare=compare or (),
                                 adopt=not constraints and _against is None,
                                 kept=PLANNED_BEFORE if _against is not None else PINNED)  # fmt: skip
@@ -425,35 +422,61 @@ class _Settings:
     say: Callable[[str], None]
 
 
-def _plan_at(st: _Settings, module, model, args, kwargs, constraints: dict, cp: int, traced=None, *,
-             against: Plan | None = None):  # fmt: skip
-    """(plan, runner-up, job) of `module` traced for cp degree `cp` (1: none) and solved under `constraints`;
-    with `against` (a plan made before, `autopar.compare`), that plan and no search."""
-    from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
+class _Jobs:
+    """The jobs of one `plan` call, one per cp degree (1: none), each traced the first time a degree is priced: by
+    the cp search, and again by the layouts priced next to the plan (a user's "tp=2,cp=4", the hand layouts
+    without cp), so that each layout is solved on the graph its degree runs."""
 
-    if cp > 1:  # traced on the cp ranks' shares stacked on the batch (`context_parallel.inputs`)
-        args, kwargs = _cp_traced_batch(module, args, kwargs, cp)
-    t_start = time.perf_counter()
-    st.say(f"tracing {st.name}" + (f" for cp={cp}" if cp > 1 else ""))
-    graph = None
-    if traced is None and isinstance(model, str):
-        graph = _trace_shortened(module, args, kwargs, st.say, st.fuse, cp)
-    if graph is None:
-        traced = traced if traced is not None else _trace_in_format(module, args, kwargs, st.precision, cp)
-        traced = fuse_traced(traced) if st.fuse else traced
-        frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
-        graph = OpGraph.from_traced(traced, frozen_params=frozen)
-    t_trace = time.perf_counter() - t_start
-    fusion = fusion_summary(st.fuse, fusion_report(graph.traced), graph.layer_count)
-    batch = _batch_size(args, kwargs)
-    st.say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} "
-           f"deduplicated)")  # fmt: skip
-    job = _Job(graph, st.name, st.cluster, st.est, st.precision, st.budget, st.offload, st.pipeline, batch, args,
-               kwargs, fusion, st.t0, t_trace, st.say, cp=cp)  # fmt: skip
+    def __init__(self, st: _Settings, module, model, args, kwargs, *, traced=None, traced_cp: int = 1):
+        self.st, self.module, self.model, self.args, self.kwargs = st, module, model, args, kwargs
+        self._traced = {traced_cp: traced} if traced is not None else {}
+        self._jobs: dict[int, _Job] = {}
+
+    def __call__(self, cp: int) -> _Job:
+        if cp not in self._jobs:
+            self._jobs[cp] = self._trace(cp)
+        return self._jobs[cp]
+
+    def _trace(self, cp: int) -> _Job:
+        from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
+
+        st, module, args, kwargs = self.st, self.module, self.args, self.kwargs
+        if cp > 1:  # traced on the cp ranks' shares stacked on the batch (`context_parallel.inputs`)
+            args, kwargs = _cp_traced_batch(module, args, kwargs, cp)
+        t_start = time.perf_counter()
+        st.say(f"tracing {st.name}" + (f" for cp={cp}" if cp > 1 else ""))
+        traced, graph = self._traced.get(cp), None
+        if traced is None and isinstance(self.model, str):
+            graph = _trace_shortened(module, args, kwargs, st.say, st.fuse, cp)
+        if graph is None:
+            traced = traced if traced is not None else _trace_in_format(module, args, kwargs, st.precision, cp)
+            traced = fuse_traced(traced) if st.fuse else traced
+            frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
+            graph = OpGraph.from_traced(traced, frozen_params=frozen)
+        t_trace = time.perf_counter() - t_start
+        fusion = fusion_summary(st.fuse, fusion_report(graph.traced), graph.layer_count)
+        st.say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} "
+               f"deduplicated)")  # fmt: skip
+        return _Job(graph, st.name, st.cluster, st.est, st.precision, st.budget, st.offload, st.pipeline,
+                    _batch_size(args, kwargs), args, kwargs, fusion, st.t0, t_trace, st.say, cp=cp)  # fmt: skip
+
+
+def _plan_at(jobs: _Jobs, constraints: dict, cp: int, *, against: Plan | None = None):
+    """(plan, runner-up, job) of the model traced for cp degree `cp` (1: none) and solved under `constraints`;
+    with `against` (a plan made before, `autopar.compare`), that plan and no search."""
+    job = jobs(cp)
     if against is not None:
         return against, None, job
     chosen, runner_up = _solve(job, constraints | ({"cp": cp} if cp > 1 else {}))
     return chosen, runner_up, job
+
+
+def _price_layout(jobs: _Jobs, pins: dict) -> Plan:
+    """A layout priced next to the plan (`rationale.with_rationale`): solved on the job of its cp degree, none
+    where it pins none (the hand layouts are without cp); a cp it cannot run is the autopar error that says why."""
+    st = jobs.st
+    cp = _check_cp(pins, st.cluster, jobs.args, jobs.kwargs, st.pipeline)
+    return _solve(jobs(cp), pins | ({"cp": cp} if cp > 1 else {}), quiet=True)[0]
 
 
 # why a layout `compare` prices faster than the plan did not replace it (`rationale.loss_reason`)
@@ -824,7 +847,7 @@ def _tokens(args, kwargs) -> int:
     return _batch_size(args, kwargs)
 
 
-def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs, compare, pipeline) -> int:
+def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs, pipeline) -> int:
     """The pinned cp degree (1: none), after checking that the batch and the other settings allow it."""
     from autopar.context_parallel.inputs import check_cp_inputs
     from autopar.passes.context_parallel import CPSpec
@@ -835,8 +858,6 @@ def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs, compare, pi
     check_cp_inputs(args, kwargs, spec.degree)
     if (constraints.get("pp") or 1) > 1 or pipeline:
         raise ConfigError("a cp axis with a pipeline is not supported yet: pin pp=1 (or leave it) with cp")
-    if compare:
-        raise ConfigError("comparing layouts with a cp plan is not supported yet: plan without compare=")
     return spec.degree
 
 
@@ -893,8 +914,8 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     if plan is None:
         precision = plan_kwargs.get("precision") or _default_precision(cluster)
         constraints = dict(plan_kwargs.get("constraints") or {})
-        cp = _check_cp(constraints, cluster, args, kwargs, (), None)
-        if len(cp_degrees(constraints, cluster.world_size, args, kwargs, (), plan_kwargs.get("pipeline"))) > 1:
+        cp = _check_cp(constraints, cluster, args, kwargs, None)
+        if len(cp_degrees(constraints, cluster.world_size, args, kwargs, plan_kwargs.get("pipeline"))) > 1:
             # the cp degree is searched as `plan` searches it (one trace per degree); the program traces its own
             plan = _plan(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
         else:

@@ -22,17 +22,16 @@ __all__ = ["MIN_CP_CHUNK_TOKENS", "cp_degrees", "search_cp"]
 MIN_CP_CHUNK_TOKENS = 4096
 
 
-def cp_degrees(constraints: dict, world_size: int, args, kwargs, compare=(), pipeline=None) -> list[int]:
+def cp_degrees(constraints: dict, world_size: int, args, kwargs, pipeline=None) -> list[int]:
     """The cp degrees an unpinned plan prices, ascending, 1 (no cp) first; [1] when none applies.
 
     Powers of two that divide the world (and what pinned dp and tp leave of it) and leave every rank two zig-zag
     chunks of the sequence of at least `MIN_CP_CHUNK_TOKENS` together. None when cp is pinned, the inputs cannot
-    be split (a padding mask, no token ids), or the plan is a pipeline or compares layouts (not supported with
-    cp yet).
+    be split (a padding mask, no token ids), or the plan is a pipeline (not supported with cp yet).
     """
     from autopar.context_parallel.inputs import check_cp_inputs, sequence_length
 
-    if "cp" in constraints or (constraints.get("pp") or 1) > 1 or pipeline or compare:
+    if "cp" in constraints or (constraints.get("pp") or 1) > 1 or pipeline:
         return [1]
     try:
         seq = sequence_length(args, kwargs)

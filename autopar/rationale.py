@@ -37,8 +37,8 @@ TERM_LABELS = {
     "other": "runtime overhead",
 }
 # layout keys `parse_layout` accepts and how their values read ("zero" is the ZeRO stage)
-_INT_KEYS = ("tp", "dp", "pp", "zero", "num_microbatches", "micro_batch_size", "virtual_stages")
-_STR_KEYS = ("schedule", "recompute")
+_INT_KEYS = ("tp", "dp", "pp", "cp", "zero", "num_microbatches", "micro_batch_size", "virtual_stages")
+_STR_KEYS = ("schedule", "recompute", "cp_attention")
 _ALIASES = {"m": "num_microbatches", "microbatches": "num_microbatches", "mbs": "micro_batch_size",
             "v": "virtual_stages"}  # fmt: skip
 
@@ -301,13 +301,14 @@ def _best_grid_point(chosen, price, say, *, searched: bool) -> tuple:
 
     `searched`: `chosen` is the search's optimum over a space that holds the whole grid (a free plan: the
     search covers every tensor axis inside a node, with and without a pipeline). No grid point is then
-    faster than `chosen`, and when its tensor axis is one of the grid's it is the best grid point itself:
-    nothing is priced again. Otherwise each of the grid's tensor axes is searched with tp pinned.
+    faster than `chosen`, and when its tensor axis is one of the grid's (and it splits no sequence over a cp
+    axis, which the grid does not) it is the best grid point itself: nothing is priced again. Otherwise each of
+    the grid's tensor axes is searched with tp pinned (and no cp).
     """
     sizes = megatron_tp_sizes(chosen.cluster)
     label = f"best Megatron-style grid point (tp in {{{', '.join(map(str, sizes))}}} x pp searched)"
     tp = chosen.mesh.get("tp", 1)
-    if searched and tp in sizes:
+    if searched and tp in sizes and chosen.mesh.get("cp", 1) == 1:  # a cp plan is no point of the grid
         say(f"alternative megatron: the search's own plan (tp={tp})")
         return "megatron", label, {"tp": tp}, chosen
     priced = [_price_one("megatron", label, {"tp": t}, price, say) for t in sizes]

@@ -1758,7 +1758,7 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
                 if prog.cannot_split():
                     break
                 bound = prog.memory_lower_bound()
-                bounds.append((sum(bound.values()), dp, tp, m, bound, prog.leanest_recompute()))
+                bounds.append((sum(bound.values()), _mesh_words(dp, tp, cp.degree), m, bound, prog.leanest_recompute()))
                 if sum(bound.values()) <= budget:
                     fits = prog
                     break
@@ -2112,18 +2112,23 @@ def format_bytes(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _mesh_words(data: int, tp: int, cp: int) -> str:
+    """'dp=2 cp=2 tp=1' for a data axis of `data` ranks (dp·cp of them) as a user pins the mesh."""
+    return f"dp={data // cp} cp={cp} tp={tp}" if cp > 1 else f"dp={data} tp={tp}"
+
+
 def _infeasible_message(bounds, budget, offload=False) -> str:
     """Say how much memory the leanest layout needs per device, next to the budget.
 
-    `bounds` holds (bytes, dp, tp, micro-batches, parts, recompute mode) of every program considered;
+    `bounds` holds (bytes, mesh words, micro-batches, parts, recompute mode) of every program considered;
     the figure is each program's lower bound (every choice at its leanest), so "at least" is exact.
     """
     if not bounds:
         return "no layout satisfies the constraints"
-    total, dp, tp, m, parts, mode = min(bounds, key=lambda b: b[0])
+    total, mesh, m, parts, mode = min(bounds, key=lambda b: b[0])
     if total <= budget:  # memory is not what stops it
         return (f"no layout satisfies the constraints, though memory would allow one (at least "
-                f"{format_bytes(total)} of {format_bytes(budget)} per device at dp={dp} tp={tp}); loosen the pins")  # fmt: skip
+                f"{format_bytes(total)} of {format_bytes(budget)} per device at {mesh}); loosen the pins")  # fmt: skip
     recompute = "no activation recompute" if mode == "none" else f"{mode} activation recompute"
     if offload is False:
         recompute += ", nothing offloaded to the host (offload=False)"
@@ -2131,7 +2136,7 @@ def _infeasible_message(bounds, budget, offload=False) -> str:
         recompute += ", optimizer states and gradients on the host as far as host memory allows"
     return (f"the model needs at least {format_bytes(total)} per device (model states "
             f"{format_bytes(parts['states'])}, activations {format_bytes(parts['activations'])}, working memory "
-            f"{format_bytes(parts['transient'])}, at dp={dp} tp={tp} with {m} micro-batch(es), states sharded "
+            f"{format_bytes(parts['transient'])}, at {mesh} with {m} micro-batch(es), states sharded "
             f"as far as allowed and {recompute}), but the budget is {format_bytes(budget)} per device: "
             f"{format_bytes(total - budget)} short; raise memory_budget, use more devices or a smaller batch"
             + ("" if offload is not False else ", or allow host offload (offload=None)"))  # fmt: skip

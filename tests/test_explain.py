@@ -531,3 +531,45 @@ def test_a_searched_cp_plan_reports_its_degree_algorithm_and_the_degrees_priced(
             assert cells[4] == r["reason"] and r["reason"]
     again = autopar.Plan.from_json(plan.to_json(timings=True))  # with the planning time the report shows
     assert again.explain() == md
+
+
+def test_a_cp_plan_is_compared_with_layouts_at_their_own_cp_degree():
+    # The same wide LLaMA at 16K tokens under a budget only cp fits (the cp search tests check that cp=1 does not
+    # fit there). The hand layouts are priced without cp, on the plan without cp's own trace: they do not fit, and
+    # say so. The user's layouts are priced at their own degree: "cp=4" is a real plan with a cp axis, "cp=3"
+    # cannot split the world of 4, and "cp=2" agrees with what the search found at that degree.
+    from tests.passes.test_context_parallel import _wide_llama
+
+    model, args, kwargs = _wide_llama(16384)
+    plan = autopar.plan(model, "4xH100-80GB", args, kwargs, memory_budget="300MiB",
+                        compare=["cp=4,tp=1,cp_attention=ring", "cp=3", "cp=2,tp=1"])  # fmt: skip
+    assert plan.mesh.get("cp", 1) > 1
+    base = {b["name"]: b for b in plan.baselines}
+    for name in ("dp", "zero3"):
+        assert not base[name]["feasible"] and "InfeasiblePlanError" in base[name]["reason"], base[name]
+    assert base["megatron"]["feasible"] is False  # tp inside the node, without cp: nothing fits either
+    four, three, two = plan.comparisons
+    assert four["feasible"] and four["mesh"]["cp"] == 4
+    assert four["step_time_s"] >= plan.predicted.step_time_s * (1 - 1e-9)  # the search's optimum beats it
+    assert not three["feasible"] and "does not divide the world size 4" in three["reason"]
+    # cp=2 is what the search priced at that degree: here it does not fit, and the compared layout says so too
+    searched = {r["degree"]: r for r in plan.context_parallel["search"]}
+    assert not searched[2]["feasible"] and searched[2]["reason"].startswith("does not fit")
+    assert not two["feasible"] and "InfeasiblePlanError" in two["reason"]
+    md = plan.explain()
+    assert "Your layout" in md and "cp=4" in md
+
+
+def test_compare_prices_a_cp_layout_next_to_a_plan_without_cp():
+    # A plan without cp, compared afterwards with "cp=2": the layout is solved on the cp=2 trace, so its mesh has
+    # the cp axis and its memory is that trace's: a micro-batch of one sequence on dp=2, against a micro-batch of
+    # one sequence split over cp=2, holds half the tokens per device (no recompute on either)
+    args, kwargs = make_batch("llama", batch=4, seq=32)
+    pins = {"tp": 1, "dp": 2, "recompute": "none", "zero": 0, "num_microbatches": 2}
+    plain = autopar.plan(make_model("llama"), "cpu:2", args, kwargs, constraints=pins, alternatives=False)
+    out = autopar.compare(plain, "cp=2,dp=1,tp=1,recompute=none,zero=0,m=4", model=make_model("llama"),
+                          example_inputs=args, example_kwargs=kwargs)  # fmt: skip
+    (entry,) = out.comparisons
+    assert entry["feasible"], entry["reason"]
+    assert entry["mesh"] == {"dp": 1, "cp": 2, "tp": 1}
+    assert entry["memory"]["activations"] < plain.predicted.memory_breakdown["activations"]
