@@ -4,9 +4,13 @@ Forward: before a module with parameters runs, its chunks are gathered (and the 
 in the order recorded on the first step is prefetched); once every parameter of a chunk has been
 used, the chunk is released. Backward: a hook on each module output gathers the module's chunks
 again when the output's gradient arrives; a hook after each parameter's gradient accumulation adds
-it into the chunk's staging buffer and, once the chunk's last gradient is in, reduce-scatters the
-chunk and releases it. At the end of backward, chunks with leftover gradients (parameters unused
-this step) are reduced and every transient payload is released.
+it into the chunk's staging buffer and, once the chunk's last gradient is in, issues the chunk's
+reduce-scatter (asynchronously: it runs while backward goes on) and releases the chunk's payload. At
+most `reduce_window` reduce-scatters are in flight: issuing one more first completes the oldest (adding
+its shard into the chunk's gradient and freeing its staging buffer), so the device holds at most that
+many staging buffers in flight besides the ones being filled. At the end of backward, chunks with
+leftover gradients (parameters unused this step) are reduced, every reduce-scatter is completed and
+every transient payload is released.
 
 So on dp ranks one step issues, per chunk, one all-gather for forward, one for backward and one
 reduce-scatter: ZeRO-3's 3x parameter traffic, in collectives of a chunk each. A chunk is gathered
@@ -38,10 +42,13 @@ class ChunkScheduler:
         prefetch: start gathering the next chunk (in the recorded order) while the current one computes,
             one chunk ahead at most, and only while the store's tracked device bytes stay within the
             tracker's budget (if it has one).
+        reduce_window: gradient reduce-scatters in flight at most (0: each one completes where it is issued).
     """
 
-    def __init__(self, store: ChunkStore, module: torch.nn.Module, *, prefetch: bool = True):
+    def __init__(self, store: ChunkStore, module: torch.nn.Module, *, prefetch: bool = True, reduce_window: int = 1):
         self.store, self.prefetch = store, prefetch
+        self.reduce_window = reduce_window
+        self._reducing: list[Chunk] = []  # chunks whose reduce-scatter is in flight, oldest first
         self._handles: list = []
         self._order: list[int] = []  # chunk indices in first-gather order, recorded on the first forward
         self._recording = True
@@ -128,7 +135,10 @@ class ChunkScheduler:
             chunk = self.store.add_grad(name, p.grad)
             p.grad = None
             if len(chunk.grads_seen) == len(chunk.layout.slots):
-                self.store.reduce_scatter_grads(chunk)
+                self.store.reduce_scatter_grads(chunk, async_op=self.reduce_window > 0)
+                self._reducing.append(chunk)
+                while len(self._reducing) > self.reduce_window:
+                    self.store.finish_reduce(self._reducing.pop(0))
                 self.store.release(chunk)
 
         return hook
@@ -143,6 +153,7 @@ class ChunkScheduler:
         self._recording = False
         self._used.clear()
         self._prefetched = None
-        self.store.finish_grads()
+        self._reducing.clear()
+        self.store.finish_grads()  # completes the reduce-scatters in flight too
         for chunk in self.store.chunks:
             self.store.release(chunk)

@@ -25,7 +25,9 @@ no reduce-scatter), each counted once by the :class:`CollectiveCounter`.
 Gradients: :meth:`ChunkStore.add_grad` adds a parameter's gradient into the chunk's full-size fp32
 staging buffer (the `grad` itself when dp == 1 and the chunk is on the device); `reduce_scatter_grads`
 then reduces the staging buffer, averages over dp and adds this rank's shard into `grad`, where it
-accumulates over micro-batches until the optimizer step zeroes it.
+accumulates over micro-batches until the optimizer step zeroes it. With `async_op` it only issues the
+reduce-scatter, which runs while backward goes on; :meth:`ChunkStore.finish_reduce` waits for it and adds
+the shard, and the staging buffer stays allocated (and counted) until then.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class Chunk:
         self.staging: torch.Tensor | None = None
         self.resident = False  # the payload holds the current weights
         self.pending: tuple | None = None  # (collective work or None, CUDA event or None) of a prefetch
+        self.reducing: tuple | None = None  # (work, out, staging, emulated) of a reduce-scatter in flight
         self.grads_seen: set[str] = set()
 
     @property
@@ -294,9 +297,9 @@ class ChunkStore:
         where = Residence(where)
         if where == chunk.device:
             return
-        if chunk.staging is not None or chunk.pending is not None:
-            raise LoweringError(f"chunk {chunk.index} has staged gradients or a prefetch in flight; "
-                                f"reduce its gradients and wait for it before moving it")  # fmt: skip
+        if chunk.staging is not None or chunk.pending is not None or chunk.reducing is not None:
+            raise LoweringError(f"chunk {chunk.index} has staged gradients, a prefetch or a reduce-scatter in "
+                                f"flight; reduce its gradients and wait for it before moving it")  # fmt: skip
         if chunk.resident and not self._persistent(chunk):
             self.release(chunk)
         was_persistent, aliased = self._persistent(chunk), chunk.master is chunk.payload
@@ -403,42 +406,64 @@ class ChunkStore:
                 self.add_grad(name, p.grad)
                 p.grad = None
 
-    def reduce_scatter_grads(self, chunk: Chunk) -> None:
-        """Average the staged gradients over dp and add this rank's shard into `chunk.grad`; free the staging."""
+    def reduce_scatter_grads(self, chunk: Chunk, *, async_op: bool = False) -> None:
+        """Average the staged gradients over dp and add this rank's shard into `chunk.grad`; free the staging.
+
+        With `async_op` (dp > 1) the reduce-scatter is only issued: `finish_reduce` completes it.
+        """
         staging, chunk.staging = chunk.staging, None
         chunk.grads_seen.clear()
         if staging is None or staging is chunk.grad:
             return
-        if self.dp > 1:
+        if self.dp == 1:
+            chunk.grad.add_(staging.to(chunk.grad.device))
+            self._account(Residence.DEVICE, staging, "staging", free=True)
+            return
+        lo, hi = self._shard_range(chunk)
+        out = self._new(hi - lo, staging.dtype, Residence.DEVICE, "staging")
+        work, emulated = self._reduce_scatter(out, staging)
+        chunk.reducing = (work, out, staging, emulated)
+        if not async_op:
+            self.finish_reduce(chunk)
+
+    def finish_reduce(self, chunk: Chunk) -> None:
+        """Wait for the chunk's reduce-scatter in flight (if any), add this rank's averaged shard into
+        `chunk.grad` and free the buffers it used."""
+        if chunk.reducing is None:
+            return
+        work, out, staging, emulated = chunk.reducing
+        chunk.reducing = None
+        work.wait()
+        if emulated:  # an all-reduce of the whole staging buffer: this rank's shard is a slice of it
             lo, hi = self._shard_range(chunk)
-            out = self._new(hi - lo, staging.dtype, Residence.DEVICE, "staging")
-            self._reduce_scatter(out, staging, lo, hi)
-            out.mul_(1.0 / self.dp)
-        else:
-            out = staging
+            out.copy_(staging[lo:hi])
+        out.mul_(1.0 / self.dp)
         chunk.grad.add_(out.to(chunk.grad.device))
-        if out is not staging:
-            self._account(Residence.DEVICE, out, "staging", free=True)
+        self._account(Residence.DEVICE, out, "staging", free=True)
         self._account(Residence.DEVICE, staging, "staging", free=True)
 
-    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, lo: int, hi: int) -> None:
+    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> tuple[dist.Work, bool]:
+        """Issue the reduce-scatter of `full` into `out` (asynchronously): (its work, whether it is emulated by an
+        all-reduce of `full`, whose slice `finish_reduce` takes)."""
         self.counter.add("reduce_scatter")
         if not self._emulate_reduce_scatter:
             try:
-                _reduce_scatter_native(out, full, self.group)
-                return
+                return _REDUCE_SCATTER(out, full, group=self.group, async_op=True), False
             except (RuntimeError, NotImplementedError) as e:  # a backend without reduce-scatter
                 warnings.warn(f"reduce-scatter is not available ({e}); emulating it with an all-reduce",
                               stacklevel=3)  # fmt: skip
                 self._emulate_reduce_scatter = True
-        dist.all_reduce(full, group=self.group)
-        out.copy_(full[lo:hi])
+        return dist.all_reduce(full, group=self.group, async_op=True), True
 
     def finish_grads(self, chunks: Iterable[Chunk] | None = None) -> None:
-        """Reduce every chunk that still has staged gradients (in chunk order, the same on every rank)."""
-        for chunk in chunks if chunks is not None else self.chunks:
+        """Reduce every chunk that still has staged gradients (issued in chunk order, the same on every rank), and
+        complete every reduce-scatter in flight."""
+        chunks = list(chunks if chunks is not None else self.chunks)
+        for chunk in chunks:
             if chunk.staging is not None:
-                self.reduce_scatter_grads(chunk)
+                self.reduce_scatter_grads(chunk, async_op=True)
+        for chunk in chunks:
+            self.finish_reduce(chunk)
 
     def zero_grad(self) -> None:
         for chunk in self.trainable_chunks():
@@ -496,7 +521,3 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> dist.Work:
     return _ALL_GATHER(out, mine, group=group, async_op=True)
-
-
-def _reduce_scatter_native(out: torch.Tensor, full: torch.Tensor, group) -> None:
-    _REDUCE_SCATTER(out, full, group=group)

@@ -3,7 +3,10 @@
 The model's parameters are packed into chunks (`autopar.memory.ChunkStore`), sharded over the
 data axis when dp > 1 (ZeRO-3 over chunks: one all-gather per chunk for forward and one for
 backward, one reduce-scatter of its gradients), and the model computes with views into the
-chunks' payloads, gathered as each module runs and freed after (`ChunkScheduler`). The first
+chunks' payloads, gathered as each module runs and freed after (`ChunkScheduler`). The communication
+overlaps the compute: the next chunk's all-gather is issued while the current one computes, and a chunk's
+reduce-scatter is issued as soon as its last gradient is in and completed while backward goes on (one in
+flight at a time). The first
 chunks, enough to cover the plan's offloaded fraction of the optimizer states, keep their master
 weights, gradients and AdamW moments on the host; the others on the device. `ChunkAdamW` updates
 each chunk where it lives: host chunks by the CPU AdamW over whole chunks (ZeRO-Offload), device

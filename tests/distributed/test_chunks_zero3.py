@@ -114,3 +114,50 @@ def test_zero3_chunks_match_single_process():
         assert float(diff.mean()) <= PARAM_MEAN_ATOL, name
     moved = sum(float((got["state"][n] - _model().get_parameter(n).detach()).abs().mean()) for n in ref)
     assert moved > 1e-3 * len(ref)  # the parameters did train (by ~lr per element)
+
+
+def _record_reductions(rank: int, world_size: int):
+    """One step with the store's reduce-scatters, their completions and backward's chunk gathers logged in order."""
+    model = _model()
+    store = ChunkStore.from_module(model, chunk_numel=CHUNK_NUMEL, group=dist.group.WORLD, device="cpu")
+    store.bind(model)
+    sched = ChunkScheduler(store, model)
+    events = []
+    issue, finish, gather = store.reduce_scatter_grads, store.finish_reduce, sched._gather
+
+    def issued(chunk, **kw):
+        events.append(("issue", chunk.index))
+        issue(chunk, **kw)
+
+    def finished(chunk):
+        if chunk.reducing is not None:
+            events.append(("finish", chunk.index))
+        finish(chunk)
+
+    def gathered(chunk, direction):
+        if direction < 0:
+            events.append(("backward", chunk.index))
+        gather(chunk, direction)
+
+    store.reduce_scatter_grads, store.finish_reduce, sched._gather = issued, finished, gathered
+    share = GLOBAL_BATCH // world_size
+    model(_batch(0)[rank * share : (rank + 1) * share]).backward()
+    sched.remove()
+    return {"events": events, "num_chunks": store.num_chunks}
+
+
+def test_chunk_reduce_scatters_run_while_backward_goes_on():
+    got = run_distributed(_record_reductions, 2)[0]
+    events, n = got["events"], got["num_chunks"]
+    issues = [i for i, (what, _) in enumerate(events) if what == "issue"]
+    assert len(issues) == n and sorted(c for what, c in events if what == "finish") == list(range(n))
+    # the first reduce-scatter is issued before backward has reached the chunks it still needs (it is not held
+    # until backward ends), and it completes only after backward has gathered at least one more chunk
+    first = events[issues[0]][1]
+    done = events.index(("finish", first))
+    assert any(what == "backward" for what, _ in events[issues[0] + 1 : done]), events
+    # at most one reduce-scatter in flight (the default window) beyond the one just issued
+    flying = 0
+    for what, _ in events:
+        flying += {"issue": 1, "finish": -1}.get(what, 0)
+        assert flying <= 2, events
