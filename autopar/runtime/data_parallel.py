@@ -104,17 +104,25 @@ class DataParallelProgram(Program):
     def _gradient_buckets(self) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """(flat buffer, [(bucketed tensor, its gradient view)]) per bucket of about BUCKET_BYTES.
 
-        Parameters of one dtype share buckets, filled in reverse parameter order (about the order backward
-        produces their gradients, as DDP orders its buckets), so each bucket is ready, and its all-reduce
-        launched, while backward goes on (`_grad_ready`).
+        Parameters of one dtype share buckets, filled in the order backward completes their gradients, so each
+        bucket is ready, and its all-reduce launched, while backward goes on (`_grad_ready`). That order is read
+        from the graph: a parameter's gradient is complete once the backward of its first use in forward has run,
+        so the parameters go in decreasing order of their first use (ties, one op reading several, in reverse
+        parameter order). DDP gets the same order by rebuilding its buckets after the first step from the order
+        gradients arrived; reverse parameter order alone would put a layer's norm weights, read first and listed
+        last, in a bucket that then waits for the whole layer's backward.
         """
-        placeholders = [n for n in self._gm.graph.nodes if n.op == "placeholder"]
-        used = [bool(n.users) for n, kind in zip(placeholders, self.traced.placeholder_kinds, strict=True)
-                if kind == "param"]  # fmt: skip
-        trainable = [p for p, u in zip(self._bucketed, used, strict=True) if p.requires_grad and u]
+        nodes = list(self._gm.graph.nodes)
+        position = {node: k for k, node in enumerate(nodes)}
+        params = [n for n, kind in zip((n for n in nodes if n.op == "placeholder"), self.traced.placeholder_kinds,
+                                       strict=True) if kind == "param"]  # fmt: skip
+        first_use = [min((position[u] for u in n.users), default=-1) for n in params]
+        trainable = [
+            i for i, (p, n) in enumerate(zip(self._bucketed, params, strict=True)) if p.requires_grad and n.users
+        ]
         groups: list[list[torch.Tensor]] = []
         size = BUCKET_BYTES
-        for p in reversed(trainable):
+        for p in (self._bucketed[i] for i in sorted(reversed(trainable), key=lambda i: -first_use[i])):
             if size >= BUCKET_BYTES or p.dtype != groups[-1][0].dtype:
                 groups.append([])
                 size = 0

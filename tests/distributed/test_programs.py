@@ -246,7 +246,7 @@ def _overlap_order(rank: int, world_size: int):
         loss = pm.train_step(*args, **kwargs)
     finally:
         torch.distributed.all_reduce = real
-    return {"events": events, "buckets": len(pm._buckets), "loss": loss}
+    return {"events": events, "buckets": len(pm._buckets), "loss": loss, "launched": list(pm._launched)}
 
 
 def test_data_parallel_buckets_are_reduced_while_backward_runs():
@@ -258,6 +258,9 @@ def test_data_parallel_buckets_are_reduced_while_backward_runs():
     assert kinds.count("all_reduce") == got["buckets"] + 1
     assert got["events"][0] == ("all_reduce", 2)  # the totals
     assert kinds.index("all_reduce") < kinds.index("embedding grad"), kinds
+    # the buckets follow the order backward completes gradients (read from the graph): each one fills, and is
+    # launched, before the next, so none waits on a gradient that comes after the next bucket's
+    assert got["launched"] == list(range(got["buckets"]))
 
 
 def test_bf16_zero1_column_parallel_on_dp2_tp2():
