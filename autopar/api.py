@@ -635,6 +635,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         grad_sync_s=sol.grad_sync_s,
         offload_s=offload_s,
         optimizer_s=sol.optimizer_s,
+        cp_comm_s=sol.cp_comm_s,
     )
     return Plan(
         model_name=job.name,
@@ -665,7 +666,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         stats=stats,
         fusion=job.fusion,
         time_breakdown=terms,
-        hidden_communication=hidden_terms(grad_sync_hidden_s=sol.grad_sync_hidden_s),
+        hidden_communication=hidden_terms(grad_sync_hidden_s=sol.grad_sync_hidden_s, cp_hidden_s=sol.cp_comm_hidden_s),
     )
 
 

@@ -197,7 +197,7 @@ def _host_memory(plan) -> list:
 
 
 _HIDING = {"comm_dp": "gradient all-reduces overlapping backward", "comm_tp": "resharding overlapping compute",
-           "comm_pp": "stage sends overlapping compute"}  # fmt: skip
+           "comm_pp": "stage sends overlapping compute", "comm_cp": "ring hops overlapping attention blocks"}  # fmt: skip
 
 
 def _context_parallel(plan) -> list:

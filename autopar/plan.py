@@ -172,8 +172,8 @@ class Plan:
     # the step's predicted time by term (`autopar.rationale.TERMS`: compute, recompute, each axis's
     # communication, bubble, offload, optimizer, other); the terms sum to predicted.step_time_s
     time_breakdown: dict = field(default_factory=dict)
-    # per mesh axis (`autopar.rationale.COMM_TERMS`: comm_tp, comm_dp, comm_pp), the communication time overlap
-    # hides behind compute (`autopar.rationale.hidden_terms`): not in the step, nor in time_breakdown, whose
+    # per mesh axis (`autopar.rationale.COMM_TERMS`: comm_tp, comm_dp, comm_pp, comm_cp), the communication time
+    # overlap hides behind compute (`autopar.rationale.hidden_terms`): not in the step, nor in time_breakdown, whose
     # communication terms are the exposed part; an axis that hides nothing is left out
     hidden_communication: dict = field(default_factory=dict)
     # the layouts a user would pick (DDP, ZeRO-3, the best Megatron-style tp x pp point, the search's

@@ -4,7 +4,8 @@ The report's "Why this plan" and "Your layout" sections are built from what this
 planning (`autopar.plan` stores it in the plan, so a plan read back from JSON reports the same):
 
 - `time_terms`: one step's predicted time split into compute, recompute, the communication of each
-  mesh axis (tp: resharding inside ops; dp: gradient sync and ZeRO gathers; pp: stage-to-stage sends),
+  mesh axis (tp: resharding inside ops; dp: gradient sync and ZeRO gathers; pp: stage-to-stage sends; cp:
+  attention's K/V traffic across the group),
   the pipeline bubble, host offload traffic, the optimizer step and what is left (the sharded
   runtime's per-op overhead). The terms sum to the step time; a communication term is what the step
   waits for (exposed), and `hidden_terms` is, per mesh axis, what overlap hides behind compute.
@@ -22,15 +23,16 @@ from autopar.errors import ConfigError
 
 GIB = 1024**3
 # the terms of one step, in the order the report stacks them
-TERMS = ("compute", "recompute", "comm_tp", "comm_dp", "comm_pp", "bubble", "offload", "optimizer", "other")
+TERMS = ("compute", "recompute", "comm_tp", "comm_dp", "comm_pp", "comm_cp", "bubble", "offload", "optimizer", "other")
 # the terms that are one mesh axis's communication: exposed in `time_terms`, hidden in `hidden_terms`
-COMM_TERMS = ("comm_tp", "comm_dp", "comm_pp")
+COMM_TERMS = ("comm_tp", "comm_dp", "comm_pp", "comm_cp")
 TERM_LABELS = {
     "compute": "compute",
     "recompute": "recompute",
     "comm_tp": "tp communication (resharding)",
     "comm_dp": "dp communication (gradient sync, ZeRO gathers)",
     "comm_pp": "pp communication (stage sends)",
+    "comm_cp": "cp communication (attention across the group)",
     "bubble": "pipeline bubble",
     "offload": "host offload traffic",
     "optimizer": "optimizer step",
@@ -44,15 +46,17 @@ _ALIASES = {"m": "num_microbatches", "microbatches": "num_microbatches", "mbs": 
 
 
 def sharded_terms(*, step_s: float, compute_s: float, recompute_s: float, reshard_s: float, grad_sync_s: float,
-                  offload_s: float, optimizer_s: float) -> dict[str, float]:  # fmt: skip
-    """The terms of a layout without a pipeline (`compute_s` includes `recompute_s`, as the solver reports it)."""
+                  offload_s: float, optimizer_s: float, cp_comm_s: float = 0.0) -> dict[str, float]:  # fmt: skip
+    """The terms of a layout without a pipeline (`compute_s` includes `recompute_s`, as the solver reports it;
+    `cp_comm_s`, cp attention's exposed communication, is not in it)."""
     terms = {"compute": compute_s - recompute_s, "recompute": recompute_s, "comm_tp": reshard_s,
-             "comm_dp": grad_sync_s, "offload": offload_s, "optimizer": optimizer_s}  # fmt: skip
+             "comm_dp": grad_sync_s, "comm_cp": cp_comm_s, "offload": offload_s, "optimizer": optimizer_s}  # fmt: skip
     terms["other"] = max(0.0, step_s - sum(terms.values()))
     return {k: terms.get(k, 0.0) for k in TERMS}
 
 
-def hidden_terms(*, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0) -> dict[str, float]:
+def hidden_terms(*, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0,
+                 cp_hidden_s: float = 0.0) -> dict[str, float]:  # fmt: skip
     """Per mesh axis (its `COMM_TERMS` key), the communication time overlap hides behind compute: not in the step.
 
     The data axis: gradient reductions that run while backward goes on (`grad_sync_hidden_s`: the data-parallel
@@ -60,9 +64,11 @@ def hidden_terms(*, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0) -
     ZeRO gathers issued ahead of use, `ShardingProgram.add_sharded_overlap_constraint`; a pipeline's, the sync of
     the stage that ends the step hidden behind the backwards still running, `passes.pipeline_search`). The
     pipeline axis: the part of the stage transfers of a step that runs behind the stage's compute
-    (`transfer_hidden_s`). Axes that hide nothing are left out, so a plan without overlap has none.
+    (`transfer_hidden_s`). The cp axis: what cp attention's compute hides of its communication (a ring's hops
+    behind the blocks they feed, `cp_hidden_s`). Axes that hide nothing are left out, so a plan without overlap
+    has none.
     """
-    terms = {"comm_dp": grad_sync_hidden_s, "comm_pp": transfer_hidden_s}
+    terms = {"comm_dp": grad_sync_hidden_s, "comm_pp": transfer_hidden_s, "comm_cp": cp_hidden_s}
     return {k: v for k, v in terms.items() if v > 0}
 
 

@@ -278,6 +278,8 @@ class MeshResult:
     activation_offload: dict = field(default_factory=dict)
     recompute_s: float = 0.0  # the part of compute_s that runs forwards again (and what leaving plain tensors adds)
     grad_sync_hidden_s: float = 0.0  # gradient all-reduce time hidden behind backward (grad_sync_s is what is not)
+    cp_comm_s: float = 0.0  # cp attention's communication its compute does not hide (not in compute_s)
+    cp_comm_hidden_s: float = 0.0  # and what it hides (not in the step)
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,8 @@ class ShardingSolution:
     activation_offload: dict = field(default_factory=dict)
     recompute_s: float = 0.0  # the part of compute_s spent running forwards again
     grad_sync_hidden_s: float = 0.0  # gradient all-reduce time hidden behind backward (grad_sync_s is what is not)
+    cp_comm_s: float = 0.0  # cp attention's communication its compute does not hide (not in compute_s)
+    cp_comm_hidden_s: float = 0.0  # and what it hides (not in the step)
     # tp > 1: what the tensor axis splits and which parameters stay whole, and why (`tensor_split_report`)
     tensor_split: dict = field(default_factory=dict)
     # per deduplicated layer (and what runs outside the layers): its ops, placements and collectives
@@ -485,6 +489,7 @@ class ShardingProgram:
         self._fwd_terms: list = []  # n_g x[g,k] T_fwd: forward seconds per step
         # the sharded program's hideable communication and the exposed part the objective pays, per family
         self.sharded_hidden: list[tuple[list, pulp.LpVariable]] = []
+        self._cp_hidden_terms: list = []  # cp attention's communication its compute hides (`_cp_comm_s`)
         self._offloading = False  # offload pinned: the ZeRO-3 layouts run as the offload program
         self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
         self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
@@ -762,20 +767,34 @@ class ShardingProgram:
         """Objective term sum_g n_g sum_k x[g,k] (T_fwd + T_bwd), plus resharding inside merged groups."""
         for name, grp in self.groups.items():
             for k in range(len(grp.strategies)):
-                t = 0.0
-                back = 0.0
+                t = back = comm = hid = 0.0
                 for m in grp.members:
                     fwd, bwd = self._op_times(self.graph.node(m), grp.divisor[m][k])
                     t += fwd + bwd
                     back += bwd
+                    exposed, hidden = self._cp_comm_s(m, grp.divisor[m][k])
+                    comm, hid = comm + exposed, hid + hidden
                     self._fwd_s[name].setdefault(m, [0.0] * len(grp.strategies))[k] = grp.count * fwd
-                self.cost_terms["compute"].append(grp.count * t * self.x[name][k])
+                # cp attention's exposed communication is a term of its own (the cp axis's), not compute
+                self.cost_terms["compute"].append(grp.count * (t - comm) * self.x[name][k])
+                if comm:
+                    self.cost_terms["cp_comm"].append(grp.count * comm * self.x[name][k])
+                if hid:
+                    self._cp_hidden_terms.append(grp.count * hid * self.x[name][k])
                 if back:
                     self._bwd_terms.append(grp.count * back * self.x[name][k])
                 if t - back:
                     self._fwd_terms.append(grp.count * (t - back) * self.x[name][k])
                 if grp.extra_s[k]:
                     self.cost_terms["reshard"].append(grp.extra_s[k] * self.x[name][k])
+
+    def _cp_comm_s(self, name: str, divisor: int) -> tuple[float, float]:
+        """(exposed, hidden) seconds per step of a cp attention node's communication, heads split by `divisor`: what
+        its algorithm's compute does not hide (in its op time, `_op_times`) and what it does (not in the step)."""
+        if self.cp is None or not is_attention(self.graph.node(name)):
+            return 0.0, 0.0
+        c = self._cp_cost(name, divisor)
+        return self.mb * c.exposed_comm_s, self.mb * max(c.comm_s - c.exposed_comm_s, 0.0)
 
     def _edges(self):
         """(producer group, producer node, consumer group, consumer node, argument index) -> multiplicity.
@@ -1526,7 +1545,8 @@ class ShardingProgram:
                           num_microbatches=self.mb, recompute=mode,
                           offload=self._offload_result(mem, val.get("offload", 0.0)),
                           optimizer_s=val.get("optimizer", 0.0), recompute_s=val.get("recompute", 0.0),
-                          grad_sync_hidden_s=hidden)  # fmt: skip
+                          grad_sync_hidden_s=hidden, cp_comm_s=val.get("cp_comm", 0.0),
+                          cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in self._cp_hidden_terms))  # fmt: skip
 
     def solve_free(self, recompute: str | None = None) -> MeshResult:
         """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
@@ -1931,6 +1951,7 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
                             layer_modes=layer_indices(best.layer_modes, graph) if best.layer_modes else {},
                             activation_offload=best.activation_offload, optimizer_s=best.optimizer_s,
                             recompute_s=best.recompute_s, grad_sync_hidden_s=best.grad_sync_hidden_s,
+                            cp_comm_s=best.cp_comm_s, cp_comm_hidden_s=best.cp_comm_hidden_s,
                             tensor_split=tensor_split_report(prog, chosen),
                             layer_ops=layer_ops_report(prog, chosen, best.zero_stage, exposed_fraction(best)),
                             cp=cp_report(prog.cp))  # fmt: skip

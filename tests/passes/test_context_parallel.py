@@ -247,3 +247,37 @@ def test_cp_graph_builds_no_chunk_mask():
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = n.kwargs | dict(zip(names[: len(n.args)], n.args, strict=True))
         assert bound.get("attn_mask") is None and bound["is_causal"] is True
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "allgather"])
+def test_cp_communication_is_a_term_of_its_own(algorithm):
+    # The step's cp term is what cp attention's compute does not hide of its communication, per layer and
+    # micro-batch by `estimate_cp_attention` (priced here again on the plan's own cp trace), times the layers and
+    # micro-batches; what it hides is the cp axis's hidden communication. Both leave compute: the terms still sum
+    # to the step.
+    from autopar import api
+    from autopar.ir import OpGraph
+    from autopar.passes.context_parallel import CPSpec, check_cp_graph, price_cp_attention
+    from autopar.rationale import TERMS
+
+    batch, seq, layers, m = 4, 4096, 2, 2
+    model, args, kwargs = _wide_llama(seq)
+    pins = {"cp": 4, "dp": 1, "tp": 1, "num_microbatches": m, "recompute": "none", "zero": 0,
+            "cp_attention": algorithm}  # fmt: skip
+    plan = _search(model, args, kwargs, pins, memory_budget=float("inf"), fuse_kernels=False)
+    traced = api._trace_in_format(model, *api._cp_traced_batch(model, args, kwargs, 4), "bf16", cp=4)
+    spec = CPSpec.from_constraints(pins, 4)
+    attention = check_cp_graph(OpGraph.from_traced(traced).graph, spec)
+    pricing = price_cp_attention(attention, plan.cluster, spec, data=4, tp=1, num_microbatches=m, precision="bf16")
+    cost = pricing.cost(attention[0], batch // m)  # a rank's sequences of one micro-batch (dp=1)
+    assert len(attention) == layers
+    terms = plan.time_breakdown
+    assert set(terms) == set(TERMS)
+    # the same float products summed in another order
+    assert terms["comm_cp"] == pytest.approx(layers * m * cost.exposed_comm_s, rel=1e-9)
+    hidden = layers * m * (cost.comm_s - cost.exposed_comm_s)
+    assert plan.hidden_communication.get("comm_cp", 0.0) == pytest.approx(hidden, rel=1e-9, abs=1e-15)
+    assert sum(terms.values()) == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert terms["comm_cp"] > 0
+    if algorithm == "ring":  # its hops run behind the blocks they feed: some of its traffic hides
+        assert plan.hidden_communication["comm_cp"] > 0
