@@ -371,8 +371,9 @@ def _pairs(methods: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------- calibrating
 
-# The largest all-reduce the link fit measures: past the gradients of the models above (a few MiB).
-_LINK_FIT_MAX_BYTES = 16 << 20
+# The largest all-reduce the link fit measures: past the largest collective the models issue (wide-llama's
+# gradient buckets of 25 MiB), so that the bandwidth the fit's slope gives is the one those buckets see.
+_LINK_FIT_MAX_BYTES = 64 << 20
 # what `calibrate_cost_model` records of the link: kept per model, as each model's run is priced with its own
 _LINK_RECORD = ("allreduce_median_s", "link", "link_error", "overlap")
 
