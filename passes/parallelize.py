@@ -160,19 +160,21 @@ class ShardedInterpreter(fx.Interpreter):
         self.segment_calls = 0
         if self.segments:
             self._keep_segment_inputs()
-        # node -> the placement all its consumers ask of it, applied where it is produced when launched early
-        self.consumed_as: dict[str, Placement] = {}
-        self.launched_early = self._launch_early_set()
+        # nodes launched early, and node -> the placement all its consumers ask of it (applied where it is produced)
+        self.launched_early, self.consumed_as = self._launch_early()
 
-    def _launch_early_set(self) -> frozenset[str]:
-        """Nodes whose output's tensor-axis collective is launched without waiting for it (see `_run_op`).
+    def _launch_early(self) -> tuple[frozenset[str], dict[str, Placement]]:
+        """(nodes whose output's tensor-axis collective is launched without waiting for it (see `_run_op`), the
+        placement all the consumers of such a node ask of it, where they agree).
 
-        Those whose first consumer is not the very next node, so that ops between them run while the
-        collective is in flight, and whose consumers are all ATen ops DTensor runs (none of `local_ops`, which
-        hand local tensors to kernels): the waiting is then done by the first op that reads the value."""
+        Launched early: the nodes whose first consumer is not the very next node, so that ops between them run
+        while the collective is in flight, and whose consumers are all ATen ops DTensor runs (none of
+        `local_ops`, which hand local tensors to kernels): the waiting is then done by the first op that reads
+        the value. Where every consumer asks the same placement, the reshard they would each do is launched
+        early too, where the value is made."""
         nodes = list(self.graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
-        early = set()
+        early, consumed_as = set(), {}
         for n in nodes:
             users = list(n.users)
             if n.op != "call_function" or not users:
@@ -183,8 +185,8 @@ class ShardedInterpreter(fx.Interpreter):
                 early.add(n.name)
                 wanted = {self._needed_by(u, n) for u in users}
                 if len(wanted) == 1 and (want := wanted.pop()) is not None and not want.is_partial():
-                    self.consumed_as[n.name] = want
-        return frozenset(early)
+                    consumed_as[n.name] = want
+        return frozenset(early), consumed_as
 
     def _needed_by(self, user: fx.Node, value: fx.Node) -> Placement | None:
         """The tensor-axis placement `user` asks of `value` (None: none, or different ones at two positions)."""

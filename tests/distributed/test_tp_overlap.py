@@ -74,7 +74,7 @@ def _record(rank: int, world: int, early: bool):
 
     ShardedInterpreter._run_op = recorded_op
     if not early:
-        ShardedInterpreter._launch_early_set = lambda self: frozenset()
+        ShardedInterpreter._launch_early = lambda self: (frozenset(), {})
     for name in ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
                  "reduce_scatter_tensor"):  # fmt: skip
         launch = getattr(funcol, name)
