@@ -32,8 +32,18 @@ LAYOUT = SequenceLayout.ZIGZAG  # the layout cp plans run: causal attention cost
 
 
 def is_causal_lm(model: torch.nn.Module) -> bool:
-    """Whether `model` is a Hugging Face causal LM, whose loss shifts its labels inside the model."""
-    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
+    """Whether `model` is a Hugging Face causal LM, whose loss shifts its labels inside the model: its loss type
+    says so, or transformers registers its class as a causal LM (GPT-2's `GPT2LMHeadModel` among them: its
+    loss type is unset, and its loss function falls back to the causal one)."""
+    name = type(model).__name__
+    if getattr(model, "loss_type", None) == "ForCausalLM" or name.endswith("ForCausalLM"):
+        return True
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # no transformers: not one of its models
+        return False
+    registered = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return any(name == v or (isinstance(v, tuple) and name in v) for v in registered)
 
 
 def sequence_length(args, kwargs) -> int:

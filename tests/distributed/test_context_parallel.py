@@ -1,4 +1,5 @@
-"""Numerics: a pinned cp axis trains tiny LLaMA on 2 and 4 gloo ranks to the single-process losses and weights.
+"""Numerics: a pinned cp axis trains tiny LLaMA and GPT-2 on 2 and 4 gloo ranks to the single-process losses and
+weights.
 
 Each case compiles with constraints {"cp": ..., "cp_attention": ...}, runs one eval_step (forward only) and two
 train_steps on the batch of `tests.models.make_batch` (half the rows with their second half of labels ignored,
@@ -44,34 +45,36 @@ OPTIMIZERS = {"sgd": _sgd, "adamw": _adamw}
 
 def _cases(rank: int, world_size: int, cases):
     out = []
-    for constraints, opt in cases:
-        model = make_model("llama")
-        args, kwargs = make_batch("llama", batch=4, seq=16)
+    for constraints, opt, *family in cases:
+        model = make_model(*family or ["llama"])
+        args, kwargs = make_batch(*family or ["llama"], batch=4, seq=16)
         pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=OPTIMIZERS[opt],
                              constraints=constraints)  # fmt: skip
         evaluated = pm.eval_step(*args, **kwargs)  # forward only, across the cp group
         losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
         state = pm.state_dict()
         out.append({"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
-                    "program": str(pm.plan.program), "cp": dict(pm.plan.context_parallel),
+                    "program": str(pm.plan.program), "cp": dict(pm.plan.context_parallel), "zero": pm.plan.zero_stage,
                     "eval": evaluated})  # fmt: skip
     return out
 
 
-def _reference(opt: str):
-    model = make_model("llama")
-    args, kwargs = make_batch("llama", batch=4, seq=16)
+def _reference(opt: str, family: str = "llama"):
+    model = make_model(family)
+    args, kwargs = make_batch(family, batch=4, seq=16)
     return train_locally(model, args, kwargs, OPTIMIZERS[opt](model.parameters()), 2)
 
 
 def _check(world_size: int, cases) -> None:
     results = run_distributed(_cases, world_size, cases, timeout_s=900)
-    for i, (constraints, opt) in enumerate(cases):
-        ref_losses, ref_state = _reference(opt)
+    for i, (constraints, opt, *family) in enumerate(cases):
+        ref_losses, ref_state = _reference(opt, *family)
         got = results[0][i]
         for r in range(world_size):
             assert results[r][i]["losses"] == pytest.approx(got["losses"], rel=1e-6)
         assert got["mesh"]["cp"] == constraints["cp"]
+        assert all(got["mesh"][k] == v for k, v in constraints.items() if k in ("dp", "tp"))
+        assert got["zero"] == constraints.get("zero", got["zero"])
         assert got["program"] == "sharded"
         assert got["cp"]["algorithm"] == constraints["cp_attention"]
         assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (constraints, opt)
@@ -101,6 +104,21 @@ def test_cp2_adamw_on_two_ranks_matches_one_process():
 def test_cp2_times_dp2_on_four_ranks_matches_one_process():
     _check(4, [({"cp": 2, "dp": 2, "tp": 1, "cp_attention": "allgather"}, "sgd"),
                ({"cp": 2, "dp": 2, "tp": 1, "cp_attention": "alltoall"}, "sgd")])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_cp2_gpt2_and_zero3_on_two_ranks_match_one_process():
+    # GPT-2: learned absolute positions, which must be the global ones on every chunk; ZeRO-3 with cp: states
+    # sharded over the dp·cp data axis (here the two cp ranks)
+    _check(2, [({"cp": 2, "cp_attention": "ring"}, "sgd", "gpt2"),
+               ({"cp": 2, "cp_attention": "allgather", "zero": 3}, "adamw")])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_cp2_times_tp2_on_four_ranks_matches_one_process():
+    _check(4, [({"cp": 2, "dp": 1, "tp": 2, "cp_attention": "ring", "zero": 0}, "sgd"),
+               ({"cp": 2, "dp": 1, "tp": 2, "cp_attention": "alltoall", "zero": 3}, "sgd"),
+               ({"cp": 2, "dp": 1, "tp": 2, "cp_attention": "allgather"}, "sgd", "gpt2")])  # fmt: skip
 
 
 def _searched_case(rank: int, world_size: int):
