@@ -32,8 +32,14 @@ LAYOUT = SequenceLayout.ZIGZAG  # the layout cp plans run: causal attention cost
 
 
 def is_causal_lm(model: torch.nn.Module) -> bool:
-    """Whether `model` is a Hugging Face causal LM, whose loss shifts its labels inside the model."""
-    return getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM")
+    """Whether `model` is a Hugging Face causal LM, whose loss shifts its labels inside the model: by its loss type,
+    its class name, or its loss function (GPT-2's `GPT2LMHeadModel` has neither of the first two)."""
+    if getattr(model, "loss_type", None) == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM"):
+        return True
+    loss_function = getattr(type(model), "loss_function", None)
+    if not isinstance(loss_function, property):
+        return False
+    return getattr(getattr(model, "loss_function", None), "__name__", "") == "ForCausalLMLoss"
 
 
 def sequence_length(args, kwargs) -> int:
