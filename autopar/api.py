@@ -501,7 +501,7 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
         job.budget,
     )
     say = (lambda msg: None) if quiet else job.say
-    if job.cp == 1 and _searches_pipeline(job.pipeline, cluster, constraints):
+    if _searches_pipeline(job.pipeline, cluster, constraints):
         from autopar.passes.pipeline_search import search_pipeline
 
         psol = search_pipeline(graph, cluster, estimator=est, precision=precision, constraints=constraints,
@@ -511,7 +511,7 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
             warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=3)
         if psol.pp > 1:
             pplan = _pipeline_plan(psol, graph, job.name, cluster, precision, batch, job.args, job.kwargs, job.t0,
-                                   job.t_trace, est)  # fmt: skip
+                                   job.t_trace, est, cp=job.cp)  # fmt: skip
             pplan = dataclasses.replace(pplan, fusion=job.fusion, grad_reduce=constraints.get("grad_reduce") or "fp32",
                                         overlap=bool(constraints.get("overlap", True)),
                                         prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
@@ -565,14 +565,15 @@ def _pipeline_runner_up(job: _Job, psol, chosen: Plan):
               chosen.pipeline["schedule"], chosen.pipeline.get("virtual_stages", 1))  # fmt: skip
     priced = [
         c
-        for c in psol.candidates
+        for c in (_per_dp(c, job.cp) for c in psol.candidates)
         if c["step_time_s"] is not None
         and (c["pp"], c["dp"], c["tp"], c["num_microbatches"], c["schedule"], c["virtual_stages"]) != layout
     ]
     if priced:
         c = min(priced, key=lambda c: c["step_time_s"])
         return {"pp": c["pp"], "dp": c["dp"], "tp": c["tp"], "num_microbatches": c["num_microbatches"],
-                "schedule": c["schedule"], "virtual_stages": c["virtual_stages"]}  # fmt: skip
+                "schedule": c["schedule"], "virtual_stages": c["virtual_stages"]} | (
+            {"cp": job.cp} if job.cp > 1 else {})  # fmt: skip
     if psol.single_stage is not None:
         return _sharded_plan(job, psol.single_stage)
     return None
@@ -677,14 +678,16 @@ def _searches_pipeline(pipeline: bool | None, cluster: ClusterSpec, constraints:
     return cluster.device.kind == "gpu" and cluster.num_nodes > 1
 
 
-def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est) -> Plan:
-    """The Plan of a pipeline layout: mesh pp x dp x tp, per-stage figures in `plan.pipeline`."""
+def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est,
+                   cp: int = 1) -> Plan:  # fmt: skip
+    """The Plan of a pipeline layout: mesh pp x dp x tp (pp x dp x cp x tp with a cp axis: the search's data axis
+    is dp·cp ranks and its batch cp rows per sequence), per-stage figures in `plan.pipeline`."""
 
     fullest = max(psol.stages, key=lambda st: sum(st.memory.values()))
     recompute = max((st.sharding.recompute for st in psol.stages if st.sharding is not None),
                     key=("none", "selective", "full").index, default="none")  # fmt: skip
     tokens = _tokens(args, kwargs)
-    model_flops, hw_flops = _flops(graph, tokens, recompute)
+    model_flops, hw_flops = _flops(graph, tokens, recompute, cp=cp)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world, step = cluster.world_size, psol.step_time_s
     # the step ends with the stage whose exposed sync and optimizer step take longest
@@ -708,7 +711,7 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
             elif container is None:
                 placements[fqn] = pl
     stages = [{"index": st.index, "layers": [list(r) for r in st.layers], "num_layers": st.num_layers,
-               "dp": st.dp, "tp": st.tp, "zero_stage": st.zero_stage,
+               "dp": st.dp // cp, **({"cp": cp} if cp > 1 else {}), "tp": st.tp, "zero_stage": st.zero_stage,
                "recompute": st.sharding.recompute if st.sharding is not None else "none",
                "time_per_microbatch_s": st.time_per_microbatch_s, "transfer_per_microbatch_s": st.transfer_per_microbatch_s,
                "grad_sync_s": st.grad_sync_s, "activation_copies": st.activation_copies,
@@ -723,7 +726,7 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     info = {"schedule": str(psol.schedule), "virtual_stages": psol.virtual_stages,
             "bubble_fraction": psol.bubble_fraction, "micro_batch_size": psol.micro_batch_size, "stages": stages,
             "step_time_without_pipeline_s": psol.single_stage_step_time_s,
-            "priced": [dict(c) for c in psol.candidates]}  # fmt: skip
+            "priced": [_per_dp(c, cp) for c in psol.candidates]}  # fmt: skip
     stats = _stats(graph, est, t0, t_trace, psol.solve_time_s, stage_programs=psol.num_stage_programs)
     layer_ops = _stage_layer_ops(psol.stages)
     from autopar.rationale import hidden_terms, pipeline_terms
@@ -735,13 +738,24 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     transfer_hidden = slowest.transfer_per_microbatch_s - slowest.transfer_exposed_per_microbatch_s
     hidden = hidden_terms(grad_sync_hidden_s=tail.grad_sync_hidden_s,
                           transfer_hidden_s=psol.num_microbatches * transfer_hidden)  # fmt: skip
-    return Plan(model_name=name, cluster=cluster, mesh={"pp": psol.pp, "dp": psol.dp, "tp": psol.tp},
+    mesh = {"pp": psol.pp, "dp": psol.dp // cp, "cp": cp, "tp": psol.tp} if cp > 1 else {"pp": psol.pp, "dp": psol.dp,
+                                                                                         "tp": psol.tp}  # fmt: skip
+    # the stages price attention alike (one algorithm per sub-mesh): the first stage's record stands for all
+    cp_info = dict(next(st.sharding for st in psol.stages if st.sharding is not None).cp) if cp > 1 else {}
+    return Plan(model_name=name, cluster=cluster, mesh=mesh, context_parallel=cp_info,
                 zero_stage=max(st.zero_stage for st in psol.stages), num_microbatches=psol.num_microbatches,
-                recompute=recompute, precision=precision, global_batch_size=batch, tokens_per_step=tokens,
+                recompute=recompute, precision=precision, global_batch_size=batch // cp, tokens_per_step=tokens,
                 num_parameters=graph.num_parameters(), model_flops_per_step=model_flops,
                 hardware_flops_per_step=hw_flops, predicted=predicted, param_placements=placements, node_output={},
                 node_inputs={}, node_strategy={}, alternatives=(), unruled_ops=(), stats=stats,
                 pipeline=info, time_breakdown=terms, hidden_communication=hidden, layer_ops=layer_ops)  # fmt: skip
+
+
+def _per_dp(candidate: dict, cp: int) -> dict:
+    """A configuration the pipeline search priced, its data axis (dp·cp ranks) given as dp and cp."""
+    if cp == 1:
+        return dict(candidate)
+    return dict(candidate, dp=candidate["dp"] // cp, cp=cp)
 
 
 def _stage_layer_ops(stages) -> tuple[dict, ...]:
@@ -833,8 +847,11 @@ def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs, compare, pi
     if not spec.on:
         return 1
     check_cp_inputs(args, kwargs, spec.degree)
-    if (constraints.get("pp") or 1) > 1 or pipeline:
-        raise ConfigError("a cp axis with a pipeline is not supported yet: pin pp=1 (or leave it) with cp")
+    pp = constraints.get("pp") or 1
+    if cluster.world_size % (pp * spec.degree):
+        raise ConfigError(f"constraints pp={pp} x cp={spec.degree} need a multiple of {pp * spec.degree} devices "
+                          f"(each pipeline stage holds whole cp groups), and the cluster has {cluster.world_size}; "
+                          f"lower pp or cp")  # fmt: skip
     if compare:
         raise ConfigError("comparing layouts with a cp plan is not supported yet: plan without compare=")
     return spec.degree
@@ -1002,7 +1019,8 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
     if plan.mesh.get("cp", 1) > 1:
         pins |= {"cp": plan.mesh["cp"], "cp_attention": plan.context_parallel["algorithm"]}
     if plan.program == ProgramKind.PIPELINE:
-        micro = _plan(model, cluster.sub_cluster(dp * tp), args, kwargs, _traced=traced, constraints=pins | {"pp": 1},
+        block = cluster.sub_cluster(dp * plan.mesh.get("cp", 1) * tp)  # one stage's devices
+        micro = _plan(model, block, args, kwargs, _traced=traced, constraints=pins | {"pp": 1},
                       memory_budget=float("inf"), precision=plan.precision, offload=False, fuse_kernels=fused)  # fmt: skip
     else:
         try:
