@@ -370,14 +370,14 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     t0 = time.perf_counter()
     module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
                                                 global_batch_size, seq_len)  # fmt: skip
-    cp = _check_cp(constraints, cluster, args, kwargs, compare, pipeline)
+    cp = _check_cp(constraints, cluster, args, kwargs, compare)
     from autopar.passes.fused_ops import default_fusion
 
     fuse = default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels)
     settings = _Settings(name, cluster, _estimator(estimator, cluster, precision), precision, budget, offload,
                          pipeline, fuse, t0, say)  # fmt: skip
     degrees = (
-        cp_degrees(constraints, cluster.world_size, args, kwargs, compare, pipeline)
+        cp_degrees(constraints, cluster.world_size, args, kwargs, compare)
         if _traced is None and _against is None
         else []
     )
@@ -838,7 +838,7 @@ def _tokens(args, kwargs) -> int:
     return _batch_size(args, kwargs)
 
 
-def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs, compare, pipeline) -> int:
+def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs, compare) -> int:
     """The pinned cp degree (1: none), after checking that the batch and the other settings allow it."""
     from autopar.context_parallel.inputs import check_cp_inputs
     from autopar.passes.context_parallel import CPSpec
@@ -910,8 +910,8 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     if plan is None:
         precision = plan_kwargs.get("precision") or _default_precision(cluster)
         constraints = dict(plan_kwargs.get("constraints") or {})
-        cp = _check_cp(constraints, cluster, args, kwargs, (), None)
-        if len(cp_degrees(constraints, cluster.world_size, args, kwargs, (), plan_kwargs.get("pipeline"))) > 1:
+        cp = _check_cp(constraints, cluster, args, kwargs, ())
+        if len(cp_degrees(constraints, cluster.world_size, args, kwargs)) > 1:
             # the cp degree is searched as `plan` searches it (one trace per degree); the program traces its own
             plan = _plan(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
         else:

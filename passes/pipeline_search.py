@@ -83,6 +83,13 @@ model is traced whole); the cut minimising the bottleneck is found by dynamic pr
 from the values that cross each boundary (`crossing_bytes`: in the decoder, the hidden state, the
 encoder's output and the position biases). Interleaving is not searched over several stacks.
 The plan without a pipeline (p = 1) comes from `solve_sharding` and competes with the best pipeline.
+
+A cp axis (constraints "cp" > 1, the graph traced for cp: each sequence is cp rows of seq/cp tokens, B counts
+those rows). A stage's sub-mesh is then dp·cp x tp, its data axis the dp·cp ranks (a pinned "dp" counts dp
+alone, and the data axis must hold whole cp groups), as in `solve_sharding`: per-token compute and activations
+of a stage are those of its rows, i.e. divided by cp; each attention node is priced across the cp group by
+`passes.context_parallel` with the pinned algorithm, else the fastest that applies on that sub-mesh; and
+c_s sends this rank's rows, b sequences of seq/cp tokens: the boundary bytes per sequence divided by cp.
 """
 
 from __future__ import annotations

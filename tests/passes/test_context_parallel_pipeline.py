@@ -86,3 +86,21 @@ def test_pp_times_cp_that_does_not_divide_the_world_is_refused():
 def test_comparing_layouts_with_a_cp_pipeline_is_still_refused():
     with pytest.raises(ConfigError, match="comparing layouts with a cp plan is not supported yet"):
         _plan("cpu:4", {"pp": 2, "cp": 2}, compare=("tp=2,pp=2",))
+
+
+@pytest.mark.slow  # two searches of a preset over cp degrees and pipelines: about half a minute on two cores
+def test_search_picks_a_pipeline_and_cp_together_where_both_pay():
+    # llama3-8b at 64K tokens on two nodes of eight H100s: the sequence needs cp to fit, and across the nodes a
+    # pipeline sends each rank's chunk of the hidden state where a wider data or tensor axis would send gradients
+    # or activations every layer. Searching pipelines at every cp degree must find a layout with both axes that
+    # beats the best plan the search finds without a pipeline (pp pinned to 1, cp still searched).
+    kw = dict(global_batch_size=8, seq_len=65536)
+    both = autopar.plan("llama3-8b", "2x8xH100-80GB", **kw)
+    without = autopar.plan("llama3-8b", "2x8xH100-80GB", constraints={"pp": 1}, **kw)
+    assert both.mesh["pp"] > 1 and both.mesh["cp"] > 1, both.mesh
+    assert both.program == "pipeline"
+    assert without.mesh.get("cp", 1) > 1 and "pp" not in without.mesh
+    assert both.predicted.step_time_s < without.predicted.step_time_s
+    searched = {r["degree"]: r for r in both.context_parallel["search"]}
+    assert searched[both.mesh["cp"]]["feasible"]
+    assert searched[both.mesh["cp"]]["step_time_s"] == pytest.approx(both.predicted.step_time_s)
