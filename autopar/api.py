@@ -370,17 +370,13 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     t0 = time.perf_counter()
     module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
                                                 global_batch_size, seq_len)  # fmt: skip
-    cp = _check_cp(constraints, cluster, args, kwargs, pipeline)
+    cp = _check_cp(constraints, cluster, args, kwargs)
     from autopar.passes.fused_ops import default_fusion
 
     fuse = default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels)
     settings = _Settings(name, cluster, _estimator(estimator, cluster, precision), precision, budget, offload,
                          pipeline, fuse, t0, say)  # fmt: skip
-    degrees = (
-        cp_degrees(constraints, cluster.world_size, args, kwargs, pipeline)
-        if _traced is None and _against is None
-        else []
-    )
+    degrees = cp_degrees(constraints, cluster.world_size, args, kwargs) if _traced is None and _against is None else []
     jobs = _Jobs(settings, module, model, args, kwargs, traced=_traced, traced_cp=cp)
     if len(degrees) > 1:
         chosen, runner_up, job = search_cp(functools.partial(_plan_at, jobs, constraints), degrees)
@@ -475,7 +471,7 @@ def _price_layout(jobs: _Jobs, pins: dict) -> Plan:
     """A layout priced next to the plan (`rationale.with_rationale`): solved on the job of its cp degree, none
     where it pins none (the hand layouts are without cp); a cp it cannot run is the autopar error that says why."""
     st = jobs.st
-    cp = _check_cp(pins, st.cluster, jobs.args, jobs.kwargs, st.pipeline)
+    cp = _check_cp(pins, st.cluster, jobs.args, jobs.kwargs)
     return _solve(jobs(cp), pins | ({"cp": cp} if cp > 1 else {}), quiet=True)[0]
 
 
@@ -524,7 +520,7 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
         job.budget,
     )
     say = (lambda msg: None) if quiet else job.say
-    if job.cp == 1 and _searches_pipeline(job.pipeline, cluster, constraints):
+    if _searches_pipeline(job.pipeline, cluster, constraints):
         from autopar.passes.pipeline_search import search_pipeline
 
         psol = search_pipeline(graph, cluster, estimator=est, precision=precision, constraints=constraints,
@@ -534,7 +530,7 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
             warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=3)
         if psol.pp > 1:
             pplan = _pipeline_plan(psol, graph, job.name, cluster, precision, batch, job.args, job.kwargs, job.t0,
-                                   job.t_trace, est)  # fmt: skip
+                                   job.t_trace, est, cp=job.cp)  # fmt: skip
             pplan = dataclasses.replace(pplan, fusion=job.fusion, grad_reduce=constraints.get("grad_reduce") or "fp32",
                                         overlap=bool(constraints.get("overlap", True)),
                                         prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
@@ -588,14 +584,15 @@ def _pipeline_runner_up(job: _Job, psol, chosen: Plan):
               chosen.pipeline["schedule"], chosen.pipeline.get("virtual_stages", 1))  # fmt: skip
     priced = [
         c
-        for c in psol.candidates
+        for c in (_per_dp(c, job.cp) for c in psol.candidates)
         if c["step_time_s"] is not None
         and (c["pp"], c["dp"], c["tp"], c["num_microbatches"], c["schedule"], c["virtual_stages"]) != layout
     ]
     if priced:
         c = min(priced, key=lambda c: c["step_time_s"])
         return {"pp": c["pp"], "dp": c["dp"], "tp": c["tp"], "num_microbatches": c["num_microbatches"],
-                "schedule": c["schedule"], "virtual_stages": c["virtual_stages"]}  # fmt: skip
+                "schedule": c["schedule"], "virtual_stages": c["virtual_stages"]} | (
+            {"cp": job.cp} if job.cp > 1 else {})  # fmt: skip
     if psol.single_stage is not None:
         return _sharded_plan(job, psol.single_stage)
     return None
@@ -701,14 +698,16 @@ def _searches_pipeline(pipeline: bool | None, cluster: ClusterSpec, constraints:
     return cluster.device.kind == "gpu" and cluster.num_nodes > 1
 
 
-def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est) -> Plan:
-    """The Plan of a pipeline layout: mesh pp x dp x tp, per-stage figures in `plan.pipeline`."""
+def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est,
+                   cp: int = 1) -> Plan:  # fmt: skip
+    """The Plan of a pipeline layout: mesh pp x dp x tp (pp x dp x cp x tp with a cp axis: the search's data axis
+    is dp·cp ranks and its batch cp rows per sequence), per-stage figures in `plan.pipeline`."""
 
     fullest = max(psol.stages, key=lambda st: sum(st.memory.values()))
     recompute = max((st.sharding.recompute for st in psol.stages if st.sharding is not None),
                     key=("none", "selective", "full").index, default="none")  # fmt: skip
     tokens = _tokens(args, kwargs)
-    model_flops, hw_flops = _flops(graph, tokens, recompute)
+    model_flops, hw_flops = _flops(graph, tokens, recompute, cp=cp)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world, step = cluster.world_size, psol.step_time_s
     # the step ends with the stage whose exposed sync and optimizer step take longest
@@ -732,7 +731,7 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
             elif container is None:
                 placements[fqn] = pl
     stages = [{"index": st.index, "layers": [list(r) for r in st.layers], "num_layers": st.num_layers,
-               "dp": st.dp, "tp": st.tp, "zero_stage": st.zero_stage,
+               "dp": st.dp // cp, **({"cp": cp} if cp > 1 else {}), "tp": st.tp, "zero_stage": st.zero_stage,
                "recompute": st.sharding.recompute if st.sharding is not None else "none",
                "time_per_microbatch_s": st.time_per_microbatch_s, "transfer_per_microbatch_s": st.transfer_per_microbatch_s,
                "grad_sync_s": st.grad_sync_s, "activation_copies": st.activation_copies,
@@ -747,7 +746,7 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     info = {"schedule": str(psol.schedule), "virtual_stages": psol.virtual_stages,
             "bubble_fraction": psol.bubble_fraction, "micro_batch_size": psol.micro_batch_size, "stages": stages,
             "step_time_without_pipeline_s": psol.single_stage_step_time_s,
-            "priced": [dict(c) for c in psol.candidates]}  # fmt: skip
+            "priced": [_per_dp(c, cp) for c in psol.candidates]}  # fmt: skip
     stats = _stats(graph, est, t0, t_trace, psol.solve_time_s, stage_programs=psol.num_stage_programs)
     layer_ops = _stage_layer_ops(psol.stages)
     from autopar.rationale import hidden_terms, pipeline_terms
@@ -759,13 +758,24 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     transfer_hidden = slowest.transfer_per_microbatch_s - slowest.transfer_exposed_per_microbatch_s
     hidden = hidden_terms(grad_sync_hidden_s=tail.grad_sync_hidden_s,
                           transfer_hidden_s=psol.num_microbatches * transfer_hidden)  # fmt: skip
-    return Plan(model_name=name, cluster=cluster, mesh={"pp": psol.pp, "dp": psol.dp, "tp": psol.tp},
+    mesh = {"pp": psol.pp, "dp": psol.dp // cp, "cp": cp, "tp": psol.tp} if cp > 1 else {"pp": psol.pp, "dp": psol.dp,
+                                                                                         "tp": psol.tp}  # fmt: skip
+    # the stages price attention alike (one algorithm per sub-mesh): the first stage's record stands for all
+    cp_info = dict(next(st.sharding for st in psol.stages if st.sharding is not None).cp) if cp > 1 else {}
+    return Plan(model_name=name, cluster=cluster, mesh=mesh, context_parallel=cp_info,
                 zero_stage=max(st.zero_stage for st in psol.stages), num_microbatches=psol.num_microbatches,
-                recompute=recompute, precision=precision, global_batch_size=batch, tokens_per_step=tokens,
+                recompute=recompute, precision=precision, global_batch_size=batch // cp, tokens_per_step=tokens,
                 num_parameters=graph.num_parameters(), model_flops_per_step=model_flops,
                 hardware_flops_per_step=hw_flops, predicted=predicted, param_placements=placements, node_output={},
                 node_inputs={}, node_strategy={}, alternatives=(), unruled_ops=(), stats=stats,
                 pipeline=info, time_breakdown=terms, hidden_communication=hidden, layer_ops=layer_ops)  # fmt: skip
+
+
+def _per_dp(candidate: dict, cp: int) -> dict:
+    """A configuration the pipeline search priced, its data axis (dp·cp ranks) given as dp and cp."""
+    if cp == 1:
+        return dict(candidate)
+    return dict(candidate, dp=candidate["dp"] // cp, cp=cp)
 
 
 def _stage_layer_ops(stages) -> tuple[dict, ...]:
@@ -848,7 +858,7 @@ def _tokens(args, kwargs) -> int:
     return _batch_size(args, kwargs)
 
 
-def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs, pipeline) -> int:
+def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs) -> int:
     """The pinned cp degree (1: none), after checking that the batch and the other settings allow it."""
     from autopar.context_parallel.inputs import check_cp_inputs
     from autopar.passes.context_parallel import CPSpec
@@ -857,8 +867,11 @@ def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs, pipeline) -
     if not spec.on:
         return 1
     check_cp_inputs(args, kwargs, spec.degree)
-    if (constraints.get("pp") or 1) > 1 or pipeline:
-        raise ConfigError("a cp axis with a pipeline is not supported yet: pin pp=1 (or leave it) with cp")
+    pp = constraints.get("pp") or 1
+    if cluster.world_size % (pp * spec.degree):
+        raise ConfigError(f"constraints pp={pp} x cp={spec.degree} need a multiple of {pp * spec.degree} devices "
+                          f"(each pipeline stage holds whole cp groups), and the cluster has {cluster.world_size}; "
+                          f"lower pp or cp")  # fmt: skip
     return spec.degree
 
 
@@ -915,8 +928,8 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
     if plan is None:
         precision = plan_kwargs.get("precision") or _default_precision(cluster)
         constraints = dict(plan_kwargs.get("constraints") or {})
-        cp = _check_cp(constraints, cluster, args, kwargs, None)
-        if len(cp_degrees(constraints, cluster.world_size, args, kwargs, plan_kwargs.get("pipeline"))) > 1:
+        cp = _check_cp(constraints, cluster, args, kwargs)
+        if len(cp_degrees(constraints, cluster.world_size, args, kwargs)) > 1:
             # the cp degree is searched as `plan` searches it (one trace per degree); the program traces its own
             plan = _plan(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
         else:
@@ -1024,7 +1037,8 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
     if plan.mesh.get("cp", 1) > 1:
         pins |= {"cp": plan.mesh["cp"], "cp_attention": plan.context_parallel["algorithm"]}
     if plan.program == ProgramKind.PIPELINE:
-        micro = _plan(model, cluster.sub_cluster(dp * tp), args, kwargs, _traced=traced, constraints=pins | {"pp": 1},
+        block = cluster.sub_cluster(dp * plan.mesh.get("cp", 1) * tp)  # one stage's devices
+        micro = _plan(model, block, args, kwargs, _traced=traced, constraints=pins | {"pp": 1},
                       memory_budget=float("inf"), precision=plan.precision, offload=False, fuse_kernels=fused)  # fmt: skip
     else:
         try:

@@ -22,23 +22,24 @@ __all__ = ["MIN_CP_CHUNK_TOKENS", "cp_degrees", "search_cp"]
 MIN_CP_CHUNK_TOKENS = 4096
 
 
-def cp_degrees(constraints: dict, world_size: int, args, kwargs, pipeline=None) -> list[int]:
+def cp_degrees(constraints: dict, world_size: int, args, kwargs) -> list[int]:
     """The cp degrees an unpinned plan prices, ascending, 1 (no cp) first; [1] when none applies.
 
     Powers of two that divide the world (and what pinned dp and tp leave of it) and leave every rank two zig-zag
     chunks of the sequence of at least `MIN_CP_CHUNK_TOKENS` together. None when cp is pinned, the inputs cannot
-    be split (a padding mask, no token ids), or the plan is a pipeline (not supported with cp yet).
+    be split (a padding mask, no token ids), or nothing applies. Where the plan searches pipelines (or pins pp),
+    each degree is priced with its pipelines: the room for cp is what the pins leave of the world, pp included.
     """
     from autopar.context_parallel.inputs import check_cp_inputs, sequence_length
 
-    if "cp" in constraints or (constraints.get("pp") or 1) > 1 or pipeline:
+    if "cp" in constraints:
         return [1]
     try:
         seq = sequence_length(args, kwargs)
         check_cp_inputs(args, kwargs, 1)
     except ConfigError:
         return [1]
-    room = world_size // ((constraints.get("dp") or 1) * (constraints.get("tp") or 1))
+    room = world_size // ((constraints.get("dp") or 1) * (constraints.get("tp") or 1) * (constraints.get("pp") or 1))
     out, c = [1], 2
     while c <= room and room % c == 0 and seq % (2 * c) == 0 and seq // c >= MIN_CP_CHUNK_TOKENS:
         out.append(c)

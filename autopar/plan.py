@@ -66,12 +66,12 @@ def program_kind(*, pp: int = 1, tp: int = 1, zero_stage: int = 0, recompute: st
     A pipeline axis runs the pipeline program; host offload the offload program; a layout with no tensor
     axis, no cp axis, replicated states and every layer keeping its activations is DDP's, run on plain
     tensors (the data-parallel program); anything else runs the traced graph on DTensors (the sharded
-    program; a cp axis runs there only).
+    program; without a pipeline, a cp axis runs there only).
     """
-    if cp > 1:
-        return ProgramKind.SHARDED
     if pp > 1:
         return ProgramKind.PIPELINE
+    if cp > 1:
+        return ProgramKind.SHARDED
     if offload:
         return ProgramKind.OFFLOAD
     if tp == 1 and zero_stage == 0 and recompute == "none" and not layer_modes:

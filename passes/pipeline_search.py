@@ -83,6 +83,13 @@ model is traced whole); the cut minimising the bottleneck is found by dynamic pr
 from the values that cross each boundary (`crossing_bytes`: in the decoder, the hidden state, the
 encoder's output and the position biases). Interleaving is not searched over several stacks.
 The plan without a pipeline (p = 1) comes from `solve_sharding` and competes with the best pipeline.
+
+A cp axis (constraints "cp" > 1, the graph traced for cp: each sequence is cp rows of seq/cp tokens, B counts
+those rows). A stage's sub-mesh is then dp·cp x tp, its data axis the dp·cp ranks (a pinned "dp" counts dp
+alone, and the data axis must hold whole cp groups), as in `solve_sharding`: per-token compute and activations
+of a stage are those of its rows, i.e. divided by cp; each attention node is priced across the cp group by
+`passes.context_parallel` with the pinned algorithm, else the fastest that applies on that sub-mesh; and
+c_s sends this rank's rows, b sequences of seq/cp tokens: the boundary bytes per sequence divided by cp.
 """
 
 from __future__ import annotations
@@ -100,6 +107,7 @@ from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
 from autopar.passes import sharding_solver as ss
+from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, price_cp_attention
 from autopar.passes.pipeline_split import STACKS, assign_stages, stack_layers
 from autopar.passes.sharding_solver import (
     MeshResult,
@@ -475,6 +483,10 @@ class _StagePricer:
                  precision: Precision, zero: int | None, budget: float, batch: int,
                  recompute: str | None = None, constraints: dict | None = None):  # fmt: skip
         self.graph, self.structure, self.cluster = graph, structure, cluster
+        # a cp axis (pinned): the data axis of a sub-mesh is dp·cp ranks and attention is priced across the group
+        self.cp = CPSpec.from_constraints(dict(constraints or {}), cluster.world_size)
+        self._attention = check_cp_graph(graph.graph, self.cp) if self.cp.on else []
+        self._cp_pricing: dict[tuple, CPPricing] = {}
         self.constraints = dict(constraints or {})  # the pins the tensor-split rule reads (tp, tp_min_split)
         self.recompute = recompute  # a pinned activation recompute mode, or None to choose per stage
         self.estimator, self.precision, self.budget, self.batch = estimator, precision, budget, batch
@@ -494,13 +506,26 @@ class _StagePricer:
             self._views[key] = stage_view(self.graph, self.structure, k, first=first, last=last)
         return self._views[key]
 
+    def cp_pricing(self, dp: int, tp: int, m: int) -> CPPricing | None:
+        """How a stage on a (dp·cp, tp) sub-mesh at m micro-batches runs cp attention (None without cp): the
+        pinned algorithm, else the fastest that applies (a stage program does not fall back to a slower one
+        that holds less)."""
+        if not self.cp.on:
+            return None
+        key = (dp, tp, m)
+        if key not in self._cp_pricing:
+            self._cp_pricing[key] = price_cp_attention(self._attention, self.cluster, self.cp, data=dp, tp=tp,
+                                                       num_microbatches=m, precision=self.precision.name)  # fmt: skip
+        return self._cp_pricing[key]
+
     def program(self, k, first, last, dp, tp, m, copies=1.0) -> ShardingProgram:
         prog = ShardingProgram(self.view(k, first, last), self.cluster, dp, tp, estimator=self.estimator,
                                precision=self.precision, zero_stage=None, memory_budget_bytes=self.budget,
                                batch_dim_size=self.batch, num_microbatches=m, activation_copies=copies,
                                recompute=self.recompute,
                                tensor_split=TensorSplit.from_constraints(self.constraints, tp),
-                               overlap=False)  # a stage reduces its gradients after the schedule  # fmt: skip
+                               overlap=False,  # a stage reduces its gradients after the schedule
+                               cp=self.cp_pricing(dp, tp, m))  # fmt: skip
         if dp > 1:
             prog.zero_choices = list(self.zero_choices)
         return prog
@@ -762,13 +787,16 @@ def _schedules(c: dict, pp: int, m: int, num_layers: int) -> list[tuple[Schedule
     return out
 
 
-def _meshes(c: dict, cluster: ClusterSpec, pp: int, batch: int) -> list[tuple[int, int]]:
-    """Sub-meshes (dp, tp) of world/pp devices: tp inside a node unless pinned, dp dividing the batch."""
+def _meshes(c: dict, cluster: ClusterSpec, pp: int, batch: int, cp: int = 1) -> list[tuple[int, int]]:
+    """Sub-meshes (dp, tp) of world/pp devices: tp inside a node unless pinned, dp dividing the batch. With a cp
+    axis dp is the data axis, dp·cp ranks (a pinned "dp" counts dp alone), and must hold the cp group."""
     n = cluster.world_size // pp
     out = []
     for tp in _divisors(n):
         dp = n // tp
-        if c.get("tp") is not None and tp != c["tp"] or c.get("dp") is not None and dp != c["dp"]:
+        if c.get("tp") is not None and tp != c["tp"] or c.get("dp") is not None and dp != c["dp"] * cp:
+            continue
+        if dp % cp:
             continue
         if c.get("tp") is None and tp > cluster.devices_per_node:
             continue  # a tensor axis across nodes pays the network on every layer
@@ -838,7 +866,7 @@ class _Search:
                                                          if 2 <= p <= self.L]  # fmt: skip
         out = []
         for pp in pps:
-            for dp, tp in _meshes(self.c, self.cluster, pp, self.B):
+            for dp, tp in _meshes(self.c, self.cluster, pp, self.B, self.pricer.cp.degree):
                 out += self._micro_batches(pp, dp, tp)
         return out
 

@@ -33,6 +33,14 @@ rank's stages have run their last backward of the step, the dp all-reduce of its
 the step waits for it before the tie sums and the optimizer. With overlap off, torch's own schedules run (each
 transfer waited on where it is posted) and the dp all-reduce follows the whole schedule.
 
+A cp axis (mesh pp x dp x cp x tp, tp innermost, then cp): the stage graphs are cut from the graph traced for cp
+(`autopar.context_parallel.inputs.traced_batch`, the causal masks dropped), in which each sequence's zig-zag
+chunks are rows of the batch; as in the sharded program, each stage runs on the (dp·cp, tp) sub-mesh of its block,
+the cp ranks being more rows of the data axis, with attention across the cp group by the plan's algorithm. What
+crosses a stage boundary is this rank's piece: its dp rows' cp chunk. A stage takes the inputs it reads (labels,
+positions) from `context_parallel.inputs.local_batch` for its dp and cp rank. The loss is the global sum over the
+dp·cp ranks divided by the global count of kept labels; gradients are reduced over dp·cp.
+
 No silent hang: the mesh's groups and the tie groups wait at most `collective_timeout()`
 (`autopar.runtime.collectives`), and a wait past it raises a `LoweringError` naming the stage and the
 collective this rank waited in.
@@ -44,8 +52,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils import _pytree as pytree
 
 from autopar.cluster import ClusterSpec
+from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import ConfigError, LoweringError
 from autopar.ir import OpGraph
 from autopar.passes.parallelize import dp_placement, local_shard, shard_pass
@@ -60,6 +70,7 @@ from autopar.runtime.base import (
     check_scalar_loss,
     contiguous_stride,
     flat_inputs,
+    rank_rows,
     sum_in_buckets,
 )
 from autopar.runtime.collectives import device_mesh, new_group, waiting_for
@@ -88,7 +99,7 @@ class _Stage(torch.nn.Module):
         self.is_last = sg.index == program.num_stages - 1
         node_inputs, node_output = placements
         knobs = dict(mesh=program.mesh, node_inputs=node_inputs, node_output=node_output,
-                     batch_size=program.micro_batch, params=program.param_nodes)  # fmt: skip
+                     batch_size=program.micro_batch, params=program.param_nodes, **program.cp_knobs)  # fmt: skip
         self.train_interp = shard_pass(sg.graph_module, None, recompute=recompute, **knobs)
         self.eval_interp = shard_pass(eval_pass(copy_graph_module(sg.graph_module), None), None, **knobs)
         self.interp = self.train_interp
@@ -156,7 +167,7 @@ class PipelineProgram(Program):
             its per-node and parameter placements those of one stage's (dp, tp) sub-mesh for `traced`
             (compile completes them), used on every stage.
         traced: the model traced at one micro-batch of the global batch.
-        cluster: the cluster (its world size must equal pp x dp x tp).
+        cluster: the cluster (its world size must equal pp x dp x cp x tp).
     """
 
     kind = ProgramKind.PIPELINE
@@ -167,12 +178,21 @@ class PipelineProgram(Program):
         from torch.distributed.pipelining import PipelineStage
 
         info = plan.pipeline
-        pp, dp, tp = plan.mesh["pp"], plan.mesh["dp"], plan.mesh["tp"]
-        self.pp, self.dp, self.tp = pp, dp, tp
+        pp, tp, cp = plan.mesh["pp"], plan.mesh["tp"], plan.mesh.get("cp", 1)
+        # the data axis: dp·cp ranks (with a cp axis each sequence is cp rows of the traced batch)
+        dp = plan.mesh["dp"] * cp
+        self.pp, self.dp, self.tp, self.cp = pp, dp, tp, cp
         self.num_microbatches = plan.num_microbatches
-        self.micro_batch = plan.global_batch_size // plan.num_microbatches
+        self.micro_batch = plan.global_batch_size * cp // plan.num_microbatches  # rows of the traced graph
         self.world: DeviceMesh = device_mesh(self.device_type, (pp, dp, tp), ("pp", "dp", "tp"))
         self.mesh: DeviceMesh = self.world["dp", "tp"]
+        self.cp_mesh: DeviceMesh | None = None
+        self.cp_knobs: dict = {}
+        self._causal_lm = is_causal_lm(model)
+        if cp > 1:
+            self.cp_mesh = device_mesh(self.device_type, (pp, dp // cp, cp, tp), ("pp", "dp", "cp", "tp"))
+            self.cp_knobs = dict(cp_group=self.cp_mesh.get_group("cp"),
+                                 cp_algorithm=plan.context_parallel["algorithm"])  # fmt: skip
         self.pp_group = self.world.get_group("pp")
         self.pp_rank = self.world.get_local_rank("pp")
         sig = traced.exported.graph_signature
@@ -337,12 +357,17 @@ class PipelineProgram(Program):
         t = self._micro_inputs[mb][key]
         if not isinstance(t, torch.Tensor):
             return t
+        if self.cp > 1:  # already this rank's share: its dp rows' cp chunk
+            pl = (Shard(0) if t.ndim and self.dp > 1 else R, R)
+            return DTensor.from_local(t.contiguous(), self.mesh, pl, run_check=False)
         pl = _boundary_placement(t.shape, self.micro_batch, self.dp)
         local = t.chunk(self.dp, dim=0)[self.mesh.get_local_rank("dp")] if pl[0] != R else t
         return DTensor.from_local(local.contiguous(), self.mesh, pl, run_check=False)
 
     def _set_micro_inputs(self, micro: list[tuple]) -> None:
         self._micro_inputs = []
+        if self.cp > 1:
+            micro = [self._cp_share(a, k) for a, k in micro]
         for a, k in micro:
             flat = [
                 t.to(self.device_type) if isinstance(t, torch.Tensor) else t for t in flat_inputs(self.traced, a, k)
@@ -352,6 +377,13 @@ class PipelineProgram(Program):
                     raise ConfigError(f"a micro-batch of {t.shape[0]} does not divide over the data axis "
                                       f"(dp={self.dp})")  # fmt: skip
             self._micro_inputs.append(flat)
+
+    def _cp_share(self, args, kwargs) -> tuple[tuple, dict]:
+        """This rank's share of a micro-batch on a cp plan: its dp rows, then its cp chunk of each of them (positions
+        and pre-shifted labels included), as the sharded program feeds it."""
+        dp, dp_rank = self.plan.mesh["dp"], self.cp_mesh.get_local_rank("dp")
+        rows = [pytree.tree_map(lambda t: rank_rows(t, dp, dp_rank), x) for x in (args, kwargs)]
+        return local_batch(*rows, self.cp, self.cp_mesh.get_local_rank("cp"), causal_lm=self._causal_lm)
 
     def _run_schedule(self, micro: list[tuple], backward: bool) -> tuple[float, float]:
         """Run the schedule over the micro-batches (forward only unless `backward`); (loss sum, weight sum) on

@@ -281,20 +281,3 @@ def test_cp_communication_is_a_term_of_its_own(algorithm):
     assert terms["comm_cp"] > 0
     if algorithm == "ring":  # its hops run behind the blocks they feed: some of its traffic hides
         assert plan.hidden_communication["comm_cp"] > 0
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_causal_lm_labels_are_shifted_on_the_whole_sequence(family):
-    # GPT-2's GPT2LMHeadModel leaves its loss type unset and falls back to the causal loss, which shifts labels
-    # inside the model; on a chunk that would pair each chunk's last token with the chunk's own next label, so
-    # the shift must be done on the whole sequence for it too (as for LLaMA's *ForCausalLM)
-    from autopar.context_parallel.inputs import is_causal_lm, local_batch
-    from autopar.context_parallel.layout import shard_sequence
-
-    model = make_model(family)
-    args, kwargs = make_batch(family, batch=2, seq=8)
-    assert is_causal_lm(model)
-    _, mine = local_batch(args, kwargs, 2, 1, causal_lm=is_causal_lm(model))
-    shifted = torch.nn.functional.pad(kwargs["labels"][:, 1:], (0, 1), value=-100)
-    assert torch.equal(mine["shift_labels"], shard_sequence(shifted, 1, 2, 1, "zigzag"))
-    assert torch.equal(mine["position_ids"][0], shard_sequence(torch.arange(8), 0, 2, 1, "zigzag"))

@@ -1,0 +1,109 @@
+"""Planning a cp axis together with a pipeline (mesh pp x dp x cp x tp): the pinned plan, its stage prices set
+against the plans with one of the two axes alone and against hand-computed transfers, and the pins still refused."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.context_parallel import CPAlgorithm
+from autopar.cost_model.comm import Collective, estimate_collective_time
+from autopar.errors import ConfigError
+from tests.models import make_batch, make_model
+
+HIDDEN = 64  # tests.models.tiny_llama's hidden size: the value that crosses a stage boundary is (rows, seq, 64)
+
+
+def _plan(cluster: str, constraints: dict, batch: int = 4, seq: int = 16, **kw):
+    args, kwargs = make_batch("llama", batch=batch, seq=seq)
+    return autopar.plan(make_model("llama"), cluster, args, kwargs, constraints=constraints, **kw)
+
+
+def test_pinned_pp_and_cp_give_a_pipeline_on_a_pp_dp_cp_tp_mesh():
+    plan = _plan("cpu:4", {"pp": 2, "cp": 2})
+    assert plan.mesh == {"pp": 2, "dp": 1, "cp": 2, "tp": 1}
+    assert plan.program == "pipeline"
+    assert plan.global_batch_size == 4  # sequences, not the cp rows of the traced batch
+    cp = plan.context_parallel
+    assert cp["degree"] == 2 and cp["algorithm"] in {a.value for a in CPAlgorithm}
+    assert {line.split(":")[0] for line in cp["priced"]} == {a.value for a in CPAlgorithm}
+    stages = plan.pipeline["stages"]
+    assert [(st["dp"], st["cp"], st["tp"]) for st in stages] == [(1, 2, 1), (1, 2, 1)]
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again.mesh == plan.mesh and again.context_parallel == cp and again.program == "pipeline"
+
+
+def test_pinned_algorithm_reaches_the_stages():
+    plan = _plan("cpu:4", {"pp": 2, "cp": 2, "cp_attention": "ring"})
+    assert plan.context_parallel["algorithm"] == "ring"
+
+
+def test_cp_splits_each_stage_s_activations():
+    # The same stage blocks (dp=1, tp=1) with and without a cp axis of two: every activation is per token and
+    # each cp rank holds half the tokens, so a stage keeps about half the activation bytes. Not exactly half:
+    # the all-gather algorithm keeps the gathered K/V of each layer, and the pipeline's schedule keeps the
+    # same copies on both; 0.4..0.7 allows that. Its total memory (states equal) is then below the pp plan's.
+    seq = 64
+    alone = _plan("cpu:2", {"pp": 2, "dp": 1, "tp": 1, "num_microbatches": 2}, seq=seq)
+    with_cp = _plan("cpu:4", {"pp": 2, "dp": 1, "tp": 1, "cp": 2, "num_microbatches": 2}, seq=seq)
+    for a, b in zip(alone.pipeline["stages"], with_cp.pipeline["stages"], strict=True):
+        ratio = b["memory"]["activations"] / a["memory"]["activations"]
+        assert 0.4 <= ratio <= 0.7, ratio
+        assert b["memory_bytes"] < a["memory_bytes"]
+    assert with_cp.predicted.peak_memory_bytes < alone.predicted.peak_memory_bytes
+
+
+def test_stage_boundary_transfer_is_this_rank_s_chunk():
+    # Stage 0 of two sends one boundary activation per micro-batch forward and receives nothing back to send:
+    # c_0 is one point-to-point send of this rank's piece, b sequences of seq/cp tokens of the hidden state,
+    # on the link between the stage blocks (one node: intra-node), fp32 on CPU. The hand-computed figure.
+    batch, seq, m, cp = 4, 32, 2, 2
+    plan = _plan("cpu:4", {"pp": 2, "cp": cp, "num_microbatches": m}, batch=batch, seq=seq)
+    rows = batch // (plan.mesh["dp"] * m)
+    piece = rows * (seq // cp) * HIDDEN * 4
+    expected = estimate_collective_time(Collective.SEND_RECV, piece, 2, plan.cluster.intra_node_link)
+    assert plan.pipeline["stages"][0]["transfer_per_microbatch_s"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_pipeline_stages_together_price_the_cp_plan_s_compute():
+    # Every layer runs on exactly one stage and the stage views together are the whole graph, each stage
+    # priced on the same (dp·cp, tp) block with the same cp attention: the stages' compute of one micro-batch
+    # summed over stages and micro-batches is the compute of the cp plan without a pipeline on that block at
+    # the same micro-batches. Only the resharding differs (none here: tp=1), so 1e-6 is rounding.
+    m = 2
+    piped = _plan("cpu:4", {"pp": 2, "cp": 2, "num_microbatches": m, "cp_attention": "ring"})
+    flat = _plan("cpu:2", {"cp": 2, "tp": 1, "num_microbatches": m, "cp_attention": "ring", "zero": 0},
+                 memory_budget=float("inf"))  # fmt: skip
+    total = sum(st["time_per_microbatch_s"] for st in piped.pipeline["stages"]) * m
+    assert total == pytest.approx(flat.predicted.compute_s + flat.predicted.reshard_s, rel=1e-6)
+
+
+def test_pp_times_cp_that_does_not_divide_the_world_is_refused():
+    with pytest.raises(ConfigError, match=r"pp=2 x cp=2 need a multiple of 4 devices"):
+        _plan("cpu:2", {"pp": 2, "cp": 2})
+
+
+def test_a_cp_pipeline_is_compared_with_layouts_at_their_own_cp_degree():
+    plan = _plan("cpu:4", {"pp": 2, "cp": 2}, compare=("tp=2,pp=2", "pp=2,cp=2", "pp=4,cp=2"))
+    without, same, too_many = plan.comparisons
+    assert without["feasible"] and "cp" not in without["mesh"]
+    assert same["feasible"] and same["mesh"]["cp"] == 2 and same["mesh"]["pp"] == 2
+    assert not too_many["feasible"] and "need a multiple of 8 devices" in too_many["reason"]
+
+
+@pytest.mark.slow  # two searches of a preset over cp degrees and pipelines: about half a minute on two cores
+def test_search_picks_a_pipeline_and_cp_together_where_both_pay():
+    # llama3-8b at 64K tokens on two nodes of eight H100s: the sequence needs cp to fit, and across the nodes a
+    # pipeline sends each rank's chunk of the hidden state where a wider data or tensor axis would send gradients
+    # or activations every layer. Searching pipelines at every cp degree must find a layout with both axes that
+    # beats the best plan the search finds without a pipeline (pp pinned to 1, cp still searched).
+    kw = dict(global_batch_size=8, seq_len=65536)
+    both = autopar.plan("llama3-8b", "2x8xH100-80GB", **kw)
+    without = autopar.plan("llama3-8b", "2x8xH100-80GB", constraints={"pp": 1}, **kw)
+    assert both.mesh["pp"] > 1 and both.mesh["cp"] > 1, both.mesh
+    assert both.program == "pipeline"
+    assert without.mesh.get("cp", 1) > 1 and "pp" not in without.mesh
+    assert both.predicted.step_time_s < without.predicted.step_time_s
+    searched = {r["degree"]: r for r in both.context_parallel["search"]}
+    assert searched[both.mesh["cp"]]["feasible"]
+    assert searched[both.mesh["cp"]]["step_time_s"] == pytest.approx(both.predicted.step_time_s)
