@@ -10,9 +10,13 @@ for them all before the optimizer runs. Two kinds of bucket:
 - reduce-scatter: full gradients of parameters split over the data axis on one dim (ZeRO >= 1, as
   `passes.parallelize.dp_placement` splits them: `torch.chunk`'s pieces, the last ones possibly shorter or
   empty); each rank ends with the sum of its own piece. The pieces are padded to the longest one, so that
-  every rank's share of the bucket is one equal, contiguous run of the flat buffer.
+  every rank's share of the bucket is one equal, contiguous run of the flat buffer. The packed send buffer
+  holds the members' gradients from the launch on (the bucket keeps only their shapes), so the program may
+  drop its whole gradients as soon as it launches the bucket; at ZeRO-2/3 it keeps at most `WINDOW` of these
+  buckets in flight.
 
-`split_gather` is the gather such a parameter's forward needs (the same padded layout, all-gathered).
+Buckets follow `gradient_order`, so that a bucket's gradients arrive together and whole gradients wait for
+few others. `split_gather` is the gather such a parameter's forward needs (the same padded layout, all-gathered).
 """
 
 from __future__ import annotations
@@ -21,8 +25,26 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
 BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's and the data-parallel program's)
+# reduce-scatter buckets in flight at once at ZeRO-2/3 (the sharded program waits for the oldest before it launches
+# another): what bounds the send buffers the plan prices (`ShardingProgram.in_flight_grad_bytes`)
+WINDOW = 2
+
+
+def gradient_order(graph: fx.Graph, params: list[str]) -> list[str]:
+    """The parameter placeholders named in `params`, in about the order backward completes their gradients: by
+    their first use in the forward `graph`, the latest first (autograd differentiates later ops first, and a
+    parameter's gradient is complete once its earliest use is differentiated); unused ones last, in reverse order.
+    What the buckets follow, in the program and in the plan's price of them."""
+    position = {node.name: k for k, node in enumerate(graph.nodes)}
+    first: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.users:
+            first[node.name] = min(position[u.name] for u in node.users)
+    rank = {name: k for k, name in enumerate(params)}
+    return sorted(params, key=lambda name: (name not in first, -first.get(name, 0), -rank[name]))
 
 
 def piece_rows(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -63,10 +85,13 @@ class Bucket:
     kind: str  # "all_reduce" or "reduce_scatter"
     dtype: torch.dtype  # the format the collective sends
     members: list[int] = field(default_factory=list)
-    pending: int = 0  # gradients still awaited on the last micro-batch
+    pending: int = 0  # gradients still awaited in the micro-batch whose backward launches the bucket
+    armed: bool = False  # whether this micro-batch's backward launches the bucket
     work: object = None
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor | None = None  # what this rank receives (all-reduce: also what it sends)
+    send: torch.Tensor | None = None  # reduce-scatter: the packed gradients, until the collective is done
     sent: list[int] = field(default_factory=list)  # the members packed (those with a gradient), in order
+    shapes: list[torch.Size] = field(default_factory=list)  # reduce-scatter: the packed members' whole shapes
 
 
 def make_buckets(sizes: list[tuple[int, str, torch.dtype]], bucket_bytes: int) -> list[Bucket]:
@@ -103,36 +128,60 @@ def finish_all_reduce(bucket: Bucket, grads: list[torch.Tensor | None]) -> None:
 
 
 def launch_reduce_scatter(bucket: Bucket, full: list[torch.Tensor | None], dims: list[int], group) -> None:
-    """Issue the bucket's reduce-scatter of the members' full gradients (split on `dims[i]` over `group`)."""
+    """Issue the bucket's reduce-scatter of the members' full gradients (split on `dims[i]` over `group`), packed
+    into one send buffer in the bucket's format (each member copied in once: no other copy of the bucket is made)."""
     parts = dist.get_world_size(group)
     bucket.sent = [i for i in bucket.members if full[i] is not None]
+    bucket.shapes = [full[i].shape for i in bucket.sent]
     if not bucket.sent:
-        bucket.work = bucket.flat = None
+        bucket.work = bucket.flat = bucket.send = None
         return
-    rows = []
-    for i in bucket.sent:
-        g, d = full[i], dims[i]
-        chunk = -(-g.shape[d] // parts)
-        rows.append(_padded(g.to(bucket.dtype), d, parts * chunk).reshape(parts, -1))
-    sent = torch.cat(rows, dim=1).reshape(-1)
-    bucket.flat = sent.new_empty(sent.numel() // parts)
-    bucket.work = dist.reduce_scatter_single(bucket.flat, sent, group=group, async_op=True)
+    widths = [_piece_numel(shape, dims[i], parts) for i, shape in zip(bucket.sent, bucket.shapes, strict=True)]
+    send = torch.empty((parts, sum(widths)), dtype=bucket.dtype, device=full[bucket.sent[0]].device)
+    offset = 0
+    for i, width in zip(bucket.sent, widths, strict=True):
+        _pack(full[i], dims[i], send[:, offset : offset + width])
+        offset += width
+    bucket.send = send
+    bucket.flat = send.new_empty(send.shape[1])
+    bucket.work = dist.reduce_scatter_single(bucket.flat, send.reshape(-1), group=group, async_op=True)
 
 
-def finish_reduce_scatter(bucket: Bucket, full: list[torch.Tensor | None], dims: list[int], group,
-                          out: list[torch.Tensor | None]) -> None:  # fmt: skip
-    """Wait for the bucket's reduce-scatter; out[i] becomes this rank's piece of member i's summed gradient."""
+def _piece_numel(shape: torch.Size, dim: int, parts: int) -> int:
+    """Elements of one rank's padded piece of a tensor of `shape` split on `dim` over `parts`."""
+    return -(-shape[dim] // parts) * (shape.numel() // shape[dim] if shape[dim] else 0)
+
+
+def _pack(g: torch.Tensor, dim: int, out: torch.Tensor) -> None:
+    """Write `g`, split on `dim` into `out.shape[0]` padded pieces, into the rows of `out` (one piece per row,
+    zeros where a piece is shorter than the longest)."""
+    parts, size = out.shape[0], g.shape[dim]
+    chunk = -(-size // parts)
+    moved = g.movedim(dim, 0)
+    rows = out.view(parts, chunk, *moved.shape[1:])
+    full, rest = divmod(size, chunk) if chunk else (0, 0)
+    rows[:full].copy_(moved[: full * chunk].reshape(full, chunk, *moved.shape[1:]))
+    if full < parts:
+        rows[full:].zero_()
+        if rest:
+            rows[full, :rest].copy_(moved[full * chunk :])
+
+
+def finish_reduce_scatter(bucket: Bucket, dims: list[int], group, out: list[torch.Tensor | None]) -> None:
+    """Wait for the bucket's reduce-scatter; out[i] becomes this rank's piece of member i's summed gradient (a
+    tensor of its own, not a view of the bucket's buffer)."""
     if bucket.work is None:
         return
     bucket.work.wait()
     parts, rank = dist.get_world_size(group), dist.get_rank(group)
     offset = 0
-    for i in bucket.sent:
-        g, d = full[i], dims[i]
-        chunk = -(-g.shape[d] // parts)
-        rest = g.movedim(d, 0).shape[1:]
-        n = chunk * rest.numel()
-        _, length = piece_rows(g.shape[d], parts, rank)
-        out[i] = bucket.flat[offset : offset + n].view(chunk, *rest)[:length].movedim(0, d).contiguous()
+    for i, shape in zip(bucket.sent, bucket.shapes, strict=True):
+        d = dims[i]
+        chunk = -(-shape[d] // parts)
+        rest = shape[:d] + shape[d + 1 :]
+        n = _piece_numel(shape, d, parts)
+        _, length = piece_rows(shape[d], parts, rank)
+        piece = bucket.flat[offset : offset + n].view(chunk, *rest)[:length].movedim(0, d)
+        out[i] = piece.clone(memory_format=torch.contiguous_format)
         offset += n
-    bucket.work = bucket.flat = None
+    bucket.work = bucket.flat = bucket.send = None

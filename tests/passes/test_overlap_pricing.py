@@ -199,3 +199,50 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     layer = sum(p.numel() for p in model.layers[0].parameters()) * prec.param_bytes
     assert on.predicted.memory_breakdown["prefetch"] == pytest.approx(layer)
     assert "prefetch" not in flat.predicted.memory_breakdown or not flat.predicted.memory_breakdown["prefetch"]
+
+
+# ------------------------------------------------------------- ZeRO-2/3: the gradient buckets in flight
+
+
+class _Chain(nn.Module):
+    """Three bias-free linears of known sizes: backward completes their gradients last layer first."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(64, 256, bias=False), nn.Linear(256, 256, bias=False),
+                                     nn.Linear(256, 64, bias=False)])  # fmt: skip
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero23_memory_counts_the_buckets_in_flight(monkeypatch, stage):
+    """ZeRO-2/3 with overlap hold, beyond the synchronous plan's gradients, the buckets of one backward: at most 2
+    launched (a bf16 send buffer B and this rank's received piece B / dp each) and the one being filled (its whole
+    gradients, bf16: B). By hand, buckets in backward's order (the last layer's first), dp = 2:
+    max over bucket j of B_j + 1.5 (B_{j-1} + max(B_j, B_{j-2}))."""
+    torch.manual_seed(0)
+    model, x = _Chain(), torch.randn(8, 16, 64)
+    traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
+    last, middle, first = (p.numel() * 2 for p in reversed(list(model.parameters())))  # bf16 bytes, backward order
+
+    def extra(bucket_bytes):
+        monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket_bytes)
+        on, off = (_sharded_plan(model, x, traced, _Fixed, zero=stage, overlap=o) for o in (True, False))
+        assert on.overlap and not off.overlap
+        return on.predicted.memory_breakdown["grads"] - off.predicted.memory_breakdown["grads"]
+
+    # one parameter a bucket: the middle layer's, while it is packed, with the last layer's still in flight
+    one_each = max(last + 1.5 * last, middle + 1.5 * (last + middle), first + 1.5 * (middle + first))
+    assert one_each == middle + 1.5 * (last + middle)
+    assert extra(1) == pytest.approx(one_each, rel=1e-12)
+    # the last two layers in one bucket (closed once it holds BUCKET_BYTES), the first in another
+    two = last + middle
+    assert extra(two) == pytest.approx(max(two + 1.5 * two, first + 1.5 * (two + first)), rel=1e-12)
+    # the window is the runtime's
+    from autopar.runtime import overlap
+
+    assert sharding_solver.REDUCE_SCATTER_WINDOW == overlap.WINDOW == 2
