@@ -926,27 +926,26 @@ class ShardingProgram:
 
     def in_flight_grad_bytes(self, stage: int) -> float:
         """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' at ZeRO-2/3: the buckets of
-        one micro-batch's backward (`runtime.sharded`). A launched bucket is a packed send buffer in the compute
-        format (B_j bytes) and this rank's received piece (B_j / dp) until it is waited for; at most W =
-        REDUCE_SCATTER_WINDOW are in flight, the oldest waited for before the next is packed; the bucket being
-        filled holds its members' whole gradients in the compute format (B_j), dropped when it is launched. So,
-        buckets numbered in launch order:
+        one micro-batch's backward (`runtime.sharded`). A bucket's send buffer (B_j bytes, the compute format) is
+        made when its first gradient comes in, backward writing its members' gradients into it (no other whole
+        copy); at its launch the oldest bucket in flight is waited for if W = REDUCE_SCATTER_WINDOW are, and this
+        rank's piece (B_j / dp) is made; both live until it is waited for. So, buckets numbered in launch order:
 
-            max_j  B_j + (1 + 1/dp) (B_{j-1} + ... + B_{j-W+1} + max(B_j, B_{j-W}))
+            max_j max( B_j + (1 + 1/dp) (B_{j-1} + ... + B_{j-W}),          bucket j filling
+                       (1 + 1/dp) (B_j + B_{j-1} + ... + B_{j-W+1}) )      bucket j launched
 
-        (while bucket j fills, buckets j-1 .. j-W are in flight; while it is packed, j .. j-W+1). The buckets as
-        the runtime makes them (`bucket_bytes`), their parameters whole on the tensor axis: an upper bound where the
-        tensor axis splits some."""
+        The buckets as the runtime makes them (`bucket_bytes`), their parameters whole on the tensor axis: an upper
+        bound where the tensor axis splits some."""
         if stage < 2 or not self.overlaps_at(stage):
             return 0.0
         sizes = self.bucket_bytes(stage)
-        w = REDUCE_SCATTER_WINDOW
+        w, both = REDUCE_SCATTER_WINDOW, 1.0 + 1.0 / self.dp
 
-        def before(j: int, k: int) -> float:
-            return sizes[j - k] if j >= k else 0.0
+        def launched(first: int, last: int) -> float:  # buckets first..last (indices clipped at 0), in flight
+            return both * sum(sizes[max(first, 0) : last + 1])
 
-        return max((b + (1.0 + 1.0 / self.dp) * (sum(before(j, k) for k in range(1, w)) + max(b, before(j, w)))
-                    for j, b in enumerate(sizes)), default=0.0)  # fmt: skip
+        return max((max(b + launched(j - w, j - 1), launched(j - w + 1, j)) for j, b in enumerate(sizes)),
+                   default=0.0)  # fmt: skip
 
     def bucket_bytes(self, stage: int) -> list[float]:
         """The gradient buckets of the sharded program with overlap, in launch order, as bytes in the format they are

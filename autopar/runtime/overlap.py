@@ -10,10 +10,11 @@ for them all before the optimizer runs. Two kinds of bucket:
 - reduce-scatter: full gradients of parameters split over the data axis on one dim (ZeRO >= 1, as
   `passes.parallelize.dp_placement` splits them: `torch.chunk`'s pieces, the last ones possibly shorter or
   empty); each rank ends with the sum of its own piece. The pieces are padded to the longest one, so that
-  every rank's share of the bucket is one equal, contiguous run of the flat buffer. The packed send buffer
-  holds the members' gradients from the launch on (the bucket keeps only their shapes), so the program may
-  drop its whole gradients as soon as it launches the bucket; at ZeRO-2/3 it keeps at most `WINDOW` of these
-  buckets in flight.
+  every rank's share of the bucket is one equal, contiguous run of the flat buffer. At ZeRO-2/3 the program
+  writes each gradient into its bucket's send buffer as backward hands it over (`put_gradient`): the buffer is
+  the only whole copy of its members' gradients, made with the bucket's first gradient and freed once its
+  collective is done; at most `WINDOW` buckets are in flight. ZeRO-1 packs its accumulated whole gradients when
+  the last micro-batch's bucket is ready (`launch_reduce_scatter`).
 
 Buckets follow `gradient_order`, so that a bucket's gradients arrive together and whole gradients wait for
 few others. `split_gather` is the gather such a parameter's forward needs (the same padded layout, all-gathered).
@@ -90,8 +91,9 @@ class Bucket:
     work: object = None
     flat: torch.Tensor | None = None  # what this rank receives (all-reduce: also what it sends)
     send: torch.Tensor | None = None  # reduce-scatter: the packed gradients, until the collective is done
-    sent: list[int] = field(default_factory=list)  # the members packed (those with a gradient), in order
-    shapes: list[torch.Size] = field(default_factory=list)  # reduce-scatter: the packed members' whole shapes
+    sent: list[int] = field(default_factory=list)  # the members packed (those with a gradient)
+    # reduce-scatter: member -> (first column, columns, whole shape) in the send buffer's rows (`lay_out`)
+    slots: dict[int, tuple[int, int, torch.Size]] = field(default_factory=dict)
 
 
 def make_buckets(sizes: list[tuple[int, str, torch.dtype]], bucket_bytes: int) -> list[Bucket]:
@@ -127,24 +129,51 @@ def finish_all_reduce(bucket: Bucket, grads: list[torch.Tensor | None]) -> None:
     bucket.work = bucket.flat = None
 
 
-def launch_reduce_scatter(bucket: Bucket, full: list[torch.Tensor | None], dims: list[int], group) -> None:
-    """Issue the bucket's reduce-scatter of the members' full gradients (split on `dims[i]` over `group`), packed
-    into one send buffer in the bucket's format (each member copied in once: no other copy of the bucket is made)."""
-    parts = dist.get_world_size(group)
-    bucket.sent = [i for i in bucket.members if full[i] is not None]
-    bucket.shapes = [full[i].shape for i in bucket.sent]
-    if not bucket.sent:
-        bucket.work = bucket.flat = bucket.send = None
-        return
-    widths = [_piece_numel(shape, dims[i], parts) for i, shape in zip(bucket.sent, bucket.shapes, strict=True)]
-    send = torch.empty((parts, sum(widths)), dtype=bucket.dtype, device=full[bucket.sent[0]].device)
-    offset = 0
-    for i, width in zip(bucket.sent, widths, strict=True):
-        _pack(full[i], dims[i], send[:, offset : offset + width])
+def lay_out(bucket: Bucket, shapes: dict[int, torch.Size], dims: list[int], parts: int) -> None:
+    """Give each member of a reduce-scatter bucket its columns of the send buffer: member i (whole gradient of
+    `shapes[i]`, split on `dims[i]` over `parts`) takes one padded piece's worth in every rank's row."""
+    bucket.slots, offset = {}, 0
+    for i in bucket.members:
+        width = _piece_numel(shapes[i], dims[i], parts)
+        bucket.slots[i] = (offset, width, shapes[i])
         offset += width
-    bucket.send = send
-    bucket.flat = send.new_empty(send.shape[1])
-    bucket.work = dist.reduce_scatter_single(bucket.flat, send.reshape(-1), group=group, async_op=True)
+
+
+def put_gradient(bucket: Bucket, i: int, grad: torch.Tensor, dim: int, parts: int) -> None:
+    """Write (or, for member i's next use, add) a gradient of member i into the bucket's send buffer, which is made
+    (zeros: the pieces' padding, and members that get no gradient) when its first gradient comes in; the bucket
+    holds no other copy of its members' whole gradients."""
+    if bucket.send is None:
+        columns = sum(width for _, width, _ in bucket.slots.values())
+        bucket.send = torch.zeros((parts, columns), dtype=bucket.dtype, device=grad.device)
+        bucket.sent = []
+    offset, width, _ = bucket.slots[i]
+    first = i not in bucket.sent
+    _pack(grad, dim, bucket.send[:, offset : offset + width], accumulate=not first)
+    if first:
+        bucket.sent.append(i)
+
+
+def launch_packed(bucket: Bucket, group) -> None:
+    """Issue the reduce-scatter of the bucket's send buffer as `put_gradient` filled it (none if it got nothing)."""
+    if bucket.send is None:
+        bucket.sent, bucket.work, bucket.flat = [], None, None
+        return
+    bucket.flat = bucket.send.new_empty(bucket.send.shape[1])
+    bucket.work = dist.reduce_scatter_single(bucket.flat, bucket.send.reshape(-1), group=group, async_op=True)
+
+
+def launch_reduce_scatter(bucket: Bucket, full: list[torch.Tensor | None], dims: list[int], group) -> None:
+    """Issue the bucket's reduce-scatter of the members' full gradients (split on `dims[i]` over `group`; those that
+    exist), packed into one send buffer in the bucket's format."""
+    parts = dist.get_world_size(group)
+    sent = [i for i in bucket.members if full[i] is not None]
+    packed = Bucket(bucket.kind, bucket.dtype, members=sent)
+    lay_out(packed, {i: full[i].shape for i in sent}, dims, parts)
+    bucket.slots, bucket.send = packed.slots, None
+    for i in sent:
+        put_gradient(bucket, i, full[i], dims[i], parts)
+    launch_packed(bucket, group)
 
 
 def _piece_numel(shape: torch.Size, dim: int, parts: int) -> int:
@@ -152,36 +181,33 @@ def _piece_numel(shape: torch.Size, dim: int, parts: int) -> int:
     return -(-shape[dim] // parts) * (shape.numel() // shape[dim] if shape[dim] else 0)
 
 
-def _pack(g: torch.Tensor, dim: int, out: torch.Tensor) -> None:
-    """Write `g`, split on `dim` into `out.shape[0]` padded pieces, into the rows of `out` (one piece per row,
-    zeros where a piece is shorter than the longest)."""
+def _pack(g: torch.Tensor, dim: int, out: torch.Tensor, *, accumulate: bool = False) -> None:
+    """Write (or add) `g`, split on `dim` into `out.shape[0]` pieces, into the rows of `out` (one piece per row, the
+    rows of a piece shorter than the longest left as they are: zeros in a fresh buffer)."""
     parts, size = out.shape[0], g.shape[dim]
     chunk = -(-size // parts)
     moved = g.movedim(dim, 0)
     rows = out.view(parts, chunk, *moved.shape[1:])
     full, rest = divmod(size, chunk) if chunk else (0, 0)
-    rows[:full].copy_(moved[: full * chunk].reshape(full, chunk, *moved.shape[1:]))
-    if full < parts:
-        rows[full:].zero_()
-        if rest:
-            rows[full, :rest].copy_(moved[full * chunk :])
+    put = torch.Tensor.add_ if accumulate else torch.Tensor.copy_
+    put(rows[:full], moved[: full * chunk].reshape(full, chunk, *moved.shape[1:]))
+    if full < parts and rest:
+        put(rows[full, :rest], moved[full * chunk :])
 
 
 def finish_reduce_scatter(bucket: Bucket, dims: list[int], group, out: list[torch.Tensor | None]) -> None:
     """Wait for the bucket's reduce-scatter; out[i] becomes this rank's piece of member i's summed gradient (a
-    tensor of its own, not a view of the bucket's buffer)."""
+    tensor of its own, not a view of the bucket's buffer), for the members that had a gradient."""
     if bucket.work is None:
         return
     bucket.work.wait()
     parts, rank = dist.get_world_size(group), dist.get_rank(group)
-    offset = 0
-    for i, shape in zip(bucket.sent, bucket.shapes, strict=True):
+    for i in bucket.sent:
+        offset, n, shape = bucket.slots[i]
         d = dims[i]
         chunk = -(-shape[d] // parts)
         rest = shape[:d] + shape[d + 1 :]
-        n = _piece_numel(shape, d, parts)
         _, length = piece_rows(shape[d], parts, rank)
         piece = bucket.flat[offset : offset + n].view(chunk, *rest)[:length].movedim(0, d)
         out[i] = piece.clone(memory_format=torch.contiguous_format)
-        offset += n
     bucket.work = bucket.flat = bucket.send = None

@@ -28,10 +28,11 @@ issued as soon as its last gradient is in, while backward goes on. Which micro-b
 - the dp-replicated parameters' all-reduce buckets: the last one's (earlier ones leave partial sums in `.grad`);
 - ZeRO-1's reduce-scatter buckets: the last one's; earlier ones accumulate each split parameter's whole gradient
   in fp32 on this rank (what ZeRO-1 holds anyway), and the last one's bucket sends the sum;
-- ZeRO-2/3's reduce-scatter buckets: every one's, as FSDP does. A split parameter's whole gradient is held in the
-  compute format, and a bucket's members' whole gradients are dropped when it is launched (its packed send buffer holds them), so whole gradients live only while their bucket fills;
-  at most `overlap.WINDOW` buckets are in flight (launching another first waits for the oldest and adds its
-  pieces into the shards' `.grad`, this rank's fp32 accumulators over the micro-batches).
+- ZeRO-2/3's reduce-scatter buckets: every one's, as FSDP does. A split parameter's gradient goes straight into
+  its bucket's send buffer (in the compute format; the buffer is made with the bucket's first gradient and freed
+  when its collective is done), so whole gradients live only there; at most `overlap.WINDOW` buckets are in
+  flight (launching another first waits for the oldest and adds its pieces into the shards' `.grad`, this rank's
+  fp32 accumulators over the micro-batches).
 
 Each micro-batch's end issues the buckets its backward left unfilled (a parameter without a gradient) and waits
 for every bucket it launched, so the optimizer (after the last) sees complete gradients.
@@ -202,11 +203,21 @@ class ShardedProgram(Program):
         self._buckets = overlap.make_buckets(sizes, overlap.BUCKET_BYTES)
         for bucket in self._buckets:
             bucket.members = [order[j] for j in bucket.members]
+        self._per_micro = self.plan.zero_stage >= 2  # reduce-scatter buckets from every micro-batch's backward
+        if self._per_micro:  # gradients go straight into their bucket's send buffer: its members' whole shapes
+            whole = {}
+            for i in order:
+                if self._split_dim[i] is not None:
+                    shape = list(self.shards[i].shape)
+                    shape[self._split_dim[i]] = self._shapes[i][self._split_dim[i]]
+                    whole[i] = torch.Size(shape)
+            for bucket in self._buckets:
+                if bucket.kind == "reduce_scatter":
+                    overlap.lay_out(bucket, whole, self._split_dim, self.data_ranks)
         self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
         for i in order:
             if self._split_dim[i] is None:
                 self.shards[i].register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
-        self._per_micro = self.plan.zero_stage >= 2  # reduce-scatter buckets from every micro-batch's backward
         self._launched: list[int] = []  # buckets launched in this micro-batch's backward
         self._in_flight: list[int] = []  # reduce-scatter buckets launched and not yet waited for, oldest first
         self._setup_prefetch(placeholders, kinds)
@@ -305,10 +316,17 @@ class ShardedProgram(Program):
         return full
 
     def _full_grad(self, i: int, grad: torch.Tensor) -> None:
-        """One use's gradient of split parameter i; the last use's makes it ready. Accumulated in its master's format
-        at ZeRO-1 (summed over the micro-batches), in the format its bucket sends at ZeRO-2/3 (one micro-batch's
-        uses, summed as autograd sums them)."""
-        dtype = self._buckets[self._bucket_of[i]].dtype if self._per_micro else self.shards[i].dtype
+        """One use's gradient of split parameter i; the last use's makes it ready. At ZeRO-1 accumulated whole in its
+        master's format (summed over the micro-batches); at ZeRO-2/3 written (added, for a next use) into its
+        bucket's send buffer, in the format the bucket sends, the only whole copy the program keeps."""
+        if self._per_micro:
+            bucket = self._buckets[self._bucket_of[i]]
+            overlap.put_gradient(bucket, i, grad, self._split_dim[i], self.data_ranks)
+            self._uses[i] -= 1
+            if self._uses[i] == 0:
+                self._grad_ready(i)
+            return
+        dtype = self.shards[i].dtype
         if self._full[i] is None:
             self._full[i] = grad.to(dtype, copy=True)
         else:
@@ -330,8 +348,8 @@ class ShardedProgram(Program):
             self._launch(b)
 
     def _launch(self, b: int) -> None:
-        """Issue bucket b's collective. A reduce-scatter bucket's send buffer holds its members' gradients from
-        then on, so their whole gradients are dropped; at ZeRO-2/3 at most `overlap.WINDOW` of them are in flight
+        """Issue bucket b's collective. ZeRO-1 packs its members' whole gradients into the bucket's send buffer and
+        drops them; at ZeRO-2/3 the send buffer is filled already, and at most `overlap.WINDOW` buckets are in flight
         (the oldest is waited for, and its pieces added to the shards' gradients, before another goes out)."""
         bucket = self._buckets[b]
         if bucket.kind == "all_reduce":
@@ -343,10 +361,13 @@ class ShardedProgram(Program):
             self._settle_oldest()
         self._record(bucket.kind, b)
         self._launched.append(b)
-        overlap.launch_reduce_scatter(bucket, self._full, self._split_dim, self._dp_group)
+        if self._per_micro:
+            overlap.launch_packed(bucket, self._dp_group)
+        else:
+            overlap.launch_reduce_scatter(bucket, self._full, self._split_dim, self._dp_group)
+            for i in bucket.members:
+                self._full[i] = None
         self._in_flight.append(b)
-        for i in bucket.members:
-            self._full[i] = None
 
     def _settle_oldest(self) -> None:
         """Wait for the oldest reduce-scatter bucket in flight and add its pieces into the shards' gradients (this

@@ -150,12 +150,14 @@ def _window(rank: int, world_size: int, cases, bucket_bytes: int):
 
         def launching(b, launch=launch, pm=pm, kept=kept):
             launch(b)
-            if pm._buckets[b].kind == "reduce_scatter":  # its members' whole gradients, still held after the launch
-                kept.append([i for i in pm._buckets[b].members if pm._full[i] is not None])
+            if pm._buckets[b].kind == "reduce_scatter":  # whole gradients held besides the send buffers, after it
+                kept.append([i for i, g in enumerate(pm._full) if g is not None])
 
         def taking(i, grad, take=take, pm=pm, filling=filling):
-            take(i, grad)  # the buckets holding a whole gradient once this one is in (and launched, if it filled)
-            filling.append({pm._bucket_of[j] for j, g in enumerate(pm._full) if g is not None})
+            take(i, grad)  # the buckets holding a send buffer not yet launched once this gradient is in
+            filling.append(
+                {b for b, bucket in enumerate(pm._buckets) if bucket.send is not None and bucket.work is None}
+            )
 
         def counting(*a, calls=calls, **k):
             calls.append(1)
@@ -198,17 +200,20 @@ def test_zero23_reduce_scatter_every_micro_batch_within_a_window(bucket_bytes):
             most = max(most, in_flight)
             assert in_flight >= 0
         assert in_flight == 0
-        assert got["kept"] == [[]] * per_step  # launched: no member's whole gradient held any more
         if zero == 1:  # today's path: every bucket out on the last micro-batch's backward, waited for at its end
             assert most == got["buckets"]
+            # whole fp32 gradients accumulated over the micro-batches, each dropped when its bucket is packed
+            assert [len(k) for k in got["kept"]] == sorted((len(k) for k in got["kept"]), reverse=True)
+            assert got["kept"][-1] == []
             continue
+        assert got["kept"] == [[]] * per_step  # no whole gradient outside the buckets' send buffers
         assert most == 2, events
         # the window waits inside backward: a bucket is waited for before the micro-batch's last gradient is in
         first_wait = next(k for k, (e, _) in enumerate(events) if e == "waited")
         assert first_wait < next(k for k, (e, _) in enumerate(events) if e == "wait"), events
         assert any(e == "grad" for e, _ in events[first_wait:]), events
-        # whole gradients only in the bucket being filled (what the plan prices, `in_flight_grad_bytes`); none once a
-        # one-parameter bucket's gradient is in, as it goes out at once
+        # one bucket filled at a time (what the plan prices, `in_flight_grad_bytes`); none once a one-parameter
+        # bucket's gradient is in, as it goes out at once
         filling = max(len(held) for held in got["filling"])
         assert filling == (0 if bucket_bytes == 1 else 1), got["filling"]
 
@@ -289,9 +294,9 @@ def test_zero3_overlaps_by_default_holding_only_its_buckets_in_flight():
     assert default.overlap and default.prefetch_depth == 1 and not off.overlap and off.prefetch_depth == 0
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # fp32 on CPU, dp = 2: the synchronous plan holds this rank's half of the gradients; the tiny LLaMA is one bucket
-    # of B = 4 x trainable bytes (< 25 MiB), held whole while it fills, then sent (B) and received (B / 2)
+    # of B = 4 x trainable bytes (< 25 MiB): its send buffer, which backward fills, and this rank's piece (B / 2)
     assert off.predicted.memory_breakdown["grads"] == pytest.approx(4 * trainable / 2, rel=1e-12)
     bucket = 4 * trainable
     assert default.predicted.memory_breakdown["grads"] - off.predicted.memory_breakdown["grads"] == pytest.approx(
-        bucket + bucket * (1 + 1 / 2), rel=1e-12
+        bucket * (1 + 1 / 2), rel=1e-12
     )

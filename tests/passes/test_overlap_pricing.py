@@ -220,10 +220,11 @@ class _Chain(nn.Module):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero23_memory_counts_the_buckets_in_flight(monkeypatch, stage):
-    """ZeRO-2/3 with overlap hold, beyond the synchronous plan's gradients, the buckets of one backward: at most 2
-    launched (a bf16 send buffer B and this rank's received piece B / dp each) and the one being filled (its whole
-    gradients, bf16: B). By hand, buckets in backward's order (the last layer's first), dp = 2:
-    max over bucket j of B_j + 1.5 (B_{j-1} + max(B_j, B_{j-2}))."""
+    """ZeRO-2/3 with overlap hold, beyond the synchronous plan's gradients, the buckets of one backward: the one
+    being filled (its bf16 send buffer B, which backward writes the gradients into) and at most 2 launched ones (B
+    and this rank's received piece B / dp each); launching a third waits for the oldest first. By hand, buckets in
+    backward's order (the last layer's first), dp = 2:
+    max over bucket j of max(B_j + 1.5 (B_{j-1} + B_{j-2}), 1.5 (B_j + B_{j-1}))."""
     torch.manual_seed(0)
     model, x = _Chain(), torch.randn(8, 16, 64)
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
@@ -235,13 +236,14 @@ def test_zero23_memory_counts_the_buckets_in_flight(monkeypatch, stage):
         assert on.overlap and not off.overlap
         return on.predicted.memory_breakdown["grads"] - off.predicted.memory_breakdown["grads"]
 
-    # one parameter a bucket: the middle layer's, while it is packed, with the last layer's still in flight
-    one_each = max(last + 1.5 * last, middle + 1.5 * (last + middle), first + 1.5 * (middle + first))
-    assert one_each == middle + 1.5 * (last + middle)
+    # one parameter a bucket: the first layer's filling, the two others in flight
+    one_each = max(1.5 * last, middle + 1.5 * last, 1.5 * (last + middle), first + 1.5 * (last + middle))
+    assert one_each == first + 1.5 * (last + middle)
     assert extra(1) == pytest.approx(one_each, rel=1e-12)
-    # the last two layers in one bucket (closed once it holds BUCKET_BYTES), the first in another
+    # the last two layers in one bucket (closed once it holds BUCKET_BYTES), the first in another: both launched
     two = last + middle
-    assert extra(two) == pytest.approx(max(two + 1.5 * two, first + 1.5 * (two + first)), rel=1e-12)
+    assert extra(two) == pytest.approx(max(1.5 * two, first + 1.5 * two, 1.5 * (two + first)), rel=1e-12)
+    assert extra(two) == pytest.approx(1.5 * (two + first), rel=1e-12)
     # the window is the runtime's
     from autopar.runtime import overlap
 
