@@ -545,17 +545,22 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
         sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=flat,
                              memory_budget_bytes=budget, batch_size=batch, progress=say,
                              offload=job.offload)  # fmt: skip
-    chosen = _sharded_plan(job, sol)
     overlap = bool(constraints.get("overlap", True))
-    if chosen.program == ProgramKind.SHARDED and chosen.zero_stage >= 2 and constraints.get("overlap") is not True:
-        overlap = False  # ZeRO-2/3 overlap only where pinned (`ShardingProgram.split_overlap`): priced without it
-    chosen = dataclasses.replace(chosen, grad_reduce=constraints.get("grad_reduce") or "fp32", overlap=overlap,
-                                 prefetch_depth=_prefetch_depth(constraints | {"overlap": overlap}))  # fmt: skip
-    if "overlap" not in constraints and overlap and chosen.program == ProgramKind.SHARDED and chosen.zero_stage == 1:
-        # the overlapping ZeRO-1 program holds whole fp32 gradients (`ShardingProgram.overlap_grad_bytes`): where
-        # that memory costs more than the overlap hides, the synchronous program is the faster plan
-        without = _solve(job, constraints | {"overlap": False}, quiet=True)
-        if without[0].predicted.step_time_s < chosen.predicted.step_time_s:
+    chosen = dataclasses.replace(_sharded_plan(job, sol), grad_reduce=constraints.get("grad_reduce") or "fp32",
+                                 overlap=overlap, prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
+    offloads = chosen.program == ProgramKind.OFFLOAD
+    if "overlap" not in constraints and overlap and (chosen.program == ProgramKind.SHARDED or offloads) \
+            and chosen.zero_stage >= 1:  # fmt: skip
+        # the overlapping program holds more than the synchronous one (ZeRO-1: whole fp32 gradients,
+        # `ShardingProgram.overlap_grad_bytes`; ZeRO-2/3: the gradient buckets in flight, `in_flight_grad_bytes`;
+        # from ZeRO-1 the weights gathered ahead): where that memory costs more than the overlap hides (more
+        # micro-batches, recompute, offload), the synchronous program is the faster plan. A plan that offloads runs
+        # the offload program, which does not overlap: the plan without overlap is the one priced as it runs.
+        try:
+            without = _solve(job, constraints | {"overlap": False}, quiet=True)
+        except InfeasiblePlanError:
+            without = None
+        if without is not None and (offloads or without[0].predicted.step_time_s < chosen.predicted.step_time_s):
             return without
     return chosen, _sharded_runner_up(sol)
 

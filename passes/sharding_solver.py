@@ -57,10 +57,11 @@ communication is not overlapped with compute):
           of the parameters (stages 1, 2), and one more all-gather for the backward (stage 3), one
           collective per parameter (the sharded runtime redistributes each on its own). With overlap
           (eta > 0), the sharded runtime's part is priced by `add_sharded_overlap_constraint` instead:
-          gradients in buckets issued from backward, gathers issued `prefetch_depth` layers ahead;
-          only what the backward (gradients) or the forward (gathers) cannot hide, and every
-          collective's fixed latency, is in the step:
-              E_g >= sum G_bw - eta B/m, E_g >= (1 - eta) sum G_bw, E_g >= T_last;
+          gradients in buckets issued from backward (r = 1 reduction per step at stages 0, 1, from the
+          last micro-batch's backward; r = m at stages 2, 3, from every micro-batch's), gathers issued
+          `prefetch_depth` layers ahead; only what the backward (gradients) or the forward (gathers)
+          cannot hide, and every collective's fixed latency, is in the step:
+              E_g >= sum G_bw - eta B r/m, E_g >= (1 - eta) sum G_bw, E_g >= r T_last;
               E_a >= sum A_bw - eta F, E_a >= (1 - eta) sum A_bw, E_a >= T_first;  + sum G_fix + A_fix
     C_o   per byte of optimizer state on the host, its parameter's share of: the gradient down and the
           updated 16-bit (or fp32) weight up the host link, and the CPU AdamW update:
@@ -97,7 +98,10 @@ Constraints:
         sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w     f = tp_min_split, 1 unless the
                                                                                   user says less
 
-    M_state   parameter, gradient and optimizer bytes of w's local shard under stage s
+    M_state   parameter, gradient and optimizer bytes of w's local shard under stage s; with the sharded
+              program's overlap, plus its whole fp32 gradient at stage 1 (`overlap_grad_bytes`), and the
+              memory rows gain sum_{s >= 2} z[s] M_buckets: the gradient buckets in flight at stages 2
+              and 3 (`in_flight_grad_bytes`), and the weights gathered ahead of use (`prefetch_bytes`)
     M_saved   bytes of the group's outputs kept for backward under r, split over dp and, where
               the output is sharded, over tp. A value is kept when a consumer outside R_r saves
               it, or when it enters a segment from outside (the checkpoint keeps its inputs);
@@ -172,10 +176,13 @@ from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, i
 from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
 from autopar.passes.sharding_rules import OpStrategy, placement_str
 from autopar.plan import ProgramKind, program_kind
+from autopar.runtime.overlap import WINDOW, gradient_order
 
 R = Replicate()
 GIB = 1024**3
 BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's default)
+# reduce-scatter buckets the sharded program keeps in flight at ZeRO-2/3
+REDUCE_SCATTER_WINDOW = WINDOW
 _FP32_BYTES = 4  # AdamW steps fp32 weights: the parameters in fp32 training, their master copy in mixed precision
 FORBIDDEN_S = 1e6  # the price of a conversion the runtime cannot do: no optimum ever pays it
 
@@ -469,13 +476,8 @@ class ShardingProgram:
                  num_microbatches: int = 1, activation_copies: float = 1.0,
                  recompute: str | None = None, offload: bool | None = False,
                  tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None,
-                 overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1,
-                 split_overlap: bool = False):  # fmt: skip
+                 overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
-        # ZeRO-2/3 with the overlapping runtime, only where pinned (constraints {"overlap": True}): it holds every
-        # split parameter's whole fp32 gradient until the last bucket (`overlap_grad_bytes`), which undoes what
-        # those stages save; unpinned, they run (and are priced) on the synchronous path
-        self.split_overlap = split_overlap
         # the sharded program's data-axis collectives with overlap (`add_sharded_overlap_constraint`): gradient
         # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
         self.prefetch_depth = prefetch_depth if overlap else 0
@@ -491,6 +493,7 @@ class ShardingProgram:
         self.sharded_hidden: list[tuple[list, pulp.LpVariable]] = []
         self._cp_hidden_terms: list = []  # cp attention's communication its compute hides (`_cp_comm_s`)
         self._offloading = False  # offload pinned: the ZeRO-3 layouts run as the offload program
+        self._offload_runs: pulp.LpVariable | None = None  # offload allowed: whether the offload program runs
         self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
         self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
         self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
@@ -908,22 +911,30 @@ class ShardingProgram:
         return params, grads, opt
 
     def _add_overlap_grads(self) -> None:
-        """Memory rows gain `overlap_grad_bytes` of the layout, unless offload is pinned (the offload program runs
-        at ZeRO-3 and holds none of them). Where the solver may offload, they are counted whether it does or not:
-        an offloading plan's memory is then priced on the safe side."""
+        """Memory rows gain what the overlapping sharded program holds beyond `state_bytes`: `overlap_grad_bytes`
+        of the layout (ZeRO-1) and `in_flight_grad_bytes` of the stage (ZeRO-2/3), unless the offload program runs
+        the layout (offload pinned, or o of `add_offload_constraint` where the solver may offload: it runs at ZeRO-3
+        and holds none of them)."""
         for (name, k, s), u in self.u.items():
             extra = self.groups[name].count * self.overlap_grad_bytes(name, k, s)
             if extra and not (self._offloading and s == 3):
                 self.memory_terms["grads"].append(extra * u)
+        for s, z in self.z.items():
+            buffers = self.in_flight_grad_bytes(s)
+            if buffers and not (self._offloading and s == 3):
+                self.memory_terms["grads"].append(buffers * z)
+                if s == 3 and self._offload_runs is not None:  # z[3] - o: the sharded program runs the layout
+                    self.memory_terms["grads"].append(-buffers * self._offload_runs)
 
     def overlap_grad_bytes(self, name: str, k: int, stage: int) -> float:
-        """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' (ZeRO >= 1): it accumulates
-        each split parameter's whole gradient in its master's format (fp32) on every rank until the last
-        micro-batch's buckets reduce-scatter it (`runtime.sharded`), where `state_bytes` counts the gradient as
-        reduce-scattered in the compute format (and, from stage 2, divided over dp). Device memory only: the
+        """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' at ZeRO-1: it accumulates each
+        split parameter's whole gradient in its master's format (fp32) on every rank until the last micro-batch's
+        buckets reduce-scatter it (`runtime.sharded`), where `state_bytes` counts the gradient as reduce-scattered
+        in the compute format. ZeRO-2/3 reduce-scatter every micro-batch's gradients and hold whole ones only
+        while their bucket fills (`in_flight_grad_bytes`, per step, not per parameter). Device memory only: the
         offload program, which does not overlap, keeps `state_bytes`' gradients (so an offloading plan is priced
         on the safe side)."""
-        if stage < 1 or not self.overlaps_at(stage):
+        if stage != 1 or not self.overlaps_at(stage):
             return 0.0
         info = self.graph.params[name]
         if not info.requires_grad:
@@ -931,6 +942,42 @@ class ShardingProgram:
         pl = self.groups[name].strategies[k].output
         local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
         return max(local * _FP32_BYTES - self.state_bytes(name, k, stage)[1], 0.0)
+
+    def in_flight_grad_bytes(self, stage: int) -> float:
+        """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' at ZeRO-2/3: the buckets of
+        one micro-batch's backward (`runtime.sharded`). A bucket's send buffer (B_j bytes, the compute format) is
+        made when its first gradient comes in, backward writing its members' gradients into it (no other whole
+        copy); at its launch the oldest bucket in flight is waited for if W = REDUCE_SCATTER_WINDOW are, and this
+        rank's piece (B_j / dp) is made; both live until it is waited for. So, buckets numbered in launch order:
+
+            max_j max( B_j + (1 + 1/dp) (B_{j-1} + ... + B_{j-W}),          bucket j filling
+                       (1 + 1/dp) (B_j + B_{j-1} + ... + B_{j-W+1}) )      bucket j launched
+
+        The buckets as the runtime makes them (`bucket_bytes`), their parameters whole on the tensor axis: an upper
+        bound where the tensor axis splits some."""
+        if stage < 2 or not self.overlaps_at(stage):
+            return 0.0
+        sizes = self.bucket_bytes(stage)
+        w, both = REDUCE_SCATTER_WINDOW, 1.0 + 1.0 / self.dp
+
+        def launched(first: int, last: int) -> float:  # buckets first..last (indices clipped at 0), in flight
+            return both * sum(sizes[max(first, 0) : last + 1])
+
+        return max((max(b + launched(j - w, j - 1), launched(j - w + 1, j)) for j, b in enumerate(sizes)),
+                   default=0.0)  # fmt: skip
+
+    def bucket_bytes(self, stage: int) -> list[float]:
+        """The gradient buckets of the sharded program with overlap, in launch order, as bytes in the format they are
+        reduced in at `stage`: trainable parameters whole, in the order backward completes their gradients
+        (`gradient_order`), a bucket closed once it holds BUCKET_BYTES (so it may exceed them by its last member)."""
+        trainable = {info.node_name: info for info in self.graph.params.values() if info.requires_grad}
+        sizes: list[float] = []
+        for name in gradient_order(self.graph.graph, list(trainable)):
+            info = trainable[name]
+            if not sizes or sizes[-1] >= BUCKET_BYTES:
+                sizes.append(0.0)
+            sizes[-1] += info.meta.numel * self.precision.grad_bytes_at(stage)
+        return sizes
 
     def sync_time(self, name: str, k: int, stage: int) -> float:
         """Gradient synchronisation (and ZeRO parameter gathers) of one parameter over the data axis."""
@@ -961,18 +1008,22 @@ class ShardingProgram:
         return self.overlap and self.dp > 1
 
     def overlaps_at(self, stage: int) -> bool:
-        """Whether the sharded program overlaps at ZeRO stage `stage`: stages 0 and 1, and 2 and 3 where pinned."""
-        return self.sharded_overlap and not self.runs_plain(stage) and (stage <= 1 or self.split_overlap)
+        """Whether the sharded program overlaps at ZeRO stage `stage`: every stage it runs, with overlap on; not
+        ZeRO-3 with offload pinned, which the offload program runs (it does not overlap). Where the solver may
+        offload, a layout that does is priced as if it overlapped: `autopar.api` plans it again without overlap."""
+        pinned_offload = stage == 3 and self.offload is True and self.dp > 1
+        return self.sharded_overlap and not self.runs_plain(stage) and not pinned_offload
 
     def sharded_sync_parts(self, name: str, k: int, stage: int) -> tuple[float, float, float, float]:
         """(G_bw, G_fix, A_bw, A_fix): one parameter's data-axis collectives in the sharded program with overlap,
         split into what compute can hide (bandwidth) and what it cannot (a collective's fixed latency).
 
-        G: its gradient in buckets of BUCKET_BYTES, once per step (the last micro-batch's backward issues them):
-        all-reduce at stage 0, reduce-scatter from stage 1; its share of a bucket's latency is pro rata, as in
-        `_bucketed`; stage 3's gathers for the backward (one per micro-batch) share the link with them during
-        backward, so their bandwidth part is in G_bw too. A: its forward gathers (stage 1, 2: once; stage 3: each
-        micro-batch's), one collective each; with prefetch depth 0 no gather hides (their bandwidth in A_fix).
+        G: its gradient in buckets of BUCKET_BYTES: all-reduce at stage 0 and reduce-scatter at stage 1 once per
+        step (the last micro-batch's backward issues them), reduce-scatter at stages 2 and 3 once per micro-batch
+        (every backward issues them); its share of a bucket's latency is pro rata, as in `_bucketed`; stage 3's
+        gathers for the backward (one per micro-batch) share the link with them during backward, so their
+        bandwidth part is in G_bw too. A: its forward gathers (stage 1, 2: once; stage 3: each micro-batch's), one
+        collective each; with prefetch depth 0 no gather hides (their bandwidth in A_fix).
         """
         info = self.graph.params[name]
         pl = self.groups[name].strategies[k].output
@@ -981,7 +1032,8 @@ class ShardingProgram:
         kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
         full = estimate_collective_time(kind, grad_bytes, self.dp, self.dp_link)
         latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link)
-        g_bw, g_fix = full - latency, latency * grad_bytes / BUCKET_BYTES
+        per = self.reductions_per_step(stage)
+        g_bw, g_fix = (full - latency) * per, latency * grad_bytes / BUCKET_BYTES * per
         if stage == 0:
             return g_bw, g_fix, 0.0, 0.0
         runs = self.mb if stage == 3 else 1  # forward gathers; stage 3 gathers as many again for the backward
@@ -995,6 +1047,11 @@ class ShardingProgram:
         if not self.prefetch_depth:
             return g_bw, g_fix, 0.0, one * runs
         return g_bw, g_fix, (one - ag_latency) * runs, ag_latency * runs
+
+    def reductions_per_step(self, stage: int) -> int:
+        """How many times a step reduces each gradient in the overlapping sharded program: once (stages 0, 1: the
+        last micro-batch's backward), or once per micro-batch (stages 2, 3)."""
+        return self.mb if stage >= 2 else 1
 
     def _bucketed(self, kind: Collective, nbytes: float) -> float:
         """A parameter's share of bucketed collectives: its bytes at full bandwidth, latency pro rata.
@@ -1036,7 +1093,10 @@ class ShardingProgram:
         """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u (the plain layout's
         part through `add_overlap_constraint`)."""
         plain = []  # the sync terms of the plain layout, when its all-reduces overlap backward
-        grads, gathers = [], []  # the sharded program's hideable parts (`sharded_sync_parts`)
+        # the sharded program's hideable parts (`sharded_sync_parts`); gradients by how often a step reduces them (one
+        # list where m = 1)
+        grads: dict[int, list] = {1: [], self.mb: []}
+        gathers = []
         for name in self._param_groups():
             grp = self.groups[name]
             for k in range(len(grp.strategies)):
@@ -1052,7 +1112,7 @@ class ShardingProgram:
                     t = self.sync_time(name, k, s)
                     if t and self.overlaps_at(s):
                         g_bw, g_fix, a_bw, a_fix = self.sharded_sync_parts(name, k, s)
-                        grads.append(grp.count * g_bw * u)
+                        grads[self.reductions_per_step(s)].append(grp.count * g_bw * u)
                         gathers += [grp.count * a_bw * u] if a_bw else []
                         self.cost_terms["grad_sync"].append(grp.count * (g_fix + a_fix) * u)
                     elif t:
@@ -1075,34 +1135,47 @@ class ShardingProgram:
         overlap efficiency can scale every hidden part in one place)."""
         return pulp.lpSum(compute) * getattr(self.cluster.device, "overlap_efficiency", 1.0)
 
-    def add_sharded_overlap_constraint(self, grads: list, gathers: list) -> None:
+    def add_sharded_overlap_constraint(self, grads: dict[int, list], gathers: list) -> None:
         """The sharded program with overlap; objective E_g + E_a + fixed costs instead of sum(Sync):
 
-            E_g >= sum G_bw - eta B / m,  E_g >= (1 - eta) sum G_bw,  E_g >= T_last,g z[s]   (gradient buckets
-                                                                            behind the last micro-batch's backward)
+            E_g >= sum G_bw - eta B r / m,  E_g >= (1 - eta) sum G_bw,  E_g >= r T_last,g z[s]   (gradient buckets
+                                                                            behind the backwards that issue them)
             E_a >= sum A_bw - eta F,      E_a >= (1 - eta) sum A_bw,  E_a >= T_first,a z[s]  (gathers ahead of use
                                                                             behind the forward, depth > 0)
 
         summed over the sharded stages s (one z[s] is 1), eta the device's overlap efficiency (`hiding`; hidden =
-        eta min(communication, compute), as in `add_overlap_constraint`). Exposed = what the communication needs
-        beyond the compute it hides behind (B / m: the backward of the layers after each bucket; F: the forward of the layers before
-        each gather, every micro-batch's), never less than the collective nothing hides: the last bucket, issued
-        when backward ends (T_last,g: the bandwidth part of one bucket of min(BUCKET_BYTES, all gradient bytes)),
-        and each micro-batch's first gather, which no layer precedes (T_first,a: the first parameter's, m times;
-        stage 3's backward gathers are in G_bw: they share the backward's link with the buckets). The fixed latency of every collective (G_fix, A_fix of
-        `sharded_sync_parts`) and one bucket's latency per step are in the objective as they are: they never hide.
+        eta min(communication, compute), as in `add_overlap_constraint`). A step reduces each gradient r times
+        (`reductions_per_step`): once at stages 0 and 1, from the last micro-batch's backward (B / m hides them),
+        once per micro-batch at stages 2 and 3, each micro-batch's backward hiding its own buckets (r B / m = B);
+        one E_g per r, over the stages that reduce r times (the other's terms are 0 where its stages are not
+        chosen). Exposed = what the communication needs beyond the compute it hides behind (the backward of the
+        layers after each bucket; F: the forward of the layers before each gather, every micro-batch's), never less
+        than the collectives nothing hides: the last bucket of each reducing backward, issued when it ends (T_last,g:
+        the bandwidth part of one bucket of min(BUCKET_BYTES, all gradient bytes)), and each micro-batch's first
+        gather, which no layer precedes (T_first,a: the first parameter's, m times; stage 3's backward gathers are in
+        G_bw: they share the backward's link with the buckets). The fixed latency of every collective (G_fix, A_fix
+        of `sharded_sync_parts`) and one bucket's latency per reducing backward are in the objective as they are:
+        they never hide.
         """
         sharded = [s for s in self.z if self.overlaps_at(s)]
-        e_g = self.prob.add_variable("exposed_sharded_grads", 0)
-        self.prob += e_g >= pulp.lpSum(grads) - self.hiding(self._bwd_terms) * (1.0 / self.mb), "sharded_exposed_grads"
-        self.prob += e_g >= pulp.lpSum(self.last_bucket_bw_s(s) * self.z[s] for s in sharded), "sharded_last_bucket"
-        if self.eta < 1:  # at most the share eta of the communication hides, however long the compute
-            self.prob += e_g >= pulp.lpSum(grads) * (1.0 - self.eta), "sharded_grads_efficiency"
-        self.cost_terms["grad_sync"].append(e_g)
-        self.sharded_hidden.append((grads, e_g))
+        for r, terms in sorted(grads.items()):
+            stages = [s for s in sharded if self.reductions_per_step(s) == r]
+            if not stages:
+                continue
+            suffix = "" if r == 1 else "_per_microbatch"
+            e_g = self.prob.add_variable(f"exposed_sharded_grads{suffix}", 0)
+            hides = self.hiding(self._bwd_terms) * (r / self.mb)
+            self.prob += e_g >= pulp.lpSum(terms) - hides, f"sharded_exposed_grads{suffix}"
+            last = pulp.lpSum(r * self.last_bucket_bw_s(s) * self.z[s] for s in stages)
+            self.prob += e_g >= last, f"sharded_last_bucket{suffix}"
+            if self.eta < 1:  # at most the share eta of the communication hides, however long the compute
+                self.prob += e_g >= pulp.lpSum(terms) * (1.0 - self.eta), f"sharded_grads_efficiency{suffix}"
+            self.cost_terms["grad_sync"].append(e_g)
+            self.sharded_hidden.append((terms, e_g))
         for s in sharded:
             kind = Collective.ALL_REDUCE if s == 0 else Collective.REDUCE_SCATTER
-            self.cost_terms["grad_sync"].append(estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * self.z[s])
+            latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * self.reductions_per_step(s)
+            self.cost_terms["grad_sync"].append(latency * self.z[s])
         if gathers:
             e_a = self.prob.add_variable("exposed_sharded_gathers", 0)
             self.prob += e_a >= pulp.lpSum(gathers) - self.hiding(self._fwd_terms), "sharded_exposed_gathers"
@@ -1225,6 +1298,12 @@ class ShardingProgram:
         if self.dp > 1:  # the offload program runs its chunks as ZeRO-3: only a stage-3 layout offloads
             if 3 in self.z:
                 self.prob += h_o <= self.host_capacity() * self.z[3], "offload_runs_zero3"
+                if not self._offloading and self.in_flight_grad_bytes(3):
+                    # o = 1 where anything is on the host: the offload program runs, holding no gradient buckets in
+                    # flight (`_add_overlap_grads`)
+                    o = self._offload_runs = self.prob.add_variable("offload_program_runs", cat="Binary")
+                    self.prob += h_o <= self.host_capacity() * o, "offload_program_runs_if_offloading"
+                    self.prob += o <= self.z[3], "offload_program_runs_zero3"
             else:
                 h_o.upBound = 0
         c_o, c_g, c_p = self.offload_prices()
@@ -1345,7 +1424,9 @@ class ShardingProgram:
         # every allowed stage gathers its weights, ahead of use with prefetch (`prefetch_bytes`)
         ahead = self.prefetch_bytes() if stages and all(s >= 1 and self.overlaps_at(s) for s in stages) else 0.0
         if self.offload is False or self.dp > 1 and 3 not in stages:
-            return states + ahead
+            # the gradient buckets in flight of every allowed stage (`in_flight_grad_bytes`; none where offload may
+            # run the stage-3 layouts as the offload program)
+            return states + ahead + min((self.in_flight_grad_bytes(s) for s in stages), default=0.0)
         host = self.host_capacity()
         leaving = min(movable, host) + self.precision.param_bytes / self.precision.optimizer_bytes * min(opt, host)
         return min(states, max(0.0, weights + movable - leaving)) + ahead
@@ -1746,8 +1827,7 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
                                     offload=offload if tp == 1 else False,
                                     tensor_split=TensorSplit.from_constraints(constraints, tp),
                                     pinned_placements=pins, overlap=bool(constraints.get("overlap", True)),
-                                    prefetch_depth=_prefetch_depth(constraints),
-                                    split_overlap=constraints.get("overlap") is True)  # fmt: skip
+                                    prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
         make = factory(cp=pricing)
         if tp == 1 and any(v != "R" for v in pins.values()):
             results.append(
@@ -1846,15 +1926,13 @@ def _prefetch_depth(constraints: dict) -> int:
 
 def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None,
                      offload=False, tensor_split: TensorSplit = TensorSplit(), pinned_placements=None,
-                     overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1,
-                     split_overlap: bool = False):  # fmt: skip
+                     overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1):  # fmt: skip
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
                                zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
                                num_microbatches=m, recompute=recompute, offload=offload,
                                tensor_split=tensor_split, pinned_placements=pinned_placements,
-                               overlap=overlap, cp=cp, prefetch_depth=prefetch_depth,
-                               split_overlap=split_overlap)  # fmt: skip
+                               overlap=overlap, cp=cp, prefetch_depth=prefetch_depth)  # fmt: skip
 
     return make
 
@@ -2007,12 +2085,14 @@ _SYNC_WORDS = {0: "all_reduce of the gradient", 1: "reduce_scatter of the gradie
                2: "reduce_scatter of the gradient per micro-batch, all_gather of the weights",
                3: "reduce_scatter of the gradient per micro-batch, all_gather of the weights per forward and "
                   "backward"}  # fmt: skip
-# the sharded program with overlap: gradient buckets once per step, gathers issued ahead of use
+# the sharded program with overlap: gradient buckets from backward (stages 0, 1: the last micro-batch's; 2, 3: every
+# micro-batch's), gathers issued ahead of use
 _OVERLAP_SYNC_WORDS = {0: "all_reduce of the gradient (bucketed, from backward)",
                        1: "reduce_scatter of the gradient (bucketed, from backward), all_gather of the weights",
-                       2: "reduce_scatter of the gradient (bucketed, from backward), all_gather of the weights",
-                       3: "reduce_scatter of the gradient (bucketed, from backward), all_gather of the weights per "
-                          "forward and backward"}  # fmt: skip
+                       2: "reduce_scatter of the gradient per micro-batch (bucketed, from backward), all_gather of "
+                          "the weights",
+                       3: "reduce_scatter of the gradient per micro-batch (bucketed, from backward), all_gather of "
+                          "the weights per forward and backward"}  # fmt: skip
 
 
 def exposed_fraction(res: MeshResult) -> float:

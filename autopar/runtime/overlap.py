@@ -10,9 +10,14 @@ for them all before the optimizer runs. Two kinds of bucket:
 - reduce-scatter: full gradients of parameters split over the data axis on one dim (ZeRO >= 1, as
   `passes.parallelize.dp_placement` splits them: `torch.chunk`'s pieces, the last ones possibly shorter or
   empty); each rank ends with the sum of its own piece. The pieces are padded to the longest one, so that
-  every rank's share of the bucket is one equal, contiguous run of the flat buffer.
+  every rank's share of the bucket is one equal, contiguous run of the flat buffer. At ZeRO-2/3 the program
+  writes each gradient into its bucket's send buffer as backward hands it over (`put_gradient`): the buffer is
+  the only whole copy of its members' gradients, made with the bucket's first gradient and freed once its
+  collective is done; at most `WINDOW` buckets are in flight. ZeRO-1 packs its accumulated whole gradients when
+  the last micro-batch's bucket is ready (`launch_reduce_scatter`).
 
-`split_gather` is the gather such a parameter's forward needs (the same padded layout, all-gathered).
+Buckets follow `gradient_order`, so that a bucket's gradients arrive together and whole gradients wait for
+few others. `split_gather` is the gather such a parameter's forward needs (the same padded layout, all-gathered).
 """
 
 from __future__ import annotations
@@ -21,8 +26,26 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
 BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's and the data-parallel program's)
+# reduce-scatter buckets in flight at once at ZeRO-2/3 (the sharded program waits for the oldest before it launches
+# another): what bounds the send buffers the plan prices (`ShardingProgram.in_flight_grad_bytes`)
+WINDOW = 2
+
+
+def gradient_order(graph: fx.Graph, params: list[str]) -> list[str]:
+    """The parameter placeholders named in `params`, in about the order backward completes their gradients: by
+    their first use in the forward `graph`, the latest first (autograd differentiates later ops first, and a
+    parameter's gradient is complete once its earliest use is differentiated); unused ones last, in reverse order.
+    What the buckets follow, in the program and in the plan's price of them."""
+    position = {node.name: k for k, node in enumerate(graph.nodes)}
+    first: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.users:
+            first[node.name] = min(position[u.name] for u in node.users)
+    rank = {name: k for k, name in enumerate(params)}
+    return sorted(params, key=lambda name: (name not in first, -first.get(name, 0), -rank[name]))
 
 
 def piece_rows(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -63,10 +86,14 @@ class Bucket:
     kind: str  # "all_reduce" or "reduce_scatter"
     dtype: torch.dtype  # the format the collective sends
     members: list[int] = field(default_factory=list)
-    pending: int = 0  # gradients still awaited on the last micro-batch
+    pending: int = 0  # gradients still awaited in the micro-batch whose backward launches the bucket
+    armed: bool = False  # whether this micro-batch's backward launches the bucket
     work: object = None
-    flat: torch.Tensor | None = None
-    sent: list[int] = field(default_factory=list)  # the members packed (those with a gradient), in order
+    flat: torch.Tensor | None = None  # what this rank receives (all-reduce: also what it sends)
+    send: torch.Tensor | None = None  # reduce-scatter: the packed gradients, until the collective is done
+    sent: list[int] = field(default_factory=list)  # the members packed (those with a gradient)
+    # reduce-scatter: member -> (first column, columns, whole shape) in the send buffer's rows (`lay_out`)
+    slots: dict[int, tuple[int, int, torch.Size]] = field(default_factory=dict)
 
 
 def make_buckets(sizes: list[tuple[int, str, torch.dtype]], bucket_bytes: int) -> list[Bucket]:
@@ -102,37 +129,85 @@ def finish_all_reduce(bucket: Bucket, grads: list[torch.Tensor | None]) -> None:
     bucket.work = bucket.flat = None
 
 
-def launch_reduce_scatter(bucket: Bucket, full: list[torch.Tensor | None], dims: list[int], group) -> None:
-    """Issue the bucket's reduce-scatter of the members' full gradients (split on `dims[i]` over `group`)."""
-    parts = dist.get_world_size(group)
-    bucket.sent = [i for i in bucket.members if full[i] is not None]
-    if not bucket.sent:
-        bucket.work = bucket.flat = None
+def lay_out(bucket: Bucket, shapes: dict[int, torch.Size], dims: list[int], parts: int) -> None:
+    """Give each member of a reduce-scatter bucket its columns of the send buffer: member i (whole gradient of
+    `shapes[i]`, split on `dims[i]` over `parts`) takes one padded piece's worth in every rank's row."""
+    bucket.slots, offset = {}, 0
+    for i in bucket.members:
+        width = _piece_numel(shapes[i], dims[i], parts)
+        bucket.slots[i] = (offset, width, shapes[i])
+        offset += width
+
+
+def put_gradient(bucket: Bucket, i: int, grad: torch.Tensor, dim: int, parts: int) -> None:
+    """Write (or, for member i's next use, add) a gradient of member i into the bucket's send buffer, which is made
+    (zeros: the pieces' padding, and members that get no gradient) when its first gradient comes in; the bucket
+    holds no other copy of its members' whole gradients."""
+    if bucket.send is None:
+        columns = sum(width for _, width, _ in bucket.slots.values())
+        bucket.send = torch.zeros((parts, columns), dtype=bucket.dtype, device=grad.device)
+        bucket.sent = []
+    offset, width, _ = bucket.slots[i]
+    first = i not in bucket.sent
+    _pack(grad, dim, bucket.send[:, offset : offset + width], accumulate=not first)
+    if first:
+        bucket.sent.append(i)
+
+
+def launch_packed(bucket: Bucket, group) -> None:
+    """Issue the reduce-scatter of the bucket's send buffer as `put_gradient` filled it (none if it got nothing)."""
+    if bucket.send is None:
+        bucket.sent, bucket.work, bucket.flat = [], None, None
         return
-    rows = []
-    for i in bucket.sent:
-        g, d = full[i], dims[i]
-        chunk = -(-g.shape[d] // parts)
-        rows.append(_padded(g.to(bucket.dtype), d, parts * chunk).reshape(parts, -1))
-    sent = torch.cat(rows, dim=1).reshape(-1)
-    bucket.flat = sent.new_empty(sent.numel() // parts)
-    bucket.work = dist.reduce_scatter_single(bucket.flat, sent, group=group, async_op=True)
+    bucket.flat = bucket.send.new_empty(bucket.send.shape[1])
+    bucket.work = dist.reduce_scatter_single(bucket.flat, bucket.send.reshape(-1), group=group, async_op=True)
 
 
-def finish_reduce_scatter(bucket: Bucket, full: list[torch.Tensor | None], dims: list[int], group,
-                          out: list[torch.Tensor | None]) -> None:  # fmt: skip
-    """Wait for the bucket's reduce-scatter; out[i] becomes this rank's piece of member i's summed gradient."""
+def launch_reduce_scatter(bucket: Bucket, full: list[torch.Tensor | None], dims: list[int], group) -> None:
+    """Issue the bucket's reduce-scatter of the members' full gradients (split on `dims[i]` over `group`; those that
+    exist), packed into one send buffer in the bucket's format."""
+    parts = dist.get_world_size(group)
+    sent = [i for i in bucket.members if full[i] is not None]
+    packed = Bucket(bucket.kind, bucket.dtype, members=sent)
+    lay_out(packed, {i: full[i].shape for i in sent}, dims, parts)
+    bucket.slots, bucket.send = packed.slots, None
+    for i in sent:
+        put_gradient(bucket, i, full[i], dims[i], parts)
+    launch_packed(bucket, group)
+
+
+def _piece_numel(shape: torch.Size, dim: int, parts: int) -> int:
+    """Elements of one rank's padded piece of a tensor of `shape` split on `dim` over `parts`."""
+    return -(-shape[dim] // parts) * (shape.numel() // shape[dim] if shape[dim] else 0)
+
+
+def _pack(g: torch.Tensor, dim: int, out: torch.Tensor, *, accumulate: bool = False) -> None:
+    """Write (or add) `g`, split on `dim` into `out.shape[0]` pieces, into the rows of `out` (one piece per row, the
+    rows of a piece shorter than the longest left as they are: zeros in a fresh buffer)."""
+    parts, size = out.shape[0], g.shape[dim]
+    chunk = -(-size // parts)
+    moved = g.movedim(dim, 0)
+    rows = out.view(parts, chunk, *moved.shape[1:])
+    full, rest = divmod(size, chunk) if chunk else (0, 0)
+    put = torch.Tensor.add_ if accumulate else torch.Tensor.copy_
+    put(rows[:full], moved[: full * chunk].reshape(full, chunk, *moved.shape[1:]))
+    if full < parts and rest:
+        put(rows[full, :rest], moved[full * chunk :])
+
+
+def finish_reduce_scatter(bucket: Bucket, dims: list[int], group, out: list[torch.Tensor | None]) -> None:
+    """Wait for the bucket's reduce-scatter; out[i] becomes this rank's piece of member i's summed gradient (a
+    tensor of its own, not a view of the bucket's buffer), for the members that had a gradient."""
     if bucket.work is None:
         return
     bucket.work.wait()
     parts, rank = dist.get_world_size(group), dist.get_rank(group)
-    offset = 0
     for i in bucket.sent:
-        g, d = full[i], dims[i]
-        chunk = -(-g.shape[d] // parts)
-        rest = g.movedim(d, 0).shape[1:]
-        n = chunk * rest.numel()
-        _, length = piece_rows(g.shape[d], parts, rank)
-        out[i] = bucket.flat[offset : offset + n].view(chunk, *rest)[:length].movedim(0, d).contiguous()
-        offset += n
-    bucket.work = bucket.flat = None
+        offset, n, shape = bucket.slots[i]
+        d = dims[i]
+        chunk = -(-shape[d] // parts)
+        rest = shape[:d] + shape[d + 1 :]
+        _, length = piece_rows(shape[d], parts, rank)
+        piece = bucket.flat[offset : offset + n].view(chunk, *rest)[:length].movedim(0, d)
+        out[i] = piece.clone(memory_format=torch.contiguous_format)
+    bucket.work = bucket.flat = bucket.send = None

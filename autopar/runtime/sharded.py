@@ -19,13 +19,23 @@ and pre-shifted labels included (`context_parallel.inputs.local_batch`).
 Overlap (`plan.overlap`, with more than one rank on the data axis): no gradient is reduced inside a DTensor
 redistribution. Gradients of dp-replicated parameters stay partial sums (their `from_local` takes partial
 gradients) and a parameter split over the data axis (ZeRO >= 1) is gathered by `_DeferredGather`, whose
-backward hands the full, partial gradient to the program instead of reduce-scattering it. On the last
-micro-batch's backward each parameter's gradient is complete when its last use has been differentiated
-(a post-accumulate hook for the replicated ones, a count of forward gathers for the split ones); the
-parameters go into buckets in the order backward produces their gradients (`autopar.runtime.overlap`), and a
-bucket's all-reduce or reduce-scatter is issued as soon as its last gradient is in, while backward goes on.
-The step waits for every bucket before the optimizer runs. Earlier micro-batches only accumulate (the full
-gradients of split parameters in fp32, on this rank, until the last one).
+backward hands the full, partial gradient to the program instead of reduce-scattering it. A parameter's gradient
+is complete in a micro-batch's backward when its last use has been differentiated (a post-accumulate hook for the
+replicated ones, a count of forward gathers for the split ones); the parameters go into buckets in the order
+backward produces their gradients (`autopar.runtime.overlap`), and a bucket's all-reduce or reduce-scatter is
+issued as soon as its last gradient is in, while backward goes on. Which micro-batches' backwards issue them:
+
+- the dp-replicated parameters' all-reduce buckets: the last one's (earlier ones leave partial sums in `.grad`);
+- ZeRO-1's reduce-scatter buckets: the last one's; earlier ones accumulate each split parameter's whole gradient
+  in fp32 on this rank (what ZeRO-1 holds anyway), and the last one's bucket sends the sum;
+- ZeRO-2/3's reduce-scatter buckets: every one's, as FSDP does. A split parameter's gradient goes straight into
+  its bucket's send buffer (in the compute format; the buffer is made with the bucket's first gradient and freed
+  when its collective is done), so whole gradients live only there; at most `overlap.WINDOW` buckets are in
+  flight (launching another first waits for the oldest and adds its pieces into the shards' `.grad`, this rank's
+  fp32 accumulators over the micro-batches).
+
+Each micro-batch's end issues the buckets its backward left unfilled (a parameter without a gradient) and waits
+for every bucket it launched, so the optimizer (after the last) sees complete gradients.
 
 Prefetch (`plan.prefetch_depth` d > 0, with overlap): the split parameters are grouped by layer (the
 `...layers.<i>.` prefix of their names; a parameter outside numbered layers is a group of its own), in the
@@ -171,14 +181,16 @@ class ShardedProgram(Program):
     # -------------------------------------------------------------------------------- overlap
 
     def _setup_overlap(self, placeholders: list[str], kinds) -> None:
-        """Buckets over the trainable parameters in reverse order (about the order backward produces their
-        gradients, as DDP orders its buckets), hooks on the replicated ones, and the per-step state."""
+        """Buckets over the trainable parameters in the order backward completes their gradients
+        (`overlap.gradient_order`), hooks on the replicated ones, and the per-step state."""
         self._dp_group = self.mesh.get_group("dp")
         n = len(self._param_names)
         self._split_dim = [pl[0].dim if isinstance(pl[0], Shard) else None for pl in self._placements]
         self._index_of = {name: i for i, name in enumerate(p for p, kind in zip(placeholders, kinds, strict=True)
                                                             if kind == "param")}  # fmt: skip
-        order = [i for i in reversed(range(n)) if self.shards[i].requires_grad]
+        names = [p for p, kind in zip(placeholders, kinds, strict=True) if kind == "param"]
+        order = [self._index_of[p] for p in overlap.gradient_order(self.traced.graph_module.graph, names)
+                 if self.shards[self._index_of[p]].requires_grad]  # fmt: skip
         sizes = []
         for i in order:
             dtype = self.shards[i].dtype
@@ -191,15 +203,27 @@ class ShardedProgram(Program):
         self._buckets = overlap.make_buckets(sizes, overlap.BUCKET_BYTES)
         for bucket in self._buckets:
             bucket.members = [order[j] for j in bucket.members]
+        self._per_micro = self.plan.zero_stage >= 2  # reduce-scatter buckets from every micro-batch's backward
+        if self._per_micro:  # gradients go straight into their bucket's send buffer: its members' whole shapes
+            whole = {}
+            for i in order:
+                if self._split_dim[i] is not None:
+                    shape = list(self.shards[i].shape)
+                    shape[self._split_dim[i]] = self._shapes[i][self._split_dim[i]]
+                    whole[i] = torch.Size(shape)
+            for bucket in self._buckets:
+                if bucket.kind == "reduce_scatter":
+                    overlap.lay_out(bucket, whole, self._split_dim, self.data_ranks)
         self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
         for i in order:
             if self._split_dim[i] is None:
                 self.shards[i].register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
-        self._armed = False
-        self._launched: list[int] = []
+        self._launched: list[int] = []  # buckets launched in this micro-batch's backward
+        self._in_flight: list[int] = []  # reduce-scatter buckets launched and not yet waited for, oldest first
         self._setup_prefetch(placeholders, kinds)
         self._uses = [0] * n  # forward gathers of a split parameter not yet differentiated
-        self._full: list[torch.Tensor | None] = [None] * n  # full gradients of split parameters, this rank's sums
+        # whole gradients of split parameters, this rank's sums (until their bucket is launched)
+        self._full: list[torch.Tensor | None] = [None] * n
 
     def _setup_prefetch(self, placeholders: list[str], kinds) -> None:
         """Groups of split trainable parameters by layer, in the order the graph first reads them."""
@@ -292,8 +316,16 @@ class ShardedProgram(Program):
         return full
 
     def _full_grad(self, i: int, grad: torch.Tensor) -> None:
-        """One use's gradient of split parameter i (accumulated in its master's format); the last use's makes it
-        ready."""
+        """One use's gradient of split parameter i; the last use's makes it ready. At ZeRO-1 accumulated whole in its
+        master's format (summed over the micro-batches); at ZeRO-2/3 written (added, for a next use) into its
+        bucket's send buffer, in the format the bucket sends, the only whole copy the program keeps."""
+        if self._per_micro:
+            bucket = self._buckets[self._bucket_of[i]]
+            overlap.put_gradient(bucket, i, grad, self._split_dim[i], self.data_ranks)
+            self._uses[i] -= 1
+            if self._uses[i] == 0:
+                self._grad_ready(i)
+            return
         dtype = self.shards[i].dtype
         if self._full[i] is None:
             self._full[i] = grad.to(dtype, copy=True)
@@ -304,52 +336,83 @@ class ShardedProgram(Program):
             self._grad_ready(i)
 
     def _grad_ready(self, i: int) -> None:
-        """Parameter i's gradient is complete: on the last micro-batch, its bucket goes out when it was the last."""
-        if not self._armed:
+        """Parameter i's gradient is complete: if this micro-batch's backward launches its bucket, the bucket goes
+        out when it was the last."""
+        b = self._bucket_of[i]
+        bucket = self._buckets[b]
+        if not bucket.armed:
             return
         self._record("grad", self._param_names[i])
-        b = self._bucket_of[i]
-        self._buckets[b].pending -= 1
-        if self._buckets[b].pending == 0:
+        bucket.pending -= 1
+        if bucket.pending == 0:
             self._launch(b)
 
     def _launch(self, b: int) -> None:
+        """Issue bucket b's collective. ZeRO-1 packs its members' whole gradients into the bucket's send buffer and
+        drops them; at ZeRO-2/3 the send buffer is filled already, and at most `overlap.WINDOW` buckets are in flight
+        (the oldest is waited for, and its pieces added to the shards' gradients, before another goes out)."""
         bucket = self._buckets[b]
+        if bucket.kind == "all_reduce":
+            self._record(bucket.kind, b)
+            self._launched.append(b)
+            overlap.launch_all_reduce(bucket, [p.grad for p in self.shards], self._dp_group)
+            return
+        while self._per_micro and len(self._in_flight) >= overlap.WINDOW:
+            self._settle_oldest()
         self._record(bucket.kind, b)
         self._launched.append(b)
-        if bucket.kind == "all_reduce":
-            overlap.launch_all_reduce(bucket, [p.grad for p in self.shards], self._dp_group)
+        if self._per_micro:
+            overlap.launch_packed(bucket, self._dp_group)
         else:
             overlap.launch_reduce_scatter(bucket, self._full, self._split_dim, self._dp_group)
+            for i in bucket.members:
+                self._full[i] = None
+        self._in_flight.append(b)
 
-    def _arm(self) -> None:
-        """Before the last micro-batch's backward: every bucket awaits all its gradients."""
-        self._armed, self._launched = True, []
+    def _settle_oldest(self) -> None:
+        """Wait for the oldest reduce-scatter bucket in flight and add its pieces into the shards' gradients (this
+        rank's fp32 accumulators, summed over micro-batches)."""
+        b = self._in_flight.pop(0)
+        pieces: list[torch.Tensor | None] = [None] * len(self.shards)
+        overlap.finish_reduce_scatter(self._buckets[b], self._split_dim, self._dp_group, pieces)
+        self._record("waited", b)
+        for shard, piece in zip(self.shards, pieces, strict=True):
+            if piece is None:
+                continue
+            if shard.grad is None:
+                shard.grad = piece.to(shard.dtype)
+            else:
+                shard.grad.add_(piece)
+
+    def _arm(self, last: bool) -> None:
+        """Before a micro-batch's backward: the buckets it launches await all their gradients. Every bucket on the
+        last micro-batch; at ZeRO-2/3 the reduce-scatter buckets on every one (ZeRO-1 accumulates whole gradients,
+        what it holds anyway, and reduces them once; dp-replicated gradients stay partial until the last)."""
+        self._launched = []
         for bucket in self._buckets:
+            bucket.armed = last or (self._per_micro and bucket.kind == "reduce_scatter")
             bucket.pending = len(bucket.members)
 
-    def _finish_overlap(self) -> None:
-        """Issue the buckets backward left unfilled (a parameter without a gradient), wait for every bucket, and
-        give the split parameters their pieces of the summed gradients."""
-        self._armed = False
-        for b in range(len(self._buckets)):
-            if b not in self._launched:
+    def _finish_micro_batch(self, last: bool) -> None:
+        """After a micro-batch's backward: issue the armed buckets backward left unfilled (a parameter without a
+        gradient) and wait for every bucket launched; after the last, forget the step's gathers and counts."""
+        for b, bucket in enumerate(self._buckets):
+            if bucket.armed and b not in self._launched:
                 self._launch(b)
-        self._record("wait", len(self._launched))
-        pieces: list[torch.Tensor | None] = [None] * len(self.shards)
+            bucket.armed = False
+        if self._launched:
+            self._record("wait", len(self._launched))
         grads = [p.grad for p in self.shards]
         for b in self._launched:
-            bucket = self._buckets[b]
-            if bucket.kind == "all_reduce":
-                overlap.finish_all_reduce(bucket, grads)
-            else:
-                overlap.finish_reduce_scatter(bucket, self._full, self._split_dim, self._dp_group, pieces)
-        for shard, piece in zip(self.shards, pieces, strict=True):
-            if piece is not None:
-                shard.grad = piece.to(shard.dtype)
-        self._full = [None] * len(self.shards)
-        self._uses = [0] * len(self.shards)
-        self._drop_prefetched()
+            if self._buckets[b].kind == "all_reduce":
+                overlap.finish_all_reduce(self._buckets[b], grads)
+        while self._in_flight:
+            self._settle_oldest()
+        self._launched = []
+        if last:
+            self._full = [None] * len(self.shards)
+            self._uses = [0] * len(self.shards)
+            self._drop_prefetched()
 
     # -------------------------------------------------------------------------------- execution
 
@@ -417,9 +480,9 @@ class ShardedProgram(Program):
         full = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
         return pytree.tree_unflatten(full, call_spec(self.traced.exported).out_spec)
 
-    def _weighted_losses(self, micro, interp, backward: bool, arm=None) -> tuple[float, float]:
+    def _weighted_losses(self, micro, interp, backward: bool, arm=None, finish=None) -> tuple[float, float]:
         """(sum of w_i * loss_i, sum of w_i) over the micro-batches, running backward from each if asked (calling
-        `arm` before the last one's)."""
+        `arm(last)` before each one's and `finish(last)` after it, `last` telling the last micro-batch)."""
         loss_sum, total = 0.0, 0.0
         for j, (mb_args, mb_kwargs) in enumerate(micro):
             loss = self._run(mb_args, mb_kwargs, interp)[0]
@@ -428,13 +491,16 @@ class ShardedProgram(Program):
             counts = interp.loss_counts
             w = counts[0] if len(micro) > 1 and len(counts) == 1 else 1.0
             if backward:
-                if arm is not None and j == len(micro) - 1:
-                    arm()
+                last = j == len(micro) - 1
+                if arm is not None:
+                    arm(last)
                 self._in_backward = True
                 try:
                     self.scaled(loss * w if w != 1.0 else loss).backward()
                 finally:
                     self._in_backward = False
+                if finish is not None:
+                    finish(last)
             loss_sum += float(loss.to_local().detach()) * w
             total += w
         return loss_sum, total
@@ -444,8 +510,8 @@ class ShardedProgram(Program):
             self._uses = [0] * len(self.shards)  # a forward run outside a step leaves counts no backward took back
             self._drop_prefetched()
             with waiting_for("a collective of the sharded forward or backward, or a gradient bucket's reduction"):
-                loss_sum, total = self._weighted_losses(micro, self._interp, backward=True, arm=self._arm)
-                self._finish_overlap()
+                loss_sum, total = self._weighted_losses(micro, self._interp, backward=True, arm=self._arm,
+                                                        finish=self._finish_micro_batch)  # fmt: skip
             return loss_sum, total
         with waiting_for("a collective of the sharded forward or backward on the (dp, tp) mesh"):
             loss_sum, total = self._weighted_losses(micro, self._interp, backward=True)

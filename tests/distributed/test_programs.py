@@ -119,6 +119,13 @@ def test_bf16_every_program_matches_mixed_reference_adamw(world_size):
     _check_mixed(world_size, "adamw")
 
 
+def test_bf16_zero23_overlap_matches_mixed_reference():
+    """ZeRO-2/3 with overlap reduce-scatter each micro-batch's bf16 gradients (written into their bucket's bf16 send
+    buffer) and add the pieces into fp32 shards: within the bf16 tolerances of the mixed reference."""
+    cases = [("sharded", {"dp": 2, "tp": 1, "zero": z, "num_microbatches": 2, "overlap": True}, None) for z in (2, 3)]
+    _check_mixed(2, "sgd", cases)
+
+
 def _fp16_skip(rank: int, world_size: int, constraints):
     model = make_model("llama")
     args, kwargs = make_batch("llama")

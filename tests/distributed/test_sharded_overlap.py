@@ -1,6 +1,7 @@
 """The sharded program's overlap: gradient buckets reduced while backward runs, with the single-process numerics.
 
-Two gloo ranks, the tiny LLaMA on a data axis of 2: ZeRO-0 (run on DTensors by full recompute), 1, 2 and 3.
+Two gloo ranks, the tiny LLaMA on a data axis of 2: ZeRO-0 (run on DTensors by full recompute), 1, 2 and 3 (ZeRO-2
+and 3 reduce-scatter every micro-batch's gradients, at most `overlap.WINDOW` buckets in flight).
 """
 
 from __future__ import annotations
@@ -16,18 +17,22 @@ pytestmark = pytest.mark.distributed
 
 LR = 1e-2
 # fp32 on CPU: the program sums gradients over two ranks in another order than one process does, ~1e-7
-# relative on the loss; a missing or doubled reduction moves the second step's loss by ~1e-2.
+# relative on the loss (ZeRO-2/3 sum the micro-batches' reduce-scattered pieces where one process sums the
+# micro-batches' gradients: the same terms reassociated, as small); a missing or doubled reduction moves the second
+# step's loss by ~1e-2.
 LOSS_RTOL = 1e-5
 # Parameters after two steps: SGD moves them by lr * grad (~1e-3), so rounding-level gradient differences give
 # ~1e-9; AdamW turns rounding on a near-zero gradient into up to ~lr / 100 (see test_train_numerics, eps 1e-6).
 # A wrong reduction (unsummed, or summed twice) moves most elements by ~lr.
 SGD_ATOL, ADAMW_ATOL = 1e-6, 1e-4
 ADAM_EPS = 1e-6
-# ZeRO-2 and 3 overlap only where pinned ("overlap": True: their overlapping runtime holds whole gradients)
 ZERO = [{"dp": 2, "tp": 1, "zero": 0, "recompute": "full"}, {"dp": 2, "tp": 1, "zero": 1},
-        {"dp": 2, "tp": 1, "zero": 2, "num_microbatches": 2, "overlap": True},
-        {"dp": 2, "tp": 1, "zero": 3, "overlap": True},
-        {"dp": 2, "tp": 1, "zero": 0, "recompute": "full", "num_microbatches": 2}]  # fmt: skip
+        {"dp": 2, "tp": 1, "zero": 2, "num_microbatches": 2}, {"dp": 2, "tp": 1, "zero": 3},
+        {"dp": 2, "tp": 1, "zero": 0, "recompute": "full", "num_microbatches": 2},
+        {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 2}, {"dp": 2, "tp": 1, "zero": 1, "num_microbatches": 2}]  # fmt: skip
+# the numerics cases' bucket size: 2 or 3 of the tiny LLaMA's fp32 matrices a bucket, so that a step has several
+# buckets of several parameters each, more than the ZeRO-2/3 window of 2 in flight
+NUMERICS_BUCKET_BYTES = 40_000
 
 
 def _optimizer(name: str):
@@ -37,6 +42,9 @@ def _optimizer(name: str):
 
 
 def _train(rank: int, world_size: int, cases, opt: str):
+    import autopar.runtime.overlap as overlap
+
+    overlap.BUCKET_BYTES = NUMERICS_BUCKET_BYTES
     out = []
     for constraints in cases:
         model = make_model("llama")
@@ -46,7 +54,8 @@ def _train(rank: int, world_size: int, cases, opt: str):
         losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
         state = pm.state_dict()  # every rank gathers
         out.append({"program": str(pm.plan.program), "zero": pm.plan.zero_stage, "overlap": pm.overlap,
-                    "losses": losses, "state": state if rank == 0 else None})  # fmt: skip
+                    "losses": losses, "state": state if rank == 0 else None,
+                    "buckets": sum(b.kind == "reduce_scatter" for b in pm._buckets)})  # fmt: skip
     return out
 
 
@@ -59,6 +68,7 @@ def test_overlapped_zero_stages_match_single_process(opt):
     atol = SGD_ATOL if opt == "sgd" else ADAMW_ATOL
     for constraints, run in zip(ZERO, got, strict=True):
         assert run["program"] == "sharded" and run["zero"] == constraints["zero"] and run["overlap"], constraints
+        assert constraints["zero"] == 0 or run["buckets"] > 2, run["buckets"]  # more than the window holds
         assert run["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (constraints, run["losses"], ref_losses)
         for key, ref in ref_state.items():
             torch.testing.assert_close(run["state"][key], ref, atol=atol, rtol=0,
@@ -107,7 +117,8 @@ def test_first_bucket_is_reduced_before_backward_reaches_the_first_layer(constra
     for got in (small, whole):
         events = got["events"]
         assert got["overlap"]
-        assert events[-1][0] == "wait"  # the step waits once, after issuing every bucket
+        # the step waits once, after issuing every bucket (ZeRO-3's window also waits for buckets while backward runs)
+        assert [e for e, _ in events if e != "waited"][-1] == "wait"
         reductions = [i for i, (event, _) in enumerate(events) if event == kind]
         embedding = events.index(("grad", "model.embed_tokens.weight"))
         assert [e for e, _ in events].count(kind) == len(reductions)
@@ -117,6 +128,94 @@ def test_first_bucket_is_reduced_before_backward_reaches_the_first_layer(constra
             assert reductions[0] < embedding < reductions[-1], events
         else:
             assert len(reductions) == 1 and reductions[0] > embedding, events
+
+
+def _window(rank: int, world_size: int, cases, bucket_bytes: int):
+    """Per case, a second step's reduce-scatters (calls and events), and what the program held at each launch and
+    after each whole gradient it took in."""
+    import torch.distributed as dist
+
+    import autopar.runtime.overlap as overlap
+
+    overlap.BUCKET_BYTES = bucket_bytes
+    real_rs = dist.reduce_scatter_single
+    out = []
+    for constraints in cases:
+        model = make_model("llama")
+        args, kwargs = make_batch("llama")
+        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, constraints=constraints)
+        pm.train_step(*args, **kwargs)
+        calls, kept, filling = [], [], []
+        launch, take = pm._launch, pm._full_grad
+
+        def launching(b, launch=launch, pm=pm, kept=kept):
+            launch(b)
+            if pm._buckets[b].kind == "reduce_scatter":  # whole gradients held besides the send buffers, after it
+                kept.append([i for i, g in enumerate(pm._full) if g is not None])
+
+        def taking(i, grad, take=take, pm=pm, filling=filling):
+            take(i, grad)  # the buckets holding a send buffer not yet launched once this gradient is in
+            filling.append(
+                {b for b, bucket in enumerate(pm._buckets) if bucket.send is not None and bucket.work is None}
+            )
+
+        def counting(*a, calls=calls, **k):
+            calls.append(1)
+            return real_rs(*a, **k)
+
+        pm._launch, pm._full_grad, pm.comm_events = launching, taking, []
+        dist.reduce_scatter_single = counting
+        try:
+            pm.train_step(*args, **kwargs)
+        finally:
+            dist.reduce_scatter_single = real_rs
+        out.append({"events": pm.comm_events, "calls": len(calls), "kept": kept, "filling": filling,
+                    "buckets": sum(b.kind == "reduce_scatter" for b in pm._buckets),
+                    "microbatches": pm.plan.num_microbatches, "zero": pm.plan.zero_stage})  # fmt: skip
+    return out
+
+
+WINDOW_CASES = [{"dp": 2, "tp": 1, "zero": z, "num_microbatches": 2} for z in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, NUMERICS_BUCKET_BYTES], ids=["bucket-per-parameter", "buckets-of-2-3"])
+def test_zero23_reduce_scatter_every_micro_batch_within_a_window(bucket_bytes):
+    """ZeRO-2/3: every micro-batch's backward reduce-scatters its buckets, so a step issues buckets x micro-batches
+    reduce-scatters (ZeRO-1: buckets, once); at most 2 are launched and not yet waited for, the third waiting for the
+    oldest while backward goes on; a bucket's whole gradients are gone once it is launched."""
+    model = make_model("llama")
+    # every trainable tensor of the tiny LLaMA has a dim of at least dp = 2, so ZeRO splits each: with one byte a
+    # bucket, each is a bucket of its own
+    split = sum(p.requires_grad and max(p.shape) >= 2 for p in model.parameters())
+    for got in run_distributed(_window, 2, WINDOW_CASES, bucket_bytes)[0]:
+        events, zero = got["events"], got["zero"]
+        if bucket_bytes == 1:
+            assert got["buckets"] == split
+        per_step = got["buckets"] * (got["microbatches"] if zero >= 2 else 1)
+        assert got["calls"] == per_step == [e for e, _ in events].count("reduce_scatter"), (zero, got["calls"])
+        assert [e for e, _ in events].count("waited") == per_step
+        in_flight, most = 0, 0
+        for event, _ in events:
+            in_flight += {"reduce_scatter": 1, "waited": -1}.get(event, 0)
+            most = max(most, in_flight)
+            assert in_flight >= 0
+        assert in_flight == 0
+        if zero == 1:  # today's path: every bucket out on the last micro-batch's backward, waited for at its end
+            assert most == got["buckets"]
+            # whole fp32 gradients accumulated over the micro-batches, each dropped when its bucket is packed
+            assert [len(k) for k in got["kept"]] == sorted((len(k) for k in got["kept"]), reverse=True)
+            assert got["kept"][-1] == []
+            continue
+        assert got["kept"] == [[]] * per_step  # no whole gradient outside the buckets' send buffers
+        assert most == 2, events
+        # the window waits inside backward: a bucket is waited for before the micro-batch's last gradient is in
+        first_wait = next(k for k, (e, _) in enumerate(events) if e == "waited")
+        assert first_wait < next(k for k, (e, _) in enumerate(events) if e == "wait"), events
+        assert any(e == "grad" for e, _ in events[first_wait:]), events
+        # one bucket filled at a time (what the plan prices, `in_flight_grad_bytes`); none once a one-parameter
+        # bucket's gradient is in, as it goes out at once
+        filling = max(len(held) for held in got["filling"])
+        assert filling == (0 if bucket_bytes == 1 else 1), got["filling"]
 
 
 def test_overlap_off_keeps_the_synchronous_path():
@@ -165,8 +264,8 @@ def test_zero3_gathers_the_next_layer_while_the_current_one_computes():
     gathers layer 0 ahead while layer 1 is recomputed. The number of gathers per step is the same at every
     depth, one per gathered weight handed to an op, and so is the loss."""
     last = ("gathered", "model.layers.0.mlp.down_proj.weight")
-    cases = [{"dp": 2, "tp": 1, "zero": 3, "prefetch_depth": d, "overlap": True} for d in (0, 1)]
-    cases.append({"dp": 2, "tp": 1, "zero": 3, "recompute": "full", "overlap": True})
+    cases = [{"dp": 2, "tp": 1, "zero": 3, "prefetch_depth": d} for d in (0, 1)]
+    cases.append({"dp": 2, "tp": 1, "zero": 3, "recompute": "full"})
     on_demand, ahead, recomputed = run_distributed(_gathers, 2, cases)[0]
     assert (on_demand["depth"], ahead["depth"], recomputed["depth"]) == (0, 1, 1)
     assert "prefetch" not in [e for e, _ in on_demand["events"]]
@@ -184,18 +283,20 @@ def test_zero3_gathers_the_next_layer_while_the_current_one_computes():
     assert _issued(events, 0, backward) < second, events
 
 
-def test_zero3_overlaps_only_where_pinned():
-    """Unpinned, a ZeRO-2/3 plan runs the synchronous path (the overlapping one holds every split parameter's whole
-    fp32 gradient until the last bucket): the plan says so, and its price counts no such gradients."""
-    from tests.models import make_batch, make_model
-
+def test_zero3_overlaps_by_default_holding_only_its_buckets_in_flight():
+    """Unpinned, a ZeRO-3 plan runs the overlapping program (prefetch depth 1), and its gradient memory is the
+    synchronous plan's plus the buckets in flight (`ShardingProgram.in_flight_grad_bytes`), not whole gradients."""
     model = make_model("llama")
     args, kwargs = make_batch("llama")
-    plain = autopar.plan(model, "cpu:2", args, kwargs, constraints={"dp": 2, "tp": 1, "zero": 3}, alternatives=False)
-    pinned = autopar.plan(model, "cpu:2", args, kwargs, constraints={"dp": 2, "tp": 1, "zero": 3, "overlap": True},
-                          alternatives=False)  # fmt: skip
-    assert not plain.overlap and plain.prefetch_depth == 0 and pinned.overlap and pinned.prefetch_depth == 1
+    default = autopar.plan(model, "cpu:2", args, kwargs, constraints={"dp": 2, "tp": 1, "zero": 3}, alternatives=False)
+    off = autopar.plan(model, "cpu:2", args, kwargs, constraints={"dp": 2, "tp": 1, "zero": 3, "overlap": False},
+                       alternatives=False)  # fmt: skip
+    assert default.overlap and default.prefetch_depth == 1 and not off.overlap and off.prefetch_depth == 0
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    # whole fp32 gradients on each rank with overlap, a half of them without (dp=2 splits them)
-    assert pinned.predicted.memory_breakdown["grads"] >= 4 * trainable * 0.99
-    assert plain.predicted.memory_breakdown["grads"] <= 4 * trainable / 2 * 1.01
+    # fp32 on CPU, dp = 2: the synchronous plan holds this rank's half of the gradients; the tiny LLaMA is one bucket
+    # of B = 4 x trainable bytes (< 25 MiB): its send buffer, which backward fills, and this rank's piece (B / 2)
+    assert off.predicted.memory_breakdown["grads"] == pytest.approx(4 * trainable / 2, rel=1e-12)
+    bucket = 4 * trainable
+    assert default.predicted.memory_breakdown["grads"] - off.predicted.memory_breakdown["grads"] == pytest.approx(
+        bucket * (1 + 1 / 2), rel=1e-12
+    )

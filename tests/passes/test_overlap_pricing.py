@@ -199,3 +199,107 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     layer = sum(p.numel() for p in model.layers[0].parameters()) * prec.param_bytes
     assert on.predicted.memory_breakdown["prefetch"] == pytest.approx(layer)
     assert "prefetch" not in flat.predicted.memory_breakdown or not flat.predicted.memory_breakdown["prefetch"]
+
+
+# ------------------------------------------------------------- ZeRO-2/3: the gradient buckets in flight
+
+
+class _Chain(nn.Module):
+    """Three bias-free linears of known sizes: backward completes their gradients last layer first."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(64, 256, bias=False), nn.Linear(256, 256, bias=False),
+                                     nn.Linear(256, 64, bias=False)])  # fmt: skip
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero23_memory_counts_the_buckets_in_flight(monkeypatch, stage):
+    """ZeRO-2/3 with overlap hold, beyond the synchronous plan's gradients, the buckets of one backward: the one
+    being filled (its bf16 send buffer B, which backward writes the gradients into) and at most 2 launched ones (B
+    and this rank's received piece B / dp each); launching a third waits for the oldest first. By hand, buckets in
+    backward's order (the last layer's first), dp = 2:
+    max over bucket j of max(B_j + 1.5 (B_{j-1} + B_{j-2}), 1.5 (B_j + B_{j-1}))."""
+    torch.manual_seed(0)
+    model, x = _Chain(), torch.randn(8, 16, 64)
+    traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
+    last, middle, first = (p.numel() * 2 for p in reversed(list(model.parameters())))  # bf16 bytes, backward order
+
+    def extra(bucket_bytes):
+        monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket_bytes)
+        on, off = (_sharded_plan(model, x, traced, _Fixed, zero=stage, overlap=o) for o in (True, False))
+        assert on.overlap and not off.overlap
+        return on.predicted.memory_breakdown["grads"] - off.predicted.memory_breakdown["grads"]
+
+    # one parameter a bucket: the first layer's filling, the two others in flight
+    one_each = max(1.5 * last, middle + 1.5 * last, 1.5 * (last + middle), first + 1.5 * (last + middle))
+    assert one_each == first + 1.5 * (last + middle)
+    assert extra(1) == pytest.approx(one_each, rel=1e-12)
+    # the last two layers in one bucket (closed once it holds BUCKET_BYTES), the first in another: both launched
+    two = last + middle
+    assert extra(two) == pytest.approx(max(1.5 * two, first + 1.5 * two, 1.5 * (two + first)), rel=1e-12)
+    assert extra(two) == pytest.approx(1.5 * (two + first), rel=1e-12)
+    # the window is the runtime's
+    from autopar.runtime import overlap
+
+    assert sharding_solver.REDUCE_SCATTER_WINDOW == overlap.WINDOW == 2
+
+
+def _balanced(backward_s: float):
+    """Ops whose backwards take `backward_s` in all (forwards half of it), for `ops` ops of one micro-batch."""
+
+    class _Balanced(_Fixed):
+        def forward_time_s(self, node, divisor=1):
+            return backward_s / 2
+
+        def backward_time_s(self, node, divisor=1):
+            return backward_s
+
+    return _Balanced
+
+
+@pytest.mark.parametrize("kind", ["compute-bound", "link-bound", "balanced"])
+def test_zero2_each_micro_batch_hides_its_own_buckets(monkeypatch, kind):
+    """ZeRO-2 on dp=2 with m = 2 micro-batches and two gradient buckets: each micro-batch's backward reduce-scatters
+    its buckets (2 x the reduce-scatters of a step at ZeRO-1) and hides them behind its own backward, so the step's
+    whole backward B hides them: E_g = max(m sum RS_bw - B, m T_last); every bucket's latency, m times. The gathers
+    are priced as at ZeRO-1 (once per step, behind the step's forward)."""
+    model, x = _stack()
+    traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
+    params = list(model.parameters())
+    prec = sharding_solver.Precision.get("bf16")
+    grad_bytes = [p.numel() * prec.grad_bytes_at(2) for p in params]
+    param_bytes = [p.numel() * prec.param_bytes for p in params]
+    bucket = sum(grad_bytes) // 2 + 1  # two buckets
+    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    m = 2
+    link = autopar.ClusterSpec.parse("2xA100-80GB").link_for_axis(2, 1)
+
+    def t(kind, nbytes):
+        return estimate_collective_time(kind, nbytes, 2, link)
+
+    rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
+    ops = sum(1 for n in traced.exported.graph.nodes
+              if n.op == "call_function" and n.meta["val"].dtype.is_floating_point)  # fmt: skip
+    rs_bw = m * sum(t(rs, g) - t(rs, 1.0) for g in grad_bytes)
+    # balanced: the step's backward is a quarter of the reduce-scatters, so hiding them behind the whole backward
+    # (not the last micro-batch's alone) and paying the last bucket of each micro-batch give different prices
+    estimator = {"compute-bound": _Fixed, "link-bound": _Tiny, "balanced": _balanced(rs_bw / 4 / (m * ops))}[kind]
+    on = _sharded_plan(model, x, traced, estimator, zero=2, num_microbatches=m, overlap=True)
+    assert (on.zero_stage, on.num_microbatches, on.overlap) == (2, m, True)
+    est = estimator(on.cluster.device, DType("bf16"))
+    # every op runs once per micro-batch (the estimators' times do not depend on the shape)
+    forward, backward = m * ops * est.forward_time_s(None), m * ops * est.backward_time_s(None)
+    ag_bw = sum(t(ag, p) - t(ag, 1.0) for p in param_bytes)
+    fixed = m * sum(t(rs, 1.0) * g / bucket for g in grad_bytes) + len(params) * t(ag, 1.0) + m * t(rs, 1.0)
+    last = t(rs, bucket) - t(rs, 1.0)
+    first = m * (t(ag, param_bytes[0]) - t(ag, 1.0))
+    e_g, e_a = max(rs_bw - backward, m * last), max(ag_bw - forward, first)
+    # HiGHS's feasibility tolerance, 1e-7 s (see the ZeRO-1 case)
+    assert on.predicted.grad_sync_s == pytest.approx(e_g + e_a + fixed, rel=1e-6, abs=1e-7)
+    assert on.predicted.grad_sync_hidden_s == pytest.approx(rs_bw + ag_bw - e_g - e_a, rel=1e-6, abs=1e-7)
