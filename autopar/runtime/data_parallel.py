@@ -44,9 +44,8 @@ from autopar.passes.program_graph import (
 )
 from autopar.plan import Plan, ProgramKind
 from autopar.runtime.base import Program, check_scalar_loss, flat_inputs, placeholder_values, rank_rows
+from autopar.runtime.overlap import BUCKET_BYTES, gradient_order
 from autopar.trace import TracedModel
-
-BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's default)
 
 
 class DataParallelProgram(Program):
@@ -106,23 +105,22 @@ class DataParallelProgram(Program):
 
         Parameters of one dtype share buckets, filled in the order backward completes their gradients, so each
         bucket is ready, and its all-reduce launched, while backward goes on (`_grad_ready`). That order is read
-        from the graph: a parameter's gradient is complete once the backward of its first use in forward has run,
-        so the parameters go in decreasing order of their first use (ties, one op reading several, in reverse
-        parameter order). DDP gets the same order by rebuilding its buckets after the first step from the order
+        from the graph (`overlap.gradient_order`, as the sharded program's buckets are): a parameter's gradient is
+        complete once the backward of its first use in forward has run, so the parameters go in decreasing order of
+        their first use (ties, one op reading several, in reverse parameter order). DDP gets the same order by rebuilding its buckets after the first step from the order
         gradients arrived; reverse parameter order alone would put a layer's norm weights, read first and listed
         last, in a bucket that then waits for the whole layer's backward.
         """
-        nodes = list(self._gm.graph.nodes)
-        position = {node: k for k, node in enumerate(nodes)}
-        params = [n for n, kind in zip((n for n in nodes if n.op == "placeholder"), self.traced.placeholder_kinds,
-                                       strict=True) if kind == "param"]  # fmt: skip
-        first_use = [min((position[u] for u in n.users), default=-1) for n in params]
-        trainable = [
-            i for i, (p, n) in enumerate(zip(self._bucketed, params, strict=True)) if p.requires_grad and n.users
+        placeholders = [n for n in self._gm.graph.nodes if n.op == "placeholder"]
+        params = [
+            n.name for n, kind in zip(placeholders, self.traced.placeholder_kinds, strict=True) if kind == "param"
         ]
+        index = {name: i for i, name in enumerate(params)}
+        used = {n.name for n in placeholders if n.users}
+        order = [index[name] for name in gradient_order(self._gm.graph, params) if name in used]
         groups: list[list[torch.Tensor]] = []
         size = BUCKET_BYTES
-        for p in (self._bucketed[i] for i in sorted(reversed(trainable), key=lambda i: -first_use[i])):
+        for p in (self._bucketed[i] for i in order if self._bucketed[i].requires_grad):
             if size >= BUCKET_BYTES or p.dtype != groups[-1][0].dtype:
                 groups.append([])
                 size = 0
