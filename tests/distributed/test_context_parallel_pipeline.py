@@ -11,38 +11,18 @@ model trained in one process. GPT-2 ties its token embedding to its LM head, whi
 from __future__ import annotations
 
 import pytest
-import torch
 
 import autopar
 from tests.distributed.harness import run_distributed
+from tests.distributed.test_context_parallel import ADAM_RTOL, FLOOR, LOSS_RTOL, OPTIMIZERS, SGD_RTOL, _sgd
 from tests.models import make_batch, make_model, train_locally
 
 pytestmark = pytest.mark.distributed
 
-LR = 1e-2
-# fp32 on CPU: cp attention sums over key blocks, and the loss and gradients sum over ranks and micro-batches, in
-# another order than one process does, so losses agree to rounding (~1e-7 relative measured); 1e-4 is the issue's
-# bound, and a wrong label shift, position or loss weight moves the loss by percents on this tiny model.
-LOSS_RTOL = 1e-4
-# State after two steps at lr=1e-2, each tensor's largest difference relative to max(|reference|, FLOOR): with
-# SGD (momentum 0.9) rounding-level gradient differences move weights by ~1e-7 relative, while a gradient missing
-# its cp or tie reduction is off by half or more, moving weights by ~1e-3 of their size. AdamW turns near-zero
-# gradient noise into ±lr steps on single elements (see test_train_numerics.py), hence a tenth of lr.
-SGD_RTOL = 1e-5
-ADAM_RTOL, ADAM_EPS = 1e-3, 1e-6
-FLOOR = 1e-2  # never compare relative to a tensor that may be all zeros
+# The tolerances and optimizers of the cp cases without a pipeline, for the same reasons: losses agree to rounding
+# (~1e-7 relative measured here), while a wrong label shift, position or loss weight moves the loss by percents,
+# and a gradient missing its cp or tie reduction moves weights by ~1e-3 of their size.
 BATCH, SEQ = 4, 16
-
-
-def _sgd(params):
-    return torch.optim.SGD(params, lr=LR, momentum=0.9)
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
-
-
-OPTIMIZERS = {"sgd": _sgd, "adamw": _adamw}
 
 
 def _run(rank: int, world_size: int, model_name: str, constraints: dict, opt: str, layers: int) -> dict:
