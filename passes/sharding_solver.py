@@ -176,10 +176,13 @@ from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, i
 from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
 from autopar.passes.sharding_rules import OpStrategy, placement_str
 from autopar.plan import ProgramKind, program_kind
-from autopar.runtime.overlap import BUCKET_BYTES, WINDOW, gradient_order
+from autopar.runtime.overlap import WINDOW, gradient_order
 
 R = Replicate()
 GIB = 1024**3
+# gradient bucket size (DDP's default, the runtime's `overlap.BUCKET_BYTES`): its own name, so that a test can shrink
+# the runtime's buckets without changing what the plan prices
+BUCKET_BYTES = 25 * 2**20
 # reduce-scatter buckets the sharded program keeps in flight at ZeRO-2/3
 REDUCE_SCATTER_WINDOW = WINDOW
 _FP32_BYTES = 4  # AdamW steps fp32 weights: the parameters in fp32 training, their master copy in mixed precision
