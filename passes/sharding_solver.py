@@ -55,7 +55,8 @@ communication is not overlapped with compute):
           with overlap off (constraints={"overlap": False}) E is not used and the sync is paid whole
     Sync  all-reduce of the local gradient over dp in buckets (stage 0), reduce-scatter + all-gather
           of the parameters (stages 1, 2), and one more all-gather for the backward (stage 3), one
-          collective per parameter (the sharded runtime redistributes each on its own). With overlap
+          collective per parameter and micro-batch (the sharded runtime without overlap redistributes
+          each on its own in every micro-batch's forward). With overlap
           (eta > 0), the sharded runtime's part is priced by `add_sharded_overlap_constraint` instead:
           gradients in buckets issued from backward (r = 1 reduction per step at stages 0, 1, from the
           last micro-batch's backward; r = m at stages 2, 3, from every micro-batch's), gathers issued
@@ -998,11 +999,13 @@ class ShardingProgram:
             return sum(self.sharded_sync_parts(name, k, stage))
         if stage == 0:  # the sharded runtime reduces each gradient on its own (the backward of its from_local)
             return estimate_collective_time(Collective.ALL_REDUCE, grad_bytes, self.dp, self.dp_link)
-        # From stage 1 the sharded runtime gathers and reduce-scatters each parameter on its own (one DTensor
-        # redistribution per parameter, no buckets): every one pays a whole collective's latency.
+        # From stage 1 the sharded runtime without overlap gathers and reduce-scatters each parameter on its own (one
+        # DTensor redistribution per parameter, no buckets): every one pays a whole collective's latency. Each
+        # micro-batch's forward gathers it and that gather's backward reduce-scatters its gradient, at every stage;
+        # stage 3 gathers it again for the backward (its weights are released after the forward).
         rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
         ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
-        return rs * (self.mb if stage >= 2 else 1) + ag * (2 * self.mb if stage == 3 else 1)
+        return rs * self.mb + ag * (2 * self.mb if stage == 3 else self.mb)
 
     @property
     def sharded_overlap(self) -> bool:

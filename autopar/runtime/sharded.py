@@ -37,19 +37,33 @@ issued as soon as its last gradient is in, while backward goes on. Which micro-b
 Each micro-batch's end issues the buckets its backward left unfilled (a parameter without a gradient) and waits
 for every bucket it launched, so the optimizer (after the last) sees complete gradients.
 
+Gathered weights (ZeRO >= 1, more than one rank on the data axis). ZeRO-3 keeps no whole weight from a
+forward to its backward, as FSDP reshards after forward: while a step runs, a saved-tensor hook turns what
+autograd saves of a gathered weight (the weight, or a view of it) into a handle, and the backward gathers that
+weight again when it first unpacks one (once per micro-batch, for all its saved uses). So a step gathers each
+weight twice per micro-batch, in its forward and in its backward, and holds whole only the weights of the op
+running and those gathered ahead: what the plan prices. ZeRO-1 and 2 (with overlap) hold every weight whole
+anyway (the plan counts them so): each is gathered in the step's first forward and kept until the step ends,
+one gather per weight per step, as priced.
+
 Prefetch (`plan.prefetch_depth` d > 0, with overlap): the split parameters are grouped by layer (the
 `...layers.<i>.` prefix of their names; a parameter outside numbered layers is a group of its own), in the
 order the graph first reads them. When the forward gathers the first parameter of a group, it issues
 asynchronous gathers of the next d groups' parameters; a parameter's next gather then waits on its prefetched
-one instead of starting its own, so the number of gathers is unchanged. A recompute in backward gathers the
-layers it runs again, in the reverse order: there the next d groups are the previous ones (of those whose
-parameters a recomputed segment reads). At most d groups' gathered parameters are in flight beyond the one
-being used: the plan's memory counts them. `plan.overlap` False keeps the
+one instead of starting its own, so the number of gathers is unchanged. The backward gathers layers again in
+the reverse order (a recompute's segments, a ZeRO-3 weight released after the forward): there the first gather
+of a group issues those of the d previous ones (of the parameters a recompute or a released weight will need).
+At most d groups' gathered parameters are in flight beyond the one being used: the plan's memory counts them.
+`plan.overlap` False keeps the
 synchronous path: reductions in the backward of each redistribution, and one bucketed all-reduce after
 backward when micro-batches are accumulated.
 """
 
 from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -111,6 +125,17 @@ class _DeferredGather(torch.autograd.Function):
         return None, None, None
 
 
+@dataclass(frozen=True, slots=True)
+class _Released:
+    """What a ZeRO-3 forward saves for backward in place of a gathered weight: which one, and the view of it."""
+
+    index: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    meta: tuple | None  # a DTensor's (mesh, placements, shape, stride); None for a plain tensor
+
+
 class ShardedProgram(Program):
     """The sharded program of one plan on this rank (see the module docstring)."""
 
@@ -161,10 +186,14 @@ class ShardedProgram(Program):
         self.overlap = plan.overlap and self.data_ranks > 1
         self.comm_events: list | None = None  # a list: (event, what) appended in the order they happen
         self._in_backward = False
+        self._index_of = {name: i for i, name in enumerate(p for p, kind in zip(placeholders, traced.placeholder_kinds,
+                                                                                strict=True) if kind == "param")}  # fmt: skip
+        self._setup_release()
         if self.overlap:
             self._setup_overlap(placeholders, traced.placeholder_kinds)
+        gather = self._gather if self.overlap else self._gather_plain if self._release else None
         self._interp = shard_pass(traced.graph_module, None, recompute=plan.recompute, layer_modes=plan.layer_modes,
-                                  gather=self._gather if self.overlap else None, **knobs)  # fmt: skip
+                                  gather=gather, **knobs)  # fmt: skip
         if self.overlap:
             self._note_segments(self._interp)
         self._eval_knobs = knobs
@@ -178,6 +207,89 @@ class ShardedProgram(Program):
             raise LoweringError(f"the plan does not belong to this model: {len(missing)} of its nodes "
                                 f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again")  # fmt: skip
 
+    # -------------------------------------------------------------------------------- gathered weights
+
+    def _setup_release(self) -> None:
+        """ZeRO-3 frees each weight it gathers once the forward has used it, and gathers it again for the backward
+        (see the module docstring); ZeRO-1 and 2, with overlap, keep each gathered weight for the step."""
+        split = self.data_ranks > 1 and self.plan.zero_stage >= 1
+        self._release = split and self.plan.zero_stage >= 3
+        self._hold = split and self.plan.zero_stage < 3 and self.overlap
+        self._held: dict[int, torch.Tensor] = {}  # ZeRO-1/2: parameter index -> its whole weight, for the step
+        # ZeRO-3: address of a gathered weight's storage -> (a weak reference to the weight, parameter index)
+        self._gathered_by: dict[int, tuple[weakref.ref, int]] = {}
+        self._regather_from: dict[int, object] = {}  # parameter index -> what its backward gather starts from
+        self._handles: dict[int, int] = {}  # parameter index -> saved uses of its weight the backward has to come
+        self._regathered: dict[int, torch.Tensor] = {}  # parameter index -> its weight gathered again, while needed
+
+    def _released(self, i: int, full: torch.Tensor, source) -> None:
+        """Weight i, gathered whole in a forward (`full`, the local tensor of what the op reads): saved for backward,
+        it is kept as a handle instead."""
+        if self._release and not self._in_backward:
+            # a tensor the forward saves is found by its storage: DTensor's local views (run below autograd) are no
+            # autograd views of `full`. The weak reference tells that the storage is still this weight's: alive
+            # while an op reads it, and an address is only reused once its storage is freed.
+            self._gathered_by[full.untyped_storage().data_ptr()] = (weakref.ref(full), i)
+            self._regather_from[i] = source
+
+    def _pack(self, saved):
+        """Saved-tensor hook: a gathered weight (or a view of one) the backward needs becomes a handle."""
+        local = saved._local_tensor if isinstance(saved, DTensor) else saved
+        found = self._gathered_by.get(local.untyped_storage().data_ptr())
+        if found is None or found[0]() is None:
+            return saved
+        i = found[1]
+        self._handles[i] = self._handles.get(i, 0) + 1
+        meta = None
+        if isinstance(saved, DTensor):
+            meta = (saved.device_mesh, saved.placements, saved.shape, saved.stride())
+        return _Released(i, local.shape, local.stride(), local.storage_offset(), meta)
+
+    def _unpack(self, handle):
+        """Saved-tensor hook: a handle's weight gathered again (once for all its saved uses in this backward)."""
+        if not isinstance(handle, _Released):
+            return handle
+        i = handle.index
+        full = self._regathered.get(i)
+        if full is None:
+            source = self._regather_from[i]
+            if self.overlap:
+                full = self._gather_now(i, source)
+            else:
+                self._record("gather", self._param_names[i])
+                full = gathered_over_dp(source)._local_tensor
+            self._regathered[i] = full
+        self._handles[i] -= 1
+        if not self._handles[i]:
+            del self._regathered[i], self._handles[i]
+        local = full.as_strided(handle.size, handle.stride, handle.offset)
+        if handle.meta is None:
+            return local
+        mesh, placements, shape, stride = handle.meta
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+    def _releasing(self):
+        """The saved-tensor hooks of a step's forwards and backwards (none where nothing is released)."""
+        if not self._release:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _forget_gathers(self) -> None:
+        """End of a step (or a forward outside one): no gathered weight is kept or awaited any more."""
+        self._held.clear()
+        self._gathered_by.clear()
+        self._regather_from.clear()
+        self._handles.clear()
+        self._regathered.clear()
+
+    def _gather_plain(self, name: str, value):
+        """The interpreter's gather without overlap (a DTensor redistribution), its weight released at ZeRO-3."""
+        full = gathered_over_dp(value)
+        i = self._index_of.get(name)
+        if full is not value and i is not None and torch.is_grad_enabled():
+            self._released(i, full._local_tensor, value.detach())
+        return full
+
     # -------------------------------------------------------------------------------- overlap
 
     def _setup_overlap(self, placeholders: list[str], kinds) -> None:
@@ -186,8 +298,6 @@ class ShardedProgram(Program):
         self._dp_group = self.mesh.get_group("dp")
         n = len(self._param_names)
         self._split_dim = [pl[0].dim if isinstance(pl[0], Shard) else None for pl in self._placements]
-        self._index_of = {name: i for i, name in enumerate(p for p, kind in zip(placeholders, kinds, strict=True)
-                                                            if kind == "param")}  # fmt: skip
         names = [p for p, kind in zip(placeholders, kinds, strict=True) if kind == "param"]
         order = [self._index_of[p] for p in overlap.gradient_order(self.traced.graph_module.graph, names)
                  if self.shards[self._index_of[p]].requires_grad]  # fmt: skip
@@ -246,6 +356,7 @@ class ShardedProgram(Program):
         self._groups = list(groups.values())
         self._group_of = {i: g for g, members in enumerate(self._groups) for i in members}
         self._recomputed: set[int] = set()  # read inside a recompute segment: gathered again in backward
+        self._ahead_done: set[int] = set()  # groups whose backward gathers have issued the previous groups'
 
     def _note_segments(self, interp) -> None:
         """Which split parameters a recompute segment reads (the interpreter knows its segments)."""
@@ -256,9 +367,17 @@ class ShardedProgram(Program):
                 self._recomputed.add(i)
 
     def _prefetch_after(self, i: int) -> None:
-        """Parameter i, the first of its group, is being gathered: issue the gathers of the next groups."""
+        """Parameter i is being gathered, the first of its group in this forward (in this backward, the first of the
+        group gathered again, in whatever order the backward needs them): issue the gathers of the next groups (in
+        backward the previous ones: the parameters a recompute or a released saved weight will need)."""
         g = self._group_of.get(i)
-        if not self.prefetch_depth or g is None or self._groups[g][0] != i:
+        if not self.prefetch_depth or g is None:
+            return
+        if self._in_backward:
+            if g in self._ahead_done:
+                return
+            self._ahead_done.add(g)
+        elif self._groups[g][0] != i:
             return
         step = -1 if self._in_backward else 1
         for k in range(1, self.prefetch_depth + 1):
@@ -266,9 +385,9 @@ class ShardedProgram(Program):
             if not 0 <= h < len(self._groups):
                 break
             for j in self._groups[h]:
-                if j in self._prefetched or self._sources[j] is None:
+                if j in self._prefetched or j in self._held or self._sources[j] is None:
                     continue
-                if self._in_backward and j not in self._recomputed:
+                if self._in_backward and j not in self._recomputed and not self._handles.get(j):
                     continue
                 d = self._split_dim[j]
                 self._record("prefetch", self._param_names[j])
@@ -297,11 +416,16 @@ class ShardedProgram(Program):
         full = _DeferredGather.apply(value.to_local(), self, i)
         full = DTensor.from_local(full, self.mesh, (R, tp_pl), run_check=False, shape=value.shape,
                                   stride=value.stride(), grad_placements=(Partial(), tp_pl))  # fmt: skip
-        return _PartialGrad.apply(full)
+        full = _PartialGrad.apply(full)
+        self._released(i, full._local_tensor, self._sources[i])
+        return full
 
     def _gather_now(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """Parameter i whole on the data axis: its gather issued ahead, else one issued now; then the gathers of the
-        next groups go out, while this one's layer computes."""
+        next groups go out, while this one's layer computes. ZeRO-1 and 2 gather a weight once a step and keep it."""
+        held = self._held.get(i)
+        if held is not None:
+            return held.detach()
         ahead = self._prefetched.pop(i, None)
         if ahead is not None:
             work, finish = ahead
@@ -312,6 +436,8 @@ class ShardedProgram(Program):
             d = self._split_dim[i]
             full = overlap.split_gather(local, d, self._shapes[i][d], self._dp_group)
         self._record("gathered", self._param_names[i])
+        if self._hold:
+            self._held[i] = full.detach()
         self._prefetch_after(i)
         return full
 
@@ -389,6 +515,7 @@ class ShardedProgram(Program):
         last micro-batch; at ZeRO-2/3 the reduce-scatter buckets on every one (ZeRO-1 accumulates whole gradients,
         what it holds anyway, and reduces them once; dp-replicated gradients stay partial until the last)."""
         self._launched = []
+        self._ahead_done.clear()
         for bucket in self._buckets:
             bucket.armed = last or (self._per_micro and bucket.kind == "reduce_scatter")
             bucket.pending = len(bucket.members)
@@ -409,10 +536,13 @@ class ShardedProgram(Program):
         while self._in_flight:
             self._settle_oldest()
         self._launched = []
+        self._handles.clear()  # saved weights of this micro-batch the backward did not need
+        self._regathered.clear()
         if last:
             self._full = [None] * len(self.shards)
             self._uses = [0] * len(self.shards)
             self._drop_prefetched()
+            self._forget_gathers()
 
     # -------------------------------------------------------------------------------- execution
 
@@ -509,12 +639,16 @@ class ShardedProgram(Program):
         if self.overlap:
             self._uses = [0] * len(self.shards)  # a forward run outside a step leaves counts no backward took back
             self._drop_prefetched()
-            with waiting_for("a collective of the sharded forward or backward, or a gradient bucket's reduction"):
+            self._forget_gathers()
+            with waiting_for("a collective of the sharded forward or backward, or a gradient bucket's reduction"), \
+                    self._releasing():  # fmt: skip
                 loss_sum, total = self._weighted_losses(micro, self._interp, backward=True, arm=self._arm,
                                                         finish=self._finish_micro_batch)  # fmt: skip
             return loss_sum, total
-        with waiting_for("a collective of the sharded forward or backward on the (dp, tp) mesh"):
+        self._forget_gathers()
+        with waiting_for("a collective of the sharded forward or backward on the (dp, tp) mesh"), self._releasing():
             loss_sum, total = self._weighted_losses(micro, self._interp, backward=True)
+        self._forget_gathers()
         if len(micro) > 1 and self.data_ranks > 1:
             deferred = [p.grad for p, pl in zip(self.shards, self._placements, strict=True) if pl[0] == R]
             with waiting_for("the all-reduce of the dp-replicated gradients over the data axis"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import autopar
 from tests.distributed.harness import run_distributed
@@ -219,9 +220,72 @@ def test_zero23_reduce_scatter_every_micro_batch_within_a_window(bucket_bytes):
 
 
 def test_overlap_off_keeps_the_synchronous_path():
-    """`overlap: False`: no bucket, no deferred gather: the reductions run inside DTensor's redistributions."""
+    """`overlap: False`: no bucket, no deferred gather: the reductions run inside DTensor's redistributions. The
+    only events are ZeRO-3's gathers for the backward (its weights are released after the forward either way)."""
     got = run_distributed(_events, 2, {**ZERO[3], "overlap": False}, 1)[0]
-    assert not got["overlap"] and got["events"] == [] and got["calls"] == []
+    assert not got["overlap"] and got["calls"] == []
+    assert {e for e, _ in got["events"]} == {"gather"}, got["events"]
+
+
+def _kept(rank: int, world_size: int, cases):
+    """Per case, a second step's all-gathers and, of what its forwards hand autograd to keep for backward, how many
+    tensors share the storage of a gathered weight; and the step's gather events by where they were issued."""
+    import torch.distributed as dist
+
+    real = dist.all_gather_single
+    out = []
+    for constraints in cases:
+        model = make_model("llama")
+        args, kwargs = make_batch("llama")
+        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, constraints=constraints)
+        pm.train_step(*args, **kwargs)
+        gathered, kept = [], []  # gathered weights kept alive here, so that no other tensor reuses their storage
+
+        def counting(output, *a, gathered=gathered, **k):
+            gathered.append(output)
+            return real(output, *a, **k)
+
+        def recording(pm=pm, kept=kept):
+            def pack(saved):
+                kept.append(pm._pack(saved) if pm._release else saved)
+                return kept[-1]
+
+            return torch.autograd.graph.saved_tensors_hooks(pack, pm._unpack)
+
+        pm._releasing, pm.comm_events = recording, []
+        dist.all_gather_single = counting
+        try:
+            pm.train_step(*args, **kwargs)
+        finally:
+            dist.all_gather_single = real
+        storages = {g.untyped_storage().data_ptr() for g in gathered}
+        locals_ = [t._local_tensor if isinstance(t, DTensor) else t for t in kept if isinstance(t, torch.Tensor)]
+        out.append({"gathers": len(gathered), "weights_kept": sum(t.untyped_storage().data_ptr() in storages
+                                                                  for t in locals_),
+                    "handles": sum(type(t).__name__ == "_Released" for t in kept),
+                    "events": [e for e, _ in pm.comm_events], "split": sum(d is not None for d in pm._split_dim)
+                    if pm.overlap else None})  # fmt: skip
+    return out
+
+
+def test_zero3_releases_gathered_weights_after_forward_and_zero12_gather_once_a_step():
+    """ZeRO-3 keeps no gathered weight from a forward to its backward: what autograd saves of one becomes a handle,
+    and the backward gathers the weight again, once per micro-batch for all its saved uses (FSDP's reshard after
+    forward; the plan prices two gathers per micro-batch, and no whole weight between them). ZeRO-1 and 2 keep a
+    weight gathered for the whole step: one gather per weight per step, whatever the micro-batches, as priced."""
+    cases = [{"dp": 2, "tp": 1, "zero": 3}, {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 2},
+             {"dp": 2, "tp": 1, "zero": 2}, {"dp": 2, "tp": 1, "zero": 2, "num_microbatches": 2},
+             {"dp": 2, "tp": 1, "zero": 1, "num_microbatches": 2}, {"dp": 2, "tp": 1, "zero": 3, "overlap": False}]  # fmt: skip
+    z3, z3_two, z2, z2_two, z1_two, z3_sync = run_distributed(_kept, 2, cases)[0]
+    split = z3["split"]
+    assert split == 21  # the tiny LLaMA: every weight splits over the data axis
+    # every weight but the embedding table (its backward reads only the token ids) is saved by the forward
+    assert z3["handles"] == z3_two["handles"] / 2 > 0 and z3["weights_kept"] == z3_two["weights_kept"] == 0
+    assert z3["gathers"] == split + (split - 1) and z3_two["gathers"] == 2 * z3["gathers"]
+    assert z3_sync["weights_kept"] == 0 and z3_sync["events"].count("gather") == split - 1
+    # the control: without release the forward keeps gathered weights, which is what makes the check above fail
+    assert z2["weights_kept"] > 0 and z2["handles"] == 0
+    assert z2["gathers"] == z2_two["gathers"] == z1_two["gathers"] == split
 
 
 def _gathers(rank: int, world_size: int, cases):
