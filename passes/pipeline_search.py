@@ -726,9 +726,11 @@ class _Config:
     schedule: Schedule
     v: int
 
-    def describe(self) -> str:
+    def describe(self, cp: int = 1) -> str:
+        """The layout in words; with a cp axis of `cp` ranks, the data axis (dp here) as dp x cp."""
         sched = f"{self.schedule}" + (f" v={self.v}" if self.schedule == Schedule.INTERLEAVED_1F1B else "")
-        return f"pp={self.pp} dp={self.dp} tp={self.tp} micro-batches={self.m} {sched}"
+        data = f"dp={self.dp // cp} cp={cp}" if cp > 1 else f"dp={self.dp}"
+        return f"pp={self.pp} {data} tp={self.tp} micro-batches={self.m} {sched}"
 
 
 def _divisors(n: int) -> list[int]:
@@ -917,12 +919,14 @@ class _Search:
             return best
 
         alloc = _allocate(cost, [self.kmin(cfg)] * cfg.pp, self.L)
-        if alloc is None:  # remember the least memory a balanced cut needs, for the error message
-            leanest[0] = math.inf
+        if alloc is None:  # remember what the fullest stage of a balanced cut needs at least, for the error message
+            fullest = 0.0
             for s in range(cfg.pp):
+                leanest[0] = math.inf
                 cost(s, math.ceil(self.L / cfg.pp))
-            if self.least_memory is None or leanest[0] < self.least_memory[0]:
-                self.least_memory = (leanest[0], cfg)
+                fullest = max(fullest, leanest[0])
+            if self.least_memory is None or fullest < self.least_memory[0]:
+                self.least_memory = (fullest, cfg)
             return None
         return max(cost(s, k) for s, k in enumerate(alloc)), alloc
 
@@ -977,7 +981,8 @@ class _Search:
                             "reason": "" if got else "no cut fits the memory budget"})  # fmt: skip
             if got is None:
                 continue
-            self.say(f"pipeline {cfg.describe()}: {got[0] * 1e3:.2f} ms (estimate {est * 1e3:.2f} ms, cut {got[1]})")
+            self.say(f"pipeline {cfg.describe(self.pricer.cp.degree)}: {got[0] * 1e3:.2f} ms "
+                     f"(estimate {est * 1e3:.2f} ms, cut {got[1]})")  # fmt: skip
             if best is None or got[0] < best[0]:
                 best = (got[0], cfg, *got[1:])
         return records, best
@@ -1165,7 +1170,7 @@ def _raise_none_fits(c: dict, search: _Search | None, single_error: Exception | 
                           f"interleaving a multiple of pp; loosen the pins")  # fmt: skip
     need, cfg = search.least_memory
     raise InfeasiblePlanError(
-        f"no pipeline layout fits: the leanest ({cfg.describe()}, micro-batch size {search.micro_batch(cfg)}) needs "
+        f"no pipeline layout fits: the leanest ({cfg.describe(search.pricer.cp.degree)}, micro-batch size {search.micro_batch(cfg)}) needs "
         f"at least {format_bytes(need)} per device on its fullest stage with balanced cuts, but the budget is "
         f"{format_bytes(budget)}; raise memory_budget, use more devices or a smaller batch or sequence")  # fmt: skip
 

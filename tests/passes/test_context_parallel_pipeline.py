@@ -107,3 +107,11 @@ def test_search_picks_a_pipeline_and_cp_together_where_both_pay():
     searched = {r["degree"]: r for r in both.context_parallel["search"]}
     assert searched[both.mesh["cp"]]["feasible"]
     assert searched[both.mesh["cp"]]["step_time_s"] == pytest.approx(both.predicted.step_time_s)
+
+
+def test_a_cp_pipeline_past_the_budget_names_dp_and_cp_apart():
+    # the data axis of a stage block is dp x cp ranks; the message names them as the user pins them
+    from autopar.errors import InfeasiblePlanError
+
+    with pytest.raises(InfeasiblePlanError, match=r"leanest \(pp=2 dp=1 cp=2 tp=1 .*on its fullest stage"):
+        _plan("cpu:4", {"pp": 2, "cp": 2}, memory_budget=4096)
