@@ -464,13 +464,16 @@ class _Priced:
 class _Floors:
     """Bounds of a one-layer stage view that the estimates scale by the layer count.
 
-    Per (kind, tp, b): activations of one micro-batch at their leanest, working memory, and the time
-    of one micro-batch on tp devices without a data axis; per (kind, dp, tp): for each ZeRO stage the
-    leanest states and the least gradient sync (at one micro-batch).
+    Per (kind, tp, b): for each allowed recompute mode, activations of one micro-batch at their leanest and
+    working memory (a mode that saves less keeps more working memory: its recomputed segment, which the layer
+    count does not scale, so no one mode is the leanest at every size and copy count); the time of one
+    micro-batch on tp devices without a data axis; per (kind, dp, tp): for each ZeRO stage the leanest states
+    and the least gradient sync (at one micro-batch).
     """
 
-    acts: float
-    transient: float
+    acts: dict[str, float]
+    transient: dict[str, float]
+    recompute_s: dict[str, float]
     t_mb: float
     states: dict[int, float]
     sync: dict[int, float]
@@ -496,7 +499,7 @@ class _StagePricer:
         self._views: dict[tuple, OpGraph] = {}
         self._free: dict[tuple, _Priced] = {}
         self._bound: dict[tuple, _Priced] = {}
-        self._act_floor: dict[tuple, tuple[float, float, float]] = {}
+        self._act_floor: dict[tuple, tuple[dict[str, float], dict[str, float], dict[str, float], float]] = {}
         self._state_floor: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
         self.num_programs = 0
 
@@ -564,9 +567,13 @@ class _StagePricer:
         akey, skey = (first, last, tp, b), (first, last, dp, tp)
         if akey not in self._act_floor:
             prog = self.program(1, first, last, 1, tp, self.batch // b)
-            bound = prog.memory_lower_bound()
-            t_mb = self.free(1, first, last, 1, tp, self.batch // b).t_mb
-            self._act_floor[akey] = (bound["activations"], bound["transient"], t_mb)
+            bounds = {mode: prog.memory_lower_bound(mode) for mode in prog.recompute_choices}
+            free = self.free(1, first, last, 1, tp, self.batch // b)
+            # solved, so it knows each group's forward time (per step: divided by its micro-batches)
+            built = free.program
+            rec = {m: built.recompute_time_lower_bound(m) / built.mb if built is not None else 0.0 for m in bounds}
+            self._act_floor[akey] = ({m: bd["activations"] for m, bd in bounds.items()},
+                                     {m: bd["transient"] for m, bd in bounds.items()}, rec, free.t_mb)  # fmt: skip
         if skey not in self._state_floor:
             prog = self.program(1, first, last, dp, tp, 1)
             states, sync = {}, {}
@@ -906,16 +913,18 @@ class _Search:
             if k < self.kmin(cfg) or k > self.L:
                 return math.inf
             f = ends.get(s, mid)
-            acts, t = f.acts + (k - 1) * mid.acts, f.t_mb + (k - 1) * mid.t_mb
-            exposed = self.overlap.transfer_exposed(transfers[s], t)
             best = math.inf
-            for z, states in f.states.items():
-                need = states + (k - 1) * mid.states[z] + self.copies(cfg, s) * acts + f.transient
-                leanest[0] = min(leanest[0], need)
-                if need <= self.budget:
-                    sync = f.sync[z] + (k - 1) * mid.sync[z]  # with the optimizer step: an estimate may err low
-                    sync -= self.overlap.sync_hidden(sync, self._alone_window(cfg, s, t))
-                    best = min(best, slots * (t + exposed) + sync)
+            for m in f.acts:  # each allowed recompute mode: its leanest activations and its least recompute time
+                acts = self.copies(cfg, s) * (f.acts[m] + (k - 1) * mid.acts.get(m, f.acts[m])) + f.transient[m]
+                t = f.t_mb + f.recompute_s[m] + (k - 1) * (mid.t_mb + mid.recompute_s.get(m, f.recompute_s[m]))
+                exposed = self.overlap.transfer_exposed(transfers[s], t)
+                for z, states in f.states.items():
+                    need = states + (k - 1) * mid.states[z] + acts
+                    leanest[0] = min(leanest[0], need)
+                    if need <= self.budget:
+                        sync = f.sync[z] + (k - 1) * mid.sync[z]  # with the optimizer step: an estimate may err low
+                        sync -= self.overlap.sync_hidden(sync, self._alone_window(cfg, s, t))
+                        best = min(best, slots * (t + exposed) + sync)
             return best
 
         alloc = _allocate(cost, [self.kmin(cfg)] * cfg.pp, self.L)

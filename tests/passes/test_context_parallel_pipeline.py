@@ -115,3 +115,17 @@ def test_a_cp_pipeline_past_the_budget_names_dp_and_cp_apart():
 
     with pytest.raises(InfeasiblePlanError, match=r"leanest \(pp=2 dp=1 cp=2 tp=1 .*on its fullest stage"):
         _plan("cpu:4", {"pp": 2, "cp": 2}, memory_budget=4096)
+
+
+def test_a_layout_that_fits_only_with_full_recompute_is_not_dropped_by_the_estimate():
+    # The layout estimate bounds each stage's activations per recompute mode: a mode that saves less keeps more
+    # working memory (its recomputed segment), so no one mode is the leanest at every layer count. At this budget
+    # (bytes, found by planning the pins below) the layout fits with full recompute and not without recompute.
+    from autopar.errors import InfeasiblePlanError
+
+    budget = 900_000
+    with pytest.raises(InfeasiblePlanError):
+        _plan("cpu:4", {"pp": 2, "cp": 2, "recompute": "none"}, seq=64, memory_budget=budget, alternatives=False)
+    plan = _plan("cpu:4", {"pp": 2, "cp": 2}, seq=64, memory_budget=budget, alternatives=False)
+    assert plan.predicted.peak_memory_bytes <= budget
+    assert any(st["recompute"] != "none" for st in plan.pipeline["stages"])
