@@ -915,8 +915,10 @@ class _Search:
             f = ends.get(s, mid)
             best = math.inf
             for m in f.acts:  # each allowed recompute mode: its leanest activations and its least recompute time
-                acts = self.copies(cfg, s) * (f.acts[m] + (k - 1) * mid.acts.get(m, f.acts[m])) + f.transient[m]
-                t = f.t_mb + f.recompute_s[m] + (k - 1) * (mid.t_mb + mid.recompute_s.get(m, f.recompute_s[m]))
+                # a middle layer with nothing to recompute under m keeps what it keeps without recompute
+                m_mid = m if m in mid.acts else "none"
+                acts = self.copies(cfg, s) * (f.acts[m] + (k - 1) * mid.acts[m_mid]) + f.transient[m]
+                t = f.t_mb + f.recompute_s[m] + (k - 1) * (mid.t_mb + mid.recompute_s[m_mid])
                 exposed = self.overlap.transfer_exposed(transfers[s], t)
                 for z, states in f.states.items():
                     need = states + (k - 1) * mid.states[z] + acts
