@@ -757,12 +757,17 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     from autopar.rationale import hidden_terms, pipeline_terms
 
     slowest = max(psol.stages, key=lambda st: st.time_per_microbatch_s + st.transfer_exposed_per_microbatch_s)
+    # the bottleneck stage's cp attention communication per micro-batch: exposed (in its t_s) and hidden
+    cp_sol = slowest.sharding
+    cp_s, cp_hidden = ((cp_sol.cp_comm_s / cp_sol.num_microbatches, cp_sol.cp_comm_hidden_s / cp_sol.num_microbatches)
+                       if cp_sol is not None else (0.0, 0.0))  # fmt: skip
     terms = pipeline_terms(step_s=step, num_microbatches=psol.num_microbatches, stage_s=slowest.time_per_microbatch_s,
                            transfer_s=slowest.transfer_exposed_per_microbatch_s, grad_sync_s=sync,
-                           optimizer_s=opt)  # fmt: skip
+                           optimizer_s=opt, cp_s=cp_s)  # fmt: skip
     transfer_hidden = slowest.transfer_per_microbatch_s - slowest.transfer_exposed_per_microbatch_s
     hidden = hidden_terms(grad_sync_hidden_s=tail.grad_sync_hidden_s,
-                          transfer_hidden_s=psol.num_microbatches * transfer_hidden)  # fmt: skip
+                          transfer_hidden_s=psol.num_microbatches * transfer_hidden,
+                          cp_hidden_s=psol.num_microbatches * cp_hidden)  # fmt: skip
     mesh = {"pp": psol.pp, "dp": psol.dp // cp, "cp": cp, "tp": psol.tp} if cp > 1 else {"pp": psol.pp, "dp": psol.dp,
                                                                                          "tp": psol.tp}  # fmt: skip
     # the stages price attention alike (one algorithm per sub-mesh): the first stage's record stands for all

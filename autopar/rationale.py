@@ -69,20 +69,21 @@ def hidden_terms(*, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0,
     has none.
     """
     terms = {"comm_dp": grad_sync_hidden_s, "comm_pp": transfer_hidden_s, "comm_cp": cp_hidden_s}
-    return {k: v for k, v in terms.items() if v > 0}
+    return {k: v for k, v in terms.items() if v > 1e-12}  # solver rounding (1e-18 s) is no hidden time
 
 
 def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, transfer_s: float, grad_sync_s: float,
-                   optimizer_s: float) -> dict[str, float]:  # fmt: skip
+                   optimizer_s: float, cp_s: float = 0.0) -> dict[str, float]:  # fmt: skip
     """The terms of a pipeline: the slowest stage's m micro-batches of compute and sends, the bubble the rest.
 
-    `stage_s` and `transfer_s` are the bottleneck stage's compute (with its tp resharding) and the exposed part of
-    its sends per micro-batch, `grad_sync_s` the exposed sync of the stage that ends the step (what overlap hides
-    of either is in `hidden_terms`); the step is (m + bubble slots) x (stage_s + transfer_s) + grad_sync_s +
-    optimizer_s.
+    `stage_s` and `transfer_s` are the bottleneck stage's compute (with its tp resharding and `cp_s`, the exposed
+    communication of its cp attention) and the exposed part of its sends per micro-batch, `grad_sync_s` the exposed
+    sync of the stage that ends the step (what overlap hides of either is in `hidden_terms`); the step is
+    (m + bubble slots) x (stage_s + transfer_s) + grad_sync_s + optimizer_s.
     """
     busy = num_microbatches * (stage_s + transfer_s)
-    terms = {"compute": num_microbatches * stage_s, "comm_pp": num_microbatches * transfer_s,
+    terms = {"compute": num_microbatches * (stage_s - cp_s), "comm_cp": num_microbatches * cp_s,
+             "comm_pp": num_microbatches * transfer_s,
              "bubble": max(0.0, step_s - grad_sync_s - optimizer_s - busy), "comm_dp": grad_sync_s,
              "optimizer": optimizer_s}  # fmt: skip
     return {k: terms.get(k, 0.0) for k in TERMS}

@@ -347,7 +347,7 @@ class StagePlan:
         num_layers: layers in those ranges.
         first, last: whether it runs the nodes before the layers (embeddings) / after them (head, loss).
         dp, tp: its sub-mesh; zero_stage: its ZeRO stage over dp.
-        time_per_microbatch_s: compute and resharding of one micro-batch (t_s).
+        time_per_microbatch_s: compute, resharding and exposed cp attention communication of one micro-batch (t_s).
         transfer_per_microbatch_s: point-to-point sends of one micro-batch (c_s).
         grad_sync_s: gradient synchronisation per step (S_s, with optimizer_s).
         activation_copies: micro-batches whose activations it keeps at once (a_s).
@@ -592,7 +592,9 @@ class _StagePricer:
     def _record(prog: ShardingProgram, res: MeshResult, copies: float) -> _Priced:
         if not res.feasible:
             return _Priced(False, result=res)
-        t_mb = (res.compute_s + res.reshard_s) / prog.mb
+        # cp attention's exposed communication is a term of its own in the stage program (not in compute_s), but
+        # the stage waits for it every micro-batch as for its compute
+        t_mb = (res.compute_s + res.reshard_s + res.cp_comm_s) / prog.mb
         return _Priced(True, t_mb, res.grad_sync_s + res.optimizer_s, res.zero_stage, tuple(res.memory.items()), copies,
                        res, prog)  # fmt: skip
 
@@ -1190,7 +1192,7 @@ def _single_solution(sol: ShardingSolution, graph: OpGraph, batch: int, records,
     """The plan without a pipeline in the PipelineSolution form: one stage holding every layer."""
     num_layers = graph.num_layers
     stage = StagePlan(0, ((0, num_layers),), num_layers, True, True, sol.dp, sol.tp, sol.zero_stage,
-                      (sol.compute_s + sol.reshard_s) / sol.num_microbatches, 0.0, sol.grad_sync_s, 1.0,
+                      (sol.compute_s + sol.reshard_s + sol.cp_comm_s) / sol.num_microbatches, 0.0, sol.grad_sync_s, 1.0,
                       dict(sol.memory), sol, sol.optimizer_s)  # fmt: skip
     return PipelineSolution(1, sol.dp, sol.tp, (stage,), sol.num_microbatches, batch // (sol.dp * sol.num_microbatches),
                             None, 1, 0.0, sol.step_time_s, stage.peak_memory_bytes, sol.step_time_s, sol,

@@ -67,15 +67,43 @@ def test_stage_boundary_transfer_is_this_rank_s_chunk():
 
 def test_pipeline_stages_together_price_the_cp_plan_s_compute():
     # Every layer runs on exactly one stage and the stage views together are the whole graph, each stage
-    # priced on the same (dp·cp, tp) block with the same cp attention: the stages' compute of one micro-batch
-    # summed over stages and micro-batches is the compute of the cp plan without a pipeline on that block at
-    # the same micro-batches. Only the resharding differs (none here: tp=1), so 1e-6 is rounding.
+    # priced on the same (dp·cp, tp) block with the same cp attention: the stages' time of one micro-batch
+    # (compute and the exposed part of the ring's hops) summed over stages and micro-batches is that of the cp
+    # plan without a pipeline on that block at the same micro-batches. Only the resharding differs (none here:
+    # tp=1), so 1e-6 is rounding.
     m = 2
-    piped = _plan("cpu:4", {"pp": 2, "cp": 2, "num_microbatches": m, "cp_attention": "ring"})
-    flat = _plan("cpu:2", {"cp": 2, "tp": 1, "num_microbatches": m, "cp_attention": "ring", "zero": 0},
+    piped = _plan("cpu:4", {"pp": 2, "cp": 2, "num_microbatches": m, "cp_attention": "ring"}, seq=64)
+    flat = _plan("cpu:2", {"cp": 2, "tp": 1, "num_microbatches": m, "cp_attention": "ring", "zero": 0}, seq=64,
                  memory_budget=float("inf"))  # fmt: skip
+    assert flat.time_breakdown["comm_cp"] > 0
     total = sum(st["time_per_microbatch_s"] for st in piped.pipeline["stages"]) * m
-    assert total == pytest.approx(flat.predicted.compute_s + flat.predicted.reshard_s, rel=1e-6)
+    flat_total = flat.predicted.compute_s + flat.predicted.reshard_s + flat.time_breakdown["comm_cp"]
+    assert total == pytest.approx(flat_total, rel=1e-6)
+
+
+def _exposed_per_layer(plan, algorithm: str) -> float:
+    """Seconds of `algorithm`'s exposed communication per layer and micro-batch, from the plan's priced line."""
+    line = next(x for x in plan.context_parallel["priced"] if x.startswith(f"{algorithm}:"))
+    return float(line.split(", ")[1].split(" ms")[0]) * 1e-3
+
+
+def test_a_stage_waits_for_its_cp_attention_s_exposed_communication():
+    # The same pipeline with the attention algorithm pinned two ways: each stage runs one layer, so its time per
+    # micro-batch differs by the two algorithms' exposed communication per layer and micro-batch (the plan's
+    # priced lines, printed to a microsecond, hence the 2e-6 s), and the step's cp term is the bottleneck
+    # stage's exposed communication over the m micro-batches.
+    m = 4
+    plans = {a: _plan("cpu:4", {"pp": 2, "cp": 2, "num_microbatches": m, "cp_attention": a}, seq=256)
+             for a in ("allgather", "ring")}  # fmt: skip
+    ag, ring = plans["allgather"], plans["ring"]
+    delta = _exposed_per_layer(ag, "allgather") - _exposed_per_layer(ag, "ring")
+    assert abs(delta) > 1e-5  # the two algorithms' exposed parts differ, so the check below can fail
+    for a, b in zip(ag.pipeline["stages"], ring.pipeline["stages"], strict=True):
+        assert a["num_layers"] == b["num_layers"] == 1
+        assert a["time_per_microbatch_s"] - b["time_per_microbatch_s"] == pytest.approx(delta, abs=2e-6)
+    for algorithm, plan in plans.items():
+        assert plan.time_breakdown["comm_cp"] == pytest.approx(m * _exposed_per_layer(plan, algorithm), abs=m * 2e-6)
+    assert (ag.predicted.step_time_s > ring.predicted.step_time_s) == (delta > 0)
 
 
 def test_pp_times_cp_that_does_not_divide_the_world_is_refused():
