@@ -102,6 +102,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from autopar.cluster import ClusterSpec
+from autopar.context_parallel import CPAlgorithm
 from autopar.cost_model.comm import Collective, estimate_collective_time
 from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
@@ -441,13 +442,14 @@ class _Priced:
     """A stage program's optimum at one (layers, first, last, sub-mesh, micro-batches, activation copies)."""
 
     feasible: bool
-    t_mb: float = math.inf  # compute + resharding of one micro-batch
+    t_mb: float = math.inf  # compute, resharding and exposed cp attention communication of one micro-batch
     sync: float = 0.0  # once per step: gradient synchronisation and the optimizer step
     zero: int = -1
     memory: tuple[tuple[str, float], ...] = ()  # as solved, activations at `copies`
     copies: float = 1.0
     result: MeshResult | None = None
     program: ShardingProgram | None = None
+    bound: bool = False  # solved within the memory budget: the memory-free optimum did not fit
 
     def grad_sync(self) -> float:
         """G_s: the gradient synchronisation alone (sync less the optimizer step)."""
@@ -490,6 +492,9 @@ class _StagePricer:
         self.cp = CPSpec.from_constraints(dict(constraints or {}), cluster.world_size)
         self._attention = check_cp_graph(graph.graph, self.cp) if self.cp.on else []
         self._cp_pricing: dict[tuple, CPPricing] = {}
+        # an algorithm every stage runs instead of each sub-mesh's fastest (`search_pipeline`'s fallback when no
+        # layout fits with the fastest); the solved stages below are keyed by it
+        self.cp_algorithm: CPAlgorithm | None = None
         self.constraints = dict(constraints or {})  # the pins the tensor-split rule reads (tp, tp_min_split)
         self.recompute = recompute  # a pinned activation recompute mode, or None to choose per stage
         self.estimator, self.precision, self.budget, self.batch = estimator, precision, budget, batch
@@ -511,15 +516,39 @@ class _StagePricer:
 
     def cp_pricing(self, dp: int, tp: int, m: int) -> CPPricing | None:
         """How a stage on a (dp·cp, tp) sub-mesh at m micro-batches runs cp attention (None without cp): the
-        pinned algorithm, else the fastest that applies (a stage program does not fall back to a slower one
-        that holds less)."""
+        pinned algorithm, else `cp_algorithm` where set, else the fastest that applies."""
         if not self.cp.on:
             return None
         key = (dp, tp, m)
         if key not in self._cp_pricing:
             self._cp_pricing[key] = price_cp_attention(self._attention, self.cluster, self.cp, data=dp, tp=tp,
                                                        num_microbatches=m, precision=self.precision.name)  # fmt: skip
-        return self._cp_pricing[key]
+        pricing, alg = self._cp_pricing[key], self.cp_algorithm
+        if alg is None or alg == pricing.algorithm or alg not in pricing.ranked:
+            return pricing
+        faster = ", ".join(str(a) for a in pricing.ranked[: pricing.ranked.index(alg)])
+        return pricing.with_algorithm(alg, f"{faster}: faster per layer, but under the memory budget the fastest "
+                                           f"pipeline layout runs {alg}")  # fmt: skip
+
+    def leaner_cp_algorithms(self) -> list[CPAlgorithm]:
+        """The algorithms worth a search of their own when memory binds: those no other algorithm beats in time,
+        kept K/V and working memory at once, less the fastest, on a (cp, 1) sub-mesh (the orders hold at other
+        sizes: each figure scales with the tokens and heads a rank holds)."""
+        ref = self.cp_pricing(self.cp.degree, 1, 1)
+        node = self._attention[0]
+        cost = {a: ref.cost(node, 1, algorithm=a) for a in ref.ranked}
+        figures = {a: (c.time_s, c.saved_bytes, c.peak_extra_bytes) for a, c in cost.items()}
+
+        def dominated(a: CPAlgorithm) -> bool:
+            return any(b != a and figures[b] != figures[a] and all(x <= y for x, y in zip(figures[b], figures[a], strict=True))
+                       for b in figures)  # fmt: skip
+
+        return [a for a in ref.ranked[1:] if not dominated(a)]
+
+    def runs_cp_algorithm(self, tp: int) -> bool:
+        """Whether a sub-mesh of tensor degree tp can run `cp_algorithm` (all-to-all needs the heads a tensor rank
+        holds to divide by cp; nothing else limits an algorithm)."""
+        return self.cp_algorithm is None or self.cp_algorithm in self.cp_pricing(self.cp.degree, tp, 1).ranked
 
     def program(self, k, first, last, dp, tp, m, copies=1.0) -> ShardingProgram:
         prog = ShardingProgram(self.view(k, first, last), self.cluster, dp, tp, estimator=self.estimator,
@@ -535,7 +564,7 @@ class _StagePricer:
 
     def free(self, k: int, first: bool, last: bool, dp: int, tp: int, m: int) -> _Priced:
         """The memory-free optimum at the lowest allowed ZeRO stage: the fastest this stage can be."""
-        key = (k, first, last, dp, tp, m)
+        key = (k, first, last, dp, tp, m, self.cp_algorithm)
         if key not in self._free:
             prog = self.program(k, first, last, dp, tp, m)
             if prog.cannot_split():  # a tensor axis with no weight to split is data parallelism
@@ -551,7 +580,7 @@ class _StagePricer:
         free = self.free(k, first, last, dp, tp, m)
         if not free.feasible or sum(free.memory_at(copies).values()) <= self.budget:
             return free
-        key = (k, first, last, dp, tp, m, round(copies, 6))
+        key = (k, first, last, dp, tp, m, round(copies, 6), self.cp_algorithm)
         if key not in self._bound:
             prog = self.program(k, first, last, dp, tp, m, copies)
             if sum(prog.memory_lower_bound().values()) > self.budget:
@@ -559,12 +588,13 @@ class _StagePricer:
             else:
                 prog.build()
                 self.num_programs += 1
-                self._bound[key] = self._record(prog, prog.solve_best(free.result.step_time_s), copies)
+                self._bound[key] = dataclasses.replace(self._record(prog, prog.solve_best(free.result.step_time_s),
+                                                                    copies), bound=True)  # fmt: skip
         return self._bound[key]
 
     def floors(self, first: bool, last: bool, dp: int, tp: int, b: int) -> _Floors:
         """The one-layer bounds of a stage kind (see `_Floors`)."""
-        akey, skey = (first, last, tp, b), (first, last, dp, tp)
+        akey, skey = (first, last, tp, b, self.cp_algorithm), (first, last, dp, tp)
         if akey not in self._act_floor:
             prog = self.program(1, first, last, 1, tp, self.batch // b)
             bounds = {mode: prog.memory_lower_bound(mode) for mode in prog.recompute_choices}
@@ -878,7 +908,8 @@ class _Search:
         out = []
         for pp in pps:
             for dp, tp in _meshes(self.c, self.cluster, pp, self.B, self.pricer.cp.degree):
-                out += self._micro_batches(pp, dp, tp)
+                if self.pricer.runs_cp_algorithm(tp):
+                    out += self._micro_batches(pp, dp, tp)
         return out
 
     def _micro_batches(self, pp: int, dp: int, tp: int) -> list[tuple[float, _Config, list[int]]]:
@@ -977,15 +1008,16 @@ class _Search:
         price = step_price(slots, stages, transfers, self.overlap, cfg.v)
         return price.step_s, alloc, stages, transfers, price
 
-    def run(self) -> tuple[list[dict], tuple | None]:
-        """Estimate every configuration, price them exactly in order while they can still win."""
+    def run(self, bound: float = math.inf) -> tuple[list[dict], tuple | None]:
+        """Estimate every configuration, price them exactly in order while they can still win (against each
+        other and against `bound`, a step found elsewhere)."""
         t0 = time.perf_counter()
         ranked = sorted(self.configurations(), key=lambda r: (r[0], r[1].pp, r[1].v))
         self.say(f"pipeline: {len(ranked)} of {self.num_configurations} configurations fit the memory floors "
                  f"({time.perf_counter() - t0:.1f} s, {self.pricer.num_programs} programs)")  # fmt: skip
         records, best = [], None
         for est, cfg, guess in ranked:
-            if best is not None and est * (1 - ESTIMATE_SLACK) >= best[0]:
+            if est * (1 - ESTIMATE_SLACK) >= min(bound, best[0] if best is not None else math.inf):
                 break
             got = self.evaluate(cfg, guess)
             records.append({"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp, "num_microbatches": cfg.m,
@@ -1099,6 +1131,33 @@ class _StackSearch(_Search):
 # ----------------------------------------------------------------------------------------- entry point
 
 
+def _cp_fallback(pricer: _StagePricer, c: dict, say, records: list[dict], best: tuple | None, search: _Search):
+    """The search again with every stage on one cp attention algorithm, for each algorithm, the fastest layout
+    kept. The first search runs each sub-mesh's fastest algorithm; where memory binds, one that holds less (ring
+    keeps no gathered K/V, all-gather keeps them, all-to-all its head-split copies) may need less recompute or
+    fewer micro-batches and so win, or fit where nothing else does. Each search skips the configurations whose
+    estimate cannot beat the best so far, so where memory does not bind they cost their estimates only.
+
+    Returns the records of every search, the best layout (None if none fits) and the search it came from (or,
+    with none, the one whose leanest layout needs least, for the error message)."""
+    found = search
+    try:
+        for alg in pricer.leaner_cp_algorithms():
+            pricer.cp_algorithm = alg
+            again = type(search)(pricer, c, say)
+            say(f"pipeline: every stage on {alg} cp attention")
+            more, got = again.run(best[0] if best is not None else math.inf)
+            records = records + [dict(r, cp_attention=str(alg)) for r in more]
+            if got is not None and (best is None or got[0] < best[0]):
+                best, found = got, again
+            if best is None and again.least_memory is not None and (
+                    found.least_memory is None or again.least_memory[0] < found.least_memory[0]):  # fmt: skip
+                found = again
+    finally:
+        pricer.cp_algorithm = None  # the pricer serves later searches (`pricers`) with the fastest algorithms
+    return records, best, found
+
+
 def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision: str = "bf16",
                     constraints: dict | None = None, memory_budget_bytes: float | None = None, batch_size: int,
                     progress=None, pricers: dict | None = None) -> PipelineSolution:  # fmt: skip
@@ -1162,6 +1221,9 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
         programs_before = pricer.num_programs
         search = (_StackSearch if structure.stacks else _Search)(pricer, c, say)
         records, best = search.run()
+        # where memory binds (or nothing fits), a cp algorithm that holds less may win
+        if pricer.cp.on and pricer.cp.algorithm is None and (best is None or any(p.bound for p in best[3])):
+            records, best, search = _cp_fallback(pricer, c, say, records, best, search)
         search.num_programs = pricer.num_programs - programs_before
     else:
         pricer = search = None

@@ -157,3 +157,31 @@ def test_a_layout_that_fits_only_with_full_recompute_is_not_dropped_by_the_estim
     plan = _plan("cpu:4", {"pp": 2, "cp": 2}, seq=64, memory_budget=budget, alternatives=False)
     assert plan.predicted.peak_memory_bytes <= budget
     assert any(st["recompute"] != "none" for st in plan.pipeline["stages"])
+
+
+def test_where_memory_binds_the_pipeline_runs_the_leaner_cp_algorithm():
+    # Recompute pinned off, 256 tokens: all-gather is the fastest per layer here but keeps each layer's gathered
+    # K/V until the backward, which ring does not. Unbounded, the search runs all-gather. Under a budget between
+    # the two pinned plans' peaks all-gather still fits, but only by a slower layout, and under a budget just
+    # above ring's peak it does not fit at all: both times the search runs every stage on ring, at the pinned
+    # ring plan's step, and says why in the plan.
+    c = {"pp": 2, "cp": 2, "recompute": "none", "num_microbatches": 4}
+
+    def plan(budget=None, **pins):
+        return _plan("cpu:4", c | pins, seq=256, memory_budget=budget, alternatives=False)
+
+    ag, ring = plan(cp_attention="allgather"), plan(cp_attention="ring")
+    assert ag.predicted.step_time_s < ring.predicted.step_time_s
+    assert ring.predicted.peak_memory_bytes < ag.predicted.peak_memory_bytes
+    assert plan().context_parallel["algorithm"] == "allgather"
+    between = (ring.predicted.peak_memory_bytes + ag.predicted.peak_memory_bytes) / 2
+    assert plan(between, cp_attention="allgather").predicted.step_time_s > ring.predicted.step_time_s
+    tight = ring.predicted.peak_memory_bytes * 1.001
+    with pytest.raises(autopar.InfeasiblePlanError):
+        plan(tight, cp_attention="allgather")
+    for budget in (between, tight):
+        got = plan(budget)
+        assert got.context_parallel["algorithm"] == "ring", budget
+        assert got.predicted.step_time_s == pytest.approx(ring.predicted.step_time_s, rel=1e-9)
+        assert any(line.startswith("allgather: faster per layer, but under the memory budget")
+                   for line in got.context_parallel["priced"])  # fmt: skip
