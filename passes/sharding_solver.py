@@ -184,8 +184,6 @@ GIB = 1024**3
 # gradient bucket size (DDP's default, the runtime's `overlap.BUCKET_BYTES`): its own name, so that a test can shrink
 # the runtime's buckets without changing what the plan prices
 BUCKET_BYTES = 25 * 2**20
-# reduce-scatter buckets the sharded program keeps in flight at ZeRO-2/3
-REDUCE_SCATTER_WINDOW = WINDOW
 _FP32_BYTES = 4  # AdamW steps fp32 weights: the parameters in fp32 training, their master copy in mixed precision
 FORBIDDEN_S = 1e6  # the price of a conversion the runtime cannot do: no optimum ever pays it
 
@@ -950,8 +948,8 @@ class ShardingProgram:
         """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' at ZeRO-2/3: the buckets of
         one micro-batch's backward (`runtime.sharded`). A bucket's send buffer (B_j bytes, the compute format) is
         made when its first gradient comes in, backward writing its members' gradients into it (no other whole
-        copy); at its launch the oldest bucket in flight is waited for if W = REDUCE_SCATTER_WINDOW are, and this
-        rank's piece (B_j / dp) is made; both live until it is waited for. So, buckets numbered in launch order:
+        copy); at its launch the oldest bucket in flight is waited for if W = `overlap.WINDOW` (the runtime's) are,
+        and this rank's piece (B_j / dp) is made; both live until it is waited for. So, buckets numbered in launch order:
 
             max_j max( B_j + (1 + 1/dp) (B_{j-1} + ... + B_{j-W}),          bucket j filling
                        (1 + 1/dp) (B_j + B_{j-1} + ... + B_{j-W+1}) )      bucket j launched
@@ -961,7 +959,7 @@ class ShardingProgram:
         if stage < 2 or not self.overlaps_at(stage):
             return 0.0
         sizes = self.bucket_bytes(stage)
-        w, both = REDUCE_SCATTER_WINDOW, 1.0 + 1.0 / self.dp
+        w, both = WINDOW, 1.0 + 1.0 / self.dp
 
         def launched(first: int, last: int) -> float:  # buckets first..last (indices clipped at 0), in flight
             return both * sum(sizes[max(first, 0) : last + 1])

@@ -76,15 +76,21 @@ def test_overlapped_zero_stages_match_single_process(opt):
                                        msg=lambda m, k=key, c=constraints: f"{c} {k}: {m}")  # fmt: skip
 
 
+def _stepped(constraints, world_size: int):
+    """Tiny LLaMA compiled under `constraints` after one training step (what the tests count is of a later one),
+    with its batch and that step's loss."""
+    args, kwargs = make_batch("llama")
+    pm = autopar.compile(make_model("llama"), f"cpu:{world_size}", args, kwargs, constraints=constraints)
+    return pm, args, kwargs, pm.train_step(*args, **kwargs)
+
+
 def _events(rank: int, world_size: int, constraints, bucket_bytes: int):
     import torch.distributed as dist
 
     import autopar.runtime.overlap as overlap
 
     overlap.BUCKET_BYTES = bucket_bytes
-    model = make_model("llama")
-    args, kwargs = make_batch("llama")
-    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, constraints=constraints)
+    pm, args, kwargs, _ = _stepped(constraints, world_size)
     calls = []
     real = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single")}
 
@@ -95,7 +101,6 @@ def _events(rank: int, world_size: int, constraints, bucket_bytes: int):
 
         return call
 
-    pm.train_step(*args, **kwargs)  # a first step: every count below is of a later one
     pm.comm_events = []
     for name in real:
         setattr(dist, name, counting(name))
@@ -104,7 +109,7 @@ def _events(rank: int, world_size: int, constraints, bucket_bytes: int):
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-    trainable = sum(p.requires_grad for p in model.parameters())
+    trainable = sum(p.requires_grad for p in make_model("llama").parameters())  # the model `_stepped` compiled
     return {"events": pm.comm_events, "calls": calls, "trainable": trainable, "overlap": pm.overlap}
 
 
@@ -142,10 +147,7 @@ def _window(rank: int, world_size: int, cases, bucket_bytes: int):
     real_rs = dist.reduce_scatter_single
     out = []
     for constraints in cases:
-        model = make_model("llama")
-        args, kwargs = make_batch("llama")
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, constraints=constraints)
-        pm.train_step(*args, **kwargs)
+        pm, args, kwargs, _ = _stepped(constraints, world_size)
         calls, kept, filling = [], [], []
         launch, take = pm._launch, pm._full_grad
 
@@ -235,10 +237,7 @@ def _kept(rank: int, world_size: int, cases):
     real = dist.all_gather_single
     out = []
     for constraints in cases:
-        model = make_model("llama")
-        args, kwargs = make_batch("llama")
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, constraints=constraints)
-        pm.train_step(*args, **kwargs)
+        pm, args, kwargs, _ = _stepped(constraints, world_size)
         gathered, kept = [], []  # gathered weights kept alive here, so that no other tensor reuses their storage
 
         def counting(output, *a, gathered=gathered, **k):
@@ -300,10 +299,7 @@ def _gathers(rank: int, world_size: int, cases):
         return real(*a, **k)
 
     for constraints in cases:
-        model = make_model("llama")
-        args, kwargs = make_batch("llama")
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, constraints=constraints)
-        first = pm.train_step(*args, **kwargs)
+        pm, args, kwargs, first = _stepped(constraints, world_size)
         calls.clear()
         pm.comm_events = []
         dist.all_gather_single = counting

@@ -53,22 +53,28 @@ def _plan(model, x, traced, cluster="2xA100-80GB", **pins):
                         estimator=est, _traced=traced, alternatives=False)  # fmt: skip
 
 
+def _two_buckets(monkeypatch, model, traced) -> tuple[int, float]:
+    """Prices gradients in two buckets; returns the bucket size and the backward time of the one micro-batch
+    (every floating-point op takes BWD_S)."""
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters())  # fp32 reduction of every gradient
+    bucket = grad_bytes // 2 + 1
+    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    ops = sum(
+        1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
+    )
+    return bucket, ops * BWD_S
+
+
 def test_two_buckets_exposed_time_is_what_backward_does_not_hide(monkeypatch):
     model, x = _stack()
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
-    grad_bytes = 4 * sum(p.numel() for p in model.parameters())  # fp32 reduction of every gradient
-    bucket = grad_bytes // 2 + 1  # two buckets
-    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    bucket, backward = _two_buckets(monkeypatch, model, traced)
     off = _plan(model, x, traced, overlap=False)
     on = _plan(model, x, traced)
     assert off.overlap is False and on.overlap is True
     total = off.predicted.grad_sync_s  # every bucket's all-reduce, exposed
     assert off.predicted.grad_sync_hidden_s == 0.0
     # the formula by hand: backward of the one micro-batch hides what it can; the last bucket never hides
-    ops = sum(
-        1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
-    )
-    backward = ops * BWD_S
     link = on.cluster.link_for_axis(2, 1)
     last = estimate_collective_time(Collective.ALL_REDUCE, bucket, 2, link)
     expected = max(last, total - backward)
@@ -90,13 +96,7 @@ def test_two_buckets_hide_eta_of_the_backward_they_overlap(monkeypatch, cluster,
     spec = _with_eta(cluster, eta)
     # the plan's compute format: bf16 on GPUs, fp32 on CPUs (gradients are reduced in fp32 either way)
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16 if spec.device.kind == "gpu" else torch.float32)
-    ops = sum(
-        1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
-    )
-    backward = ops * BWD_S
-    grad_bytes = 4 * sum(p.numel() for p in model.parameters())
-    bucket = grad_bytes // 2 + 1  # two buckets
-    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    bucket, backward = _two_buckets(monkeypatch, model, traced)
     off = _plan(model, x, traced, spec, overlap=False)
     on = _plan(model, x, traced, spec)
     total = off.predicted.grad_sync_s
@@ -244,10 +244,10 @@ def test_zero23_memory_counts_the_buckets_in_flight(monkeypatch, stage):
     two = last + middle
     assert extra(two) == pytest.approx(max(1.5 * two, first + 1.5 * two, 1.5 * (two + first)), rel=1e-12)
     assert extra(two) == pytest.approx(1.5 * (two + first), rel=1e-12)
-    # the window is the runtime's
+    # the formulas above take the runtime's window (the solver prices with it) as two buckets
     from autopar.runtime import overlap
 
-    assert sharding_solver.REDUCE_SCATTER_WINDOW == overlap.WINDOW == 2
+    assert overlap.WINDOW == 2
 
 
 def _balanced(backward_s: float):
