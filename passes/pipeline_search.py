@@ -492,8 +492,8 @@ class _StagePricer:
         self.cp = CPSpec.from_constraints(dict(constraints or {}), cluster.world_size)
         self._attention = check_cp_graph(graph.graph, self.cp) if self.cp.on else []
         self._cp_pricing: dict[tuple, CPPricing] = {}
-        # an algorithm every stage runs instead of each sub-mesh's fastest (`search_pipeline`'s fallback when no
-        # layout fits with the fastest); the solved stages below are keyed by it
+        # an algorithm every stage runs instead of each sub-mesh's fastest (`_cp_fallback`, where memory binds);
+        # the solved stages below are keyed by it
         self.cp_algorithm: CPAlgorithm | None = None
         self.constraints = dict(constraints or {})  # the pins the tensor-split rule reads (tp, tp_min_split)
         self.recompute = recompute  # a pinned activation recompute mode, or None to choose per stage
@@ -540,8 +540,8 @@ class _StagePricer:
         figures = {a: (c.time_s, c.saved_bytes, c.peak_extra_bytes) for a, c in cost.items()}
 
         def dominated(a: CPAlgorithm) -> bool:
-            return any(b != a and figures[b] != figures[a] and all(x <= y for x, y in zip(figures[b], figures[a], strict=True))
-                       for b in figures)  # fmt: skip
+            mine = figures[a]
+            return any(f != mine and all(x <= y for x, y in zip(f, mine, strict=True)) for f in figures.values())
 
         return [a for a in ref.ranked[1:] if not dominated(a)]
 
