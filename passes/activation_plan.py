@@ -65,7 +65,7 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
         if mode == "none":
             continue
         n = round(len(recompute_segments(graph, mode)) * scale)  # segments of the whole model
-        acts, peak, seconds = prog.fixed_activations(choice, mode)
+        acts, peak, seconds = prog.fixed_activations(choice, mode, res.zero_stage)
         if n:
             per[mode] = ((none_acts - acts) / n, seconds / n, peak, min(n, layers))
     host_left = 0.0
@@ -79,7 +79,7 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
         return res
     uniform_acts = res.memory.get("activations", 0.0) + res.memory.get("recompute", 0.0)
     rest = sum(res.memory.values()) - uniform_acts
-    _, _, solved_s = prog.fixed_activations(choice, res.recompute)
+    _, _, solved_s = prog.fixed_activations(choice, res.recompute, res.zero_stage)
     # on a layout that otherwise runs as plain tensors, any treatment moves it to the sharded runtime
     plain = prog.runs_plain(res.zero_stage)
     # (and its gradient all-reduces no longer overlap backward)

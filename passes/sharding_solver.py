@@ -1468,11 +1468,35 @@ class ShardingProgram:
                 self.memory_terms["prefetch"] = [ahead * z for s, z in self.z.items() if s >= 1 and self.overlaps_at(s)]
         self._use_mode(recompute or self.recompute_choices[0])
 
+    def regathered(self, recompute: str) -> list[str]:
+        """The parameter groups whose weights recompute mode r gathers over the data axis again: those its
+        recomputed nodes read, at ZeRO-1/2 in the sharded program without overlap, which gathers a weight at
+        each use (its overlapping program holds each gathered weight for the step; ZeRO-3's recompute takes the
+        place of the backward's gather, which `sync_time` prices)."""
+        if recompute == "none" or self.dp == 1:
+            return []
+        rec = recomputed_nodes(self.graph.graph, recompute)
+        read = {a.name for n in self.graph.graph.nodes if n.name in rec
+                for a in n.all_input_nodes if a.op == "placeholder"}  # fmt: skip
+        return [g for g in self._param_groups() if g in read and self.graph.params[g].requires_grad]
+
+    def regather_s(self, name: str, k: int, stage: int) -> float:
+        """Seconds a step spends gathering parameter group `name` (strategy k) again in its recomputed forwards
+        at ZeRO stage `stage` (one all-gather per micro-batch and layer; 0 where the stage does not)."""
+        if stage not in (1, 2) or self.overlaps_at(stage) or self.runs_plain(stage):
+            return 0.0
+        info, pl = self.graph.params[name], self.groups[name].strategies[k].output
+        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        ag = estimate_collective_time(Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link)
+        return self.groups[name].count * ag * self.mb
+
     def add_recompute_cost(self, recompute: str) -> list:
         """Objective terms of recompute mode r: the forward of every recomputed node and the resharding
-        its arguments need, once more: sum_{g, m in R} n_g sum_k x[g,k] F[m,k] + sum_{e into R} n_e y Rf."""
+        its arguments need, once more: sum_{g, m in R} n_g sum_k x[g,k] F[m,k] + sum_{e into R} n_e y Rf, and the
+        weights it gathers again (`regathered`): sum_{w read in R} sum_{k, s} regather_s(w, k, s) u[w,k,s]."""
         rec = recomputed_nodes(self.graph.graph, recompute)
-        terms = []
+        terms = [self.regather_s(w, k, st) * u for w in self.regathered(recompute)
+                 for (name, k, st), u in self.u.items() if name == w and self.regather_s(w, k, st)]  # fmt: skip
         for name, members in self._fwd_s.items():
             grp = self.groups[name]
             for m, fwd in members.items():
@@ -1488,10 +1512,12 @@ class ShardingProgram:
 
     # ------------------------------------------------------- activations of one chosen layout, per mode
 
-    def fixed_activations(self, choice: dict[str, int], recompute: str) -> tuple[float, float, float]:
+    def fixed_activations(self, choice: dict[str, int], recompute: str,
+                          stage: int | None = None) -> tuple[float, float, float]:  # fmt: skip
         """(saved activation bytes, recomputed-segment peak bytes, recompute seconds) of the layout `choice`
-        (strategy per group) under recompute mode r: the program's M_saved(r), M_recompute(r) and
-        recompute objective terms evaluated at that layout, without solving."""
+        (strategy per group) at ZeRO stage `stage` (None: the weights' gathers left out) under recompute mode r:
+        the program's M_saved(r), M_recompute(r) and recompute objective terms evaluated at that layout, without
+        solving."""
         acts = self.activation_copies * sum(grp.count * self.saved_bytes(name, choice[name], recompute)
                                             for name, grp in self.groups.items())  # fmt: skip
         peak = max((sum(self._member_bytes(self.groups[g], m, choice[g]) for g, m in seg)
@@ -1506,6 +1532,8 @@ class ShardingProgram:
                 if m in rec:
                     seconds += fwd[choice[name]] + (gather[m][choice[name]] if gather.get(m) else 0.0)
         seconds += sum(coef for c, coef, _, cond in self._edge_fwd if c in rec and all(choice[g] == k for g, k in cond))
+        if stage is not None:
+            seconds += sum(self.regather_s(w, choice[w], stage) for w in self.regathered(recompute))
         return acts, peak, seconds
 
     def fixed_layer_activations(self, choice: dict[str, int]) -> tuple[float, float]:
