@@ -493,7 +493,7 @@ class _StagePricer:
         self._attention = check_cp_graph(graph.graph, self.cp) if self.cp.on else []
         self._cp_pricing: dict[tuple, CPPricing] = {}
         # an algorithm every stage runs instead of each sub-mesh's fastest (`_cp_fallback`, where memory binds);
-        # the solved stages below are keyed by it
+        # the solved stages below are keyed by the algorithm they run (`cp_run`)
         self.cp_algorithm: CPAlgorithm | None = None
         self.constraints = dict(constraints or {})  # the pins the tensor-split rule reads (tp, tp_min_split)
         self.recompute = recompute  # a pinned activation recompute mode, or None to choose per stage
@@ -531,19 +531,26 @@ class _StagePricer:
                                            f"pipeline layout runs {alg}")  # fmt: skip
 
     def leaner_cp_algorithms(self) -> list[CPAlgorithm]:
-        """The algorithms worth a search of their own when memory binds: those no other algorithm beats in time,
-        kept K/V and working memory at once, less the fastest, on a (cp, 1) sub-mesh (the orders hold at other
-        sizes: each figure scales with the tokens and heads a rank holds)."""
+        """The algorithms worth a search of their own when memory binds: those no other algorithm beats in both
+        kept K/V and working memory, on a (cp, 1) sub-mesh. Their memory order holds on every sub-mesh (each
+        figure scales with the tokens and heads a rank holds), their time order does not (latencies, and a ring
+        step's max of compute and transfer), so which one is fastest is left to each search. In practice ring
+        (nothing kept, the smallest blocks in flight) is the one."""
         ref = self.cp_pricing(self.cp.degree, 1, 1)
         node = self._attention[0]
-        cost = {a: ref.cost(node, 1, algorithm=a) for a in ref.ranked}
-        figures = {a: (c.time_s, c.saved_bytes, c.peak_extra_bytes) for a, c in cost.items()}
+        figures = {a: (c.saved_bytes, c.peak_extra_bytes) for a in ref.ranked
+                   for c in (ref.cost(node, 1, algorithm=a),)}  # fmt: skip
 
-        def dominated(a: CPAlgorithm) -> bool:
-            mine = figures[a]
+        def dominated(mine: tuple[float, float]) -> bool:
             return any(f != mine and all(x <= y for x, y in zip(f, mine, strict=True)) for f in figures.values())
 
-        return [a for a in ref.ranked[1:] if not dominated(a)]
+        return [a for a, f in figures.items() if not dominated(f)]
+
+    def cp_run(self, dp: int, tp: int, m: int) -> CPAlgorithm | None:
+        """The algorithm a stage on this sub-mesh runs (None without cp): what its solved programs are keyed by, so
+        that a search that forces an algorithm reuses the stages where it is the fastest anyway."""
+        pricing = self.cp_pricing(dp, tp, m)
+        return pricing.algorithm if pricing is not None else None
 
     def runs_cp_algorithm(self, tp: int) -> bool:
         """Whether a sub-mesh of tensor degree tp can run `cp_algorithm` (all-to-all needs the heads a tensor rank
@@ -564,7 +571,7 @@ class _StagePricer:
 
     def free(self, k: int, first: bool, last: bool, dp: int, tp: int, m: int) -> _Priced:
         """The memory-free optimum at the lowest allowed ZeRO stage: the fastest this stage can be."""
-        key = (k, first, last, dp, tp, m, self.cp_algorithm)
+        key = (k, first, last, dp, tp, m, self.cp_run(dp, tp, m))
         if key not in self._free:
             prog = self.program(k, first, last, dp, tp, m)
             if prog.cannot_split():  # a tensor axis with no weight to split is data parallelism
@@ -580,7 +587,7 @@ class _StagePricer:
         free = self.free(k, first, last, dp, tp, m)
         if not free.feasible or sum(free.memory_at(copies).values()) <= self.budget:
             return free
-        key = (k, first, last, dp, tp, m, round(copies, 6), self.cp_algorithm)
+        key = (k, first, last, dp, tp, m, round(copies, 6), self.cp_run(dp, tp, m))
         if key not in self._bound:
             prog = self.program(k, first, last, dp, tp, m, copies)
             if sum(prog.memory_lower_bound().values()) > self.budget:
@@ -594,7 +601,7 @@ class _StagePricer:
 
     def floors(self, first: bool, last: bool, dp: int, tp: int, b: int) -> _Floors:
         """The one-layer bounds of a stage kind (see `_Floors`)."""
-        akey, skey = (first, last, tp, b, self.cp_algorithm), (first, last, dp, tp)
+        akey, skey = (first, last, tp, b, self.cp_run(1, tp, self.batch // b)), (first, last, dp, tp)
         if akey not in self._act_floor:
             prog = self.program(1, first, last, 1, tp, self.batch // b)
             bounds = {mode: prog.memory_lower_bound(mode) for mode in prog.recompute_choices}
@@ -884,6 +891,7 @@ class _Search:
         self.num_configurations = 0
         self.num_programs = 0  # stage programs this search solved (its pricer may hold others' too)
         self.least_memory: tuple[float, _Config] | None = None
+        self.dropped = False  # whether some configuration fit no cut at the memory floors (memory bound the search)
 
     def kmin(self, cfg: _Config) -> int:
         return cfg.v if cfg.schedule == Schedule.INTERLEAVED_1F1B else 1
@@ -925,6 +933,7 @@ class _Search:
             self.num_configurations += len(tried)
             fits = [(est[0], cfg, est[1]) for cfg in tried if (est := self.estimate(cfg)) is not None]
             out += fits
+            self.dropped |= len(fits) < len(tried)
             if tried and not fits:
                 break
             here = min((f[0] for f in fits), default=math.inf)
@@ -1023,7 +1032,8 @@ class _Search:
             records.append({"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp, "num_microbatches": cfg.m,
                             "schedule": cfg.schedule.value, "virtual_stages": cfg.v, "estimate_s": est,
                             "step_time_s": got[0] if got else None,
-                            "reason": "" if got else "no cut fits the memory budget"})  # fmt: skip
+                            "reason": "" if got else "no cut fits the memory budget"}
+                           | ({"cp_attention": str(alg)} if (alg := self.pricer.cp_run(cfg.dp, cfg.tp, cfg.m)) else {}))  # fmt: skip
             if got is None:
                 continue
             self.say(f"pipeline {cfg.describe(self.pricer.cp.degree)}: {got[0] * 1e3:.2f} ms "
@@ -1131,12 +1141,19 @@ class _StackSearch(_Search):
 # ----------------------------------------------------------------------------------------- entry point
 
 
+def _record_key(record: dict) -> tuple:
+    """A priced configuration's identity in the search records: its layout and the cp algorithm it ran."""
+    return tuple(record.get(k) for k in ("pp", "dp", "tp", "num_microbatches", "schedule", "virtual_stages",
+                                         "cp_attention"))  # fmt: skip
+
+
 def _cp_fallback(pricer: _StagePricer, c: dict, say, records: list[dict], best: tuple | None, search: _Search):
     """The search again with every stage on one cp attention algorithm, for each algorithm, the fastest layout
     kept. The first search runs each sub-mesh's fastest algorithm; where memory binds, one that holds less (ring
     keeps no gathered K/V, all-gather keeps them, all-to-all its head-split copies) may need less recompute or
     fewer micro-batches and so win, or fit where nothing else does. Each search skips the configurations whose
-    estimate cannot beat the best so far, so where memory does not bind they cost their estimates only.
+    estimate cannot beat the best so far, and reuses the stages priced before where the algorithm is the fastest
+    anyway (the stage-range search of several stacks prices exactly, so it estimates nothing).
 
     Returns the records of every search, the best layout (None if none fits) and the search it came from (or,
     with none, the one whose leanest layout needs least, for the error message)."""
@@ -1147,7 +1164,8 @@ def _cp_fallback(pricer: _StagePricer, c: dict, say, records: list[dict], best: 
             again = type(search)(pricer, c, say)
             say(f"pipeline: every stage on {alg} cp attention")
             more, got = again.run(best[0] if best is not None else math.inf)
-            records = records + [dict(r, cp_attention=str(alg)) for r in more]
+            seen = {_record_key(r) for r in records}
+            records = records + [r for r in more if _record_key(r) not in seen]
             if got is not None and (best is None or got[0] < best[0]):
                 best, found = got, again
             if best is None and again.least_memory is not None and (
@@ -1221,8 +1239,10 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
         programs_before = pricer.num_programs
         search = (_StackSearch if structure.stacks else _Search)(pricer, c, say)
         records, best = search.run()
-        # where memory binds (or nothing fits), a cp algorithm that holds less may win
-        if pricer.cp.on and pricer.cp.algorithm is None and (best is None or any(p.bound for p in best[3])):
+        # where memory binds (nothing fits, a configuration fits no cut, or a stage of the best is priced within the
+        # budget), a cp algorithm that holds less may win
+        if pricer.cp.on and pricer.cp.algorithm is None and (best is None or search.dropped
+                                                             or any(p.bound for p in best[3])):  # fmt: skip
             records, best, search = _cp_fallback(pricer, c, say, records, best, search)
         search.num_programs = pricer.num_programs - programs_before
     else:

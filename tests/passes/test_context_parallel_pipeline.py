@@ -185,3 +185,23 @@ def test_where_memory_binds_the_pipeline_runs_the_leaner_cp_algorithm():
         assert got.predicted.step_time_s == pytest.approx(ring.predicted.step_time_s, rel=1e-9)
         assert any(line.startswith("allgather: faster per layer, but under the memory budget")
                    for line in got.context_parallel["priced"])  # fmt: skip
+
+
+def test_where_memory_rules_out_configurations_the_pipeline_runs_the_leaner_cp_algorithm():
+    # Micro-batches free, 8 sequences of 256 tokens, recompute off. At 4 micro-batches all-gather is faster than
+    # ring and holds more. Under a budget between the two's peaks there, all-gather's 4 micro-batches (and ring's 2)
+    # no longer fit at the memory floors, so all-gather's search prices 8 only, none of whose stages is
+    # memory-bound: the search must still try ring, whose 4 micro-batches fit and win.
+    c = {"pp": 2, "cp": 2, "recompute": "none"}
+
+    def plan(budget=None, **pins):
+        return _plan("cpu:4", c | pins, batch=8, seq=256, memory_budget=budget, alternatives=False)
+
+    ag, ring = plan(cp_attention="allgather", num_microbatches=4), plan(cp_attention="ring", num_microbatches=4)
+    assert ag.predicted.step_time_s < ring.predicted.step_time_s
+    between = (ring.predicted.peak_memory_bytes + ag.predicted.peak_memory_bytes) / 2
+    assert plan(between, cp_attention="allgather").predicted.step_time_s > ring.predicted.step_time_s
+    got = plan(between)
+    assert got.context_parallel["algorithm"] == "ring"
+    assert got.num_microbatches == 4
+    assert got.predicted.step_time_s == pytest.approx(ring.predicted.step_time_s, rel=1e-9)
