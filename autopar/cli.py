@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--cluster", help="run, soak and checkpoint suites: local CPU ranks, cpu:N (default cpu:2; "
                    "cpu:4 for soak)")  # fmt: skip
     b.add_argument("--methods", help="run suite: comma-separated methods, e.g. autopar,autopar-dp,ddp (default "
-                   "autopar,ddp,fsdp2,tp; also autopar-zero3, autopar-dp-no-overlap)")  # fmt: skip
+                   "autopar,ddp,fsdp2,tp; also autopar-dp, autopar-zero3, autopar-dp-no-overlap, autopar-offload, "
+                   "autopar-offload-no-overlap)")  # fmt: skip
     b.add_argument("--models", help="run suite: comma-separated models, e.g. wide-llama (default: the small ones)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     b.set_defaults(fn=_bench_cmd)

@@ -125,9 +125,9 @@ def test_run_suite_measures_every_method(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a link fit on a busy machine may fall back to the preset, with a warning
         doc = execution.run(tmp_path, cluster="cpu:2", models=(model,), settings=RunSettings(1, 2, 2, 1, min_measured_s=0.2, max_repetitions=4),
-                            show_progress=False, methods="autopar,autopar-dp,ddp,fsdp2,tp")  # fmt: skip
+                            show_progress=False, methods="autopar,autopar-dp,autopar-offload,ddp,fsdp2,tp")  # fmt: skip
     (res,) = doc["results"]
-    assert set(res["methods"]) == {"autopar", "autopar-dp", "ddp", "fsdp2", "tp"}
+    assert set(res["methods"]) == {"autopar", "autopar-dp", "autopar-offload", "ddp", "fsdp2", "tp"}
     times = []
     # at least 2 repetitions, more (up to 4) while a method had under 0.2 s timed; the same count for every method
     reps = len(res["methods"]["ddp"]["times_s"])
@@ -156,6 +156,8 @@ def test_run_suite_measures_every_method(tmp_path):
     assert auto["predicted_step_time_s"] > 0 and auto["mesh"]
     dp = res["methods"]["autopar-dp"]
     assert dp["mesh"] == {"dp": 2, "tp": 1} and dp["zero_stage"] == 0 and dp["predicted_exposed_comm_s"] > 0
+    offload = res["methods"]["autopar-offload"]
+    assert offload["program"] == "offload" and offload["mesh"] == {"dp": 2, "tp": 1} and offload["zero_stage"] == 3
     pair = res["pairs"]["autopar-dp/ddp"]
     assert pair["ratios"] == [a / b for a, b in zip(dp["times_s"], res["methods"]["ddp"]["times_s"], strict=True)]
     # The prediction comes from the cost model profiled on this machine before the run.

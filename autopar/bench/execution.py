@@ -302,7 +302,7 @@ def spawn_ranks(world: int, models, settings: RunSettings, *, show_progress: boo
 
 
 # what `_summarise` carries over from rank 0's record of a method as it is
-_CARRIED = ("predicted_step_time_s", "predicted_breakdown_s", "mesh", "zero_stage", "plan_stats",
+_CARRIED = ("predicted_step_time_s", "predicted_breakdown_s", "program", "mesh", "zero_stage", "plan_stats",
             "predicted_exposed_comm_s", "predicted_hidden_comm_s", "overlap", "noop_times_s",
             "noop_collectives_per_step")  # fmt: skip
 
@@ -483,13 +483,14 @@ def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 
     return estimator, record
 
 
-def plan_model(spec: RunModel, cluster, estimator, constraints: dict | None = None):
-    """autopar's plan for `spec` on `cluster`, priced by `estimator`, with `constraints` pinned."""
+def plan_model(spec: RunModel, cluster, estimator, constraints: dict | None = None, options: dict | None = None):
+    """autopar's plan for `spec` on `cluster`, priced by `estimator`, with `constraints` (and the other `autopar.plan`
+    settings in `options`) pinned."""
     import autopar
 
     _, base, ids = _model_and_batch(spec)
     return autopar.plan(base, cluster, example_inputs=(ids,), example_kwargs={"labels": ids}, estimator=estimator,
-                        alternatives=False, constraints=constraints)  # fmt: skip
+                        alternatives=False, constraints=constraints, **(options or {}))  # fmt: skip
 
 
 def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, models=None, settings=None,
@@ -528,7 +529,8 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
         estimator, calibration["models"][m.name] = model_estimator(m, world, out, repeats=settings.calibration_repeats,
                                                                    show_progress=show_progress)  # fmt: skip
         calibration["models"][m.name] |= link
-        plans = {n: plan_model(m, cluster_spec, estimator, METHODS[n].constraints(world)).to_json()
+        plans = {n: plan_model(m, cluster_spec, estimator, METHODS[n].constraints(world),
+                               METHODS[n].plan_options()).to_json()
                  for n in methods if is_autopar(n)}  # fmt: skip
         results += _summarise(spawn_ranks(world, [m], settings, show_progress=show_progress, plans={m.name: plans},
                                           methods=methods))  # fmt: skip

@@ -4,7 +4,9 @@ PyTorch's own APIs configured by hand.
 - `autopar`: `autopar.compile` with the plan the suite priced (or planned on the ranks), then `train_step`;
   `autopar-dp` pins data parallelism over every rank (ZeRO-0: the data-parallel program), `autopar-zero3`
   ZeRO stage 3 over every rank, `autopar-dp-no-overlap` the data-parallel program with its gradient
-  all-reduces after backward instead of launched from it.
+  all-reduces after backward instead of launched from it; `autopar-offload` pins host offload (the offload
+  program: ZeRO-3 over chunks, optimizer states on the host) and `autopar-offload-no-overlap` the same with
+  each chunk gathered where it is used and each reduce-scatter waited where it is issued.
 - `ddp`: `DistributedDataParallel` as users run it (25 MiB buckets whose all-reduces start from backward).
 - `fsdp2`: `fully_shard` per decoder block, then the whole model.
 - `tp`, for LLaMA: `parallelize_module` with Megatron's column-wise q/k/v and gate/up projections, row-wise o
@@ -55,6 +57,11 @@ def _state_bytes(params, optimizer) -> int:
     return total
 
 
+def _chunk_state_bytes(store) -> int:
+    """Bytes of this rank's chunk shards: master weights, gradients and the optimizer's two moments."""
+    return sum(t.nbytes for c in store.chunks for t in (c.master, c.grad, c.exp_avg, c.exp_avg_sq) if t is not None)
+
+
 class Method:
     """A model prepared for one method; `step()` runs one optimizer step on the global batch and sets `last_loss`."""
 
@@ -96,6 +103,11 @@ class _Autopar(Method):
         """What the method pins of the plan on `world` ranks (None: the free search)."""
         return None
 
+    @staticmethod
+    def plan_options() -> dict:
+        """Other `autopar.plan` settings the method pins (offload=, say)."""
+        return {}
+
     def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw", plan_json: str | None = None):
         import autopar
 
@@ -105,7 +117,8 @@ class _Autopar(Method):
         cluster = plan.cluster if plan is not None else f"cpu:{world}"
         self.pm = autopar.compile(model, cluster, example_inputs=(ids,), example_kwargs={"labels": ids},
                                   optimizer=OPTIMIZERS[optimizer], plan=plan,
-                                  constraints=None if plan is not None else self.constraints(world))  # fmt: skip
+                                  constraints=None if plan is not None else self.constraints(world),
+                                  **({} if plan is not None else self.plan_options()))  # fmt: skip
         self.setup_time_s = time.perf_counter() - t0
         self.optimizer = self.pm.optimizer
 
@@ -113,12 +126,16 @@ class _Autopar(Method):
         self.last_loss = self.pm.train_step(self.ids, labels=self.ids)
 
     def state_bytes(self) -> int:
+        store = getattr(self.pm, "store", None)  # the offload program keeps its states in chunks
+        if store is not None:
+            return _chunk_state_bytes(store)
         return _state_bytes(list(self.pm.parameters()), self.optimizer)
 
     def extra(self) -> dict:
         plan = self.pm.plan
         pred = plan.predicted
         return {"predicted_step_time_s": pred.step_time_s, "mesh": dict(plan.mesh), "zero_stage": plan.zero_stage,
+                "program": str(plan.program),
                 "predicted_breakdown_s": {"compute": pred.compute_s, "reshard": pred.reshard_s,
                                           "grad_sync": pred.grad_sync_s, "optimizer": pred.optimizer_s,
                                           "offload": pred.offload_s},
@@ -149,6 +166,26 @@ class _AutoparDPNoOverlap(_Autopar):
     @staticmethod
     def constraints(world: int) -> dict | None:
         return {"dp": world, "zero": 0, "overlap": False}
+
+
+class _AutoparOffload(_Autopar):
+    name = "autopar-offload"
+
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        return {"dp": world, "tp": 1}
+
+    @staticmethod
+    def plan_options() -> dict:
+        return {"offload": True}
+
+
+class _AutoparOffloadNoOverlap(_AutoparOffload):
+    name = "autopar-offload-no-overlap"
+
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        return {"dp": world, "tp": 1, "overlap": False}
 
 
 class _DDP(Method):
@@ -238,8 +275,8 @@ def tp_skip_reason(config, world: int) -> str | None:
     return None
 
 
-METHODS = {m.name: m for m in (_Autopar, _AutoparDP, _AutoparZero3, _AutoparDPNoOverlap, _DDP, _FSDP2,
-                                _TensorParallel)}  # fmt: skip
+METHODS = {m.name: m for m in (_Autopar, _AutoparDP, _AutoparZero3, _AutoparDPNoOverlap, _AutoparOffload,
+                                _AutoparOffloadNoOverlap, _DDP, _FSDP2, _TensorParallel)}  # fmt: skip
 # what a run measures unless told (`--methods`)
 DEFAULT_METHODS = ("autopar", "ddp", "fsdp2", "tp")
 BASELINES = ("ddp", "fsdp2", "tp")
