@@ -548,19 +548,18 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
     overlap = bool(constraints.get("overlap", True))
     chosen = dataclasses.replace(_sharded_plan(job, sol), grad_reduce=constraints.get("grad_reduce") or "fp32",
                                  overlap=overlap, prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
-    offloads = chosen.program == ProgramKind.OFFLOAD
-    if "overlap" not in constraints and overlap and (chosen.program == ProgramKind.SHARDED or offloads) \
+    if "overlap" not in constraints and overlap and chosen.program in (ProgramKind.SHARDED, ProgramKind.OFFLOAD) \
             and chosen.zero_stage >= 1:  # fmt: skip
         # the overlapping program holds more than the synchronous one (ZeRO-1: whole fp32 gradients,
         # `ShardingProgram.overlap_grad_bytes`; ZeRO-2/3: the gradient buckets in flight, `in_flight_grad_bytes`;
         # from ZeRO-1 the weights gathered ahead): where that memory costs more than the overlap hides (more
         # micro-batches, recompute, offload), the synchronous program is the faster plan. A plan that offloads runs
-        # the offload program, which does not overlap: the plan without overlap is the one priced as it runs.
+        # the offload program, which overlaps or not as its plan says, and is priced so.
         try:
             without = _solve(job, constraints | {"overlap": False}, quiet=True)
         except InfeasiblePlanError:
             without = None
-        if without is not None and (offloads or without[0].predicted.step_time_s < chosen.predicted.step_time_s):
+        if without is not None and without[0].predicted.step_time_s < chosen.predicted.step_time_s:
             return without
     return chosen, _sharded_runner_up(sol)
 

@@ -51,7 +51,8 @@ def sharded_terms(*, step_s: float, compute_s: float, recompute_s: float, reshar
     `cp_comm_s`, cp attention's exposed communication, is not in it)."""
     terms = {"compute": compute_s - recompute_s, "recompute": recompute_s, "comm_tp": reshard_s,
              "comm_dp": grad_sync_s, "comm_cp": cp_comm_s, "offload": offload_s, "optimizer": optimizer_s}  # fmt: skip
-    terms["other"] = max(0.0, step_s - sum(terms.values()))
+    other = step_s - sum(terms.values())
+    terms["other"] = other if other > 1e-12 * step_s else 0.0  # below that, rounding in the sums
     return {k: terms.get(k, 0.0) for k in TERMS}
 
 

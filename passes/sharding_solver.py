@@ -171,6 +171,7 @@ from autopar.cost_model.compute import optimizer_step_time_s
 from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
+from autopar.memory.layout import ALIGN_NUMEL, ParamSpec, offload_chunk_numel, pack
 from autopar.passes import sharding_rules as rules
 from autopar.passes.activation_plan import layer_indices, mix_layer_modes
 from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, is_attention, price_cp_attention
@@ -914,8 +915,9 @@ class ShardingProgram:
     def _add_overlap_grads(self) -> None:
         """Memory rows gain what the overlapping sharded program holds beyond `state_bytes`: `overlap_grad_bytes`
         of the layout (ZeRO-1) and `in_flight_grad_bytes` of the stage (ZeRO-2/3), unless the offload program runs
-        the layout (offload pinned, or o of `add_offload_constraint` where the solver may offload: it runs at ZeRO-3
-        and holds none of them)."""
+        the layout (offload pinned, or o of `add_offload_constraint` where the solver may offload: it runs at ZeRO-3,
+        and its gradient staging buffers, a chunk each, stand in for the buckets; the runtime sizes its chunks so
+        that the ones in flight take a small share of the budget, and they are not counted here)."""
         for (name, k, s), u in self.u.items():
             extra = self.groups[name].count * self.overlap_grad_bytes(name, k, s)
             if extra and not (self._offloading and s == 3):
@@ -933,8 +935,7 @@ class ShardingProgram:
         buckets reduce-scatter it (`runtime.sharded`), where `state_bytes` counts the gradient as reduce-scattered
         in the compute format. ZeRO-2/3 reduce-scatter every micro-batch's gradients and hold whole ones only
         while their bucket fills (`in_flight_grad_bytes`, per step, not per parameter). Device memory only: the
-        offload program, which does not overlap, keeps `state_bytes`' gradients (so an offloading plan is priced
-        on the safe side)."""
+        offload program (ZeRO-3 chunks) keeps `state_bytes`' gradients."""
         if stage != 1 or not self.overlaps_at(stage):
             return 0.0
         info = self.graph.params[name]
@@ -1001,6 +1002,9 @@ class ShardingProgram:
         # DTensor redistribution per parameter, no buckets): every one pays a whole collective's latency. Each
         # micro-batch's forward gathers it and that gather's backward reduce-scatters its gradient, at every stage;
         # stage 3 gathers it again for the backward (its weights are released after the forward).
+        if self.runs_chunks(stage):  # the offload program: its share of the chunks' collectives
+            rs_bw, rs_fix, ag_bw, ag_fix = self.chunk_collectives(local)
+            return (rs_bw + rs_fix + 2 * (ag_bw + ag_fix)) * self.mb
         rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
         ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
         return rs * self.mb + ag * (2 * self.mb if stage == 3 else self.mb)
@@ -1011,11 +1015,81 @@ class ShardingProgram:
         return self.overlap and self.dp > 1
 
     def overlaps_at(self, stage: int) -> bool:
-        """Whether the sharded program overlaps at ZeRO stage `stage`: every stage it runs, with overlap on; not
-        ZeRO-3 with offload pinned, which the offload program runs (it does not overlap). Where the solver may
-        offload, a layout that does is priced as if it overlapped: `autopar.api` plans it again without overlap."""
-        pinned_offload = stage == 3 and self.offload is True and self.dp > 1
-        return self.sharded_overlap and not self.runs_plain(stage) and not pinned_offload
+        """Whether the sharded program overlaps at ZeRO stage `stage`: every stage it runs, with overlap on. ZeRO-3
+        with offload is run by the offload program, which overlaps as the sharded program does (each chunk's
+        gather prefetched one chunk ahead, its reduce-scatter behind the backward that follows), and is priced
+        the same way, chunks standing for the buckets (see `sharded_sync_parts`)."""
+        return self.sharded_overlap and not self.runs_plain(stage)
+
+    def runs_chunks(self, stage: int) -> bool:
+        """Whether the offload program runs the layout at `stage` (offload pinned, ZeRO-3 on a data axis): its
+        collectives move chunks of many parameters, not one parameter each. Where the solver may offload (offload
+        None), the program is decided with the solution (o of `add_offload_constraint`), and a ZeRO-3 layout is
+        priced as the sharded program runs it, per parameter, whichever runs."""
+        return stage == 3 and self.offload is True and self.dp > 1
+
+    def chunk_collectives(self, numel: float) -> tuple[float, float, float, float]:
+        """(RS_bw, RS_fix, AG_bw, AG_fix): a parameter of `numel` elements' share (by its elements, of the trainable
+        ones) of one reduce-scatter of every trainable chunk's gradients (fp32 staging, as the offload program
+        reduces them) and one all-gather of every chunk's payload (the compute format), frozen chunks included,
+        each split into bandwidth and latency (`_chunk_totals`)."""
+        totals, trainable = self._chunk_totals
+        return tuple(t * numel / trainable for t in totals) if trainable else (0.0, 0.0, 0.0, 0.0)
+
+    def _model_param_specs(self) -> list[ParamSpec]:
+        """The model's parameters in the order it uses them, as the offload program packs them: a deduplicated
+        layer's parameters (a run of them with the same layer and multiplicity) repeated as often as it occurs,
+        where its copies were."""
+        specs: list[ParamSpec] = []
+        run: list = []
+        key = None
+
+        def flush() -> None:
+            for r in range(key[1] if run else 0):
+                specs.extend(
+                    ParamSpec(f"{i.name}#{r}", tuple(i.meta.shape), requires_grad=i.requires_grad) for i in run
+                )
+
+        for node, info in self.graph.params.items():
+            count = self.graph.layer_count.get(node, 1)
+            if not count:  # a copy of a deduplicated layer: its representative stands for it
+                continue
+            if (info.layer, count) != key:
+                flush()
+                run, key = [], (info.layer, count)
+            run.append(info)
+        flush()
+        return specs
+
+    @functools.cached_property
+    def offload_chunks(self) -> tuple:
+        """The chunks (`ChunkLayout`s) the offload program packs the model into on this data axis, in its order:
+        `offload_chunk_numel` under the memory budget, `pack`."""
+        specs = self._model_param_specs()
+        budget = self.budget if math.isfinite(self.budget) else self.cluster.device.memory_bytes
+        numel = offload_chunk_numel([sp.numel for sp in specs], dp=self.dp, budget_bytes=budget,
+                                    compute_itemsize=int(self.precision.param_bytes))  # fmt: skip
+        return pack(specs, numel, multiple=ALIGN_NUMEL * self.dp)
+
+    def _chunk_bandwidth(self, kind: Collective, nbytes: float) -> float:
+        """The bandwidth part of one chunk's collective of `nbytes` (its latency apart)."""
+        return estimate_collective_time(kind, nbytes, self.dp, self.dp_link) - self._chunk_latency(kind)
+
+    def _chunk_latency(self, kind: Collective) -> float:
+        return estimate_collective_time(kind, 0.0, self.dp, self.dp_link)
+
+    @functools.cached_property
+    def _chunk_totals(self) -> tuple[tuple[float, float, float, float], int]:
+        """((RS_bw, RS_fix, AG_bw, AG_fix), trainable elements) over `offload_chunks`: a reduce-scatter of each
+        trainable chunk's fp32 gradient staging and a gather of each chunk's payload (the compute format), the
+        fixed part one latency per chunk."""
+        rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
+        trainable = [c for c in self.offload_chunks if c.requires_grad]
+        totals = (sum(self._chunk_bandwidth(rs, c.capacity * _FP32_BYTES) for c in trainable),
+                  self._chunk_latency(rs) * len(trainable),
+                  sum(self._chunk_bandwidth(ag, c.capacity * self.precision.param_bytes) for c in self.offload_chunks),
+                  self._chunk_latency(ag) * len(self.offload_chunks))  # fmt: skip
+        return totals, sum(sp.numel for sp in self._model_param_specs() if sp.requires_grad)
 
     def sharded_sync_parts(self, name: str, k: int, stage: int) -> tuple[float, float, float, float]:
         """(G_bw, G_fix, A_bw, A_fix): one parameter's data-axis collectives in the sharded program with overlap,
@@ -1026,11 +1100,18 @@ class ShardingProgram:
         (every backward issues them); its share of a bucket's latency is pro rata, as in `_bucketed`; stage 3's
         gathers for the backward (one per micro-batch) share the link with them during backward, so their
         bandwidth part is in G_bw too. A: its forward gathers (stage 1, 2: once; stage 3: each micro-batch's), one
-        collective each; with prefetch depth 0 no gather hides (their bandwidth in A_fix).
+        collective each; with prefetch depth 0 no gather hides (their bandwidth in A_fix). The offload program
+        (`runs_chunks`) makes them per chunk: the parameter's share of `chunk_collectives`, a reduce-scatter and two
+        gathers each micro-batch, split the same way.
         """
         info = self.graph.params[name]
         pl = self.groups[name].strategies[k].output
         local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        if self.runs_chunks(stage):  # the offload program: its share of the chunks' collectives, each micro-batch's
+            rs_bw, rs_fix, ag_bw, ag_fix = (t * self.mb for t in self.chunk_collectives(local))
+            if not self.prefetch_depth:  # backward's gathers wait too
+                return rs_bw, rs_fix + 2 * (ag_bw + ag_fix), 0.0, 0.0
+            return rs_bw + ag_bw, rs_fix + ag_fix, ag_bw, ag_fix
         grad_bytes, param_bytes = local * self.precision.grad_bytes_at(stage), local * self.precision.param_bytes
         kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
         full = estimate_collective_time(kind, grad_bytes, self.dp, self.dp_link)
@@ -1154,7 +1235,8 @@ class ShardingProgram:
         chosen). Exposed = what the communication needs beyond the compute it hides behind (the backward of the
         layers after each bucket; F: the forward of the layers before each gather, every micro-batch's), never less
         than the collectives nothing hides: the last bucket of each reducing backward, issued when it ends (T_last,g:
-        the bandwidth part of one bucket of min(BUCKET_BYTES, all gradient bytes)), and each micro-batch's first
+        the bandwidth part of one bucket of min(BUCKET_BYTES, all gradient bytes); the offload program's chunks in
+        `last_bucket_bw_s`), and each micro-batch's first
         gather, which no layer precedes (T_first,a: the first parameter's, m times; stage 3's backward gathers are in
         G_bw: they share the backward's link with the buckets). The fixed latency of every collective (G_fix, A_fix
         of `sharded_sync_parts`) and one bucket's latency per reducing backward are in the objective as they are:
@@ -1176,13 +1258,15 @@ class ShardingProgram:
             self.cost_terms["grad_sync"].append(e_g)
             self.sharded_hidden.append((terms, e_g))
         for s in sharded:
+            if self.runs_chunks(s):  # one latency per chunk, in G_fix already
+                continue
             kind = Collective.ALL_REDUCE if s == 0 else Collective.REDUCE_SCATTER
             latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * self.reductions_per_step(s)
             self.cost_terms["grad_sync"].append(latency * self.z[s])
         if gathers:
             e_a = self.prob.add_variable("exposed_sharded_gathers", 0)
             self.prob += e_a >= pulp.lpSum(gathers) - self.hiding(self._fwd_terms), "sharded_exposed_gathers"
-            first = pulp.lpSum(self.first_gather_bw_s() * self.z[s] for s in sharded if s >= 1)
+            first = pulp.lpSum(self.first_gather_bw_s(s) * self.z[s] for s in sharded if s >= 1)
             self.prob += e_a >= first, "sharded_first_gather"
             if self.eta < 1:
                 self.prob += e_a >= pulp.lpSum(gathers) * (1.0 - self.eta), "sharded_gathers_efficiency"
@@ -1190,16 +1274,31 @@ class ShardingProgram:
             self.sharded_hidden.append((gathers, e_a))
 
     def last_bucket_bw_s(self, stage: int) -> float:
-        """T_last,g of `add_sharded_overlap_constraint`: the bandwidth part of the bucket issued when backward ends."""
+        """T_last,g of `add_sharded_overlap_constraint`: the bandwidth part of the bucket issued when backward ends.
+        In the offload program, the first trainable chunk's reduce-scatter, and also the gather that starts its
+        backward (of the last chunk), which no compute precedes: with one chunk nothing hides."""
+        if self.runs_chunks(stage):
+            first = next((c for c in self.offload_chunks if c.requires_grad), None)
+            if first is None:
+                return 0.0
+            rs = self._chunk_bandwidth(Collective.REDUCE_SCATTER, first.capacity * _FP32_BYTES)
+            if not self.prefetch_depth:  # the backward's gathers are exposed whole (`sharded_sync_parts`)
+                return rs
+            return rs + self._chunk_bandwidth(Collective.ALL_GATHER, self.offload_chunks[-1].capacity
+                                              * self.precision.param_bytes)  # fmt: skip
         total = sum(self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
                     for n in self._param_groups() if self.graph.params[n].requires_grad)  # fmt: skip
         kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
         one = estimate_collective_time(kind, min(BUCKET_BYTES, total), self.dp, self.dp_link)
         return max(one - estimate_collective_time(kind, 1.0, self.dp, self.dp_link), 0.0)
 
-    def first_gather_bw_s(self) -> float:
+    def first_gather_bw_s(self, stage: int) -> float:
         """T_first,a of `add_sharded_overlap_constraint`: the bandwidth part of each micro-batch's first gather (the
-        first trainable parameter the graph reads, whole on the tensor axis)."""
+        first trainable parameter the graph reads, whole on the tensor axis; in the offload program, the first
+        chunk)."""
+        if self.runs_chunks(stage):
+            nbytes = self.offload_chunks[0].capacity * self.precision.param_bytes if self.offload_chunks else 0.0
+            return self._chunk_bandwidth(Collective.ALL_GATHER, nbytes) * self.mb
         names = [n for n in self._param_groups() if self.graph.params[n].requires_grad]
         if not names:
             return 0.0
@@ -1209,9 +1308,13 @@ class ShardingProgram:
 
     def prefetch_bytes(self) -> float:
         """Gathered weights in flight ahead of their use (stages >= 1 with prefetch): `prefetch_depth` times the
-        largest layer's weights, whole (an upper bound where the tensor axis splits some)."""
+        largest layer's weights, whole (an upper bound where the tensor axis splits some); in the offload program,
+        which prefetches one chunk ahead whatever the depth, the largest chunk's payload (none with one chunk)."""
         if not (self.prefetch_depth and any(s >= 1 and self.overlaps_at(s) for s in self.z)):
             return 0.0
+        if all(self.runs_chunks(s) for s in self.z):
+            chunks = self.offload_chunks
+            return max(c.capacity for c in chunks) * self.precision.param_bytes if len(chunks) > 1 else 0.0
         layers: dict = defaultdict(float)
         for info in self.graph.params.values():
             if info.requires_grad:
@@ -1297,7 +1400,7 @@ class ShardingProgram:
         self.prob += pr.optimizer_bytes * h_g == pr.grad_bytes_at(3) * h_o, "offload_grads_with_their_optimizer_states"
         self.prob += pr.optimizer_bytes * h_p == pr.param_bytes * h_o, "offload_weights_with_their_optimizer_states"
         self.prob += h_o + h_g <= self.host_capacity(), "host_memory"
-        self._offloading = self.offload is True  # the offload program runs, which holds no `overlap_grad_bytes`
+        self._offloading = self.offload is True  # the offload program runs, holding no gradient buckets
         if self.dp > 1:  # the offload program runs its chunks as ZeRO-3: only a stage-3 layout offloads
             if 3 in self.z:
                 self.prob += h_o <= self.host_capacity() * self.z[3], "offload_runs_zero3"

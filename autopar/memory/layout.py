@@ -232,3 +232,21 @@ def _default_candidates(sizes: list[int], lo: int, hi: int) -> list[int]:
         stride = len(extra) / _MAX_CANDIDATES
         extra = [extra[int(k * stride)] for k in range(_MAX_CANDIDATES)]
     return grid + extra
+
+
+# Device bytes the offload program's chunks in flight may take, as a fraction of its budget: about two gathered
+# payloads (the one in use and the one prefetched) and two gradient staging buffers, each at most 1/16 of it.
+CHUNK_SHARE_OF_BUDGET = 16
+
+
+def offload_chunk_numel(sizes: Sequence[int], *, dp: int, budget_bytes: float, compute_itemsize: int) -> int:
+    """The chunk size (elements) the offload program packs parameters of these sizes into on a data axis of `dp`
+    ranks, its device holding at most `budget_bytes`: the size with the least waste (`choose_chunk_size`) between
+    MIN_CHUNK_NUMEL and MAX_CHUNK_NUMEL, and small enough that one payload (in the compute dtype,
+    `compute_itemsize` bytes an element) and its fp32 gradient staging take at most 1/CHUNK_SHARE_OF_BUDGET of the
+    budget. The solver prices the program's collectives on the chunks `pack` makes of it."""
+    multiple = ALIGN_NUMEL * dp
+    per_elem = compute_itemsize + torch.float32.itemsize  # payload + gradient staging
+    cap = max(multiple, int(budget_bytes / (CHUNK_SHARE_OF_BUDGET * per_elem)))
+    return choose_chunk_size(sizes, min_numel=min(MIN_CHUNK_NUMEL, cap), max_numel=min(MAX_CHUNK_NUMEL, cap),
+                             multiple=multiple)  # fmt: skip

@@ -3,10 +3,12 @@
 The model's parameters are packed into chunks (`autopar.memory.ChunkStore`), sharded over the
 data axis when dp > 1 (ZeRO-3 over chunks: one all-gather per chunk for forward and one for
 backward, one reduce-scatter of its gradients), and the model computes with views into the
-chunks' payloads, gathered as each module runs and freed after (`ChunkScheduler`). The communication
-overlaps the compute: the next chunk's all-gather is issued while the current one computes, and a chunk's
+chunks' payloads, gathered as each module runs and freed after (`ChunkScheduler`). With the plan's
+overlap on, the communication overlaps the compute: the next chunk's all-gather is issued while the
+current one computes (one chunk ahead, where the plan's prefetch depth is not 0), and a chunk's
 reduce-scatter is issued as soon as its last gradient is in and completed while backward goes on (one in
-flight at a time). The first
+flight at a time); with it off, each chunk is gathered where it is used and each reduce-scatter completes
+where it is issued, as the solver prices the plan without overlap. The first
 chunks, enough to cover the plan's offloaded fraction of the optimizer states, keep their master
 weights, gradients and AdamW moments on the host; the others on the device. `ChunkAdamW` updates
 each chunk where it lives: host chunks by the CPU AdamW over whole chunks (ZeRO-Offload), device
@@ -43,18 +45,13 @@ from torch.utils import _pytree as pytree
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import LoweringError
-from autopar.memory import ChunkAdamW, ChunkScheduler, ChunkStore, MemoryTracker, choose_chunk_size, pack
+from autopar.memory import ChunkAdamW, ChunkScheduler, ChunkStore, MemoryTracker, pack
 from autopar.memory.activations import ActivationOffload, ActivationTracker
-from autopar.memory.layout import ALIGN_NUMEL, MAX_CHUNK_NUMEL, MIN_CHUNK_NUMEL
+from autopar.memory.layout import ALIGN_NUMEL, offload_chunk_numel
 from autopar.memory.store import module_params
 from autopar.plan import Plan, ProgramKind
 from autopar.runtime.base import COMPUTE_DTYPES, Program, check_scalar_loss, rank_rows
 from autopar.trace import TracedModel
-
-# Device bytes the chunks in flight may take, as a fraction of the budget: about two gathered payloads
-# (the one in use and the one prefetched) and two gradient staging buffers, each at most 1/16 of it.
-_CHUNK_SHARE_OF_BUDGET = 16
-
 
 _CROSS_ENTROPY_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
                        "label_smoothing")  # fmt: skip
@@ -197,13 +194,11 @@ class OffloadProgram(Program):
         specs, aliases, values = module_params(module)
         budget = plan.offload.get("device_budget_bytes") or plan.cluster.device.memory_bytes
         compute = COMPUTE_DTYPES.get(plan.precision, torch.float32)
-        multiple = ALIGN_NUMEL * dp
         if chunk_numel is None:
-            per_elem = compute.itemsize + torch.float32.itemsize  # payload + gradient staging
-            cap = max(multiple, int(budget / (_CHUNK_SHARE_OF_BUDGET * per_elem)))
-            chunk_numel = choose_chunk_size([s.numel for s in specs], min_numel=min(MIN_CHUNK_NUMEL, cap),
-                                            max_numel=min(MAX_CHUNK_NUMEL, cap), multiple=multiple)  # fmt: skip
-        host = host_chunks(pack(specs, chunk_numel, multiple=multiple), plan.offload.get("optimizer_fraction", 0.0))
+            chunk_numel = offload_chunk_numel([s.numel for s in specs], dp=dp, budget_bytes=budget,
+                                              compute_itemsize=compute.itemsize)  # fmt: skip
+        host = host_chunks(pack(specs, chunk_numel, multiple=ALIGN_NUMEL * dp),
+                           plan.offload.get("optimizer_fraction", 0.0))  # fmt: skip
         self.tracker = MemoryTracker(budget_bytes=int(budget))
         group = dist.group.WORLD if dp > 1 else None
         self.store = ChunkStore(specs, chunk_numel=chunk_numel, compute_dtype=compute, device=self.device,
@@ -211,7 +206,9 @@ class OffloadProgram(Program):
         self.store.load_state(values)
         del values
         self.store.bind(module)
-        self.scheduler = ChunkScheduler(self.store, module)
+        # the store prefetches one chunk ahead at most: a deeper prefetch depth runs as 1
+        self.scheduler = ChunkScheduler(self.store, module, prefetch=plan.overlap and plan.prefetch_depth > 0,
+                                        reduce_window=1 if plan.overlap else 0)  # fmt: skip
         # the tensors autograd keeps for backward, on the same tracker as the chunks
         self.activations = ActivationTracker(self.tracker, self.device)
         self.activation_offload, self.checkpointed = apply_layer_treatments(module, plan, tracker=self.tracker)

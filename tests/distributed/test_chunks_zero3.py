@@ -116,14 +116,17 @@ def test_zero3_chunks_match_single_process():
     assert moved > 1e-3 * len(ref)  # the parameters did train (by ~lr per element)
 
 
-def _record_reductions(rank: int, world_size: int):
-    """One step with the store's reduce-scatters, their completions and backward's chunk gathers logged in order."""
+def _record_reductions(rank: int, world_size: int, overlap: bool = True):
+    """Two steps with the store's reduce-scatters, their completions, backward's chunk gathers and the gathers
+    issued ahead logged in order (the second step's); `overlap` False: no prefetch, no reduce-scatter in flight."""
     model = _model()
     store = ChunkStore.from_module(model, chunk_numel=CHUNK_NUMEL, group=dist.group.WORLD, device="cpu")
     store.bind(model)
-    sched = ChunkScheduler(store, model)
+    sched = ChunkScheduler(store, model, prefetch=overlap, reduce_window=1 if overlap else 0)
+    share = GLOBAL_BATCH // world_size
+    model(_batch(0)[rank * share : (rank + 1) * share]).backward()  # the first step records the chunks' order
     events = []
-    issue, finish, gather = store.reduce_scatter_grads, store.finish_reduce, sched._gather
+    issue, finish, gather, ahead = store.reduce_scatter_grads, store.finish_reduce, sched._gather, sched._prefetch
 
     def issued(chunk, **kw):
         events.append(("issue", chunk.index))
@@ -139,9 +142,18 @@ def _record_reductions(rank: int, world_size: int):
             events.append(("backward", chunk.index))
         gather(chunk, direction)
 
-    store.reduce_scatter_grads, store.finish_reduce, sched._gather = issued, finished, gathered
-    share = GLOBAL_BATCH // world_size
-    model(_batch(0)[rank * share : (rank + 1) * share]).backward()
+    def prefetched(chunk):
+        ahead(chunk)
+        if sched._prefetched is chunk:  # a gather issued ahead of use (not one skipped: resident, or over budget)
+            events.append(("ahead", chunk.index))
+
+    store.reduce_scatter_grads, store.finish_reduce, sched._gather, sched._prefetch = (
+        issued,
+        finished,
+        gathered,
+        prefetched,
+    )
+    model(_batch(1)[rank * share : (rank + 1) * share]).backward()
     sched.remove()
     return {"events": events, "num_chunks": store.num_chunks}
 
@@ -161,3 +173,16 @@ def test_chunk_reduce_scatters_run_while_backward_goes_on():
     for what, _ in events:
         flying += {"issue": 1, "finish": -1}.get(what, 0)
         assert flying <= 2, events
+    assert any(what == "ahead" for what, _ in events), events  # backward gathers the next chunks ahead
+
+
+def test_without_overlap_chunks_are_gathered_where_used_and_reduced_where_issued():
+    """prefetch=False, reduce_window=0 (what the offload program runs for a plan without overlap): no gather ahead,
+    and each reduce-scatter completes before anything else happens."""
+    got = run_distributed(_record_reductions, 2, False)[0]
+    events, n = got["events"], got["num_chunks"]
+    assert not any(what == "ahead" for what, _ in events), events
+    issues = [i for i, (what, _) in enumerate(events) if what == "issue"]
+    assert len(issues) == n
+    for i in issues:
+        assert events[i + 1] == ("finish", events[i][1]), events

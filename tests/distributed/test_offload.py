@@ -56,8 +56,10 @@ def _reference(case: str) -> tuple[list[float], dict]:
 # programs, which the solver takes seconds to prove slower under so tight a budget.
 # "recompute": every layer checkpointed, so each layer's sharded chunks are gathered again for the forward
 # that backward runs.
+# "sync": overlap off, so the chunks are gathered where they are used and reduced where they are issued.
 CASES = (("plain", {"tp": 1}), ("frozen", {"tp": 1, "num_microbatches": 2}), ("tied", {"tp": 1}),
-         ("bf16", {"tp": 1}), ("recompute", {"tp": 1, "recompute": "full"}))  # fmt: skip
+         ("bf16", {"tp": 1}), ("recompute", {"tp": 1, "recompute": "full"}),
+         ("sync", {"tp": 1, "overlap": False}))  # fmt: skip
 # bf16 compute (fp32 master weights) against the fp32 reference: bf16 keeps 8 bits of mantissa, so the
 # logits and the loss differ by a few parts in a thousand; 2e-2 is that with margin, and still far
 # below what a missing gradient reduction or a wrong update does to the losses of steps 2 and 3.
@@ -78,6 +80,8 @@ def _train(rank: int, world_size: int, cases):
             assert pm.checkpointed == ["model.layers.0", "model.layers.1"], pm.checkpointed
         out.append({"losses": losses, "peak": pm.tracker.peak, "acts": pm.tracker.peak_by_kind["activations"], "over": pm.tracker.num_over_budget, "host": host,
                     "num_chunks": pm.store.num_chunks, "offload": pm.plan.offload, "mb": pm.plan.num_microbatches,
+                    "overlap": (pm.plan.overlap, pm.plan.prefetch_depth, pm.scheduler.prefetch,
+                                pm.scheduler.reduce_window),
                     "dtypes": {str(c.payload.dtype) + "/" + str(c.master.dtype) for c in pm.store.trainable_chunks()},
                     "state": state if rank == 0 else None})  # fmt: skip
     return out
@@ -92,12 +96,17 @@ def test_offload_fits_a_budget_below_the_states_and_matches_one_process():
                      constraints={"tp": 1})  # fmt: skip
     results = run_distributed(_train, WORLD, CASES)
     for i, (case, constraints) in enumerate(CASES):
-        ref_losses, ref_state = _reference("plain" if case in ("bf16", "recompute") else case)
+        ref_losses, ref_state = _reference("plain" if case in ("bf16", "recompute", "sync") else case)
         for rank in results:
             r = rank[i]
             assert r["offload"]["optimizer_fraction"] > 0 and r["host"], "the plan offloads and the runtime follows"
             # the peak holds the chunks and the activations autograd saved on the device
             assert 0 < r["peak"] <= BUDGET and r["over"] == 0 and r["acts"] > 0, (case, r["peak"], r["acts"])
+            # the scheduler runs what the plan priced: a chunk prefetched and one reduce-scatter in flight with
+            # overlap on (and a prefetch depth), neither without
+            overlap, depth, prefetch, window = r["overlap"]
+            assert (prefetch, window) == (overlap and depth > 0, 1 if overlap else 0), (case, r["overlap"])
+            assert case != "sync" or not overlap
             rtol = BF16_LOSS_RTOL if case == "bf16" else LOSS_RTOL
             assert r["losses"] == pytest.approx(ref_losses, rel=rtol), case
         if case == "bf16":

@@ -303,3 +303,57 @@ def test_zero2_each_micro_batch_hides_its_own_buckets(monkeypatch, kind):
     # HiGHS's feasibility tolerance, 1e-7 s (see the ZeRO-1 case)
     assert on.predicted.grad_sync_s == pytest.approx(e_g + e_a + fixed, rel=1e-6, abs=1e-7)
     assert on.predicted.grad_sync_hidden_s == pytest.approx(rs_bw + ag_bw - e_g - e_a, rel=1e-6, abs=1e-7)
+
+
+# ------------------------------------------------------------- the offload program: ZeRO-3 over chunks
+
+
+@pytest.mark.parametrize("estimator", [_Fixed, _Tiny], ids=["compute-bound", "link-bound"])
+def test_offload_chunks_price_what_compute_does_not_hide(estimator):
+    """The offload program (offload pinned, ZeRO-3 on dp=2, m = 1) reduce-scatters and gathers whole chunks, the
+    ones its runtime packs the model into: per chunk c, RS_c (its fp32 gradient staging) and two gathers AG_c (bf16
+    payload, forward and backward), each paying one latency. Overlap off: all of it waits. On: the backward hides
+    the reduce-scatters and the backward's gathers, E_g = max(sum RS_bw + sum AG_bw - B, RS_bw,first + AG_bw,last)
+    (the first chunk's gradients come last, and backward starts by gathering the last chunk); the forward hides
+    the prefetched gathers, E_a = max(sum AG_bw - F, AG_bw,first); every latency stays exposed."""
+    from autopar.memory.layout import ALIGN_NUMEL, offload_chunk_numel, pack
+    from autopar.memory.store import module_params
+
+    model, x = _stack()
+    traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
+    cluster = autopar.ClusterSpec.parse("2xA100-80GB")
+    est = estimator(cluster.device, DType("bf16"))
+    budget = 30e6  # chunks of at most 1/16 of it (payload and fp32 staging): several chunks for this model
+
+    def plan(**pins):
+        constraints = {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 1, "recompute": "none", **pins}
+        return autopar.plan(model, cluster, (x,), constraints=constraints, estimator=est, _traced=traced,
+                            alternatives=False, precision="bf16", offload=True, memory_budget=budget)  # fmt: skip
+
+    on, off = plan(), plan(overlap=False)
+    assert (on.program, off.program, on.overlap, off.overlap) == ("offload", "offload", True, False)
+    specs = module_params(model)[0]
+    numel = offload_chunk_numel([sp.numel for sp in specs], dp=2, budget_bytes=budget, compute_itemsize=2)
+    chunks = pack(specs, numel, multiple=ALIGN_NUMEL * 2)
+    assert len(chunks) >= 3
+    link = cluster.link_for_axis(2, 1)
+
+    def t(kind, nbytes):
+        return estimate_collective_time(kind, nbytes, 2, link)
+
+    rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
+    rs_bw = [t(rs, 4 * c.capacity) - t(rs, 0) for c in chunks]
+    ag_bw = [t(ag, 2 * c.capacity) - t(ag, 0) for c in chunks]
+    fixed = len(chunks) * (t(rs, 0) + 2 * t(ag, 0))
+    total = sum(rs_bw) + 2 * sum(ag_bw) + fixed
+    assert off.predicted.grad_sync_s == pytest.approx(total, rel=1e-6) and off.predicted.grad_sync_hidden_s == 0.0
+    ops = sum(1 for n in traced.exported.graph.nodes
+              if n.op == "call_function" and n.meta["val"].dtype.is_floating_point)  # fmt: skip
+    forward, backward = ops * est.forward_time_s(None), ops * est.backward_time_s(None)
+    e_g = max(sum(rs_bw) + sum(ag_bw) - backward, rs_bw[0] + ag_bw[-1])
+    e_a = max(sum(ag_bw) - forward, ag_bw[0])
+    # HiGHS's feasibility tolerance, 1e-7 s (see the ZeRO-1 case)
+    assert on.predicted.grad_sync_s == pytest.approx(e_g + e_a + fixed, rel=1e-6, abs=1e-7)
+    assert on.predicted.grad_sync_hidden_s == pytest.approx(total - fixed - e_g - e_a, rel=1e-6, abs=1e-7)
+    # one chunk gathered ahead: the largest one's payload
+    assert on.predicted.memory_breakdown["prefetch"] == pytest.approx(2 * max(c.capacity for c in chunks))

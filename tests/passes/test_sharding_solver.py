@@ -274,7 +274,7 @@ def test_offload_is_priced_recorded_and_capped_by_host_memory():
     import dataclasses
 
     model, args, kwargs, traced = _meta_llama(layers=2)
-    # the offload program does not overlap: the device plan it is compared with runs the synchronous ZeRO-3 program
+    # without overlap: the device plan it is compared with runs the synchronous ZeRO-3 program
     pins = {"tp": 1, "num_microbatches": 1, "zero": 3, "recompute": "full", "overlap": False}
     cluster = autopar.ClusterSpec.parse("2xA100-80GB")
 
@@ -304,7 +304,36 @@ def test_offload_is_priced_recorded_and_capped_by_host_memory():
     # bytes per parameter) at the device's bandwidth
     saved = off["optimizer_bytes_per_device"] * 4 / 12 * 20 / (dev.memory_bandwidth_bytes_per_s * dev.memory_efficiency)
     assert device.predicted.optimizer_s - host.predicted.optimizer_s == pytest.approx(saved, rel=1e-6)
-    assert host.predicted.step_time_s == pytest.approx(device.predicted.step_time_s + expected - saved, rel=1e-6)
+    # the offload program runs the ZeRO-3 collectives per chunk (the synchronous ZeRO-3 program, per parameter): each
+    # of the chunks the runtime packs the model into (`offload_chunk_numel`, `pack`, in the model's parameter
+    # order) is reduce-scattered once (its fp32 gradient staging) and gathered twice (bf16 payload, forward and
+    # backward), a whole collective each
+    from autopar.cost_model.comm import Collective, estimate_collective_time
+    from autopar.memory.layout import ALIGN_NUMEL, offload_chunk_numel, pack
+    from autopar.memory.store import module_params
+
+    specs = module_params(model)[0]
+
+    def chunk_sync(p) -> tuple[float, int]:
+        numel = offload_chunk_numel([sp.numel for sp in specs], dp=2, budget_bytes=p.offload["device_budget_bytes"],
+                                    compute_itemsize=2)  # fmt: skip
+        chunks = pack(specs, numel, multiple=ALIGN_NUMEL * 2)
+
+        def each(kind, nbytes):
+            return estimate_collective_time(kind, nbytes, 2, cluster.intra_node_link)
+
+        return sum(each(Collective.REDUCE_SCATTER, 4 * c.capacity) + 2 * each(Collective.ALL_GATHER, 2 * c.capacity)
+                   for c in chunks), len(chunks)  # fmt: skip
+
+    sync, _ = chunk_sync(host)
+    assert host.predicted.grad_sync_s == pytest.approx(sync, rel=1e-6)
+    # under a budget of 120 MB a chunk holds at most 1/16 of it (payload and fp32 staging): six chunks
+    chunked = plan(120e6, offload=True)
+    chunked_sync, num_chunks = chunk_sync(chunked)
+    assert num_chunks == 6 and chunked.predicted.grad_sync_s == pytest.approx(chunked_sync, rel=1e-6)
+    assert host.predicted.grad_sync_s < device.predicted.grad_sync_s
+    host_step = device.predicted.step_time_s + expected - saved + sync - device.predicted.grad_sync_s
+    assert host.predicted.step_time_s == pytest.approx(host_step, rel=1e-6)
     assert plan().offload == {}  # not needed, not chosen: it only adds time
     assert "host offload | 100% of the optimizer states" in host.explain()
     assert autopar.Plan.from_json(host.to_json()).offload == off
