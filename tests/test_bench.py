@@ -192,6 +192,14 @@ def test_gpt2_has_no_hand_written_tensor_parallel_baseline():
     assert "num_key_value_heads" in execution.tp_skip_reason(presets.load_config("tiny-llama"), 4)
 
 
+def test_offload_methods_skip_a_model_trained_with_sgd():
+    # the offload program runs AdamW over its chunks; a model the bench trains with SGD is skipped, with the reason
+    for name in ("autopar-offload", "autopar-offload-no-overlap"):
+        assert "AdamW" in execution.METHODS[name].skip_reason("sgd")
+        assert execution.METHODS[name].skip_reason("adamw") is None
+    assert execution.METHODS["autopar"].skip_reason("sgd") is None
+
+
 def test_run_suite_names_an_unknown_method_or_model(tmp_path, capsys):
     assert main(["bench", "run", "--methods", "autopar,ddp2", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -241,11 +241,16 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
                  names: tuple[str, ...]) -> dict:  # fmt: skip
     config, base, ids = _model_and_batch(spec)
     skip = {"tp": tp_skip_reason(config, world)} if "tp" in names else {}
+    skip |= {n: METHODS[n].skip_reason(spec.optimizer) for n in names if METHODS[n].skip_reason(spec.optimizer)}
     methods = {}
     for n in names:
         if not skip.get(n):
             extra = {"plan_json": plans.get(n)} if is_autopar(n) else {}
             methods[n] = METHODS[n](copy.deepcopy(base), ids, rank, world, optimizer=spec.optimizer, **extra)
+    skipped = {n: r for n, r in skip.items() if r}
+    if not methods:  # every method named skips this model: nothing to time
+        return {"model": spec.name, "num_parameters": sum(p.numel() for p in base.parameters()), "methods": {},
+                "skipped": skipped, "optimizer": spec.optimizer}  # fmt: skip
     for m in methods.values():
         for _ in range(settings.warmup_steps):
             m.step()
@@ -275,7 +280,7 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
             out[n] |= {"noop_times_s": noop_times[n], "noop_collectives_per_step": max(replaced[n]),
                        "noop_losses_finite": all(finite[n])}  # fmt: skip
     return {"model": spec.name, "num_parameters": sum(p.numel() for p in base.parameters()), "methods": out,
-            "skipped": {n: r for n, r in skip.items() if r}, "optimizer": spec.optimizer}  # fmt: skip
+            "skipped": skipped, "optimizer": spec.optimizer}  # fmt: skip
 
 
 def _measure_on_rank(rank: int, world: int, models, settings, show_progress: bool, plans, names) -> list[dict]:
@@ -359,7 +364,7 @@ def _exposed(m: dict, ranks: list[dict]) -> dict:
 
 
 def _pairs(methods: dict) -> dict:
-    """For each (autopar method, baseline) of `PAIRS` both measured: the per-repetition ratios of their step
+    """For each (autopar method, the method it is compared with) of `PAIRS` both measured: the per-repetition ratios of their step
     times (the two take turns within a repetition, so a ratio sees one load), median and range."""
     out = {}
     for a, b in PAIRS:
@@ -531,7 +536,7 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
         calibration["models"][m.name] |= link
         plans = {n: plan_model(m, cluster_spec, estimator, METHODS[n].constraints(world),
                                METHODS[n].plan_options()).to_json()
-                 for n in methods if is_autopar(n)}  # fmt: skip
+                 for n in methods if is_autopar(n) and not METHODS[n].skip_reason(m.optimizer)}  # fmt: skip
         results += _summarise(spawn_ranks(world, [m], settings, show_progress=show_progress, plans={m.name: plans},
                                           methods=methods))  # fmt: skip
     doc = {"environment": environment(), "cluster": cluster, "world_size": world, "settings": asdict(settings),
@@ -638,9 +643,9 @@ def _communication_md(results: list[dict]) -> list[str]:
                      "predicted exposed", "predicted hidden", "(predicted − measured) / measured",
                      "collectives replaced per step"], rows)]  # fmt: skip
     if pairs:
-        out += ["Step time of autopar over the PyTorch baseline that runs the same layout, per repetition (the two "
-                "take turns within one):",
-                md_table(["model", "autopar / baseline", "median", "min – max"], pairs)]  # fmt: skip
+        out += ["Step time of an autopar method over what it is compared with on the same layout (the PyTorch "
+                "baseline, or the same program without overlap), per repetition (the two take turns within one):",
+                md_table(["model", "autopar / compared", "median", "min – max"], pairs)]  # fmt: skip
     return out
 
 
@@ -701,10 +706,10 @@ def _calibration_md(cal: dict) -> str:
 
 def plot(results: list[dict], path: Path) -> None:
     """Grouped bars: median measured step time per method and model, with the min-max range."""
-    plt = pyplot()
-    if plt is None:
-        return
     names = list(dict.fromkeys(n for r in results for n in r["methods"]))
+    plt = pyplot()
+    if plt is None or not names:  # no plotting library, or every model skipped every method
+        return
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(names)
     for j, name in enumerate(names):

@@ -67,6 +67,11 @@ class Method:
 
     name = ""
 
+    @staticmethod
+    def skip_reason(optimizer: str) -> str | None:  # noqa: ARG004 - the signature the methods share
+        """Why the method cannot train a model with `optimizer` (a key of `OPTIMIZERS`); None where it can."""
+        return None
+
     def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw"):
         self.ids, self.rank, self.world = ids, rank, world
         self.optimizer_kind = optimizer
@@ -179,6 +184,12 @@ class _AutoparOffload(_Autopar):
     def plan_options() -> dict:
         return {"offload": True}
 
+    @staticmethod
+    def skip_reason(optimizer: str) -> str | None:
+        if optimizer == "adamw":
+            return None
+        return f"the offload program trains with AdamW over chunks; this model trains with {optimizer}"
+
 
 class _AutoparOffloadNoOverlap(_AutoparOffload):
     name = "autopar-offload-no-overlap"
@@ -280,8 +291,9 @@ METHODS = {m.name: m for m in (_Autopar, _AutoparDP, _AutoparZero3, _AutoparDPNo
 # what a run measures unless told (`--methods`)
 DEFAULT_METHODS = ("autopar", "ddp", "fsdp2", "tp")
 BASELINES = ("ddp", "fsdp2", "tp")
-# (autopar method, the PyTorch baseline that runs the same layout): their paired ratio is reported
-PAIRS = (("autopar-dp", "ddp"), ("autopar-zero3", "fsdp2"))
+# (autopar method, what it is compared with on the same layout: the PyTorch baseline, or the same program without
+# overlap): their paired ratio is reported
+PAIRS = (("autopar-dp", "ddp"), ("autopar-zero3", "fsdp2"), ("autopar-offload", "autopar-offload-no-overlap"))
 
 
 def is_autopar(method: str) -> bool:
