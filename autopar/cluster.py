@@ -40,7 +40,14 @@ from pathlib import Path
 
 import yaml
 
-from autopar.cost_model.devices import DEVICE_PRESETS, DeviceSpec, LinkSpec, get_device, parse_matmul_table
+from autopar.cost_model.devices import (
+    DEVICE_PRESETS,
+    DeviceSpec,
+    LinkSpec,
+    get_device,
+    parse_matmul_table,
+    parse_per_collective,
+)
 from autopar.errors import ConfigError
 
 _EXPECTED = "NODESxDEVICESxKIND (e.g. '4x8xA100-80GB'), DEVICESxKIND (e.g. '8xH100-80GB') or cpu:N (e.g. 'cpu:4')"
@@ -319,7 +326,10 @@ def _override_link(base: LinkSpec, overrides, where: str) -> LinkSpec:
     unknown = set(overrides) - allowed
     if unknown:
         raise ConfigError(f"{where}: unknown link fields {sorted(unknown)}; known fields are {sorted(allowed)}")
-    changes = {k: (str(v) if k == "name" else parse_quantity(v, k)) for k, v in overrides.items()}
+    changes = {k: (str(v) if k == "name" else parse_quantity(v, k)) for k, v in overrides.items()
+               if k != "per_collective"}  # fmt: skip
+    if "per_collective" in overrides:
+        changes["per_collective"] = parse_per_collective(overrides["per_collective"], where)
     return replace(base, **changes)
 
 

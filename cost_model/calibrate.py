@@ -12,9 +12,12 @@ What is measured, and how:
 - kernel overhead: the time of an add of one-element tensors, one requiring grad (dispatch
   and autograd recording, no work).
 - the loopback link: a gloo all-reduce among `ranks` processes over localhost at sizes from
-  4 B to 64 MiB, one call per sample after a barrier. alpha is the median time of the messages
-  up to 1 KiB divided by the ring's 2(n-1) steps; the bandwidth is the slope of time over
-  ring-moved bytes 2(n-1)/n·S, least-squares fitted on the sizes from 1 MiB.
+  4 B to 64 MiB, each timed by what it adds to a short step of host work. alpha is the median
+  time of the messages below 1 MiB (less their bandwidth part) divided by the ring's 2(n-1)
+  steps; the bandwidth is the slope of time over ring-moved bytes 2(n-1)/n·S, least-squares
+  fitted on the sizes from 1 MiB. All-gather and reduce-scatter are measured and fitted the
+  same way, each on its own ring model, into the link's `per_collective` figures (gloo runs
+  them well off the all-reduce's price per byte).
 - overlap efficiency (`measure_overlap_efficiency`): on `ranks` processes, an all-reduce launched
   asynchronously while matmuls of about its length run, against the two one after the other; eta is
   the share of the shorter of the two that running them at once saved.
@@ -42,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -291,8 +295,38 @@ def host_memory_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def _allreduce_worker(rank: int, world: int, init_file: str, repeats: int, result_file: str,
-                      sizes: tuple[int, ...] = _ALLREDUCE_SIZES_BYTES) -> None:  # fmt: skip
+def _collective_call(kind: str, num_bytes: int, world: int):
+    """(a call running collective `kind` once on a full tensor of about `num_bytes`, the full tensor's bytes)."""
+    numel = max(num_bytes // 4 // world, 1) * world  # all-gather and reduce-scatter split it evenly
+    full = torch.ones(numel)
+    if kind == "all_reduce":
+        return (lambda: dist.all_reduce(full)), numel * 4
+    shard = torch.ones(numel // world)
+    if kind == "all_gather":
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return (lambda: gather(full, shard)), numel * 4
+    if kind == "reduce_scatter":
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return (lambda: scatter(shard, full)), numel * 4
+    raise ValueError(f"no gloo measurement for collective {kind!r}: expected one of {MEASURED_COLLECTIVES}")
+
+
+# the collectives `measure_gloo_collectives` times: what the programs issue over the data axis
+MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+# how many of each follow one another after a step's host work: the data-parallel program's all-reduces come a
+# bucket or two at the end of backward, the sharded program's gathers and reduce-scatters one after another
+# through the step, and a collective right after another does not pay again for the ranks meeting
+_CALLS_PER_STEP = {"all_gather": 8, "reduce_scatter": 8}
+# The largest size of each the fit measures: all-reduces past the largest the programs issue (the 25 MiB
+# gradient buckets), so that the bandwidth the fit's slope gives is the one those buckets see; all-gathers and
+# reduce-scatters to 16 MiB, as the sharded programs gather each weight on its own (the bench's wide-llama's
+# largest is 9 MiB) and gloo runs both much slower per byte past 16 MiB, which a fit through 64 MiB would
+# price every gather at
+FIT_MAX_BYTES = {"all_reduce": 64 << 20, "all_gather": 16 << 20, "reduce_scatter": 16 << 20}
+
+
+def _collective_worker(rank: int, world: int, init_file: str, repeats: int, result_file: str,
+                       sizes: dict[str, tuple[int, ...]]) -> None:  # fmt: skip
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -306,23 +340,28 @@ def _allreduce_worker(rank: int, world: int, init_file: str, repeats: int, resul
                 fn()
             return (time.perf_counter() - t0) / iterations
 
-        results = {}
-        for size in sizes:
-            t = torch.ones(max(size // 4, 1))
-            for _ in range(2):  # the first calls set up the algorithm's buffers
-                dist.all_reduce(t)
+        results: dict[str, dict[int, float]] = {kind: {} for kind in sizes}
+        for kind, kind_sizes in sizes.items():
+            for size in kind_sizes:
+                collective, num_bytes = _collective_call(kind, size, world)
+                for _ in range(2):  # the first calls set up the algorithm's buffers
+                    collective()
 
-            def step(t=t):
-                work()
-                dist.all_reduce(t)
+                calls = _CALLS_PER_STEP.get(kind, 1)
 
-            alone, with_collective = [], []
-            for _ in range(repeats):
-                alone.append(per_iteration_s(work))
-                with_collective.append(per_iteration_s(step))
-            added = torch.tensor([statistics.median(with_collective) - statistics.median(alone)], dtype=torch.float64)
-            dist.all_reduce(added, op=dist.ReduceOp.MAX)  # the slowest rank's, as a step's time is
-            results[size] = max(added.item(), _MIN_ALLREDUCE_S)
+                def step(collective=collective, calls=calls):
+                    work()
+                    for _ in range(calls):
+                        collective()
+
+                alone, with_collective = [], []
+                for _ in range(repeats):
+                    alone.append(per_iteration_s(work))
+                    with_collective.append(per_iteration_s(step))
+                added = (statistics.median(with_collective) - statistics.median(alone)) / calls
+                added = torch.tensor([added], dtype=torch.float64)
+                dist.all_reduce(added, op=dist.ReduceOp.MAX)  # the slowest rank's, as a step's time is
+                results[kind][num_bytes] = max(added.item(), _MIN_ALLREDUCE_S)
         if rank == 0:
             with open(result_file, "w") as f:
                 json.dump(results, f)
@@ -330,25 +369,41 @@ def _allreduce_worker(rank: int, world: int, init_file: str, repeats: int, resul
         dist.destroy_process_group()
 
 
-def measure_gloo_allreduce(num_ranks: int, repeats: int, max_bytes: int | None = None) -> dict[int, float]:
-    """{bytes: seconds} that a gloo all-reduce among `num_ranks` local processes adds to a step (sizes up to
-    `max_bytes`).
+def measure_gloo_collectives(num_ranks: int, repeats: int, max_bytes: int | Mapping[str, int] | None = FIT_MAX_BYTES,
+                             kinds: tuple[str, ...] = MEASURED_COLLECTIVES) -> dict[str, dict[int, float]]:  # fmt: skip
+    """{collective: {bytes of the full tensor: seconds}} that each of `kinds` among `num_ranks` local gloo
+    processes adds to a step (sizes up to `max_bytes`, one for all or one per collective; by default
+    `FIT_MAX_BYTES`).
 
     Measured as a training step meets it: each rank runs a short step of host work (`small_op_step`)
-    and then the all-reduce, back to back without a barrier, and the time per iteration less that of
-    the work alone is the all-reduce's (the median over `repeats` loops, the slowest rank's). So it
-    includes what an all-reduce timed alone after a barrier leaves out: the ranks arriving at
+    and then the collective (an all-reduce once, an all-gather or reduce-scatter 8 times in a row, as the
+    sharded program issues them), back to back without a barrier, and the time per iteration less that of
+    the work alone, per call, is the collective's (the median over `repeats` loops, the slowest rank's). So it
+    includes what a collective timed alone after a barrier leaves out: the ranks arriving at
     different times, and a rank that waited idle being slow to run again. On a 2-core virtual machine
     the 0.5 MB all-reduce took about 0.5 ms after a barrier and added 2.7 ms to a step, as it did in a
-    data-parallel training step of the same size.
+    data-parallel training step of the same size. gloo's all-gather and reduce-scatter do not run at the
+    all-reduce's price per moved byte: on 2 ranks of that machine, 2026-12-06, a 16 MiB all-reduce added
+    15.8 ms, the all-gather of the same 16 MiB 10.7 ms and its reduce-scatter 19.3 ms, where the ring model
+    gives both half the all-reduce's bytes; hence each is fitted on its own (`fit_ring`). Past 16 MiB they
+    slow down faster than their size grows (64 MiB: all-gather 73 ms, reduce-scatter 89 ms, all-reduce
+    54 ms), so a fit should stop at the sizes the priced programs issue.
     """
-    sizes = tuple(s for s in _ALLREDUCE_SIZES_BYTES if max_bytes is None or s <= max_bytes)
+    limits = max_bytes if isinstance(max_bytes, Mapping) else {kind: max_bytes for kind in kinds}
+    sizes = {kind: tuple(s for s in _ALLREDUCE_SIZES_BYTES if limits.get(kind) is None or s <= limits[kind])
+             for kind in kinds}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
-        mp.spawn(_allreduce_worker, args=(num_ranks, init_file, repeats, result_file, sizes), nprocs=num_ranks,
-                 join=True)  # fmt: skip
+        mp.spawn(_collective_worker, args=(num_ranks, init_file, repeats, result_file, sizes),
+                 nprocs=num_ranks, join=True)  # fmt: skip
         with open(result_file) as f:
-            return {int(k): v for k, v in json.load(f).items()}
+            return {kind: {int(k): v for k, v in times.items()} for kind, times in json.load(f).items()}
+
+
+def measure_gloo_allreduce(num_ranks: int, repeats: int, max_bytes: int | None = None) -> dict[int, float]:
+    """{bytes: seconds} that a gloo all-reduce among `num_ranks` local processes adds to a step (sizes up to
+    `max_bytes`): `measure_gloo_collectives` for the all-reduce alone."""
+    return measure_gloo_collectives(num_ranks, repeats, max_bytes, kinds=("all_reduce",))["all_reduce"]
 
 
 def small_op_step():
@@ -506,25 +561,48 @@ def measure_overlap_efficiency(num_ranks: int, num_bytes: int = 16 << 20, repeat
     return {"eta": overlap_efficiency(medians["compute_s"], medians["comm_s"], medians["both_s"])} | medians
 
 
-def fit_ring_allreduce(times_s: dict[int, float], num_ranks: int) -> tuple[float, float]:
-    """(latency_s per step, bandwidth bytes/s) of the ring model t = 2(n-1)·alpha + 2(n-1)/n·S / bandwidth.
+def fit_ring(kind: str, times_s: dict[int, float], num_ranks: int) -> tuple[float, float]:
+    """(latency_s per step, bandwidth bytes/s) of collective `kind`'s ring model
+    t = steps·alpha + moved bytes / bandwidth (`cost_model.comm`), fitted to {full tensor bytes: seconds}.
 
     The bandwidth is the slope of a least-squares line through the sizes from 1 MiB up; the latency
     is the median, over the sizes below 1 MiB, of each one's time less its bandwidth part (a median
-    over many sizes, because on a shared machine any one small all-reduce can be several times
+    over many sizes, because on a shared machine any one small collective can be several times
     slower than the next).
     """
-    steps = 2 * (num_ranks - 1)
-    moved = {s: 2 * (num_ranks - 1) / num_ranks * s for s in times_s}
+    from autopar.cost_model.comm import Collective, collective_moved_bytes, collective_steps
+
+    steps = collective_steps(Collective(kind), num_ranks)
+    moved = {s: collective_moved_bytes(Collective(kind), s, num_ranks) for s in times_s}
     big = [s for s in times_s if s >= _FIT_MIN_BYTES]
     xs, ys = [moved[s] for s in big], [times_s[s] for s in big]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     if not slope > 0:
-        raise ValueError(f"all-reduce times do not grow with size ({times_s}): the machine was too busy to measure")
+        raise ValueError(f"{kind} times do not grow with size ({times_s}): the machine was too busy to measure")
     small = [times_s[s] - moved[s] * slope for s in times_s if s < _FIT_MIN_BYTES]
     alpha = max(statistics.median(small), 0.0) / steps
     return alpha, 1.0 / slope
+
+
+def fit_ring_allreduce(times_s: dict[int, float], num_ranks: int) -> tuple[float, float]:
+    """(latency_s per step, bandwidth bytes/s) of the ring all-reduce t = 2(n-1)·alpha + 2(n-1)/n·S / bandwidth."""
+    return fit_ring("all_reduce", times_s, num_ranks)
+
+
+def fit_link(times_s: dict[str, dict[int, float]], num_ranks: int) -> dict:
+    """The link overrides (`LinkSpec` fields) fitted to `measure_gloo_collectives`' times: latency and bandwidth
+    from the all-reduces, and each other collective measured fitted on its own into `per_collective`."""
+    alpha, bandwidth = fit_ring("all_reduce", times_s["all_reduce"], num_ranks)
+    link: dict = {"latency_s": alpha, "bandwidth_bytes_per_s": bandwidth}
+    others = {}
+    for kind, times in sorted(times_s.items()):
+        if kind != "all_reduce":
+            latency, kind_bandwidth = fit_ring(kind, times, num_ranks)
+            others[kind] = {"latency_s": latency, "bandwidth_bytes_per_s": kind_bandwidth}
+    if others:
+        link["per_collective"] = others
+    return link
 
 
 def calibrate(num_ranks: int = 2, repeats: int = 7, runs: int = 1) -> dict:
@@ -551,17 +629,18 @@ def calibrate(num_ranks: int = 2, repeats: int = 7, runs: int = 1) -> dict:
         }
     finally:
         torch.set_num_threads(previous)
-    samples = [measure_gloo_allreduce(num_ranks, repeats) for _ in range(runs)]
-    best = {size: min(run[size] for run in samples) for size in samples[0]}
+    samples = [measure_gloo_collectives(num_ranks, repeats) for _ in range(runs)]
+    best = {kind: {size: min(run[kind][size] for run in samples) for size in times}
+            for kind, times in samples[0].items()}  # fmt: skip
     # the median, not the best: other load on the machine moves eta either way
     device["overlap_efficiency"] = statistics.median(measure_overlap_efficiency(num_ranks, repeats=repeats)["eta"]
                                                      for _ in range(runs))  # fmt: skip
-    alpha, bandwidth = fit_ring_allreduce(best, num_ranks)
+    link = fit_link(best, num_ranks)
     ram = host_memory_bytes()  # the cluster file divides it among the ranks
     return {
         "cluster": f"cpu:{num_ranks}",
         "device": device,
-        "intra_node_link": {"bandwidth_bytes_per_s": bandwidth, "latency_s": alpha},
+        "intra_node_link": link,
         "host_link": {"bandwidth_bytes_per_s": device["memory_bandwidth_bytes_per_s"] / 2},
         "host_memory_bytes": ram,
     }

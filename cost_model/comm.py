@@ -25,6 +25,10 @@ buffer over the time. Broadcast is
 priced like an all-gather (a pipelined ring broadcast). Tree algorithms, NVLink SHARP and
 the hierarchical algorithms NCCL uses across nodes are not modelled: the ring is the
 conservative, well-understood baseline.
+
+A link's figures are fitted to all-reduces; where a backend runs another collective well off that price
+(gloo's all-gather and reduce-scatter on CPU ranks), the link carries that collective's own fitted latency
+and bandwidth (`LinkSpec.per_collective`), used in the same formula.
 """
 
 from __future__ import annotations
@@ -86,5 +90,5 @@ def estimate_collective_time(kind: Collective, num_bytes: float, num_ranks: int,
         raise ConfigError(f"a collective cannot move a negative number of bytes ({num_bytes})")
     if num_ranks == 1:
         return 0.0
-    steps = collective_steps(kind, num_ranks)
-    return steps * link.latency_s + collective_moved_bytes(kind, num_bytes, num_ranks) / link.bandwidth_bytes_per_s
+    latency, bandwidth = link.alpha_beta(kind.value)
+    return collective_steps(kind, num_ranks) * latency + collective_moved_bytes(kind, num_bytes, num_ranks) / bandwidth

@@ -105,25 +105,75 @@ def _check_positive(owner: str, **values: float) -> None:
 
 @dataclass(frozen=True, slots=True)
 class LinkSpec:
-    """One kind of link, priced by the alpha-beta model: `latency_s` per step plus bytes / bandwidth."""
+    """One kind of link, priced by the alpha-beta model: `latency_s` per step plus bytes / bandwidth.
+
+    `per_collective` holds (kind, latency_s, bandwidth_bytes_per_s) for collectives whose own measurement
+    replaces the link's figures (which are fitted to all-reduces): on GPUs NCCL runs every collective near the
+    link's bus bandwidth and the list is empty; gloo's all-gather and reduce-scatter on CPU ranks do not
+    (measured by `calibrate.measure_gloo_collectives`: at 16 MiB on 2 ranks, a reduce-scatter took longer than
+    the all-reduce that moves twice its bytes).
+    """
 
     name: str
     bandwidth_bytes_per_s: float
     latency_s: float
+    per_collective: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self):
         _check_positive(f"link {self.name!r}", bandwidth_bytes_per_s=self.bandwidth_bytes_per_s)
         if not isinstance(self.latency_s, (int, float)) or self.latency_s < 0:
             raise ConfigError(f"link {self.name!r}: latency_s must be >= 0, got {self.latency_s!r}")
+        for entry in self.per_collective:
+            if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)):
+                raise ConfigError(f"link {self.name!r}: per_collective entries are (kind, latency_s, "
+                                  f"bandwidth_bytes_per_s), got {entry!r}")  # fmt: skip
+            kind, latency, bandwidth = entry
+            _check_positive(f"link {self.name!r} ({kind})", bandwidth_bytes_per_s=bandwidth)
+            if not isinstance(latency, (int, float)) or latency < 0:
+                raise ConfigError(f"link {self.name!r} ({kind}): latency_s must be >= 0, got {latency!r}")
+
+    def alpha_beta(self, kind: str) -> tuple[float, float]:
+        """(latency_s per step, bandwidth bytes/s) that collective `kind` is priced with on this link."""
+        for k, latency, bandwidth in self.per_collective:
+            if k == kind:
+                return latency, bandwidth
+        return self.latency_s, self.bandwidth_bytes_per_s
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+        d = {"name": self.name, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+        if self.per_collective:  # left out when empty, so that files written before it read the same
+            d["per_collective"] = {k: {"latency_s": a, "bandwidth_bytes_per_s": b} for k, a, b in self.per_collective}
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> LinkSpec:
-        _check_keys("link", d, {f.name for f in fields(cls)}, required=True)
+        _check_keys("link", d, {f.name for f in fields(cls)}, required=True, optional={"per_collective"})
         return cls(name=str(d["name"]), bandwidth_bytes_per_s=float(d["bandwidth_bytes_per_s"]),
-                   latency_s=float(d["latency_s"]))  # fmt: skip
+                   latency_s=float(d["latency_s"]),
+                   per_collective=parse_per_collective(d.get("per_collective", ()), f"link {d['name']!r}"))  # fmt: skip
+
+
+def parse_per_collective(value, owner: str) -> tuple[tuple[str, float, float], ...]:
+    """{kind: {"latency_s": ..., "bandwidth_bytes_per_s": ...}} (or LinkSpec's tuples) as LinkSpec stores it,
+    sorted by kind; `kind` must name a collective of `cost_model.comm.Collective`."""
+    from autopar.cost_model.comm import Collective
+
+    if isinstance(value, tuple) and all(isinstance(e, tuple) for e in value):
+        items = [(k, {"latency_s": a, "bandwidth_bytes_per_s": b}) for k, a, b in value]
+    elif isinstance(value, Mapping):
+        items = list(value.items())
+    else:
+        raise ConfigError(f"{owner}: per_collective must map a collective to its latency_s and "
+                          f"bandwidth_bytes_per_s, got {value!r}")  # fmt: skip
+    out = []
+    for kind, figures in items:
+        if kind not in {c.value for c in Collective}:
+            raise ConfigError(f"{owner}: per_collective names {kind!r}, not a collective: expected one of "
+                              f"{[c.value for c in Collective]}")  # fmt: skip
+        _check_keys(f"{owner} per_collective[{kind!r}]", figures, {"latency_s", "bandwidth_bytes_per_s"},
+                    required=True)  # fmt: skip
+        out.append((str(kind), float(figures["latency_s"]), float(figures["bandwidth_bytes_per_s"])))
+    return tuple(sorted(out))
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,7 +167,10 @@ def test_run_suite_measures_every_method(tmp_path):
     # the link is fitted afresh for each model, just before its run
     m = cal["models"]["tiny-llama"]
     assert cal["host"]["optimizer_s_per_param_byte"] >= 0 and ("link" in m or "link_error" in m)
-    assert all(t > 0 for t in m["allreduce_median_s"].values())
+    assert set(m["collective_median_s"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(t > 0 for times in m["collective_median_s"].values() for t in times.values())
+    if "link" in m:  # all-gather and reduce-scatter priced on their own fits, which the plans were priced with
+        assert set(m["link"]["per_collective"]) == {"all_gather", "reduce_scatter"}
     # the overlap efficiency the plans were priced with, measured among the ranks just before the run
     o = m["overlap"]
     assert 0 <= o["eta"] <= 1 and o["comm_s"] > 0 and o["compute_s"] > 0 and o["both_s"] > 0

@@ -376,11 +376,8 @@ def _pairs(methods: dict) -> dict:
 
 # ---------------------------------------------------------------------------------------- calibrating
 
-# The largest all-reduce the link fit measures: past the largest collective the models issue (wide-llama's
-# gradient buckets of 25 MiB), so that the bandwidth the fit's slope gives is the one those buckets see.
-_LINK_FIT_MAX_BYTES = 64 << 20
 # what `calibrate_cost_model` records of the link: kept per model, as each model's run is priced with its own
-_LINK_RECORD = ("allreduce_median_s", "link", "link_error", "overlap")
+_LINK_RECORD = ("collective_median_s", "link", "link_error", "overlap")
 
 
 def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_progress: bool = True):
@@ -393,23 +390,23 @@ def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_pro
     the model is measured by `model_estimator`.
     """
     from autopar.cluster import ClusterSpec
-    from autopar.cost_model.calibrate import fit_ring_allreduce, measure_gloo_allreduce, measure_overlap_efficiency
+    from autopar.cost_model.calibrate import fit_link, measure_gloo_collectives, measure_overlap_efficiency
     from autopar.cost_model.profiler import ProfiledEstimator
 
     overrides: dict = {"cluster": f"cpu:{world}"}
     record: dict = {}
     if world > 1:
         if show_progress:
-            print(f"[autopar bench run] measuring gloo all-reduce among {world} ranks", file=sys.stderr, flush=True)
-        times = measure_gloo_allreduce(world, repeats, max_bytes=_LINK_FIT_MAX_BYTES)
-        record["allreduce_median_s"] = {str(k): v for k, v in times.items()}
+            print(f"[autopar bench run] measuring gloo all-reduce, all-gather and reduce-scatter among {world} ranks",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        times = measure_gloo_collectives(world, repeats)
+        record["collective_median_s"] = {kind: {str(k): v for k, v in t.items()} for kind, t in times.items()}
         try:
-            latency, bandwidth = fit_ring_allreduce(times, world)
+            overrides["intra_node_link"] = fit_link(times, world)
         except ValueError as e:  # a machine too busy to measure: keep the preset's link, and say so
             warnings.warn(f"bench run: {e}; pricing the link with the cpu preset's figures", stacklevel=2)
             record["link_error"] = str(e)
         else:
-            overrides["intra_node_link"] = {"latency_s": latency, "bandwidth_bytes_per_s": bandwidth}
             record["link"] = overrides["intra_node_link"]
         record["overlap"] = measure_overlap_efficiency(world, repeats=max(repeats, 5))
         overrides["device"] = {"overlap_efficiency": record["overlap"]["eta"]}
@@ -691,6 +688,9 @@ def _calibration_md(cal: dict) -> str:
             part += (f"; the gloo link, fitted to what all-reduces among the ranks add to a step of host work: "
                      f"{m['link']['latency_s'] * 1e6:.0f} µs per ring step, "
                      f"{m['link']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
+            for kind, f in (m["link"].get("per_collective") or {}).items():
+                part += (f", {kind.replace('_', '-')} fitted on its own: {f['latency_s'] * 1e6:.0f} µs per ring step, "
+                         f"{f['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
         elif m.get("link_error"):
             part += f"; link: the cpu preset's ({m['link_error']})"
         if m.get("overlap"):

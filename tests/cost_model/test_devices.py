@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autopar.cluster import ClusterSpec
 from autopar.cost_model import calibrate
+from autopar.cost_model.comm import Collective, estimate_collective_time
 from autopar.cost_model.devices import DEVICE_PRESETS, DeviceSpec, DType, LinkSpec, get_device
 from autopar.errors import ConfigError
 
@@ -125,6 +127,40 @@ def test_ring_fit_latency_is_robust_to_a_few_slow_small_all_reduces():
     fit_alpha, _ = calibrate.fit_ring_allreduce(noisy, n)
     # the median over the ten small sizes still lands on an undisturbed one: within 1%
     assert fit_alpha == pytest.approx(alpha, rel=0.01)
+
+
+def test_link_fit_prices_each_measured_collective_on_its_own_ring_model():
+    # gloo-like: the all-reduce on one alpha-beta pair, the reduce-scatter on a slower one of its own
+    n = 2
+    ar, rs = (600e-6, 1.3e9), (1.5e-3, 0.45e9)
+    sizes = calibrate._ALLREDUCE_SIZES_BYTES
+    times = {"all_reduce": {s: 2 * (n - 1) * ar[0] + 2 * (n - 1) / n * s / ar[1] for s in sizes},
+             "reduce_scatter": {s: (n - 1) * rs[0] + (n - 1) / n * s / rs[1] for s in sizes}}  # fmt: skip
+    link = calibrate.fit_link(times, n)
+    assert link["latency_s"] == pytest.approx(ar[0], rel=1e-9)
+    assert link["bandwidth_bytes_per_s"] == pytest.approx(ar[1], rel=1e-9)
+    got = link["per_collective"]["reduce_scatter"]
+    assert (got["latency_s"], got["bandwidth_bytes_per_s"]) == pytest.approx(rs, rel=1e-9)
+    # the fitted link prices a 16 MiB reduce-scatter as measured, not as half the all-reduce's bytes
+    cluster = ClusterSpec.from_overrides({"cluster": "cpu:2", "intra_node_link": link}, source="test")
+    s = 16 << 20
+    priced = estimate_collective_time(Collective.REDUCE_SCATTER, s, n, cluster.intra_node_link)
+    assert priced == pytest.approx(times["reduce_scatter"][s], rel=1e-9)
+    # the all-gather, not measured here, keeps the all-reduce's figures: (n-1)·alpha + (n-1)/n·S / bandwidth
+    assert estimate_collective_time(Collective.ALL_GATHER, s, n, cluster.intra_node_link) == pytest.approx(
+        ar[0] + s / 2 / ar[1], rel=1e-12
+    )
+    # and the cluster file keeps the figures through a round trip
+    assert ClusterSpec.from_dict(cluster.to_dict()) == cluster
+
+
+def test_per_collective_figures_must_name_a_collective():
+    with pytest.raises(ConfigError, match="not a collective"):
+        ClusterSpec.from_overrides({"cluster": "cpu:2", "intra_node_link": {"per_collective": {
+            "gather": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9}}}}, source="test")  # fmt: skip
+    with pytest.raises(ConfigError, match="missing fields"):
+        ClusterSpec.from_overrides({"cluster": "cpu:2", "intra_node_link": {"per_collective": {
+            "all_gather": {"latency_s": 1e-3}}}}, source="test")  # fmt: skip
 
 
 def test_ring_fit_refuses_times_that_do_not_grow():
