@@ -505,10 +505,15 @@ def _assumptions(plan) -> list:
         ["memory budget per device", f"{_gib(a['memory_budget_bytes'])} GiB" if "memory_budget_bytes" in a else "-"],
         ["host AdamW rate per device", f"{dev.host_adamw_params_per_s / 1e9:,.2f} G parameters/s"],
     ]  # fmt: skip
-    for level, link in (("inside a node", dev.intra_node_link), ("across nodes", dev.inter_node_link),
-                        ("to the host", dev.host_link)):  # fmt: skip
+    # the cluster's links, which a cluster file or `bench run`'s fit may set apart from the device preset's
+    cluster = plan.cluster
+    for level, link in (("inside a node", cluster.intra_node_link), ("across nodes", cluster.inter_node_link),
+                        ("to the host", cluster.host_link)):  # fmt: skip
         rows.append([f"link {level}: {link.name}", f"{link.bandwidth_bytes_per_s / 1e9:,.1f} GB/s per device, "
                                                    f"latency {link.latency_s * 1e6:,.1f} µs"])  # fmt: skip
+        for kind, latency, bandwidth in link.per_collective:
+            rows.append([f"link {level}: {kind.replace('_', '-')}, measured on its own",
+                         f"{bandwidth / 1e9:,.2f} GB/s per device, latency {latency * 1e6:,.1f} µs"])  # fmt: skip
     estimator = a.get("estimator", plan.stats.get("estimator", "?"))
     prof = a.get("profile")
     if prof:

@@ -573,3 +573,18 @@ def test_compare_prices_a_cp_layout_next_to_a_plan_without_cp():
     assert entry["feasible"], entry["reason"]
     assert entry["mesh"] == {"dp": 1, "cp": 2, "tp": 1}
     assert entry["memory"]["activations"] < plain.predicted.memory_breakdown["activations"]
+
+
+def test_assumptions_give_the_clusters_links_and_their_per_collective_figures():
+    """A cluster file (or `bench run`'s fit) sets the links apart from the device preset's: the report gives the
+    figures the plan was priced with, the per-collective ones on lines of their own."""
+    cluster = autopar.ClusterSpec.from_overrides({"cluster": "cpu:2", "intra_node_link": {
+        "latency_s": 7.5e-4, "bandwidth_bytes_per_s": 1.3e9,
+        "per_collective": {"reduce_scatter": {"latency_s": 8.25e-4, "bandwidth_bytes_per_s": 0.4e9}}}},
+        source="test")  # fmt: skip
+    assert cluster.device.intra_node_link != cluster.intra_node_link  # the preset's stays on the device
+    args, kwargs = make_batch("llama", batch=8, seq=16)
+    plan = autopar.plan(make_model("llama"), cluster, args, kwargs, alternatives=False)
+    md = explain.render_markdown(plan)
+    assert "link inside a node: loopback-gloo | 1.3 GB/s per device, latency 750.0 µs" in md
+    assert "link inside a node: reduce-scatter, measured on its own | 0.40 GB/s per device, latency 825.0 µs" in md

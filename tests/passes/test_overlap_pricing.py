@@ -140,16 +140,27 @@ class _Tiny(_Fixed):
         return BWD_S * 1e-6
 
 
-def _sharded_plan(model, x, traced, estimator, **pins):
+# gathers and reduce-scatters priced on figures of their own, off the link's all-reduce ones, as `bench run` fits
+# them for gloo: the hand formulas below take each collective's time from the link, so they hold either way
+_PER_COLLECTIVE = {"all_gather": {"latency_s": 9e-6, "bandwidth_bytes_per_s": 150e9},
+                   "reduce_scatter": {"latency_s": 14e-6, "bandwidth_bytes_per_s": 60e9}}  # fmt: skip
+
+
+def _sharded_plan(model, x, traced, estimator, per_collective=None, **pins):
     cluster = autopar.ClusterSpec.parse("2xA100-80GB")
+    if per_collective:
+        cluster = autopar.ClusterSpec.from_overrides(
+            {"cluster": "2xA100-80GB", "intra_node_link": {"per_collective": per_collective}}, source="test"
+        )
     est = estimator(cluster.device, DType("bf16"))
     constraints = {"dp": 2, "tp": 1, "zero": 1, "num_microbatches": 1, **pins}
     return autopar.plan(model, cluster, (x,), constraints=constraints, estimator=est, _traced=traced,
                         alternatives=False, precision="bf16")  # fmt: skip
 
 
+@pytest.mark.parametrize("per_collective", [None, _PER_COLLECTIVE], ids=["ring", "per-collective"])
 @pytest.mark.parametrize("estimator", [_Fixed, _Tiny], ids=["compute-bound", "link-bound"])
-def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeypatch, estimator):
+def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeypatch, estimator, per_collective):
     """ZeRO-1 on dp=2, two gradient buckets: the formula by hand, from the link's collective times and the known
     op times. Gradients: E_g = max(sum RS_bw - B, T_last) (the backward after each bucket hides it, the last
     bucket nothing); gathers (prefetch depth 1): E_a = max(sum AG_bw - F, T_first) (the forward of the layers
@@ -162,10 +173,11 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     param_bytes = [p.numel() * prec.param_bytes for p in params]
     bucket = sum(grad_bytes) // 2 + 1  # two buckets
     monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
-    off = _sharded_plan(model, x, traced, estimator, overlap=False)
-    on = _sharded_plan(model, x, traced, estimator)
+    off = _sharded_plan(model, x, traced, estimator, per_collective, overlap=False)
+    on = _sharded_plan(model, x, traced, estimator, per_collective)
     assert (off.program, on.program, on.zero_stage, on.prefetch_depth) == ("sharded", "sharded", 1, 1)
     link = on.cluster.link_for_axis(2, 1)
+    assert bool(link.per_collective) == bool(per_collective)
 
     def t(kind, nbytes):
         return estimate_collective_time(kind, nbytes, 2, link)
@@ -191,7 +203,7 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     hidden = on.predicted.grad_sync_hidden_s
     assert on.hidden_communication == ({"comm_dp": hidden} if hidden > 0 else {})
     # depth 0: the gathers wait where they are used, whole; the gradient buckets still hide
-    flat = _sharded_plan(model, x, traced, estimator, prefetch_depth=0)
+    flat = _sharded_plan(model, x, traced, estimator, per_collective, prefetch_depth=0)
     gathers = sum(t(ag, p) for p in param_bytes)
     depth0 = e_g + gathers + fixed - len(params) * t(ag, 1.0)
     assert flat.predicted.grad_sync_s == pytest.approx(depth0, rel=1e-6, abs=1e-7)
