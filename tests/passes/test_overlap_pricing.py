@@ -320,8 +320,9 @@ def test_zero2_each_micro_batch_hides_its_own_buckets(monkeypatch, kind):
 # ------------------------------------------------------------- the offload program: ZeRO-3 over chunks
 
 
+@pytest.mark.parametrize("per_collective", [None, _PER_COLLECTIVE], ids=["ring", "per-collective"])
 @pytest.mark.parametrize("estimator", [_Fixed, _Tiny], ids=["compute-bound", "link-bound"])
-def test_offload_chunks_price_what_compute_does_not_hide(estimator):
+def test_offload_chunks_price_what_compute_does_not_hide(estimator, per_collective):
     """The offload program (offload pinned, ZeRO-3 on dp=2, m = 1) reduce-scatters and gathers whole chunks, the
     ones its runtime packs the model into: per chunk c, RS_c (its fp32 gradient staging) and two gathers AG_c (bf16
     payload, forward and backward), each paying one latency. Overlap off: all of it waits. On: the backward hides
@@ -333,7 +334,9 @@ def test_offload_chunks_price_what_compute_does_not_hide(estimator):
 
     model, x = _stack()
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
-    cluster = autopar.ClusterSpec.parse("2xA100-80GB")
+    cluster = autopar.ClusterSpec.from_overrides(
+        {"cluster": "2xA100-80GB", "intra_node_link": {"per_collective": per_collective or {}}}, source="test"
+    )
     est = estimator(cluster.device, DType("bf16"))
     budget = 30e6  # chunks of at most 1/16 of it (payload and fp32 staging): several chunks for this model
 
@@ -349,6 +352,7 @@ def test_offload_chunks_price_what_compute_does_not_hide(estimator):
     chunks = pack(specs, numel, multiple=ALIGN_NUMEL * 2)
     assert len(chunks) >= 3
     link = cluster.link_for_axis(2, 1)
+    assert bool(link.per_collective) == bool(per_collective)
 
     def t(kind, nbytes):
         return estimate_collective_time(kind, nbytes, 2, link)
