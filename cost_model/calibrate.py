@@ -297,7 +297,9 @@ def host_memory_bytes() -> int:
 
 def _collective_call(kind: str, num_bytes: int, world: int):
     """(a call running collective `kind` once on a full tensor of about `num_bytes`, the full tensor's bytes)."""
-    numel = max(num_bytes // 4 // world, 1) * world  # all-gather and reduce-scatter split it evenly
+    # all-gather and reduce-scatter split it evenly over the ranks, an all-to-all each rank's shard again
+    unit = world * world if kind == "all_to_all" else world
+    numel = max(num_bytes // 4 // unit, 1) * unit
     full = torch.ones(numel)
     if kind == "all_reduce":
         return (lambda: dist.all_reduce(full)), numel * 4
@@ -308,21 +310,38 @@ def _collective_call(kind: str, num_bytes: int, world: int):
     if kind == "reduce_scatter":
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return (lambda: scatter(shard, full)), numel * 4
-    raise ValueError(f"no gloo measurement for collective {kind!r}: expected one of {MEASURED_COLLECTIVES}")
+    if kind == "all_to_all":  # the full tensor is every rank's shard together; each rank re-splits its own
+        out = torch.empty_like(shard)
+        return (lambda: dist.all_to_all_single(out, shard)), numel * 4
+    if kind == "send_recv":  # one ring step: every rank sends the whole tensor on and receives its neighbour's
+        rank = dist.get_rank()
+        buffer = torch.empty_like(full)
+
+        def ring_step():
+            ops = [dist.P2POp(dist.isend, full, (rank + 1) % world), dist.P2POp(dist.irecv, buffer, (rank - 1) % world)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        return ring_step, numel * 4
+    raise ValueError(f"no gloo measurement for collective {kind!r}: expected one of {CONTEXT_COLLECTIVES}")
 
 
-# the collectives `measure_gloo_collectives` times: what the programs issue over the data axis
+# the collectives `measure_gloo_collectives` times by default: what the programs issue over the data axis
 MEASURED_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+# ... and with those, what context-parallel attention issues over the cp axis (the ring's steps, Ulysses' re-splits)
+CONTEXT_COLLECTIVES = (*MEASURED_COLLECTIVES, "all_to_all", "send_recv")
 # how many of each follow one another after a step's host work: the data-parallel program's all-reduces come a
 # bucket or two at the end of backward, the sharded program's gathers and reduce-scatters one after another
-# through the step, and a collective right after another does not pay again for the ranks meeting
-_CALLS_PER_STEP = {"all_gather": 8, "reduce_scatter": 8}
+# through the step (as cp attention's all-to-alls and ring steps, layer after layer), and a collective right
+# after another does not pay again for the ranks meeting
+_CALLS_PER_STEP = {"all_gather": 8, "reduce_scatter": 8, "all_to_all": 8, "send_recv": 8}
 # The largest size of each the fit measures: all-reduces past the largest the programs issue (the 25 MiB
 # gradient buckets), so that the bandwidth the fit's slope gives is the one those buckets see; all-gathers and
 # reduce-scatters to 16 MiB, as the sharded programs gather each weight on its own (the bench's wide-llama's
 # largest is 9 MiB) and gloo runs both much slower per byte past 16 MiB, which a fit through 64 MiB would
 # price every gather at
-FIT_MAX_BYTES = {"all_reduce": 64 << 20, "all_gather": 16 << 20, "reduce_scatter": 16 << 20}
+FIT_MAX_BYTES = {"all_reduce": 64 << 20, "all_gather": 16 << 20, "reduce_scatter": 16 << 20, "all_to_all": 16 << 20,
+                 "send_recv": 16 << 20}  # fmt: skip
 
 
 def _collective_worker(rank: int, world: int, init_file: str, repeats: int, result_file: str,

@@ -1,6 +1,7 @@
 """Context parallelism measured: real steps of each cp attention algorithm on CPU ranks, next to their prediction.
 
     OMP_NUM_THREADS=1 python examples/cp_measured.py [--world 2] [--seq-len 8192] [--steps 3] [--memory-budget 60MiB]
+                                                     [--no-link-fit]
 
 One sequence of a small LLaMA-shaped model on `world` ranks cannot be split over a data axis: the planner must
 split it over a tensor axis or over a context-parallel axis (or, with a memory budget one rank cannot meet
@@ -8,7 +9,9 @@ alone, whichever fits). The free search's choice is printed with the cp degrees 
 algorithm is then planned with cp pinned to the world size and trained on `world` spawned gloo ranks: one
 warm-up step and `steps` timed steps (the slowest rank's median). One row per algorithm gives the predicted and
 the measured step time, each also relative to the all-gather algorithm, which is how the two compare: the CPU
-device figures are not calibrated to this machine, and the ranks share its cores.
+device's compute figures are the preset's, not this machine's, and the ranks share its cores. The link is fitted
+first (unless `--no-link-fit`): gloo's all-reduce, all-gather, reduce-scatter, all-to-all and ring step among the
+ranks, each on its own figures (`calibrate.measure_gloo_collectives`), which the plans are priced with.
 """
 
 from __future__ import annotations
@@ -62,8 +65,17 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--memory-budget", default=None, help="per-rank budget for every plan, e.g. 60MiB")
+    ap.add_argument("--no-link-fit", action="store_true", help="price the link with the cpu preset's figures")
     a = ap.parse_args()
     cluster = f"cpu:{a.world}"
+    if not a.no_link_fit:
+        from autopar.cost_model.calibrate import CONTEXT_COLLECTIVES, fit_link, measure_gloo_collectives
+
+        print(f"fitting the gloo link among {a.world} ranks: {', '.join(CONTEXT_COLLECTIVES)}", flush=True)
+        link = fit_link(measure_gloo_collectives(a.world, 5, kinds=CONTEXT_COLLECTIVES), a.world)
+        cluster = autopar.ClusterSpec.from_overrides({"cluster": cluster, "intra_node_link": link}, source="link fit")
+        for kind, f in [("all_reduce", link), *link["per_collective"].items()]:
+            print(f"  {kind}: {f['latency_s'] * 1e6:,.0f} µs per step, {f['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
     model = build_model(a.seq_len)
     args, kwargs = batch(1, a.seq_len)
     common = dict(alternatives=False, memory_budget=a.memory_budget)

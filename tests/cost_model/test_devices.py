@@ -154,6 +154,15 @@ def test_link_fit_prices_each_measured_collective_on_its_own_ring_model():
     assert ClusterSpec.from_dict(cluster.to_dict()) == cluster
 
 
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_to_all", "send_recv"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_fit_recovers_each_collectives_own_figures(kind, n):
+    link = LinkSpec("fitted", bandwidth_bytes_per_s=1e9, latency_s=1e-4, per_collective=((kind, 7e-4, 0.4e9),))
+    times = {s: estimate_collective_time(Collective(kind), s, n, link) for s in calibrate._ALLREDUCE_SIZES_BYTES}
+    # exact model times of the kind's own steps and moved bytes: its figures come back up to float rounding
+    assert calibrate.fit_ring(kind, times, n) == pytest.approx((7e-4, 0.4e9), rel=1e-9)
+
+
 def test_per_collective_figures_must_name_a_collective():
     with pytest.raises(ConfigError, match="not a collective"):
         ClusterSpec.from_overrides({"cluster": "cpu:2", "intra_node_link": {"per_collective": {
@@ -183,3 +192,16 @@ def test_host_costs_are_measured_per_call():
 def test_optimizer_step_is_split_into_tensors_and_bytes():
     opt = calibrate.measure_optimizer_step(repeats=1)
     assert 0 < opt["optimizer_tensor_s"] < 1e-2 and opt["optimizer_s_per_param_byte"] >= 0
+
+
+@pytest.mark.distributed
+def test_gloo_collectives_are_measured_at_the_sizes_each_one_moves():
+    """Every collective a link can be fitted for is timed on real gloo ranks, at full-tensor sizes each one can
+    split (an all-to-all re-splits every rank's shard, so its sizes divide by world squared), up to its limit."""
+    world = 2
+    times = calibrate.measure_gloo_collectives(world, 1, max_bytes=64 << 10, kinds=calibrate.CONTEXT_COLLECTIVES)
+    assert set(times) == set(calibrate.CONTEXT_COLLECTIVES)
+    for kind, by_size in times.items():
+        unit = 4 * (world * world if kind == "all_to_all" else world)
+        assert by_size and all(size % unit == 0 and 0 < size <= 64 << 10 for size in by_size), (kind, by_size)
+        assert all(t > 0 for t in by_size.values())
