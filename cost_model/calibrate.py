@@ -45,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -611,14 +612,21 @@ def fit_ring_allreduce(times_s: dict[int, float], num_ranks: int) -> tuple[float
 
 def fit_link(times_s: dict[str, dict[int, float]], num_ranks: int) -> dict:
     """The link overrides (`LinkSpec` fields) fitted to `measure_gloo_collectives`' times: latency and bandwidth
-    from the all-reduces, and each other collective measured fitted on its own into `per_collective`."""
+    from the all-reduces (ValueError where they cannot be fitted), and each other collective measured fitted on
+    its own into `per_collective`; one whose times cannot be fitted (a machine too busy while it was measured)
+    keeps the all-reduce's figures, with a warning that names it."""
     alpha, bandwidth = fit_ring("all_reduce", times_s["all_reduce"], num_ranks)
     link: dict = {"latency_s": alpha, "bandwidth_bytes_per_s": bandwidth}
     others = {}
     for kind, times in sorted(times_s.items()):
-        if kind != "all_reduce":
+        if kind == "all_reduce":
+            continue
+        try:
             latency, kind_bandwidth = fit_ring(kind, times, num_ranks)
-            others[kind] = {"latency_s": latency, "bandwidth_bytes_per_s": kind_bandwidth}
+        except ValueError as e:
+            warnings.warn(f"link fit: {e}; {kind} is priced with the all-reduce's figures", stacklevel=2)
+            continue
+        others[kind] = {"latency_s": latency, "bandwidth_bytes_per_s": kind_bandwidth}
     if others:
         link["per_collective"] = others
     return link

@@ -163,6 +163,17 @@ def test_ring_fit_recovers_each_collectives_own_figures(kind, n):
     assert calibrate.fit_ring(kind, times, n) == pytest.approx((7e-4, 0.4e9), rel=1e-9)
 
 
+def test_link_fit_keeps_the_all_reduce_figures_for_a_collective_it_cannot_fit():
+    n, sizes = 2, calibrate._ALLREDUCE_SIZES_BYTES
+    times = {"all_reduce": {s: 2 * 5e-4 + s / 1e9 for s in sizes},
+             "all_gather": {s: 7e-4 + s / 2 / 0.8e9 for s in sizes},
+             "reduce_scatter": {s: 1e-3 for s in sizes}}  # fmt: skip  # a busy machine: flat in size
+    with pytest.warns(UserWarning, match="reduce_scatter is priced with the all-reduce's figures"):
+        link = calibrate.fit_link(times, n)
+    assert set(link["per_collective"]) == {"all_gather"}
+    assert link["bandwidth_bytes_per_s"] == pytest.approx(1e9, rel=1e-9)
+
+
 def test_per_collective_figures_must_name_a_collective():
     with pytest.raises(ConfigError, match="not a collective"):
         ClusterSpec.from_overrides({"cluster": "cpu:2", "intra_node_link": {"per_collective": {
