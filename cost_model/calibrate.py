@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-_ALLREDUCE_SIZES_BYTES = tuple(4 * 4**k for k in range(0, 13))  # 4 B .. 64 MiB
+_COLLECTIVE_SIZES_BYTES = tuple(4 * 4**k for k in range(0, 13))  # 4 B .. 64 MiB
 _FIT_MIN_BYTES = 1 << 20
-_MIN_ALLREDUCE_S = 1e-6  # a difference of two noisy loop times can come out below zero: never price it so
+_MIN_COLLECTIVE_S = 1e-6  # a difference of two noisy loop times can come out below zero: never price it so
 
 
 def median_time_s(fn, repeats: int, warmup: int = 2) -> float:
@@ -381,7 +381,7 @@ def _collective_worker(rank: int, world: int, init_file: str, repeats: int, resu
                 added = (statistics.median(with_collective) - statistics.median(alone)) / calls
                 added = torch.tensor([added], dtype=torch.float64)
                 dist.all_reduce(added, op=dist.ReduceOp.MAX)  # the slowest rank's, as a step's time is
-                results[kind][num_bytes] = max(added.item(), _MIN_ALLREDUCE_S)
+                results[kind][num_bytes] = max(added.item(), _MIN_COLLECTIVE_S)
         if rank == 0:
             with open(result_file, "w") as f:
                 json.dump(results, f)
@@ -396,8 +396,8 @@ def measure_gloo_collectives(num_ranks: int, repeats: int, max_bytes: int | Mapp
     `FIT_MAX_BYTES`).
 
     Measured as a training step meets it: each rank runs a short step of host work (`small_op_step`)
-    and then the collective (an all-reduce once, an all-gather or reduce-scatter 8 times in a row, as the
-    sharded program issues them), back to back without a barrier, and the time per iteration less that of
+    and then the collective (an all-reduce once, the others `_CALLS_PER_STEP` times in a row, as the sharded
+    program and cp attention issue them), back to back without a barrier, and the time per iteration less that of
     the work alone, per call, is the collective's (the median over `repeats` loops, the slowest rank's). So it
     includes what a collective timed alone after a barrier leaves out: the ranks arriving at
     different times, and a rank that waited idle being slow to run again. On a 2-core virtual machine
@@ -410,7 +410,7 @@ def measure_gloo_collectives(num_ranks: int, repeats: int, max_bytes: int | Mapp
     54 ms), so a fit should stop at the sizes the priced programs issue.
     """
     limits = max_bytes if isinstance(max_bytes, Mapping) else {kind: max_bytes for kind in kinds}
-    sizes = {kind: tuple(s for s in _ALLREDUCE_SIZES_BYTES if limits.get(kind) is None or s <= limits[kind])
+    sizes = {kind: tuple(s for s in _COLLECTIVE_SIZES_BYTES if limits.get(kind) is None or s <= limits[kind])
              for kind in kinds}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
@@ -418,12 +418,6 @@ def measure_gloo_collectives(num_ranks: int, repeats: int, max_bytes: int | Mapp
                  nprocs=num_ranks, join=True)  # fmt: skip
         with open(result_file) as f:
             return {kind: {int(k): v for k, v in times.items()} for kind, times in json.load(f).items()}
-
-
-def measure_gloo_allreduce(num_ranks: int, repeats: int, max_bytes: int | None = None) -> dict[int, float]:
-    """{bytes: seconds} that a gloo all-reduce among `num_ranks` local processes adds to a step (sizes up to
-    `max_bytes`): `measure_gloo_collectives` for the all-reduce alone."""
-    return measure_gloo_collectives(num_ranks, repeats, max_bytes, kinds=("all_reduce",))["all_reduce"]
 
 
 def small_op_step():
@@ -603,11 +597,6 @@ def fit_ring(kind: str, times_s: dict[int, float], num_ranks: int) -> tuple[floa
     small = [times_s[s] - moved[s] * slope for s in times_s if s < _FIT_MIN_BYTES]
     alpha = max(statistics.median(small), 0.0) / steps
     return alpha, 1.0 / slope
-
-
-def fit_ring_allreduce(times_s: dict[int, float], num_ranks: int) -> tuple[float, float]:
-    """(latency_s per step, bandwidth bytes/s) of the ring all-reduce t = 2(n-1)·alpha + 2(n-1)/n·S / bandwidth."""
-    return fit_ring("all_reduce", times_s, num_ranks)
 
 
 def fit_link(times_s: dict[str, dict[int, float]], num_ranks: int) -> dict:

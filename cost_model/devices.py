@@ -103,6 +103,12 @@ def _check_positive(owner: str, **values: float) -> None:
             raise ConfigError(f"{owner}: {name} must be a positive number, got {value!r}")
 
 
+def _check_alpha_beta(owner: str, latency_s, bandwidth_bytes_per_s) -> None:
+    _check_positive(owner, bandwidth_bytes_per_s=bandwidth_bytes_per_s)
+    if not isinstance(latency_s, (int, float)) or latency_s < 0:
+        raise ConfigError(f"{owner}: latency_s must be >= 0, got {latency_s!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class LinkSpec:
     """One kind of link, priced by the alpha-beta model: `latency_s` per step plus bytes / bandwidth.
@@ -120,17 +126,12 @@ class LinkSpec:
     per_collective: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self):
-        _check_positive(f"link {self.name!r}", bandwidth_bytes_per_s=self.bandwidth_bytes_per_s)
-        if not isinstance(self.latency_s, (int, float)) or self.latency_s < 0:
-            raise ConfigError(f"link {self.name!r}: latency_s must be >= 0, got {self.latency_s!r}")
+        _check_alpha_beta(f"link {self.name!r}", self.latency_s, self.bandwidth_bytes_per_s)
         for entry in self.per_collective:
             if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)):
                 raise ConfigError(f"link {self.name!r}: per_collective entries are (kind, latency_s, "
                                   f"bandwidth_bytes_per_s), got {entry!r}")  # fmt: skip
-            kind, latency, bandwidth = entry
-            _check_positive(f"link {self.name!r} ({kind})", bandwidth_bytes_per_s=bandwidth)
-            if not isinstance(latency, (int, float)) or latency < 0:
-                raise ConfigError(f"link {self.name!r} ({kind}): latency_s must be >= 0, got {latency!r}")
+            _check_alpha_beta(f"link {self.name!r} ({entry[0]})", entry[1], entry[2])
 
     def alpha_beta(self, kind: str) -> tuple[float, float]:
         """(latency_s per step, bandwidth bytes/s) that collective `kind` is priced with on this link."""
@@ -150,23 +151,19 @@ class LinkSpec:
         _check_keys("link", d, {f.name for f in fields(cls)}, required=True, optional={"per_collective"})
         return cls(name=str(d["name"]), bandwidth_bytes_per_s=float(d["bandwidth_bytes_per_s"]),
                    latency_s=float(d["latency_s"]),
-                   per_collective=parse_per_collective(d.get("per_collective", ()), f"link {d['name']!r}"))  # fmt: skip
+                   per_collective=parse_per_collective(d.get("per_collective", {}), f"link {d['name']!r}"))  # fmt: skip
 
 
 def parse_per_collective(value, owner: str) -> tuple[tuple[str, float, float], ...]:
-    """{kind: {"latency_s": ..., "bandwidth_bytes_per_s": ...}} (or LinkSpec's tuples) as LinkSpec stores it,
-    sorted by kind; `kind` must name a collective of `cost_model.comm.Collective`."""
+    """{kind: {"latency_s": ..., "bandwidth_bytes_per_s": ...}} as LinkSpec stores it, sorted by kind; `kind` must
+    name a collective of `cost_model.comm.Collective`."""
     from autopar.cost_model.comm import Collective
 
-    if isinstance(value, tuple) and all(isinstance(e, tuple) for e in value):
-        items = [(k, {"latency_s": a, "bandwidth_bytes_per_s": b}) for k, a, b in value]
-    elif isinstance(value, Mapping):
-        items = list(value.items())
-    else:
+    if not isinstance(value, Mapping):
         raise ConfigError(f"{owner}: per_collective must map a collective to its latency_s and "
                           f"bandwidth_bytes_per_s, got {value!r}")  # fmt: skip
     out = []
-    for kind, figures in items:
+    for kind, figures in value.items():
         if kind not in {c.value for c in Collective}:
             raise ConfigError(f"{owner}: per_collective names {kind!r}, not a collective: expected one of "
                               f"{[c.value for c in Collective]}")  # fmt: skip

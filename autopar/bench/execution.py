@@ -384,7 +384,7 @@ def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_pro
     """What the cost model needs of this machine for `world` local ranks, whatever the model: (cluster, record).
 
     The cluster is cpu:`world` with its link fitted to gloo all-reduces among `world` processes
-    (`calibrate.measure_gloo_allreduce`) and its overlap efficiency measured among them
+    (`calibrate.measure_gloo_collectives`, `calibrate.fit_link`) and its overlap efficiency measured among them
     (`calibrate.measure_overlap_efficiency`); the record says what was measured, for run.json, including
     the host costs of the profile cache in `folder` (so every run profiles afresh). What depends on
     the model is measured by `model_estimator`.

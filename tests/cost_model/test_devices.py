@@ -111,8 +111,8 @@ def test_cpu_preset_holds_measured_rates():
 
 def test_ring_fit_recovers_alpha_and_beta():
     alpha, bandwidth, n = 40e-6, 2e9, 2
-    times = {s: 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bandwidth for s in calibrate._ALLREDUCE_SIZES_BYTES}
-    fit_alpha, fit_bandwidth = calibrate.fit_ring_allreduce(times, n)
+    times = {s: 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bandwidth for s in calibrate._COLLECTIVE_SIZES_BYTES}
+    fit_alpha, fit_bandwidth = calibrate.fit_ring("all_reduce", times, n)
     # exact ring times: both come back up to float rounding
     assert fit_alpha == pytest.approx(alpha, rel=1e-9)
     assert fit_bandwidth == pytest.approx(bandwidth, rel=1e-9)
@@ -120,11 +120,11 @@ def test_ring_fit_recovers_alpha_and_beta():
 
 def test_ring_fit_latency_is_robust_to_a_few_slow_small_all_reduces():
     alpha, bandwidth, n = 1e-3, 1e9, 4
-    exact = {s: 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bandwidth for s in calibrate._ALLREDUCE_SIZES_BYTES}
+    exact = {s: 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bandwidth for s in calibrate._COLLECTIVE_SIZES_BYTES}
     noisy = dict(exact)
     for s in (4, 64, 4096):  # three of the ten sizes under 1 MiB, each 3x slower (a busy machine)
         noisy[s] *= 3
-    fit_alpha, _ = calibrate.fit_ring_allreduce(noisy, n)
+    fit_alpha, _ = calibrate.fit_ring("all_reduce", noisy, n)
     # the median over the ten small sizes still lands on an undisturbed one: within 1%
     assert fit_alpha == pytest.approx(alpha, rel=0.01)
 
@@ -133,7 +133,7 @@ def test_link_fit_prices_each_measured_collective_on_its_own_ring_model():
     # gloo-like: the all-reduce on one alpha-beta pair, the reduce-scatter on a slower one of its own
     n = 2
     ar, rs = (600e-6, 1.3e9), (1.5e-3, 0.45e9)
-    sizes = calibrate._ALLREDUCE_SIZES_BYTES
+    sizes = calibrate._COLLECTIVE_SIZES_BYTES
     times = {"all_reduce": {s: 2 * (n - 1) * ar[0] + 2 * (n - 1) / n * s / ar[1] for s in sizes},
              "reduce_scatter": {s: (n - 1) * rs[0] + (n - 1) / n * s / rs[1] for s in sizes}}  # fmt: skip
     link = calibrate.fit_link(times, n)
@@ -158,13 +158,13 @@ def test_link_fit_prices_each_measured_collective_on_its_own_ring_model():
 @pytest.mark.parametrize("n", [2, 4])
 def test_ring_fit_recovers_each_collectives_own_figures(kind, n):
     link = LinkSpec("fitted", bandwidth_bytes_per_s=1e9, latency_s=1e-4, per_collective=((kind, 7e-4, 0.4e9),))
-    times = {s: estimate_collective_time(Collective(kind), s, n, link) for s in calibrate._ALLREDUCE_SIZES_BYTES}
+    times = {s: estimate_collective_time(Collective(kind), s, n, link) for s in calibrate._COLLECTIVE_SIZES_BYTES}
     # exact model times of the kind's own steps and moved bytes: its figures come back up to float rounding
     assert calibrate.fit_ring(kind, times, n) == pytest.approx((7e-4, 0.4e9), rel=1e-9)
 
 
 def test_link_fit_keeps_the_all_reduce_figures_for_a_collective_it_cannot_fit():
-    n, sizes = 2, calibrate._ALLREDUCE_SIZES_BYTES
+    n, sizes = 2, calibrate._COLLECTIVE_SIZES_BYTES
     times = {"all_reduce": {s: 2 * 5e-4 + s / 1e9 for s in sizes},
              "all_gather": {s: 7e-4 + s / 2 / 0.8e9 for s in sizes},
              "reduce_scatter": {s: 1e-3 for s in sizes}}  # fmt: skip  # a busy machine: flat in size
@@ -184,9 +184,9 @@ def test_per_collective_figures_must_name_a_collective():
 
 
 def test_ring_fit_refuses_times_that_do_not_grow():
-    times = {s: 1e-3 for s in calibrate._ALLREDUCE_SIZES_BYTES}
+    times = {s: 1e-3 for s in calibrate._COLLECTIVE_SIZES_BYTES}
     with pytest.raises(ValueError, match="too busy"):
-        calibrate.fit_ring_allreduce(times, 2)
+        calibrate.fit_ring("all_reduce", times, 2)
 
 
 def test_host_costs_are_measured_per_call():
