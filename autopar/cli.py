@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "cpu:4 for soak)")  # fmt: skip
     b.add_argument("--methods", help="run suite: comma-separated methods, e.g. autopar,autopar-dp,ddp (default "
                    "autopar,ddp,fsdp2,tp; also autopar-dp, autopar-zero3, autopar-dp-no-overlap, autopar-offload, "
-                   "autopar-offload-no-overlap)")  # fmt: skip
+                   "autopar-offload-no-overlap, autopar-pp-zero1, autopar-pp-zero1-no-overlap)")  # fmt: skip
     b.add_argument("--models", help="run suite: comma-separated models, e.g. wide-llama (default: the small ones)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     b.set_defaults(fn=_bench_cmd)

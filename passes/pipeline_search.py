@@ -42,7 +42,10 @@ Step time, with the overlap the pipeline program runs (`plan.overlap`, on by def
        launches stage s's sync when its last backward of the step is done; the stages before it still run
        their last backward after that (1F1B and GPipe end with the backwards of stages p-1, ..., 0 in turn),
        so the sync hides behind that window, and stage 0's (the last to finish) behind none:
-           E_s = G_s - H(G_s, w_s)     w_s = BACKWARD_SHARE x sum_{j<s} t_j / v
+           E_s = G_s - H(G_s - A_s, w_s)     w_s = BACKWARD_SHARE x sum_{j<s} t_j / v
+       A_s, a ZeRO-1 stage's weight gathers: with overlap it gathers each split weight once a step, before the
+       schedule starts (waited on where the first forward reads it), and reduce-scatters its gradients once, with
+       the dp all-reduce (`ShardingProgram.step_gathers`); the reduce-scatter hides as G_s does, the gathers not.
   H(x, w) = eta min(x, w): the part of x hidden behind w of compute (`hidden_part`), eta the device's
        overlap efficiency (`DeviceSpec.overlap_efficiency`, 1 where the device has none).
   With overlap off (constraints {"overlap": False}) nothing hides: e_s = c_s, E_s = G_s, and
@@ -452,8 +455,11 @@ class _Priced:
     bound: bool = False  # solved within the memory budget: the memory-free optimum did not fit
 
     def grad_sync(self) -> float:
-        """G_s: the gradient synchronisation alone (sync less the optimizer step)."""
-        return self.sync - (self.result.optimizer_s if self.result is not None else 0.0)
+        """G_s: the gradient synchronisation the later backwards may hide (sync less the optimizer step, and less
+        a ZeRO-1 stage's gathers before the schedule, which nothing hides)."""
+        if self.result is None:
+            return self.sync
+        return self.sync - self.result.optimizer_s - self.result.step_gather_s
 
     def memory_at(self, copies: float) -> dict[str, float]:
         mem = dict(self.memory)
@@ -501,6 +507,9 @@ class _StagePricer:
         # ZeRO-2/3 reduce-scatter gradients and gather parameters once per micro-batch, which a pipeline
         # repeats m times; as in Megatron-LM and DeepSpeed, pipelines shard optimizer states at most (ZeRO-1)
         self.zero_choices = [zero] if zero is not None else [0, 1]
+        # with overlap (the plan's default) a ZeRO-1 stage gathers its weights and reduce-scatters their gradients
+        # once a step (`runtime.pipeline`); without, wherever a micro-batch reads them
+        self.step_gathers = bool(self.constraints.get("overlap", True))
         self._views: dict[tuple, OpGraph] = {}
         self._free: dict[tuple, _Priced] = {}
         self._bound: dict[tuple, _Priced] = {}
@@ -564,6 +573,7 @@ class _StagePricer:
                                recompute=self.recompute,
                                tensor_split=TensorSplit.from_constraints(self.constraints, tp),
                                overlap=False,  # a stage reduces its gradients after the schedule
+                               pipeline_stage=True, step_gathers=self.step_gathers,
                                cp=self.cp_pricing(dp, tp, m))  # fmt: skip
         if dp > 1:
             prog.zero_choices = list(self.zero_choices)

@@ -289,6 +289,7 @@ class MeshResult:
     grad_sync_hidden_s: float = 0.0  # gradient all-reduce time hidden behind backward (grad_sync_s is what is not)
     cp_comm_s: float = 0.0  # cp attention's communication its compute does not hide (not in compute_s)
     cp_comm_hidden_s: float = 0.0  # and what it hides (not in the step)
+    step_gather_s: float = 0.0  # the part of grad_sync_s that gathers weights before a pipeline's schedule starts
 
 
 @dataclass(frozen=True)
@@ -478,8 +479,16 @@ class ShardingProgram:
                  num_microbatches: int = 1, activation_copies: float = 1.0,
                  recompute: str | None = None, offload: bool | None = False,
                  tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None,
-                 overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1):  # fmt: skip
+                 overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1,
+                 pipeline_stage: bool = False, step_gathers: bool = False):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
+        # priced as the pipeline program runs a stage (`runtime.pipeline`): its dp-replicated gradients summed over
+        # the data axis once a step, in buckets, whatever its tensor and cp axes
+        self.pipeline_stage = pipeline_stage
+        # and ZeRO-1 as such a stage runs it with overlap: each split weight gathered once a step before the
+        # schedule, its fp32 gradient summed over the micro-batches and reduce-scattered once, in buckets
+        self.step_gathers = pipeline_stage and step_gathers
+        self._step_gather_terms: list = []  # n_g u[g,k,1] A: the step's gathers (`step_gather_time`)
         # the sharded program's data-axis collectives with overlap (`add_sharded_overlap_constraint`): gradient
         # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
         self.prefetch_depth = prefetch_depth if overlap else 0
@@ -892,9 +901,11 @@ class ShardingProgram:
         return per_op * ops * self.mb
 
     def runs_plain(self, stage: int) -> bool:
-        """Whether a layout at `stage` without recompute runs as plain tensors (the data-parallel program)."""
+        """Whether a layout at `stage` without recompute runs as plain tensors (the data-parallel program; never a
+        pipeline stage, which runs its graph on DTensors whatever its layout)."""
         cp = self.cp.degree if self.cp is not None else 1
-        return program_kind(tp=self.tp, cp=cp, zero_stage=stage) == ProgramKind.DATA_PARALLEL
+        pp = 2 if self.pipeline_stage else 1
+        return program_kind(pp=pp, tp=self.tp, cp=cp, zero_stage=stage) == ProgramKind.DATA_PARALLEL
 
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
@@ -936,7 +947,7 @@ class ShardingProgram:
         in the compute format. ZeRO-2/3 reduce-scatter every micro-batch's gradients and hold whole ones only
         while their bucket fills (`in_flight_grad_bytes`, per step, not per parameter). Device memory only: the
         offload program (ZeRO-3 chunks) keeps `state_bytes`' gradients."""
-        if stage != 1 or not self.overlaps_at(stage):
+        if stage != 1 or not (self.overlaps_at(stage) or (self.step_gathers and self.dp > 1)):
             return 0.0
         info = self.graph.params[name]
         if not info.requires_grad:
@@ -992,7 +1003,7 @@ class ShardingProgram:
         # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
         # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
         # the parameters for every micro-batch's forward and backward.
-        if self.runs_plain(stage):
+        if self.runs_plain(stage) or (stage == 0 and self.pipeline_stage):
             return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
         if self.overlaps_at(stage):
             return sum(self.sharded_sync_parts(name, k, stage))
@@ -1005,9 +1016,22 @@ class ShardingProgram:
         if self.runs_chunks(stage):  # the offload program: its share of the chunks' collectives
             rs_bw, rs_fix, ag_bw, ag_fix = self.chunk_collectives(local)
             return (rs_bw + rs_fix + 2 * (ag_bw + ag_fix)) * self.mb
+        if stage == 1 and self.step_gathers:  # once a step: the bucketed reduce-scatter, then the weights' gather
+            return self._bucketed(Collective.REDUCE_SCATTER, grad_bytes) + self.step_gather_time(name, k, stage)
         rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
         ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
         return rs * self.mb + ag * (2 * self.mb if stage == 3 else self.mb)
+
+    def step_gather_time(self, name: str, k: int, stage: int) -> float:
+        """The part of `sync_time` that gathers a ZeRO-1 weight before a pipeline's schedule starts (`step_gathers`):
+        one all-gather of its own, waited on where the step's first forward reads it, so no backward hides it."""
+        info = self.graph.params[name]
+        if stage != 1 or not self.step_gathers or self.dp == 1 or not info.requires_grad:
+            return 0.0
+        pl = self.groups[name].strategies[k].output
+        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        return estimate_collective_time(Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp,
+                                        self.dp_link)  # fmt: skip
 
     @property
     def sharded_overlap(self) -> bool:
@@ -1150,20 +1174,26 @@ class ShardingProgram:
 
     def sync_floor(self, stage: int) -> float:
         """Latency of the one bucket that a step with any gradient pays (the data-parallel program, at stage 0
-        without a tensor axis; the sharded runtime pays per parameter)."""
-        if self.dp == 1 or not self.runs_plain(stage):
+        without a tensor axis; a pipeline stage's all-reduce at stage 0 and its once-a-step reduce-scatter at
+        stage 1; the sharded runtime pays per parameter)."""
+        if self.dp == 1:
             return 0.0
-        return estimate_collective_time(Collective.ALL_REDUCE, 1.0, self.dp, self.dp_link)
+        if self.runs_plain(stage) or (stage == 0 and self.pipeline_stage):
+            return estimate_collective_time(Collective.ALL_REDUCE, 1.0, self.dp, self.dp_link)
+        if stage == 1 and self.step_gathers:
+            return estimate_collective_time(Collective.REDUCE_SCATTER, 1.0, self.dp, self.dp_link)
+        return 0.0
 
     @functools.cached_property
     def leaving_plain_s(self) -> float:
         """Seconds per step a plain layout (no tensor axis, ZeRO-0) pays when recompute or a layer treatment
         moves it onto the sharded runtime: the per-op DTensor cost (`sharded_overhead_s`), and one
-        all-reduce per parameter's gradient where the data-parallel program sends buckets."""
+        all-reduce per parameter's gradient where the data-parallel program sends buckets (a pipeline stage sends
+        buckets on either runtime)."""
         if not self.runs_plain(0):
             return 0.0
         extra = 0.0
-        if self.dp > 1:
+        if self.dp > 1 and not self.pipeline_stage:
             for name in self._param_groups():
                 info = self.graph.params[name]
                 if info.requires_grad:
@@ -1202,6 +1232,9 @@ class ShardingProgram:
                     elif t:
                         hides = self.overlap and self.runs_plain(s)
                         (plain if hides else self.cost_terms["grad_sync"]).append(grp.count * t * u)
+                        gather = self.step_gather_time(name, k, s)
+                        if gather:
+                            self._step_gather_terms.append(grp.count * gather * u)
                     t = self.optimizer_time(name, k, s)
                     if t:
                         self.cost_terms["optimizer"].append(grp.count * t * u)
@@ -1588,6 +1621,8 @@ class ShardingProgram:
         at ZeRO stage `stage` (one all-gather per micro-batch and layer; 0 where the stage does not)."""
         if stage not in (1, 2) or self.overlaps_at(stage) or self.runs_plain(stage):
             return 0.0
+        if self.step_gather_time(name, k, stage):  # a pipeline's ZeRO-1 stage: weights gathered once a step, kept
+            return 0.0
         info, pl = self.graph.params[name], self.groups[name].strategies[k].output
         local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
         ag = estimate_collective_time(Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link)
@@ -1761,7 +1796,8 @@ class ShardingProgram:
                           offload=self._offload_result(mem, val.get("offload", 0.0)),
                           optimizer_s=val.get("optimizer", 0.0), recompute_s=val.get("recompute", 0.0),
                           grad_sync_hidden_s=hidden, cp_comm_s=val.get("cp_comm", 0.0),
-                          cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in self._cp_hidden_terms))  # fmt: skip
+                          cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in self._cp_hidden_terms),
+                          step_gather_s=sum(pulp.value(t) or 0.0 for t in self._step_gather_terms))  # fmt: skip
 
     def solve_free(self, recompute: str | None = None) -> MeshResult:
         """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
@@ -2228,6 +2264,9 @@ _OVERLAP_SYNC_WORDS = {0: "all_reduce of the gradient (bucketed, from backward)"
                        3: "reduce_scatter of the gradient per micro-batch (bucketed, from backward), all_gather of "
                           "the weights per forward and backward"}  # fmt: skip
 
+# a ZeRO-1 pipeline stage with overlap (`ShardingProgram.step_gathers`)
+_STEP_GATHER_WORDS = "reduce_scatter of the gradient (bucketed, once a step), all_gather of the weights (once a step)"
+
 
 def exposed_fraction(res: MeshResult) -> float:
     """The share of the data axis's sync that the step waits for: E / sum(Sync) of `add_overlap_constraint` at the
@@ -2293,7 +2332,9 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
                 t = sum(prog.sharded_sync_parts(name, k, stage))  # as the overlapping sharded program runs them
             if t:
                 local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
-                words = ("all_reduce of the gradient (bucketed)" if prog.runs_plain(stage)
+                bucketed = prog.runs_plain(stage) or (stage == 0 and prog.pipeline_stage)
+                words = ("all_reduce of the gradient (bucketed)" if bucketed
+                         else _STEP_GATHER_WORDS if prog.step_gather_time(name, k, stage)
                          else (_OVERLAP_SYNC_WORDS if prog.overlaps_at(stage) else _SYNC_WORDS)[stage])  # fmt: skip
                 ops.append({"kind": words, "axis": "dp", "pass": "step", "arg": None, "from": source(name),
                             "bytes": local * prog.precision.grad_bytes, "time_s": t, "per_step": grp.count}

@@ -203,6 +203,13 @@ def test_offload_methods_skip_a_model_trained_with_sgd():
     assert execution.METHODS["autopar"].skip_reason("sgd") is None
 
 
+def test_pipeline_zero1_pair_runs_one_layout_with_and_without_overlap():
+    on, off = (execution.METHODS[n].constraints(4) for n in ("autopar-pp-zero1", "autopar-pp-zero1-no-overlap"))
+    assert (on["pp"], on["dp"], on["zero"]) == (2, 2, 1) and "overlap" not in on
+    assert off == {**on, "overlap": False}
+    assert ("autopar-pp-zero1", "autopar-pp-zero1-no-overlap") in execution.PAIRS
+
+
 def test_run_suite_names_an_unknown_method_or_model(tmp_path, capsys):
     assert main(["bench", "run", "--methods", "autopar,ddp2", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

@@ -6,7 +6,10 @@ PyTorch's own APIs configured by hand.
   ZeRO stage 3 over every rank, `autopar-dp-no-overlap` the data-parallel program with its gradient
   all-reduces after backward instead of launched from it; `autopar-offload` pins host offload (the offload
   program: ZeRO-3 over chunks, optimizer states on the host) and `autopar-offload-no-overlap` the same with
-  each chunk gathered where it is used and each reduce-scatter waited where it is issued.
+  each chunk gathered where it is used and each reduce-scatter waited where it is issued; `autopar-pp-zero1` pins
+  two pipeline stages with ZeRO-1 over the other axis (cpu:4 gives it one), 1F1B over two micro-batches, whose
+  weights are gathered and gradients reduce-scattered once a step, and `autopar-pp-zero1-no-overlap` the same
+  layout gathering and reduce-scattering for every micro-batch.
 - `ddp`: `DistributedDataParallel` as users run it (25 MiB buckets whose all-reduces start from backward).
 - `fsdp2`: `fully_shard` per decoder block, then the whole model.
 - `tp`, for LLaMA: `parallelize_module` with Megatron's column-wise q/k/v and gate/up projections, row-wise o
@@ -173,6 +176,29 @@ class _AutoparDPNoOverlap(_Autopar):
         return {"dp": world, "zero": 0, "overlap": False}
 
 
+class _AutoparPipelineZero1(_Autopar):
+    """Two pipeline stages, ZeRO-1 over the rest of the ranks (a data axis from cpu:4 on): each weight gathered and
+    its gradients reduce-scattered once a step."""
+
+    name = "autopar-pp-zero1"
+
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        # schedule and micro-batches pinned too, so that both variants run the same layout (unpinned, the search
+        # accumulates more micro-batches where they cost no extra collectives, and picks another schedule)
+        return {"pp": 2, "dp": world // 2, "tp": 1, "zero": 1, "schedule": "1f1b", "num_microbatches": 2}
+
+
+class _AutoparPipelineZero1NoOverlap(_AutoparPipelineZero1):
+    """The same layout without overlap: weights gathered, and gradients reduce-scattered, for every micro-batch."""
+
+    name = "autopar-pp-zero1-no-overlap"
+
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        return {**_AutoparPipelineZero1.constraints(world), "overlap": False}
+
+
 class _AutoparOffload(_Autopar):
     name = "autopar-offload"
 
@@ -287,13 +313,19 @@ def tp_skip_reason(config, world: int) -> str | None:
 
 
 METHODS = {m.name: m for m in (_Autopar, _AutoparDP, _AutoparZero3, _AutoparDPNoOverlap, _AutoparOffload,
-                                _AutoparOffloadNoOverlap, _DDP, _FSDP2, _TensorParallel)}  # fmt: skip
+                                _AutoparOffloadNoOverlap, _AutoparPipelineZero1, _AutoparPipelineZero1NoOverlap, _DDP,
+                                _FSDP2, _TensorParallel)}  # fmt: skip
 # what a run measures unless told (`--methods`)
 DEFAULT_METHODS = ("autopar", "ddp", "fsdp2", "tp")
 BASELINES = ("ddp", "fsdp2", "tp")
 # (autopar method, what it is compared with on the same layout: the PyTorch baseline, or the same program without
 # overlap): their paired ratio is reported
-PAIRS = (("autopar-dp", "ddp"), ("autopar-zero3", "fsdp2"), ("autopar-offload", "autopar-offload-no-overlap"))
+PAIRS = (
+    ("autopar-dp", "ddp"),
+    ("autopar-zero3", "fsdp2"),
+    ("autopar-offload", "autopar-offload-no-overlap"),
+    ("autopar-pp-zero1", "autopar-pp-zero1-no-overlap"),
+)
 
 
 def is_autopar(method: str) -> bool:

@@ -30,8 +30,16 @@ micro-batch i+1's input (output gradient) is posted before micro-batch i's forwa
 asynchronous and waited on at the end of the step, so transfers run while the stage computes; and as soon as this
 rank's stages have run their last backward of the step, the dp all-reduce of its gradients is launched
 (asynchronously, in the same buckets), so it runs while the stages before them still run their cooldown backwards;
-the step waits for it before the tie sums and the optimizer. With overlap off, torch's own schedules run (each
-transfer waited on where it is posted) and the dp all-reduce follows the whole schedule.
+the step waits for it before the tie sums and the optimizer. A parameter split over dp by ZeRO-1 (`zero_stage` 1
+on every stage that reads it) is gathered once a step: the gathers of all of them go out (asynchronously, in the
+order the stages read them) before the schedule starts, and each is waited on where a forward first reads it; every
+micro-batch then computes on the whole weight (in the compute format), and its gradient (this rank's partial sum
+over dp) accumulates in fp32 over the micro-batches; the reduce-scatter of those sums, in buckets in the order
+backward produces them, goes out with the dp all-reduce, behind the other stages' last backwards. That is ZeRO-1 as
+the plan prices it for a pipeline stage (`ShardingProgram.step_gathers`): one gather and one reduce-scatter a step,
+whole weights and whole fp32 gradients held for the step. With overlap off, torch's own schedules run (each
+transfer waited on where it is posted), the dp all-reduce follows the whole schedule, and a split weight is
+gathered wherever a micro-batch reads it (its gradient reduce-scattered by that gather's backward).
 
 A cp axis (mesh pp x dp x cp x tp, tp innermost, then cp): the stage graphs are cut from the graph traced for cp
 (`autopar.context_parallel.inputs.traced_batch`, the causal masks dropped), in which each sequence's zig-zag
@@ -63,7 +71,7 @@ from autopar.passes.pipeline_split import StageGraph, split_stages, stack_layers
 from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
 from autopar.plan import Plan, ProgramKind, StagePlan
-from autopar.runtime import pipeline_schedule
+from autopar.runtime import overlap, pipeline_schedule
 from autopar.runtime.base import (
     BucketedReduction,
     Program,
@@ -156,6 +164,22 @@ class _Stage(torch.nn.Module):
             sent.append(v.redistribute(prog.mesh, _boundary_placement(val.shape, prog.micro_batch, prog.dp))
                         .to_local().contiguous())  # fmt: skip
         return tuple(sent)
+
+
+class _WholeWeight(torch.autograd.Function):
+    """A ZeRO-1 parameter whole on the data axis, gathered once a step (`PipelineProgram._whole`). Its backward
+    adds the gradient (this rank's partial sum over dp) to the program's fp32 sum for the step and gives the
+    master shard none: the step reduce-scatters the sums once, after the last backward."""
+
+    @staticmethod
+    def forward(ctx, shard, program, key):
+        ctx.program, ctx.key = program, key
+        return program._whole(key)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.program._add_whole_grad(ctx.key, grad)
+        return None, None, None
 
 
 class PipelineProgram(Program):
@@ -261,6 +285,10 @@ class PipelineProgram(Program):
                            for k, c in traced.exported.constants.items()}  # fmt: skip
         self._tie_groups = self._make_tie_groups(holders)
         self._dp_summed = [k for k in self._param_names if dp > 1 and self._placements[k][0] == R]
+        # ZeRO-1 with overlap: split weights gathered once a step, gradients reduce-scattered once (module docstring)
+        once = plan.overlap and dp > 1
+        self._step_split = {k for k in self._param_names if once and self._placements[k][0] != R
+                            and max(zero.get(d, plan.zero_stage) for d in holders[k]) == 1}  # fmt: skip
 
         by_device = {st.index: st for st in stage_plans}
         self.stages = [
@@ -276,6 +304,17 @@ class PipelineProgram(Program):
                                            input_args=st.example_inputs(), output_args=st.example_outputs(),
                                            group=self.pp_group) for st in self.stages]  # fmt: skip
         self._dp_reduction: BucketedReduction | None = None  # launched from the schedule (overlap on)
+        # the step's ZeRO-1 collectives: gathers in flight, whole weights, fp32 gradient sums, reduce-scatter buckets
+        self._split_order = [key for st in sorted(self.stages, key=lambda st: st.sg.index)
+                             for name in st.sg.placeholders for kind, key in (self._kind[name],)
+                             if kind == "param" and key in self._step_split]  # fmt: skip
+        self._split_order = list(dict.fromkeys(self._split_order))
+        self._gathering: dict[str, tuple] = {}
+        self._whole_weights: dict[str, torch.Tensor] = {}
+        self._whole_grads: dict[str, torch.Tensor] = {}
+        self._split_buckets: tuple | None = None  # (keys, dims, buckets) launched with the dp reduction
+        self._holding = False  # a training step's schedule runs: split weights are read whole
+        self.comm_events: list | None = None  # (event, what) of the ZeRO-1 collectives, when a test sets a list
         self._stages_done: set[int] = set()  # stages whose last backward of this step has run
         self._launch_armed = False  # launch the reduction when every local stage is done (training steps only)
         self.schedule = self._schedule(str(info.get("schedule", "1f1b")), v)
@@ -339,6 +378,11 @@ class PipelineProgram(Program):
     def placeholder_value(self, name: str, mb: int):
         """The value of a traced placeholder on this rank for micro-batch `mb`, as the interpreter takes it."""
         kind, key = self._kind[name]
+        if kind == "param" and self._holding and key in self._step_split:
+            shape, tp_pl = self._shapes[key], self._placements[key][1]
+            whole = _WholeWeight.apply(self._shard[key], self, key)
+            return DTensor.from_local(whole, self.mesh, (R, tp_pl), run_check=False, shape=torch.Size(shape),
+                                      stride=contiguous_stride(shape), grad_placements=(Partial(), tp_pl))  # fmt: skip
         if kind == "param":
             shape, pl = self._shapes[key], self._placements[key]
             # replicated over dp: keep this rank's partial gradient; `train_step` sums it over dp once per step
@@ -417,27 +461,130 @@ class PipelineProgram(Program):
 
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
         self._stages_done, self._launch_armed, self._dp_reduction = set(), self.plan.overlap, None
+        self._split_buckets = None
+        self._gather_split()
         try:
             loss_sum, weight = self._run_schedule(micro, backward=True)
         finally:
-            self._launch_armed = False
+            self._launch_armed = self._holding = False
+            self._drop_whole_weights()
+        if self._step_split and self._split_buckets is None:  # no stage reported its last backward
+            self._split_buckets = self._launch_split_reduction()
         if self._dp_reduction is not None:
             with waiting_for(self._dp_words()):
                 self._dp_reduction.wait()
             self._dp_reduction = None
         else:
             self._sum_over_dp()
+        self._finish_split_reduction()
         self._sum_tied()
         return loss_sum, weight
 
     def _stage_backward_done(self, stage_index: int) -> None:
         """The schedule ran stage `stage_index`'s last backward of the step: once every stage of this rank has,
-        launch the dp reduction of this rank's gradients, so it runs while other stages still run backward."""
+        launch the dp reduction of this rank's gradients (and the ZeRO-1 reduce-scatters), so it runs while other
+        stages still run backward."""
         if not self._launch_armed:
             return
         self._stages_done.add(stage_index)
         if len(self._stages_done) == len(self.stages):
             self._dp_reduction = self._launch_dp_reduction()
+            self._split_buckets = self._launch_split_reduction()
+
+    # ZeRO-1, gathered and reduce-scattered once a step (overlap on; see the module docstring)
+
+    def _note(self, event: str, what) -> None:
+        if self.comm_events is not None:
+            self.comm_events.append((event, what))
+
+    def _split_words(self, what: str) -> str:
+        return f"the {what} of the ZeRO-1 weights of stage block {self.pp_rank} over the data axis"
+
+    def _gather_split(self) -> None:
+        """Issue the step's gathers of the split weights, in the order the stages read them; the schedule reads
+        them whole (`placeholder_value`), each waited on where a forward first reads it."""
+        self._holding = bool(self._step_split)
+        group = self.mesh.get_group("dp")
+        with waiting_for(self._split_words("all-gather")):
+            for key in self._split_order:
+                d = self._placements[key][0].dim
+                local = self.in_compute_format(self._shard[key].detach())
+                self._note("gather", key)
+                self._gathering[key] = overlap.split_gather(local, d, self._shapes[key][d], group, async_op=True)
+
+    def _whole(self, key: str) -> torch.Tensor:
+        """Split weight `key` whole on the data axis for this step (its gather waited on at the first read)."""
+        held = self._whole_weights.get(key)
+        if held is None:
+            work, finish = self._gathering.pop(key)
+            with waiting_for(self._split_words("all-gather")):
+                work.wait()
+            self._note("gathered", key)
+            held = self._whole_weights[key] = finish()
+        return held.detach()
+
+    def _add_whole_grad(self, key: str, grad: torch.Tensor) -> None:
+        """One micro-batch's gradient of split weight `key`, added to the step's sum in its master's format."""
+        total = self._whole_grads.get(key)
+        if total is None:
+            self._whole_grads[key] = grad.to(self._shard[key].dtype, copy=True)
+        else:
+            total.add_(grad)
+
+    def _drop_whole_weights(self) -> None:
+        """After the schedule: wait for gathers no forward read (an error cut the step short) and free the whole
+        weights."""
+        with waiting_for(self._split_words("all-gather")):
+            for work, _ in self._gathering.values():
+                work.wait()
+        self._gathering.clear()
+        self._whole_weights.clear()
+
+    def _launch_split_reduction(self) -> tuple | None:
+        """Start the reduce-scatter (over dp, in buckets, in the compute format, as priced) of the split weights'
+        summed gradients, zeros where this rank's stages gave none (every rank sends the same members)."""
+        keys = [k for k in reversed(self._split_order) if self._shard[k].requires_grad]
+        if not keys:
+            return None
+        dims = [self._placements[k][0].dim for k in keys]
+        full = []
+        for k, d in zip(keys, dims, strict=True):
+            total = self._whole_grads.pop(k, None)
+            if total is None:
+                shape = list(self._shard[k].shape)
+                shape[d] = self._shapes[k][d]
+                total = self._shard[k].new_zeros(shape)
+            full.append(total)
+        dtype = self.compute_dtype or self._shard[keys[0]].dtype
+        buckets = overlap.make_buckets([(t.numel() * dtype.itemsize, "reduce_scatter", dtype) for t in full],
+                                       overlap.BUCKET_BYTES)  # fmt: skip
+        group = self.mesh.get_group("dp")
+        with waiting_for(self._split_words("reduce-scatter")):
+            for b, bucket in enumerate(buckets):
+                self._note("reduce_scatter", b)
+                overlap.launch_reduce_scatter(bucket, full, dims, group)
+        self._whole_grads.clear()
+        return keys, dims, buckets
+
+    def _finish_split_reduction(self) -> None:
+        """Wait for the split weights' reduce-scatters; each master shard's gradient is its summed piece."""
+        if self._split_buckets is None:
+            return
+        keys, dims, buckets = self._split_buckets
+        pieces: list = [None] * len(keys)
+        group = self.mesh.get_group("dp")
+        with waiting_for(self._split_words("reduce-scatter")):
+            for bucket in buckets:
+                overlap.finish_reduce_scatter(bucket, dims, group, pieces)
+        self._note("reduced", len(buckets))
+        for k, piece in zip(keys, pieces, strict=True):
+            shard = self._shard[k]
+            piece = piece.to(shard.dtype)
+            if shard.grad is None:
+                shard.grad = piece
+            else:
+                shard.grad.add_(piece)
+        self._split_buckets = None
 
     def _launch_dp_reduction(self) -> BucketedReduction | None:
         """Start the all-reduce (over dp, in buckets) of the dp-replicated gradients; None when there are none."""

@@ -1,6 +1,7 @@
 """The pipeline program overlaps: receives posted ahead of the compute before the one that reads them, and each
 stage block's dp gradient all-reduce issued while the other block still runs backward; overlap changes no count of
-transfers or collectives, and no figure of the training.
+transfers or collectives, and no figure of the training. At ZeRO-1 each split weight is gathered once a step (not
+once per micro-batch) and the gradients reduce-scattered once, launched with the dp all-reduce.
 
 pp=2 x dp=2 on four gloo ranks, a tiny GPT-2 with 1F1B over four micro-batches. The ranks record, in the second
 step (the first initialises the stages' buffers), what the schedule does, through wrappers around the stages'
@@ -112,17 +113,19 @@ def _run(rank: int, world_size: int, plans: dict[str, str]):
             rec.wrap(st, "get_fwd_recv_ops", "recv_input", None)
             rec.wrap(st, "get_bwd_recv_ops", "recv_grad", None)
         rec.wrap(pm, "_launch_dp_reduction", "dp_launch", None, mb_of=lambda a: -1)
+        rec.wrap(pm, "_launch_split_reduction", "split_launch", None, mb_of=lambda a: -1)
         rec.count(torch_schedules, "_batch_p2p", _p2p_kinds)
         rec.count(dist, "all_reduce")
         rec.count(dist, "broadcast")
         losses = [pm.train_step(*args, **kwargs)]
-        rec.on = True
+        rec.on, pm.comm_events = True, []
         start = time.time()
         losses.append(pm.train_step(*args, **kwargs))
         rec.on = False
         out[label] = {"events": rec.events, "counts": rec.counts, "losses": losses, "start": start,
                       "stage": pm.pp_rank, "sends": [len(st.sg.sends) for st in pm.stages],
                       "received": [len(st.sg.received) for st in pm.stages],
+                      "split": sorted(pm._step_split), "comm": list(pm.comm_events),
                       "state": {k: v for k, v in pm.state_dict().items() if rank == 0}}  # fmt: skip
         rec.restore()
     return out
@@ -138,7 +141,10 @@ def runs():
     args, kwargs = make_batch("gpt2")
     plan = autopar.plan(model, "cpu:4", args, kwargs, constraints=CONSTRAINTS)
     assert plan.overlap and plan.mesh == {"pp": 2, "dp": 2, "tp": 1}
-    plans = {"on": plan.to_json(), "off": dataclasses.replace(plan, overlap=False).to_json()}
+    zero1 = autopar.plan(model, "cpu:4", args, kwargs, constraints={**CONSTRAINTS, "zero": 1})
+    assert zero1.overlap and all(st["zero_stage"] == 1 for st in zero1.pipeline["stages"])
+    plans = {"on": plan.to_json(), "off": dataclasses.replace(plan, overlap=False).to_json(),
+             "zero1": zero1.to_json(), "zero1-off": dataclasses.replace(zero1, overlap=False).to_json()}  # fmt: skip
     return run_distributed(_run, 4, plans, timeout_s=600)
 
 
@@ -171,7 +177,8 @@ def test_the_last_stage_block_reduces_over_dp_while_the_first_still_runs_backwar
     first_done = min(_first(r["events"], "backward_end", M - 1)[1] for r in first)
     for r in last:
         seq, t = _first(r["events"], "dp_launch", -1)
-        assert seq == len(r["events"]) - 1  # launched once, after the block's last backward
+        # launched once, after the block's last backward (the ZeRO-1 reduce-scatters, none here, go out with it)
+        assert [w for _, _, w, _ in r["events"][seq + 1 :]] == ["split_launch"]
         assert t < first_done
     for r in first:  # the first stage block launches its own after its last backward
         assert _first(r["events"], "dp_launch", -1)[0] > _first(r["events"], "backward_end", M - 1)[0]
@@ -220,3 +227,32 @@ def test_receives_move_ahead_in_their_own_order(order, pp, m):
             assert where[str(a)] < where[reader]
             if a.microbatch_index > 0:  # posted before the compute of the micro-batch before
                 assert where[str(a)] < where[previous], (rank, moved)
+
+
+def test_zero1_weights_are_gathered_once_a_step_and_reduce_scattered_behind_the_other_blocks_backward(runs):
+    first_done = min(_first(r["zero1"]["events"], "backward_end", M - 1)[1] for r in runs if r["zero1"]["stage"] == 0)
+    for r in (r["zero1"] for r in runs):
+        comm = r["comm"]
+        assert r["split"], "no weight split over dp"
+        gathered = [k for e, k in comm if e == "gather"]
+        assert sorted(gathered) == r["split"]  # each split weight once, for all M micro-batches
+        assert sorted(k for e, k in comm if e == "gathered") == r["split"]
+        # every gather issued before the first one is waited on: all go out before the schedule
+        assert max(i for i, (e, _) in enumerate(comm) if e == "gather") < comm.index(("gathered", comm[0][1]))
+        buckets = [b for e, b in comm if e == "reduce_scatter"]
+        assert buckets == list(range(len(buckets))) and buckets  # once a step, in buckets
+        assert comm[-1] == ("reduced", len(buckets))
+        seq, t = _first(r["events"], "split_launch", -1)
+        assert seq > _first(r["events"], "backward_end", M - 1)[0]  # after this block's last backward
+        if r["stage"] == 1:
+            assert t < first_done  # while stage block 0 still runs its last backward
+    for r in (r["zero1-off"] for r in runs):  # without overlap: gathered wherever a micro-batch reads a weight
+        assert r["split"] == [] and r["comm"] == []
+
+
+def test_zero1_once_a_step_trains_as_the_per_micro_batch_gathers_do(runs):
+    on, off = runs[0]["zero1"], runs[0]["zero1-off"]
+    # fp32: the same sums, but the micro-batches' gradients summed before the reduce-scatter, not after (~1e-7)
+    assert on["losses"] == pytest.approx(off["losses"], rel=1e-6)
+    for key, ref in off["state"].items():
+        torch.testing.assert_close(on["state"][key], ref, rtol=1e-5, atol=1e-6)

@@ -126,6 +126,14 @@ def test_bf16_zero23_overlap_matches_mixed_reference():
     _check_mixed(2, "sgd", cases)
 
 
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_bf16_pipeline_zero1_once_a_step_matches_mixed_reference(opt_name):
+    """ZeRO-1 stages with overlap gather each weight once a step in bf16, sum the micro-batches' bf16 gradients in
+    fp32 and reduce-scatter the sums in bf16 (`runtime.pipeline`): within the bf16 tolerances of the mixed
+    reference."""
+    _check_mixed(4, opt_name, [("pipeline", {"pp": 2, "dp": 2, "zero": 1, "num_microbatches": 2}, None)])
+
+
 def _fp16_skip(rank: int, world_size: int, constraints):
     model = make_model("llama")
     args, kwargs = make_batch("llama")

@@ -123,3 +123,115 @@ def test_the_search_prices_its_stages_as_the_formula_says(searched):
     assert on.stages[1].grad_sync_hidden_s == pytest.approx(min(on.stages[1].grad_sync_s, window), rel=1e-9)
     assert on.stages[1].grad_sync_hidden_s > 0
     assert on.step_time_s < off.step_time_s
+
+
+def test_a_zero1_stage_hides_its_reduce_scatter_and_not_its_gathers():
+    """A ZeRO-1 stage with overlap gathers its weights before the schedule (A_s) and reduce-scatters behind the
+    later backwards: E_s = G_s - H(G_s - A_s, w_s). Stage 1 of two: G = 5 ms of which A = 2 ms, window 2 ms (2/3 of
+    stage 0's 3 ms micro-batch): 2 ms of the 3 ms reduce-scatter hide; with A = 4.5 ms only its 0.5 ms may."""
+    transfers = [Transfer(0.0, 0.0)] * 2
+    slots = _slots(Schedule.ONE_F_ONE_B, 2, 4, 1)
+    for gathers, hidden in ((2 * MS, 2 * MS), (4.5 * MS, 0.5 * MS), (0.0, 2 * MS)):
+        result = SimpleNamespace(optimizer_s=0.0, step_gather_s=gathers)
+        stages = [_Priced(True, 3 * MS, 1 * MS, result=SimpleNamespace(optimizer_s=0.0, step_gather_s=0.0)),
+                  _Priced(True, 3 * MS, 5 * MS, result=result)]  # fmt: skip
+        on = step_price(slots, stages, transfers, Overlap(True, 1.0), 1)
+        assert on.sync_hidden == pytest.approx((0.0, hidden), abs=TOL)
+        assert on.step_s == pytest.approx(slots * 3 * MS + max(1 * MS, 5 * MS - hidden), abs=TOL)
+
+
+@pytest.fixture(scope="module")
+def zero1_stage():
+    """One pipeline stage's program: the Stack's two layers on dp=2 at ZeRO-1, four micro-batches, bf16."""
+    from autopar.passes.sharding_solver import Precision, ShardingProgram
+
+    model = Stack(256, 2)
+    graph = OpGraph.from_traced(trace_model(model, (torch.zeros(8, 16, dtype=torch.long),), {},
+                                            compute_dtype=torch.bfloat16))  # fmt: skip
+    cluster = ClusterSpec.parse("2xA100-80GB")
+    est = api._estimator(None, cluster, "bf16")
+    out = {}
+    for once in (True, False):
+        prog = ShardingProgram(graph, cluster, 2, 1, estimator=est, precision=Precision.get("bf16"), zero_stage=1,
+                               memory_budget_bytes=float("inf"), batch_dim_size=8, num_microbatches=4,
+                               overlap=False, pipeline_stage=True, step_gathers=once)  # fmt: skip
+        prog.build()
+        out[once] = (prog, prog.solve(stage=1, memory=False))
+    return graph, cluster, out
+
+
+def test_a_zero1_stage_gathers_and_reduce_scatters_once_a_step(zero1_stage):
+    """Priced by hand from the link: once a step, each weight's gather (a collective of its own) and its share of the
+    bucketed reduce-scatter (bandwidth whole, latency pro rata, one bucket's latency at least); without overlap, both
+    per micro-batch, per weight.
+    The step's memory holds each weight's whole fp32 gradient sum (4 bytes an element) where the synchronous
+    stage counts the bf16 gradient (2)."""
+    from autopar.cost_model.comm import Collective, estimate_collective_time
+    from autopar.runtime.overlap import BUCKET_BYTES
+
+    graph, cluster, out = zero1_stage
+    link = cluster.link_for_axis(2, 1)
+
+    def t(kind, nbytes):
+        return estimate_collective_time(kind, nbytes, 2, link)
+
+    rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
+    sizes = [(info.meta.numel * 2, graph.layer_count.get(name, 1)) for name, info in graph.params.items()
+             if graph.layer_count.get(name, 1)]  # fmt: skip
+    gathers = sum(n * t(ag, b) for b, n in sizes)
+    # a step pays at least one bucket's latency (`sync_floor`)
+    once = sum(n * (t(rs, b) - t(rs, 1.0) + t(rs, 1.0) * b / BUCKET_BYTES) for b, n in sizes) + gathers + t(rs, 1.0)
+    every = 4 * sum(n * (t(rs, b) + t(ag, b)) for b, n in sizes)
+    (_, on), (_, off) = out[True], out[False]
+    assert on.grad_sync_s == pytest.approx(once, rel=1e-6)
+    assert on.step_gather_s == pytest.approx(gathers, rel=1e-6)
+    assert off.grad_sync_s == pytest.approx(every, rel=1e-6) and off.step_gather_s == 0.0
+    elements = sum(b // 2 * n for b, n in sizes)
+    assert on.memory["grads"] - off.memory["grads"] == pytest.approx(2 * elements, rel=1e-9)
+
+
+def test_a_stage_recomputing_at_zero1_gathers_no_weight_again_once_a_step(zero1_stage):
+    # per micro-batch, a recomputed forward gathers its weights again; gathered once a step, it reads the kept ones
+    _, _, out = zero1_stage
+    (once, _), (every, _) = out[True], out[False]
+    weight = next(n for n in once._param_groups() if once.graph.params[n].requires_grad)
+    assert every.regather_s(weight, 0, 1) > 0
+    assert once.regather_s(weight, 0, 1) == 0.0
+
+
+def test_every_pipeline_stage_pays_the_dtensor_runtime_and_buckets_its_all_reduce(zero1_stage):
+    """A stage runs its graph on DTensors whatever its layout, so even at ZeRO-0 without a tensor axis it pays the
+    per-op cost the estimator gives the sharded runtime, and its dp-replicated gradients are summed in buckets once
+    a step (one bucket's latency at least), as the data-parallel program's are."""
+    from autopar.cost_model import AnalyticEstimator, DType
+    from autopar.cost_model.comm import Collective, estimate_collective_time
+    from autopar.passes.sharding_solver import Precision, ShardingProgram
+    from autopar.runtime.overlap import BUCKET_BYTES
+
+    graph, cluster, _ = zero1_stage
+    per_op = 1e-5
+
+    class _WithOverhead(AnalyticEstimator):
+        def sharded_op_overhead_s(self):
+            return per_op
+
+    est = _WithOverhead(cluster.device, DType("bf16"))
+    res = {}
+    for stage_kind in (True, False):
+        prog = ShardingProgram(graph, cluster, 2, 1, estimator=est, precision=Precision.get("bf16"), zero_stage=0,
+                               memory_budget_bytes=float("inf"), batch_dim_size=8, num_microbatches=4,
+                               overlap=False, pipeline_stage=stage_kind)  # fmt: skip
+        prog.build()
+        res[stage_kind] = prog.solve(stage=0, memory=False)
+    on, plain = res[True], res[False]
+    ops = sum(graph.layer_count.get(n.name, 1) for n in graph.graph.nodes if n.op == "call_function")
+    assert on.compute_s - plain.compute_s == pytest.approx(per_op * ops * 4, rel=1e-9)
+    link = cluster.link_for_axis(2, 1)
+
+    def t(nbytes):
+        return estimate_collective_time(Collective.ALL_REDUCE, nbytes, 2, link)
+
+    grads = [(info.meta.numel * Precision.get("bf16").grad_bytes_at(0), graph.layer_count.get(name, 1))
+             for name, info in graph.params.items() if graph.layer_count.get(name, 1)]  # fmt: skip
+    bucketed = sum(n * (t(b) - t(1.0) + t(1.0) * b / BUCKET_BYTES) for b, n in grads)
+    assert on.grad_sync_s == pytest.approx(bucketed + t(1.0), rel=1e-6)
