@@ -667,7 +667,11 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         stats=stats,
         fusion=job.fusion,
         time_breakdown=terms,
-        hidden_communication=hidden_terms(grad_sync_hidden_s=sol.grad_sync_hidden_s, cp_hidden_s=sol.cp_comm_hidden_s),
+        hidden_communication=hidden_terms(
+            grad_sync_hidden_s=sol.grad_sync_hidden_s,
+            cp_hidden_s=sol.cp_comm_hidden_s,
+            tp_hidden_s=sol.reshard_hidden_s,
+        ),
     )
 
 
@@ -760,13 +764,16 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     cp_sol = slowest.sharding
     cp_s, cp_hidden = ((cp_sol.cp_comm_s / cp_sol.num_microbatches, cp_sol.cp_comm_hidden_s / cp_sol.num_microbatches)
                        if cp_sol is not None else (0.0, 0.0))  # fmt: skip
+    # and its tensor-axis collectives launched early, hidden behind the ops before their use (per micro-batch)
+    tp_hidden = cp_sol.reshard_hidden_s / cp_sol.num_microbatches if cp_sol is not None else 0.0
     terms = pipeline_terms(step_s=step, num_microbatches=psol.num_microbatches, stage_s=slowest.time_per_microbatch_s,
                            transfer_s=slowest.transfer_exposed_per_microbatch_s, grad_sync_s=sync,
                            optimizer_s=opt, cp_s=cp_s)  # fmt: skip
     transfer_hidden = slowest.transfer_per_microbatch_s - slowest.transfer_exposed_per_microbatch_s
     hidden = hidden_terms(grad_sync_hidden_s=tail.grad_sync_hidden_s,
                           transfer_hidden_s=psol.num_microbatches * transfer_hidden,
-                          cp_hidden_s=psol.num_microbatches * cp_hidden)  # fmt: skip
+                          cp_hidden_s=psol.num_microbatches * cp_hidden,
+                          tp_hidden_s=psol.num_microbatches * tp_hidden)  # fmt: skip
     mesh = {"pp": psol.pp, "dp": psol.dp // cp, "cp": cp, "tp": psol.tp} if cp > 1 else {"pp": psol.pp, "dp": psol.dp,
                                                                                          "tp": psol.tp}  # fmt: skip
     # the stages price attention alike (one algorithm per sub-mesh): the first stage's record stands for all

@@ -57,7 +57,7 @@ def sharded_terms(*, step_s: float, compute_s: float, recompute_s: float, reshar
 
 
 def hidden_terms(*, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0,
-                 cp_hidden_s: float = 0.0) -> dict[str, float]:  # fmt: skip
+                 cp_hidden_s: float = 0.0, tp_hidden_s: float = 0.0) -> dict[str, float]:  # fmt: skip
     """Per mesh axis (its `COMM_TERMS` key), the communication time overlap hides behind compute: not in the step.
 
     The data axis: gradient reductions that run while backward goes on (`grad_sync_hidden_s`: the data-parallel
@@ -66,10 +66,16 @@ def hidden_terms(*, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0,
     the stage that ends the step hidden behind the backwards still running, `passes.pipeline_search`). The
     pipeline axis: the part of the stage transfers of a step that runs behind the stage's compute
     (`transfer_hidden_s`). The cp axis: what cp attention's compute hides of its communication (a ring's hops
-    behind the blocks they feed, `cp_hidden_s`). Axes that hide nothing are left out, so a plan without overlap
-    has none.
+    behind the blocks they feed, `cp_hidden_s`). The tensor axis: the collectives the interpreter launches where
+    their value is made, behind the ops before its first use (`tp_hidden_s`, `ShardingProgram._early_window`).
+    Axes that hide nothing are left out, so a plan without overlap has none.
     """
-    terms = {"comm_dp": grad_sync_hidden_s, "comm_pp": transfer_hidden_s, "comm_cp": cp_hidden_s}
+    terms = {
+        "comm_dp": grad_sync_hidden_s,
+        "comm_pp": transfer_hidden_s,
+        "comm_cp": cp_hidden_s,
+        "comm_tp": tp_hidden_s,
+    }
     return {k: v for k, v in terms.items() if v > 1e-12}  # solver rounding (1e-18 s) is no hidden time
 
 

@@ -115,12 +115,14 @@ class ShardedInterpreter(fx.Interpreter):
         gather: how such a parameter is gathered, `gather(placeholder name, value) -> value` (None: a DTensor
             redistribution, whose backward reduce-scatters the gradient at once); the sharded program hands its
             own to defer the reduce-scatter to a bucket (`autopar.runtime.sharded`).
+        launch_early: launch a value's tensor-axis collective where the value is made when its first consumer is
+            not the next op (`launches_early`; the plan's `overlap`, which prices it so).
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
                  local_ops: dict | None = None, batch_size: int | None = None, recompute: str = "none",
                  layer_modes: dict | None = None, cp_group=None, cp_algorithm: str | None = None, *,
-                 params: frozenset[str] = frozenset(), gather=None):  # fmt: skip
+                 params: frozenset[str] = frozenset(), gather=None, launch_early: bool = True):  # fmt: skip
         super().__init__(gm, garbage_collect_values=True)
         self.params = params
         self.gather = gather or (lambda name, value: gathered_over_dp(value))
@@ -161,7 +163,7 @@ class ShardedInterpreter(fx.Interpreter):
         if self.segments:
             self._keep_segment_inputs()
         # nodes launched early, and node -> the placement all its consumers ask of it (applied where it is produced)
-        self.launched_early, self.consumed_as = self._launch_early()
+        self.launched_early, self.consumed_as = self._launch_early() if launch_early else (frozenset(), {})
 
     def _launch_early(self) -> tuple[frozenset[str], dict[str, Placement]]:
         """(nodes whose output's tensor-axis collective is launched without waiting for it (see `_run_op`), the
@@ -176,12 +178,8 @@ class ShardedInterpreter(fx.Interpreter):
         order = {n: i for i, n in enumerate(nodes)}
         early, consumed_as = set(), {}
         for n in nodes:
-            users = list(n.users)
-            if n.op != "call_function" or not users:
-                continue
-            if any(u.op != "call_function" or u.target in self.local_ops for u in users):
-                continue
-            if min(order[u] for u in users) > order[n] + 1:
+            if launches_early(n, order, self.local_ops):
+                users = list(n.users)
                 early.add(n.name)
                 wanted = {self._needed_by(u, n) for u in users}
                 if len(wanted) == 1 and (want := wanted.pop()) is not None and not want.is_partial():
@@ -471,11 +469,32 @@ class _Segment:
         return cls(nodes, inputs, outputs)
 
 
+def local_op_targets() -> frozenset:
+    """The ops the interpreter runs on local tensors (`ShardedInterpreter.local_ops`, without a caller's own): no
+    collective of an argument of theirs is launched early, as they hand local tensors to kernels."""
+    fused = ("flash_attention", "rms_norm", "layer_norm", "linear_cross_entropy")
+    ops = {aten.scaled_dot_product_attention.default, aten.cross_entropy_loss.default}
+    ops |= {getattr(torch.ops.autopar, name).default for name in fused if getattr(torch.ops.autopar, name, None)}
+    return frozenset(ops)
+
+
+def launches_early(node: fx.Node, order: dict, local_targets) -> bool:
+    """Whether the interpreter launches the tensor-axis collective of `node`'s output where it is made (the rule of
+    `ShardedInterpreter._launch_early`, which the sharding program prices): its first consumer is not the very next
+    node (`order`: node -> position), and every consumer is an ATen op DTensor runs (none of `local_targets`)."""
+    users = list(node.users)
+    if node.op != "call_function" or not users:
+        return False
+    if any(u.op != "call_function" or u.target in local_targets for u in users):
+        return False
+    return min(order[u] for u in users) > order[node] + 1
+
+
 def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
                local_ops: dict | None = None, batch_size: int | None = None,
                recompute: str = "none", layer_modes: dict | None = None, cp_group=None,
                cp_algorithm: str | None = None, params: frozenset[str] = frozenset(),
-               gather=None) -> ShardedInterpreter:  # fmt: skip
+               gather=None, launch_early: bool = True) -> ShardedInterpreter:  # fmt: skip
     """The rewrite pass: bind `gm` to the plan and mesh; the result runs the parallel program.
 
     `recompute` is the plan's activation recompute mode: its segments run under checkpointing. `params` names
@@ -484,7 +503,8 @@ def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inp
     """
     del example_inputs  # placements come from the plan; shapes from the graph
     return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes,
-                              cp_group, cp_algorithm, params=params, gather=gather)  # fmt: skip
+                              cp_group, cp_algorithm, params=params, gather=gather,
+                              launch_early=launch_early)  # fmt: skip
 
 
 def gathered_over_dp(value):

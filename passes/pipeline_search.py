@@ -509,7 +509,8 @@ class _StagePricer:
         self.zero_choices = [zero] if zero is not None else [0, 1]
         # with overlap (the plan's default) a ZeRO-1 stage gathers its weights and reduce-scatters their gradients
         # once a step (`runtime.pipeline`); without, wherever a micro-batch reads them
-        self.step_gathers = bool(self.constraints.get("overlap", True))
+        # (and the interpreter launches tensor-axis collectives early, `ShardingProgram.tp_overlap`)
+        self.overlap_on = bool(self.constraints.get("overlap", True))
         self._views: dict[tuple, OpGraph] = {}
         self._free: dict[tuple, _Priced] = {}
         self._bound: dict[tuple, _Priced] = {}
@@ -573,7 +574,7 @@ class _StagePricer:
                                recompute=self.recompute,
                                tensor_split=TensorSplit.from_constraints(self.constraints, tp),
                                overlap=False,  # a stage reduces its gradients after the schedule
-                               pipeline_stage=True, step_gathers=self.step_gathers,
+                               pipeline_stage=True, step_gathers=self.overlap_on, tp_overlap=self.overlap_on,
                                cp=self.cp_pricing(dp, tp, m))  # fmt: skip
         if dp > 1:
             prog.zero_choices = list(self.zero_choices)

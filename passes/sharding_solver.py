@@ -175,6 +175,7 @@ from autopar.memory.layout import ALIGN_NUMEL, ParamSpec, offload_chunk_numel, p
 from autopar.passes import sharding_rules as rules
 from autopar.passes.activation_plan import layer_indices, mix_layer_modes
 from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, is_attention, price_cp_attention
+from autopar.passes.parallelize import launches_early, local_op_targets
 from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
 from autopar.passes.sharding_rules import OpStrategy, placement_str
 from autopar.plan import ProgramKind, program_kind
@@ -290,6 +291,7 @@ class MeshResult:
     cp_comm_s: float = 0.0  # cp attention's communication its compute does not hide (not in compute_s)
     cp_comm_hidden_s: float = 0.0  # and what it hides (not in the step)
     step_gather_s: float = 0.0  # the part of grad_sync_s that gathers weights before a pipeline's schedule starts
+    reshard_hidden_s: float = 0.0  # tensor-axis collectives launched early, hidden behind the ops before their use
 
 
 @dataclass(frozen=True)
@@ -322,6 +324,7 @@ class ShardingSolution:
     grad_sync_hidden_s: float = 0.0  # gradient all-reduce time hidden behind backward (grad_sync_s is what is not)
     cp_comm_s: float = 0.0  # cp attention's communication its compute does not hide (not in compute_s)
     cp_comm_hidden_s: float = 0.0  # and what it hides (not in the step)
+    reshard_hidden_s: float = 0.0  # tensor-axis collectives launched early, hidden behind the ops before their use
     # tp > 1: what the tensor axis splits and which parameters stay whole, and why (`tensor_split_report`)
     tensor_split: dict = field(default_factory=dict)
     # per deduplicated layer (and what runs outside the layers): its ops, placements and collectives
@@ -480,7 +483,8 @@ class ShardingProgram:
                  recompute: str | None = None, offload: bool | None = False,
                  tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None,
                  overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1,
-                 pipeline_stage: bool = False, step_gathers: bool = False):  # fmt: skip
+                 pipeline_stage: bool = False, step_gathers: bool = False,
+                 tp_overlap: bool | None = None):  # fmt: skip
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
         # priced as the pipeline program runs a stage (`runtime.pipeline`): its dp-replicated gradients summed over
         # the data axis once a step, in buckets, whatever its tensor and cp axes
@@ -498,6 +502,11 @@ class ShardingProgram:
         # after their schedule
         self.eta = cluster.device.overlap_efficiency
         self.overlap = overlap and self.eta > 0
+        # the interpreter launches a tensor-axis collective early where its value's consumer is not the next op
+        # (`parallelize.launches_early`, with the plan's overlap; a pipeline stage's program says so apart, as its
+        # `overlap` speaks of the data axis): the forward collective runs behind the ops in between
+        self.tp_overlap = (overlap if tp_overlap is None else tp_overlap) and self.eta > 0 and tp > 1
+        self._tp_hidden_terms: list = []  # what those collectives hide (`_early_window`), per edge choice
         self._bwd_terms: list = []  # n_g x[g,k] T_bwd: backward seconds per step
         self._fwd_terms: list = []  # n_g x[g,k] T_fwd: forward seconds per step
         # the sharded program's hideable communication and the exposed part the objective pays, per family
@@ -837,34 +846,46 @@ class ShardingProgram:
         return edges
 
     def add_edge_constraint(self) -> None:
-        """y marginals sum_l y[e,k,m] = x[a,k], sum_k y[e,k,m] = x[c,m]; objective n_e * (Rf + Rb) * y."""
+        """y marginals sum_l y[e,k,m] = x[a,k], sum_k y[e,k,m] = x[c,m]; objective n_e * (Rf + Rb - H) * y, H the
+        part of Rf a collective launched early hides behind the ops before its consumer (`_early_window`):
+        H = eta min(Rf - Rf_fix, W), the collective's latency (Rf_fix) never hidden."""
         for idx, ((gp, p, gc, c, i), mult) in enumerate(self._edges().items()):
             gpr, gcr = self.groups[gp], self.groups[gc]
             nbytes = self._act_bytes(self.graph.node(p))
+            window = self._early_window(p, c) if self.tp_overlap else 0.0
             cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
             fwd_cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]  # what a recompute of c repeats
+            hidden = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
             for k, src in enumerate(gpr.out[p]):
                 for m in range(len(gcr.strategies)):
                     need, grad = gcr.need[c][m][i], gcr.grads[c][m][i]
                     fwd = redistribute_time(src, need, nbytes, self.tp, self.tp_link)
                     bwd = redistribute_time(grad, grad_layout(src), nbytes, self.tp, self.tp_link)
-                    cost[k][m] = mult * self.mb * (fwd + bwd)
+                    hid = 0.0
+                    if window and fwd:
+                        fix = redistribute_time(src, need, 1.0, self.tp, self.tp_link)
+                        hid = self.eta * min(max(fwd - fix, 0.0), window)
+                    cost[k][m] = mult * self.mb * (fwd + bwd - hid)
                     fwd_cost[k][m] = mult * self.mb * fwd
-            if not any(v for row in cost for v in row):
+                    hidden[k][m] = mult * self.mb * hid
+            if not any(v for row in cost + hidden for v in row):
                 continue
             if gp == gc:  # both ends in one group: the strategy index is shared
                 self.cost_terms["reshard"] += [cost[k][k] * self.x[gp][k] for k in range(len(cost)) if cost[k][k]]
+                self._tp_hidden_terms += [hidden[k][k] * self.x[gp][k] for k in range(len(cost)) if hidden[k][k]]
                 self._edge_fwd += [(c, fwd_cost[k][k], self.x[gp][k], ((gp, k),)) for k in range(len(cost))
                                    if fwd_cost[k][k]]  # fmt: skip
                 continue
             if len(gpr.strategies) == 1 or len(gcr.strategies) == 1:
                 for k, row in enumerate(cost):
                     for m, v in enumerate(row):
+                        var = self.x[gc][m] if len(gpr.strategies) == 1 else self.x[gp][k]
                         if v:
-                            var = self.x[gc][m] if len(gpr.strategies) == 1 else self.x[gp][k]
                             self.cost_terms["reshard"].append(v * var)
-                            if fwd_cost[k][m]:
-                                self._edge_fwd.append((c, fwd_cost[k][m], var, ((gp, k), (gc, m))))
+                        if hidden[k][m]:
+                            self._tp_hidden_terms.append(hidden[k][m] * var)
+                        if fwd_cost[k][m]:
+                            self._edge_fwd.append((c, fwd_cost[k][m], var, ((gp, k), (gc, m))))
                 continue
             y = [[self.prob.add_variable(f"y_{idx}_{k}_{m}", 0, 1) for m in range(len(gcr.strategies))]
                  for k in range(len(gpr.strategies))]  # fmt: skip
@@ -877,8 +898,29 @@ class ShardingProgram:
                 )
             self.cost_terms["reshard"] += [cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0]))
                                            if cost[k][m]]  # fmt: skip
+            self._tp_hidden_terms += [hidden[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0]))
+                                      if hidden[k][m]]  # fmt: skip
             self._edge_fwd += [(c, fwd_cost[k][m], y[k][m], ((gp, k), (gc, m))) for k in range(len(cost))
                                for m in range(len(cost[0])) if fwd_cost[k][m]]  # fmt: skip
+
+    def _early_window(self, p: str, c: str) -> float:
+        """W: forward seconds of one micro-batch between node `p` and `c`, its only consumer, when the interpreter
+        launches the collective of `p`'s value where it is made (`parallelize.launches_early`): the ops in between,
+        each at its cheapest strategy (a lower bound of what the plan runs there); 0 where it does not."""
+        cache = _analysis(self.graph)
+        if "order" not in cache:
+            nodes = list(self.graph.graph.nodes)
+            cache["order"] = ({n: i for i, n in enumerate(nodes)}, nodes, local_op_targets())
+        order, nodes, local = cache["order"]
+        node = self.graph.node(p)
+        if len(node.users) != 1 or next(iter(node.users)).name != c or not launches_early(node, order, local):
+            return 0.0
+        total = 0.0
+        for n in nodes[order[node] + 1 : order[next(iter(node.users))]]:
+            grp = self.groups.get(self.group_of.get(n.name, ""))
+            if grp is not None and n.name in grp.divisor:
+                total += min(self._op_times(n, d)[0] for d in grp.divisor[n.name]) / self.mb
+        return total
 
     def add_sharded_runtime_cost(self) -> None:
         """D (sum_s z[s], or sum_{s >= 1} z[s] on a mesh without a tensor axis): the host time the sharded
@@ -1797,7 +1839,8 @@ class ShardingProgram:
                           optimizer_s=val.get("optimizer", 0.0), recompute_s=val.get("recompute", 0.0),
                           grad_sync_hidden_s=hidden, cp_comm_s=val.get("cp_comm", 0.0),
                           cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in self._cp_hidden_terms),
-                          step_gather_s=sum(pulp.value(t) or 0.0 for t in self._step_gather_terms))  # fmt: skip
+                          step_gather_s=sum(pulp.value(t) or 0.0 for t in self._step_gather_terms),
+                          reshard_hidden_s=sum(pulp.value(t) or 0.0 for t in self._tp_hidden_terms))  # fmt: skip
 
     def solve_free(self, recompute: str | None = None) -> MeshResult:
         """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
@@ -2200,6 +2243,7 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
                             activation_offload=best.activation_offload, optimizer_s=best.optimizer_s,
                             recompute_s=best.recompute_s, grad_sync_hidden_s=best.grad_sync_hidden_s,
                             cp_comm_s=best.cp_comm_s, cp_comm_hidden_s=best.cp_comm_hidden_s,
+                            reshard_hidden_s=best.reshard_hidden_s,
                             tensor_split=tensor_split_report(prog, chosen),
                             layer_ops=layer_ops_report(prog, chosen, best.zero_stage, exposed_fraction(best)),
                             cp=cp_report(prog.cp))  # fmt: skip

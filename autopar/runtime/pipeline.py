@@ -107,7 +107,8 @@ class _Stage(torch.nn.Module):
         self.is_last = sg.index == program.num_stages - 1
         node_inputs, node_output = placements
         knobs = dict(mesh=program.mesh, node_inputs=node_inputs, node_output=node_output,
-                     batch_size=program.micro_batch, params=program.param_nodes, **program.cp_knobs)  # fmt: skip
+                     batch_size=program.micro_batch, params=program.param_nodes, launch_early=program.plan.overlap,
+                     **program.cp_knobs)  # fmt: skip
         self.train_interp = shard_pass(sg.graph_module, None, recompute=recompute, **knobs)
         self.eval_interp = shard_pass(eval_pass(copy_graph_module(sg.graph_module), None), None, **knobs)
         self.interp = self.train_interp

@@ -181,7 +181,7 @@ class ShardedProgram(Program):
         params = frozenset(n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param")
         knobs = dict(mesh=self.mesh, node_inputs=plan.node_inputs, node_output=plan.node_output,
                      batch_size=plan.global_batch_size * cp // plan.num_microbatches, params=params,
-                     **cp_knobs)  # fmt: skip
+                     launch_early=plan.overlap, **cp_knobs)  # fmt: skip
         # gradient reductions issued from backward, in buckets (see the module docstring)
         self.overlap = plan.overlap and self.data_ranks > 1
         self.comm_events: list | None = None  # a list: (event, what) appended in the order they happen

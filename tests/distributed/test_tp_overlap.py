@@ -6,10 +6,13 @@ MLP's row-parallel down projection ends in a partial sum whose consumer, the res
 the whole attention branch. On cpu:2 with tp pinned to 2, hooks record the interpreter's ops and each functional
 collective's launch and wait; the test checks that ops run between the attention's all-reduce and its wait,
 that none do with early launch turned off (so the check can fail), that both runs launch the same
-collectives, and that training matches one process.
+collectives, and that training matches one process. The plan's `overlap` turns early launch off (the same
+layout run both ways).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -73,8 +76,6 @@ def _record(rank: int, world: int, early: bool):
         return run_op(self, n)
 
     ShardedInterpreter._run_op = recorded_op
-    if not early:
-        ShardedInterpreter._launch_early = lambda self: (frozenset(), {})
     for name in ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
                  "reduce_scatter_tensor"):  # fmt: skip
         launch = getattr(funcol, name)
@@ -95,8 +96,10 @@ def _record(rank: int, world: int, early: bool):
 
     funcol.wait_tensor = waited
     args = _batch()
+    plan = autopar.plan(_model(), f"cpu:{world}", args, constraints={"tp": 2, "dp": 1})
+    # one layout, launched early or not by the plan's overlap (`"overlap": False` waits where a value is read)
     pm = autopar.compile(_model(), f"cpu:{world}", args, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2),
-                         constraints={"tp": 2, "dp": 1})  # fmt: skip
+                         plan=dataclasses.replace(plan, overlap=early))  # fmt: skip
     losses = []
     for _ in range(2):
         events.clear()
