@@ -74,7 +74,7 @@ def main() -> int:
         print(f"fitting the gloo link among {a.world} ranks: {', '.join(CONTEXT_COLLECTIVES)}", flush=True)
         link = fit_link(measure_gloo_collectives(a.world, 5, kinds=CONTEXT_COLLECTIVES), a.world)
         cluster = autopar.ClusterSpec.from_overrides({"cluster": cluster, "intra_node_link": link}, source="link fit")
-        for kind, f in [("all_reduce", link), *link["per_collective"].items()]:
+        for kind, f in [("all_reduce", link), *link.get("per_collective", {}).items()]:
             print(f"  {kind}: {f['latency_s'] * 1e6:,.0f} µs per step, {f['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")
     model = build_model(a.seq_len)
     args, kwargs = batch(1, a.seq_len)

@@ -131,19 +131,10 @@ class ShardedInterpreter(fx.Interpreter):
         self.batch_size = batch_size
         self.need = {k: tuple(parse_placement(p) for p in v) for k, v in node_inputs.items()}
         self.out = {k: parse_placement(v) for k, v in node_output.items()}
-        self.local_ops = {
-            aten.scaled_dot_product_attention.default: self._run_local,
-            aten.cross_entropy_loss.default: self._cross_entropy,
-        }
-        fused = {"flash_attention": self._run_local, "rms_norm": self._norm, "layer_norm": self._norm,
-                 "linear_cross_entropy": self._linear_cross_entropy}  # fmt: skip
-        if cp_group is not None:
-            self.local_ops[aten.scaled_dot_product_attention.default] = self._cp_attention
-            fused["flash_attention"] = self._cp_attention
-        for name, run in fused.items():
-            op = getattr(torch.ops.autopar, name, None)  # registered by autopar.triton_kernels
-            if op is not None:
-                self.local_ops[op.default] = run
+        # attention runs across the cp group on a cp plan
+        attention = "_cp_attention" if cp_group is not None else "_run_local"
+        self.local_ops = {op: getattr(self, attention if method == "_run_local" else method)
+                          for op, method in _local_op_methods().items()}  # fmt: skip
         self.local_ops.update(local_ops or {})
         self.fallback_ops: set[str] = set()
         # DTensor's mse_loss over rows split on dp gives a wrong backward (its loss is right): run it on
@@ -469,13 +460,30 @@ class _Segment:
         return cls(nodes, inputs, outputs)
 
 
+# the ops the interpreter runs on local tensors, by the method that runs them (attention: `_run_local`, which a
+# cp plan replaces by `_cp_attention`); autopar's fused ops where autopar.triton_kernels registered them
+_LOCAL_ATEN = {
+    aten.scaled_dot_product_attention.default: "_run_local",
+    aten.cross_entropy_loss.default: "_cross_entropy",
+}
+_LOCAL_FUSED = {"flash_attention": "_run_local", "rms_norm": "_norm", "layer_norm": "_norm",
+                "linear_cross_entropy": "_linear_cross_entropy"}  # fmt: skip
+
+
+def _local_op_methods() -> dict:
+    """Op overload -> the name of the `ShardedInterpreter` method that runs it on local tensors."""
+    out = dict(_LOCAL_ATEN)
+    for name, method in _LOCAL_FUSED.items():
+        op = getattr(torch.ops.autopar, name, None)
+        if op is not None:
+            out[op.default] = method
+    return out
+
+
 def local_op_targets() -> frozenset:
     """The ops the interpreter runs on local tensors (`ShardedInterpreter.local_ops`, without a caller's own): no
     collective of an argument of theirs is launched early, as they hand local tensors to kernels."""
-    fused = ("flash_attention", "rms_norm", "layer_norm", "linear_cross_entropy")
-    ops = {aten.scaled_dot_product_attention.default, aten.cross_entropy_loss.default}
-    ops |= {getattr(torch.ops.autopar, name).default for name in fused if getattr(torch.ops.autopar, name, None)}
-    return frozenset(ops)
+    return frozenset(_local_op_methods())
 
 
 def launches_early(node: fx.Node, order: dict, local_targets) -> bool:

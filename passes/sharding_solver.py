@@ -913,10 +913,11 @@ class ShardingProgram:
             cache["order"] = ({n: i for i, n in enumerate(nodes)}, nodes, local_op_targets())
         order, nodes, local = cache["order"]
         node = self.graph.node(p)
-        if len(node.users) != 1 or next(iter(node.users)).name != c or not launches_early(node, order, local):
+        user = next(iter(node.users)) if len(node.users) == 1 else None
+        if user is None or user.name != c or not launches_early(node, order, local):
             return 0.0
         total = 0.0
-        for n in nodes[order[node] + 1 : order[next(iter(node.users))]]:
+        for n in nodes[order[node] + 1 : order[user]]:
             grp = self.groups.get(self.group_of.get(n.name, ""))
             if grp is not None and n.name in grp.divisor:
                 total += min(self._op_times(n, d)[0] for d in grp.divisor[n.name]) / self.mb
@@ -948,6 +949,17 @@ class ShardingProgram:
         cp = self.cp.degree if self.cp is not None else 1
         pp = 2 if self.pipeline_stage else 1
         return program_kind(pp=pp, tp=self.tp, cp=cp, zero_stage=stage) == ProgramKind.DATA_PARALLEL
+
+    def buckets_all_reduce(self, stage: int) -> bool:
+        """Whether the data axis's gradient all-reduce at `stage` goes out in buckets once a step: the data-parallel
+        program's, and a pipeline stage's at ZeRO-0 whatever its tensor and cp axes (the sharded program reduces
+        each gradient on its own)."""
+        return self.runs_plain(stage) or (stage == 0 and self.pipeline_stage)
+
+    def gathers_once_a_step(self, stage: int) -> bool:
+        """Whether `stage` is a pipeline's ZeRO-1 with overlap on a data axis (`step_gathers`): each split weight
+        gathered once a step and kept, its gradients summed and reduce-scattered once, in buckets."""
+        return stage == 1 and self.step_gathers and self.dp > 1
 
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
@@ -989,7 +1001,7 @@ class ShardingProgram:
         in the compute format. ZeRO-2/3 reduce-scatter every micro-batch's gradients and hold whole ones only
         while their bucket fills (`in_flight_grad_bytes`, per step, not per parameter). Device memory only: the
         offload program (ZeRO-3 chunks) keeps `state_bytes`' gradients."""
-        if stage != 1 or not (self.overlaps_at(stage) or (self.step_gathers and self.dp > 1)):
+        if stage != 1 or not (self.overlaps_at(stage) or self.gathers_once_a_step(stage)):
             return 0.0
         info = self.graph.params[name]
         if not info.requires_grad:
@@ -1045,7 +1057,7 @@ class ShardingProgram:
         # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
         # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
         # the parameters for every micro-batch's forward and backward.
-        if self.runs_plain(stage) or (stage == 0 and self.pipeline_stage):
+        if self.buckets_all_reduce(stage):
             return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
         if self.overlaps_at(stage):
             return sum(self.sharded_sync_parts(name, k, stage))
@@ -1058,7 +1070,7 @@ class ShardingProgram:
         if self.runs_chunks(stage):  # the offload program: its share of the chunks' collectives
             rs_bw, rs_fix, ag_bw, ag_fix = self.chunk_collectives(local)
             return (rs_bw + rs_fix + 2 * (ag_bw + ag_fix)) * self.mb
-        if stage == 1 and self.step_gathers:  # once a step: the bucketed reduce-scatter, then the weights' gather
+        if self.gathers_once_a_step(stage):  # once a step: the bucketed reduce-scatter, then the weights' gather
             return self._bucketed(Collective.REDUCE_SCATTER, grad_bytes) + self.step_gather_time(name, k, stage)
         rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
         ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
@@ -1068,7 +1080,7 @@ class ShardingProgram:
         """The part of `sync_time` that gathers a ZeRO-1 weight before a pipeline's schedule starts (`step_gathers`):
         one all-gather of its own, waited on where the step's first forward reads it, so no backward hides it."""
         info = self.graph.params[name]
-        if stage != 1 or not self.step_gathers or self.dp == 1 or not info.requires_grad:
+        if not self.gathers_once_a_step(stage) or not info.requires_grad:
             return 0.0
         pl = self.groups[name].strategies[k].output
         local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
@@ -1220,9 +1232,9 @@ class ShardingProgram:
         stage 1; the sharded runtime pays per parameter)."""
         if self.dp == 1:
             return 0.0
-        if self.runs_plain(stage) or (stage == 0 and self.pipeline_stage):
+        if self.buckets_all_reduce(stage):
             return estimate_collective_time(Collective.ALL_REDUCE, 1.0, self.dp, self.dp_link)
-        if stage == 1 and self.step_gathers:
+        if self.gathers_once_a_step(stage):
             return estimate_collective_time(Collective.REDUCE_SCATTER, 1.0, self.dp, self.dp_link)
         return 0.0
 
@@ -1663,7 +1675,7 @@ class ShardingProgram:
         at ZeRO stage `stage` (one all-gather per micro-batch and layer; 0 where the stage does not)."""
         if stage not in (1, 2) or self.overlaps_at(stage) or self.runs_plain(stage):
             return 0.0
-        if self.step_gather_time(name, k, stage):  # a pipeline's ZeRO-1 stage: weights gathered once a step, kept
+        if self.gathers_once_a_step(stage):  # weights gathered once a step and kept: recompute reads them
             return 0.0
         info, pl = self.graph.params[name], self.groups[name].strategies[k].output
         local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
@@ -2376,9 +2388,8 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
                 t = sum(prog.sharded_sync_parts(name, k, stage))  # as the overlapping sharded program runs them
             if t:
                 local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
-                bucketed = prog.runs_plain(stage) or (stage == 0 and prog.pipeline_stage)
-                words = ("all_reduce of the gradient (bucketed)" if bucketed
-                         else _STEP_GATHER_WORDS if prog.step_gather_time(name, k, stage)
+                words = ("all_reduce of the gradient (bucketed)" if prog.buckets_all_reduce(stage)
+                         else _STEP_GATHER_WORDS if prog.gathers_once_a_step(stage)
                          else (_OVERLAP_SYNC_WORDS if prog.overlaps_at(stage) else _SYNC_WORDS)[stage])  # fmt: skip
                 ops.append({"kind": words, "axis": "dp", "pass": "step", "arg": None, "from": source(name),
                             "bytes": local * prog.precision.grad_bytes, "time_s": t, "per_step": grp.count}

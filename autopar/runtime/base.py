@@ -312,6 +312,8 @@ class Program(torch.nn.Module):
         self._master_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self._persistent_buffers = [n for n in self._state_names if n not in self._first_names]
         self.num_steps = 0
+        # a list (a test sets one): (event, what) of the program's data-axis collectives, in the order they happen
+        self.comm_events: list | None = None
         self._input_signature: dict | None = None  # set by `expect_inputs`
         self.hf_config = getattr(model, "config", None)
         self.hf_class_name = type(model).__name__  # the `architectures` a Hugging Face config names
@@ -343,6 +345,11 @@ class Program(torch.nn.Module):
         if self.compute_dtype is None or not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             return tensor
         return tensor.to(self.compute_dtype)
+
+    def _record(self, event: str, what) -> None:
+        """Append (event, what) to `comm_events` when a test has set it."""
+        if self.comm_events is not None:
+            self.comm_events.append((event, what))
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to run backward from: times the loss scale under fp16."""

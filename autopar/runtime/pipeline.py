@@ -268,13 +268,17 @@ class PipelineProgram(Program):
                     holders.setdefault(key, set()).add(sg.index % pp)
         self._param_names = sorted(k for k, devs in holders.items() if self.pp_rank in devs)
         self._placements: dict[str, tuple] = {}
+        # ZeRO-1 with overlap: split weights gathered once a step, gradients reduce-scattered once (module docstring)
+        self._step_split: set[str] = set()
         shards = {}
         for fqn in self._param_names:
             p = named[fqn]
-            sharded = max(zero.get(d, plan.zero_stage) for d in holders[fqn]) >= 1
+            stage = max(zero.get(d, plan.zero_stage) for d in holders[fqn])
             tp_pl = parse_placement(plan.param_placements.get(fqn, "R"))
-            pl = (dp_placement(tuple(p.shape), dp, sharded, tp_pl), tp_pl)
+            pl = (dp_placement(tuple(p.shape), dp, stage >= 1, tp_pl), tp_pl)
             self._placements[fqn] = pl
+            if stage == 1 and pl[0] != R and plan.overlap:
+                self._step_split.add(fqn)
             shards[fqn] = torch.nn.Parameter(local_shard(self.master(p), self.mesh, pl),
                                              requires_grad=p.requires_grad)  # fmt: skip
         self.shards = torch.nn.ParameterDict({k.replace(".", "/"): v for k, v in shards.items()})
@@ -286,10 +290,6 @@ class PipelineProgram(Program):
                            for k, c in traced.exported.constants.items()}  # fmt: skip
         self._tie_groups = self._make_tie_groups(holders)
         self._dp_summed = [k for k in self._param_names if dp > 1 and self._placements[k][0] == R]
-        # ZeRO-1 with overlap: split weights gathered once a step, gradients reduce-scattered once (module docstring)
-        once = plan.overlap and dp > 1
-        self._step_split = {k for k in self._param_names if once and self._placements[k][0] != R
-                            and max(zero.get(d, plan.zero_stage) for d in holders[k]) == 1}  # fmt: skip
 
         by_device = {st.index: st for st in stage_plans}
         self.stages = [
@@ -306,16 +306,14 @@ class PipelineProgram(Program):
                                            group=self.pp_group) for st in self.stages]  # fmt: skip
         self._dp_reduction: BucketedReduction | None = None  # launched from the schedule (overlap on)
         # the step's ZeRO-1 collectives: gathers in flight, whole weights, fp32 gradient sums, reduce-scatter buckets
-        self._split_order = [key for st in sorted(self.stages, key=lambda st: st.sg.index)
-                             for name in st.sg.placeholders for kind, key in (self._kind[name],)
-                             if kind == "param" and key in self._step_split]  # fmt: skip
-        self._split_order = list(dict.fromkeys(self._split_order))
+        self._split_order = list(dict.fromkeys(key for st in sorted(self.stages, key=lambda st: st.sg.index)
+                                               for name in st.sg.placeholders for kind, key in (self._kind[name],)
+                                               if kind == "param" and key in self._step_split))  # fmt: skip
         self._gathering: dict[str, tuple] = {}
         self._whole_weights: dict[str, torch.Tensor] = {}
         self._whole_grads: dict[str, torch.Tensor] = {}
         self._split_buckets: tuple | None = None  # (keys, dims, buckets) launched with the dp reduction
         self._holding = False  # a training step's schedule runs: split weights are read whole
-        self.comm_events: list | None = None  # (event, what) of the ZeRO-1 collectives, when a test sets a list
         self._stages_done: set[int] = set()  # stages whose last backward of this step has run
         self._launch_armed = False  # launch the reduction when every local stage is done (training steps only)
         self.schedule = self._schedule(str(info.get("schedule", "1f1b")), v)
@@ -494,10 +492,6 @@ class PipelineProgram(Program):
 
     # ZeRO-1, gathered and reduce-scattered once a step (overlap on; see the module docstring)
 
-    def _note(self, event: str, what) -> None:
-        if self.comm_events is not None:
-            self.comm_events.append((event, what))
-
     def _split_words(self, what: str) -> str:
         return f"the {what} of the ZeRO-1 weights of stage block {self.pp_rank} over the data axis"
 
@@ -510,7 +504,7 @@ class PipelineProgram(Program):
             for key in self._split_order:
                 d = self._placements[key][0].dim
                 local = self.in_compute_format(self._shard[key].detach())
-                self._note("gather", key)
+                self._record("gather", key)
                 self._gathering[key] = overlap.split_gather(local, d, self._shapes[key][d], group, async_op=True)
 
     def _whole(self, key: str) -> torch.Tensor:
@@ -520,7 +514,7 @@ class PipelineProgram(Program):
             work, finish = self._gathering.pop(key)
             with waiting_for(self._split_words("all-gather")):
                 work.wait()
-            self._note("gathered", key)
+            self._record("gathered", key)
             held = self._whole_weights[key] = finish()
         return held.detach()
 
@@ -562,7 +556,7 @@ class PipelineProgram(Program):
         group = self.mesh.get_group("dp")
         with waiting_for(self._split_words("reduce-scatter")):
             for b, bucket in enumerate(buckets):
-                self._note("reduce_scatter", b)
+                self._record("reduce_scatter", b)
                 overlap.launch_reduce_scatter(bucket, full, dims, group)
         self._whole_grads.clear()
         return keys, dims, buckets
@@ -577,7 +571,7 @@ class PipelineProgram(Program):
         with waiting_for(self._split_words("reduce-scatter")):
             for bucket in buckets:
                 overlap.finish_reduce_scatter(bucket, dims, group, pieces)
-        self._note("reduced", len(buckets))
+        self._record("reduced", len(buckets))
         for k, piece in zip(keys, pieces, strict=True):
             shard = self._shard[k]
             piece = piece.to(shard.dtype)

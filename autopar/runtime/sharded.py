@@ -184,7 +184,6 @@ class ShardedProgram(Program):
                      launch_early=plan.overlap, **cp_knobs)  # fmt: skip
         # gradient reductions issued from backward, in buckets (see the module docstring)
         self.overlap = plan.overlap and self.data_ranks > 1
-        self.comm_events: list | None = None  # a list: (event, what) appended in the order they happen
         self._in_backward = False
         self._index_of = {name: i for i, name in enumerate(p for p, kind in zip(placeholders, traced.placeholder_kinds,
                                                                                 strict=True) if kind == "param")}  # fmt: skip
@@ -399,10 +398,6 @@ class ShardedProgram(Program):
         for work, _ in self._prefetched.values():
             work.wait()
         self._prefetched.clear()
-
-    def _record(self, event: str, what) -> None:
-        if self.comm_events is not None:
-            self.comm_events.append((event, what))
 
     def _gather(self, name: str, value):
         """The interpreter's gather of a parameter split over the data axis: deferred reduce-scatter."""
