@@ -743,7 +743,8 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
                "recompute": st.sharding.recompute if st.sharding is not None else "none",
                "time_per_microbatch_s": st.time_per_microbatch_s, "transfer_per_microbatch_s": st.transfer_per_microbatch_s,
                "grad_sync_s": st.grad_sync_s, "activation_copies": st.activation_copies,
-               # what the stage waits for of its transfers, and what its dp sync hides behind later backwards
+               # what the stage waits for of its transfers, and what its dp sync hides behind its own last
+               # backward and the later ones
                "transfer_exposed_per_microbatch_s": st.transfer_exposed_per_microbatch_s,
                "grad_sync_hidden_s": st.grad_sync_hidden_s,
                "memory_bytes": sum(st.memory.values()), "memory": dict(st.memory),

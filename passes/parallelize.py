@@ -90,6 +90,21 @@ class _ContiguousGrad(torch.autograd.Function):
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
+class Deferred:
+    """A placeholder value the interpreter makes where an op first reads it, not before the run.
+
+    A parameter entering the mesh (`DTensor.from_local`, a cast to the compute format) makes autograd nodes
+    whose backward carries its gradient to the leaf, and so fires the hooks that launch its reduction. The
+    autograd engine runs ready nodes latest-made first: nodes made before the whole forward run only after
+    every other node of the backward, so all reductions would start at its very end. Made at its first use,
+    a parameter's nodes run as soon as the backward of that use has given its gradient."""
+
+    __slots__ = ("make",)
+
+    def __init__(self, make):
+        self.make = make
+
+
 class ShardedInterpreter(fx.Interpreter):
     """Interpret `gm` on DTensors, enforcing the tensor-axis placements of the plan.
 
@@ -235,12 +250,22 @@ class ShardedInterpreter(fx.Interpreter):
         if n in self._in_segment:
             return None  # runs with its segment, at the segment's last node
         seg = self._segment_at.get(n)
+        self._make_deferred(seg.inputs if seg is not None else n.all_input_nodes)
         if seg is not None:
             return self._run_segment(seg)
         if n.name in self._offloaded:
             with self.activation_offload:
                 return self._run_op(n)
         return self._run_op(n)
+
+    def _make_deferred(self, nodes) -> None:
+        """Make the `Deferred` placeholder values among `nodes`, once a run (env keeps what they make)."""
+        for a in nodes:
+            v = self.env.get(a)
+            if isinstance(v, Deferred):
+                v = self.env[a] = v.make()
+                if self.activation_offload is not None and isinstance(v, torch.Tensor) and v.requires_grad:
+                    self._param_ptrs.add(local_tensor(v).untyped_storage().data_ptr())
 
     def _run_segment(self, seg: _Segment):
         """Run a segment under non-reentrant checkpointing; its outputs other than the last go straight to env."""

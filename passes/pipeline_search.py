@@ -38,20 +38,26 @@ Step time, with the overlap the pipeline program runs (`plan.overlap`, on by def
        compute and sends asynchronously, so a transfer's bandwidth time runs behind the stage's compute of
        one micro-batch; its per-transfer latency (and the all-gather over tp after it) does not hide:
            e_s = c_s - H(c_s - f_s, t_s)          f_s  the fixed part of c_s (latencies, tp all-gathers)
-  E_s  the exposed part of the gradient sync G_s (S_s = G_s + O_s, O_s the optimizer step). The program
-       launches stage s's sync when its last backward of the step is done; the stages before it still run
-       their last backward after that (1F1B and GPipe end with the backwards of stages p-1, ..., 0 in turn),
-       so the sync hides behind that window, and stage 0's (the last to finish) behind none:
-           E_s = G_s - H(G_s - A_s, w_s)     w_s = BACKWARD_SHARE x sum_{j<s} t_j / v
+  E_s  the exposed part of the gradient sync G_s (S_s = G_s + A_s + O_s, O_s the optimizer step). The program
+       sends stage s's gradients in buckets, each launched during the stage's last backward of the step as soon
+       as the last of its gradients is in (earlier micro-batches only accumulate); only the bucket that backward
+       fills last (L_s, the first layers') waits for its end. The stages before s still run their last backward
+       after that (1F1B and GPipe end with the backwards of stages p-1, ..., 0 in turn), so what is left of the
+       sync hides behind that window too, and stage 0's (the last to finish) behind its own backward alone:
+           E_s = G_s - H(G_s, w_s + min(b_s, G_s - L_s))
+           b_s = BACKWARD_SHARE x t_s / v   its own last backward     w_s = BACKWARD_SHARE x sum_{j<s} t_j / v
+       (the data-parallel program's rule, `ShardingProgram.add_overlap_constraint`, with the later window added).
        A_s, a ZeRO-1 stage's weight gathers: with overlap it gathers each split weight once a step, before the
-       schedule starts (waited on where the first forward reads it), and reduce-scatters its gradients once, with
-       the dp all-reduce (`ShardingProgram.step_gathers`); the reduce-scatter hides as G_s does, the gathers not.
+       schedule starts (waited on where the first forward reads it), and reduce-scatters the step's sums of its
+       gradients once, in buckets launched as the dp all-reduce's are (`ShardingProgram.step_gathers`); the
+       reduce-scatter hides as G_s does, the gathers not.
   H(x, w) = eta min(x, w): the part of x hidden behind w of compute (`hidden_part`), eta the device's
        overlap efficiency (`DeviceSpec.overlap_efficiency`, 1 where the device has none).
   With overlap off (constraints {"overlap": False}) nothing hides: e_s = c_s, E_s = G_s, and
        T = slots max_s (t_s + c_s) + max_s S_s, the program's behaviour without overlap.
   The cut search (`_allocate`) prices stage s alone, so there w_s takes the earlier stages as long as s:
-  w_s = BACKWARD_SHARE s t_s / v; the step of a cut is priced with the stages' own t_j.
+  w_s = BACKWARD_SHARE s t_s / v; the step of a cut is priced with the stages' own t_j. The estimate, before any
+  stage program is solved, takes L_s = 0 (it may err low, as an estimate should).
 
 Schedules. 1F1B needs m >= p (as torch.distributed.pipelining's Schedule1F1B does) and keeps
 fewer activations than GPipe at the same bubble, so GPipe is searched only where 1F1B cannot run
@@ -359,7 +365,9 @@ class StagePlan:
         sharding: the stage program's layout (placements of the view's nodes and parameters).
         optimizer_s: its optimizer step, once per step after the last backward (part of S_s).
         transfer_exposed_per_microbatch_s: the part of c_s the stage waits for (e_s; c_s without overlap).
-        grad_sync_hidden_s: the part of grad_sync_s (G_s) hidden behind the later backwards (H(G_s, w_s)).
+        grad_sync_hidden_s: the part of grad_sync_s (G_s) hidden behind the stage's own last backward and the
+            later backwards of the step (H(G_s, w_s + min(b_s, G_s - L_s)), the module docstring).
+        last_bucket_s: L_s, the reduction of the bucket its last backward fills last (waits for that backward).
     """
 
     index: int
@@ -379,6 +387,7 @@ class StagePlan:
     optimizer_s: float = 0.0
     transfer_exposed_per_microbatch_s: float | None = None
     grad_sync_hidden_s: float = 0.0
+    last_bucket_s: float = 0.0
 
     def __post_init__(self):
         if self.transfer_exposed_per_microbatch_s is None:  # nothing hidden unless told
@@ -453,6 +462,7 @@ class _Priced:
     result: MeshResult | None = None
     program: ShardingProgram | None = None
     bound: bool = False  # solved within the memory budget: the memory-free optimum did not fit
+    last_bucket_s: float = 0.0  # L_s: the reduction of the bucket its last backward fills last (0 without dp)
 
     def grad_sync(self) -> float:
         """G_s: the gradient synchronisation the later backwards may hide (sync less the optimizer step, and less
@@ -643,8 +653,9 @@ class _StagePricer:
         # cp attention's exposed communication is a term of its own in the stage program (not in compute_s), but
         # the stage waits for it every micro-batch as for its compute
         t_mb = (res.compute_s + res.reshard_s + res.cp_comm_s) / prog.mb
+        last = prog.last_bucket_s(res.zero_stage) if prog.dp > 1 else 0.0
         return _Priced(True, t_mb, res.grad_sync_s + res.optimizer_s, res.zero_stage, tuple(res.memory.items()), copies,
-                       res, prog)  # fmt: skip
+                       res, prog, last_bucket_s=last)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ transfers between stages
@@ -735,9 +746,18 @@ class Overlap:
             return c.total_s
         return c.total_s - hidden_part(c.total_s - c.fixed_s, t_mb, self.eta)
 
-    def sync_hidden(self, grad_sync_s: float, window_s: float) -> float:
-        """H(G_s, w_s): the part of a stage's gradient sync hidden behind the later backwards of the step."""
-        return hidden_part(grad_sync_s, window_s, self.eta) if self.on else 0.0
+    def sync_hidden(self, grad_sync_s: float, window_s: float, own_s: float, last_s: float = 0.0) -> float:
+        """H(G_s, w_s + min(b_s, G_s - L_s)): the part of a stage's gradient sync hidden behind its own last
+        backward (`own_s`, b_s: every bucket but the last, `last_s`, goes out while it runs) and the later
+        backwards of the step (`window_s`, w_s)."""
+        if not self.on:
+            return 0.0
+        return hidden_part(grad_sync_s, window_s + min(own_s, max(0.0, grad_sync_s - last_s)), self.eta)
+
+
+def own_backward(t_mb: float, v: int) -> float:
+    """b_s = BACKWARD_SHARE t_s / v: a stage's last backward of the step (one micro-batch, one chunk)."""
+    return BACKWARD_SHARE * t_mb / v
 
 
 def sync_windows(t_mbs: list[float], v: int) -> list[float]:
@@ -759,10 +779,11 @@ class StepPrice:
 
 
 def step_price(slots: float, stages: list[_Priced], transfers: list[Transfer], overlap: Overlap, v: int) -> StepPrice:
-    """T = slots max_s (t_s + e_s) + max_s (S_s - H(G_s, w_s)) (the module docstring)."""
+    """T = slots max_s (t_s + e_s) + max_s (E_s + O_s) (the module docstring)."""
     exposed = [overlap.transfer_exposed(c, p.t_mb) for p, c in zip(stages, transfers, strict=True)]
     windows = sync_windows([p.t_mb for p in stages], v)
-    hidden = [overlap.sync_hidden(p.grad_sync(), w) for p, w in zip(stages, windows, strict=True)]
+    hidden = [overlap.sync_hidden(p.grad_sync(), w, own_backward(p.t_mb, v), p.last_bucket_s)
+              for p, w in zip(stages, windows, strict=True)]  # fmt: skip
     step = slots * max(p.t_mb + e for p, e in zip(stages, exposed, strict=True)) + max(
         p.sync - h for p, h in zip(stages, hidden, strict=True)
     )
@@ -978,7 +999,8 @@ class _Search:
                     leanest[0] = min(leanest[0], need)
                     if need <= self.budget:
                         sync = f.sync[z] + (k - 1) * mid.sync[z]  # with the optimizer step: an estimate may err low
-                        sync -= self.overlap.sync_hidden(sync, self._alone_window(cfg, s, t))
+                        # no last bucket: the program is not solved yet, and an estimate may err low
+                        sync -= self.overlap.sync_hidden(sync, self._alone_window(cfg, s, t), own_backward(t, cfg.v))
                         best = min(best, slots * (t + exposed) + sync)
             return best
 
@@ -999,10 +1021,11 @@ class _Search:
         return BACKWARD_SHARE * s * t_mb / cfg.v
 
     def stage_cost(self, cfg: _Config, s: int, p: _Priced, transfer: Transfer, slots: float) -> float:
-        """What stage s adds to the step priced alone: slots (t_s + e_s) + S_s - H(G_s, w_s)."""
+        """What stage s adds to the step priced alone: slots (t_s + e_s) + E_s + O_s."""
         if not p.feasible:
             return math.inf
-        hidden = self.overlap.sync_hidden(p.grad_sync(), self._alone_window(cfg, s, p.t_mb))
+        hidden = self.overlap.sync_hidden(p.grad_sync(), self._alone_window(cfg, s, p.t_mb), own_backward(p.t_mb, cfg.v),
+                                          p.last_bucket_s)  # fmt: skip
         return slots * (p.t_mb + self.overlap.transfer_exposed(transfer, p.t_mb)) + p.sync - hidden
 
     # ------------------------------------------------------------------------------ exact pricing
@@ -1316,7 +1339,7 @@ def _pipeline_solution(best, search: _Search, single, records, dt) -> PipelineSo
         opt = p.result.optimizer_s if p.result is not None else 0.0
         stages.append(StagePlan(s, rng, k, s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, p.zero, p.t_mb,
                                 transfers[s].total_s, p.sync - opt, copies, p.memory_at(copies), sharding, opt,
-                                price.transfer_exposed[s], price.sync_hidden[s]))  # fmt: skip
+                                price.transfer_exposed[s], price.sync_hidden[s], p.last_bucket_s))  # fmt: skip
     return PipelineSolution(cfg.pp, cfg.dp, cfg.tp, tuple(stages), cfg.m, search.micro_batch(cfg), cfg.schedule, cfg.v,
                             bubble_fraction(cfg.schedule, cfg.pp, cfg.m, cfg.v), step,
                             max(st.peak_memory_bytes for st in stages),

@@ -1429,11 +1429,13 @@ class ShardingProgram:
         self.sync_report["total"] = plain
         self._exposed = e
 
-    def last_bucket_s(self) -> float:
-        """T_last: the all-reduce of the bucket launched when backward ends (see `add_overlap_constraint`)."""
-        total = sum(self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(0)
+    def last_bucket_s(self, stage: int = 0) -> float:
+        """T_last: the reduction of the bucket launched when backward ends (see `add_overlap_constraint`), an
+        all-reduce at ZeRO stage 0 and a reduce-scatter above."""
+        total = sum(self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
                     for n in self._param_groups() if self.graph.params[n].requires_grad)  # fmt: skip
-        return estimate_collective_time(Collective.ALL_REDUCE, min(BUCKET_BYTES, total), self.dp, self.dp_link)
+        kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
+        return estimate_collective_time(kind, min(BUCKET_BYTES, total), self.dp, self.dp_link)
 
     def optimizer_time(self, name: str, k: int, stage: int) -> float:
         """Opt[w,k,s]: the device's optimizer step over one parameter's local shard (its fp32 weights)."""

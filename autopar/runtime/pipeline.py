@@ -27,18 +27,23 @@ micro-batches and are all-reduced over dp once per step, in buckets, as the plan
 
 Overlap (`plan.overlap`, on by default). The schedules run on `autopar.runtime.pipeline_schedule`: the receive of
 micro-batch i+1's input (output gradient) is posted before micro-batch i's forward (backward), sends are
-asynchronous and waited on at the end of the step, so transfers run while the stage computes; and as soon as this
-rank's stages have run their last backward of the step, the dp all-reduce of its gradients is launched
-(asynchronously, in the same buckets), so it runs while the stages before them still run their cooldown backwards;
-the step waits for it before the tie sums and the optimizer. A parameter split over dp by ZeRO-1 (`zero_stage` 1
-on every stage that reads it) is gathered once a step: the gathers of all of them go out (asynchronously, in the
-order the stages read them) before the schedule starts, and each is waited on where a forward first reads it; every
-micro-batch then computes on the whole weight (in the compute format), and its gradient (this rank's partial sum
-over dp) accumulates in fp32 over the micro-batches; the reduce-scatter of those sums, in buckets in the order
-backward produces them, goes out with the dp all-reduce, behind the other stages' last backwards. That is ZeRO-1 as
+asynchronous and waited on at the end of the step, so transfers run while the stage computes. The dp reduction of
+this rank's gradients goes out in buckets (`overlap.BUCKET_BYTES`, in the order the last backward of the step
+produces the gradients, the last stage's first), each launched (asynchronously) during that backward as soon as
+the last gradient of its members is in: a post-accumulate hook counts, per parameter, the micro-batches' gradients
+of every local stage that reads it. So it runs behind the rest of that backward and then behind the stages before
+this one, which still run their cooldown backwards; the step waits for it before the tie sums and the optimizer. A
+parameter enters the mesh (its `from_local`, its cast to the compute format) where the stage's forward first reads
+it (`passes.parallelize.Deferred`): made before the forward, those autograd nodes would run only at the very end of
+the backward (the engine runs the latest-made ready node first), and with them every hook. A parameter split over
+dp by ZeRO-1 (`zero_stage` 1 on every stage that reads it) is gathered once a step: the gathers of all of them go
+out (asynchronously, in the order the stages read them) before the schedule starts, and each is waited on where a
+forward first reads it; every micro-batch then computes on the whole weight (in the compute format), and its
+gradient (this rank's partial sum over dp) accumulates in fp32 over the micro-batches; the reduce-scatter of those
+sums goes out bucket by bucket in the same way (its buckets apart from the all-reduced ones). That is ZeRO-1 as
 the plan prices it for a pipeline stage (`ShardingProgram.step_gathers`): one gather and one reduce-scatter a step,
 whole weights and whole fp32 gradients held for the step. With overlap off, torch's own schedules run (each
-transfer waited on where it is posted), the dp all-reduce follows the whole schedule, and a split weight is
+transfer waited on where it is posted), the same buckets go out after the whole schedule, and a split weight is
 gathered wherever a micro-batch reads it (its gradient reduce-scattered by that gather's backward).
 
 A cp axis (mesh pp x dp x cp x tp, tp innermost, then cp): the stage graphs are cut from the graph traced for cp
@@ -56,6 +61,9 @@ collective this rank waited in.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -66,14 +74,13 @@ from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import ConfigError, LoweringError
 from autopar.ir import OpGraph
-from autopar.passes.parallelize import dp_placement, local_shard, shard_pass
+from autopar.passes.parallelize import Deferred, dp_placement, local_shard, shard_pass
 from autopar.passes.pipeline_split import StageGraph, split_stages, stack_layers, values_needing_grad
 from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
 from autopar.plan import Plan, ProgramKind, StagePlan
 from autopar.runtime import overlap, pipeline_schedule
 from autopar.runtime.base import (
-    BucketedReduction,
     Program,
     check_scalar_loss,
     contiguous_stride,
@@ -144,7 +151,9 @@ class _Stage(torch.nn.Module):
             pl = _boundary_placement(val.shape, prog.micro_batch, prog.dp)
             values.append(DTensor.from_local(t, prog.mesh, pl, run_check=False, shape=val.shape,
                                              stride=contiguous_stride(val.shape)))  # fmt: skip
-        values += [prog.placeholder_value(name, mb) for name in self.sg.placeholders]
+        # parameters enter the mesh where first read, so their gradients reach the reduction hooks early
+        values += [Deferred(functools.partial(prog.placeholder_value, name, mb)) if prog.is_param(name)
+                   else prog.placeholder_value(name, mb) for name in self.sg.placeholders]  # fmt: skip
         out = self.interp.run(*values)
         if self.is_last:
             loss = out
@@ -304,18 +313,31 @@ class PipelineProgram(Program):
         self._pipe_stages = [PipelineStage(st, st.sg.index, self.num_stages, torch.device(self.device_type),
                                            input_args=st.example_inputs(), output_args=st.example_outputs(),
                                            group=self.pp_group) for st in self.stages]  # fmt: skip
-        self._dp_reduction: BucketedReduction | None = None  # launched from the schedule (overlap on)
-        # the step's ZeRO-1 collectives: gathers in flight, whole weights, fp32 gradient sums, reduce-scatter buckets
+        # the step's ZeRO-1 gathers in flight, whole weights and fp32 gradient sums
         self._split_order = list(dict.fromkeys(key for st in sorted(self.stages, key=lambda st: st.sg.index)
                                                for name in st.sg.placeholders for kind, key in (self._kind[name],)
                                                if kind == "param" and key in self._step_split))  # fmt: skip
         self._gathering: dict[str, tuple] = {}
         self._whole_weights: dict[str, torch.Tensor] = {}
         self._whole_grads: dict[str, torch.Tensor] = {}
-        self._split_buckets: tuple | None = None  # (keys, dims, buckets) launched with the dp reduction
         self._holding = False  # a training step's schedule runs: split weights are read whole
+        # the step's reductions over dp, in buckets (`_make_buckets`), each launched once its gradients are in
+        self._reduced, self._dims, self._buckets = self._make_buckets()
+        self._bucket_of = {self._reduced[i]: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
+        readers: dict[str, int] = {}  # key -> this rank's stages that read it
+        for st in self.stages:
+            for name in st.sg.placeholders:
+                kind, key = self._kind[name]
+                if kind == "param":
+                    readers[key] = readers.get(key, 0) + 1
+        self._readers = readers
+        self._left: dict[str, int] | None = None  # gradients each member still awaits this step (None: not armed)
+        self._bucket_left: list[int] = []  # members each bucket still awaits
+        self._launched: list[int] = []  # buckets launched this step, in launch order
         self._stages_done: set[int] = set()  # stages whose last backward of this step has run
-        self._launch_armed = False  # launch the reduction when every local stage is done (training steps only)
+        for key in self._reduced:
+            if self._placements[key][0] == R:  # a split weight's gradients come through `_add_whole_grad`
+                self._shard[key].register_post_accumulate_grad_hook(lambda _, key=key: self._gradient_done(key))
         self.schedule = self._schedule(str(info.get("schedule", "1f1b")), v)
         self._micro_inputs: list[list] = []
         self._build_optimizer([shards[k] for k in self._param_names])
@@ -373,6 +395,9 @@ class PipelineProgram(Program):
         return out
 
     # -------------------------------------------------------------------------------- execution
+
+    def is_param(self, name: str) -> bool:
+        return self._kind[name][0] == "param"
 
     def placeholder_value(self, name: str, mb: int):
         """The value of a traced placeholder on this rank for micro-batch `mb`, as the interpreter takes it."""
@@ -459,38 +484,27 @@ class PipelineProgram(Program):
         return float(totals[0]), float(totals[1])
 
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
-        self._stages_done, self._launch_armed, self._dp_reduction = set(), self.plan.overlap, None
-        self._split_buckets = None
+        self._arm()
         self._gather_split()
         try:
             loss_sum, weight = self._run_schedule(micro, backward=True)
         finally:
-            self._launch_armed = self._holding = False
+            self._holding = False
             self._drop_whole_weights()
-        if self._step_split and self._split_buckets is None:  # no stage reported its last backward
-            self._split_buckets = self._launch_split_reduction()
-        if self._dp_reduction is not None:
-            with waiting_for(self._dp_words()):
-                self._dp_reduction.wait()
-            self._dp_reduction = None
-        else:
-            self._sum_over_dp()
-        self._finish_split_reduction()
+        self._launch_rest()  # without overlap every bucket goes out here; with it, those no stage reported
+        self._finish_reductions()
         self._sum_tied()
         return loss_sum, weight
 
     def _stage_backward_done(self, stage_index: int) -> None:
         """The schedule ran stage `stage_index`'s last backward of the step: once every stage of this rank has,
-        launch the dp reduction of this rank's gradients (and the ZeRO-1 reduce-scatters), so it runs while other
+        launch the buckets its backward left unlaunched (a member that got no gradient), so they run while other
         stages still run backward."""
-        if not self._launch_armed:
+        if self._left is None:
             return
         self._stages_done.add(stage_index)
         if len(self._stages_done) == len(self.stages):
-            self._dp_reduction = self._launch_dp_reduction()
-            self._split_buckets = self._launch_split_reduction()
-
-    # ZeRO-1, gathered and reduce-scattered once a step (overlap on; see the module docstring)
+            self._launch_rest()
 
     def _split_words(self, what: str) -> str:
         return f"the {what} of the ZeRO-1 weights of stage block {self.pp_rank} over the data axis"
@@ -525,6 +539,7 @@ class PipelineProgram(Program):
             self._whole_grads[key] = grad.to(self._shard[key].dtype, copy=True)
         else:
             total.add_(grad)
+        self._gradient_done(key)
 
     def _drop_whole_weights(self) -> None:
         """After the schedule: wait for gathers no forward read (an error cut the step short) and free the whole
@@ -535,59 +550,120 @@ class PipelineProgram(Program):
         self._gathering.clear()
         self._whole_weights.clear()
 
-    def _launch_split_reduction(self) -> tuple | None:
-        """Start the reduce-scatter (over dp, in buckets, in the compute format, as priced) of the split weights'
-        summed gradients, zeros where this rank's stages gave none (every rank sends the same members)."""
-        keys = [k for k in reversed(self._split_order) if self._shard[k].requires_grad]
-        if not keys:
-            return None
-        dims = [self._placements[k][0].dim for k in keys]
-        full = []
-        for k, d in zip(keys, dims, strict=True):
+    # the reductions over dp: buckets launched as backward completes them (see the module docstring)
+
+    def _make_buckets(self) -> tuple[list[str], list[int], list[overlap.Bucket]]:
+        """(keys, their split dims, buckets) of the step's reductions over dp: the trainable dp-replicated
+        parameters' gradients all-reduced, then the ZeRO-1 split weights' fp32 sums reduce-scattered (on dim
+        `dims[i]`), each kind in buckets of about `overlap.BUCKET_BYTES` in the format it sends, filled in the
+        order this rank's backward completes their gradients (`_backward_order`)."""
+        order = [k for k in self._backward_order() if self._shard[k].requires_grad]
+        replicated = set(self._dp_summed)
+        keys = [k for k in order if k in replicated] + [k for k in order if k in self._step_split]
+        sizes, dims = [], []
+        for k in keys:
+            split = k in self._step_split
+            dtype = self.compute_dtype if split or self.reduce_in_compute else None
+            dtype = dtype or self._shard[k].dtype
+            d = self._placements[k][0].dim if split else -1
+            shape = list(self._shard[k].shape)
+            if split:  # whole on the data axis (this rank's piece of a tensor axis)
+                shape[d] = self._shapes[k][d]
+            numel = math.prod(shape)
+            sizes.append((numel * dtype.itemsize, "reduce_scatter" if split else "all_reduce", dtype))
+            dims.append(d)
+        return keys, dims, overlap.make_buckets(sizes, overlap.BUCKET_BYTES)
+
+    def _backward_order(self) -> list[str]:
+        """This rank's parameters in about the order the step's backward completes their gradients: its stages
+        latest in the pipeline first (their last backward runs first), each stage's by `overlap.gradient_order`;
+        a parameter several of its stages read where the earliest of them puts it (its gradient is complete last
+        there)."""
+        order = []
+        for st in sorted(self.stages, key=lambda st: -st.sg.index):
+            names = [n for n in st.sg.placeholders if self._kind[n][0] == "param"]
+            order += [self._kind[n][1] for n in overlap.gradient_order(st.sg.graph_module.graph, names)]
+        last = {key: i for i, key in enumerate(order)}
+        return [key for i, key in enumerate(order) if last[key] == i]
+
+    def _arm(self) -> None:
+        """Before a training step's schedule: with overlap, each bucket launches once the step's last gradient of
+        each member is in (a member's gradient comes once per micro-batch from each of this rank's stages that
+        read it)."""
+        self._launched, self._stages_done = [], set()
+        if not self.plan.overlap:
+            self._left = None
+            return
+        m = self.num_microbatches
+        self._left = {k: m * self._readers.get(k, 0) for k in self._reduced}
+        self._bucket_left = [len(bucket.members) for bucket in self._buckets]
+
+    def _gradient_done(self, key: str) -> None:
+        """A gradient of `key` is in (accumulated, or added to its fp32 sum): launch its bucket if that was the
+        last one the bucket awaited this step."""
+        if self._left is None or key not in self._left:
+            return
+        self._left[key] -= 1
+        if self._left[key] == 0:
+            b = self._bucket_of[key]
+            self._bucket_left[b] -= 1
+            if self._bucket_left[b] == 0:
+                self._launch_bucket(b)
+
+    def _launch_rest(self) -> None:
+        """Launch, in bucket order, the buckets not launched yet this step; disarm the gradient hooks."""
+        self._left = None
+        for b in range(len(self._buckets)):
+            if b not in self._launched:
+                self._launch_bucket(b)
+
+    def _launch_bucket(self, b: int) -> None:
+        """Start bucket `b`'s collective over dp: the all-reduce of its members' gradients (zeros where this rank's
+        stages gave none: every rank sends the same members), or the reduce-scatter of their fp32 sums (freed once
+        packed)."""
+        bucket = self._buckets[b]
+        group = self.mesh.get_group("dp")
+        self._launched.append(b)
+        self._record(bucket.kind, b)
+        full: list = [None] * len(self._reduced)
+        if bucket.kind == "all_reduce":
+            for i, grad in zip(bucket.members, self._grads_of([self._reduced[i] for i in bucket.members]),
+                               strict=True):  # fmt: skip
+                full[i] = grad
+            with waiting_for(self._dp_words()):
+                overlap.launch_all_reduce(bucket, full, group)
+            return
+        for i in bucket.members:
+            k, d = self._reduced[i], self._dims[i]
             total = self._whole_grads.pop(k, None)
             if total is None:
                 shape = list(self._shard[k].shape)
                 shape[d] = self._shapes[k][d]
                 total = self._shard[k].new_zeros(shape)
-            full.append(total)
-        dtype = self.compute_dtype or self._shard[keys[0]].dtype
-        buckets = overlap.make_buckets([(t.numel() * dtype.itemsize, "reduce_scatter", dtype) for t in full],
-                                       overlap.BUCKET_BYTES)  # fmt: skip
-        group = self.mesh.get_group("dp")
+            full[i] = total
         with waiting_for(self._split_words("reduce-scatter")):
-            for b, bucket in enumerate(buckets):
-                self._record("reduce_scatter", b)
-                overlap.launch_reduce_scatter(bucket, full, dims, group)
-        self._whole_grads.clear()
-        return keys, dims, buckets
+            overlap.launch_reduce_scatter(bucket, full, self._dims, group)
 
-    def _finish_split_reduction(self) -> None:
-        """Wait for the split weights' reduce-scatters; each master shard's gradient is its summed piece."""
-        if self._split_buckets is None:
-            return
-        keys, dims, buckets = self._split_buckets
-        pieces: list = [None] * len(keys)
+    def _finish_reductions(self) -> None:
+        """Wait for the step's buckets: an all-reduce's sums go back into its gradients, a reduce-scatter's piece
+        of each member becomes its master shard's gradient."""
         group = self.mesh.get_group("dp")
-        with waiting_for(self._split_words("reduce-scatter")):
-            for bucket in buckets:
-                overlap.finish_reduce_scatter(bucket, dims, group, pieces)
-        self._record("reduced", len(buckets))
-        for k, piece in zip(keys, pieces, strict=True):
-            shard = self._shard[k]
-            piece = piece.to(shard.dtype)
-            if shard.grad is None:
-                shard.grad = piece
-            else:
-                shard.grad.add_(piece)
-        self._split_buckets = None
-
-    def _launch_dp_reduction(self) -> BucketedReduction | None:
-        """Start the all-reduce (over dp, in buckets) of the dp-replicated gradients; None when there are none."""
-        if not self._dp_summed:
-            return None
-        with waiting_for(self._dp_words()):
-            return BucketedReduction(self._grads_of(self._dp_summed), self.mesh.get_group("dp"),
-                                     dtype=self.compute_dtype if self.reduce_in_compute else None)  # fmt: skip
+        pieces: list = [None] * len(self._reduced)
+        for b in self._launched:
+            bucket = self._buckets[b]
+            if bucket.kind == "all_reduce":
+                grads = [self._shard[k].grad for k in self._reduced]
+                with waiting_for(self._dp_words()):
+                    overlap.finish_all_reduce(bucket, grads)
+                continue
+            with waiting_for(self._split_words("reduce-scatter")):
+                overlap.finish_reduce_scatter(bucket, self._dims, group, pieces)
+            for i in bucket.members:
+                shard = self._shard[self._reduced[i]]
+                piece = pieces[i].to(shard.dtype)
+                shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
+        self._record("reduced", len(self._launched))
+        self._launched = []
 
     def _dp_words(self) -> str:
         return f"the all-reduce of the dp-replicated gradients of stage block {self.pp_rank} over the data axis"
@@ -616,17 +692,6 @@ class PipelineProgram(Program):
     def _evaluate(self, micro: list[tuple]) -> float:
         loss_sum, weight = self._run_schedule(micro, backward=False)
         return loss_sum / weight if weight > 0 else loss_sum / len(micro)
-
-    def _sum_over_dp(self) -> None:
-        """All-reduce the gradients of dp-replicated parameters once per step."""
-        if not self._dp_summed:
-            return
-        with waiting_for(self._dp_words()):
-            sum_in_buckets(
-                self._grads_of(self._dp_summed),
-                self.mesh.get_group("dp"),
-                dtype=self.compute_dtype if self.reduce_in_compute else None,
-            )
 
     def forward(self, *args, **kwargs):
         """The loss of a global batch, as `eval_step` computes it (a pipeline's outputs stay on its last stage)."""

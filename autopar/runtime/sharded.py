@@ -62,6 +62,7 @@ backward when micro-batches are accumulated.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -73,7 +74,7 @@ from torch.utils import _pytree as pytree
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import LoweringError
-from autopar.passes.parallelize import dp_placement, gathered_over_dp, local_shard, shard_pass
+from autopar.passes.parallelize import Deferred, dp_placement, gathered_over_dp, local_shard, shard_pass
 from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
 from autopar.plan import Plan, ProgramKind
@@ -541,32 +542,42 @@ class ShardedProgram(Program):
 
     # -------------------------------------------------------------------------------- execution
 
-    def _param_dtensors(self) -> list[DTensor]:
-        # With several micro-batches, gradients of dp-replicated parameters stay partial (no collective per
-        # micro-batch) and `_forward_backward` sums them over dp once, as the plan prices it.
-        # With overlap, they stay partial on every micro-batch: the buckets of `_launch` sum them.
-        defer = self.data_ranks > 1 and (self.plan.num_microbatches > 1 or self.overlap)
+    def _param_dtensors(self) -> list:
+        """The parameters as the interpreter takes them. Those replicated over dp are `Deferred`: made where the
+        graph first reads them, so that the hook launching their bucket fires as soon as the backward has their
+        gradient (made before the run, their autograd nodes would run only at the end of the backward)."""
         out = []
-        for local, pl, shape in zip(self.shards, self._placements, self._shapes, strict=True):
-            grad_pl = (Partial(), pl[1]) if defer and pl[0] == R else pl
-            # cast before from_local: its backward (the dp reduction) runs in the compute format; after it, in fp32
-            early = self.reduce_in_compute and pl[0] == R
-            dt = DTensor.from_local(
-                self.in_compute_format(local) if early else local,
-                self.mesh,
-                pl,
-                run_check=False,
-                shape=torch.Size(shape),
-                stride=contiguous_stride(shape),
-                grad_placements=grad_pl,
-            )
-            if grad_pl[0].is_partial():
-                dt = _PartialGrad.apply(dt)
-            out.append(self.in_compute_format(dt))
+        for i, pl in enumerate(self._placements):
+            if pl[0] == R and self.overlap:
+                out.append(Deferred(functools.partial(self._param_dtensor, i)))
+            else:
+                out.append(self._param_dtensor(i))
         if self.overlap:  # what a gather issued ahead sends: the pieces the graph's own gathers would
             self._sources = [dt.to_local().detach() if d is not None else None
                              for dt, d in zip(out, self._split_dim, strict=True)]  # fmt: skip
         return out
+
+    def _param_dtensor(self, i: int) -> DTensor:
+        # With several micro-batches, gradients of dp-replicated parameters stay partial (no collective per
+        # micro-batch) and `_forward_backward` sums them over dp once, as the plan prices it.
+        # With overlap, they stay partial on every micro-batch: the buckets of `_launch` sum them.
+        defer = self.data_ranks > 1 and (self.plan.num_microbatches > 1 or self.overlap)
+        local, pl, shape = self.shards[i], self._placements[i], self._shapes[i]
+        grad_pl = (Partial(), pl[1]) if defer and pl[0] == R else pl
+        # cast before from_local: its backward (the dp reduction) runs in the compute format; after it, in fp32
+        early = self.reduce_in_compute and pl[0] == R
+        dt = DTensor.from_local(
+            self.in_compute_format(local) if early else local,
+            self.mesh,
+            pl,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=contiguous_stride(shape),
+            grad_placements=grad_pl,
+        )
+        if grad_pl[0].is_partial():
+            dt = _PartialGrad.apply(dt)
+        return self.in_compute_format(dt)
 
     def _inputs(self, args, kwargs) -> list:
         if self.cp > 1:  # this dp rank's rows, then this cp rank's chunk of each: the data axis's rows

@@ -11,6 +11,7 @@ raises `RankTimeoutError` naming the ranks that did not finish and where each wa
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import os
@@ -113,3 +114,28 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 600.0) -> lis
                 raise AssertionError(f"rank {r} failed: {data['error']}")
             out.append(data["result"])
         return out
+
+
+@contextlib.contextmanager
+def backward_marks(note):
+    """Within it, every value a `ShardedInterpreter` op makes that needs a gradient calls `note(node name)` when the
+    backward reaches it (a tensor hook: its gradient is in, its op's backward comes next). Marks where the backward's
+    compute stands among a program's own events."""
+    from torch.utils import _pytree as pytree
+
+    from autopar.passes.parallelize import ShardedInterpreter
+
+    inner = ShardedInterpreter._run_op
+
+    def run_op(self, n):
+        out = inner(self, n)
+        for v in pytree.tree_leaves(out):
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                v.register_hook(lambda _, name=n.name: note(name))
+        return out
+
+    ShardedInterpreter._run_op = run_op
+    try:
+        yield
+    finally:
+        ShardedInterpreter._run_op = inner

@@ -1,13 +1,14 @@
 """The pipeline program overlaps: receives posted ahead of the compute before the one that reads them, and each
-stage block's dp gradient all-reduce issued while the other block still runs backward; overlap changes no count of
-transfers or collectives, and no figure of the training. At ZeRO-1 each split weight is gathered once a step (not
-once per micro-batch) and the gradients reduce-scattered once, launched with the dp all-reduce.
+stage block's dp gradient reduction issued bucket by bucket during its last backward, as each bucket's last gradient
+of the step comes in; overlap changes no count of transfers or collectives, and no figure of the training. At ZeRO-1
+each split weight is gathered once a step (not once per micro-batch) and the fp32 sums of its gradients
+reduce-scattered once, in buckets launched the same way.
 
-pp=2 x dp=2 on four gloo ranks, a tiny GPT-2 with 1F1B over four micro-batches. The ranks record, in the second
-step (the first initialises the stages' buffers), what the schedule does, through wrappers around the stages'
-methods (a receive is posted when the schedule asks the stage for its receive ops) and around the program's launch
-of the dp reduction: a per-rank sequence number orders a rank's own events, the wall clock (one machine, one clock)
-orders events of different ranks.
+pp=2 x dp=2 on four gloo ranks, a tiny GPT-2 with 1F1B over four micro-batches, gradient buckets of BUCKET bytes (so
+that a stage block has several). The ranks record, in the second step (the first initialises the stages' buffers),
+what the schedule does, through wrappers around the stages' methods (a receive is posted when the schedule asks the
+stage for its receive ops) and around the program's launch of a bucket: a per-rank sequence number orders a rank's
+own events, the wall clock (one machine, one clock) orders events of different ranks.
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ import torch.distributed.pipelining.schedules as torch_schedules
 
 import autopar
 from autopar.plan import Plan
+from autopar.runtime import overlap
 from autopar.runtime.pipeline_schedule import gpipe_order, one_f_one_b_order, post_receives_ahead
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import backward_marks, run_distributed
 from tests.models import make_batch, make_model
 
 pytestmark = pytest.mark.distributed
 
 M = 4  # micro-batches: more than the stages, so 1F1B has a steady phase
 SLOW_S = 1.0  # added to the first stage's last backward (see `_slow_last_backward`)
+BUCKET = 64 * 1024  # a tiny GPT-2 layer's gradients are about 200 KiB in fp32: a few buckets a layer
 CONSTRAINTS = {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "num_microbatches": M}
 
 
@@ -98,6 +101,7 @@ def _p2p_kinds(args) -> list[str]:
 
 
 def _run(rank: int, world_size: int, plans: dict[str, str]):
+    overlap.BUCKET_BYTES = BUCKET  # read when a program makes its buckets (this worker process only)
     out = {}
     for label, plan_json in plans.items():
         model = make_model("gpt2", num_layers=4)
@@ -112,20 +116,21 @@ def _run(rank: int, world_size: int, plans: dict[str, str]):
             rec.wrap(st, "backward_one_chunk", "backward_start", "backward_end")
             rec.wrap(st, "get_fwd_recv_ops", "recv_input", None)
             rec.wrap(st, "get_bwd_recv_ops", "recv_grad", None)
-        rec.wrap(pm, "_launch_dp_reduction", "dp_launch", None, mb_of=lambda a: -1)
-        rec.wrap(pm, "_launch_split_reduction", "split_launch", None, mb_of=lambda a: -1)
+        rec.wrap(pm, "_launch_bucket", "launch", None)  # the "micro-batch" field holds the bucket's index
         rec.count(torch_schedules, "_batch_p2p", _p2p_kinds)
         rec.count(dist, "all_reduce")
         rec.count(dist, "broadcast")
         losses = [pm.train_step(*args, **kwargs)]
         rec.on, pm.comm_events = True, []
         start = time.time()
-        losses.append(pm.train_step(*args, **kwargs))
+        with backward_marks(lambda _, rec=rec: rec.note("backward")):
+            losses.append(pm.train_step(*args, **kwargs))
         rec.on = False
         out[label] = {"events": rec.events, "counts": rec.counts, "losses": losses, "start": start,
                       "stage": pm.pp_rank, "sends": [len(st.sg.sends) for st in pm.stages],
                       "received": [len(st.sg.received) for st in pm.stages],
                       "split": sorted(pm._step_split), "comm": list(pm.comm_events),
+                      "kinds": [b.kind for b in pm._buckets],
                       "state": {k: v for k, v in pm.state_dict().items() if rank == 0}}  # fmt: skip
         rec.restore()
     return out
@@ -170,19 +175,32 @@ def test_without_overlap_a_receive_waits_for_the_compute_before_it(runs):
     assert posted > ended
 
 
-def test_the_last_stage_block_reduces_over_dp_while_the_first_still_runs_backward(runs):
-    first = [r["on"] for r in runs if r["on"]["stage"] == 0]
-    last = [r["on"] for r in runs if r["on"]["stage"] == 1]
+def _launches(res) -> list[tuple[int, float, int]]:
+    return [(seq, t, b) for seq, t, w, b in res["events"] if w == "launch"]
+
+
+def test_each_stage_block_reduces_over_dp_bucket_by_bucket_during_its_last_backward(runs):
     # the first stage's last backward is the step's last compute (1F1B ends with stage p-1, ..., 0 in turn)
-    first_done = min(_first(r["events"], "backward_end", M - 1)[1] for r in first)
-    for r in last:
-        seq, t = _first(r["events"], "dp_launch", -1)
-        # launched once, after the block's last backward (the ZeRO-1 reduce-scatters, none here, go out with it)
-        assert [w for _, _, w, _ in r["events"][seq + 1 :]] == ["split_launch"]
-        assert t < first_done
-    for r in first:  # the first stage block launches its own after its last backward
-        assert _first(r["events"], "dp_launch", -1)[0] > _first(r["events"], "backward_end", M - 1)[0]
-    assert all(not any(w == "dp_launch" for _, _, w, _ in r["off"]["events"]) for r in runs)  # off: after the schedule
+    first_done = min(_first(r["on"]["events"], "backward_end", M - 1)[1] for r in runs if r["on"]["stage"] == 0)
+    for res in (r["on"] for r in runs):
+        launches, kinds = _launches(res), res["kinds"]
+        assert len(kinds) >= 3 and set(kinds) == {"all_reduce"}, kinds  # several buckets; ZeRO-0: all-reduces
+        assert sorted(b for *_, b in launches) == list(range(len(kinds)))  # each bucket once a step
+        start = _first(res["events"], "backward_start", M - 1)[0]
+        end = _first(res["events"], "backward_end", M - 1)[0]
+        # none before the step's last backward of the block (earlier micro-batches only accumulate) ...
+        assert all(seq > start for seq, _, _ in launches), (start, launches)
+        # ... and all but possibly the last while it runs, in the order backward fills them
+        during = [b for seq, _, b in launches if seq < end]
+        assert len(during) >= len(kinds) - 1 and during == sorted(during), (launches, start, end)
+        # the first while most of that backward's compute is still to come, not in a burst at its end
+        marks = [seq for seq, _, w, _ in res["events"] if w == "backward" and start < seq < end]
+        assert sum(seq > launches[0][0] for seq in marks) > len(marks) / 2, (launches, marks)
+        if res["stage"] == 1:  # the last block's reductions all go out while the first block still runs backward
+            assert max(t for _, t, _ in launches) < first_done
+    for res in (r["off"] for r in runs):  # without overlap: every bucket after the schedule
+        end = _first(res["events"], "backward_end", M - 1)[0]
+        assert all(seq > end for seq, _, _ in _launches(res))
 
 
 def test_overlap_changes_no_count_of_transfers_or_collectives(runs):
@@ -229,7 +247,7 @@ def test_receives_move_ahead_in_their_own_order(order, pp, m):
                 assert where[str(a)] < where[previous], (rank, moved)
 
 
-def test_zero1_weights_are_gathered_once_a_step_and_reduce_scattered_behind_the_other_blocks_backward(runs):
+def test_zero1_weights_are_gathered_once_a_step_and_reduce_scattered_during_the_last_backward(runs):
     first_done = min(_first(r["zero1"]["events"], "backward_end", M - 1)[1] for r in runs if r["zero1"]["stage"] == 0)
     for r in (r["zero1"] for r in runs):
         comm = r["comm"]
@@ -239,15 +257,20 @@ def test_zero1_weights_are_gathered_once_a_step_and_reduce_scattered_behind_the_
         assert sorted(k for e, k in comm if e == "gathered") == r["split"]
         # every gather issued before the first one is waited on: all go out before the schedule
         assert max(i for i, (e, _) in enumerate(comm) if e == "gather") < comm.index(("gathered", comm[0][1]))
-        buckets = [b for e, b in comm if e == "reduce_scatter"]
-        assert buckets == list(range(len(buckets))) and buckets  # once a step, in buckets
-        assert comm[-1] == ("reduced", len(buckets))
-        seq, t = _first(r["events"], "split_launch", -1)
-        assert seq > _first(r["events"], "backward_end", M - 1)[0]  # after this block's last backward
+        scattered = [b for e, b in comm if e == "reduce_scatter"]
+        assert scattered and scattered == sorted(scattered)  # once a step, in buckets, in backward order
+        assert sorted(scattered) == [b for b, kind in enumerate(r["kinds"]) if kind == "reduce_scatter"]
+        assert comm[-1] == ("reduced", len(r["kinds"]))
+        launches = [(seq, t) for seq, t, b in _launches(r) if r["kinds"][b] == "reduce_scatter"]
+        start = _first(r["events"], "backward_start", M - 1)[0]
+        end = _first(r["events"], "backward_end", M - 1)[0]
+        assert all(seq > start for seq, _ in launches)  # the sums are complete with the last micro-batch's
+        assert launches[0][0] < end  # the first bucket goes out while that backward runs
         if r["stage"] == 1:
-            assert t < first_done  # while stage block 0 still runs its last backward
+            assert max(t for _, t in launches) < first_done  # while stage block 0 still runs its last backward
     for r in (r["zero1-off"] for r in runs):  # without overlap: gathered wherever a micro-batch reads a weight
-        assert r["split"] == [] and r["comm"] == []
+        assert r["split"] == [] and set(r["kinds"]) <= {"all_reduce"}
+        assert [e for e, _ in r["comm"]] == ["all_reduce"] * len(r["kinds"]) + ["reduced"]
 
 
 def test_zero1_once_a_step_trains_as_the_per_micro_batch_gathers_do(runs):

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import autopar
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import backward_marks, run_distributed
 from tests.models import make_batch, make_model, train_locally
 
 pytestmark = pytest.mark.distributed
@@ -105,7 +105,8 @@ def _events(rank: int, world_size: int, constraints, bucket_bytes: int):
     for name in real:
         setattr(dist, name, counting(name))
     try:
-        pm.train_step(*args, **kwargs)
+        with backward_marks(lambda name: pm.comm_events.append(("backward", name))):
+            pm.train_step(*args, **kwargs)
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
@@ -115,9 +116,10 @@ def _events(rank: int, world_size: int, constraints, bucket_bytes: int):
 
 @pytest.mark.parametrize("constraints", [ZERO[0], ZERO[3]], ids=["zero0", "zero3"])
 def test_first_bucket_is_reduced_before_backward_reaches_the_first_layer(constraints):
-    """With one parameter per bucket, the first reduction goes out before the embedding's gradient (the last
-    that backward produces) exists, and the step issues exactly one collective per bucket (every trainable
-    parameter); with one bucket for all, exactly one, after the embedding's gradient."""
+    """With one parameter per bucket, the first reduction goes out while the backward still computes (before it
+    reaches the last op it differentiates, and before the embedding's gradient, the last it produces, exists), and
+    the step issues exactly one collective per bucket (every trainable parameter); with one bucket for all, exactly
+    one, after the embedding's gradient."""
     kind = "all_reduce" if constraints["zero"] == 0 else "reduce_scatter"
     small, whole = (run_distributed(_events, 2, constraints, size)[0] for size in (1, 2**40))
     for got in (small, whole):
@@ -132,6 +134,10 @@ def test_first_bucket_is_reduced_before_backward_reaches_the_first_layer(constra
         if got is small:
             assert len(reductions) == got["trainable"]
             assert reductions[0] < embedding < reductions[-1], events
+            backward = [i for i, (event, _) in enumerate(events) if event == "backward"]
+            # not all at the backward's end: most of its compute comes after the first reduction (made before the
+            # run, a parameter's `from_local` would run, and its hook fire, only after all of it)
+            assert sum(i > reductions[0] for i in backward) > len(backward) / 2, events
         else:
             assert len(reductions) == 1 and reductions[0] > embedding, events
 
@@ -226,7 +232,7 @@ def test_overlap_off_keeps_the_synchronous_path():
     only events are ZeRO-3's gathers for the backward (its weights are released after the forward either way)."""
     got = run_distributed(_events, 2, {**ZERO[3], "overlap": False}, 1)[0]
     assert not got["overlap"] and got["calls"] == []
-    assert {e for e, _ in got["events"]} == {"gather"}, got["events"]
+    assert {e for e, _ in got["events"] if e != "backward"} == {"gather"}, got["events"]  # (backward: the marks)
 
 
 def _kept(rank: int, world_size: int, cases):

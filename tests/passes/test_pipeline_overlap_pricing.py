@@ -1,5 +1,6 @@
 """The pipeline search's price of overlap, against hand-computed cases: a transfer's exposed part, the dp sync of
-each stage hidden behind the backwards that the stages before it still run, and the old price with overlap off."""
+each stage hidden behind its own last backward (all but the bucket it fills last) and the backwards that the stages
+before it still run, and the old price with overlap off."""
 
 from __future__ import annotations
 
@@ -67,26 +68,43 @@ def test_sync_windows_are_the_backwards_of_the_stages_before():
     assert BACKWARD_SHARE == pytest.approx(2 / 3)
 
 
-def _stage(t_mb: float, sync: float) -> _Priced:
-    return _Priced(True, t_mb, sync)  # no optimizer step: S_s = G_s
+def _stage(t_mb: float, sync: float, last: float = 0.0) -> _Priced:
+    return _Priced(True, t_mb, sync, last_bucket_s=last)  # no optimizer step: S_s = G_s
+
+
+def test_a_sync_hides_behind_its_own_backward_all_but_its_last_bucket():
+    on = Overlap(True, 1.0)
+    # own backward b = 2 ms, no later window: all of a 3 ms sync but the 1 ms bucket filled last could go out
+    # during it, of which 2 ms fit
+    assert on.sync_hidden(3 * MS, 0.0, 2 * MS, 1 * MS) == pytest.approx(2 * MS, abs=TOL)
+    assert on.sync_hidden(1.5 * MS, 0.0, 2 * MS, 1 * MS) == pytest.approx(0.5 * MS, abs=TOL)  # 1.5 - 1
+    assert on.sync_hidden(1 * MS, 0.0, 2 * MS, 1 * MS) == 0.0  # one bucket: it waits for the backward's end
+    # a later window of 2 ms takes what is left after the own backward: 2 + 2 of a 5 ms sync
+    assert on.sync_hidden(5 * MS, 2 * MS, 2 * MS, 1 * MS) == pytest.approx(4 * MS, abs=TOL)
+    assert on.sync_hidden(1 * MS, 2 * MS, 2 * MS, 1 * MS) == pytest.approx(1 * MS, abs=TOL)  # all of it
+    assert Overlap(True, 0.5).sync_hidden(5 * MS, 2 * MS, 2 * MS, 1 * MS) == pytest.approx(2 * MS, abs=TOL)
+    assert Overlap(False).sync_hidden(5 * MS, 2 * MS, 2 * MS, 1 * MS) == 0.0
 
 
 @pytest.mark.parametrize(
-    "syncs,expect_tail",
+    "syncs,last,expect_hidden,expect_tail",
     [
-        # G = 5, 5, 1 ms; windows 0, 2, 4 ms: exposed 5, 3, 0 -> stage 0's sync, exposed whole, ends the step
-        ((5 * MS, 5 * MS, 1 * MS), 5 * MS),
-        # G = 1, 5, 0 ms: exposed 1, 3, 0 -> stage 1's, less the 2 ms stage 0's last backward hides
-        ((1 * MS, 5 * MS, 0.0), 3 * MS),
+        # G = 5, 5, 1 ms; own backwards 2 ms each, later windows 0, 2, 4 ms: hidden 2, 4, 1, exposed 3, 1, 0 ->
+        # stage 0's sync ends the step
+        ((5 * MS, 5 * MS, 1 * MS), 0.0, (2 * MS, 4 * MS, 1 * MS), 3 * MS),
+        # G = 1, 5, 0 ms: stage 0 hides all of its 1 ms during its own backward; stage 1's 1 ms is left
+        ((1 * MS, 5 * MS, 0.0), 0.0, (1 * MS, 4 * MS, 0.0), 1 * MS),
+        # G = 3, 5, 0 ms with a last bucket of 2 ms: stage 0 hides 3 - 2 = 1 ms and waits for 2
+        ((3 * MS, 5 * MS, 0.0), 2 * MS, (1 * MS, 4 * MS, 0.0), 2 * MS),
     ],
 )
-def test_step_of_three_stages_by_hand(syncs, expect_tail):
-    stages = [_stage(3 * MS, g) for g in syncs]
+def test_step_of_three_stages_by_hand(syncs, last, expect_hidden, expect_tail):
+    stages = [_stage(3 * MS, g, min(g, last)) for g in syncs]
     transfers = [Transfer(1 * MS, 0.2 * MS)] * 3  # each hides its 0.8 ms of wire behind the 3 ms of compute
     slots = _slots(Schedule.ONE_F_ONE_B, 3, 4, 1)  # m + p - 1 = 6
     on = step_price(slots, stages, transfers, Overlap(True, 1.0), 1)
     assert on.transfer_exposed == pytest.approx((0.2 * MS,) * 3)
-    assert on.sync_hidden[0] == 0.0  # the stage that finishes last hides nothing
+    assert on.sync_hidden == pytest.approx(expect_hidden, abs=TOL)
     assert on.step_s == pytest.approx(6 * (3 + 0.2) * MS + expect_tail, abs=TOL)
     off = step_price(slots, stages, transfers, Overlap(False), 1)
     assert off.step_s == pytest.approx(6 * (3 + 1) * MS + max(syncs), abs=TOL)  # today's price
@@ -117,27 +135,33 @@ def test_the_search_prices_its_stages_as_the_formula_says(searched):
             assert all(s.transfer_exposed_per_microbatch_s == s.transfer_per_microbatch_s for s in st)
             assert all(s.grad_sync_hidden_s == 0.0 for s in st)
     on, off = searched[True], searched[False]
-    assert on.stages[0].grad_sync_hidden_s == 0.0  # stage 0 ends the step
-    # stage 1's sync hides behind stage 0's last backward: 2/3 of its micro-batch, or the whole sync
-    window = BACKWARD_SHARE * on.stages[0].time_per_microbatch_s
-    assert on.stages[1].grad_sync_hidden_s == pytest.approx(min(on.stages[1].grad_sync_s, window), rel=1e-9)
-    assert on.stages[1].grad_sync_hidden_s > 0
+    # each stage's sync hides behind its own last backward (2/3 of its micro-batch) but its last bucket, and stage
+    # 1's also behind stage 0's last backward
+    window = [0.0, BACKWARD_SHARE * on.stages[0].time_per_microbatch_s]
+    for st, w in zip(on.stages, window, strict=True):
+        g, last = st.grad_sync_s, st.last_bucket_s
+        assert 0 < last < g  # several buckets (one all-reduce of 25 MiB at most)
+        own = min(BACKWARD_SHARE * st.time_per_microbatch_s, g - last)
+        assert st.grad_sync_hidden_s == pytest.approx(min(g, w + own), rel=1e-9)
+        assert st.grad_sync_hidden_s > 0
     assert on.step_time_s < off.step_time_s
 
 
 def test_a_zero1_stage_hides_its_reduce_scatter_and_not_its_gathers():
-    """A ZeRO-1 stage with overlap gathers its weights before the schedule (A_s) and reduce-scatters behind the
-    later backwards: E_s = G_s - H(G_s - A_s, w_s). Stage 1 of two: G = 5 ms of which A = 2 ms, window 2 ms (2/3 of
-    stage 0's 3 ms micro-batch): 2 ms of the 3 ms reduce-scatter hide; with A = 4.5 ms only its 0.5 ms may."""
+    """A ZeRO-1 stage with overlap gathers its weights before the schedule (A_s) and reduce-scatters during its own
+    last backward and the later ones: the hidden part is H(G_s - A_s, w_s + b_s) here (no last bucket). Stage 1 of
+    two: 5 ms of which A = 2 ms, own backward 2 ms and window 2 ms (2/3 of the stages' 3 ms micro-batch): all of the
+    3 ms reduce-scatter hides; with A = 4.5 ms only its 0.5 ms may; with no gathers, 4 of the 5 ms. Stage 0's 1 ms
+    hides behind its own backward."""
     transfers = [Transfer(0.0, 0.0)] * 2
     slots = _slots(Schedule.ONE_F_ONE_B, 2, 4, 1)
-    for gathers, hidden in ((2 * MS, 2 * MS), (4.5 * MS, 0.5 * MS), (0.0, 2 * MS)):
+    for gathers, hidden in ((2 * MS, 3 * MS), (4.5 * MS, 0.5 * MS), (0.0, 4 * MS)):
         result = SimpleNamespace(optimizer_s=0.0, step_gather_s=gathers)
         stages = [_Priced(True, 3 * MS, 1 * MS, result=SimpleNamespace(optimizer_s=0.0, step_gather_s=0.0)),
                   _Priced(True, 3 * MS, 5 * MS, result=result)]  # fmt: skip
         on = step_price(slots, stages, transfers, Overlap(True, 1.0), 1)
-        assert on.sync_hidden == pytest.approx((0.0, hidden), abs=TOL)
-        assert on.step_s == pytest.approx(slots * 3 * MS + max(1 * MS, 5 * MS - hidden), abs=TOL)
+        assert on.sync_hidden == pytest.approx((1 * MS, hidden), abs=TOL)
+        assert on.step_s == pytest.approx(slots * 3 * MS + 5 * MS - hidden, abs=TOL)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +212,11 @@ def test_a_zero1_stage_gathers_and_reduce_scatters_once_a_step(zero1_stage):
     assert off.grad_sync_s == pytest.approx(every, rel=1e-6) and off.step_gather_s == 0.0
     elements = sum(b // 2 * n for b, n in sizes)
     assert on.memory["grads"] - off.memory["grads"] == pytest.approx(2 * elements, rel=1e-9)
+    # L_s: the bucket filled last is one reduce-scatter of min(BUCKET_BYTES, the stage's gradient bytes)
+    from autopar.passes.sharding_solver import Precision
+
+    grad_bytes = elements * Precision.get("bf16").grad_bytes_at(1)
+    assert out[True][0].last_bucket_s(1) == pytest.approx(t(rs, min(BUCKET_BYTES, grad_bytes)), rel=1e-12)
 
 
 def test_a_stage_recomputing_at_zero1_gathers_no_weight_again_once_a_step(zero1_stage):
