@@ -90,6 +90,10 @@ class _ContiguousGrad(torch.autograd.Function):
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
+def _storage(t: torch.Tensor) -> int:
+    return local_tensor(t).untyped_storage().data_ptr()
+
+
 class Deferred:
     """A placeholder value the interpreter makes where an op first reads it, not before the run.
 
@@ -203,12 +207,19 @@ class ShardedInterpreter(fx.Interpreter):
     def run(self, *args, **kwargs):
         self.loss_counts = []
         if self.activation_offload is not None:  # parameters stay where they are, whoever saves them
-            self._param_ptrs = {local_tensor(a).untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)
-                                and a.requires_grad}  # fmt: skip
+            self._param_ptrs = set()
+            for a in args:
+                self._note_parameter(a)
         return super().run(*args, **kwargs)
 
+    def _note_parameter(self, value) -> None:
+        """Remember `value`'s storage as a parameter's (activation offload keeps those where they are), if it is a
+        tensor that needs a gradient: a placeholder value given to `run` or made from a `Deferred` one."""
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            self._param_ptrs.add(_storage(value))
+
     def _is_parameter(self, t: torch.Tensor) -> bool:
-        return local_tensor(t).untyped_storage().data_ptr() in self._param_ptrs
+        return _storage(t) in self._param_ptrs
 
     def _to(self, value, tp_placement: Placement, *, early: bool = False):
         if not isinstance(value, DTensor) or (tp_placement.is_partial() and not value.placements[1].is_partial()):
@@ -264,8 +275,8 @@ class ShardedInterpreter(fx.Interpreter):
             v = self.env.get(a)
             if isinstance(v, Deferred):
                 v = self.env[a] = v.make()
-                if self.activation_offload is not None and isinstance(v, torch.Tensor) and v.requires_grad:
-                    self._param_ptrs.add(local_tensor(v).untyped_storage().data_ptr())
+                if self.activation_offload is not None:
+                    self._note_parameter(v)
 
     def _run_segment(self, seg: _Segment):
         """Run a segment under non-reentrant checkpointing; its outputs other than the last go straight to env."""

@@ -755,8 +755,9 @@ class Overlap:
         return hidden_part(grad_sync_s, window_s + min(own_s, max(0.0, grad_sync_s - last_s)), self.eta)
 
 
-def own_backward(t_mb: float, v: int) -> float:
-    """b_s = BACKWARD_SHARE t_s / v: a stage's last backward of the step (one micro-batch, one chunk)."""
+def backward_time(t_mb: float, v: int) -> float:
+    """BACKWARD_SHARE t / v: the backward in `t_mb` of forward and backward compute, on one of v chunks (b_s, a
+    stage's last backward of the step, for t = t_s)."""
     return BACKWARD_SHARE * t_mb / v
 
 
@@ -764,7 +765,7 @@ def sync_windows(t_mbs: list[float], v: int) -> list[float]:
     """w_s = BACKWARD_SHARE sum_{j<s} t_j / v: the backward the stages before s run after s's last one."""
     out, acc = [], 0.0
     for t in t_mbs:
-        out.append(BACKWARD_SHARE * acc / v)
+        out.append(backward_time(acc, v))
         acc += t
     return out
 
@@ -782,7 +783,7 @@ def step_price(slots: float, stages: list[_Priced], transfers: list[Transfer], o
     """T = slots max_s (t_s + e_s) + max_s (E_s + O_s) (the module docstring)."""
     exposed = [overlap.transfer_exposed(c, p.t_mb) for p, c in zip(stages, transfers, strict=True)]
     windows = sync_windows([p.t_mb for p in stages], v)
-    hidden = [overlap.sync_hidden(p.grad_sync(), w, own_backward(p.t_mb, v), p.last_bucket_s)
+    hidden = [overlap.sync_hidden(p.grad_sync(), w, backward_time(p.t_mb, v), p.last_bucket_s)
               for p, w in zip(stages, windows, strict=True)]  # fmt: skip
     step = slots * max(p.t_mb + e for p, e in zip(stages, exposed, strict=True)) + max(
         p.sync - h for p, h in zip(stages, hidden, strict=True)
@@ -1000,7 +1001,7 @@ class _Search:
                     if need <= self.budget:
                         sync = f.sync[z] + (k - 1) * mid.sync[z]  # with the optimizer step: an estimate may err low
                         # no last bucket: the program is not solved yet, and an estimate may err low
-                        sync -= self.overlap.sync_hidden(sync, self._alone_window(cfg, s, t), own_backward(t, cfg.v))
+                        sync -= self.overlap.sync_hidden(sync, self._alone_window(cfg, s, t), backward_time(t, cfg.v))
                         best = min(best, slots * (t + exposed) + sync)
             return best
 
@@ -1018,13 +1019,13 @@ class _Search:
 
     def _alone_window(self, cfg: _Config, s: int, t_mb: float) -> float:
         """w_s of stage s priced alone (the cut search): the stages before it taken as long as it."""
-        return BACKWARD_SHARE * s * t_mb / cfg.v
+        return s * backward_time(t_mb, cfg.v)
 
     def stage_cost(self, cfg: _Config, s: int, p: _Priced, transfer: Transfer, slots: float) -> float:
         """What stage s adds to the step priced alone: slots (t_s + e_s) + E_s + O_s."""
         if not p.feasible:
             return math.inf
-        hidden = self.overlap.sync_hidden(p.grad_sync(), self._alone_window(cfg, s, p.t_mb), own_backward(p.t_mb, cfg.v),
+        hidden = self.overlap.sync_hidden(p.grad_sync(), self._alone_window(cfg, s, p.t_mb), backward_time(p.t_mb, cfg.v),
                                           p.last_bucket_s)  # fmt: skip
         return slots * (p.t_mb + self.overlap.transfer_exposed(transfer, p.t_mb)) + p.sync - hidden
 

@@ -61,6 +61,7 @@ collective this rank waited in.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -324,15 +325,10 @@ class PipelineProgram(Program):
         # the step's reductions over dp, in buckets (`_make_buckets`), each launched once its gradients are in
         self._reduced, self._dims, self._buckets = self._make_buckets()
         self._bucket_of = {self._reduced[i]: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
-        readers: dict[str, int] = {}  # key -> this rank's stages that read it
-        for st in self.stages:
-            for name in st.sg.placeholders:
-                kind, key = self._kind[name]
-                if kind == "param":
-                    readers[key] = readers.get(key, 0) + 1
-        self._readers = readers
+        # key -> this rank's stages that read it
+        self._readers = collections.Counter(self._kind[name][1] for st in self.stages for name in st.sg.placeholders
+                                            if self.is_param(name))  # fmt: skip
         self._left: dict[str, int] | None = None  # gradients each member still awaits this step (None: not armed)
-        self._bucket_left: list[int] = []  # members each bucket still awaits
         self._launched: list[int] = []  # buckets launched this step, in launch order
         self._stages_done: set[int] = set()  # stages whose last backward of this step has run
         for key in self._reduced:
@@ -566,13 +562,17 @@ class PipelineProgram(Program):
             dtype = self.compute_dtype if split or self.reduce_in_compute else None
             dtype = dtype or self._shard[k].dtype
             d = self._placements[k][0].dim if split else -1
-            shape = list(self._shard[k].shape)
-            if split:  # whole on the data axis (this rank's piece of a tensor axis)
-                shape[d] = self._shapes[k][d]
-            numel = math.prod(shape)
+            numel = math.prod(self._whole_on_dp(k, d) if split else self._shard[k].shape)
             sizes.append((numel * dtype.itemsize, "reduce_scatter" if split else "all_reduce", dtype))
             dims.append(d)
         return keys, dims, overlap.make_buckets(sizes, overlap.BUCKET_BYTES)
+
+    def _whole_on_dp(self, key: str, d: int) -> list[int]:
+        """The shape of split weight `key` whole on the data axis (split on dim `d`), this rank's piece of a tensor
+        axis."""
+        shape = list(self._shard[key].shape)
+        shape[d] = self._shapes[key][d]
+        return shape
 
     def _backward_order(self) -> list[str]:
         """This rank's parameters in about the order the step's backward completes their gradients: its stages
@@ -595,8 +595,9 @@ class PipelineProgram(Program):
             self._left = None
             return
         m = self.num_microbatches
-        self._left = {k: m * self._readers.get(k, 0) for k in self._reduced}
-        self._bucket_left = [len(bucket.members) for bucket in self._buckets]
+        self._left = {k: m * self._readers[k] for k in self._reduced}
+        for bucket in self._buckets:
+            bucket.pending = len(bucket.members)
 
     def _gradient_done(self, key: str) -> None:
         """A gradient of `key` is in (accumulated, or added to its fp32 sum): launch its bucket if that was the
@@ -606,8 +607,8 @@ class PipelineProgram(Program):
         self._left[key] -= 1
         if self._left[key] == 0:
             b = self._bucket_of[key]
-            self._bucket_left[b] -= 1
-            if self._bucket_left[b] == 0:
+            self._buckets[b].pending -= 1
+            if self._buckets[b].pending == 0:
                 self._launch_bucket(b)
 
     def _launch_rest(self) -> None:
@@ -636,11 +637,7 @@ class PipelineProgram(Program):
         for i in bucket.members:
             k, d = self._reduced[i], self._dims[i]
             total = self._whole_grads.pop(k, None)
-            if total is None:
-                shape = list(self._shard[k].shape)
-                shape[d] = self._shapes[k][d]
-                total = self._shard[k].new_zeros(shape)
-            full[i] = total
+            full[i] = total if total is not None else self._shard[k].new_zeros(self._whole_on_dp(k, d))
         with waiting_for(self._split_words("reduce-scatter")):
             overlap.launch_reduce_scatter(bucket, full, self._dims, group)
 
@@ -649,10 +646,10 @@ class PipelineProgram(Program):
         of each member becomes its master shard's gradient."""
         group = self.mesh.get_group("dp")
         pieces: list = [None] * len(self._reduced)
+        grads = [self._shard[k].grad for k in self._reduced]  # an all-reduce's members: given at its launch
         for b in self._launched:
             bucket = self._buckets[b]
             if bucket.kind == "all_reduce":
-                grads = [self._shard[k].grad for k in self._reduced]
                 with waiting_for(self._dp_words()):
                     overlap.finish_all_reduce(bucket, grads)
                 continue
