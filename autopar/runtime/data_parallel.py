@@ -10,9 +10,12 @@ of backward; the step waits for them before the optimizer runs.
 
 Every gradient is a view into its bucket's flat buffer (DDP's `gradient_as_bucket_view`): the
 backward accumulates straight into the buckets, so a step neither concatenates the gradients
-before the all-reduce nor copies them back after it, and clearing them is one fill per bucket.
-Only parameters the graph uses get a view: a parameter that never receives a gradient keeps
-`grad=None`, so the optimizer skips it as it would without this program.
+before the all-reduce nor copies them back after it. A step starts with no gradients attached:
+the first gradient of a parameter (which autograd hands over as a tensor of its own) is copied
+into its view and the view attached, later micro-batches add into it, and a bucket's members that
+got no gradient are zeroed when it is launched; so no step fills the buckets with zeros only to
+add the gradients into them. Only parameters the graph uses get a view: a parameter that never
+receives a gradient keeps `grad=None`, so the optimizer skips it as it would without this program.
 
 The loss stays exact with uneven ignored labels: a graph pass (`sum_loss_pass`) turns a mean
 cross-entropy output into its sum and adds the count of kept labels as an output; the count (with the
@@ -134,23 +137,32 @@ class DataParallelProgram(Program):
                 views.append((p, flat[offset : offset + p.numel()].view_as(p)))
                 offset += p.numel()
             buckets.append((flat, views))
-        bucket_of = {id(p): i for i, (_, views) in enumerate(buckets) for p, _ in views}
+        bucket_of = {id(p): (i, view) for i, (_, views) in enumerate(buckets) for p, view in views}
         for bucketed, master, copy in zip(self._bucketed, self.params, self._compute, strict=True):
             if id(bucketed) in bucket_of:
                 # the leaf autograd accumulates into: the compute copy under mixed precision, else the bucketed tensor
                 leaf = copy if self.compute_dtype is not None else master
-                leaf.register_post_accumulate_grad_hook(self._grad_ready(bucketed, bucket_of[id(bucketed)]))
+                index, view = bucket_of[id(bucketed)]
+                leaf.register_post_accumulate_grad_hook(self._grad_ready(bucketed, view, index))
         return buckets
 
-    def _grad_ready(self, bucketed: torch.Tensor, index: int):
-        """A post-accumulate hook: a compute copy's gradient goes into its master's fp32 bucket view (and is
-        dropped, so copies hold no gradient between layers); on the last micro-batch, the bucket whose last
-        gradient this was starts its all-reduce."""
+    def _grad_ready(self, bucketed: torch.Tensor, view: torch.Tensor, index: int):
+        """A post-accumulate hook: the step's first gradient goes into the bucket view, which becomes the
+        gradient (later ones autograd adds into it); a compute copy's gradient goes into its master's fp32
+        bucket view (and is dropped, so copies hold no gradient between layers); on the last micro-batch, the
+        bucket whose last gradient this was starts its all-reduce."""
 
         def hook(leaf: torch.Tensor) -> None:
             if leaf is not bucketed:  # fp32 reduction under mixed precision
-                bucketed.grad.add_(leaf.grad)
+                if bucketed.grad is view:
+                    view.add_(leaf.grad)
+                else:
+                    view.copy_(leaf.grad)
+                    bucketed.grad = view
                 leaf.grad = None
+            elif leaf.grad is not view:  # the step's first gradient (or a sum autograd made out of place)
+                view.copy_(leaf.grad)
+                leaf.grad = view
             if self._pending is not None:
                 self._pending[index] -= 1
                 if self._pending[index] == 0:
@@ -162,7 +174,11 @@ class DataParallelProgram(Program):
         """Divide the bucket by the step's divisor, then start its all-reduce (a sum of pre-divided gradients, as
         DDP divides before it reduces): nothing is left to scale after the last wait."""
         self._launched.append(index)
-        flat = self._buckets[index][0]
+        flat, views = self._buckets[index]
+        for p, view in views:
+            if p.grad is not view:  # no gradient this step: it reduces zeros, as DDP's buckets do
+                view.zero_()
+                p.grad = view
         flat.mul_(1.0 / self._step_divisor())
         if self.dp > 1:
             self._works.append(dist.all_reduce(flat, async_op=True))
@@ -179,12 +195,11 @@ class DataParallelProgram(Program):
         return self._divisor
 
     def _zero_grads(self) -> None:
-        """Clear the buckets and (re)attach every gradient view; an optimizer's zero_grad may have dropped them."""
-        for flat, views in self._buckets:
-            flat.zero_()
-            for p, view in views:
-                if p.grad is not view:
-                    p.grad = view
+        """Detach every gradient: the step's first gradient of each bucketed tensor is copied into its view
+        (`_grad_ready`), so the buckets need no clearing."""
+        for _, views in self._buckets:
+            for p, _ in views:
+                p.grad = None
 
     # ------------------------------------------------------------------------------------ running
 

@@ -141,11 +141,12 @@ def lay_out(bucket: Bucket, shapes: dict[int, torch.Size], dims: list[int], part
 
 def put_gradient(bucket: Bucket, i: int, grad: torch.Tensor, dim: int, parts: int) -> None:
     """Write (or, for member i's next use, add) a gradient of member i into the bucket's send buffer, which is made
-    (zeros: the pieces' padding, and members that get no gradient) when its first gradient comes in; the bucket
-    holds no other copy of its members' whole gradients."""
+    (uninitialised: a member's first write zeroes its pieces' padding, `launch_packed` the columns of members that
+    got no gradient) when its first gradient comes in; the bucket holds no other copy of its members' whole
+    gradients."""
     if bucket.send is None:
         columns = sum(width for _, width, _ in bucket.slots.values())
-        bucket.send = torch.zeros((parts, columns), dtype=bucket.dtype, device=grad.device)
+        bucket.send = torch.empty((parts, columns), dtype=bucket.dtype, device=grad.device)
         bucket.sent = []
     offset, width, _ = bucket.slots[i]
     first = i not in bucket.sent
@@ -154,11 +155,20 @@ def put_gradient(bucket: Bucket, i: int, grad: torch.Tensor, dim: int, parts: in
         bucket.sent.append(i)
 
 
+def zero_missing(bucket: Bucket) -> None:
+    """Zero the send buffer's columns of the members `put_gradient` got no gradient of (they send zeros)."""
+    sent = set(bucket.sent)
+    for i, (offset, width, _) in bucket.slots.items():
+        if i not in sent:
+            bucket.send[:, offset : offset + width].zero_()
+
+
 def launch_packed(bucket: Bucket, group) -> None:
     """Issue the reduce-scatter of the bucket's send buffer as `put_gradient` filled it (none if it got nothing)."""
     if bucket.send is None:
         bucket.sent, bucket.work, bucket.flat = [], None, None
         return
+    zero_missing(bucket)
     bucket.flat = bucket.send.new_empty(bucket.send.shape[1])
     bucket.work = dist.reduce_scatter_single(bucket.flat, bucket.send.reshape(-1), group=group, async_op=True)
 
@@ -182,8 +192,8 @@ def _piece_numel(shape: torch.Size, dim: int, parts: int) -> int:
 
 
 def _pack(g: torch.Tensor, dim: int, out: torch.Tensor, *, accumulate: bool = False) -> None:
-    """Write (or add) `g`, split on `dim` into `out.shape[0]` pieces, into the rows of `out` (one piece per row, the
-    rows of a piece shorter than the longest left as they are: zeros in a fresh buffer)."""
+    """Write (or add) `g`, split on `dim` into `out.shape[0]` pieces, into the rows of `out` (one piece per row; a
+    write zeroes the rows a piece shorter than the longest leaves, an add leaves them as they are)."""
     parts, size = out.shape[0], g.shape[dim]
     chunk = -(-size // parts)
     moved = g.movedim(dim, 0)
@@ -193,6 +203,10 @@ def _pack(g: torch.Tensor, dim: int, out: torch.Tensor, *, accumulate: bool = Fa
     put(rows[:full], moved[: full * chunk].reshape(full, chunk, *moved.shape[1:]))
     if full < parts and rest:
         put(rows[full, :rest], moved[full * chunk :])
+    if not accumulate and full < parts:  # the padding
+        if rest:
+            rows[full, rest:].zero_()
+        rows[full + (1 if rest else 0) :].zero_()
 
 
 def finish_reduce_scatter(bucket: Bucket, dims: list[int], group, out: list[torch.Tensor | None]) -> None:
