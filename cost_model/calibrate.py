@@ -18,9 +18,10 @@ What is measured, and how:
   fitted on the sizes from 1 MiB. All-gather and reduce-scatter are measured and fitted the
   same way, each on its own ring model, into the link's `per_collective` figures (gloo runs
   them well off the all-reduce's price per byte).
-- overlap efficiency (`measure_overlap_efficiency`): on `ranks` processes, an all-reduce launched
-  asynchronously while matmuls of about its length run, against the two one after the other; eta is
-  the share of the shorter of the two that running them at once saved.
+- overlap efficiency (`measure_overlap_efficiency`): on `ranks` processes, an all-reduce of one gradient
+  bucket's size launched asynchronously while matmuls of about its length run, against the two one after
+  the other; eta is the share of the shorter of the two that running them at once saved, the median over
+  many repetitions (one repetition's eta moves between 0 and 0.4 on a shared 2-core machine).
 - host memory: physical RAM from `sysconf`.
 - host costs of an eager training step (`measure_host_overheads`: dispatch of an op and of a
   view, one backward node, one `autograd.grad` call) and of the optimizer
@@ -555,15 +556,30 @@ def overlap_efficiency(compute_s: float, comm_s: float, both_s: float) -> float:
     return min(1.0, max(0.0, (compute_s + comm_s - both_s) / shorter))
 
 
-def measure_overlap_efficiency(num_ranks: int, num_bytes: int = 16 << 20, repeats: int = 7) -> dict[str, float]:
+def paired_overlap_efficiency(samples: Mapping[str, list[float]]) -> float:
+    """The median of `overlap_efficiency` over turns: samples["compute"][k], ["comm"][k] and ["both"][k] were
+    timed one after the other in turn k."""
+    turns = zip(samples["compute"], samples["comm"], samples["both"], strict=True)
+    return statistics.median(overlap_efficiency(*turn) for turn in turns)
+
+
+OVERLAP_PROBE_BYTES = 25 << 20  # one gradient bucket (`runtime.overlap.BUCKET_BYTES`), what backward overlaps
+# one repetition's eta is noisy (0 to 0.4 on 2 shared cores); over 21 the median moves by about 0.1 run to run
+OVERLAP_PROBE_REPEATS = 21
+
+
+def measure_overlap_efficiency(num_ranks: int, num_bytes: int = OVERLAP_PROBE_BYTES,
+                               repeats: int = OVERLAP_PROBE_REPEATS) -> dict[str, float]:  # fmt: skip
     """How much of a gloo all-reduce hides behind compute on this machine: {"eta", "compute_s", "comm_s",
     "both_s"}.
 
     Each of `num_ranks` local ranks (one thread each) times, after a barrier (the slowest rank's time): a chain
     of fp32 matmuls sized to take about as long as the all-reduce (compute_s), an all-reduce of `num_bytes`
     (comm_s), and the all-reduce launched asynchronously, the same matmuls run, then waited on (both_s); the
-    three take turns `repeats` times and each is the median. eta = `overlap_efficiency` of the medians. On CPU
-    gloo's communication runs on threads that compete with the compute for the same cores, so eta < 1 there.
+    three take turns `repeats` times and each time is their median. eta is the median of the repetitions'
+    `overlap_efficiency` (each from the three times of one turn, so that a disturbance of the machine moves
+    one repetition's eta and not the figure). On CPU gloo's communication runs on threads that compete with
+    the compute for the same cores, so eta < 1 there.
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
@@ -572,7 +588,7 @@ def measure_overlap_efficiency(num_ranks: int, num_bytes: int = 16 << 20, repeat
         with open(result_file) as f:
             samples = json.load(f)
     medians = {f"{k}_s": statistics.median(v) for k, v in samples.items()}
-    return {"eta": overlap_efficiency(medians["compute_s"], medians["comm_s"], medians["both_s"])} | medians
+    return {"eta": paired_overlap_efficiency(samples)} | medians
 
 
 def fit_ring(kind: str, times_s: dict[int, float], num_ranks: int) -> tuple[float, float]:
@@ -649,7 +665,7 @@ def calibrate(num_ranks: int = 2, repeats: int = 7, runs: int = 1) -> dict:
     best = {kind: {size: min(run[kind][size] for run in samples) for size in times}
             for kind, times in samples[0].items()}  # fmt: skip
     # the median, not the best: other load on the machine moves eta either way
-    device["overlap_efficiency"] = statistics.median(measure_overlap_efficiency(num_ranks, repeats=repeats)["eta"]
+    device["overlap_efficiency"] = statistics.median(measure_overlap_efficiency(num_ranks)["eta"]
                                                      for _ in range(runs))  # fmt: skip
     link = fit_link(best, num_ranks)
     ram = host_memory_bytes()  # the cluster file divides it among the ranks

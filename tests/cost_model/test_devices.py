@@ -100,6 +100,14 @@ def test_overlap_efficiency_formula():
         calibrate.overlap_efficiency(0.0, 4e-3, 4e-3)
 
 
+def test_overlap_efficiency_is_the_median_over_turns():
+    # turn k: compute 10 ms, comm 4 ms, both as listed; eta per turn 0.75, 0.5, 1.0, 0.0 (a disturbed turn), 0.75
+    samples = {"compute": [10e-3] * 5, "comm": [4e-3] * 5, "both": [11e-3, 12e-3, 10e-3, 30e-3, 11e-3]}
+    assert calibrate.paired_overlap_efficiency(samples) == pytest.approx(0.75, rel=1e-12)
+    with pytest.raises(ValueError):
+        calibrate.paired_overlap_efficiency({"compute": [1.0], "comm": [1.0, 1.0], "both": [1.0]})
+
+
 def test_cpu_preset_holds_measured_rates():
     cpu = get_device("cpu")
     # measured figures, not datasheet ones: efficiencies are 1 and the rates are plausible for one core
