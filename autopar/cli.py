@@ -72,6 +72,16 @@ def _explain_cmd(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def _bench_cmd(args) -> int:
     import warnings
 
@@ -89,7 +99,8 @@ def _bench_cmd(args) -> int:
     if args.cluster is not None and args.suite not in ("run", "soak", "checkpoint"):
         warnings.warn(f"--cluster applies to the run, soak and checkpoint suites only; the {args.suite} suite "
                       f"ignores it", stacklevel=1)  # fmt: skip
-    picks = {k: v for k, v in (("methods", args.methods), ("models", args.models)) if v is not None}
+    picks = {k: v for k, v in (("methods", args.methods), ("models", args.models), ("repetitions", args.repetitions))
+             if v is not None}  # fmt: skip
     if picks and args.suite != "run":
         warnings.warn(f"--{' and --'.join(picks)} apply to the run suite only; the {args.suite} suite ignores them",
                       stacklevel=1)  # fmt: skip
@@ -176,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "autopar,ddp,fsdp2,tp; also autopar-dp, autopar-zero3, autopar-dp-no-overlap, autopar-offload, "
                    "autopar-offload-no-overlap, autopar-pp-zero1, autopar-pp-zero1-no-overlap)")  # fmt: skip
     b.add_argument("--models", help="run suite: comma-separated models, e.g. wide-llama (default: the small ones)")
+    b.add_argument("--repetitions", type=_positive_int, help="run suite: the least number of repetitions per method "
+                   "(default 5, 3 with --quick; more narrow the spread of the paired ratios on a noisy machine)")  # fmt: skip
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     b.set_defaults(fn=_bench_cmd)
     return ap

@@ -53,7 +53,9 @@ analytic roofline of the "cpu" preset unless another is given), with a warning n
 fallback figures are cached like measured ones.
 
 `optimizer_step_time_s` prices the optimizer's update (AdamW) from a cost per parameter tensor
-and per parameter byte, both measured with the host costs (`calibrate.measure_optimizer_step`).
+and per parameter byte, both measured with the host costs (`calibrate.measure_optimizer_step`);
+an estimator given `optimizer_costs` (the same two figures, measured for another optimizer) prices
+that one instead.
 
 This is the one part of the cost model that measures the machine it runs on; planning for
 another machine needs that machine's profile file.
@@ -256,11 +258,15 @@ class ProfiledEstimator:
         in_step: (forward, backward) scale of every op's time: how much longer a graph's ops take when the
             graph runs as one training step than the sum of their profiles (`measure_in_step_scale`
             measures it on a graph). (1, 1) trusts the profiles as they are.
+        optimizer_costs: {"optimizer_tensor_s", "optimizer_s_per_param_byte"} of the optimizer the plan
+            trains with, as `calibrate.measure_optimizer_step` measures them for it; None prices AdamW
+            from the profile.
     """
 
     def __init__(self, cache_path: str | Path | None = None, *, device: str = "cpu", repeats: int = 5,
                  num_threads: int | None = 1, fallback=None, ranks_per_core: float = 1.0,
-                 in_step: tuple[float, float] = (1.0, 1.0)):  # fmt: skip
+                 in_step: tuple[float, float] = (1.0, 1.0),
+                 optimizer_costs: dict[str, float] | None = None):  # fmt: skip
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}")
         if not ranks_per_core >= 1:
@@ -278,6 +284,11 @@ class ProfiledEstimator:
         self.unshared_targets: set[str] = set()  # ops timed whole and divided: their share did not run or shrink
         self._entries: dict[str, dict[str, float]] = self._load()
         self._fallback = fallback
+        fields = {"optimizer_tensor_s", "optimizer_s_per_param_byte"}
+        if optimizer_costs is not None and (set(optimizer_costs) != fields
+                                            or not all(v >= 0 for v in optimizer_costs.values())):  # fmt: skip
+            raise ValueError(f"optimizer_costs must give {sorted(fields)} (non-negative), got {optimizer_costs}")
+        self.optimizer_costs = dict(optimizer_costs) if optimizer_costs is not None else None
 
     # ---------------------------------------------------------------------------- public
 
@@ -309,8 +320,9 @@ class ProfiledEstimator:
         return scale * _split(in_graph, node_s, rest)
 
     def optimizer_step_time_s(self, num_tensors: int, num_param_bytes: float) -> float:
-        """Seconds of one AdamW step over `num_tensors` local parameter tensors holding `num_param_bytes`."""
-        host = self.host_overheads()
+        """Seconds of one optimizer step (AdamW, or the one `optimizer_costs` was measured for) over `num_tensors`
+        local parameter tensors holding `num_param_bytes`."""
+        host = self.optimizer_costs or self.host_overheads()
         return self.ranks_per_core * estimate_optimizer_step_time(
             num_tensors, num_param_bytes, tensor_s=host["optimizer_tensor_s"],
             s_per_param_byte=host["optimizer_s_per_param_byte"])  # fmt: skip

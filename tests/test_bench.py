@@ -219,6 +219,21 @@ def test_run_suite_names_an_unknown_method_or_model(tmp_path, capsys):
     assert "'no-such-model'" in err and "wide-llama" in err
 
 
+def test_run_suite_repetitions_reach_its_settings(tmp_path, monkeypatch, capsys):
+    assert execution.run_settings(execution.RunSettings(), None) == execution.RunSettings()
+    more = execution.run_settings(execution.RunSettings(), 40)
+    assert (more.repetitions, more.max_repetitions) == (40, 40)  # the most never below the least
+    assert execution.run_settings(execution.QUICK_SETTINGS, 7).repetitions == 7
+    seen = {}
+    monkeypatch.setattr(execution, "run", lambda out, **kw: seen.update(kw) or {})
+    assert main(["bench", "run", "--repetitions", "9", "--methods", "ddp", "--out", str(tmp_path)]) == 0
+    assert seen["repetitions"] == 9 and seen["methods"] == "ddp"
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "run", "--repetitions", bad, "--out", str(tmp_path)])
+        assert e.value.code == 2 and "at least 1" in capsys.readouterr().err
+
+
 def test_cli_rejects_a_gpu_cluster_for_the_run_suite(tmp_path, capsys):
     assert main(["bench", "run", "--cluster", "8xA100-80GB", "--out", str(tmp_path)]) == 2
     assert "cpu:N" in capsys.readouterr().err

@@ -35,7 +35,8 @@ def run_suite(suite: str, out_dir: str | Path, *, quick: bool = False, cluster: 
         cluster: "cpu:N" for the suites that run on local CPU ranks (run, soak, checkpoint; default
             `DEFAULT_CLUSTERS`); ignored by the others.
         show_progress: progress on stderr.
-        picks: for the run suite, `methods` and `models` (comma-separated names; see `execution.run`).
+        picks: for the run suite, `methods` and `models` (comma-separated names) and `repetitions` (the least
+            number of repetitions); see `execution.run`.
     """
     from autopar.errors import ConfigError
 

@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -135,6 +135,15 @@ class RunSettings:
 
 QUICK_SETTINGS = RunSettings(warmup_steps=2, repetitions=3, steps_per_repetition=3, calibration_repeats=3,
                              min_measured_s=0.5, max_repetitions=15)  # fmt: skip
+
+
+def run_settings(settings: RunSettings, repetitions: int | None = None) -> RunSettings:
+    """`settings` with at least `repetitions` repetitions (None: as they are); the most grows with the least."""
+    if repetitions is None:
+        return settings
+    if repetitions < 1:
+        raise ConfigError(f"bench run: repetitions must be at least 1, got {repetitions}")
+    return replace(settings, repetitions=repetitions, max_repetitions=max(settings.max_repetitions, repetitions))
 
 
 def _repetitions(settings: RunSettings, methods: dict) -> int:
@@ -408,7 +417,7 @@ def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_pro
             record["link_error"] = str(e)
         else:
             record["link"] = overrides["intra_node_link"]
-        record["overlap"] = measure_overlap_efficiency(world, repeats=max(repeats, 5))
+        record["overlap"] = measure_overlap_efficiency(world)
         overrides["device"] = {"overlap_efficiency": record["overlap"]["eta"]}
     cluster = ClusterSpec.from_overrides(overrides, source="bench run calibration")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -454,11 +463,14 @@ def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 
     - how the model's traced graph, run forward and backward as a step, compares with the sum of its
       ops' profiles (`profiler.measure_in_step_scale`).
 
+    A model trained with another optimizer than AdamW has that optimizer's step measured too
+    (`calibrate.measure_optimizer_step`), and the estimator prices it instead of the profile's AdamW.
+
     Every op is still priced from its own profile; these two scale them.
     """
     import functools
 
-    from autopar.cost_model.calibrate import measure_shared_core_slowdown
+    from autopar.cost_model.calibrate import measure_optimizer_step, measure_shared_core_slowdown
     from autopar.cost_model.profiler import ProfiledEstimator, measure_in_step_scale
     from autopar.passes.program_graph import drop_assertions_pass
     from autopar.runtime import flat_inputs, placeholder_values
@@ -479,9 +491,21 @@ def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 
     gm = drop_assertions_pass(traced.graph_module, None)
     measured = measure_in_step_scale(ProfiledEstimator(_profile_cache(folder)), gm, values,
                                      loss_index=traced.num_mutated_outputs, repeats=max(repeats, 5))  # fmt: skip
-    estimator = ProfiledEstimator(_profile_cache(folder), ranks_per_core=slowdown, in_step=measured.scale)
+    # the optimizer the methods train with, measured as the profile measures AdamW (one thread, as a rank runs)
+    costs = None
+    if spec.optimizer != "adamw":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            costs = measure_optimizer_step(max(repeats, 5), functools.partial(make_optimizer, kind=spec.optimizer))
+        finally:
+            torch.set_num_threads(threads)
+    estimator = ProfiledEstimator(_profile_cache(folder), ranks_per_core=slowdown, in_step=measured.scale,
+                                  optimizer_costs=costs)  # fmt: skip
     record = {"shared_core_slowdown": slowdown, "ranks_per_core": estimator.ranks_per_core,
               "in_step": asdict(measured) | {"scale": list(measured.scale)}}  # fmt: skip
+    if costs is not None:
+        record["optimizer_step"] = {"optimizer": spec.optimizer} | costs
     return estimator, record
 
 
@@ -496,7 +520,7 @@ def plan_model(spec: RunModel, cluster, estimator, constraints: dict | None = No
 
 
 def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, models=None, settings=None,
-        show_progress: bool = True, methods=DEFAULT_METHODS) -> dict:  # fmt: skip
+        show_progress: bool = True, methods=DEFAULT_METHODS, repetitions: int | None = None) -> dict:  # fmt: skip
     """Run the run suite on local CPU ranks and write `run.json`, `run.md` and `run.png` into `out_dir`.
 
     Args:
@@ -508,13 +532,14 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
         settings: RunSettings to use instead of the built-in ones.
         show_progress: rank 0 prints a line per repetition on stderr.
         methods: the methods to measure, names in `METHODS` (a list or comma-separated text).
+        repetitions: the least number of repetitions (the settings' `repetitions`; their maximum grows with it).
     """
     world = _cpu_world(cluster)
     if isinstance(models, str) or (models is not None and any(isinstance(m, str) for m in models)):
         models = select(models, {m.name: m for m in ALL_MODELS}, "model")
     methods = tuple(m.name for m in select(methods, METHODS, "method"))
     models = tuple(models) if models is not None else (QUICK_MODELS if quick else MODELS)
-    settings = settings or (QUICK_SETTINGS if quick else RunSettings())
+    settings = run_settings(settings or (QUICK_SETTINGS if quick else RunSettings()), repetitions)
     t0 = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -609,7 +634,7 @@ def _optimizer_md(results: list[dict]) -> list[str]:
         return []
     return [f"{', '.join(sgd)}: every method trains with SGD (momentum 0.9), not AdamW: AdamW's update on CPU "
             f"would take much of the step and hide the communication the run compares. autopar's prediction "
-            f"still prices the optimizer step as AdamW's (its profile measures AdamW)."]  # fmt: skip
+            f"prices SGD's step, measured on this machine before the run as its profile measures AdamW's."]  # fmt: skip
 
 
 def _communication_md(results: list[dict]) -> list[str]:
@@ -695,8 +720,9 @@ def _calibration_md(cal: dict) -> str:
             part += f"; link: the cpu preset's ({m['link_error']})"
         if m.get("overlap"):
             o = m["overlap"]
-            part += (f"; overlap efficiency {o['eta']:.2f} (an all-reduce of {fmt_ms(o['comm_s'])} launched "
-                     f"while {fmt_ms(o['compute_s'])} of matmuls ran took {fmt_ms(o['both_s'])} in all)")  # fmt: skip
+            part += (f"; overlap efficiency {o['eta']:.2f} (median over repetitions; medians: an all-reduce of "
+                     f"{fmt_ms(o['comm_s'])} launched while {fmt_ms(o['compute_s'])} of matmuls ran took "
+                     f"{fmt_ms(o['both_s'])} in all)")  # fmt: skip
         if m.get("ranks_per_core", 1) > 1:
             part += (f"; its training step ran {m['ranks_per_core']:.2f}x slower with all ranks at once than alone "
                      f"on the {cal['cores']} cores, and is priced so")  # fmt: skip

@@ -194,6 +194,16 @@ def test_optimizer_step_per_tensor_and_per_byte(tmp_path):
     assert est.optimizer_step_time_s(2, 1e6) == pytest.approx(2 * 40e-6 + 1e6 * 1e-9)
 
 
+def test_optimizer_costs_price_another_optimizer(tmp_path):
+    sgd = {"optimizer_tensor_s": 5e-6, "optimizer_s_per_param_byte": 2e-10}
+    est = ProfiledEstimator(tmp_path / "p.json", optimizer_costs=sgd, ranks_per_core=2.0)
+    # the given figures, not the profile's AdamW (40 us per tensor, 1 ns per byte, as above), shared cores still scale
+    assert est.optimizer_step_time_s(2, 1e6) == pytest.approx(2.0 * (2 * 5e-6 + 1e6 * 2e-10), rel=1e-12)
+    for bad in ({"optimizer_tensor_s": 1e-6}, {**sgd, "optimizer_tensor_s": -1.0}):
+        with pytest.raises(ValueError, match="optimizer_costs"):
+            ProfiledEstimator(tmp_path / "p.json", optimizer_costs=bad)
+
+
 def test_thread_count_is_part_of_the_key(graph, tmp_path):
     path = tmp_path / "p.json"
     ProfiledEstimator(path, repeats=1, num_threads=1).forward_time_s(graph["linear"], 1.0)
