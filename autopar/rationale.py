@@ -170,6 +170,9 @@ def entry(name: str, label: str, constraints: dict, priced, chosen, kept: str = 
     }
 
 
+GREW_AS_PERCENT = 10.0  # a term that grew by more than 10 times itself is given from what it was, not in % (+117096%)
+
+
 def loss_reason(alt, chosen, kept: str = PINNED) -> str:
     """One line: why `alt` (a Plan) lost to `chosen`, from the term that grew most; `kept` says why a faster `alt`
     did not replace it."""
@@ -183,7 +186,12 @@ def loss_reason(alt, chosen, kept: str = PINNED) -> str:
     deltas = {k: alt.time_breakdown.get(k, 0.0) - chosen.time_breakdown.get(k, 0.0) for k in TERMS}
     worst = max(deltas, key=deltas.get)
     before = chosen.time_breakdown.get(worst, 0.0)
-    grew = f" (+{deltas[worst] / before:.0%})" if before > 0 else ""
+    if before <= 0:  # the chosen plan has none of it
+        grew = ""
+    elif deltas[worst] <= GREW_AS_PERCENT * before:
+        grew = f" (+{deltas[worst] / before:.0%})"
+    else:  # a percentage of a near-zero term says nothing (+117096%): what it grew from does
+        grew = f" (from {_seconds(before)})"
     prefix = ""
     tp, per_node = alt.mesh.get("tp", 1), alt.cluster.devices_per_node
     if tp > per_node and alt.cluster.num_nodes > 1:

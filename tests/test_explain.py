@@ -12,7 +12,7 @@ from autopar import explain
 from autopar.cost_model.comm import Collective, estimate_collective_time
 from autopar.errors import ConfigError
 from autopar.plan import WALL_CLOCK_KEYS
-from autopar.rationale import TERMS, parse_layout
+from autopar.rationale import TERMS, loss_reason, parse_layout
 from autopar.report_charts import schedule_order, simulate
 from tests.models import MLPBlock, make_batch, make_model
 
@@ -218,6 +218,26 @@ def test_parse_layout():
     for bad in ("tp=two", "tp", "foo=1", ""):
         with pytest.raises(ConfigError):
             parse_layout(bad)
+
+
+def _priced(step_s: float, dp_s: float, zero: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        predicted=SimpleNamespace(step_time_s=step_s), time_breakdown={"comm_dp": dp_s, "compute": step_s - dp_s},
+        mesh={"dp": 8}, zero_stage=zero, num_microbatches=1, recompute="none", layer_modes=None, offload=None,
+        pipeline={}, cluster=SimpleNamespace(devices_per_node=8, num_nodes=1),
+    )  # fmt: skip
+
+
+def test_a_loss_reason_gives_a_grown_term_in_percent_or_from_what_it_was():
+    chosen = _priced(1.0, 0.10, 0)
+    # dp communication 0.10 -> 0.25 s: +150%, said so (up to 10 times its size the percentage stays)
+    assert loss_reason(_priced(1.15, 0.25, 3), chosen).endswith("+150.00 ms (+150%)")
+    # from 0.2 ms to 266 ms: a percentage (+133000%) says nothing, the term's size before does
+    tiny = _priced(0.9, 0.0002, 0)
+    assert loss_reason(_priced(1.1662, 0.2662, 3), tiny).endswith("+266.00 ms (from 0.20 ms)")
+    assert loss_reason(_priced(1.1, 0.1, 3), _priced(1.0, 0.0, 0)).endswith("+100.00 ms")  # none before
 
 
 def test_html_is_self_contained(plans):
