@@ -17,7 +17,9 @@ What is measured, and how:
   steps; the bandwidth is the slope of time over ring-moved bytes 2(n-1)/n·S, least-squares
   fitted on the sizes from 1 MiB. All-gather and reduce-scatter are measured and fitted the
   same way, each on its own ring model, into the link's `per_collective` figures (gloo runs
-  them well off the all-reduce's price per byte).
+  them well off the all-reduce's price per byte). The reduce-scatter measured is the one
+  autopar's programs run: on gloo an all-reduce of the whole tensor
+  (`runtime.collectives.reduce_scatter_by_all_reduce`).
 - overlap efficiency (`measure_overlap_efficiency`): on `ranks` processes, an all-reduce of one gradient
   bucket's size launched asynchronously while matmuls of about its length run, against the two one after
   the other; eta is the share of the shorter of the two that running them at once saved, the median over
@@ -309,7 +311,11 @@ def _collective_call(kind: str, num_bytes: int, world: int):
     if kind == "all_gather":
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return (lambda: gather(full, shard)), numel * 4
-    if kind == "reduce_scatter":
+    if kind == "reduce_scatter":  # as autopar's programs run it on this backend
+        from autopar.runtime.collectives import reduce_scatter_by_all_reduce
+
+        if reduce_scatter_by_all_reduce():
+            return (lambda: dist.all_reduce(full)), numel * 4
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         return (lambda: scatter(shard, full)), numel * 4
     if kind == "all_to_all":  # the full tensor is every rank's shard together; each rank re-splits its own
@@ -408,7 +414,8 @@ def measure_gloo_collectives(num_ranks: int, repeats: int, max_bytes: int | Mapp
     15.8 ms, the all-gather of the same 16 MiB 10.7 ms and its reduce-scatter 19.3 ms, where the ring model
     gives both half the all-reduce's bytes; hence each is fitted on its own (`fit_ring`). Past 16 MiB they
     slow down faster than their size grows (64 MiB: all-gather 73 ms, reduce-scatter 89 ms, all-reduce
-    54 ms), so a fit should stop at the sizes the priced programs issue.
+    54 ms), so a fit should stop at the sizes the priced programs issue. (autopar's programs now run a
+    reduce-scatter over gloo as an all-reduce, and this measures that: see `_collective_call`.)
     """
     limits = max_bytes if isinstance(max_bytes, Mapping) else {kind: max_bytes for kind in kinds}
     sizes = {kind: tuple(s for s in _COLLECTIVE_SIZES_BYTES if limits.get(kind) is None or s <= limits[kind])

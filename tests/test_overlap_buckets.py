@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autopar.runtime import overlap
@@ -37,3 +38,34 @@ def test_a_send_buffer_holds_each_members_padded_pieces_and_zeros_for_the_rest()
         # Copies and one add of the same two tensors: exact.
         got = bucket.send[:, offset : offset + width]
         torch.testing.assert_close(got, _expected(want[i], dims[i], parts), rtol=0, atol=0)
+
+
+def test_a_gloo_reduce_scatter_runs_as_an_all_reduce_unless_told_native(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from autopar.errors import ConfigError
+    from autopar.runtime.collectives import GLOO_REDUCE_SCATTER_ENV, reduce_scatter_by_all_reduce
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process; this test makes its own")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        monkeypatch.delenv(GLOO_REDUCE_SCATTER_ENV, raising=False)
+        assert reduce_scatter_by_all_reduce()
+        monkeypatch.setenv(GLOO_REDUCE_SCATTER_ENV, "native")
+        assert not reduce_scatter_by_all_reduce()
+        monkeypatch.setenv(GLOO_REDUCE_SCATTER_ENV, "ring")
+        with pytest.raises(ConfigError, match="all_reduce"):
+            reduce_scatter_by_all_reduce()
+        # the bucket path end to end on one rank: the summed row is the rank's piece, the buffer's padding zero
+        monkeypatch.delenv(GLOO_REDUCE_SCATTER_ENV)
+        bucket = overlap.Bucket("reduce_scatter", torch.float32, members=[0])
+        overlap.lay_out(bucket, {0: torch.Size([3, 2])}, [0], 1)
+        g = torch.randn(3, 2)
+        overlap.put_gradient(bucket, 0, g, 0, 1)
+        overlap.launch_packed(bucket, None)
+        out = [None]
+        overlap.finish_reduce_scatter(bucket, [0], None, out)
+        torch.testing.assert_close(out[0], g, rtol=0, atol=0)  # a sum over one rank: the gradient itself
+    finally:
+        dist.destroy_process_group()

@@ -253,9 +253,15 @@ class _AllGatherAttention(torch.autograd.Function):
                          ctx.scale, dq)
             for r in range(cp.num_ranks)
         ])  # fmt: skip
-        local = dkv.new_empty(dkv.shape[1:])
-        cp.wait(dist.reduce_scatter_single(local, dkv.flatten(0, 1), group=cp.group, async_op=True),
-                "reduce-scatter of dK/dV")  # fmt: skip
+        from autopar.runtime.collectives import reduce_scatter_by_all_reduce  # the runtime imports this module
+
+        if reduce_scatter_by_all_reduce(cp.group):  # gloo: this rank's row of the sum is its dK/dV
+            cp.wait(dist.all_reduce(dkv, group=cp.group, async_op=True), "reduce-scatter of dK/dV")
+            local = dkv[cp.rank]
+        else:
+            local = dkv.new_empty(dkv.shape[1:])
+            cp.wait(dist.reduce_scatter_single(local, dkv.flatten(0, 1), group=cp.group, async_op=True),
+                    "reduce-scatter of dK/dV")  # fmt: skip
         return dq.to(q.dtype), local[0], local[1], None, None, None
 
 

@@ -173,7 +173,7 @@ class ChunkStore:
         self.tracker = tracker or MemoryTracker()
         self.counter = counter or CollectiveCounter()
         self.aliases = dict(aliases or {})
-        self._emulate_reduce_scatter = False
+        self._emulate_reduce_scatter = None  # decided at the first reduce-scatter (`reduce_scatter_by_all_reduce`)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         multiple = ALIGN_NUMEL * self.dp
         if chunk_numel is None:
@@ -446,6 +446,10 @@ class ChunkStore:
         """Issue the reduce-scatter of `full` into `out` (asynchronously): (its work, whether it is emulated by an
         all-reduce of `full`, whose slice `finish_reduce` takes)."""
         self.counter.add("reduce_scatter")
+        if self._emulate_reduce_scatter is None:
+            from autopar.runtime.collectives import reduce_scatter_by_all_reduce  # the runtime imports this module
+
+            self._emulate_reduce_scatter = reduce_scatter_by_all_reduce(self.group)
         if not self._emulate_reduce_scatter:
             try:
                 return _REDUCE_SCATTER(out, full, group=self.group, async_op=True), False

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autopar.runtime.collectives import reduce_scatter_by_all_reduce
+
 BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's and the data-parallel program's)
 # reduce-scatter buckets in flight at once at ZeRO-2/3 (the sharded program waits for the oldest before it launches
 # another): what bounds the send buffers the plan prices (`ShardingProgram.in_flight_grad_bytes`)
@@ -169,6 +171,10 @@ def launch_packed(bucket: Bucket, group) -> None:
         bucket.sent, bucket.work, bucket.flat = [], None, None
         return
     zero_missing(bucket)
+    if reduce_scatter_by_all_reduce(group):  # gloo: this rank's row of the summed buffer is its piece
+        bucket.work = dist.all_reduce(bucket.send, group=group, async_op=True)
+        bucket.flat = bucket.send[dist.get_rank(group)]
+        return
     bucket.flat = bucket.send.new_empty(bucket.send.shape[1])
     bucket.work = dist.reduce_scatter_single(bucket.flat, bucket.send.reshape(-1), group=group, async_op=True)
 

@@ -119,9 +119,12 @@ def test_bf16_every_program_matches_mixed_reference_adamw(world_size):
     _check_mixed(world_size, "adamw")
 
 
-def test_bf16_zero23_overlap_matches_mixed_reference():
+@pytest.mark.parametrize("reduce_scatter", ["all_reduce", "native"])
+def test_bf16_zero23_overlap_matches_mixed_reference(reduce_scatter, monkeypatch):
     """ZeRO-2/3 with overlap reduce-scatter each micro-batch's bf16 gradients (written into their bucket's bf16 send
-    buffer) and add the pieces into fp32 shards: within the bf16 tolerances of the mixed reference."""
+    buffer) and add the pieces into fp32 shards: within the bf16 tolerances of the mixed reference. Over gloo
+    both ways a reduce-scatter can run: as an all-reduce (the default there) and gloo's own (NCCL's path)."""
+    monkeypatch.setenv("AUTOPAR_GLOO_REDUCE_SCATTER", reduce_scatter)  # the spawned ranks inherit it
     cases = [("sharded", {"dp": 2, "tp": 1, "zero": z, "num_microbatches": 2, "overlap": True}, None) for z in (2, 3)]
     _check_mixed(2, "sgd", cases)
 

@@ -36,6 +36,11 @@ ZERO = [{"dp": 2, "tp": 1, "zero": 0, "recompute": "full"}, {"dp": 2, "tp": 1, "
 NUMERICS_BUCKET_BYTES = 40_000
 
 
+# the counting tests count gloo's own reduce-scatter calls (the spawned ranks inherit the setting); the all-reduce
+# form gloo runs by default (`collectives.reduce_scatter_by_all_reduce`) is checked by the numerics tests
+NATIVE_REDUCE_SCATTER = ("AUTOPAR_GLOO_REDUCE_SCATTER", "native")
+
+
 def _optimizer(name: str):
     if name == "sgd":
         return lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9)
@@ -115,12 +120,13 @@ def _events(rank: int, world_size: int, constraints, bucket_bytes: int):
 
 
 @pytest.mark.parametrize("constraints", [ZERO[0], ZERO[3]], ids=["zero0", "zero3"])
-def test_first_bucket_is_reduced_before_backward_reaches_the_first_layer(constraints):
+def test_first_bucket_is_reduced_before_backward_reaches_the_first_layer(constraints, monkeypatch):
     """With one parameter per bucket, the first reduction goes out while the backward still computes (before it
     reaches the last op it differentiates, and before the embedding's gradient, the last it produces, exists), and
     the step issues exactly one collective per bucket (every trainable parameter); with one bucket for all, exactly
     one, after the embedding's gradient."""
     kind = "all_reduce" if constraints["zero"] == 0 else "reduce_scatter"
+    monkeypatch.setenv(*NATIVE_REDUCE_SCATTER)
     small, whole = (run_distributed(_events, 2, constraints, size)[0] for size in (1, 2**40))
     for got in (small, whole):
         events = got["events"]
@@ -188,7 +194,7 @@ WINDOW_CASES = [{"dp": 2, "tp": 1, "zero": z, "num_microbatches": 2} for z in (1
 
 
 @pytest.mark.parametrize("bucket_bytes", [1, NUMERICS_BUCKET_BYTES], ids=["bucket-per-parameter", "buckets-of-2-3"])
-def test_zero23_reduce_scatter_every_micro_batch_within_a_window(bucket_bytes):
+def test_zero23_reduce_scatter_every_micro_batch_within_a_window(bucket_bytes, monkeypatch):
     """ZeRO-2/3: every micro-batch's backward reduce-scatters its buckets, so a step issues buckets x micro-batches
     reduce-scatters (ZeRO-1: buckets, once); at most 2 are launched and not yet waited for, the third waiting for the
     oldest while backward goes on; a bucket's whole gradients are gone once it is launched."""
@@ -196,6 +202,7 @@ def test_zero23_reduce_scatter_every_micro_batch_within_a_window(bucket_bytes):
     # every trainable tensor of the tiny LLaMA has a dim of at least dp = 2, so ZeRO splits each: with one byte a
     # bucket, each is a bucket of its own
     split = sum(p.requires_grad and max(p.shape) >= 2 for p in model.parameters())
+    monkeypatch.setenv(*NATIVE_REDUCE_SCATTER)
     for got in run_distributed(_window, 2, WINDOW_CASES, bucket_bytes)[0]:
         events, zero = got["events"], got["zero"]
         if bucket_bytes == 1:
@@ -227,9 +234,10 @@ def test_zero23_reduce_scatter_every_micro_batch_within_a_window(bucket_bytes):
         assert filling == (0 if bucket_bytes == 1 else 1), got["filling"]
 
 
-def test_overlap_off_keeps_the_synchronous_path():
+def test_overlap_off_keeps_the_synchronous_path(monkeypatch):
     """`overlap: False`: no bucket, no deferred gather: the reductions run inside DTensor's redistributions. The
     only events are ZeRO-3's gathers for the backward (its weights are released after the forward either way)."""
+    monkeypatch.setenv(*NATIVE_REDUCE_SCATTER)
     got = run_distributed(_events, 2, {**ZERO[3], "overlap": False}, 1)[0]
     assert not got["overlap"] and got["calls"] == []
     assert {e for e, _ in got["events"] if e != "backward"} == {"gather"}, got["events"]  # (backward: the marks)
