@@ -40,32 +40,65 @@ def test_a_send_buffer_holds_each_members_padded_pieces_and_zeros_for_the_rest()
         torch.testing.assert_close(got, _expected(want[i], dims[i], parts), rtol=0, atol=0)
 
 
-def test_a_gloo_reduce_scatter_runs_as_an_all_reduce_unless_told_native(tmp_path, monkeypatch):
+def _bucket_on_ranks(rank: int, world_size: int, mode: str | None):
+    """Each rank packs its own gradients of two members into a bucket and launches it over gloo: (this rank's summed
+    pieces, whether the all-reduce form ran)."""
+    import os
+
     import torch.distributed as dist
 
     from autopar.errors import ConfigError
     from autopar.runtime.collectives import GLOO_REDUCE_SCATTER_ENV, reduce_scatter_by_all_reduce
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process; this test makes its own")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        monkeypatch.delenv(GLOO_REDUCE_SCATTER_ENV, raising=False)
-        assert reduce_scatter_by_all_reduce()
-        monkeypatch.setenv(GLOO_REDUCE_SCATTER_ENV, "native")
-        assert not reduce_scatter_by_all_reduce()
-        monkeypatch.setenv(GLOO_REDUCE_SCATTER_ENV, "ring")
-        with pytest.raises(ConfigError, match="all_reduce"):
+    os.environ.pop(GLOO_REDUCE_SCATTER_ENV, None)
+    if mode is not None:
+        os.environ[GLOO_REDUCE_SCATTER_ENV] = mode
+    if mode == "ring":
+        try:
             reduce_scatter_by_all_reduce()
-        # the bucket path end to end on one rank: the summed row is the rank's piece, the buffer's padding zero
-        monkeypatch.delenv(GLOO_REDUCE_SCATTER_ENV)
-        bucket = overlap.Bucket("reduce_scatter", torch.float32, members=[0])
-        overlap.lay_out(bucket, {0: torch.Size([3, 2])}, [0], 1)
-        g = torch.randn(3, 2)
-        overlap.put_gradient(bucket, 0, g, 0, 1)
+        except ConfigError as e:
+            return str(e)
+        return None
+    calls = []
+    real = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single")}
+    for name, fn in real.items():
+        setattr(dist, name, lambda *a, name=name, fn=fn, **k: calls.append(name) or fn(*a, **k))
+    try:
+        shapes, dims = {0: torch.Size([5, 3]), 1: torch.Size([4])}, [0, 0]
+        bucket = overlap.Bucket("reduce_scatter", torch.float32, members=[0, 1])
+        overlap.lay_out(bucket, shapes, dims, world_size)
+        for i in (0, 1):
+            overlap.put_gradient(bucket, i, _gradient(shapes[i], rank, i), dims[i], world_size)
         overlap.launch_packed(bucket, None)
-        out = [None]
-        overlap.finish_reduce_scatter(bucket, [0], None, out)
-        torch.testing.assert_close(out[0], g, rtol=0, atol=0)  # a sum over one rank: the gradient itself
+        out = [None, None]
+        overlap.finish_reduce_scatter(bucket, dims, None, out)
     finally:
-        dist.destroy_process_group()
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return {"pieces": out, "calls": calls}
+
+
+def _gradient(shape: torch.Size, rank: int, i: int) -> torch.Tensor:
+    return torch.arange(shape.numel(), dtype=torch.float32).reshape(shape) * (rank + 1) + 10 * i
+
+
+@pytest.mark.parametrize("mode", [None, "native"], ids=["default-all-reduce", "native"])
+def test_a_gloo_reduce_scatter_gives_each_rank_its_summed_pieces_in_either_form(mode):
+    from tests.distributed.harness import run_distributed
+
+    world = 2
+    got = run_distributed(_bucket_on_ranks, world, mode)
+    shapes = {0: torch.Size([5, 3]), 1: torch.Size([4])}
+    for rank, r in enumerate(got):
+        assert r["calls"] == ["reduce_scatter_single" if mode == "native" else "all_reduce"]
+        for i, shape in shapes.items():
+            whole = sum(_gradient(shape, k, i) for k in range(world))
+            # rows 0-2 to rank 0, 3-4 to rank 1 (torch.chunk's pieces); sums of small integers: exact
+            torch.testing.assert_close(r["pieces"][i], whole.chunk(world, 0)[rank], rtol=0, atol=0)
+
+
+def test_an_unknown_gloo_reduce_scatter_setting_is_refused():
+    from tests.distributed.harness import run_distributed
+
+    message = run_distributed(_bucket_on_ranks, 2, "ring")[0]
+    assert message is not None and "all_reduce" in message and "native" in message

@@ -257,7 +257,7 @@ class _AllGatherAttention(torch.autograd.Function):
 
         if reduce_scatter_by_all_reduce(cp.group):  # gloo: this rank's row of the sum is its dK/dV
             cp.wait(dist.all_reduce(dkv, group=cp.group, async_op=True), "reduce-scatter of dK/dV")
-            local = dkv[cp.rank]
+            local = dkv[cp.rank].clone()  # not a view: the gradients would keep every rank's row alive
         else:
             local = dkv.new_empty(dkv.shape[1:])
             cp.wait(dist.reduce_scatter_single(local, dkv.flatten(0, 1), group=cp.group, async_op=True),
