@@ -19,7 +19,7 @@ What is measured, and how:
   same way, each on its own ring model, into the link's `per_collective` figures (gloo runs
   them well off the all-reduce's price per byte). The reduce-scatter measured is the one
   autopar's programs run: on gloo an all-reduce of the whole tensor
-  (`runtime.collectives.reduce_scatter_by_all_reduce`).
+  (`runtime.collectives.issue_reduce_scatter`).
 - overlap efficiency (`measure_overlap_efficiency`): on `ranks` processes, an all-reduce of one gradient
   bucket's size launched asynchronously while matmuls of about its length run, against the two one after
   the other; eta is the share of the shorter of the two that running them at once saved, the median over
@@ -312,12 +312,9 @@ def _collective_call(kind: str, num_bytes: int, world: int):
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         return (lambda: gather(full, shard)), numel * 4
     if kind == "reduce_scatter":  # as autopar's programs run it on this backend
-        from autopar.runtime.collectives import reduce_scatter_by_all_reduce
+        from autopar.runtime.collectives import issue_reduce_scatter
 
-        if reduce_scatter_by_all_reduce():
-            return (lambda: dist.all_reduce(full)), numel * 4
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return (lambda: scatter(shard, full)), numel * 4
+        return (lambda: issue_reduce_scatter(full, out=shard).wait()), numel * 4
     if kind == "all_to_all":  # the full tensor is every rank's shard together; each rank re-splits its own
         out = torch.empty_like(shard)
         return (lambda: dist.all_to_all_single(out, shard)), numel * 4

@@ -253,15 +253,11 @@ class _AllGatherAttention(torch.autograd.Function):
                          ctx.scale, dq)
             for r in range(cp.num_ranks)
         ])  # fmt: skip
-        from autopar.runtime.collectives import reduce_scatter_by_all_reduce  # the runtime imports this module
+        from autopar.runtime.collectives import issue_reduce_scatter  # the runtime imports this module
 
-        if reduce_scatter_by_all_reduce(cp.group):  # gloo: this rank's row of the sum is its dK/dV
-            cp.wait(dist.all_reduce(dkv, group=cp.group, async_op=True), "reduce-scatter of dK/dV")
-            local = dkv[cp.rank].clone()  # not a view: the gradients would keep every rank's row alive
-        else:
-            local = dkv.new_empty(dkv.shape[1:])
-            cp.wait(dist.reduce_scatter_single(local, dkv.flatten(0, 1), group=cp.group, async_op=True),
-                    "reduce-scatter of dK/dV")  # fmt: skip
+        # into a tensor of its own: a view of the summed stack would keep every rank's row alive with the gradients
+        local = dkv.new_empty(dkv.shape[1:])
+        cp.wait(issue_reduce_scatter(dkv, cp.group, out=local), "reduce-scatter of dK/dV")
         return dq.to(q.dtype), local[0], local[1], None, None, None
 
 

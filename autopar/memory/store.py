@@ -33,7 +33,6 @@ the shard, and the staging buffer stays allocated (and counted) until then.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from enum import StrEnum
@@ -115,7 +114,7 @@ class Chunk:
         self.staging: torch.Tensor | None = None
         self.resident = False  # the payload holds the current weights
         self.pending: tuple | None = None  # (collective work or None, CUDA event or None) of a prefetch
-        self.reducing: tuple | None = None  # (work, out, staging, emulated) of a reduce-scatter in flight
+        self.reducing: tuple | None = None  # (PendingReduceScatter, staging) of a reduce-scatter in flight
         self.grads_seen: set[str] = set()
 
     @property
@@ -173,7 +172,6 @@ class ChunkStore:
         self.tracker = tracker or MemoryTracker()
         self.counter = counter or CollectiveCounter()
         self.aliases = dict(aliases or {})
-        self._emulate_reduce_scatter = None  # decided at the first reduce-scatter (`reduce_scatter_by_all_reduce`)
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         multiple = ALIGN_NUMEL * self.dp
         if chunk_numel is None:
@@ -421,8 +419,10 @@ class ChunkStore:
             return
         lo, hi = self._shard_range(chunk)
         out = self._new(hi - lo, staging.dtype, Residence.DEVICE, "staging")
-        work, emulated = self._reduce_scatter(out, staging)
-        chunk.reducing = (work, out, staging, emulated)
+        from autopar.runtime.collectives import issue_reduce_scatter  # the runtime imports this module
+
+        self.counter.add("reduce_scatter")
+        chunk.reducing = (issue_reduce_scatter(staging, self.group, out=out), staging)
         if not async_op:
             self.finish_reduce(chunk)
 
@@ -431,33 +431,13 @@ class ChunkStore:
         `chunk.grad` and free the buffers it used."""
         if chunk.reducing is None:
             return
-        work, out, staging, emulated = chunk.reducing
+        pending, staging = chunk.reducing
         chunk.reducing = None
-        work.wait()
-        if emulated:  # an all-reduce of the whole staging buffer: this rank's shard is a slice of it
-            lo, hi = self._shard_range(chunk)
-            out.copy_(staging[lo:hi])
+        out = pending.wait()
         out.mul_(1.0 / self.dp)
         chunk.grad.add_(out.to(chunk.grad.device))
         self._account(Residence.DEVICE, out, "staging", free=True)
         self._account(Residence.DEVICE, staging, "staging", free=True)
-
-    def _reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> tuple[dist.Work, bool]:
-        """Issue the reduce-scatter of `full` into `out` (asynchronously): (its work, whether it is emulated by an
-        all-reduce of `full`, whose slice `finish_reduce` takes)."""
-        self.counter.add("reduce_scatter")
-        if self._emulate_reduce_scatter is None:
-            from autopar.runtime.collectives import reduce_scatter_by_all_reduce  # the runtime imports this module
-
-            self._emulate_reduce_scatter = reduce_scatter_by_all_reduce(self.group)
-        if not self._emulate_reduce_scatter:
-            try:
-                return _REDUCE_SCATTER(out, full, group=self.group, async_op=True), False
-            except (RuntimeError, NotImplementedError) as e:  # a backend without reduce-scatter
-                warnings.warn(f"reduce-scatter is not available ({e}); emulating it with an all-reduce",
-                              stacklevel=3)  # fmt: skip
-                self._emulate_reduce_scatter = True
-        return dist.all_reduce(full, group=self.group, async_op=True), True
 
     def finish_grads(self, chunks: Iterable[Chunk] | None = None) -> None:
         """Reduce every chunk that still has staged gradients (issued in chunk order, the same on every rank), and
@@ -518,9 +498,8 @@ def _alloc_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
-# torch 2.13 names the tensor-in/tensor-out collectives `*_single`; older releases `*_into_tensor`/`*_tensor`.
+# torch 2.13 names the tensor-in/tensor-out all-gather `all_gather_single`; older releases `all_gather_into_tensor`.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> dist.Work:

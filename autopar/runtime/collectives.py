@@ -16,16 +16,19 @@ slice (`reduce_scatter_by_all_reduce`): gloo's own reduce-scatter takes longer t
 tensor (2 ranks, one thread each: 4 MiB 15.6 against 4.3 ms, 25 MiB 36.8 against 29.3 ms; 4 ranks, 25 MiB 76.2
 against 69.6 ms). `AUTOPAR_GLOO_REDUCE_SCATTER=native` keeps gloo's own. Every autopar reduce-scatter (the
 gradient buckets, the chunk store, context-parallel attention's dK/dV) and the link calibration's measurement
-of one ask this function, so the reduce-scatter a plan is priced on is the one its program runs.
+of one are issued by `issue_reduce_scatter`, so the reduce-scatter a plan is priced on is the one its program
+runs.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -90,6 +93,51 @@ def reduce_scatter_by_all_reduce(group=None) -> bool:
     if raw not in ("all_reduce", "native"):
         raise ConfigError(f"{GLOO_REDUCE_SCATTER_ENV}={raw!r}: expected all_reduce (the default) or native")
     return raw == "all_reduce"
+
+
+class PendingReduceScatter:
+    """A reduce-scatter in flight (`issue_reduce_scatter`); `wait()` completes it and returns this rank's piece."""
+
+    def __init__(self, work, piece: torch.Tensor, row: torch.Tensor | None = None):
+        self.work, self.piece, self._row = work, piece, row
+
+    def wait(self, timeout: timedelta | None = None) -> torch.Tensor:
+        """Wait (at most `timeout`, where given) and return this rank's summed piece."""
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout=timeout)
+        if self._row is not None and self._row is not self.piece:
+            self.piece.copy_(self._row)
+        return self.piece
+
+
+def issue_reduce_scatter(full: torch.Tensor, group=None, out: torch.Tensor | None = None) -> PendingReduceScatter:
+    """Issue (asynchronously) the sum over `group` of `full` (contiguous; its elements split evenly into one row
+    per rank, rank r's row its r-th), of which this rank keeps its row.
+
+    The piece `wait()` returns is `out` where given; otherwise, where the reduce-scatter runs as an all-reduce
+    (`reduce_scatter_by_all_reduce`), a view of this rank's row of `full` (which the all-reduce overwrites with
+    the sum), else a new tensor. A backend without a reduce-scatter falls back to the all-reduce, with a warning.
+    """
+    parts = dist.get_world_size(group)
+    rows = full.view(parts, -1)
+    if not reduce_scatter_by_all_reduce(group):
+        piece = out if out is not None else rows.new_empty(rows.shape[1])
+        try:
+            work = _reduce_scatter_single(piece.view(-1), full.reshape(-1), group=group, async_op=True)
+            return PendingReduceScatter(work, piece)
+        except (RuntimeError, NotImplementedError) as e:  # a backend without reduce-scatter
+            warnings.warn(f"reduce-scatter is not available ({e}); running it as an all-reduce", stacklevel=2)
+    row = rows[dist.get_rank(group)]
+    work = dist.all_reduce(full, group=group, async_op=True)
+    return PendingReduceScatter(work, row, row) if out is None else PendingReduceScatter(work, out, row.view(out.shape))
+
+
+def _reduce_scatter_single(out: torch.Tensor, full: torch.Tensor, **kwargs):
+    """`dist.reduce_scatter_single` where this torch has it, else `reduce_scatter_tensor` (looked up at each call:
+    the bench's no-op collectives replace the backend's)."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, full, **kwargs)
 
 
 def is_timeout(error: BaseException) -> bool:

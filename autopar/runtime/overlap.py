@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.runtime.collectives import reduce_scatter_by_all_reduce
+from autopar.runtime.collectives import issue_reduce_scatter
 
 BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's and the data-parallel program's)
 # reduce-scatter buckets in flight at once at ZeRO-2/3 (the sharded program waits for the oldest before it launches
@@ -90,8 +90,8 @@ class Bucket:
     members: list[int] = field(default_factory=list)
     pending: int = 0  # gradients still awaited in the micro-batch whose backward launches the bucket
     armed: bool = False  # whether this micro-batch's backward launches the bucket
-    work: object = None
-    flat: torch.Tensor | None = None  # what this rank receives (all-reduce: also what it sends)
+    work: object = None  # the collective in flight (reduce-scatter: a `PendingReduceScatter`)
+    flat: torch.Tensor | None = None  # all-reduce: what this rank sends and receives
     send: torch.Tensor | None = None  # reduce-scatter: the packed gradients, until the collective is done
     sent: list[int] = field(default_factory=list)  # the members packed (those with a gradient)
     # reduce-scatter: member -> (first column, columns, whole shape) in the send buffer's rows (`lay_out`)
@@ -171,12 +171,7 @@ def launch_packed(bucket: Bucket, group) -> None:
         bucket.sent, bucket.work, bucket.flat = [], None, None
         return
     zero_missing(bucket)
-    if reduce_scatter_by_all_reduce(group):  # gloo: this rank's row of the summed buffer is its piece
-        bucket.work = dist.all_reduce(bucket.send, group=group, async_op=True)
-        bucket.flat = bucket.send[dist.get_rank(group)]
-        return
-    bucket.flat = bucket.send.new_empty(bucket.send.shape[1])
-    bucket.work = dist.reduce_scatter_single(bucket.flat, bucket.send.reshape(-1), group=group, async_op=True)
+    bucket.work = issue_reduce_scatter(bucket.send, group)
 
 
 def launch_reduce_scatter(bucket: Bucket, full: list[torch.Tensor | None], dims: list[int], group) -> None:
@@ -220,7 +215,7 @@ def finish_reduce_scatter(bucket: Bucket, dims: list[int], group, out: list[torc
     tensor of its own, not a view of the bucket's buffer), for the members that had a gradient."""
     if bucket.work is None:
         return
-    bucket.work.wait()
+    flat = bucket.work.wait()
     parts, rank = dist.get_world_size(group), dist.get_rank(group)
     for i in bucket.sent:
         offset, n, shape = bucket.slots[i]
@@ -228,6 +223,6 @@ def finish_reduce_scatter(bucket: Bucket, dims: list[int], group, out: list[torc
         chunk = -(-shape[d] // parts)
         rest = shape[:d] + shape[d + 1 :]
         _, length = piece_rows(shape[d], parts, rank)
-        piece = bucket.flat[offset : offset + n].view(chunk, *rest)[:length].movedim(0, d)
+        piece = flat[offset : offset + n].view(chunk, *rest)[:length].movedim(0, d)
         out[i] = piece.clone(memory_format=torch.contiguous_format)
     bucket.work = bucket.flat = bucket.send = None
