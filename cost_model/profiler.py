@@ -54,8 +54,8 @@ fallback figures are cached like measured ones.
 
 `optimizer_step_time_s` prices the optimizer's update (AdamW) from a cost per parameter tensor
 and per parameter byte, both measured with the host costs (`calibrate.measure_optimizer_step`);
-an estimator given `optimizer_costs` (the same two figures, measured for another optimizer) prices
-that one instead.
+an estimator told of another optimizer (`optimizer=(name, factory)`) measures the same two figures
+for that one, once per cache, thread count and name, and prices it instead.
 
 This is the one part of the cost model that measures the machine it runs on; planning for
 another machine needs that machine's profile file.
@@ -71,6 +71,7 @@ import tempfile
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +99,7 @@ _HOST_FIELDS = (
     "optimizer_tensor_s",
     "optimizer_s_per_param_byte",
 )
+_OPTIMIZER_FIELDS = ("optimizer_tensor_s", "optimizer_s_per_param_byte")
 # Nodes the parallel programs drop before running the graph (export's dtype/device checks): free.
 _NOT_RUN = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 _CACHE_VERSION = 3  # 2: forwards timed with other ops between their calls; 3: only inputs that need grad get one
@@ -258,15 +260,15 @@ class ProfiledEstimator:
         in_step: (forward, backward) scale of every op's time: how much longer a graph's ops take when the
             graph runs as one training step than the sum of their profiles (`measure_in_step_scale`
             measures it on a graph). (1, 1) trusts the profiles as they are.
-        optimizer_costs: {"optimizer_tensor_s", "optimizer_s_per_param_byte"} of the optimizer the plan
-            trains with, as `calibrate.measure_optimizer_step` measures them for it; None prices AdamW
-            from the profile.
+        optimizer: the optimizer the plan trains with, as (a name that identifies it and its settings, a
+            factory over a list of parameters): its step is measured (`calibrate.measure_optimizer_step`,
+            cached under the name) and priced; None prices AdamW from the profile's host costs.
     """
 
     def __init__(self, cache_path: str | Path | None = None, *, device: str = "cpu", repeats: int = 5,
                  num_threads: int | None = 1, fallback=None, ranks_per_core: float = 1.0,
                  in_step: tuple[float, float] = (1.0, 1.0),
-                 optimizer_costs: dict[str, float] | None = None):  # fmt: skip
+                 optimizer: tuple[str, Callable] | None = None):  # fmt: skip
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}")
         if not ranks_per_core >= 1:
@@ -284,11 +286,10 @@ class ProfiledEstimator:
         self.unshared_targets: set[str] = set()  # ops timed whole and divided: their share did not run or shrink
         self._entries: dict[str, dict[str, float]] = self._load()
         self._fallback = fallback
-        fields = {"optimizer_tensor_s", "optimizer_s_per_param_byte"}
-        if optimizer_costs is not None and (set(optimizer_costs) != fields
-                                            or not all(v >= 0 for v in optimizer_costs.values())):  # fmt: skip
-            raise ValueError(f"optimizer_costs must give {sorted(fields)} (non-negative), got {optimizer_costs}")
-        self.optimizer_costs = dict(optimizer_costs) if optimizer_costs is not None else None
+        if optimizer is not None and not (len(optimizer) == 2 and isinstance(optimizer[0], str) and optimizer[0]
+                                          and callable(optimizer[1])):  # fmt: skip
+            raise ValueError(f"optimizer must be (a name, a factory over parameters), got {optimizer!r}")
+        self.optimizer = optimizer
 
     # ---------------------------------------------------------------------------- public
 
@@ -320,12 +321,27 @@ class ProfiledEstimator:
         return scale * _split(in_graph, node_s, rest)
 
     def optimizer_step_time_s(self, num_tensors: int, num_param_bytes: float) -> float:
-        """Seconds of one optimizer step (AdamW, or the one `optimizer_costs` was measured for) over `num_tensors`
-        local parameter tensors holding `num_param_bytes`."""
-        host = self.optimizer_costs or self.host_overheads()
+        """Seconds of one optimizer step (AdamW, or the estimator's `optimizer`) over `num_tensors` local parameter
+        tensors holding `num_param_bytes`."""
+        host = self.optimizer_overheads()
         return self.ranks_per_core * estimate_optimizer_step_time(
             num_tensors, num_param_bytes, tensor_s=host["optimizer_tensor_s"],
             s_per_param_byte=host["optimizer_s_per_param_byte"])  # fmt: skip
+
+    def optimizer_overheads(self) -> dict[str, float]:
+        """{"optimizer_tensor_s", "optimizer_s_per_param_byte"} of the optimizer priced: AdamW's from the host
+        costs, or the estimator's `optimizer`, measured once per cache, thread count and name."""
+        if self.optimizer is None:
+            host = self.host_overheads()
+            return {k: host[k] for k in _OPTIMIZER_FIELDS}
+        name, make = self.optimizer
+        key = json.dumps(["optimizer-step", self.device, self.num_threads, name])
+        found = self._entries.get(key)
+        if found is None or set(found) != set(_OPTIMIZER_FIELDS):
+            repeats = max(self.repeats, 5)
+            found = self._entries[key] = self._with_threads(lambda: measure_optimizer_step(repeats, make))
+            self._save()
+        return found
 
     def host_overheads(self) -> dict[str, float]:
         """The fixed host costs of this device and thread count (`calibrate.measure_host_overheads`), measured once."""

@@ -239,3 +239,18 @@ def test_cli_rejects_a_gpu_cluster_for_the_run_suite(tmp_path, capsys):
     assert "cpu:N" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "no-such-suite"])
+
+
+def test_model_estimator_prices_the_optimizer_the_model_trains_with(tmp_path):
+    # one rank (no shared-core measurement): the in-step scale and SGD's step are measured on the tiny model
+    spec = RunModel("tiny-sgd", "tiny-llama", 2, 16, optimizer="sgd")
+    estimator, record = execution.model_estimator(spec, 1, tmp_path, repeats=1, show_progress=False)
+    measured = record["optimizer_step"]
+    assert measured["optimizer"] == "sgd" and estimator.optimizer[0] == "sgd"
+    assert measured["optimizer_tensor_s"] > 0 and measured["optimizer_s_per_param_byte"] >= 0
+    # the figures recorded are the ones priced (one rank: no shared-core scale), not the profile's AdamW
+    expected = 3 * measured["optimizer_tensor_s"] + 1e6 * measured["optimizer_s_per_param_byte"]
+    assert estimator.optimizer_step_time_s(3, 1e6) == pytest.approx(expected, rel=1e-12)
+    _, adamw = execution.model_estimator(RunModel("tiny", "tiny-llama", 2, 16), 1, tmp_path, repeats=1,
+                                         show_progress=False)  # fmt: skip
+    assert "optimizer_step" not in adamw

@@ -463,14 +463,14 @@ def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 
     - how the model's traced graph, run forward and backward as a step, compares with the sum of its
       ops' profiles (`profiler.measure_in_step_scale`).
 
-    A model trained with another optimizer than AdamW has that optimizer's step measured too
-    (`calibrate.measure_optimizer_step`), and the estimator prices it instead of the profile's AdamW.
+    A model trained with another optimizer than AdamW has the estimator price that optimizer's step, measured
+    (`calibrate.measure_optimizer_step`) and cached in the profile, instead of the profile's AdamW.
 
     Every op is still priced from its own profile; these two scale them.
     """
     import functools
 
-    from autopar.cost_model.calibrate import measure_optimizer_step, measure_shared_core_slowdown
+    from autopar.cost_model.calibrate import measure_shared_core_slowdown
     from autopar.cost_model.profiler import ProfiledEstimator, measure_in_step_scale
     from autopar.passes.program_graph import drop_assertions_pass
     from autopar.runtime import flat_inputs, placeholder_values
@@ -492,20 +492,14 @@ def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 
     measured = measure_in_step_scale(ProfiledEstimator(_profile_cache(folder)), gm, values,
                                      loss_index=traced.num_mutated_outputs, repeats=max(repeats, 5))  # fmt: skip
     # the optimizer the methods train with, measured as the profile measures AdamW (one thread, as a rank runs)
-    costs = None
-    if spec.optimizer != "adamw":
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            costs = measure_optimizer_step(max(repeats, 5), functools.partial(make_optimizer, kind=spec.optimizer))
-        finally:
-            torch.set_num_threads(threads)
+    optimizer = None if spec.optimizer == "adamw" else \
+        (spec.optimizer, functools.partial(make_optimizer, kind=spec.optimizer))  # fmt: skip
     estimator = ProfiledEstimator(_profile_cache(folder), ranks_per_core=slowdown, in_step=measured.scale,
-                                  optimizer_costs=costs)  # fmt: skip
+                                  optimizer=optimizer)  # fmt: skip
     record = {"shared_core_slowdown": slowdown, "ranks_per_core": estimator.ranks_per_core,
               "in_step": asdict(measured) | {"scale": list(measured.scale)}}  # fmt: skip
-    if costs is not None:
-        record["optimizer_step"] = {"optimizer": spec.optimizer} | costs
+    if optimizer is not None:
+        record["optimizer_step"] = {"optimizer": spec.optimizer} | estimator.optimizer_overheads()
     return estimator, record
 
 

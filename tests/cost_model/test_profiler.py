@@ -40,7 +40,9 @@ def fixed_host_costs(monkeypatch):
         lambda repeats: {k: v for k, v in HOST.items() if not k.startswith("optimizer")},
     )
     monkeypatch.setattr(
-        profiler, "measure_optimizer_step", lambda repeats: {k: v for k, v in HOST.items() if k.startswith("optimizer")}
+        profiler,
+        "measure_optimizer_step",
+        lambda repeats, make=None: {k: v for k, v in HOST.items() if k.startswith("optimizer")},
     )
 
 
@@ -194,14 +196,28 @@ def test_optimizer_step_per_tensor_and_per_byte(tmp_path):
     assert est.optimizer_step_time_s(2, 1e6) == pytest.approx(2 * 40e-6 + 1e6 * 1e-9)
 
 
-def test_optimizer_costs_price_another_optimizer(tmp_path):
+def test_another_optimizer_is_measured_once_and_priced(tmp_path, monkeypatch):
     sgd = {"optimizer_tensor_s": 5e-6, "optimizer_s_per_param_byte": 2e-10}
-    est = ProfiledEstimator(tmp_path / "p.json", optimizer_costs=sgd, ranks_per_core=2.0)
-    # the given figures, not the profile's AdamW (40 us per tensor, 1 ns per byte, as above), shared cores still scale
+    asked = []
+
+    def measure(repeats, make=None):
+        asked.append(make)
+        return dict(sgd) if make is not None else {k: v for k, v in HOST.items() if k.startswith("optimizer")}
+
+    monkeypatch.setattr(profiler, "measure_optimizer_step", measure)
+    make_sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+    path = tmp_path / "p.json"
+    est = ProfiledEstimator(path, optimizer=("sgd", make_sgd), ranks_per_core=2.0)
+    # the measured figures, not the profile's AdamW (40 us per tensor, 1 ns per byte, as above); shared cores scale
     assert est.optimizer_step_time_s(2, 1e6) == pytest.approx(2.0 * (2 * 5e-6 + 1e6 * 2e-10), rel=1e-12)
-    for bad in ({"optimizer_tensor_s": 1e-6}, {**sgd, "optimizer_tensor_s": -1.0}):
-        with pytest.raises(ValueError, match="optimizer_costs"):
-            ProfiledEstimator(tmp_path / "p.json", optimizer_costs=bad)
+    assert asked == [make_sgd]
+    # cached in the profile under its name: another estimator on the same file does not measure it again
+    again = ProfiledEstimator(path, optimizer=("sgd", make_sgd))
+    assert again.optimizer_overheads() == sgd and asked == [make_sgd]
+    assert ProfiledEstimator(path).optimizer_step_time_s(2, 1e6) == pytest.approx(2 * 40e-6 + 1e6 * 1e-9)
+    for bad in (("sgd",), ("", make_sgd), ("sgd", "not callable")):
+        with pytest.raises(ValueError, match="optimizer must be"):
+            ProfiledEstimator(path, optimizer=bad)
 
 
 def test_thread_count_is_part_of_the_key(graph, tmp_path):
