@@ -48,7 +48,7 @@ def _bucket_on_ranks(rank: int, world_size: int, mode: str | None):
     import torch.distributed as dist
 
     from autopar.errors import ConfigError
-    from autopar.runtime.collectives import GLOO_REDUCE_SCATTER_ENV, reduce_scatter_by_all_reduce
+    from autopar.runtime.collectives import GLOO_REDUCE_SCATTER_ENV, issue_reduce_scatter, reduce_scatter_by_all_reduce
 
     os.environ.pop(GLOO_REDUCE_SCATTER_ENV, None)
     if mode is not None:
@@ -72,10 +72,14 @@ def _bucket_on_ranks(rank: int, world_size: int, mode: str | None):
         overlap.launch_packed(bucket, None)
         out = [None, None]
         overlap.finish_reduce_scatter(bucket, dims, None, out)
+        # the form the chunk store and cp attention use: the piece lands in a tensor of the caller's
+        stacked = torch.arange(world_size * 6, dtype=torch.float32).reshape(world_size, 2, 3) * (rank + 1)
+        mine = torch.full((2, 3), float("nan"))
+        piece = issue_reduce_scatter(stacked, None, out=mine).wait()
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-    return {"pieces": out, "calls": calls}
+    return {"pieces": out, "calls": calls, "own": piece, "into_out": piece is mine}
 
 
 def _gradient(shape: torch.Size, rank: int, i: int) -> torch.Tensor:
@@ -90,7 +94,10 @@ def test_a_gloo_reduce_scatter_gives_each_rank_its_summed_pieces_in_either_form(
     got = run_distributed(_bucket_on_ranks, world, mode)
     shapes = {0: torch.Size([5, 3]), 1: torch.Size([4])}
     for rank, r in enumerate(got):
-        assert r["calls"] == ["reduce_scatter_single" if mode == "native" else "all_reduce"]
+        assert r["calls"] == ["reduce_scatter_single" if mode == "native" else "all_reduce"] * 2
+        stacked_sum = torch.arange(world * 6, dtype=torch.float32).reshape(world, 2, 3) * sum(range(1, world + 1))
+        assert r["into_out"]
+        torch.testing.assert_close(r["own"], stacked_sum[rank], rtol=0, atol=0)  # small integers: exact
         for i, shape in shapes.items():
             whole = sum(_gradient(shape, k, i) for k in range(world))
             # rows 0-2 to rank 0, 3-4 to rank 1 (torch.chunk's pieces); sums of small integers: exact
