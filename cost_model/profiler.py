@@ -89,6 +89,8 @@ from autopar.cost_model.compute import AnalyticEstimator, estimate_node_cost, es
 from autopar.cost_model.devices import DType, get_device
 
 CACHE_ENV = "AUTOPAR_PROFILE_CACHE"
+# the optimizer's step (`calibrate.measure_optimizer_step`): AdamW's among the host costs, another's on its own
+_OPTIMIZER_FIELDS = ("optimizer_tensor_s", "optimizer_s_per_param_byte")
 _HOST_FIELDS = (
     "op_forward_s",
     "op_cold_extra_s",
@@ -96,10 +98,8 @@ _HOST_FIELDS = (
     "view_forward_s",
     "view_backward_s",
     "grad_call_s",
-    "optimizer_tensor_s",
-    "optimizer_s_per_param_byte",
+    *_OPTIMIZER_FIELDS,
 )
-_OPTIMIZER_FIELDS = ("optimizer_tensor_s", "optimizer_s_per_param_byte")
 # Nodes the parallel programs drop before running the graph (export's dtype/device checks): free.
 _NOT_RUN = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 _CACHE_VERSION = 3  # 2: forwards timed with other ops between their calls; 3: only inputs that need grad get one

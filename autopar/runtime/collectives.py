@@ -98,8 +98,9 @@ def reduce_scatter_by_all_reduce(group=None) -> bool:
 class PendingReduceScatter:
     """A reduce-scatter in flight (`issue_reduce_scatter`); `wait()` completes it and returns this rank's piece."""
 
-    def __init__(self, work, piece: torch.Tensor, row: torch.Tensor | None = None):
-        self.work, self.piece, self._row = work, piece, row
+    def __init__(self, work, piece: torch.Tensor, copy_from: torch.Tensor | None = None):
+        # copy_from: the summed row `wait()` copies into `piece` (the all-reduce form into a caller's tensor)
+        self.work, self.piece, self._copy_from = work, piece, copy_from
 
     def wait(self, timeout: timedelta | None = None) -> torch.Tensor:
         """Wait (at most `timeout`, where given) and return this rank's summed piece."""
@@ -107,8 +108,8 @@ class PendingReduceScatter:
             self.work.wait()
         else:
             self.work.wait(timeout=timeout)
-        if self._row is not None and self._row is not self.piece:
-            self.piece.copy_(self._row)
+        if self._copy_from is not None:
+            self.piece.copy_(self._copy_from)
         return self.piece
 
 
@@ -131,7 +132,9 @@ def issue_reduce_scatter(full: torch.Tensor, group=None, out: torch.Tensor | Non
             warnings.warn(f"reduce-scatter is not available ({e}); running it as an all-reduce", stacklevel=2)
     row = rows[dist.get_rank(group)]
     work = dist.all_reduce(full, group=group, async_op=True)
-    return PendingReduceScatter(work, row, row) if out is None else PendingReduceScatter(work, out, row.view(out.shape))
+    if out is None:
+        return PendingReduceScatter(work, row)
+    return PendingReduceScatter(work, out, copy_from=row.view(out.shape))
 
 
 def _reduce_scatter_single(out: torch.Tensor, full: torch.Tensor, **kwargs):
