@@ -138,8 +138,8 @@ def issue_reduce_scatter(full: torch.Tensor, group=None, out: torch.Tensor | Non
 
 
 def _reduce_scatter_single(out: torch.Tensor, full: torch.Tensor, **kwargs):
-    """`dist.reduce_scatter_single` where this torch has it, else `reduce_scatter_tensor` (looked up at each call:
-    the bench's no-op collectives replace the backend's)."""
+    """`dist.reduce_scatter_single` where this torch has it, else `reduce_scatter_tensor`, looked up at each call
+    (as the programs called it before: the collective-counting tests wrap the `dist` functions)."""
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, full, **kwargs)
 
 
