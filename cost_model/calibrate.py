@@ -300,7 +300,8 @@ def host_memory_bytes() -> int:
 
 
 def _collective_call(kind: str, num_bytes: int, world: int):
-    """(a call running collective `kind` once on a full tensor of about `num_bytes`, the full tensor's bytes)."""
+    """(a call running collective `kind` once on a full tensor of about `num_bytes`, the full tensor's bytes); for
+    the kinds in `_IN_FLIGHT` the call issues the collective and returns its work handle (`wait()` completes it)."""
     # all-gather and reduce-scatter split it evenly over the ranks, an all-to-all each rank's shard again
     unit = world * world if kind == "all_to_all" else world
     numel = max(num_bytes // 4 // unit, 1) * unit
@@ -310,11 +311,11 @@ def _collective_call(kind: str, num_bytes: int, world: int):
     shard = torch.ones(numel // world)
     if kind == "all_gather":
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return (lambda: gather(full, shard)), numel * 4
+        return (lambda: gather(full, shard, async_op=True)), numel * 4
     if kind == "reduce_scatter":  # as autopar's programs run it on this backend
         from autopar.runtime.collectives import issue_reduce_scatter
 
-        return (lambda: issue_reduce_scatter(full, out=shard).wait()), numel * 4
+        return (lambda: issue_reduce_scatter(full, out=shard)), numel * 4
     if kind == "all_to_all":  # the full tensor is every rank's shard together; each rank re-splits its own
         out = torch.empty_like(shard)
         return (lambda: dist.all_to_all_single(out, shard)), numel * 4
@@ -340,6 +341,12 @@ CONTEXT_COLLECTIVES = (*MEASURED_COLLECTIVES, "all_to_all", "send_recv")
 # through the step (as cp attention's all-to-alls and ring steps, layer after layer), and a collective right
 # after another does not pay again for the ranks meeting
 _CALLS_PER_STEP = {"all_gather": 8, "reduce_scatter": 8, "all_to_all": 8, "send_recv": 8}
+# How many of each the sharded program keeps in flight: it issues a layer's next gathers before it waits for the
+# current one's (`runtime.sharded`, prefetch depth 1, the plans' default) and launches a gradient bucket while
+# `overlap.WINDOW` - 1 others are out. gloo runs a collective issued behind another sooner than one issued after the
+# other's wait (2 ranks of a 2-core machine, 2026-12-07, per call, two in flight against one: 4 MiB all-gather 0.62
+# and 0.69 of the time, 4 MiB reduce-scatter 0.57 and 0.82, 16 MiB 0.83-0.90), so they are timed as issued.
+_IN_FLIGHT = {"all_gather": 2, "reduce_scatter": 2}
 # The largest size of each the fit measures: all-reduces past the largest the programs issue (the 25 MiB
 # gradient buckets), so that the bandwidth the fit's slope gives is the one those buckets see; all-gathers and
 # reduce-scatters to 16 MiB, as the sharded programs gather each weight on its own (the bench's wide-llama's
@@ -347,6 +354,29 @@ _CALLS_PER_STEP = {"all_gather": 8, "reduce_scatter": 8, "all_to_all": 8, "send_
 # price every gather at
 FIT_MAX_BYTES = {"all_reduce": 64 << 20, "all_gather": 16 << 20, "reduce_scatter": 16 << 20, "all_to_all": 16 << 20,
                  "send_recv": 16 << 20}  # fmt: skip
+
+
+def _run_in_a_row(collective, calls: int, in_flight: int | None):
+    """A function running `collective` `calls` times in a row: each waited for before the next is issued, or (with
+    `in_flight`, the call issuing and returning a work handle) the oldest waited for once `in_flight` are out."""
+    if in_flight is None:
+
+        def run():
+            for _ in range(calls):
+                collective()
+
+        return run
+
+    def run_issued():
+        out = []
+        for _ in range(calls):
+            if len(out) == in_flight:
+                out.pop(0).wait()
+            out.append(collective())
+        for work in out:
+            work.wait()
+
+    return run_issued
 
 
 def _collective_worker(rank: int, world: int, init_file: str, repeats: int, result_file: str,
@@ -368,15 +398,14 @@ def _collective_worker(rank: int, world: int, init_file: str, repeats: int, resu
         for kind, kind_sizes in sizes.items():
             for size in kind_sizes:
                 collective, num_bytes = _collective_call(kind, size, world)
-                for _ in range(2):  # the first calls set up the algorithm's buffers
-                    collective()
-
                 calls = _CALLS_PER_STEP.get(kind, 1)
+                run = _run_in_a_row(collective, calls, _IN_FLIGHT.get(kind))
+                for _ in range(2):  # the first calls set up the algorithm's buffers
+                    run()
 
-                def step(collective=collective, calls=calls):
+                def step(run=run):
                     work()
-                    for _ in range(calls):
-                        collective()
+                    run()
 
                 alone, with_collective = [], []
                 for _ in range(repeats):
@@ -401,7 +430,8 @@ def measure_gloo_collectives(num_ranks: int, repeats: int, max_bytes: int | Mapp
 
     Measured as a training step meets it: each rank runs a short step of host work (`small_op_step`)
     and then the collective (an all-reduce once, the others `_CALLS_PER_STEP` times in a row, as the sharded
-    program and cp attention issue them), back to back without a barrier, and the time per iteration less that of
+    program and cp attention issue them; all-gathers and reduce-scatters `_IN_FLIGHT` at a time, as the sharded
+    program keeps them), back to back without a barrier, and the time per iteration less that of
     the work alone, per call, is the collective's (the median over `repeats` loops, the slowest rank's). So it
     includes what a collective timed alone after a barrier leaves out: the ranks arriving at
     different times, and a rank that waited idle being slow to run again. On a 2-core virtual machine

@@ -224,3 +224,31 @@ def test_gloo_collectives_are_measured_at_the_sizes_each_one_moves():
         unit = 4 * (world * world if kind == "all_to_all" else world)
         assert by_size and all(size % unit == 0 and 0 < size <= 4 << 10 for size in by_size), (kind, by_size)
         assert all(t > 0 for t in by_size.values())
+
+
+class _Work:
+    def __init__(self, log: list, n: int):
+        self.log, self.n = log, n
+
+    def wait(self):
+        self.log.append(("wait", self.n))
+
+
+def test_collectives_kept_in_flight_are_timed_as_issued():
+    """All-gathers and reduce-scatters are measured as the sharded program issues them (`_IN_FLIGHT` out at once,
+    the oldest waited for before the next goes out; every one waited for before the run ends); the others one
+    after another, each complete before the next."""
+    assert calibrate._IN_FLIGHT == {"all_gather": 2, "reduce_scatter": 2}
+    log: list = []
+
+    def issue():
+        n = sum(1 for e in log if e[0] == "issue")
+        log.append(("issue", n))
+        return _Work(log, n)
+
+    calibrate._run_in_a_row(issue, 4, 2)()
+    assert log == [("issue", 0), ("issue", 1), ("wait", 0), ("issue", 2), ("wait", 1), ("issue", 3),
+                   ("wait", 2), ("wait", 3)]  # fmt: skip
+    calls: list = []
+    calibrate._run_in_a_row(lambda: calls.append(len(calls)), 3, None)()
+    assert calls == [0, 1, 2]
