@@ -310,8 +310,7 @@ def _collective_call(kind: str, num_bytes: int, world: int):
         return (lambda: dist.all_reduce(full)), numel * 4
     shard = torch.ones(numel // world)
     if kind == "all_gather":
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return (lambda: gather(full, shard, async_op=True)), numel * 4
+        return (lambda: dist.all_gather_single(full, shard, async_op=True)), numel * 4
     if kind == "reduce_scatter":  # as autopar's programs run it on this backend
         from autopar.runtime.collectives import issue_reduce_scatter
 

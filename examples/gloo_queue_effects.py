@@ -4,11 +4,13 @@
 
 Two measurements among `--ranks` local gloo processes (one thread each), each time the slowest rank's median:
 
-1. Collectives of one size issued one at a time (each waited before the next) against all issued at once and then
-   waited, per call: gloo runs queued collectives on its worker threads, so a queue can take less than the sum of
-   its calls (the cost model prices every collective as if alone).
+1. Collectives of one size issued one at a time (each waited before the next), two in flight (the oldest waited
+   before the next goes out, as the sharded program keeps its gathers and gradient buckets) and all issued at once
+   and then waited, per call: gloo runs queued collectives on its worker threads, so a queue can take less than the
+   sum of its calls (the link fit, `calibrate.measure_gloo_collectives`, times all-gathers and reduce-scatters two
+   in flight, all-reduces one at a time).
 2. One step of the bench's wide-llama under autopar's ZeRO-3 plan (dp = ranks): its collectives recorded as the
-   program issues them, then replayed without compute, one at a time and all queued, next to the plan's price of
+   program issues them, then replayed without compute in the same three ways, next to the plan's price of
    them (exposed plus hidden data-axis communication, analytic cpu preset unless the gloo link is fitted first
    with `--fit-link`).
 
@@ -49,18 +51,25 @@ def _slowest_median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _one_at_a_time_and_queued(calls: list[tuple[str, torch.Tensor, torch.Tensor]], repeats: int):
-    def one_at_a_time():
-        for call in calls:
-            _issue(*call).wait()
+def _three_ways(calls: list[tuple[str, torch.Tensor, torch.Tensor]], repeats: int) -> tuple[float, float, float]:
+    """(one at a time, two in flight, all queued) times of `calls`."""
 
-    def queued():
-        works = [_issue(*call) for call in calls]
-        for work in works:
-            work.wait()
+    def in_flight(limit: int):
+        def run():
+            out = []
+            for call in calls:
+                if len(out) == limit:
+                    out.pop(0).wait()
+                out.append(_issue(*call))
+            for work in out:
+                work.wait()
 
-    one_at_a_time(), queued()  # gloo sets up its buffers on first use
-    return _slowest_median(one_at_a_time, repeats), _slowest_median(queued, repeats)
+        return run
+
+    ways = (in_flight(1), in_flight(2), in_flight(len(calls)))
+    for run in ways:  # gloo sets up its buffers on first use
+        run()
+    return tuple(_slowest_median(run, repeats) for run in ways)
 
 
 def _zero3_calls(rank: int, world: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
@@ -101,10 +110,9 @@ def _worker(rank: int, world: int, init_file: str, repeats: int, out: dict) -> N
         for kind, nbytes, count in QUEUE_CASES:
             numel = max(nbytes // 4 // world, 1) * world
             calls = [(kind, torch.ones(numel), torch.ones(numel // world)) for _ in range(count)]
-            alone, queued = _one_at_a_time_and_queued(calls, repeats)
-            rows.append((kind, nbytes, count, alone, queued))
+            rows.append((kind, nbytes, count, *_three_ways(calls, repeats)))
         calls = _zero3_calls(rank, world)
-        step = _one_at_a_time_and_queued(calls, repeats)
+        step = _three_ways(calls, repeats)
         if rank == 0:
             out["queue"], out["zero3"] = rows, (len(calls), sum(k == "all_gather" for k, _, _ in calls), *step)
     finally:
@@ -138,13 +146,14 @@ def main() -> None:
         mp.spawn(_worker, args=(args.ranks, f"{tmp}/rendezvous", args.repeats, out), nprocs=args.ranks, join=True)
         queue, zero3 = out["queue"], out["zero3"]
     print(f"{args.ranks} gloo ranks, one thread each; per call, the slowest rank's median of {args.repeats}")
-    for kind, nbytes, count, alone, queued in queue:
+    for kind, nbytes, count, alone, two, queued in queue:
         print(f"  {count:3d} x {kind:10s} {nbytes / 2**20:7.3f} MiB: one at a time {alone / count * 1e3:6.2f} ms, "
+              f"two in flight {two / count * 1e3:6.2f} ms ({two / alone:.2f}), "
               f"queued {queued / count * 1e3:6.2f} ms ({queued / alone:.2f})")  # fmt: skip
-    calls, gathers, alone, queued = zero3
+    calls, gathers, alone, two, queued = zero3
     exposed, hidden = _priced(args.ranks, args.fit_link)
     print(f"wide-llama ZeRO-3, one step's {calls} collectives ({gathers} all-gathers) without compute: one at a time "
-          f"{alone * 1e3:.1f} ms, queued {queued * 1e3:.1f} ms; priced {(exposed + hidden) * 1e3:.1f} ms "
+          f"{alone * 1e3:.1f} ms, two in flight {two * 1e3:.1f} ms, queued {queued * 1e3:.1f} ms; priced {(exposed + hidden) * 1e3:.1f} ms "
           f"({exposed * 1e3:.1f} exposed + {hidden * 1e3:.1f} hidden)")  # fmt: skip
 
 

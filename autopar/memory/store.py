@@ -474,7 +474,7 @@ class ChunkStore:
             full = chunk.master.detach().to("cpu")
             if self.dp > 1:
                 buf = torch.empty(chunk.layout.capacity, dtype=full.dtype)
-                _ALL_GATHER(buf, full, group=self.group)
+                dist.all_gather_single(buf, full, group=self.group)
                 full = buf
             for slot in chunk.layout.slots:
                 out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
@@ -498,9 +498,5 @@ def _alloc_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
 
 
-# torch 2.13 names the tensor-in/tensor-out all-gather `all_gather_single`; older releases `all_gather_into_tensor`.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> dist.Work:
-    return _ALL_GATHER(out, mine, group=group, async_op=True)
+    return dist.all_gather_single(out, mine, group=group, async_op=True)

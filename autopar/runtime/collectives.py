@@ -126,7 +126,7 @@ def issue_reduce_scatter(full: torch.Tensor, group=None, out: torch.Tensor | Non
     if not reduce_scatter_by_all_reduce(group):
         piece = out if out is not None else rows.new_empty(rows.shape[1])
         try:
-            work = _reduce_scatter_single(piece.view(-1), full.reshape(-1), group=group, async_op=True)
+            work = dist.reduce_scatter_single(piece.view(-1), full.reshape(-1), group=group, async_op=True)
             return PendingReduceScatter(work, piece)
         except (RuntimeError, NotImplementedError) as e:  # a backend without reduce-scatter
             warnings.warn(f"reduce-scatter is not available ({e}); running it as an all-reduce", stacklevel=2)
@@ -135,12 +135,6 @@ def issue_reduce_scatter(full: torch.Tensor, group=None, out: torch.Tensor | Non
     if out is None:
         return PendingReduceScatter(work, row)
     return PendingReduceScatter(work, out, copy_from=row.view(out.shape))
-
-
-def _reduce_scatter_single(out: torch.Tensor, full: torch.Tensor, **kwargs):
-    """`dist.reduce_scatter_single` where this torch has it, else `reduce_scatter_tensor`, looked up at each call
-    (as the programs called it before: the collective-counting tests wrap the `dist` functions)."""
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, full, **kwargs)
 
 
 def is_timeout(error: BaseException) -> bool:
