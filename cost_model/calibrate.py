@@ -345,6 +345,8 @@ _CALLS_PER_STEP = {"all_gather": 8, "reduce_scatter": 8, "all_to_all": 8, "send_
 # `overlap.WINDOW` - 1 others are out. gloo runs a collective issued behind another sooner than one issued after the
 # other's wait (2 ranks of a 2-core machine, 2026-12-07, per call, two in flight against one: 4 MiB all-gather 0.62
 # and 0.69 of the time, 4 MiB reduce-scatter 0.57 and 0.82, 16 MiB 0.83-0.90), so they are timed as issued.
+# Context-parallel attention's all-gather of K/V and reduce-scatter of dK/dV go one at a time and are priced on the
+# same figures: on gloo, below what they take by about as much.
 _IN_FLIGHT = {"all_gather": 2, "reduce_scatter": 2}
 # The largest size of each the fit measures: all-reduces past the largest the programs issue (the 25 MiB
 # gradient buckets), so that the bandwidth the fit's slope gives is the one those buckets see; all-gathers and
