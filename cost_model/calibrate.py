@@ -343,8 +343,9 @@ _CALLS_PER_STEP = {"all_gather": 8, "reduce_scatter": 8, "all_to_all": 8, "send_
 # How many of each the sharded program keeps in flight: it issues a layer's next gathers before it waits for the
 # current one's (`runtime.sharded`, prefetch depth 1, the plans' default) and launches a gradient bucket while
 # `overlap.WINDOW` - 1 others are out. gloo runs a collective issued behind another sooner than one issued after the
-# other's wait (2 ranks of a 2-core machine, 2026-12-07, per call, two in flight against one: 4 MiB all-gather 0.62
-# and 0.69 of the time, 4 MiB reduce-scatter 0.57 and 0.82, 16 MiB 0.83-0.90), so they are timed as issued.
+# other's wait (2 ranks of a 2-core machine, 2026-12-07, per call, two in flight against one, two runs: all-gather
+# 0.75 and 0.79 of the time at 4 MiB, 0.87 and 0.90 at 16 MiB; reduce-scatter 0.88 and 0.85 at 4 MiB, 0.83 and
+# 0.87 at 16 MiB; at 256 KiB 1.01-1.24, no faster), so they are timed as issued.
 # Context-parallel attention's all-gather of K/V and reduce-scatter of dK/dV go one at a time and are priced on the
 # same figures: on gloo, below what they take by about as much.
 _IN_FLIGHT = {"all_gather": 2, "reduce_scatter": 2}
@@ -357,23 +358,24 @@ FIT_MAX_BYTES = {"all_reduce": 64 << 20, "all_gather": 16 << 20, "reduce_scatter
                  "send_recv": 16 << 20}  # fmt: skip
 
 
-def _run_in_a_row(collective, calls: int, in_flight: int | None):
-    """A function running `collective` `calls` times in a row: each waited for before the next is issued, or (with
-    `in_flight`, the call issuing and returning a work handle) the oldest waited for once `in_flight` are out."""
+def _run_in_a_row(collectives: list, calls: int, in_flight: int | None):
+    """A function running `calls` collectives in a row, taking turns over `collectives` (each on buffers of its
+    own): each waited for before the next is issued, or (with `in_flight`, each call issuing its collective and
+    returning the work handle) the oldest waited for once `in_flight` are out."""
     if in_flight is None:
 
         def run():
-            for _ in range(calls):
-                collective()
+            for i in range(calls):
+                collectives[i % len(collectives)]()
 
         return run
 
     def run_issued():
         out = []
-        for _ in range(calls):
+        for i in range(calls):
             if len(out) == in_flight:
                 out.pop(0).wait()
-            out.append(collective())
+            out.append(collectives[i % len(collectives)]())
         for work in out:
             work.wait()
 
@@ -398,9 +400,11 @@ def _collective_worker(rank: int, world: int, init_file: str, repeats: int, resu
         results: dict[str, dict[int, float]] = {kind: {} for kind in sizes}
         for kind, kind_sizes in sizes.items():
             for size in kind_sizes:
-                collective, num_bytes = _collective_call(kind, size, world)
+                # as many sets of buffers as collectives in flight: the program's own never share theirs
+                made = [_collective_call(kind, size, world) for _ in range(_IN_FLIGHT.get(kind, 1))]
+                num_bytes = made[0][1]
                 calls = _CALLS_PER_STEP.get(kind, 1)
-                run = _run_in_a_row(collective, calls, _IN_FLIGHT.get(kind))
+                run = _run_in_a_row([call for call, _ in made], calls, _IN_FLIGHT.get(kind))
                 for _ in range(2):  # the first calls set up the algorithm's buffers
                     run()
 

@@ -236,8 +236,9 @@ class _Work:
 
 def test_collectives_kept_in_flight_are_timed_as_issued():
     """All-gathers and reduce-scatters are measured as the sharded program issues them (`_IN_FLIGHT` out at once,
-    the oldest waited for before the next goes out; every one waited for before the run ends); the others one
-    after another, each complete before the next."""
+    the oldest waited for before the next goes out; every one waited for before the run ends), taking turns over
+    sets of buffers so that the two in flight never share one; the others one after another, each complete before
+    the next."""
     assert calibrate._IN_FLIGHT == {"all_gather": 2, "reduce_scatter": 2}
     log: list = []
 
@@ -246,9 +247,19 @@ def test_collectives_kept_in_flight_are_timed_as_issued():
         log.append(("issue", n))
         return _Work(log, n)
 
-    calibrate._run_in_a_row(issue, 4, 2)()
+    turns: list = []
+
+    def on(buffers):
+        def call():
+            turns.append(buffers)
+            return issue()
+
+        return call
+
+    calibrate._run_in_a_row([on("a"), on("b")], 4, 2)()
     assert log == [("issue", 0), ("issue", 1), ("wait", 0), ("issue", 2), ("wait", 1), ("issue", 3),
                    ("wait", 2), ("wait", 3)]  # fmt: skip
+    assert turns == ["a", "b", "a", "b"]  # the two in flight never share buffers
     calls: list = []
-    calibrate._run_in_a_row(lambda: calls.append(len(calls)), 3, None)()
+    calibrate._run_in_a_row([lambda: calls.append(len(calls))], 3, None)()
     assert calls == [0, 1, 2]
