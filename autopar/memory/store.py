@@ -346,7 +346,7 @@ class ChunkStore:
             mine.copy_(chunk.master, non_blocking=True)
             work = None
             if self.dp > 1:
-                work = _all_gather(chunk.payload.data, mine, self.group)
+                work = dist.all_gather_single(chunk.payload.data, mine, group=self.group, async_op=True)
                 self.counter.add("all_gather")
             event = torch.cuda.Event() if self._copy_stream is not None else None
             if event is not None:
@@ -496,7 +496,3 @@ def _free_storage(t: torch.Tensor) -> None:
 
 def _alloc_storage(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(t.numel() * t.element_size())
-
-
-def _all_gather(out: torch.Tensor, mine: torch.Tensor, group) -> dist.Work:
-    return dist.all_gather_single(out, mine, group=group, async_op=True)
