@@ -242,7 +242,7 @@ def test_compile_traces_at_most_once_beyond_planning():
     assert [staged for _, _, staged in got] == [False, False, False, True]
 
 
-def _overlap_order(rank: int, world_size: int):
+def _overlap_order(rank: int, world_size: int, overlap: bool = True):
     import autopar.runtime.data_parallel as dp_program
 
     dp_program.BUCKET_BYTES = 16 * 1024  # several buckets for a tiny model
@@ -255,10 +255,13 @@ def _overlap_order(rank: int, world_size: int):
 
     model = make_model("llama")
     args, kwargs = make_batch("llama")
-    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, constraints={"dp": 2, "tp": 1})
+    constraints = {"dp": 2, "tp": 1, "overlap": overlap}
+    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, constraints=constraints)
     names = list(pm.traced.param_names)
     first = pm.params[names.index("model.embed_tokens.weight")]  # its gradient comes last in backward
     first.register_post_accumulate_grad_hook(lambda p: events.append(("embedding grad", 0)))
+    early = pm.params[names.index("model.layers.0.self_attn.q_proj.weight")]  # the first layer's, late in backward
+    early.register_post_accumulate_grad_hook(lambda p: events.append(("first layer grad", 0)))
     torch.distributed.all_reduce = recording
     try:
         loss = pm.train_step(*args, **kwargs)
@@ -267,18 +270,32 @@ def _overlap_order(rank: int, world_size: int):
     return {"events": events, "buckets": len(pm._buckets), "loss": loss, "launched": list(pm._launched)}
 
 
+def _bucket_reductions_before(events: list, gradient: str) -> int:
+    """How many bucket all-reduces (every all-reduce after the first, which sums the loss and label count) were
+    issued before the test's hook on `gradient` ran."""
+    last = [kind for kind, _ in events].index(gradient)
+    return sum(kind == "all_reduce" for kind, _ in events[1:last])
+
+
 def test_data_parallel_buckets_are_reduced_while_backward_runs():
-    """The first buckets' all-reduces are issued before the embedding's gradient (the last of backward) exists;
-    one all-reduce per bucket and one of the loss sum and label count (first, before the last backward)."""
-    got = run_distributed(_overlap_order, 2)[0]
-    kinds = [kind for kind, _ in got["events"]]
-    assert got["buckets"] > 2
-    assert kinds.count("all_reduce") == got["buckets"] + 1
-    assert got["events"][0] == ("all_reduce", 2)  # the totals
-    assert kinds.index("all_reduce") < kinds.index("embedding grad"), kinds
+    """Buckets are issued before the first layer's gradients exist, and every bucket by the time the embedding's
+    gradient (the last of backward) is in: the program's hook on it, registered before the test's, launches the
+    last bucket; one all-reduce per bucket and one of the loss sum and label count (first, before the last backward). With
+    overlap off (the contrast that makes the order mean something) no bucket goes out before backward ends."""
+    on, off = run_distributed(_overlap_order, 2)[0], run_distributed(_overlap_order, 2, False)[0]
+    for got in on, off:
+        kinds = [kind for kind, _ in got["events"]]
+        assert got["buckets"] > 2
+        assert kinds.count("all_reduce") == got["buckets"] + 1
+        assert got["events"][0] == ("all_reduce", 2)  # the totals
+    assert _bucket_reductions_before(on["events"], "embedding grad") == on["buckets"], on["events"]
+    # buckets of the layers after the first went out while the first layer's backward was still to run
+    assert 0 < _bucket_reductions_before(on["events"], "first layer grad") < on["buckets"], on["events"]
+    assert _bucket_reductions_before(off["events"], "embedding grad") == 0, off["events"]
     # the buckets follow the order backward completes gradients (read from the graph): each one fills, and is
     # launched, before the next, so none waits on a gradient that comes after the next bucket's
-    assert got["launched"] == list(range(got["buckets"]))
+    assert on["launched"] == list(range(on["buckets"]))
+    assert on["loss"] == off["loss"]
 
 
 def test_bf16_zero1_column_parallel_on_dp2_tp2():
