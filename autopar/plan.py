@@ -246,7 +246,9 @@ class Plan:
         stages = self.pipeline.get("stages", ()) if isinstance(self.pipeline, dict) else None
         if not isinstance(stages, (list, tuple)) or not all(isinstance(st, dict) for st in stages):
             raise PlanFormatError(f"plan pipeline stages must be a list of stage records, got {stages!r:.80}")
-        self.stage_plans  # noqa: B018 - reading them checks every stage record
+        zero = {self.zero_stage} | {st.zero_stage for st in self.stage_plans}  # reading them checks every record
+        if stages and max(zero) >= 2:
+            raise PlanFormatError(f"plan has pipeline stages at ZeRO-{max(zero)}: a pipeline runs ZeRO 0 or 1 only")
         size = 1
         for v in self.mesh.values():
             size *= v

@@ -820,6 +820,11 @@ def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
+def _wants_pipeline(c: dict) -> bool:
+    """Whether the pins ask for pipeline stages (pp above 1, a schedule, or virtual stages)."""
+    return (c.get("pp") or 0) > 1 or c.get("schedule") is not None or (c.get("virtual_stages") or 1) > 1
+
+
 def _check_constraints(constraints: dict, world: int, num_layers: int) -> dict:
     """Validate the pins this search reads; ConfigError says what to change."""
     c = dict(constraints)
@@ -835,6 +840,11 @@ def _check_constraints(constraints: dict, world: int, num_layers: int) -> dict:
                           f"at least one; choose pp <= {max(num_layers, 1)}")  # fmt: skip
     if c.get("zero") not in (None, 0, 1, 2, 3):
         raise ConfigError(f"constraints['zero']={c['zero']!r}: expected 0, 1, 2 or 3")
+    if c.get("zero") in (2, 3) and _wants_pipeline(c):
+        raise ConfigError(f"constraints: ZeRO-{c['zero']} is not run with a pipeline (a stage would gather every split "
+                          f"weight and reduce-scatter its gradient once per micro-batch, each collective waited on "
+                          f"where it is issued); with pp pin zero 0 or 1 (ZeRO-1 gathers each weight once a step, "
+                          f"behind compute), or drop pp, schedule and virtual_stages for ZeRO-{c['zero']}")  # fmt: skip
     sched = c.get("schedule")
     if sched is not None:
         try:
@@ -1251,7 +1261,7 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
                           f"({names}); pin schedule '1f1b' or 'gpipe', or drop the pin")  # fmt: skip
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     single, single_error = None, None
-    wants_pipeline = c.get("pp", 0) > 1 or c.get("schedule") is not None or c.get("virtual_stages", 1) > 1
+    wants_pipeline = _wants_pipeline(c)
     if c.get("pp") in (None, 1):
         flat = {k: v for k, v in c.items() if k not in PIPELINE_CONSTRAINT_KEYS}
         try:
@@ -1261,7 +1271,7 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
         except (InfeasiblePlanError, ConfigError) as e:
             single_error = e
     records, best = [], None
-    if structure is not None and c.get("pp") != 1 and num_layers >= 2:
+    if structure is not None and c.get("pp") != 1 and num_layers >= 2 and c.get("zero") not in (2, 3):
         key = (c.get("zero"), c.get("recompute"), c.get("tp_min_split"), c.get("grad_reduce"), budget)
         pricer = (pricers or {}).get(key)
         if pricer is None:

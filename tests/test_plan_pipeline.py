@@ -40,6 +40,18 @@ def test_pipeline_plan_round_trips(pinned):
     assert again.pipeline == pinned.pipeline and again.mesh == pinned.mesh
 
 
+def test_pipeline_plan_at_zero23_is_refused(pinned):
+    """A plan file whose pipeline stages say ZeRO-2 or 3 (the search never makes one) is refused when read."""
+    import json
+
+    from autopar.errors import PlanFormatError
+
+    d = json.loads(pinned.to_json())
+    d["pipeline"]["stages"][1]["zero_stage"] = 3
+    with pytest.raises(PlanFormatError, match="pipeline stages at ZeRO-3"):
+        autopar.Plan.from_json(json.dumps(d))
+
+
 def test_free_search_across_nodes_is_no_slower_than_without_a_pipeline(pinned):
     free = autopar.plan("gpt3-1.3b", "2x8xA100-80GB", **CASE)
     flat = autopar.plan("gpt3-1.3b", "2x8xA100-80GB", constraints={"pp": 1}, **CASE)

@@ -44,7 +44,9 @@ sums goes out bucket by bucket in the same way (its buckets apart from the all-r
 the plan prices it for a pipeline stage (`ShardingProgram.step_gathers`): one gather and one reduce-scatter a step,
 whole weights and whole fp32 gradients held for the step. With overlap off, torch's own schedules run (each
 transfer waited on where it is posted), the same buckets go out after the whole schedule, and a split weight is
-gathered wherever a micro-batch reads it (its gradient reduce-scattered by that gather's backward).
+gathered wherever a micro-batch reads it (its gradient reduce-scattered by that gather's backward). Stages run
+ZeRO 0 or 1 only: at 2 or 3 every micro-batch would gather and reduce-scatter each weight, waited on where issued,
+so plans (`Plan`) and pins (`passes.pipeline_search`) with stages at ZeRO-2/3 are refused.
 
 A cp axis (mesh pp x dp x cp x tp, tp innermost, then cp): the stage graphs are cut from the graph traced for cp
 (`autopar.context_parallel.inputs.traced_batch`, the causal masks dropped), in which each sequence's zig-zag

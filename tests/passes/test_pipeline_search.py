@@ -199,11 +199,20 @@ def test_schedule_formulas():
     ({"schedule": "interleaved_1f1b", "virtual_stages": 1}, "virtual_stages >= 2"),
     ({"pp": 4, "virtual_stages": 4}, "lower virtual_stages"),
     ({"pp": 2, "tp": 0}, "positive integer"),
+    ({"pp": 2, "zero": 3}, "ZeRO-3 is not run with a pipeline"),
+    ({"schedule": "1f1b", "zero": 2}, "ZeRO-2 is not run with a pipeline"),
 ])  # fmt: skip
 def test_bad_constraints_say_what_to_do(pins, words):
     graph = _stack_graph(256, 8, 16, 64)
     with pytest.raises(ConfigError, match=words):
         _search(graph, "2x8xA100-80GB", 16, constraints=pins)
+
+
+def test_zero23_searches_no_pipeline():
+    """ZeRO-2/3 pinned without pipeline pins: only the layouts without stages are priced (a pipeline runs ZeRO 0-1)."""
+    graph = _stack_graph(256, 8, 16, 64)
+    sol = _search(graph, "2x8xA100-80GB", 16, constraints={"zero": 3})
+    assert sol.pp == 1 and sol.single_stage.zero_stage == 3 and not sol.candidates
 
 
 def test_no_layout_fits():
