@@ -525,10 +525,12 @@ def _assumptions(plan) -> list:
         where = f"the estimator {estimator}"
     rows.append(["op costs from", where])
     overlap = ("the data-parallel program's gradient all-reduces overlap the last micro-batch's backward (exposed: "
-               "what backward cannot hide, and at least the last bucket; of the backward it overlaps, the share "
+               "every bucket's latency, and of their time on the wire what backward cannot hide, at least the last "
+               "bucket's; of the backward it overlaps, the share "
                f"{plan.cluster.device.overlap_efficiency:g} hides it, the device's overlap efficiency: 1 on GPUs, "
-               "less where communication takes the compute's cores); other communication is not overlapped with "
-               "compute"
+               "less where communication takes the compute's cores); the sharded program's gradient buckets and "
+               "the weights it gathers ahead of use hide likewise behind backward and forward, and tensor-axis "
+               "collectives launched early behind the ops before their use; no collective's latency hides"
                if plan.overlap else "communication not overlapped with compute (overlap off)")  # fmt: skip
     if plan.pipeline and plan.overlap:
         overlap = ("pipeline transfers are posted ahead and hide their time on the wire behind one micro-batch's "

@@ -38,10 +38,11 @@ Step time, with the overlap the pipeline program runs (`plan.overlap`, on by def
        compute and sends asynchronously, so a transfer's bandwidth time runs behind the stage's compute of
        one micro-batch; its per-transfer latency (and the all-gather over tp after it) does not hide:
            e_s = c_s - H(c_s - f_s, t_s)          f_s  the fixed part of c_s (latencies, tp all-gathers)
-  E_s  the exposed part of the gradient sync G_s (S_s = G_s + A_s + O_s, O_s the optimizer step). The program
+  E_s  the exposed part of the gradient sync G_s (S_s = G_s + A_s + F_s + O_s, O_s the optimizer step, F_s the
+       buckets' latencies, which never hide: `ShardingProgram.bucket_latency_s` and `sync_floor`). The program
        sends stage s's gradients in buckets, each launched during the stage's last backward of the step as soon
        as the last of its gradients is in (earlier micro-batches only accumulate); only the bucket that backward
-       fills last (L_s, the first layers') waits for its end. The stages before s still run their last backward
+       fills last (L_s, the bandwidth part of the first layers') waits for its end. The stages before s still run their last backward
        after that (1F1B and GPipe end with the backwards of stages p-1, ..., 0 in turn), so what is left of the
        sync hides behind that window too, and stage 0's (the last to finish) behind its own backward alone:
            E_s = G_s - H(G_s, w_s + min(b_s, G_s - L_s))
@@ -367,7 +368,8 @@ class StagePlan:
         transfer_exposed_per_microbatch_s: the part of c_s the stage waits for (e_s; c_s without overlap).
         grad_sync_hidden_s: the part of grad_sync_s (G_s) hidden behind the stage's own last backward and the
             later backwards of the step (H(G_s, w_s + min(b_s, G_s - L_s)), the module docstring).
-        last_bucket_s: L_s, the reduction of the bucket its last backward fills last (waits for that backward).
+        last_bucket_s: L_s, the bandwidth part of the reduction of the bucket its last backward fills last (waits for
+            that backward).
     """
 
     index: int
@@ -462,14 +464,14 @@ class _Priced:
     result: MeshResult | None = None
     program: ShardingProgram | None = None
     bound: bool = False  # solved within the memory budget: the memory-free optimum did not fit
-    last_bucket_s: float = 0.0  # L_s: the reduction of the bucket its last backward fills last (0 without dp)
+    last_bucket_s: float = 0.0  # L_s: the bandwidth part of the reduction of the bucket its last backward fills last
 
     def grad_sync(self) -> float:
-        """G_s: the gradient synchronisation the later backwards may hide (sync less the optimizer step, and less
-        a ZeRO-1 stage's gathers before the schedule, which nothing hides)."""
+        """G_s: the gradient synchronisation the later backwards may hide (sync less the optimizer step, less
+        a ZeRO-1 stage's gathers before the schedule, and less the buckets' latencies: nothing hides those)."""
         if self.result is None:
             return self.sync
-        return self.sync - self.result.optimizer_s - self.result.step_gather_s
+        return self.sync - self.result.optimizer_s - self.result.step_gather_s - self.result.sync_fixed_s
 
     def memory_at(self, copies: float) -> dict[str, float]:
         mem = dict(self.memory)

@@ -50,9 +50,14 @@ communication is not overlapped with compute):
     E     what the step waits for of the plain layout's bucketed all-reduces, launched from the last
           micro-batch's backward (B its backward seconds, eta the device's overlap_efficiency, 1 on GPUs,
           measured for gloo on CPU, where communication competes with compute for the cores):
-          E >= sum Sync - eta B / m,  E >= (1 - eta) sum Sync,  E >= T_last (the last bucket, launched when
-          backward ends);  hidden = sum Sync - E = eta min(sum Sync, B / m) while the last bucket fits behind;
-          with overlap off (constraints={"overlap": False}) E is not used and the sync is paid whole
+          E >= sum Sync_bw - eta B / m,  E >= (1 - eta) sum Sync_bw,  E >= T_last (the bandwidth part of the last
+          bucket, launched when backward ends);  hidden = sum Sync_bw - E = eta min(sum Sync_bw, B / m) while the
+          last bucket fits behind; Sync_bw is Sync less the buckets' latencies (`bucket_latency_s`, `sync_floor`),
+          which are in the step whole: no compute hides a collective's fixed cost. With equal buckets the serial
+          link's per-bucket price, max_k (sum_{j >= k} T_j - eta H_k) (H_k the backward left when bucket k goes
+          out), is these rows; it is approximated in one respect: the backward before the first bucket fills
+          counts as hiding (less than one bucket's share of B, small but for models of a few buckets).
+          With overlap off (constraints={"overlap": False}) E is not used and the sync is paid whole
     Sync  all-reduce of the local gradient over dp in buckets (stage 0), reduce-scatter + all-gather
           of the parameters (stages 1, 2), and one more all-gather for the backward (stage 3), one
           collective per parameter and micro-batch (the sharded runtime without overlap redistributes
@@ -291,6 +296,7 @@ class MeshResult:
     cp_comm_s: float = 0.0  # cp attention's communication its compute does not hide (not in compute_s)
     cp_comm_hidden_s: float = 0.0  # and what it hides (not in the step)
     step_gather_s: float = 0.0  # the part of grad_sync_s that gathers weights before a pipeline's schedule starts
+    sync_fixed_s: float = 0.0  # the part of grad_sync_s that is bucketed reductions' latency (never hidden)
     reshard_hidden_s: float = 0.0  # tensor-axis collectives launched early, hidden behind the ops before their use
 
 
@@ -493,6 +499,8 @@ class ShardingProgram:
         # schedule, its fp32 gradient summed over the micro-batches and reduce-scattered once, in buckets
         self.step_gathers = pipeline_stage and step_gathers
         self._step_gather_terms: list = []  # n_g u[g,k,1] A: the step's gathers (`step_gather_time`)
+        # the latencies of the bucketed reductions (`bucket_latency_s`, `sync_floor`): in the step, never hidden
+        self._sync_fixed_terms: list = []
         # the sharded program's data-axis collectives with overlap (`add_sharded_overlap_constraint`): gradient
         # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
         self.prefetch_depth = prefetch_depth if overlap else 0
@@ -1226,6 +1234,24 @@ class ShardingProgram:
         latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link)
         return full - latency + latency * nbytes / BUCKET_BYTES
 
+    def bucket_latency_s(self, name: str, k: int, stage: int) -> float:
+        """The latency part of `sync_time` where gradients go out in buckets (`_bucketed`: the parameter's share of
+        its bucket's latency); 0 elsewhere (the sharded program's collectives price theirs in
+        `sharded_sync_parts`). Overlap never hides it: a collective's fixed cost is paid whatever runs beside it."""
+        info = self.graph.params[name]
+        if self.dp == 1 or not info.requires_grad:
+            return 0.0
+        if self.buckets_all_reduce(stage):
+            kind = Collective.ALL_REDUCE
+        elif self.gathers_once_a_step(stage):
+            kind = Collective.REDUCE_SCATTER
+        else:
+            return 0.0
+        pl = self.groups[name].strategies[k].output
+        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        nbytes = local * self.precision.grad_bytes_at(stage)
+        return estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * nbytes / BUCKET_BYTES
+
     def sync_floor(self, stage: int) -> float:
         """Latency of the one bucket that a step with any gradient pays (the data-parallel program, at stage 0
         without a tensor axis; a pipeline stage's all-reduce at stage 0 and its once-a-step reduce-scatter at
@@ -1284,8 +1310,14 @@ class ShardingProgram:
                         gathers += [grp.count * a_bw * u] if a_bw else []
                         self.cost_terms["grad_sync"].append(grp.count * (g_fix + a_fix) * u)
                     elif t:
-                        hides = self.overlap and self.runs_plain(s)
-                        (plain if hides else self.cost_terms["grad_sync"]).append(grp.count * t * u)
+                        fixed = self.bucket_latency_s(name, k, s)  # a bucketed reduction's latency never hides
+                        if self.overlap and self.runs_plain(s):
+                            plain.append(grp.count * (t - fixed) * u)
+                            self.cost_terms["grad_sync"].append(grp.count * fixed * u)
+                        else:
+                            self.cost_terms["grad_sync"].append(grp.count * t * u)
+                        if fixed:
+                            self._sync_fixed_terms.append(grp.count * fixed * u)
                         gather = self.step_gather_time(name, k, s)
                         if gather:
                             self._step_gather_terms.append(grp.count * gather * u)
@@ -1294,8 +1326,8 @@ class ShardingProgram:
                         self.cost_terms["optimizer"].append(grp.count * t * u)
         for s, zs in self.z.items():
             if self.sync_floor(s):
-                hides = self.overlap and self.runs_plain(s)
-                (plain if hides else self.cost_terms["grad_sync"]).append(self.sync_floor(s) * zs)
+                self.cost_terms["grad_sync"].append(self.sync_floor(s) * zs)
+                self._sync_fixed_terms.append(self.sync_floor(s) * zs)
         if plain:
             self.add_overlap_constraint(plain)
         if any(self.overlaps_at(s) for s in self.z):
@@ -1412,12 +1444,13 @@ class ShardingProgram:
         """E >= sum(plain) - eta B / m, E >= (1 - eta) sum(plain), E >= T_last z[s], E >= 0; objective E instead
         of sum(plain).
 
-        The data-parallel program's all-reduces (sum(plain): every bucket's time and the one latency a step
-        pays) run while the last micro-batch's backward (B / m, B the step's backward) goes on. Of that, the
-        share eta (`DeviceSpec.overlap_efficiency`) hides: hidden = eta min(sum(plain), B / m), and the first two
-        rows are exposed = sum(plain) - hidden. The last bucket (the first parameters, whose gradients come last)
-        is launched when backward ends and is exposed whole (T_last: one all-reduce of min(BUCKET_BYTES, all
-        gradient bytes))."""
+        The data-parallel program's all-reduces (sum(plain): every bucket's bandwidth time) run while the last
+        micro-batch's backward (B / m, B the step's backward) goes on. Of that, the share eta
+        (`DeviceSpec.overlap_efficiency`) hides: hidden = eta min(sum(plain), B / m), and the first two rows are
+        exposed = sum(plain) - hidden. The last bucket (the first parameters, whose gradients come last) is
+        launched when backward ends and is exposed whole (T_last: the bandwidth part of one all-reduce of
+        min(BUCKET_BYTES, all gradient bytes)). The buckets' latencies (`bucket_latency_s`, `sync_floor`) are in
+        the objective as they are: they never hide."""
         s = next(s for s in self.z if self.runs_plain(s))
         e = self.prob.add_variable("exposed_sync", 0)
         backward = pulp.lpSum(self._bwd_terms) * (self.eta / self.mb)
@@ -1430,12 +1463,14 @@ class ShardingProgram:
         self._exposed = e
 
     def last_bucket_s(self, stage: int = 0) -> float:
-        """T_last: the reduction of the bucket launched when backward ends (see `add_overlap_constraint`), an
-        all-reduce at ZeRO stage 0 and a reduce-scatter above."""
+        """T_last: the bandwidth part of the reduction of the bucket launched when backward ends (see
+        `add_overlap_constraint`), an all-reduce at ZeRO stage 0 and a reduce-scatter above (its latency is in
+        the step with every bucket's)."""
         total = sum(self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
                     for n in self._param_groups() if self.graph.params[n].requires_grad)  # fmt: skip
         kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
-        return estimate_collective_time(kind, min(BUCKET_BYTES, total), self.dp, self.dp_link)
+        one = estimate_collective_time(kind, min(BUCKET_BYTES, total), self.dp, self.dp_link)
+        return max(one - estimate_collective_time(kind, 1.0, self.dp, self.dp_link), 0.0)
 
     def optimizer_time(self, name: str, k: int, stage: int) -> float:
         """Opt[w,k,s]: the device's optimizer step over one parameter's local shard (its fp32 weights)."""
@@ -1854,6 +1889,7 @@ class ShardingProgram:
                           grad_sync_hidden_s=hidden, cp_comm_s=val.get("cp_comm", 0.0),
                           cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in self._cp_hidden_terms),
                           step_gather_s=sum(pulp.value(t) or 0.0 for t in self._step_gather_terms),
+                          sync_fixed_s=sum(pulp.value(t) or 0.0 for t in self._sync_fixed_terms),
                           reshard_hidden_s=sum(pulp.value(t) or 0.0 for t in self._tp_hidden_terms))  # fmt: skip
 
     def solve_free(self, recompute: str | None = None) -> MeshResult:

@@ -65,6 +65,20 @@ def _two_buckets(monkeypatch, model, traced) -> tuple[int, float]:
     return bucket, ops * BWD_S
 
 
+def _latencies(model, bucket: int, link) -> float:
+    """The buckets' latencies, which no compute hides: each gradient's share of its bucket's all-reduce latency
+    (bytes / bucket of one latency) and the one latency every step pays (`sync_floor`)."""
+    grad_bytes = 4 * sum(p.numel() for p in model.parameters())
+    return estimate_collective_time(Collective.ALL_REDUCE, 1.0, 2, link) * (grad_bytes / bucket + 1)
+
+
+def _bandwidth(bucket: int, link) -> float:
+    """One bucket's all-reduce less its latency."""
+    return estimate_collective_time(Collective.ALL_REDUCE, bucket, 2, link) - estimate_collective_time(
+        Collective.ALL_REDUCE, 1.0, 2, link
+    )
+
+
 def test_two_buckets_exposed_time_is_what_backward_does_not_hide(monkeypatch):
     model, x = _stack()
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
@@ -74,10 +88,11 @@ def test_two_buckets_exposed_time_is_what_backward_does_not_hide(monkeypatch):
     assert off.overlap is False and on.overlap is True
     total = off.predicted.grad_sync_s  # every bucket's all-reduce, exposed
     assert off.predicted.grad_sync_hidden_s == 0.0
-    # the formula by hand: backward of the one micro-batch hides what it can; the last bucket never hides
+    # the formula by hand: backward of the one micro-batch hides what it can of the buckets' bandwidth time; the
+    # last bucket never hides, nor does any bucket's latency
     link = on.cluster.link_for_axis(2, 1)
-    last = estimate_collective_time(Collective.ALL_REDUCE, bucket, 2, link)
-    expected = max(last, total - backward)
+    fixed = _latencies(model, bucket, link)
+    expected = fixed + max(_bandwidth(bucket, link), total - fixed - backward)
     assert on.predicted.grad_sync_s == pytest.approx(expected, rel=1e-6)
     assert on.predicted.grad_sync_hidden_s == pytest.approx(total - expected, rel=1e-6)
     assert on.predicted.step_time_s == pytest.approx(off.predicted.step_time_s - (total - expected), rel=1e-6)
@@ -89,9 +104,12 @@ def _with_eta(cluster: str, eta: float) -> autopar.ClusterSpec:
     return dataclasses.replace(spec, device=dataclasses.replace(spec.device, overlap_efficiency=eta))
 
 
-@pytest.mark.parametrize(("cluster", "eta"), [("2xA100-80GB", 0.5), ("cpu:2", 0.25), ("cpu:2", 0.9)])
+# each case binds on eta: (1 - eta) sync on the A100s and at cpu 0.25, sync - eta B at cpu 0.6 (two buckets of
+# equal size: from eta 0.5 up, (1 - eta) sync is one bucket's time at most, and the last bucket's floor binds)
+@pytest.mark.parametrize(("cluster", "eta"), [("2xA100-80GB", 0.3), ("cpu:2", 0.25), ("cpu:2", 0.6)])
 def test_two_buckets_hide_eta_of_the_backward_they_overlap(monkeypatch, cluster, eta):
-    """exposed = max(T_last, sync - eta B, (1 - eta) sync): on every device kind, at the device's eta."""
+    """exposed = F + max(T_last, sync - eta B, (1 - eta) sync) (sync: the buckets' bandwidth time, F and T_last
+    their latencies and the last one's bandwidth time): on every device kind, at the device's eta."""
     model, x = _stack()
     spec = _with_eta(cluster, eta)
     # the plan's compute format: bf16 on GPUs, fp32 on CPUs (gradients are reduced in fp32 either way)
@@ -100,9 +118,11 @@ def test_two_buckets_hide_eta_of_the_backward_they_overlap(monkeypatch, cluster,
     off = _plan(model, x, traced, spec, overlap=False)
     on = _plan(model, x, traced, spec)
     total = off.predicted.grad_sync_s
-    last = estimate_collective_time(Collective.ALL_REDUCE, bucket, 2, spec.link_for_axis(2, 1))
-    expected = max(last, total - eta * backward, (1 - eta) * total)
-    assert expected > last  # the case prices eta, not only the last bucket
+    link = spec.link_for_axis(2, 1)
+    fixed, last = _latencies(model, bucket, link), _bandwidth(bucket, link)
+    sync = total - fixed
+    expected = fixed + max(last, sync - eta * backward, (1 - eta) * sync)
+    assert expected > fixed + last  # the case prices eta, not only the last bucket
     assert on.predicted.grad_sync_s == pytest.approx(expected, rel=1e-6)
     assert on.predicted.grad_sync_hidden_s == pytest.approx(total - expected, rel=1e-6)
     # overlap off: the old price, every bucket exposed
@@ -110,11 +130,12 @@ def test_two_buckets_hide_eta_of_the_backward_they_overlap(monkeypatch, cluster,
     assert on.predicted.step_time_s == pytest.approx(off.predicted.step_time_s - (total - expected), rel=1e-6)
 
 
-def test_overlap_is_not_priced_at_eta_zero_or_with_recompute():
+def test_overlap_is_not_priced_at_eta_zero_or_with_recompute(monkeypatch):
     """A device whose communication hides nothing behind compute (eta = 0), and a recomputed layout, which runs
     on the sharded program (it reduces each gradient in its from_local's backward): neither hides anything;
-    the cpu preset's eta does hide some."""
+    the cpu preset's eta does hide some (of two buckets: with one, it is the last, which nothing hides)."""
     model, x = _stack()
+    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", 2 * sum(p.numel() for p in model.parameters()) + 1)
     cpu = autopar.plan(model, "cpu:2", (x,), constraints={"dp": 2, "tp": 1, "zero": 0}, alternatives=False)
     assert cpu.cluster.device.overlap_efficiency < 1 and cpu.predicted.grad_sync_hidden_s > 0.0
     none = autopar.plan(model, _with_eta("cpu:2", 0.0), (x,), constraints={"dp": 2, "tp": 1, "zero": 0},
