@@ -36,6 +36,9 @@ PRECISIONS = ("bf16", "fp16", "fp32")
 # what a plan may do with one layer's activations besides keeping them (`Plan.layer_modes`), in the
 # order `passes.activation_plan` hands layers out
 LAYER_TREATMENTS = ("offload", "full", "selective")
+# the ZeRO stages a pipeline stage runs (`runtime.pipeline`): at 2 or 3 every micro-batch would gather and
+# reduce-scatter each weight, waited on where issued
+PIPELINE_ZERO_STAGES = (0, 1)
 GIB = 1024**3
 # wall-clock figures: they differ on every run and say nothing about the plan (`Plan.to_json`)
 WALL_CLOCK_KEYS = frozenset({"trace_time_s", "solve_time_s", "total_time_s", "alternatives_time_s"})
@@ -246,9 +249,10 @@ class Plan:
         stages = self.pipeline.get("stages", ()) if isinstance(self.pipeline, dict) else None
         if not isinstance(stages, (list, tuple)) or not all(isinstance(st, dict) for st in stages):
             raise PlanFormatError(f"plan pipeline stages must be a list of stage records, got {stages!r:.80}")
-        zero = {self.zero_stage} | {st.zero_stage for st in self.stage_plans}  # reading them checks every record
-        if stages and max(zero) >= 2:
-            raise PlanFormatError(f"plan has pipeline stages at ZeRO-{max(zero)}: a pipeline runs ZeRO 0 or 1 only")
+        # reading the stages checks every record
+        bad = ({self.zero_stage} | {st.zero_stage for st in self.stage_plans}) - set(PIPELINE_ZERO_STAGES)
+        if stages and bad:
+            raise PlanFormatError(f"plan has pipeline stages at ZeRO-{max(bad)}: a pipeline runs ZeRO 0 or 1 only")
         size = 1
         for v in self.mesh.values():
             size *= v

@@ -42,9 +42,10 @@ Step time, with the overlap the pipeline program runs (`plan.overlap`, on by def
        buckets' latencies, which never hide: `ShardingProgram.bucket_latency_s` and `sync_floor`). The program
        sends stage s's gradients in buckets, each launched during the stage's last backward of the step as soon
        as the last of its gradients is in (earlier micro-batches only accumulate); only the bucket that backward
-       fills last (L_s, the bandwidth part of the first layers') waits for its end. The stages before s still run their last backward
-       after that (1F1B and GPipe end with the backwards of stages p-1, ..., 0 in turn), so what is left of the
-       sync hides behind that window too, and stage 0's (the last to finish) behind its own backward alone:
+       fills last (L_s, the bandwidth part of the first layers') waits for its end. The stages before s still run
+       their last backward after that (1F1B and GPipe end with the backwards of stages p-1, ..., 0 in turn), so what
+       is left of the sync hides behind that window too, and stage 0's (the last to finish) behind its own backward
+       alone:
            E_s = G_s - H(G_s, w_s + min(b_s, G_s - L_s))
            b_s = BACKWARD_SHARE x t_s / v   its own last backward     w_s = BACKWARD_SHARE x sum_{j<s} t_j / v
        (the data-parallel program's rule, `ShardingProgram.add_overlap_constraint`, with the later window added).
@@ -128,6 +129,7 @@ from autopar.passes.sharding_solver import (
     TensorSplit,
     format_bytes,
 )
+from autopar.plan import PIPELINE_ZERO_STAGES
 
 ESTIMATE_SLACK = 0.02  # how far an estimate may sit above the exact price before a configuration is skipped
 MICRO_BATCH_STOP = 0.10  # see _Search._micro_batches
@@ -518,7 +520,7 @@ class _StagePricer:
         self.estimator, self.precision, self.budget, self.batch = estimator, precision, budget, batch
         # ZeRO-2/3 reduce-scatter gradients and gather parameters once per micro-batch, which a pipeline
         # repeats m times; as in Megatron-LM and DeepSpeed, pipelines shard optimizer states at most (ZeRO-1)
-        self.zero_choices = [zero] if zero is not None else [0, 1]
+        self.zero_choices = [zero] if zero is not None else list(PIPELINE_ZERO_STAGES)
         # with overlap (the plan's default) a ZeRO-1 stage gathers its weights and reduce-scatters their gradients
         # once a step (`runtime.pipeline`); without, wherever a micro-batch reads them
         # (and the interpreter launches tensor-axis collectives early, `ShardingProgram.tp_overlap`)
@@ -842,7 +844,7 @@ def _check_constraints(constraints: dict, world: int, num_layers: int) -> dict:
                           f"at least one; choose pp <= {max(num_layers, 1)}")  # fmt: skip
     if c.get("zero") not in (None, 0, 1, 2, 3):
         raise ConfigError(f"constraints['zero']={c['zero']!r}: expected 0, 1, 2 or 3")
-    if c.get("zero") in (2, 3) and _wants_pipeline(c):
+    if c.get("zero") not in (None, *PIPELINE_ZERO_STAGES) and _wants_pipeline(c):
         raise ConfigError(f"constraints: ZeRO-{c['zero']} is not run with a pipeline (a stage would gather every split "
                           f"weight and reduce-scatter its gradient once per micro-batch, each collective waited on "
                           f"where it is issued); with pp pin zero 0 or 1 (ZeRO-1 gathers each weight once a step, "
@@ -1273,7 +1275,8 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
         except (InfeasiblePlanError, ConfigError) as e:
             single_error = e
     records, best = [], None
-    if structure is not None and c.get("pp") != 1 and num_layers >= 2 and c.get("zero") not in (2, 3):
+    pipeline_zero = c.get("zero") in (None, *PIPELINE_ZERO_STAGES)
+    if structure is not None and c.get("pp") != 1 and num_layers >= 2 and pipeline_zero:
         key = (c.get("zero"), c.get("recompute"), c.get("tp_min_split"), c.get("grad_reduce"), budget)
         pricer = (pricers or {}).get(key)
         if pricer is None:

@@ -972,11 +972,15 @@ class ShardingProgram:
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
 
+    def _tp_numel(self, name: str, k: int) -> float:
+        """Elements of parameter `name` on one rank of the tensor axis under its strategy k (whole, or 1/tp)."""
+        pl = self.groups[name].strategies[k].output
+        return self.graph.params[name].meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+
     def state_bytes(self, name: str, k: int, stage: int) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes of one parameter's local shard under `stage`."""
         info = self.graph.params[name]
-        pl = self.groups[name].strategies[k].output
-        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        local = self._tp_numel(name, k)
         pr = self.precision
         params = local * pr.param_bytes / (self.dp if stage >= 3 else 1)
         if not info.requires_grad:
@@ -1014,8 +1018,7 @@ class ShardingProgram:
         info = self.graph.params[name]
         if not info.requires_grad:
             return 0.0
-        pl = self.groups[name].strategies[k].output
-        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        local = self._tp_numel(name, k)
         return max(local * _FP32_BYTES - self.state_bytes(name, k, stage)[1], 0.0)
 
     def in_flight_grad_bytes(self, stage: int) -> float:
@@ -1059,8 +1062,7 @@ class ShardingProgram:
         info = self.graph.params[name]
         if self.dp == 1 or not info.requires_grad:
             return 0.0
-        pl = self.groups[name].strategies[k].output
-        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        local = self._tp_numel(name, k)
         grad_bytes, param_bytes = local * self.precision.grad_bytes_at(stage), local * self.precision.param_bytes
         # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
         # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
@@ -1090,8 +1092,7 @@ class ShardingProgram:
         info = self.graph.params[name]
         if not self.gathers_once_a_step(stage) or not info.requires_grad:
             return 0.0
-        pl = self.groups[name].strategies[k].output
-        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        local = self._tp_numel(name, k)
         return estimate_collective_time(Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp,
                                         self.dp_link)  # fmt: skip
 
@@ -1190,9 +1191,7 @@ class ShardingProgram:
         (`runs_chunks`) makes them per chunk: the parameter's share of `chunk_collectives`, a reduce-scatter and two
         gathers each micro-batch, split the same way.
         """
-        info = self.graph.params[name]
-        pl = self.groups[name].strategies[k].output
-        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        local = self._tp_numel(name, k)
         if self.runs_chunks(stage):  # the offload program: its share of the chunks' collectives, each micro-batch's
             rs_bw, rs_fix, ag_bw, ag_fix = (t * self.mb for t in self.chunk_collectives(local))
             if not self.prefetch_depth:  # backward's gathers wait too
@@ -1231,8 +1230,11 @@ class ShardingProgram:
         latency of the one bucket every step pays at least.
         """
         full = estimate_collective_time(kind, nbytes, self.dp, self.dp_link)
-        latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link)
-        return full - latency + latency * nbytes / BUCKET_BYTES
+        return full - estimate_collective_time(kind, 1.0, self.dp, self.dp_link) + self._latency_share(kind, nbytes)
+
+    def _latency_share(self, kind: Collective, nbytes: float) -> float:
+        """`nbytes`' pro-rata share of the latency of the bucket (BUCKET_BYTES) they travel in."""
+        return estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * nbytes / BUCKET_BYTES
 
     def bucket_latency_s(self, name: str, k: int, stage: int) -> float:
         """The latency part of `sync_time` where gradients go out in buckets (`_bucketed`: the parameter's share of
@@ -1247,10 +1249,7 @@ class ShardingProgram:
             kind = Collective.REDUCE_SCATTER
         else:
             return 0.0
-        pl = self.groups[name].strategies[k].output
-        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
-        nbytes = local * self.precision.grad_bytes_at(stage)
-        return estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * nbytes / BUCKET_BYTES
+        return self._latency_share(kind, self._tp_numel(name, k) * self.precision.grad_bytes_at(stage))
 
     def sync_floor(self, stage: int) -> float:
         """Latency of the one bucket that a step with any gradient pays (the data-parallel program, at stage 0
@@ -1405,11 +1404,7 @@ class ShardingProgram:
                 return rs
             return rs + self._chunk_bandwidth(Collective.ALL_GATHER, self.offload_chunks[-1].capacity
                                               * self.precision.param_bytes)  # fmt: skip
-        total = sum(self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
-                    for n in self._param_groups() if self.graph.params[n].requires_grad)  # fmt: skip
-        kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
-        one = estimate_collective_time(kind, min(BUCKET_BYTES, total), self.dp, self.dp_link)
-        return max(one - estimate_collective_time(kind, 1.0, self.dp, self.dp_link), 0.0)
+        return self.last_bucket_s(stage)
 
     def first_gather_bw_s(self, stage: int) -> float:
         """T_first,a of `add_sharded_overlap_constraint`: the bandwidth part of each micro-batch's first gather (the
@@ -1477,8 +1472,7 @@ class ShardingProgram:
         info = self.graph.params[name]
         if not info.requires_grad:
             return 0.0
-        pl = self.groups[name].strategies[k].output
-        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1) / (self.dp if stage >= 1 else 1)
+        local = self._tp_numel(name, k) / (self.dp if stage >= 1 else 1)
         return optimizer_step_time_s(self.estimator, self.cluster.device, 1, local * _FP32_BYTES)
 
     def offload_prices(self) -> tuple[float, float, float]:
@@ -1714,8 +1708,7 @@ class ShardingProgram:
             return 0.0
         if self.gathers_once_a_step(stage):  # weights gathered once a step and kept: recompute reads them
             return 0.0
-        info, pl = self.graph.params[name], self.groups[name].strategies[k].output
-        local = info.meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+        local = self._tp_numel(name, k)
         ag = estimate_collective_time(Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link)
         return self.groups[name].count * ag * self.mb
 
