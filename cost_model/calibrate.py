@@ -358,7 +358,7 @@ FIT_MAX_BYTES = {"all_reduce": 64 << 20, "all_gather": 16 << 20, "reduce_scatter
                  "send_recv": 16 << 20}  # fmt: skip
 
 
-def _run_in_a_row(collectives: list, calls: int, in_flight: int | None):
+def run_in_a_row(collectives: list, calls: int, in_flight: int | None):
     """A function running `calls` collectives in a row, taking turns over `collectives` (each on buffers of its
     own): each waited for before the next is issued, or (with `in_flight`, each call issuing its collective and
     returning the work handle) the oldest waited for once `in_flight` are out."""
@@ -404,7 +404,7 @@ def _collective_worker(rank: int, world: int, init_file: str, repeats: int, resu
                 made = [_collective_call(kind, size, world) for _ in range(_IN_FLIGHT.get(kind, 1))]
                 num_bytes = made[0][1]
                 calls = _CALLS_PER_STEP.get(kind, 1)
-                run = _run_in_a_row([call for call, _ in made], calls, _IN_FLIGHT.get(kind))
+                run = run_in_a_row([call for call, _ in made], calls, _IN_FLIGHT.get(kind))
                 for _ in range(2):  # the first calls set up the algorithm's buffers
                     run()
 

@@ -52,21 +52,11 @@ def _slowest_median(fn, repeats: int) -> float:
 
 
 def _three_ways(calls: list[tuple[str, torch.Tensor, torch.Tensor]], repeats: int) -> tuple[float, float, float]:
-    """(one at a time, two in flight, all queued) times of `calls`."""
+    """(one at a time, two in flight, all queued) times of `calls`, issued as the link fit issues its own."""
+    from autopar.cost_model.calibrate import run_in_a_row
 
-    def in_flight(limit: int):
-        def run():
-            out = []
-            for call in calls:
-                if len(out) == limit:
-                    out.pop(0).wait()
-                out.append(_issue(*call))
-            for work in out:
-                work.wait()
-
-        return run
-
-    ways = (in_flight(1), in_flight(2), in_flight(len(calls)))
+    issue = [lambda call=call: _issue(*call) for call in calls]
+    ways = tuple(run_in_a_row(issue, len(calls), limit) for limit in (1, 2, len(calls)))
     for run in ways:  # gloo sets up its buffers on first use
         run()
     return tuple(_slowest_median(run, repeats) for run in ways)

@@ -256,10 +256,10 @@ def test_collectives_kept_in_flight_are_timed_as_issued():
 
         return call
 
-    calibrate._run_in_a_row([on("a"), on("b")], 4, 2)()
+    calibrate.run_in_a_row([on("a"), on("b")], 4, 2)()
     assert log == [("issue", 0), ("issue", 1), ("wait", 0), ("issue", 2), ("wait", 1), ("issue", 3),
                    ("wait", 2), ("wait", 3)]  # fmt: skip
     assert turns == ["a", "b", "a", "b"]  # the two in flight never share buffers
     calls: list = []
-    calibrate._run_in_a_row([lambda: calls.append(len(calls))], 3, None)()
+    calibrate.run_in_a_row([lambda: calls.append(len(calls))], 3, None)()
     assert calls == [0, 1, 2]
