@@ -60,20 +60,24 @@ def check_constraints(constraints) -> dict:
     for key in _COUNT_KEYS:
         v = constraints.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError(f"constraints[{key!r}]={v!r}: expected a positive integer (or None to let the "
-                              f"planner choose)")  # fmt: skip
+            raise ConfigError(
+                f"constraints[{key!r}]={v!r}: expected a positive integer (or None to let the planner choose)"
+            )
     zero = constraints.get("zero")
     if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
         raise ConfigError(f"constraints['zero']={zero!r}: expected 0, 1, 2 or 3")
     if constraints.get("recompute", "none") not in _RECOMPUTE_MODES:
-        raise ConfigError(f"constraints['recompute']={constraints['recompute']!r}: expected one of "
-                          f"{', '.join(_RECOMPUTE_MODES)}")  # fmt: skip
+        raise ConfigError(
+            f"constraints['recompute']={constraints['recompute']!r}: expected one of {', '.join(_RECOMPUTE_MODES)}"
+        )
     if "overlap" in constraints and not isinstance(constraints["overlap"], bool):
         raise ConfigError(f"constraints['overlap']={constraints['overlap']!r}: expected True or False")
     depth = constraints.get("prefetch_depth")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise ConfigError(f"constraints['prefetch_depth']={depth!r}: expected a count of layers, 0 (gather each "
-                          f"parameter when it is used) or more")  # fmt: skip
+        raise ConfigError(
+            f"constraints['prefetch_depth']={depth!r}: expected a count of layers, 0 (gather each "
+            f"parameter when it is used) or more"
+        )
     for key in ("grad_reduce", "schedule", "cp_attention"):
         v = constraints.get(key)
         if v is not None and not isinstance(v, str):
@@ -86,8 +90,9 @@ def check_constraints(constraints) -> dict:
 
 def check_precision(precision) -> None:
     if precision is not None and precision not in _PRECISIONS:
-        raise ConfigError(f"precision={precision!r}: expected one of {', '.join(_PRECISIONS)} (or None: bf16 on GPUs, "
-                          f"fp32 on CPUs)")  # fmt: skip
+        raise ConfigError(
+            f"precision={precision!r}: expected one of {', '.join(_PRECISIONS)} (or None: bf16 on GPUs, fp32 on CPUs)"
+        )
 
 
 def parse_bytes(value) -> float:
@@ -108,8 +113,10 @@ def _as_cluster(cluster) -> ClusterSpec:
 
     if isinstance(cluster, (ClusterSpec, str, Path)):
         return load_cluster(cluster)
-    raise ConfigError(f"cluster must be a ClusterSpec, a string like '8xA100-80GB' or a cluster file path, got "
-                      f"{type(cluster).__name__}")  # fmt: skip
+    raise ConfigError(
+        f"cluster must be a ClusterSpec, a string like '8xA100-80GB' or a cluster file path, got "
+        f"{type(cluster).__name__}"
+    )
 
 
 def _default_precision(cluster: ClusterSpec) -> str:
@@ -206,8 +213,9 @@ def _expand_placements(graph: OpGraph, placements: dict) -> dict:
     return out
 
 
-def _flops(graph: OpGraph, tokens: int, recompute: str = "none",
-           layer_modes: dict | None = None, cp: int = 1) -> tuple[float, float]:  # fmt: skip
+def _flops(
+    graph: OpGraph, tokens: int, recompute: str = "none", layer_modes: dict | None = None, cp: int = 1
+) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one step: 6 per parameter per token plus attention; all executed FLOPs.
 
     A mixture of experts' weights meet only the tokens routed to them: for those (`_routed_products`) the
@@ -269,8 +277,14 @@ def _lookup_only_parameters(graph: OpGraph) -> int:
 
 
 _ROUTED_MATMULS = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", "aten.bmm.default")
-_WEIGHT_VIEWS = ("aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.view.default",
-                 "aten._to_copy.default", "aten.to.dtype")  # fmt: skip
+_WEIGHT_VIEWS = (
+    "aten.transpose.int",
+    "aten.permute.default",
+    "aten.t.default",
+    "aten.view.default",
+    "aten._to_copy.default",
+    "aten.to.dtype",
+)
 
 
 def _routed_products(graph: OpGraph) -> tuple[int, float]:
@@ -318,11 +332,27 @@ def _routed_uses(node, indexed: bool = False) -> set | None:
 _ATTENTION_TARGETS = ("aten.scaled_dot_product_attention.default", "autopar.flash_attention.default")
 
 
-def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch_size: int | None = None,
-         seq_len: int | None = None, constraints: dict | None = None, memory_budget=None, offload: bool | None = None,
-         precision: str | None = None, estimator=None, progress: Callable[[str], None] | None = None,
-         pipeline: bool | None = None, fuse_kernels: bool | None = None, compare=(), alternatives: bool | None = None,
-         _traced=None, _against: Plan | None = None) -> Plan:  # fmt: skip
+def plan(
+    model,
+    cluster,
+    example_inputs=(),
+    example_kwargs=None,
+    *,
+    global_batch_size: int | None = None,
+    seq_len: int | None = None,
+    constraints: dict | None = None,
+    memory_budget=None,
+    offload: bool | None = None,
+    precision: str | None = None,
+    estimator=None,
+    progress: Callable[[str], None] | None = None,
+    pipeline: bool | None = None,
+    fuse_kernels: bool | None = None,
+    compare=(),
+    alternatives: bool | None = None,
+    _traced=None,
+    _against: Plan | None = None,
+) -> Plan:
     """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
 
     Args:
@@ -368,14 +398,16 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    module, args, kwargs, name = _resolve_model(model, precision, example_inputs, example_kwargs,
-                                                global_batch_size, seq_len)  # fmt: skip
+    module, args, kwargs, name = _resolve_model(
+        model, precision, example_inputs, example_kwargs, global_batch_size, seq_len
+    )
     cp = _check_cp(constraints, cluster, args, kwargs)
     from autopar.passes.fused_ops import default_fusion
 
     fuse = default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels)
-    settings = _Settings(name, cluster, _estimator(estimator, cluster, precision), precision, budget, offload,
-                         pipeline, fuse, t0, say)  # fmt: skip
+    settings = _Settings(
+        name, cluster, _estimator(estimator, cluster, precision), precision, budget, offload, pipeline, fuse, t0, say
+    )
     degrees = cp_degrees(constraints, cluster.world_size, args, kwargs) if _traced is None and _against is None else []
     jobs = _Jobs(settings, module, model, args, kwargs, traced=_traced, traced_cp=cp)
     if len(degrees) > 1:
@@ -388,13 +420,24 @@ def plan(model, cluster, example_inputs=(), example_kwargs=None, *, global_batch
         from autopar.rationale import PINNED, with_rationale
 
         t_alt = time.perf_counter()
-        chosen = with_rationale(chosen, runner_up, functools.partial(_price_layout, jobs), say=say,
-                                baselines=alternatives, compare=compare or (),
-                                adopt=not constraints and _against is None,
-                                kept=PLANNED_BEFORE if _against is not None else PINNED)  # fmt: skip
-        chosen = dataclasses.replace(chosen, stats=chosen.stats | {
-            "alternatives_time_s": round(time.perf_counter() - t_alt, 3),
-            "total_time_s": round(time.perf_counter() - t0, 3)})  # fmt: skip
+        chosen = with_rationale(
+            chosen,
+            runner_up,
+            functools.partial(_price_layout, jobs),
+            say=say,
+            baselines=alternatives,
+            compare=compare or (),
+            adopt=not constraints and _against is None,
+            kept=PLANNED_BEFORE if _against is not None else PINNED,
+        )
+        chosen = dataclasses.replace(
+            chosen,
+            stats=chosen.stats
+            | {
+                "alternatives_time_s": round(time.perf_counter() - t_alt, 3),
+                "total_time_s": round(time.perf_counter() - t0, 3),
+            },
+        )
     config = getattr(module, "config", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
@@ -451,10 +494,28 @@ class _Jobs:
             graph = OpGraph.from_traced(traced, frozen_params=frozen)
         t_trace = time.perf_counter() - t_start
         fusion = fusion_summary(st.fuse, fusion_report(graph.traced), graph.layer_count)
-        st.say(f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} "
-               f"deduplicated)")  # fmt: skip
-        return _Job(graph, st.name, st.cluster, st.est, st.precision, st.budget, st.offload, st.pipeline,
-                    _batch_size(args, kwargs), args, kwargs, fusion, st.t0, t_trace, st.say, cp=cp)  # fmt: skip
+        st.say(
+            f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} "
+            f"deduplicated)"
+        )
+        return _Job(
+            graph,
+            st.name,
+            st.cluster,
+            st.est,
+            st.precision,
+            st.budget,
+            st.offload,
+            st.pipeline,
+            _batch_size(args, kwargs),
+            args,
+            kwargs,
+            fusion,
+            st.t0,
+            t_trace,
+            st.say,
+            cp=cp,
+        )
 
 
 def _plan_at(jobs: _Jobs, constraints: dict, cp: int, *, against: Plan | None = None):
@@ -523,33 +584,76 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
     if _searches_pipeline(job.pipeline, cluster, constraints):
         from autopar.passes.pipeline_search import search_pipeline
 
-        psol = search_pipeline(graph, cluster, estimator=est, precision=precision, constraints=constraints,
-                               memory_budget_bytes=budget, batch_size=batch, progress=say,
-                               pricers=job.pricers)  # fmt: skip
+        psol = search_pipeline(
+            graph,
+            cluster,
+            estimator=est,
+            precision=precision,
+            constraints=constraints,
+            memory_budget_bytes=budget,
+            batch_size=batch,
+            progress=say,
+            pricers=job.pricers,
+        )
         if job.offload and not quiet:
             warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=3)
         if psol.pp > 1:
-            pplan = _pipeline_plan(psol, graph, job.name, cluster, precision, batch, job.args, job.kwargs, job.t0,
-                                   job.t_trace, est, cp=job.cp)  # fmt: skip
-            pplan = dataclasses.replace(pplan, fusion=job.fusion, grad_reduce=constraints.get("grad_reduce") or "fp32",
-                                        overlap=bool(constraints.get("overlap", True)),
-                                        prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
+            pplan = _pipeline_plan(
+                psol,
+                graph,
+                job.name,
+                cluster,
+                precision,
+                batch,
+                job.args,
+                job.kwargs,
+                job.t0,
+                job.t_trace,
+                est,
+                cp=job.cp,
+            )
+            pplan = dataclasses.replace(
+                pplan,
+                fusion=job.fusion,
+                grad_reduce=constraints.get("grad_reduce") or "fp32",
+                overlap=bool(constraints.get("overlap", True)),
+                prefetch_depth=_prefetch_depth(constraints),
+            )
             return pplan, _pipeline_runner_up(job, psol, pplan)
         sol = psol.single_stage
     else:
         ignored = sorted(k for k in ("schedule", "virtual_stages") if constraints.get(k) is not None)
         if ignored and not quiet:
-            warnings.warn(f"constraints {ignored} apply to pipeline layouts, and this plan searches none (pp=1); "
-                          f"pin pp > 1 or pass pipeline=True to search one", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"constraints {ignored} apply to pipeline layouts, and this plan searches none (pp=1); "
+                f"pin pp > 1 or pass pipeline=True to search one",
+                stacklevel=3,
+            )
         flat = {k: v for k, v in constraints.items() if k not in _PIPELINE_KEYS}
-        sol = solve_sharding(graph, cluster, estimator=est, precision=precision, constraints=flat,
-                             memory_budget_bytes=budget, batch_size=batch, progress=say,
-                             offload=job.offload)  # fmt: skip
+        sol = solve_sharding(
+            graph,
+            cluster,
+            estimator=est,
+            precision=precision,
+            constraints=flat,
+            memory_budget_bytes=budget,
+            batch_size=batch,
+            progress=say,
+            offload=job.offload,
+        )
     overlap = bool(constraints.get("overlap", True))
-    chosen = dataclasses.replace(_sharded_plan(job, sol), grad_reduce=constraints.get("grad_reduce") or "fp32",
-                                 overlap=overlap, prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
-    if "overlap" not in constraints and overlap and chosen.program in (ProgramKind.SHARDED, ProgramKind.OFFLOAD) \
-            and chosen.zero_stage >= 1:  # fmt: skip
+    chosen = dataclasses.replace(
+        _sharded_plan(job, sol),
+        grad_reduce=constraints.get("grad_reduce") or "fp32",
+        overlap=overlap,
+        prefetch_depth=_prefetch_depth(constraints),
+    )
+    if (
+        "overlap" not in constraints
+        and overlap
+        and chosen.program in (ProgramKind.SHARDED, ProgramKind.OFFLOAD)
+        and chosen.zero_stage >= 1
+    ):
         # the overlapping program holds more than the synchronous one (ZeRO-1: whole fp32 gradients,
         # `ShardingProgram.overlap_grad_bytes`; ZeRO-2/3: the gradient buckets in flight, `in_flight_grad_bytes`;
         # from ZeRO-1 the weights gathered ahead): where that memory costs more than the overlap hides (more
@@ -584,8 +688,14 @@ def _sharded_runner_up(sol) -> dict | None:
 
 def _pipeline_runner_up(job: _Job, psol, chosen: Plan):
     """The next fastest layout the pipeline search priced exactly (as pins), else the best plan without one."""
-    layout = (chosen.mesh["pp"], chosen.mesh["dp"], chosen.mesh["tp"], chosen.num_microbatches,
-              chosen.pipeline["schedule"], chosen.pipeline.get("virtual_stages", 1))  # fmt: skip
+    layout = (
+        chosen.mesh["pp"],
+        chosen.mesh["dp"],
+        chosen.mesh["tp"],
+        chosen.num_microbatches,
+        chosen.pipeline["schedule"],
+        chosen.pipeline.get("virtual_stages", 1),
+    )
     priced = [
         c
         for c in (_per_dp(c, job.cp) for c in psol.candidates)
@@ -594,9 +704,14 @@ def _pipeline_runner_up(job: _Job, psol, chosen: Plan):
     ]
     if priced:
         c = min(priced, key=lambda c: c["step_time_s"])
-        return {"pp": c["pp"], "dp": c["dp"], "tp": c["tp"], "num_microbatches": c["num_microbatches"],
-                "schedule": c["schedule"], "virtual_stages": c["virtual_stages"]} | (
-            {"cp": job.cp} if job.cp > 1 else {})  # fmt: skip
+        return {
+            "pp": c["pp"],
+            "dp": c["dp"],
+            "tp": c["tp"],
+            "num_microbatches": c["num_microbatches"],
+            "schedule": c["schedule"],
+            "virtual_stages": c["virtual_stages"],
+        } | ({"cp": job.cp} if job.cp > 1 else {})
     if psol.single_stage is not None:
         return _sharded_plan(job, psol.single_stage)
     return None
@@ -614,19 +729,42 @@ def _sharded_plan(job: _Job, sol) -> Plan:
     world = cluster.world_size
     step = sol.step_time_s
     offload_s = sol.offload.get("time_s", 0.0) + sol.activation_offload.get("time_s", 0.0)
-    predicted = _predicted(step, model_flops, hw_flops, tokens, world, peak, sol.memory,
-                           compute_s=sol.compute_s, reshard_s=sol.reshard_s, grad_sync_s=sol.grad_sync_s,
-                           grad_sync_hidden_s=sol.grad_sync_hidden_s,
-                           offload_s=offload_s, optimizer_s=sol.optimizer_s)  # fmt: skip
+    predicted = _predicted(
+        step,
+        model_flops,
+        hw_flops,
+        tokens,
+        world,
+        peak,
+        sol.memory,
+        compute_s=sol.compute_s,
+        reshard_s=sol.reshard_s,
+        grad_sync_s=sol.grad_sync_s,
+        grad_sync_hidden_s=sol.grad_sync_hidden_s,
+        offload_s=offload_s,
+        optimizer_s=sol.optimizer_s,
+    )
     alternatives = tuple(
-        {"dp": r.dp // cp, **({"cp": cp} if cp > 1 else {}), "tp": r.tp, "num_microbatches": r.num_microbatches, "feasible": r.feasible, "step_time_s": r.step_time_s if r.feasible else None,
-         "compute_s": r.compute_s, "reshard_s": r.reshard_s, "grad_sync_s": r.grad_sync_s,
-         "zero_stage": r.zero_stage, "recompute": r.recompute, "layer_modes": dict(r.layer_modes), "memory": r.memory,
-         "solve_time_s": r.solve_time_s,
-         "offload_fraction": r.offload.get("optimizer_fraction", 0.0),
-         "reason": r.reason}
+        {
+            "dp": r.dp // cp,
+            **({"cp": cp} if cp > 1 else {}),
+            "tp": r.tp,
+            "num_microbatches": r.num_microbatches,
+            "feasible": r.feasible,
+            "step_time_s": r.step_time_s if r.feasible else None,
+            "compute_s": r.compute_s,
+            "reshard_s": r.reshard_s,
+            "grad_sync_s": r.grad_sync_s,
+            "zero_stage": r.zero_stage,
+            "recompute": r.recompute,
+            "layer_modes": dict(r.layer_modes),
+            "memory": r.memory,
+            "solve_time_s": r.solve_time_s,
+            "offload_fraction": r.offload.get("optimizer_fraction", 0.0),
+            "reason": r.reason,
+        }
         for r in sol.candidates
-    )  # fmt: skip
+    )
     stats = _stats(graph, job.est, job.t0, job.t_trace, sol.solve_time_s, decision_groups=sol.num_groups)
     terms = sharded_terms(
         step_s=step,
@@ -679,16 +817,22 @@ def _assumptions(est, cluster: ClusterSpec, budget: float | None) -> dict:
     """What the predictions rest on besides the cluster's figures: the estimator (and its profile) and the budget."""
     import os
 
-    out = {"estimator": "analytic" if type(est).__name__ == "AnalyticEstimator" else type(est).__name__,
-           "memory_budget_bytes": float(budget if budget is not None else cluster.device.memory_bytes)}  # fmt: skip
+    out = {
+        "estimator": "analytic" if type(est).__name__ == "AnalyticEstimator" else type(est).__name__,
+        "memory_budget_bytes": float(budget if budget is not None else cluster.device.memory_bytes),
+    }
     path = getattr(est, "cache_path", None)
     if path is not None:
         out["estimator"] = "profile"
         found = os.path.exists(path)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(os.path.getmtime(path))) if found else None
-        out["profile"] = {"path": str(path), "device": getattr(est, "device", None), "written": stamp,
-                          "ranks_per_core": getattr(est, "ranks_per_core", 1.0),
-                          "in_step": list(getattr(est, "in_step", (1.0, 1.0)))}  # fmt: skip
+        out["profile"] = {
+            "path": str(path),
+            "device": getattr(est, "device", None),
+            "written": stamp,
+            "ranks_per_core": getattr(est, "ranks_per_core", 1.0),
+            "in_step": list(getattr(est, "in_step", (1.0, 1.0))),
+        }
     return out
 
 
@@ -706,14 +850,18 @@ def _searches_pipeline(pipeline: bool | None, cluster: ClusterSpec, constraints:
     return cluster.device.kind == "gpu" and cluster.num_nodes > 1
 
 
-def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est,
-                   cp: int = 1) -> Plan:  # fmt: skip
+def _pipeline_plan(
+    psol, graph: OpGraph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est, cp: int = 1
+) -> Plan:
     """The Plan of a pipeline layout: mesh pp x dp x tp (pp x dp x cp x tp with a cp axis: the search's data axis
     is dp·cp ranks and its batch cp rows per sequence), per-stage figures in `plan.pipeline`."""
 
     fullest = max(psol.stages, key=lambda st: sum(st.memory.values()))
-    recompute = max((st.sharding.recompute for st in psol.stages if st.sharding is not None),
-                    key=("none", "selective", "full").index, default="none")  # fmt: skip
+    recompute = max(
+        (st.sharding.recompute for st in psol.stages if st.sharding is not None),
+        key=("none", "selective", "full").index,
+        default="none",
+    )
     tokens = _tokens(args, kwargs)
     model_flops, hw_flops = _flops(graph, tokens, recompute, cp=cp)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
@@ -722,9 +870,20 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     tail = max(psol.stages, key=lambda st: st.grad_sync_exposed_s + st.optimizer_s)
     sync, opt = tail.grad_sync_exposed_s, tail.optimizer_s
     # compute: the pipelined forward and backward, bubble and transfers included
-    predicted = _predicted(step, model_flops, hw_flops, tokens, world, peak, fullest.memory,
-                           compute_s=step - sync - opt, reshard_s=0.0, grad_sync_s=sync, optimizer_s=opt,
-                           grad_sync_hidden_s=tail.grad_sync_hidden_s)  # fmt: skip
+    predicted = _predicted(
+        step,
+        model_flops,
+        hw_flops,
+        tokens,
+        world,
+        peak,
+        fullest.memory,
+        compute_s=step - sync - opt,
+        reshard_s=0.0,
+        grad_sync_s=sync,
+        optimizer_s=opt,
+        grad_sync_hidden_s=tail.grad_sync_hidden_s,
+    )
     layer = {p.name: p.layer for p in graph.params.values()}
     placements = {}
     for st in psol.stages:
@@ -738,24 +897,41 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
                     placements.update({f"{container}.{i}.{rest}": pl for i in range(a, b)})
             elif container is None:
                 placements[fqn] = pl
-    stages = [{"index": st.index, "layers": [list(r) for r in st.layers], "num_layers": st.num_layers,
-               "dp": st.dp // cp, **({"cp": cp} if cp > 1 else {}), "tp": st.tp, "zero_stage": st.zero_stage,
-               "recompute": st.sharding.recompute if st.sharding is not None else "none",
-               "time_per_microbatch_s": st.time_per_microbatch_s, "transfer_per_microbatch_s": st.transfer_per_microbatch_s,
-               "grad_sync_s": st.grad_sync_s, "activation_copies": st.activation_copies,
-               # what the stage waits for of its transfers, and what its dp sync hides behind its own last
-               # backward and the later ones
-               "transfer_exposed_per_microbatch_s": st.transfer_exposed_per_microbatch_s,
-               "grad_sync_hidden_s": st.grad_sync_hidden_s,
-               "memory_bytes": sum(st.memory.values()), "memory": dict(st.memory),
-               # the placements the stage was priced with (its layer nodes stand for every layer of the stage)
-               "node_output": dict(st.sharding.node_output) if st.sharding is not None else {},
-               "node_inputs": {k: list(v) for k, v in st.sharding.node_inputs.items()} if st.sharding is not None
-               else {}} for st in psol.stages]  # fmt: skip
-    info = {"schedule": str(psol.schedule), "virtual_stages": psol.virtual_stages,
-            "bubble_fraction": psol.bubble_fraction, "micro_batch_size": psol.micro_batch_size, "stages": stages,
-            "step_time_without_pipeline_s": psol.single_stage_step_time_s,
-            "priced": [_per_dp(c, cp) for c in psol.candidates]}  # fmt: skip
+    stages = [
+        {
+            "index": st.index,
+            "layers": [list(r) for r in st.layers],
+            "num_layers": st.num_layers,
+            "dp": st.dp // cp,
+            **({"cp": cp} if cp > 1 else {}),
+            "tp": st.tp,
+            "zero_stage": st.zero_stage,
+            "recompute": st.sharding.recompute if st.sharding is not None else "none",
+            "time_per_microbatch_s": st.time_per_microbatch_s,
+            "transfer_per_microbatch_s": st.transfer_per_microbatch_s,
+            "grad_sync_s": st.grad_sync_s,
+            "activation_copies": st.activation_copies,
+            # what the stage waits for of its transfers, and what its dp sync hides behind its own last
+            # backward and the later ones
+            "transfer_exposed_per_microbatch_s": st.transfer_exposed_per_microbatch_s,
+            "grad_sync_hidden_s": st.grad_sync_hidden_s,
+            "memory_bytes": sum(st.memory.values()),
+            "memory": dict(st.memory),
+            # the placements the stage was priced with (its layer nodes stand for every layer of the stage)
+            "node_output": dict(st.sharding.node_output) if st.sharding is not None else {},
+            "node_inputs": {k: list(v) for k, v in st.sharding.node_inputs.items()} if st.sharding is not None else {},
+        }
+        for st in psol.stages
+    ]
+    info = {
+        "schedule": str(psol.schedule),
+        "virtual_stages": psol.virtual_stages,
+        "bubble_fraction": psol.bubble_fraction,
+        "micro_batch_size": psol.micro_batch_size,
+        "stages": stages,
+        "step_time_without_pipeline_s": psol.single_stage_step_time_s,
+        "priced": [_per_dp(c, cp) for c in psol.candidates],
+    }
     stats = _stats(graph, est, t0, t_trace, psol.solve_time_s, stage_programs=psol.num_stage_programs)
     layer_ops = _stage_layer_ops(psol.stages)
     from autopar.rationale import hidden_terms, pipeline_terms
@@ -763,29 +939,63 @@ def _pipeline_plan(psol, graph: OpGraph, name, cluster, precision, batch, args, 
     slowest = max(psol.stages, key=lambda st: st.time_per_microbatch_s + st.transfer_exposed_per_microbatch_s)
     # the bottleneck stage's cp attention communication per micro-batch: exposed (in its t_s) and hidden
     cp_sol = slowest.sharding
-    cp_s, cp_hidden = ((cp_sol.cp_comm_s / cp_sol.num_microbatches, cp_sol.cp_comm_hidden_s / cp_sol.num_microbatches)
-                       if cp_sol is not None else (0.0, 0.0))  # fmt: skip
+    cp_s, cp_hidden = (
+        (cp_sol.cp_comm_s / cp_sol.num_microbatches, cp_sol.cp_comm_hidden_s / cp_sol.num_microbatches)
+        if cp_sol is not None
+        else (0.0, 0.0)
+    )
     # and its tensor-axis collectives launched early, hidden behind the ops before their use (per micro-batch)
     tp_hidden = cp_sol.reshard_hidden_s / cp_sol.num_microbatches if cp_sol is not None else 0.0
-    terms = pipeline_terms(step_s=step, num_microbatches=psol.num_microbatches, stage_s=slowest.time_per_microbatch_s,
-                           transfer_s=slowest.transfer_exposed_per_microbatch_s, grad_sync_s=sync,
-                           optimizer_s=opt, cp_s=cp_s)  # fmt: skip
+    terms = pipeline_terms(
+        step_s=step,
+        num_microbatches=psol.num_microbatches,
+        stage_s=slowest.time_per_microbatch_s,
+        transfer_s=slowest.transfer_exposed_per_microbatch_s,
+        grad_sync_s=sync,
+        optimizer_s=opt,
+        cp_s=cp_s,
+    )
     transfer_hidden = slowest.transfer_per_microbatch_s - slowest.transfer_exposed_per_microbatch_s
-    hidden = hidden_terms(grad_sync_hidden_s=tail.grad_sync_hidden_s,
-                          transfer_hidden_s=psol.num_microbatches * transfer_hidden,
-                          cp_hidden_s=psol.num_microbatches * cp_hidden,
-                          tp_hidden_s=psol.num_microbatches * tp_hidden)  # fmt: skip
-    mesh = {"pp": psol.pp, "dp": psol.dp // cp, "cp": cp, "tp": psol.tp} if cp > 1 else {"pp": psol.pp, "dp": psol.dp,
-                                                                                         "tp": psol.tp}  # fmt: skip
+    hidden = hidden_terms(
+        grad_sync_hidden_s=tail.grad_sync_hidden_s,
+        transfer_hidden_s=psol.num_microbatches * transfer_hidden,
+        cp_hidden_s=psol.num_microbatches * cp_hidden,
+        tp_hidden_s=psol.num_microbatches * tp_hidden,
+    )
+    mesh = (
+        {"pp": psol.pp, "dp": psol.dp // cp, "cp": cp, "tp": psol.tp}
+        if cp > 1
+        else {"pp": psol.pp, "dp": psol.dp, "tp": psol.tp}
+    )
     # the stages price attention alike (one algorithm per sub-mesh): the first stage's record stands for all
     cp_info = dict(next(st.sharding for st in psol.stages if st.sharding is not None).cp) if cp > 1 else {}
-    return Plan(model_name=name, cluster=cluster, mesh=mesh, context_parallel=cp_info,
-                zero_stage=max(st.zero_stage for st in psol.stages), num_microbatches=psol.num_microbatches,
-                recompute=recompute, precision=precision, global_batch_size=batch // cp, tokens_per_step=tokens,
-                num_parameters=graph.num_parameters(), model_flops_per_step=model_flops,
-                hardware_flops_per_step=hw_flops, predicted=predicted, param_placements=placements, node_output={},
-                node_inputs={}, node_strategy={}, alternatives=(), unruled_ops=(), stats=stats,
-                pipeline=info, time_breakdown=terms, hidden_communication=hidden, layer_ops=layer_ops)  # fmt: skip
+    return Plan(
+        model_name=name,
+        cluster=cluster,
+        mesh=mesh,
+        context_parallel=cp_info,
+        zero_stage=max(st.zero_stage for st in psol.stages),
+        num_microbatches=psol.num_microbatches,
+        recompute=recompute,
+        precision=precision,
+        global_batch_size=batch // cp,
+        tokens_per_step=tokens,
+        num_parameters=graph.num_parameters(),
+        model_flops_per_step=model_flops,
+        hardware_flops_per_step=hw_flops,
+        predicted=predicted,
+        param_placements=placements,
+        node_output={},
+        node_inputs={},
+        node_strategy={},
+        alternatives=(),
+        unruled_ops=(),
+        stats=stats,
+        pipeline=info,
+        time_breakdown=terms,
+        hidden_communication=hidden,
+        layer_ops=layer_ops,
+    )
 
 
 def _per_dp(candidate: dict, cp: int) -> dict:
@@ -809,8 +1019,9 @@ def _stage_layer_ops(stages) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def _predicted(step: float, model_flops: float, hw_flops: float, tokens: int, world: int, peak: float, memory: dict,
-               **times) -> Predicted:  # fmt: skip
+def _predicted(
+    step: float, model_flops: float, hw_flops: float, tokens: int, world: int, peak: float, memory: dict, **times
+) -> Predicted:
     """Per-step figures from the step time; `peak` is one device's matrix peak, `times` the step's parts."""
     return Predicted(
         step_time_s=step,
@@ -886,9 +1097,11 @@ def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs) -> int:
     check_cp_inputs(args, kwargs, spec.degree)
     pp = constraints.get("pp") or 1
     if cluster.world_size % (pp * spec.degree):
-        raise ConfigError(f"constraints pp={pp} x cp={spec.degree} need a multiple of {pp * spec.degree} devices "
-                          f"(each pipeline stage holds whole cp groups), and the cluster has {cluster.world_size}; "
-                          f"lower pp or cp")  # fmt: skip
+        raise ConfigError(
+            f"constraints pp={pp} x cp={spec.degree} need a multiple of {pp * spec.degree} devices "
+            f"(each pipeline stage holds whole cp groups), and the cluster has {cluster.world_size}; "
+            f"lower pp or cp"
+        )
     return spec.degree
 
 
@@ -899,8 +1112,17 @@ def _cp_traced_batch(model, args, kwargs, cp: int):
     return traced_batch(args, kwargs, cp, causal_lm=is_causal_lm(model))
 
 
-def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=None, *, optimizer=None,
-            plan: Plan | None = None, pretrained=None, **plan_kwargs):  # fmt: skip
+def compile(
+    model: torch.nn.Module,
+    cluster,
+    example_inputs=(),
+    example_kwargs=None,
+    *,
+    optimizer=None,
+    plan: Plan | None = None,
+    pretrained=None,
+    **plan_kwargs,
+):
     """Plan (unless `plan` is given) and build the parallel program; call inside torchrun.
 
     Every rank must call it with the same model (same initial parameters) and inputs. The world
@@ -924,12 +1146,16 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
 
     cluster = _as_cluster(cluster)
     if optimizer is not None and not callable(optimizer):
-        raise ConfigError(f"optimizer must be a callable that takes the parameters and returns a torch.optim "
-                          f"optimizer (e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), got "
-                          f"{type(optimizer).__name__}")  # fmt: skip
+        raise ConfigError(
+            f"optimizer must be a callable that takes the parameters and returns a torch.optim "
+            f"optimizer (e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), got "
+            f"{type(optimizer).__name__}"
+        )
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"compile needs the model as an nn.Module, got {type(model).__name__}; plan a preset "
-                          f"with autopar.plan and build the module from its config to run it")  # fmt: skip
+        raise ConfigError(
+            f"compile needs the model as an nn.Module, got {type(model).__name__}; plan a preset "
+            f"with autopar.plan and build the module from its config to run it"
+        )
     if plan is not None:
         _check_given_plan(plan, cluster, model)
     runtime.ensure_process_group(cluster)
@@ -950,17 +1176,22 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
             # the cp degree is searched as `plan` searches it (one trace per degree); the program traces its own
             plan = _plan(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
         else:
-            planning_trace = _trace_in_format(model, *(_cp_traced_batch(model, args, kwargs, cp) if cp > 1 else
-                                                       (args, kwargs)), precision, cp)  # fmt: skip
+            planning_trace = _trace_in_format(
+                model, *(_cp_traced_batch(model, args, kwargs, cp) if cp > 1 else (args, kwargs)), precision, cp
+            )
             plan = _plan(model, cluster, args, kwargs, _traced=planning_trace, **plan_kwargs)
     batch = _batch_size(args, kwargs)
     if batch != plan.global_batch_size:
-        raise ConfigError(f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "
-                          f"{batch}; plan with the batch you will train on")  # fmt: skip
+        raise ConfigError(
+            f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "
+            f"{batch}; plan with the batch you will train on"
+        )
     if _tokens(args, kwargs) != plan.tokens_per_step:
-        raise ConfigError(f"the plan is for {plan.tokens_per_step:,} tokens per step but the example inputs hold "
-                          f"{_tokens(args, kwargs):,} (another sequence length); plan with the batch you will train "
-                          f"on")  # fmt: skip
+        raise ConfigError(
+            f"the plan is for {plan.tokens_per_step:,} tokens per step but the example inputs hold "
+            f"{_tokens(args, kwargs):,} (another sequence length); plan with the batch you will train "
+            f"on"
+        )
     program = runtime.program_class(plan)
     parts = program.trace_parts(plan)
     traced = None
@@ -988,18 +1219,24 @@ def compile(model: torch.nn.Module, cluster, example_inputs=(), example_kwargs=N
 def _check_given_plan(plan, cluster: ClusterSpec, model: torch.nn.Module) -> None:
     """A plan handed to `compile` is a Plan for this cluster's shape and this model's size; ConfigError otherwise."""
     if not isinstance(plan, Plan):
-        raise ConfigError(f"plan= must be an autopar.Plan, got {type(plan).__name__}; read a plan file with "
-                          f"autopar.Plan.from_json(Path(path).read_text())")  # fmt: skip
+        raise ConfigError(
+            f"plan= must be an autopar.Plan, got {type(plan).__name__}; read a plan file with "
+            f"autopar.Plan.from_json(Path(path).read_text())"
+        )
     ours, theirs = cluster, plan.cluster
     shape = (ours.num_nodes, ours.devices_per_node, ours.device.name, ours.device.kind)
     if shape != (theirs.num_nodes, theirs.devices_per_node, theirs.device.name, theirs.device.kind):
-        raise ConfigError(f"the plan is for {theirs.describe()} but compile was given {ours.describe()}; plan again "
-                          f"for this cluster, or pass the plan's own cluster (plan.cluster)")  # fmt: skip
+        raise ConfigError(
+            f"the plan is for {theirs.describe()} but compile was given {ours.describe()}; plan again "
+            f"for this cluster, or pass the plan's own cluster (plan.cluster)"
+        )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if trainable != plan.num_parameters:
-        raise ConfigError(f"the plan is for a model ({plan.model_name}) of {plan.num_parameters:,} trainable "
-                          f"parameters but this model ({type(model).__name__}) has {trainable:,}; plan this "
-                          f"model, or pass the model the plan was made for")  # fmt: skip
+        raise ConfigError(
+            f"the plan is for a model ({plan.model_name}) of {plan.num_parameters:,} trainable "
+            f"parameters but this model ({type(model).__name__}) has {trainable:,}; plan this "
+            f"model, or pass the model the plan was made for"
+        )
 
 
 def _program_trace(model, plan: Plan, args, kwargs):
@@ -1055,18 +1292,50 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
         pins |= {"cp": plan.mesh["cp"], "cp_attention": plan.context_parallel["algorithm"]}
     if plan.program == ProgramKind.PIPELINE:
         block = cluster.sub_cluster(dp * plan.mesh.get("cp", 1) * tp)  # one stage's devices
-        micro = _plan(model, block, args, kwargs, _traced=traced, constraints=pins | {"pp": 1},
-                      memory_budget=float("inf"), precision=plan.precision, offload=False, fuse_kernels=fused)  # fmt: skip
+        micro = _plan(
+            model,
+            block,
+            args,
+            kwargs,
+            _traced=traced,
+            constraints=pins | {"pp": 1},
+            memory_budget=float("inf"),
+            precision=plan.precision,
+            offload=False,
+            fuse_kernels=fused,
+        )
     else:
         try:
-            micro = _plan(model, cluster, args, kwargs, _traced=traced, constraints=pins,
-                          memory_budget=plan.predicted.peak_memory_bytes * 1.01, precision=plan.precision,
-                          fuse_kernels=fused)  # fmt: skip
+            micro = _plan(
+                model,
+                cluster,
+                args,
+                kwargs,
+                _traced=traced,
+                constraints=pins,
+                memory_budget=plan.predicted.peak_memory_bytes * 1.01,
+                precision=plan.precision,
+                fuse_kernels=fused,
+            )
         except InfeasiblePlanError:
-            micro = _plan(model, cluster, args, kwargs, _traced=traced, constraints=pins, precision=plan.precision,
-                          memory_budget=float("inf"), fuse_kernels=fused)  # fmt: skip
-    return dataclasses.replace(plan, node_output=micro.node_output, node_inputs=micro.node_inputs,
-                               node_strategy=micro.node_strategy, param_placements=micro.param_placements)  # fmt: skip
+            micro = _plan(
+                model,
+                cluster,
+                args,
+                kwargs,
+                _traced=traced,
+                constraints=pins,
+                precision=plan.precision,
+                memory_budget=float("inf"),
+                fuse_kernels=fused,
+            )
+    return dataclasses.replace(
+        plan,
+        node_output=micro.node_output,
+        node_inputs=micro.node_inputs,
+        node_strategy=micro.node_strategy,
+        param_placements=micro.param_placements,
+    )
 
 
 _plan = plan  # `compile` and `compare` take a `plan=` argument that hides the function
@@ -1085,13 +1354,24 @@ def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=N
     """
     if isinstance(layouts, (str, dict)):
         layouts = [layouts]
-    kw = {"precision": plan.precision, "fuse_kernels": bool(plan.fusion.get("enabled", False)),
-          "memory_budget": plan.assumptions.get("memory_budget_bytes")} | plan_kwargs  # fmt: skip
+    kw = {
+        "precision": plan.precision,
+        "fuse_kernels": bool(plan.fusion.get("enabled", False)),
+        "memory_budget": plan.assumptions.get("memory_budget_bytes"),
+    } | plan_kwargs
     if model is None or isinstance(model, str):
         kw |= {"global_batch_size": plan.global_batch_size, "seq_len": plan.tokens_per_step // plan.global_batch_size}
     # priced next to `plan` itself, so that each layout's one line says how it compares with this plan
-    priced = _plan(model if model is not None else plan.model_name, plan.cluster, example_inputs, example_kwargs,
-                   alternatives=False, compare=list(layouts), _against=plan, **kw)  # fmt: skip
+    priced = _plan(
+        model if model is not None else plan.model_name,
+        plan.cluster,
+        example_inputs,
+        example_kwargs,
+        alternatives=False,
+        compare=list(layouts),
+        _against=plan,
+        **kw,
+    )
     return dataclasses.replace(plan, comparisons=tuple(plan.comparisons) + tuple(priced.comparisons))
 
 

@@ -9,8 +9,19 @@ from pathlib import Path
 from autopar.errors import AutoparError
 
 # `plan` flags that become autopar.plan constraints, by their argparse dest (the constraint's key).
-_CONSTRAINT_FLAGS = ("tp", "dp", "zero", "pp", "num_microbatches", "micro_batch_size", "schedule", "virtual_stages",
-                     "recompute", "cp", "cp_attention")  # fmt: skip
+_CONSTRAINT_FLAGS = (
+    "tp",
+    "dp",
+    "zero",
+    "pp",
+    "num_microbatches",
+    "micro_batch_size",
+    "schedule",
+    "virtual_stages",
+    "recompute",
+    "cp",
+    "cp_attention",
+)
 # The values of passes.pipeline_search.Schedule and of api._RECOMPUTE_MODES (tests/test_cli.py checks they agree),
 # written out so that `--help` does not import torch.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -97,13 +108,19 @@ def _bench_cmd(args) -> int:
     if args.rows is not None:
         warnings.warn(f"--rows applies to the calibrate suite only; the {args.suite} suite ignores it", stacklevel=1)
     if args.cluster is not None and args.suite not in ("run", "soak", "checkpoint"):
-        warnings.warn(f"--cluster applies to the run, soak and checkpoint suites only; the {args.suite} suite "
-                      f"ignores it", stacklevel=1)  # fmt: skip
-    picks = {k: v for k, v in (("methods", args.methods), ("models", args.models), ("repetitions", args.repetitions))
-             if v is not None}  # fmt: skip
+        warnings.warn(
+            f"--cluster applies to the run, soak and checkpoint suites only; the {args.suite} suite ignores it",
+            stacklevel=1,
+        )
+    picks = {
+        k: v
+        for k, v in (("methods", args.methods), ("models", args.models), ("repetitions", args.repetitions))
+        if v is not None
+    }
     if picks and args.suite != "run":
-        warnings.warn(f"--{' and --'.join(picks)} apply to the run suite only; the {args.suite} suite ignores them",
-                      stacklevel=1)  # fmt: skip
+        warnings.warn(
+            f"--{' and --'.join(picks)} apply to the run suite only; the {args.suite} suite ignores them", stacklevel=1
+        )
         picks = {}
     run_suite(args.suite, args.out, quick=args.quick, cluster=args.cluster, show_progress=not args.quiet, **picks)
     plot = "" if args.suite in ("soak", "checkpoint") else f" and {args.suite}.png"
@@ -177,18 +194,28 @@ def build_parser() -> argparse.ArgumentParser:
         "parameters vs torch.save)",
     )
     b.add_argument("suite", choices=["plans", "compile", "run", "calibrate", "soak", "checkpoint"])
-    b.add_argument("--out", help="folder for the JSON, Markdown and PNG results "
-                   "(default bench-results; out/calibrate for calibrate)")  # fmt: skip
+    b.add_argument(
+        "--out",
+        help="folder for the JSON, Markdown and PNG results (default bench-results; out/calibrate for calibrate)",
+    )
     b.add_argument("--rows", help="calibrate suite: Table 1 rows, e.g. 1.7b,18.4b (default: all five)")
     b.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
-    b.add_argument("--cluster", help="run, soak and checkpoint suites: local CPU ranks, cpu:N (default cpu:2; "
-                   "cpu:4 for soak)")  # fmt: skip
-    b.add_argument("--methods", help="run suite: comma-separated methods, e.g. autopar,autopar-dp,ddp (default "
-                   "autopar,ddp,fsdp2,tp; also autopar-dp, autopar-zero3, autopar-dp-no-overlap, autopar-offload, "
-                   "autopar-offload-no-overlap, autopar-pp-zero1, autopar-pp-zero1-no-overlap)")  # fmt: skip
+    b.add_argument(
+        "--cluster", help="run, soak and checkpoint suites: local CPU ranks, cpu:N (default cpu:2; cpu:4 for soak)"
+    )
+    b.add_argument(
+        "--methods",
+        help="run suite: comma-separated methods, e.g. autopar,autopar-dp,ddp (default "
+        "autopar,ddp,fsdp2,tp; also autopar-dp, autopar-zero3, autopar-dp-no-overlap, autopar-offload, "
+        "autopar-offload-no-overlap, autopar-pp-zero1, autopar-pp-zero1-no-overlap)",
+    )
     b.add_argument("--models", help="run suite: comma-separated models, e.g. wide-llama (default: the small ones)")
-    b.add_argument("--repetitions", type=_positive_int, help="run suite: the least number of repetitions per method "
-                   "(default 5, 3 with --quick; more narrow the spread of the paired ratios on a noisy machine)")  # fmt: skip
+    b.add_argument(
+        "--repetitions",
+        type=_positive_int,
+        help="run suite: the least number of repetitions per method "
+        "(default 5, 3 with --quick; more narrow the spread of the paired ratios on a noisy machine)",
+    )
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     b.set_defaults(fn=_bench_cmd)
     return ap

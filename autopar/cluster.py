@@ -66,8 +66,20 @@ _FILE_KEYS = ("cluster", "device", "intra_node_link", "inter_node_link", "host_l
 _LINK_KEYS = ("intra_node_link", "inter_node_link", "host_link")
 
 _QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*([A-Za-zµ/]*)\s*$")
-_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
-           "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50}  # fmt: skip
+_PREFIX = {
+    "": 1.0,
+    "k": 1e3,
+    "K": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+    "P": 1e15,
+    "Ki": 2.0**10,
+    "Mi": 2.0**20,
+    "Gi": 2.0**30,
+    "Ti": 2.0**40,
+    "Pi": 2.0**50,
+}
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
@@ -129,8 +141,10 @@ class ClusterSpec:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"cluster: {name} must be a positive integer, got {value!r}")
         if self.num_nodes * self.devices_per_node > MAX_DEVICES:
-            raise ConfigError(f"cluster: {self.num_nodes} x {self.devices_per_node} devices is more than the "
-                              f"{MAX_DEVICES:,} autopar plans for; check the node and device counts")  # fmt: skip
+            raise ConfigError(
+                f"cluster: {self.num_nodes} x {self.devices_per_node} devices is more than the "
+                f"{MAX_DEVICES:,} autopar plans for; check the node and device counts"
+            )
         for name in ("device", *_LINK_KEYS):
             expected = DeviceSpec if name == "device" else LinkSpec
             if not isinstance(getattr(self, name), expected):
@@ -164,9 +178,15 @@ class ClusterSpec:
         if spec.kind == "cpu":  # the ranks of a node share its RAM
             host = spec.memory_bytes
             spec = replace(spec, memory_bytes=max(spec.memory_bytes // devices_per_node, 1))
-        return cls(num_nodes=num_nodes, devices_per_node=devices_per_node, device=spec,
-                   intra_node_link=spec.intra_node_link, inter_node_link=spec.inter_node_link,
-                   host_link=spec.host_link, host_memory_bytes=int(host))  # fmt: skip
+        return cls(
+            num_nodes=num_nodes,
+            devices_per_node=devices_per_node,
+            device=spec,
+            intra_node_link=spec.intra_node_link,
+            inter_node_link=spec.inter_node_link,
+            host_link=spec.host_link,
+            host_memory_bytes=int(host),
+        )
 
     @classmethod
     def parse(cls, text: str) -> ClusterSpec:
@@ -249,15 +269,20 @@ class ClusterSpec:
             got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
             raise ConfigError(f"cluster dict: expected the fields {sorted(allowed)}, got {got}")
         try:
-            return cls(num_nodes=_whole(d["num_nodes"]), devices_per_node=_whole(d["devices_per_node"]),
-                       device=DeviceSpec.from_dict(d["device"]),
-                       **{key: LinkSpec.from_dict(d[key]) for key in _LINK_KEYS},
-                       host_memory_bytes=_whole(d["host_memory_bytes"]))  # fmt: skip
+            return cls(
+                num_nodes=_whole(d["num_nodes"]),
+                devices_per_node=_whole(d["devices_per_node"]),
+                device=DeviceSpec.from_dict(d["device"]),
+                **{key: LinkSpec.from_dict(d[key]) for key in _LINK_KEYS},
+                host_memory_bytes=_whole(d["host_memory_bytes"]),
+            )
         except (TypeError, ValueError, OverflowError, AttributeError) as e:
             if isinstance(e, ConfigError):
                 raise
-            raise ConfigError(f"cluster dict: a field holds a value of the wrong kind ({type(e).__name__}: {e}); "
-                              f"write it with ClusterSpec.to_dict") from e  # fmt: skip
+            raise ConfigError(
+                f"cluster dict: a field holds a value of the wrong kind ({type(e).__name__}: {e}); "
+                f"write it with ClusterSpec.to_dict"
+            ) from e
 
     # ----------------------------------------------------------------------------- queries
 
@@ -326,8 +351,9 @@ def _override_link(base: LinkSpec, overrides, where: str) -> LinkSpec:
     unknown = set(overrides) - allowed
     if unknown:
         raise ConfigError(f"{where}: unknown link fields {sorted(unknown)}; known fields are {sorted(allowed)}")
-    changes = {k: (str(v) if k == "name" else parse_quantity(v, k)) for k, v in overrides.items()
-               if k != "per_collective"}  # fmt: skip
+    changes = {
+        k: (str(v) if k == "name" else parse_quantity(v, k)) for k, v in overrides.items() if k != "per_collective"
+    }
     if "per_collective" in overrides:
         changes["per_collective"] = parse_per_collective(overrides["per_collective"], where)
     return replace(base, **changes)

@@ -113,13 +113,19 @@ def _searched(c: int, result, degrees: list[int], results: dict) -> dict:
     out = {"degree": c, "feasible": False, "step_time_s": None, "peak_memory_bytes": None}
     if isinstance(result, tuple):
         p = result[0].predicted
-        return out | {"feasible": True, "step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes,
-                      "memory_breakdown": dict(p.memory_breakdown), "algorithm":
-                      result[0].context_parallel.get("algorithm"), "reason": ""}  # fmt: skip
+        return out | {
+            "feasible": True,
+            "step_time_s": p.step_time_s,
+            "peak_memory_bytes": p.peak_memory_bytes,
+            "memory_breakdown": dict(p.memory_breakdown),
+            "algorithm": result[0].context_parallel.get("algorithm"),
+            "reason": "",
+        }
     if isinstance(result, Exception):
         need = re.search(r"needs at least ([0-9.,]+ \w+) per device", str(result))
-        return out | {"reason": f"does not fit: needs at least {need.group(1)} per device" if need
-                      else str(result).split(";")[0]}  # fmt: skip
+        return out | {
+            "reason": f"does not fit: needs at least {need.group(1)} per device" if need else str(result).split(";")[0]
+        }
     higher = [d for d in degrees if d > c and d in results]
     lowest = min(higher) if higher else None
     if lowest is not None and isinstance(results[lowest], InfeasiblePlanError):

@@ -34,8 +34,10 @@ def _activation_words(plan) -> str:
     parts = [f"{words[m]} in layers {_ranges(layers)}" for m, layers in modes.items()]
     off = getattr(plan, "activation_offload", {})
     if off:
-        parts.append(f"offloaded activations {off['bytes_per_device'] / GIB:,.2f} GiB per device on the host, copies "
-                     f"adding {off['time_s'] * 1e3:,.2f} ms")  # fmt: skip
+        parts.append(
+            f"offloaded activations {off['bytes_per_device'] / GIB:,.2f} GiB per device on the host, copies "
+            f"adding {off['time_s'] * 1e3:,.2f} ms"
+        )
     return "per layer: " + "; ".join(parts) + "; the other layers keep theirs"
 
 
@@ -57,13 +59,18 @@ def _offload_words(plan) -> str:
     off = plan.offload
     if not off:
         return "none (every state on the device)"
-    weights = (f", with their {off['param_bytes_per_device'] / GIB:,.2f} GiB of weights per device (brought up at "
-               f"each gather)" if off.get("param_bytes_per_device") else "")  # fmt: skip
-    return (f"{off['optimizer_fraction']:.0%} of the optimizer states (fp32 master weights and moments) and "
-            f"{off['grad_fraction']:.0%} of the gradients on the host{weights}: "
-            f"{off['host_bytes_per_device'] / GIB:,.2f} GiB "
-            f"per device, {off['host_bytes_per_node'] / GIB:,.1f} GiB per node; the host link and the CPU AdamW step "
-            f"add {off['time_s'] * 1e3:,.2f} ms")  # fmt: skip
+    weights = (
+        f", with their {off['param_bytes_per_device'] / GIB:,.2f} GiB of weights per device (brought up at each gather)"
+        if off.get("param_bytes_per_device")
+        else ""
+    )
+    return (
+        f"{off['optimizer_fraction']:.0%} of the optimizer states (fp32 master weights and moments) and "
+        f"{off['grad_fraction']:.0%} of the gradients on the host{weights}: "
+        f"{off['host_bytes_per_device'] / GIB:,.2f} GiB "
+        f"per device, {off['host_bytes_per_node'] / GIB:,.1f} GiB per node; the host link and the CPU AdamW step "
+        f"add {off['time_s'] * 1e3:,.2f} ms"
+    )
 
 
 def _fusion_words(fusion: dict) -> str:
@@ -113,7 +120,10 @@ def _summary(plan) -> list:
         ["mesh", " x ".join(f"{k}={v}" for k, v in plan.mesh.items()) + f" ({_mapping_words(plan)})"],
         ["program", f"{plan.program}"],
         ["ZeRO stage (over dp)", str(plan.zero_stage)],
-        ["micro-batches per step", f"{plan.num_microbatches} of {plan.micro_batch_size} sample(s) per data-parallel rank"],
+        [
+            "micro-batches per step",
+            f"{plan.num_microbatches} of {plan.micro_batch_size} sample(s) per data-parallel rank",
+        ],
         ["activation recompute", _activation_words(plan)],
         ["host offload", _offload_words(plan)],
         ["precision", plan.precision],
@@ -126,15 +136,21 @@ def _summary(plan) -> list:
         ["peak memory per device", f"{_gib(p.peak_memory_bytes)} GiB"],
         ["kernel fusion", _fusion_words(plan.fusion)],
         ["planning time", f"{st['total_time_s']:,.2f} s" if "total_time_s" in st else _NO_PLANNING_TIME],
-    ]  # fmt: skip
+    ]
     return [("h1", f"autopar plan: {plan.model_name}"), ("h2", "Summary"), ("table", ["", ""], rows)]
 
 
 # plan files leave wall-clock figures out to stay byte-identical across runs (`autopar.plan` module docstring)
 _NO_PLANNING_TIME = "not kept in plan files (the report written by `autopar plan --report` shows it)"
-_MEMORY_WORDS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer states",
-                 "activations": "activations", "recompute": "recompute working set", "transient": "transient peak",
-                 "buffers": "buffers"}  # fmt: skip
+_MEMORY_WORDS = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer states",
+    "activations": "activations",
+    "recompute": "recompute working set",
+    "transient": "transient peak",
+    "buffers": "buffers",
+}
 
 
 def _memory(plan) -> list:
@@ -147,18 +163,29 @@ def _memory(plan) -> list:
     else:
         rows = [(f"each of {plan.cluster.world_size} {plan.cluster.device.name}", dict(p.memory_breakdown))]
     kinds = list(dict.fromkeys(k for _, mem in rows for k in mem))
-    table = [[label] + [_gib(mem.get(k, 0.0)) for k in kinds] + [_gib(sum(mem.values())), _gib(budget)]
-             for label, mem in rows]  # fmt: skip
-    blocks = [("h2", "Memory per device"),
-              ("p", "Peak bytes per device by kind, at the turn from forward to backward where every saved activation "
-                    f"is live; capacity {_gib(capacity)} GiB per device, budget {_gib(budget)} GiB."),
-              ("table", ["device"] + [_MEMORY_WORDS.get(k, k) for k in kinds] + ["total GiB", "budget GiB"], table)]  # fmt: skip
+    table = [
+        [label] + [_gib(mem.get(k, 0.0)) for k in kinds] + [_gib(sum(mem.values())), _gib(budget)]
+        for label, mem in rows
+    ]
+    blocks = [
+        ("h2", "Memory per device"),
+        (
+            "p",
+            "Peak bytes per device by kind, at the turn from forward to backward where every saved activation "
+            f"is live; capacity {_gib(capacity)} GiB per device, budget {_gib(budget)} GiB.",
+        ),
+        ("table", ["device"] + [_MEMORY_WORDS.get(k, k) for k in kinds] + ["total GiB", "budget GiB"], table),
+    ]
     fullest = max(sum(mem.values()) for _, mem in rows)
     # a budget far above every bar would flatten them to slivers: it is then in the words above, not on the axis
     limit = ("budget", budget) if budget <= 4 * fullest else None
-    blocks.append(("chart", bars_svg(rows, unit="GiB", scale=GIB, title="Memory per device (GiB)", labels=_MEMORY_WORDS,
-                                     limit=limit),
-                   bars_text(rows, unit="GiB", scale=GIB, labels=_MEMORY_WORDS, limit=limit)))  # fmt: skip
+    blocks.append(
+        (
+            "chart",
+            bars_svg(rows, unit="GiB", scale=GIB, title="Memory per device (GiB)", labels=_MEMORY_WORDS, limit=limit),
+            bars_text(rows, unit="GiB", scale=GIB, labels=_MEMORY_WORDS, limit=limit),
+        )
+    )
     host = [f"optimizer states and gradients: {_offload_words(plan)}"] if plan.offload else []
     if plan.activation_offload:
         off = plan.activation_offload
@@ -169,35 +196,56 @@ def _memory(plan) -> list:
 
 def _host_memory(plan) -> list:
     """What each device keeps on the host, by kind, against its share of the node's host memory ([] if nothing)."""
-    held = {"optimizer": plan.offload.get("optimizer_bytes_per_device", 0.0),
-            "grads": plan.offload.get("grad_bytes_per_device", 0.0),
-            "activations": plan.activation_offload.get("bytes_per_device", 0.0)}  # fmt: skip
+    held = {
+        "optimizer": plan.offload.get("optimizer_bytes_per_device", 0.0),
+        "grads": plan.offload.get("grad_bytes_per_device", 0.0),
+        "activations": plan.activation_offload.get("bytes_per_device", 0.0),
+    }
     held = {k: v for k, v in held.items() if v}
     if not held:
         return []
     capacity, per_node = plan.cluster.host_memory_bytes_per_device, plan.cluster.devices_per_node
     total = sum(held.values())
     rows = [[_MEMORY_WORDS[k], _gib(v), _gib(v * per_node)] for k, v in held.items()]
-    rows += [["**total**", _gib(total), _gib(total * per_node)],
-             ["host capacity", _gib(capacity), _gib(plan.cluster.host_memory_bytes)]]  # fmt: skip
+    rows += [
+        ["**total**", _gib(total), _gib(total * per_node)],
+        ["host capacity", _gib(capacity), _gib(plan.cluster.host_memory_bytes)],
+    ]
     chart = [("host, per device", held)]
     limit = ("host capacity", capacity)
     weights = plan.offload.get("param_bytes_per_device")
-    words = (f" The {_gib(weights)} GiB of weights per device whose optimizer states are on the host have no copy on "
-             "the device between uses: each gather brings them up from the host's fp32 master weights (counted with "
-             "the optimizer states)." if weights else "")  # fmt: skip
-    return [("h3", "Host memory"),
-            ("p", f"Bytes each device keeps on the host, by kind, against its share of the node's host memory "
-                  f"({_gib(capacity)} GiB of {_gib(plan.cluster.host_memory_bytes)} GiB over {per_node} devices): "
-                  f"{total / capacity:.1%} of it.{words}"),
-            ("table", ["kind", "GiB per device", "GiB per node"], rows),
-            ("chart", bars_svg(chart, unit="GiB", scale=GIB, title="Host memory per device (GiB)",
-                               labels=_MEMORY_WORDS, limit=limit),
-             bars_text(chart, unit="GiB", scale=GIB, labels=_MEMORY_WORDS, limit=limit))]  # fmt: skip
+    words = (
+        f" The {_gib(weights)} GiB of weights per device whose optimizer states are on the host have no copy on "
+        "the device between uses: each gather brings them up from the host's fp32 master weights (counted with "
+        "the optimizer states)."
+        if weights
+        else ""
+    )
+    return [
+        ("h3", "Host memory"),
+        (
+            "p",
+            f"Bytes each device keeps on the host, by kind, against its share of the node's host memory "
+            f"({_gib(capacity)} GiB of {_gib(plan.cluster.host_memory_bytes)} GiB over {per_node} devices): "
+            f"{total / capacity:.1%} of it.{words}",
+        ),
+        ("table", ["kind", "GiB per device", "GiB per node"], rows),
+        (
+            "chart",
+            bars_svg(
+                chart, unit="GiB", scale=GIB, title="Host memory per device (GiB)", labels=_MEMORY_WORDS, limit=limit
+            ),
+            bars_text(chart, unit="GiB", scale=GIB, labels=_MEMORY_WORDS, limit=limit),
+        ),
+    ]
 
 
-_HIDING = {"comm_dp": "gradient all-reduces overlapping backward", "comm_tp": "resharding overlapping compute",
-           "comm_pp": "stage sends overlapping compute", "comm_cp": "ring hops overlapping attention blocks"}  # fmt: skip
+_HIDING = {
+    "comm_dp": "gradient all-reduces overlapping backward",
+    "comm_tp": "resharding overlapping compute",
+    "comm_pp": "stage sends overlapping compute",
+    "comm_cp": "ring hops overlapping attention blocks",
+}
 
 
 def _context_parallel(plan) -> list:
@@ -210,10 +258,12 @@ def _context_parallel(plan) -> list:
     degree = plan.mesh.get("cp", 1)
     blocks = [("h2", "Context parallelism")]
     if degree > 1:
-        words = (f"The sequence is split over cp={degree} ranks in the {cp.get('layout', 'zigzag')} layout (each rank "
-                 f"holds chunks r and {2 * degree - 1}-r); attention runs across the group by **{cp['algorithm']}**, "
-                 f"the fastest priced algorithm whose memory fits. Each algorithm, per attention layer and "
-                 f"micro-batch on the busiest rank:")  # fmt: skip
+        words = (
+            f"The sequence is split over cp={degree} ranks in the {cp.get('layout', 'zigzag')} layout (each rank "
+            f"holds chunks r and {2 * degree - 1}-r); attention runs across the group by **{cp['algorithm']}**, "
+            f"the fastest priced algorithm whose memory fits. Each algorithm, per attention layer and "
+            f"micro-batch on the busiest rank:"
+        )
         blocks += [("p", words)] + [("li", line) for line in cp.get("priced", ())]
     search = cp.get("search")
     if search:
@@ -224,12 +274,14 @@ def _context_parallel(plan) -> list:
                 return "chosen"
             return r.get("reason") or f"{r['step_time_s'] / step - 1:.1%} slower" if step else ""
 
-        rows = [[str(r["degree"]), _ms(r["step_time_s"]), _gib(r["peak_memory_bytes"]), r.get("algorithm") or "-",
-                 why(r)] for r in search]  # fmt: skip
-        blocks += [("p", "The cp degrees searched (1: without cp), each at its best layout; memory is the peak per "
-                         "device:"),
-                   ("table", ["cp", "step time (ms)", "peak memory (GiB)", "attention", "not chosen because"],
-                    rows)]  # fmt: skip
+        rows = [
+            [str(r["degree"]), _ms(r["step_time_s"]), _gib(r["peak_memory_bytes"]), r.get("algorithm") or "-", why(r)]
+            for r in search
+        ]
+        blocks += [
+            ("p", "The cp degrees searched (1: without cp), each at its best layout; memory is the peak per device:"),
+            ("table", ["cp", "step time (ms)", "peak memory (GiB)", "attention", "not chosen because"], rows),
+        ]
     elif degree > 1:
         blocks.append(("p", "cp was pinned, so the layout without it was not priced; plan without the pin to compare."))
     return blocks
@@ -241,22 +293,50 @@ def _time(plan) -> list:
     if not terms:
         return []
     step = plan.predicted.step_time_s
-    rows = [[TERM_LABELS.get(k, k), _ms(v), f"{v / step:.1%}" if step else "-",
-             _ms(hidden.get(k, 0.0)) if k in COMM_TERMS else ""] for k, v in terms.items()]  # fmt: skip
+    rows = [
+        [
+            TERM_LABELS.get(k, k),
+            _ms(v),
+            f"{v / step:.1%}" if step else "-",
+            _ms(hidden.get(k, 0.0)) if k in COMM_TERMS else "",
+        ]
+        for k, v in terms.items()
+    ]
     chart_rows = [("chosen plan", {k: v for k, v in terms.items() if v})]
     axes = [k for k in COMM_TERMS if k in terms]
-    per_axis = "; ".join(f"{k.removeprefix('comm_')}: {_ms(terms[k])} ms exposed, " + (
-        f"{_ms(hidden[k])} ms hidden ({_HIDING[k]})" if hidden.get(k) else "nothing hidden") for k in axes)  # fmt: skip
-    overlap = ("Communication per mesh axis, exposed (the step waits for it: its term above) and hidden behind compute "
-               f"(overlapped, not counted in the step): {per_axis}." if axes else "No communication.")  # fmt: skip
-    return [("h2", "Time breakdown"),
-            ("p", f"One step's predicted time by term; the terms add up to the step time ({_ms(step)} ms). A "
-                  "communication term is its exposed part; the last column is what overlap hides of it."),
-            ("table", ["term", "ms", "share", "hidden ms (not in the step)"], rows),
-            ("p", overlap),
-            ("chart", bars_svg(chart_rows, unit="ms", scale=1e-3, title="Step time (ms)", labels=TERM_LABELS,
-                               hidden={"chosen plan": hidden}),
-             bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS, hidden={"chosen plan": hidden}))]  # fmt: skip
+    per_axis = "; ".join(
+        f"{k.removeprefix('comm_')}: {_ms(terms[k])} ms exposed, "
+        + (f"{_ms(hidden[k])} ms hidden ({_HIDING[k]})" if hidden.get(k) else "nothing hidden")
+        for k in axes
+    )
+    overlap = (
+        "Communication per mesh axis, exposed (the step waits for it: its term above) and hidden behind compute "
+        f"(overlapped, not counted in the step): {per_axis}."
+        if axes
+        else "No communication."
+    )
+    return [
+        ("h2", "Time breakdown"),
+        (
+            "p",
+            f"One step's predicted time by term; the terms add up to the step time ({_ms(step)} ms). A "
+            "communication term is its exposed part; the last column is what overlap hides of it.",
+        ),
+        ("table", ["term", "ms", "share", "hidden ms (not in the step)"], rows),
+        ("p", overlap),
+        (
+            "chart",
+            bars_svg(
+                chart_rows,
+                unit="ms",
+                scale=1e-3,
+                title="Step time (ms)",
+                labels=TERM_LABELS,
+                hidden={"chosen plan": hidden},
+            ),
+            bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS, hidden={"chosen plan": hidden}),
+        ),
+    ]
 
 
 def _stage_of(plan, name: str):
@@ -282,20 +362,36 @@ def _layers(plan) -> list:
         st = _stage_of(plan, name)
         if st is not None:
             stages.setdefault(key, set()).add(st)
-    rows = [[f"`{key}`", ", ".join(f"{pl} x{n}" if n > 1 else pl for pl, n in cnt.items()),
-             _ranges(stages[key]) if key in stages else "-"] for key, cnt in groups.items()]  # fmt: skip
-    blocks = [("h2", "Layer table"),
-              ("p", "Parameters by kind (layer indices folded into *), their placement on the tensor axis, and the "
-                    "pipeline stage(s) holding them."),
-              ("table", ["parameter", "placement", "stage"], rows)]  # fmt: skip
+    rows = [
+        [
+            f"`{key}`",
+            ", ".join(f"{pl} x{n}" if n > 1 else pl for pl, n in cnt.items()),
+            _ranges(stages[key]) if key in stages else "-",
+        ]
+        for key, cnt in groups.items()
+    ]
+    blocks = [
+        ("h2", "Layer table"),
+        (
+            "p",
+            "Parameters by kind (layer indices folded into *), their placement on the tensor axis, and the "
+            "pipeline stage(s) holding them.",
+        ),
+        ("table", ["parameter", "placement", "stage"], rows),
+    ]
     if plan.layer_ops:
-        blocks.append(("p", "Each deduplicated layer's ops (one layer stands for all alike), with their placement on the "
-                            "tensor axis (the inputs as the op needs them, its output) and the collectives the plan "
-                            "inserts for them: kind, mesh axis, pass, bytes (the full tensor on one data-parallel rank "
-                            "for one micro-batch), time of one run, runs per step (layers x micro-batches) and time per "
-                            "step, and the part of it the step waits for (exposed). Views and elementwise ops that keep their "
-                            "producer's layout and need no collective are left out; a parameter's dp row is its "
-                            "gradient sync (and ZeRO gathers) in one step." + _apportion_words(plan)))  # fmt: skip
+        blocks.append(
+            (
+                "p",
+                "Each deduplicated layer's ops (one layer stands for all alike), with their placement on the "
+                "tensor axis (the inputs as the op needs them, its output) and the collectives the plan "
+                "inserts for them: kind, mesh axis, pass, bytes (the full tensor on one data-parallel rank "
+                "for one micro-batch), time of one run, runs per step (layers x micro-batches) and time per "
+                "step, and the part of it the step waits for (exposed). Views and elementwise ops that keep their "
+                "producer's layout and need no collective are left out; a parameter's dp row is its "
+                "gradient sync (and ZeRO gathers) in one step." + _apportion_words(plan),
+            )
+        )
         for entry in plan.layer_ops:
             blocks += _layer_ops(entry)
     strategies = Counter(s for s in plan.node_strategy.values() if not s.startswith("follows"))
@@ -311,9 +407,11 @@ def _apportion_words(plan) -> str:
     """How the layer table's dp rows share the data axis's hidden sync ("" where nothing is hidden)."""
     if not plan.hidden_communication.get("comm_dp"):
         return ""
-    return (" Overlap hides part of the gradient sync, priced for the step as a whole, not per bucket: each dp row's "
-            "exposed part is its share of the step's exposed sync, pro rata to its sync time (the same fraction for "
-            "every row); the one bucket latency a step pays is in no row.")  # fmt: skip
+    return (
+        " Overlap hides part of the gradient sync, priced for the step as a whole, not per bucket: each dp row's "
+        "exposed part is its share of the step's exposed sync, pro rata to its sync time (the same fraction for "
+        "every row); the one bucket latency a step pays is in no row."
+    )
 
 
 def _layer_ops(entry: dict) -> list:
@@ -336,15 +434,47 @@ def _layer_ops(entry: dict) -> list:
             totals[(c["axis"], c["pass"])] += per_step
             exposed[(c["axis"], c["pass"])] += waits
             what = c["kind"] + (f" of `{c['from']}` ({c['placements']})" if c.get("placements") else "")
-            rows.append((head if i == 0 else [""] * 5) + [what, c["axis"], c["pass"], _bytes(c["bytes"]),
-                        f"{c['time_s'] * 1e3:,.3f}", f"{c['per_step']:,.4g}", f"{per_step * 1e3:,.3f}",
-                        f"{waits * 1e3:,.3f}"])  # fmt: skip
-    words = "; ".join(f"{axis} {when} {t * 1e3:,.3f} ms" + (f" ({exposed[axis, when] * 1e3:,.3f} ms exposed)"
-                      if exposed[axis, when] < t else "") for (axis, when), t in sorted(totals.items()))  # fmt: skip
-    return [("h3", title),
-            ("p", f"Collectives per step: {words}." if words else "No collectives."),
-            ("table", ["node", "op", "strategy", "inputs", "output", "collective", "axis", "pass", "bytes",
-                       "ms per run", "runs per step", "ms per step", "exposed ms per step"], rows)]  # fmt: skip
+            rows.append(
+                (head if i == 0 else [""] * 5)
+                + [
+                    what,
+                    c["axis"],
+                    c["pass"],
+                    _bytes(c["bytes"]),
+                    f"{c['time_s'] * 1e3:,.3f}",
+                    f"{c['per_step']:,.4g}",
+                    f"{per_step * 1e3:,.3f}",
+                    f"{waits * 1e3:,.3f}",
+                ]
+            )
+    words = "; ".join(
+        f"{axis} {when} {t * 1e3:,.3f} ms"
+        + (f" ({exposed[axis, when] * 1e3:,.3f} ms exposed)" if exposed[axis, when] < t else "")
+        for (axis, when), t in sorted(totals.items())
+    )
+    return [
+        ("h3", title),
+        ("p", f"Collectives per step: {words}." if words else "No collectives."),
+        (
+            "table",
+            [
+                "node",
+                "op",
+                "strategy",
+                "inputs",
+                "output",
+                "collective",
+                "axis",
+                "pass",
+                "bytes",
+                "ms per run",
+                "runs per step",
+                "ms per step",
+                "exposed ms per step",
+            ],
+            rows,
+        ),
+    ]
 
 
 def _bytes(n: float) -> str:
@@ -356,30 +486,77 @@ def _pipeline(plan) -> list:
     info = plan.pipeline
     if not info:
         return []
-    blocks = [("h2", "Pipeline"),
-              ("p", f"Schedule {info['schedule']}, {info.get('virtual_stages', 1)} virtual stage(s) per device, "
-                    f"{plan.num_microbatches} micro-batches of {info['micro_batch_size']} sample(s) per data-parallel "
-                    f"rank, bubble {info['bubble_fraction']:.1%} of the time without one ((p - 1) / m, / v when "
-                    "interleaved).")]  # fmt: skip
+    blocks = [
+        ("h2", "Pipeline"),
+        (
+            "p",
+            f"Schedule {info['schedule']}, {info.get('virtual_stages', 1)} virtual stage(s) per device, "
+            f"{plan.num_microbatches} micro-batches of {info['micro_batch_size']} sample(s) per data-parallel "
+            f"rank, bubble {info['bubble_fraction']:.1%} of the time without one ((p - 1) / m, / v when "
+            "interleaved).",
+        ),
+    ]
     without = info.get("step_time_without_pipeline_s")
-    blocks.append(("p", f"The best plan without a pipeline: {_ms(without)} ms." if without else
-                   "No plan without a pipeline was priced (the number of stages is pinned) or none fits."))  # fmt: skip
-    rows = [[str(st["index"]), ", ".join(f"{a}-{b - 1}" for a, b in st["layers"]), f"dp={st['dp']} tp={st['tp']}",
-             str(st["zero_stage"]), st["recompute"], f"{st['time_per_microbatch_s'] * 1e3:,.3f}",
-             f"{st['transfer_per_microbatch_s'] * 1e3:,.3f}", f"{st['activation_copies']:g}",
-             _gib(st["memory_bytes"])] for st in info["stages"]]  # fmt: skip
-    blocks.append(("table", ["stage", "layers", "sub-mesh", "ZeRO", "recompute", "ms / micro-batch", "transfer ms",
-                             "micro-batches in flight", "memory GiB"], rows))  # fmt: skip
+    blocks.append(
+        (
+            "p",
+            f"The best plan without a pipeline: {_ms(without)} ms."
+            if without
+            else "No plan without a pipeline was priced (the number of stages is pinned) or none fits.",
+        )
+    )
+    rows = [
+        [
+            str(st["index"]),
+            ", ".join(f"{a}-{b - 1}" for a, b in st["layers"]),
+            f"dp={st['dp']} tp={st['tp']}",
+            str(st["zero_stage"]),
+            st["recompute"],
+            f"{st['time_per_microbatch_s'] * 1e3:,.3f}",
+            f"{st['transfer_per_microbatch_s'] * 1e3:,.3f}",
+            f"{st['activation_copies']:g}",
+            _gib(st["memory_bytes"]),
+        ]
+        for st in info["stages"]
+    ]
+    blocks.append(
+        (
+            "table",
+            [
+                "stage",
+                "layers",
+                "sub-mesh",
+                "ZeRO",
+                "recompute",
+                "ms / micro-batch",
+                "transfer ms",
+                "micro-batches in flight",
+                "memory GiB",
+            ],
+            rows,
+        )
+    )
     blocks += _gantt(plan)
     priced = sorted(info.get("priced", ()), key=lambda c: (c["step_time_s"] is None, c["step_time_s"] or 0.0))
     if priced:
-        rows = [[f"pp={c['pp']} dp={c['dp']} tp={c['tp']}", str(c["num_microbatches"]),
-                 c["schedule"] + (f" x{c['virtual_stages']}" if c.get("virtual_stages", 1) > 1 else ""),
-                 _ms(c["estimate_s"]), _ms(c["step_time_s"]) if c["step_time_s"] is not None else c.get("reason", "")]
-                for c in priced]  # fmt: skip
-        blocks += [("p", "Layouts priced exactly, fastest first (each at its best cut of the layers; the search stops "
-                         "once no remaining layout's estimate can beat the best):"),
-                   ("table", ["layout", "micro-batches", "schedule", "estimate ms", "step ms"], rows)]  # fmt: skip
+        rows = [
+            [
+                f"pp={c['pp']} dp={c['dp']} tp={c['tp']}",
+                str(c["num_microbatches"]),
+                c["schedule"] + (f" x{c['virtual_stages']}" if c.get("virtual_stages", 1) > 1 else ""),
+                _ms(c["estimate_s"]),
+                _ms(c["step_time_s"]) if c["step_time_s"] is not None else c.get("reason", ""),
+            ]
+            for c in priced
+        ]
+        blocks += [
+            (
+                "p",
+                "Layouts priced exactly, fastest first (each at its best cut of the layers; the search stops "
+                "once no remaining layout's estimate can beat the best):",
+            ),
+            ("table", ["layout", "micro-batches", "schedule", "estimate ms", "step ms"], rows),
+        ]
     return blocks
 
 
@@ -391,14 +568,21 @@ def _gantt(plan) -> list:
     v = info.get("virtual_stages", 1)
     orders = schedule_order(info["schedule"], pp, plan.num_microbatches, v)
     slots = simulate(orders, 1.0 / (3 * v), 2.0 / (3 * v))
-    title = (f"One step of {info['schedule']}" + (f" x{v}" if v > 1 else "") + f": {pp} stages, "
-             f"{plan.num_microbatches} micro-batches")  # fmt: skip
-    return [("h3", "Schedule"),
-            ("p", "Boxes are the forward (F) and backward (B) of each micro-batch on each stage in the order the "
-                  "schedule runs them, every stage at the slowest stage's time per micro-batch "
-                  f"({_ms(per_mb)} ms, forward to backward drawn 1:2); gaps are the bubble. The step's gradient sync "
-                  "and optimizer step follow the last backward."),
-            ("chart", gantt_svg(slots, pp, title=title, unit_s=per_mb), gantt_text(slots, pp))]  # fmt: skip
+    title = (
+        f"One step of {info['schedule']}" + (f" x{v}" if v > 1 else "") + f": {pp} stages, "
+        f"{plan.num_microbatches} micro-batches"
+    )
+    return [
+        ("h3", "Schedule"),
+        (
+            "p",
+            "Boxes are the forward (F) and backward (B) of each micro-batch on each stage in the order the "
+            "schedule runs them, every stage at the slowest stage's time per micro-batch "
+            f"({_ms(per_mb)} ms, forward to backward drawn 1:2); gaps are the bubble. The step's gradient sync "
+            "and optimizer step follow the last backward.",
+        ),
+        ("chart", gantt_svg(slots, pp, title=title, unit_s=per_mb), gantt_text(slots, pp)),
+    ]
 
 
 def _why(plan) -> list:
@@ -407,46 +591,101 @@ def _why(plan) -> list:
         step = plan.predicted.step_time_s
         rows = [["**chosen**", _layout_words(plan), _ms(step), "-", _gib(plan.predicted.peak_memory_bytes), "yes", ""]]
         for b in sorted(plan.baselines, key=lambda b: (not b["feasible"], b["step_time_s"] or 0.0)):
-            rows.append([b["label"], b["layout"], _ms(b["step_time_s"]),
-                         f"{b['step_time_s'] / step:.2f}x" if b["feasible"] and step else "-",
-                         _gib(b["peak_memory_bytes"]), "yes" if b["feasible"] else "no", b["reason"]])  # fmt: skip
-        blocks += [("p", "The layouts a user would pick by hand, each priced by the same cost model with what it does not "
-                         "pin left to the solver (the best of its family); a layout that cannot run says which "
-                         "constraint ruled it out and by how much."),
-                   ("table", ["alternative", "layout", "step ms", "vs chosen", "peak GiB", "fits", "why not"], rows)]  # fmt: skip
+            rows.append(
+                [
+                    b["label"],
+                    b["layout"],
+                    _ms(b["step_time_s"]),
+                    f"{b['step_time_s'] / step:.2f}x" if b["feasible"] and step else "-",
+                    _gib(b["peak_memory_bytes"]),
+                    "yes" if b["feasible"] else "no",
+                    b["reason"],
+                ]
+            )
+        blocks += [
+            (
+                "p",
+                "The layouts a user would pick by hand, each priced by the same cost model with what it does not "
+                "pin left to the solver (the best of its family); a layout that cannot run says which "
+                "constraint ruled it out and by how much.",
+            ),
+            ("table", ["alternative", "layout", "step ms", "vs chosen", "peak GiB", "fits", "why not"], rows),
+        ]
         shown = [b for b in plan.baselines if b["feasible"] and b.get("terms")]
         chart_rows = [("chosen", plan.time_breakdown)] + [(b["name"], b["terms"]) for b in shown]
         hidden = {"chosen": plan.hidden_communication} | {b["name"]: b.get("hidden", {}) for b in shown}
-        blocks.append(("chart", bars_svg(chart_rows, unit="ms", scale=1e-3, title="Step time of each alternative (ms)",
-                                         labels=TERM_LABELS, hidden=hidden),
-                       bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS, hidden=hidden)))  # fmt: skip
+        blocks.append(
+            (
+                "chart",
+                bars_svg(
+                    chart_rows,
+                    unit="ms",
+                    scale=1e-3,
+                    title="Step time of each alternative (ms)",
+                    labels=TERM_LABELS,
+                    hidden=hidden,
+                ),
+                bars_text(chart_rows, unit="ms", scale=1e-3, labels=TERM_LABELS, hidden=hidden),
+            )
+        )
     else:
         blocks.append(("p", "No alternatives were priced for this plan (planned with alternatives=False)."))
     searched = next((b for b in plan.baselines if b["name"] == "search"), None)
     if searched is not None:
         adopted = next((b for b in plan.baselines + plan.comparisons if b["name"] == plan.stats.get("adopted")), None)
         label = adopted["label"] if adopted else plan.stats.get("adopted", "an alternative")
-        blocks.append(("p", f"The search's own answer ({searched['layout']}, {_ms(searched['step_time_s'])} ms) was "
-                            f"beaten by {label}, priced by the same cost model: the plan is that layout, and the "
-                            "search's answer is listed above as an alternative. The meshes below are the search's."))  # fmt: skip
+        blocks.append(
+            (
+                "p",
+                f"The search's own answer ({searched['layout']}, {_ms(searched['step_time_s'])} ms) was "
+                f"beaten by {label}, priced by the same cost model: the plan is that layout, and the "
+                "search's answer is listed above as an alternative. The meshes below are the search's.",
+            )
+        )
     if plan.alternatives:
-        blocks += [("h3", "Meshes solved"),
-                   ("p", "Every factorisation of the world size into dp x tp was solved; each row is the optimum for "
-                         "that mesh, with the fewest micro-batches whose activations fit, recomputing activations only "
-                         "where memory required it.")]  # fmt: skip
+        blocks += [
+            ("h3", "Meshes solved"),
+            (
+                "p",
+                "Every factorisation of the world size into dp x tp was solved; each row is the optimum for "
+                "that mesh, with the fewest micro-batches whose activations fit, recomputing activations only "
+                "where memory required it.",
+            ),
+        ]
         rows = []
         for alt in sorted(plan.alternatives, key=lambda a: (a["step_time_s"] is None, a["step_time_s"] or 0.0)):
             mesh = alt["dp"] == plan.mesh.get("dp") and alt["tp"] == plan.mesh.get("tp")
             chosen = " (chosen)" if mesh and searched is None else " (the search's answer)" if mesh else ""
-            rows.append([
-                f"dp={alt['dp']} tp={alt['tp']}" + chosen, str(alt.get("num_microbatches", 1)),
-                _ms(alt["step_time_s"]) if alt["feasible"] else "-",
-                _ms(alt["compute_s"]), _ms(alt["reshard_s"]), _ms(alt["grad_sync_s"]),
-                str(alt["zero_stage"]) if alt["feasible"] else "-", alt.get("recompute", "none") if alt["feasible"] else "-",
-                _gib(sum(alt["memory"].values())) if alt["feasible"] else alt.get("reason") or "does not fit",
-            ])  # fmt: skip
-        blocks.append(("table", ["mesh", "micro-batches", "step ms", "compute ms", "reshard ms", "grad sync ms", "ZeRO",
-                                 "recompute", "memory GiB"], rows))  # fmt: skip
+            rows.append(
+                [
+                    f"dp={alt['dp']} tp={alt['tp']}" + chosen,
+                    str(alt.get("num_microbatches", 1)),
+                    _ms(alt["step_time_s"]) if alt["feasible"] else "-",
+                    _ms(alt["compute_s"]),
+                    _ms(alt["reshard_s"]),
+                    _ms(alt["grad_sync_s"]),
+                    str(alt["zero_stage"]) if alt["feasible"] else "-",
+                    alt.get("recompute", "none") if alt["feasible"] else "-",
+                    _gib(sum(alt["memory"].values())) if alt["feasible"] else alt.get("reason") or "does not fit",
+                ]
+            )
+        blocks.append(
+            (
+                "table",
+                [
+                    "mesh",
+                    "micro-batches",
+                    "step ms",
+                    "compute ms",
+                    "reshard ms",
+                    "grad sync ms",
+                    "ZeRO",
+                    "recompute",
+                    "memory GiB",
+                ],
+                rows,
+            )
+        )
     return blocks
 
 
@@ -459,22 +698,41 @@ def _layout_words(plan) -> str:
 def _yours(plan) -> list:
     if not plan.comparisons:
         return []
-    blocks = [("h2", "Your layout"),
-              ("p", "Each layout you asked for, priced by the same cost model next to the chosen plan, with the "
-                    "difference per term (positive: yours takes longer or needs more).")]  # fmt: skip
+    blocks = [
+        ("h2", "Your layout"),
+        (
+            "p",
+            "Each layout you asked for, priced by the same cost model next to the chosen plan, with the "
+            "difference per term (positive: yours takes longer or needs more).",
+        ),
+    ]
     chosen = plan.time_breakdown
     for c in plan.comparisons:
         blocks.append(("h3", f"{c['name']}: {c['layout']}"))
         if not c["feasible"]:
             blocks.append(("p", f"Cannot run: {c['reason']}"))
             continue
-        rows = [[TERM_LABELS.get(k, k), _ms(chosen.get(k, 0.0)), _ms(c["terms"].get(k, 0.0)),
-                 f"{(c['terms'].get(k, 0.0) - chosen.get(k, 0.0)) * 1e3:+,.2f}"]
-                for k in TERMS if chosen.get(k) or c["terms"].get(k)]  # fmt: skip
+        rows = [
+            [
+                TERM_LABELS.get(k, k),
+                _ms(chosen.get(k, 0.0)),
+                _ms(c["terms"].get(k, 0.0)),
+                f"{(c['terms'].get(k, 0.0) - chosen.get(k, 0.0)) * 1e3:+,.2f}",
+            ]
+            for k in TERMS
+            if chosen.get(k) or c["terms"].get(k)
+        ]
         mine, ours = c.get("hidden", {}), plan.hidden_communication
-        rows += [[f"{TERM_LABELS[k]}, hidden (not in the step)", _ms(ours.get(k, 0.0)), _ms(mine.get(k, 0.0)),
-                  f"{(mine.get(k, 0.0) - ours.get(k, 0.0)) * 1e3:+,.2f}"]
-                 for k in COMM_TERMS if ours.get(k) or mine.get(k)]  # fmt: skip
+        rows += [
+            [
+                f"{TERM_LABELS[k]}, hidden (not in the step)",
+                _ms(ours.get(k, 0.0)),
+                _ms(mine.get(k, 0.0)),
+                f"{(mine.get(k, 0.0) - ours.get(k, 0.0)) * 1e3:+,.2f}",
+            ]
+            for k in COMM_TERMS
+            if ours.get(k) or mine.get(k)
+        ]
         rows.append(
             [
                 "**step time**",
@@ -483,8 +741,14 @@ def _yours(plan) -> list:
                 f"{(c['step_time_s'] - plan.predicted.step_time_s) * 1e3:+,.2f}",
             ]
         )
-        rows.append(["peak memory GiB", _gib(plan.predicted.peak_memory_bytes), _gib(c["peak_memory_bytes"]),
-                     f"{(c['peak_memory_bytes'] - plan.predicted.peak_memory_bytes) / GIB:+,.2f}"])  # fmt: skip
+        rows.append(
+            [
+                "peak memory GiB",
+                _gib(plan.predicted.peak_memory_bytes),
+                _gib(c["peak_memory_bytes"]),
+                f"{(c['peak_memory_bytes'] - plan.predicted.peak_memory_bytes) / GIB:+,.2f}",
+            ]
+        )
         blocks += [
             ("table", ["term (ms)", "chosen", "yours", "difference"], rows),
             ("p", f"In one line: {c['reason']}."),
@@ -504,41 +768,64 @@ def _assumptions(plan) -> list:
         ["device memory", f"{_gib(dev.memory_bytes)} GiB"],
         ["memory budget per device", f"{_gib(a['memory_budget_bytes'])} GiB" if "memory_budget_bytes" in a else "-"],
         ["host AdamW rate per device", f"{dev.host_adamw_params_per_s / 1e9:,.2f} G parameters/s"],
-    ]  # fmt: skip
+    ]
     # the cluster's links, which a cluster file or `bench run`'s fit may set apart from the device preset's
     cluster = plan.cluster
-    for level, link in (("inside a node", cluster.intra_node_link), ("across nodes", cluster.inter_node_link),
-                        ("to the host", cluster.host_link)):  # fmt: skip
-        rows.append([f"link {level}: {link.name}", f"{link.bandwidth_bytes_per_s / 1e9:,.1f} GB/s per device, "
-                                                   f"latency {link.latency_s * 1e6:,.1f} µs"])  # fmt: skip
+    for level, link in (
+        ("inside a node", cluster.intra_node_link),
+        ("across nodes", cluster.inter_node_link),
+        ("to the host", cluster.host_link),
+    ):
+        rows.append(
+            [
+                f"link {level}: {link.name}",
+                f"{link.bandwidth_bytes_per_s / 1e9:,.1f} GB/s per device, latency {link.latency_s * 1e6:,.1f} µs",
+            ]
+        )
         for kind, latency, bandwidth in link.per_collective:
-            rows.append([f"link {level}: {kind.replace('_', '-')}, measured on its own",
-                         f"{bandwidth / 1e9:,.2f} GB/s per device, latency {latency * 1e6:,.1f} µs"])  # fmt: skip
+            rows.append(
+                [
+                    f"link {level}: {kind.replace('_', '-')}, measured on its own",
+                    f"{bandwidth / 1e9:,.2f} GB/s per device, latency {latency * 1e6:,.1f} µs",
+                ]
+            )
     estimator = a.get("estimator", plan.stats.get("estimator", "?"))
     prof = a.get("profile")
     if prof:
-        where = (f"op times measured on {prof.get('device')} and cached in {prof['path']} (written {prof.get('written')}), "
-                 f"scaled by {prof.get('ranks_per_core', 1):g} for ranks sharing cores")  # fmt: skip
+        where = (
+            f"op times measured on {prof.get('device')} and cached in {prof['path']} (written {prof.get('written')}), "
+            f"scaled by {prof.get('ranks_per_core', 1):g} for ranks sharing cores"
+        )
     elif estimator == "analytic":
         where = "the analytic roofline: each op's FLOPs and bytes against the figures above"
     else:
         where = f"the estimator {estimator}"
     rows.append(["op costs from", where])
-    overlap = ("the data-parallel program's gradient all-reduces overlap the last micro-batch's backward (exposed: "
-               "every bucket's latency, and of their time on the wire what backward cannot hide, at least the last "
-               "bucket's; of the backward it overlaps, the share "
-               f"{plan.cluster.device.overlap_efficiency:g} hides it, the device's overlap efficiency: 1 on GPUs, "
-               "less where communication takes the compute's cores); the sharded program's gradient buckets and "
-               "the weights it gathers ahead of use hide likewise behind backward and forward, and tensor-axis "
-               "collectives launched early behind the ops before their use; no collective's latency hides"
-               if plan.overlap else "communication not overlapped with compute (overlap off)")  # fmt: skip
+    overlap = (
+        "the data-parallel program's gradient all-reduces overlap the last micro-batch's backward (exposed: "
+        "every bucket's latency, and of their time on the wire what backward cannot hide, at least the last "
+        "bucket's; of the backward it overlaps, the share "
+        f"{plan.cluster.device.overlap_efficiency:g} hides it, the device's overlap efficiency: 1 on GPUs, "
+        "less where communication takes the compute's cores); the sharded program's gradient buckets and "
+        "the weights it gathers ahead of use hide likewise behind backward and forward, and tensor-axis "
+        "collectives launched early behind the ops before their use; no collective's latency hides"
+        if plan.overlap
+        else "communication not overlapped with compute (overlap off)"
+    )
     if plan.pipeline and plan.overlap:
-        overlap = ("pipeline transfers are posted ahead and hide their time on the wire behind one micro-batch's "
-                   "compute (their latency and tp all-gather do not hide); each stage's gradient sync starts after "
-                   "its last backward and hides behind the backwards the stages before it still run (the first "
-                   "stage's, which ends the step, hides nothing)")  # fmt: skip
-    rows.append(["collectives", "alpha-beta model of the link each mesh axis crosses (ring all-reduce moves "
-                                f"2(n-1)/n of the bytes); {overlap}"])  # fmt: skip
+        overlap = (
+            "pipeline transfers are posted ahead and hide their time on the wire behind one micro-batch's "
+            "compute (their latency and tp all-gather do not hide); each stage's gradient sync starts after "
+            "its last backward and hides behind the backwards the stages before it still run (the first "
+            "stage's, which ends the step, hides nothing)"
+        )
+    rows.append(
+        [
+            "collectives",
+            "alpha-beta model of the link each mesh axis crosses (ring all-reduce moves "
+            f"2(n-1)/n of the bytes); {overlap}",
+        ]
+    )
     return [("h2", "Assumptions"), ("table", ["constant", "value"], rows)]
 
 
@@ -561,8 +848,18 @@ def _appendix(plan) -> list:
 
 def report_blocks(plan) -> list:
     """The report's sections, in order: Summary, Memory, Time, Layers, Pipeline, Why, Your layout, Assumptions."""
-    return [*_summary(plan), *_memory(plan), *_context_parallel(plan), *_time(plan), *_layers(plan), *_pipeline(plan), *_why(plan),
-            *_yours(plan), *_assumptions(plan), *_appendix(plan)]  # fmt: skip
+    return [
+        *_summary(plan),
+        *_memory(plan),
+        *_context_parallel(plan),
+        *_time(plan),
+        *_layers(plan),
+        *_pipeline(plan),
+        *_why(plan),
+        *_yours(plan),
+        *_assumptions(plan),
+        *_appendix(plan),
+    ]
 
 
 # --------------------------------------------------------------------------------------- renderers
@@ -603,10 +900,12 @@ def _inline(text: str) -> str:
     return "".join(f"<b>{p}</b>" if i % 2 else p for i, p in enumerate(parts))
 
 
-_STYLE = ("body{font-family:sans-serif;max-width:72em;margin:2em auto;padding:0 1em;color:#222}"
-          "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;"
-          "vertical-align:top}th{background:#f4f4f4}code{font-size:90%}.chart{margin:1em 0;overflow-x:auto}"
-          "h2{border-bottom:1px solid #ddd;padding-bottom:2px;margin-top:1.6em}")  # fmt: skip
+_STYLE = (
+    "body{font-family:sans-serif;max-width:72em;margin:2em auto;padding:0 1em;color:#222}"
+    "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;"
+    "vertical-align:top}th{background:#f4f4f4}code{font-size:90%}.chart{margin:1em 0;overflow-x:auto}"
+    "h2{border-bottom:1px solid #ddd;padding-bottom:2px;margin-top:1.6em}"
+)
 
 
 def render_html(plan) -> str:
@@ -635,5 +934,7 @@ def render_html(plan) -> str:
     if in_list:
         body.append("</ul>")
     title = html.escape(f"autopar plan: {plan.model_name}")
-    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{title}</title>"
-            f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n")  # fmt: skip
+    return (
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{title}</title>"
+        f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>\n"
+    )

@@ -209,8 +209,13 @@ class OpGraph:
         return [f"{container}.{i}.{rest}" for i in range(self.repeats[container][1])]
 
     @classmethod
-    def from_traced(cls, traced: TracedModel, *, frozen_params: frozenset[str] = frozenset(),
-                    layer_repeats: dict[str, int] | None = None) -> OpGraph:  # fmt: skip
+    def from_traced(
+        cls,
+        traced: TracedModel,
+        *,
+        frozen_params: frozenset[str] = frozenset(),
+        layer_repeats: dict[str, int] | None = None,
+    ) -> OpGraph:
         """Build the view; `frozen_params` names parameters with requires_grad=False.
 
         `layer_repeats` (container -> number of layers of the model) says the trace is shortened: it

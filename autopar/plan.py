@@ -62,8 +62,16 @@ class ProgramKind(StrEnum):
     OFFLOAD = "offload"  # ZeRO-3 chunks whose states (and weights) partly live on the host
 
 
-def program_kind(*, pp: int = 1, tp: int = 1, zero_stage: int = 0, recompute: str = "none",
-                 layer_modes: dict | None = None, offload: bool = False, cp: int = 1) -> ProgramKind:  # fmt: skip
+def program_kind(
+    *,
+    pp: int = 1,
+    tp: int = 1,
+    zero_stage: int = 0,
+    recompute: str = "none",
+    layer_modes: dict | None = None,
+    offload: bool = False,
+    cp: int = 1,
+) -> ProgramKind:
     """THE rule from a layout to the program that runs it; the solver prices what it says, `compile` builds it.
 
     A pipeline axis runs the pipeline program; host offload the offload program; a layout with no tensor
@@ -103,10 +111,16 @@ class StagePlan:
     @classmethod
     def from_dict(cls, d: dict) -> StagePlan:
         try:
-            return cls(index=int(d["index"]), layers=tuple((int(a), int(b)) for a, b in d["layers"]), dp=int(d["dp"]),
-                       tp=int(d["tp"]), zero_stage=int(d.get("zero_stage", 0)), recompute=str(d.get("recompute", "none")),
-                       node_output=dict(d.get("node_output") or {}),
-                       node_inputs={k: tuple(v) for k, v in (d.get("node_inputs") or {}).items()})  # fmt: skip
+            return cls(
+                index=int(d["index"]),
+                layers=tuple((int(a), int(b)) for a, b in d["layers"]),
+                dp=int(d["dp"]),
+                tp=int(d["tp"]),
+                zero_stage=int(d.get("zero_stage", 0)),
+                recompute=str(d.get("recompute", "none")),
+                node_output=dict(d.get("node_output") or {}),
+                node_inputs={k: tuple(v) for k, v in (d.get("node_inputs") or {}).items()},
+            )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanFormatError(f"corrupt pipeline stage in the plan: {type(e).__name__}: {e}") from e
 
@@ -212,9 +226,15 @@ class Plan:
     @property
     def program(self) -> ProgramKind:
         """The program that runs this plan (`program_kind` of its layout)."""
-        return program_kind(pp=self.mesh.get("pp", 1), tp=self.mesh.get("tp", 1), zero_stage=self.zero_stage,
-                            recompute=self.recompute, layer_modes=self.layer_modes,
-                            offload=bool(self.offload), cp=self.mesh.get("cp", 1))  # fmt: skip
+        return program_kind(
+            pp=self.mesh.get("pp", 1),
+            tp=self.mesh.get("tp", 1),
+            zero_stage=self.zero_stage,
+            recompute=self.recompute,
+            layer_modes=self.layer_modes,
+            offload=bool(self.offload),
+            cp=self.mesh.get("cp", 1),
+        )
 
     @property
     def stage_plans(self) -> tuple[StagePlan, ...]:
@@ -229,11 +249,16 @@ class Plan:
     def __post_init__(self):
         if not isinstance(self.model_name, str):
             raise PlanFormatError(f"plan model_name must be a string, got {self.model_name!r}")
-        bad_axes = {k: v for k, v in self.mesh.items() if k not in MESH_AXES or isinstance(v, bool)
-                    or not isinstance(v, int) or v < 1}  # fmt: skip
+        bad_axes = {
+            k: v
+            for k, v in self.mesh.items()
+            if k not in MESH_AXES or isinstance(v, bool) or not isinstance(v, int) or v < 1
+        }
         if bad_axes:
-            raise PlanFormatError(f"plan mesh {self.mesh}: expected axes {', '.join(MESH_AXES)} with positive integer "
-                                  f"sizes, found {bad_axes}")  # fmt: skip
+            raise PlanFormatError(
+                f"plan mesh {self.mesh}: expected axes {', '.join(MESH_AXES)} with positive integer "
+                f"sizes, found {bad_axes}"
+            )
         if self.precision not in PRECISIONS:
             raise PlanFormatError(f"plan precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -244,8 +269,10 @@ class Plan:
             if getattr(self, name) < 1:
                 raise PlanFormatError(f"plan {name} must be at least 1, got {getattr(self, name)!r}")
         if self.global_batch_size % self.num_microbatches:
-            raise PlanFormatError(f"plan global_batch_size {self.global_batch_size} does not split into "
-                                  f"{self.num_microbatches} micro-batches")  # fmt: skip
+            raise PlanFormatError(
+                f"plan global_batch_size {self.global_batch_size} does not split into "
+                f"{self.num_microbatches} micro-batches"
+            )
         stages = self.pipeline.get("stages", ()) if isinstance(self.pipeline, dict) else None
         if not isinstance(stages, (list, tuple)) or not all(isinstance(st, dict) for st in stages):
             raise PlanFormatError(f"plan pipeline stages must be a list of stage records, got {stages!r:.80}")
@@ -257,8 +284,9 @@ class Plan:
         for v in self.mesh.values():
             size *= v
         if size != self.cluster.world_size:
-            raise PlanFormatError(f"plan mesh {self.mesh} has {size} devices but the cluster has "
-                                  f"{self.cluster.world_size}")  # fmt: skip
+            raise PlanFormatError(
+                f"plan mesh {self.mesh} has {size} devices but the cluster has {self.cluster.world_size}"
+            )
         if self.recompute not in ("none", "selective", "full"):
             raise PlanFormatError(f"plan recompute mode {self.recompute!r} is not one of 'none', 'selective', 'full'")
         bad = set(self.layer_modes) - set(LAYER_TREATMENTS)
@@ -325,15 +353,21 @@ class Plan:
         except (ValueError, TypeError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise PlanFormatError(f"not a plan file: invalid JSON ({e}); write plans with `autopar plan --json`") from e
         if not isinstance(d, dict) or d.get("format") != "autopar-plan":
-            raise PlanFormatError("not an autopar plan (no 'format': 'autopar-plan' field); write plans with "
-                                  "`autopar plan --json` or Plan.to_json()")  # fmt: skip
+            raise PlanFormatError(
+                "not an autopar plan (no 'format': 'autopar-plan' field); write plans with "
+                "`autopar plan --json` or Plan.to_json()"
+            )
         if "format_version" not in d:
-            raise PlanFormatError(f"the plan has no format_version field (this autopar reads version "
-                                  f"{FORMAT_VERSION}); re-run `autopar plan` to write a new plan")  # fmt: skip
+            raise PlanFormatError(
+                f"the plan has no format_version field (this autopar reads version "
+                f"{FORMAT_VERSION}); re-run `autopar plan` to write a new plan"
+            )
         ver = d["format_version"]
         if ver != FORMAT_VERSION or isinstance(ver, bool):
-            raise PlanFormatError(f"plan format version {ver!r} is not supported (this autopar reads version "
-                                  f"{FORMAT_VERSION}); re-run `autopar plan` to write a new plan")  # fmt: skip
+            raise PlanFormatError(
+                f"plan format version {ver!r} is not supported (this autopar reads version "
+                f"{FORMAT_VERSION}); re-run `autopar plan` to write a new plan"
+            )
         try:
             plan = cls(
                 model_name=d["model_name"],
@@ -380,8 +414,9 @@ class Plan:
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError, ZeroDivisionError) as e:
             if isinstance(e, PlanFormatError):
                 raise
-            raise PlanFormatError(f"corrupt plan file: {type(e).__name__}: {e}; re-run `autopar plan` to write a "
-                                  f"new plan") from e  # fmt: skip
+            raise PlanFormatError(
+                f"corrupt plan file: {type(e).__name__}: {e}; re-run `autopar plan` to write a new plan"
+            ) from e
         return plan
 
     # ------------------------------------------------------------------------------ reporting
@@ -411,18 +446,22 @@ class Plan:
         if self.pipeline:
             v = self.pipeline.get("virtual_stages", 1)
             accum += f", {self.pipeline.get('schedule')}" + (f" x{v} virtual stages" if v > 1 else "")
-        return (f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}{accum}, "
-                f"runs as the {self.program} program, "
-                f"step {p.step_time_s * 1e3:.1f} ms, {format_flops_rate(p.tflops_per_device)}/device, MFU {p.mfu:.1%}, "
-                f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device" + self._tensor_split_words())  # fmt: skip
+        return (
+            f"{self.model_name} on {self.cluster.describe()}: mesh {mesh}, ZeRO-{self.zero_stage}{accum}, "
+            f"runs as the {self.program} program, "
+            f"step {p.step_time_s * 1e3:.1f} ms, {format_flops_rate(p.tflops_per_device)}/device, MFU {p.mfu:.1%}, "
+            f"peak memory {p.peak_memory_bytes / GIB:.2f} GiB/device" + self._tensor_split_words()
+        )
 
     def _tensor_split_words(self) -> str:
         """What the tensor axis splits and, grouped by reason, what it keeps whole ("" without a tensor axis)."""
         ts = self.tensor_split
         if not ts:
             return ""
-        words = (f"; the tensor axis splits {ts['split_fraction']:.0%} of the parameters "
-                 f"({ts['layer_matmul_split_fraction']:.0%} of the layer matmul weights)")  # fmt: skip
+        words = (
+            f"; the tensor axis splits {ts['split_fraction']:.0%} of the parameters "
+            f"({ts['layer_matmul_split_fraction']:.0%} of the layer matmul weights)"
+        )
         by_reason: dict[str, list[str]] = {}
         for name, reason in ts.get("replicated", {}).items():
             by_reason.setdefault(reason, []).append(name)

@@ -53,8 +53,10 @@ class PlanProgress:
         return self.phase
 
     def _line(self) -> str:
-        return (f"[autopar] {self.phase}: {self.meshes} meshes, {self.layouts} pipeline layouts, "
-                f"{self.alternatives} alternatives priced ({time.perf_counter() - self.t0:.1f} s)")  # fmt: skip
+        return (
+            f"[autopar] {self.phase}: {self.meshes} meshes, {self.layouts} pipeline layouts, "
+            f"{self.alternatives} alternatives priced ({time.perf_counter() - self.t0:.1f} s)"
+        )
 
     def _draw(self) -> None:
         line = self._line()

@@ -41,23 +41,44 @@ TERM_LABELS = {
 # layout keys `parse_layout` accepts and how their values read ("zero" is the ZeRO stage)
 _INT_KEYS = ("tp", "dp", "pp", "cp", "zero", "num_microbatches", "micro_batch_size", "virtual_stages")
 _STR_KEYS = ("schedule", "recompute", "cp_attention")
-_ALIASES = {"m": "num_microbatches", "microbatches": "num_microbatches", "mbs": "micro_batch_size",
-            "v": "virtual_stages"}  # fmt: skip
+_ALIASES = {
+    "m": "num_microbatches",
+    "microbatches": "num_microbatches",
+    "mbs": "micro_batch_size",
+    "v": "virtual_stages",
+}
 
 
-def sharded_terms(*, step_s: float, compute_s: float, recompute_s: float, reshard_s: float, grad_sync_s: float,
-                  offload_s: float, optimizer_s: float, cp_comm_s: float = 0.0) -> dict[str, float]:  # fmt: skip
+def sharded_terms(
+    *,
+    step_s: float,
+    compute_s: float,
+    recompute_s: float,
+    reshard_s: float,
+    grad_sync_s: float,
+    offload_s: float,
+    optimizer_s: float,
+    cp_comm_s: float = 0.0,
+) -> dict[str, float]:
     """The terms of a layout without a pipeline (`compute_s` includes `recompute_s`, as the solver reports it;
     `cp_comm_s`, cp attention's exposed communication, is not in it)."""
-    terms = {"compute": compute_s - recompute_s, "recompute": recompute_s, "comm_tp": reshard_s,
-             "comm_dp": grad_sync_s, "comm_cp": cp_comm_s, "offload": offload_s, "optimizer": optimizer_s}  # fmt: skip
+    terms = {
+        "compute": compute_s - recompute_s,
+        "recompute": recompute_s,
+        "comm_tp": reshard_s,
+        "comm_dp": grad_sync_s,
+        "comm_cp": cp_comm_s,
+        "offload": offload_s,
+        "optimizer": optimizer_s,
+    }
     other = step_s - sum(terms.values())
     terms["other"] = other if other > 1e-12 * step_s else 0.0  # below that, rounding in the sums
     return {k: terms.get(k, 0.0) for k in TERMS}
 
 
-def hidden_terms(*, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0,
-                 cp_hidden_s: float = 0.0, tp_hidden_s: float = 0.0) -> dict[str, float]:  # fmt: skip
+def hidden_terms(
+    *, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0, cp_hidden_s: float = 0.0, tp_hidden_s: float = 0.0
+) -> dict[str, float]:
     """Per mesh axis (its `COMM_TERMS` key), the communication time overlap hides behind compute: not in the step.
 
     The data axis: gradient reductions that run while backward goes on (`grad_sync_hidden_s`: the data-parallel
@@ -80,8 +101,16 @@ def hidden_terms(*, grad_sync_hidden_s: float, transfer_hidden_s: float = 0.0,
     return {k: v for k, v in terms.items() if v > 1e-12}  # solver rounding (1e-18 s) is no hidden time
 
 
-def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, transfer_s: float, grad_sync_s: float,
-                   optimizer_s: float, cp_s: float = 0.0) -> dict[str, float]:  # fmt: skip
+def pipeline_terms(
+    *,
+    step_s: float,
+    num_microbatches: int,
+    stage_s: float,
+    transfer_s: float,
+    grad_sync_s: float,
+    optimizer_s: float,
+    cp_s: float = 0.0,
+) -> dict[str, float]:
     """The terms of a pipeline: the slowest stage's m micro-batches of compute and sends, the bubble the rest.
 
     `stage_s` and `transfer_s` are the bottleneck stage's compute (with its tp resharding and `cp_s`, the exposed
@@ -90,10 +119,14 @@ def pipeline_terms(*, step_s: float, num_microbatches: int, stage_s: float, tran
     (m + bubble slots) x (stage_s + transfer_s) + grad_sync_s + optimizer_s.
     """
     busy = num_microbatches * (stage_s + transfer_s)
-    terms = {"compute": num_microbatches * (stage_s - cp_s), "comm_cp": num_microbatches * cp_s,
-             "comm_pp": num_microbatches * transfer_s,
-             "bubble": max(0.0, step_s - grad_sync_s - optimizer_s - busy), "comm_dp": grad_sync_s,
-             "optimizer": optimizer_s}  # fmt: skip
+    terms = {
+        "compute": num_microbatches * (stage_s - cp_s),
+        "comm_cp": num_microbatches * cp_s,
+        "comm_pp": num_microbatches * transfer_s,
+        "bubble": max(0.0, step_s - grad_sync_s - optimizer_s - busy),
+        "comm_dp": grad_sync_s,
+        "optimizer": optimizer_s,
+    }
     return {k: terms.get(k, 0.0) for k in TERMS}
 
 
@@ -114,11 +147,14 @@ def standard_layouts(cluster) -> dict[str, tuple[str, dict]]:
     per_node = cluster.devices_per_node
     words = {1: "optimizer states", 2: "optimizer states and gradients"}
     out = {"dp": ("pure data parallelism (DDP: every state replicated)", {"pp": 1, "tp": 1, "zero": 0})}
-    out |= {f"zero{k}": (f"ZeRO-{k} ({words[k]} sharded over all devices)", {"pp": 1, "tp": 1, "zero": k})
-            for k in (1, 2)}  # fmt: skip
+    out |= {
+        f"zero{k}": (f"ZeRO-{k} ({words[k]} sharded over all devices)", {"pp": 1, "tp": 1, "zero": k}) for k in (1, 2)
+    }
     out["zero3"] = ("ZeRO-3 / FSDP (every state sharded over all devices)", {"pp": 1, "tp": 1, "zero": 3})
-    out["tp_intra_node"] = (f"tensor parallel across the {per_node} devices of a node, data parallel across nodes",
-                            {"pp": 1, "tp": per_node})  # fmt: skip
+    out["tp_intra_node"] = (
+        f"tensor parallel across the {per_node} devices of a node, data parallel across nodes",
+        {"pp": 1, "tp": per_node},
+    )
     return out
 
 
@@ -150,8 +186,13 @@ def entry(name: str, label: str, constraints: dict, priced, chosen, kept: str = 
     (`kept`: see `loss_reason`)."""
     base = {"name": name, "label": label, "constraints": dict(constraints)}
     if isinstance(priced, Exception):
-        return base | {"feasible": False, "layout": _constraint_words(constraints), "step_time_s": None,
-                       "peak_memory_bytes": None, "reason": f"{type(priced).__name__}: {priced}"}  # fmt: skip
+        return base | {
+            "feasible": False,
+            "layout": _constraint_words(constraints),
+            "step_time_s": None,
+            "peak_memory_bytes": None,
+            "reason": f"{type(priced).__name__}: {priced}",
+        }
     p = priced.predicted
     return base | {
         "feasible": True,
@@ -203,10 +244,16 @@ def loss_reason(alt, chosen, kept: str = PINNED) -> str:
 
 
 def _same_layout(a, b) -> bool:
-    return (a.mesh == b.mesh and a.zero_stage == b.zero_stage and a.num_microbatches == b.num_microbatches
-            and a.recompute == b.recompute and a.layer_modes == b.layer_modes and bool(a.offload) == bool(b.offload)
-            and a.pipeline.get("schedule") == b.pipeline.get("schedule")
-            and a.pipeline.get("virtual_stages") == b.pipeline.get("virtual_stages"))  # fmt: skip
+    return (
+        a.mesh == b.mesh
+        and a.zero_stage == b.zero_stage
+        and a.num_microbatches == b.num_microbatches
+        and a.recompute == b.recompute
+        and a.layer_modes == b.layer_modes
+        and bool(a.offload) == bool(b.offload)
+        and a.pipeline.get("schedule") == b.pipeline.get("schedule")
+        and a.pipeline.get("virtual_stages") == b.pipeline.get("virtual_stages")
+    )
 
 
 def _seconds(s: float) -> str:
@@ -241,8 +288,9 @@ def parse_layout(text) -> dict:
         elif key in _STR_KEYS:
             out[key] = str(value)
         else:
-            raise ConfigError(f"layout {text!r}: unknown key {key!r}; expected some of "
-                              f"{', '.join(_INT_KEYS + _STR_KEYS)}")  # fmt: skip
+            raise ConfigError(
+                f"layout {text!r}: unknown key {key!r}; expected some of {', '.join(_INT_KEYS + _STR_KEYS)}"
+            )
     if not out:
         raise ConfigError(f"layout {text!r} names nothing; write layouts like 'tp=8,pp=4,zero=1'")
     return out
@@ -253,8 +301,9 @@ def layout_name(constraints: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in constraints.items())
 
 
-def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True, compare=(), adopt: bool = True,
-                   kept: str = PINNED):  # fmt: skip
+def with_rationale(
+    chosen, runner_up, price, *, say=None, baselines: bool = True, compare=(), adopt: bool = True, kept: str = PINNED
+):
     """`chosen` with its `baselines` and `comparisons` priced; the fastest plan of all when one beats it.
 
     Args:
@@ -278,16 +327,21 @@ def with_rationale(chosen, runner_up, price, *, say=None, baselines: bool = True
         if isinstance(runner_up, dict):
             rows.append(_price_one("runner_up", "the search's runner-up", runner_up, price, say))
         elif runner_up is not None:
-            rows.append(("runner_up", "the search's runner-up (the best plan without a pipeline)", {"pp": 1},
-                         runner_up))  # fmt: skip
-    mine = [_price_one(layout_name(pins), "your layout", pins, price, say)
-            for pins in (parse_layout(c) for c in compare)]  # fmt: skip
+            rows.append(
+                ("runner_up", "the search's runner-up (the best plan without a pipeline)", {"pp": 1}, runner_up)
+            )
+    mine = [
+        _price_one(layout_name(pins), "your layout", pins, price, say) for pins in (parse_layout(c) for c in compare)
+    ]
     if adopt and _fastest(rows + mine, chosen) is not chosen:
         chosen = _adopt(chosen, rows, mine, price, say)
     import dataclasses
 
-    return dataclasses.replace(chosen, baselines=tuple(entry(*r, chosen, kept) for r in rows),
-                               comparisons=tuple(entry(*r, chosen, kept) for r in mine))  # fmt: skip
+    return dataclasses.replace(
+        chosen,
+        baselines=tuple(entry(*r, chosen, kept) for r in rows),
+        comparisons=tuple(entry(*r, chosen, kept) for r in mine),
+    )
 
 
 def _fastest(rows: list[tuple], chosen):
@@ -315,8 +369,7 @@ def _adopt(searched, rows: list[tuple], mine: list[tuple], price, say):
     name = next(r[0] for r in rows + mine if r[3] is best)
     say(f"an alternative beats the search's plan: {name}: {layout_words(best)}")
     rows.append(("search", "the search's own answer (beaten by an alternative)", {}, searched))
-    return dataclasses.replace(best, alternatives=searched.alternatives,
-                               stats=searched.stats | {"adopted": name})  # fmt: skip
+    return dataclasses.replace(best, alternatives=searched.alternatives, stats=searched.stats | {"adopted": name})
 
 
 def _best_grid_point(chosen, price, say, *, searched: bool) -> tuple:

@@ -18,8 +18,7 @@ import html
 from dataclasses import dataclass
 
 # one colour per part, kept across charts so that "compute" is the same blue everywhere
-PALETTE = ("#3b7dd8", "#e8a33d", "#5aa469", "#d1495b", "#8e6bbf", "#17a2b8", "#66a182", "#2e4057", "#b0b0b0",
-           "#c97b63")  # fmt: skip
+PALETTE = ("#3b7dd8", "#e8a33d", "#5aa469", "#d1495b", "#8e6bbf", "#17a2b8", "#66a182", "#2e4057", "#b0b0b0", "#c97b63")
 TEXT_FILL = "#█▓▒░=+*~-"  # a character per part in text bars (after the first, which is "#")
 TEXT_WIDTH = 50
 HIDDEN_FILL = "/"  # the text bars' character for hidden parts (not in the total)
@@ -54,9 +53,11 @@ def _hatch(chart: str, part: str, colour: str) -> str:
     """A pattern of `colour` stripes on white, for the hidden parts; its id is unique to the chart and the part
     (ids of inline SVG are the page's)."""
     pid = f"hatch-{chart}-{part}"
-    return (f'<pattern id="{_esc(pid)}" patternUnits="userSpaceOnUse" width="6" height="6" '
-            f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#fff"/>'
-            f'<rect width="3" height="6" fill="{colour}"/></pattern>')  # fmt: skip
+    return (
+        f'<pattern id="{_esc(pid)}" patternUnits="userSpaceOnUse" width="6" height="6" '
+        f'patternTransform="rotate(45)"><rect width="6" height="6" fill="#fff"/>'
+        f'<rect width="3" height="6" fill="{colour}"/></pattern>'
+    )
 
 
 def _slug(text: str) -> str:
@@ -64,8 +65,16 @@ def _slug(text: str) -> str:
     return "-".join("".join(c if c.isalnum() else " " for c in text.lower()).split())
 
 
-def bars_svg(rows: list[tuple[str, dict]], *, unit: str, scale: float, title: str, labels: dict | None = None,
-             limit: tuple[str, float] | None = None, hidden: dict[str, dict] | None = None) -> str:  # fmt: skip
+def bars_svg(
+    rows: list[tuple[str, dict]],
+    *,
+    unit: str,
+    scale: float,
+    title: str,
+    labels: dict | None = None,
+    limit: tuple[str, float] | None = None,
+    hidden: dict[str, dict] | None = None,
+) -> str:
     """Stacked horizontal bars: `rows` are (label, {part: value}); values are divided by `scale` for the axis.
 
     `limit` draws a dashed line at (label, value) (the memory capacity); `labels` names the parts in the legend.
@@ -75,8 +84,9 @@ def bars_svg(rows: list[tuple[str, dict]], *, unit: str, scale: float, title: st
     labels, hidden = labels or {}, hidden or {}
     parts = _parts(rows + list(hidden.items()), labels)
     colour = _colours(parts, labels)
-    top = max([_positive(values) + _positive(hidden.get(label, {})) for label, values in rows]
-              + [limit[1] if limit else 0.0])  # fmt: skip
+    top = max(
+        [_positive(values) + _positive(hidden.get(label, {})) for label, values in rows] + [limit[1] if limit else 0.0]
+    )
     top = top or 1.0
     hatched = [p for p in parts if any(h.get(p, 0.0) > 0 for h in hidden.values())]
     left, width, bar_h, gap = 190, 520, 18, 8
@@ -85,9 +95,12 @@ def bars_svg(rows: list[tuple[str, dict]], *, unit: str, scale: float, title: st
     chart = _slug(title)
     # room after the longest bar for its total ("(+ x hidden)" makes it longer)
     margin = 150 if hatched else 60
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + margin}" height="{height}" role="img" '
-           f'aria-label="{_esc(title)}" style="{_FONT}">', f'<title>{_esc(title)}</title>',
-           f'<text x="4" y="14" font-weight="bold">{_esc(title)}</text>']  # fmt: skip
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + margin}" height="{height}" role="img" '
+        f'aria-label="{_esc(title)}" style="{_FONT}">',
+        f"<title>{_esc(title)}</title>",
+        f'<text x="4" y="14" font-weight="bold">{_esc(title)}</text>',
+    ]
     if hatched:
         out.append("<defs>" + "".join(_hatch(chart, p, colour[p]) for p in hatched) + "</defs>")
     y = 24
@@ -99,18 +112,22 @@ def bars_svg(rows: list[tuple[str, dict]], *, unit: str, scale: float, title: st
             if v <= 0:
                 continue
             w = v / top * width
-            out.append(f'<rect x="{x:.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{bar_h}" fill="{colour[part]}">'
-                       f'<title>{_esc(labels.get(part, part))}: {v / scale:,.3f} {unit}</title></rect>')  # fmt: skip
+            out.append(
+                f'<rect x="{x:.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{bar_h}" fill="{colour[part]}">'
+                f"<title>{_esc(labels.get(part, part))}: {v / scale:,.3f} {unit}</title></rect>"
+            )
             x += w
         for part in hatched:
             v = hidden.get(label, {}).get(part, 0.0)
             if v <= 0:
                 continue
             w = v / top * width
-            out.append(f'<rect x="{x:.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{bar_h}" '
-                       f'fill="url(#{_esc(f"hatch-{chart}-{part}")})" stroke="{colour[part]}" stroke-width="0.8">'
-                       f'<title>{_esc(labels.get(part, part))}, hidden behind compute (not in the total): '
-                       f'{v / scale:,.3f} {unit}</title></rect>')  # fmt: skip
+            out.append(
+                f'<rect x="{x:.2f}" y="{y}" width="{max(w, 0.5):.2f}" height="{bar_h}" '
+                f'fill="url(#{_esc(f"hatch-{chart}-{part}")})" stroke="{colour[part]}" stroke-width="0.8">'
+                f"<title>{_esc(labels.get(part, part))}, hidden behind compute (not in the total): "
+                f"{v / scale:,.3f} {unit}</title></rect>"
+            )
             x += w
         words = f"{_positive(values) / scale:,.2f}"
         if _positive(hidden.get(label, {})):
@@ -120,34 +137,50 @@ def bars_svg(rows: list[tuple[str, dict]], *, unit: str, scale: float, title: st
     if limit is not None:
         lx = left + limit[1] / top * width
         # named above the bars, where neither the axis labels nor a bar's total can cover it
-        out.append(f'<line x1="{lx:.2f}" y1="16" x2="{lx:.2f}" y2="{y}" stroke="#000" stroke-dasharray="4,3"/>'
-                   f'<text x="{lx - 3:.2f}" y="13" text-anchor="end">{_esc(limit[0])}</text>')  # fmt: skip
-    out.append(f'<text x="{left}" y="{y + 12}">0</text><text x="{left + width}" y="{y + 12}" text-anchor="end">'
-               f'{top / scale:,.2f} {_esc(unit)}</text>')  # fmt: skip
+        out.append(
+            f'<line x1="{lx:.2f}" y1="16" x2="{lx:.2f}" y2="{y}" stroke="#000" stroke-dasharray="4,3"/>'
+            f'<text x="{lx - 3:.2f}" y="13" text-anchor="end">{_esc(limit[0])}</text>'
+        )
+    out.append(
+        f'<text x="{left}" y="{y + 12}">0</text><text x="{left + width}" y="{y + 12}" text-anchor="end">'
+        f"{top / scale:,.2f} {_esc(unit)}</text>"
+    )
     y += 20
     for i, part in enumerate(parts):
         lx, ly = 4 + (i % LEGEND_COLUMNS) * LEGEND_STEP, y + (i // LEGEND_COLUMNS) * 16
-        out.append(f'<rect x="{lx}" y="{ly}" width="10" height="10" fill="{colour[part]}"/>'
-                   f'<text x="{lx + 14}" y="{ly + 9}">{_esc(labels.get(part, part))}</text>')  # fmt: skip
+        out.append(
+            f'<rect x="{lx}" y="{ly}" width="10" height="10" fill="{colour[part]}"/>'
+            f'<text x="{lx + 14}" y="{ly + 9}">{_esc(labels.get(part, part))}</text>'
+        )
     if hatched:
         i = len(parts)
         lx, ly = 4 + (i % LEGEND_COLUMNS) * LEGEND_STEP, y + (i // LEGEND_COLUMNS) * 16
-        out.append(f'<rect x="{lx}" y="{ly}" width="10" height="10" fill="url(#{_esc(f"hatch-{chart}-{hatched[0]}")})" '
-                   f'stroke="{colour[hatched[0]]}" stroke-width="0.8"/>'
-                   f'<text x="{lx + 14}" y="{ly + 9}">hatched: {HIDDEN_WORDS}</text>')  # fmt: skip
+        out.append(
+            f'<rect x="{lx}" y="{ly}" width="10" height="10" fill="url(#{_esc(f"hatch-{chart}-{hatched[0]}")})" '
+            f'stroke="{colour[hatched[0]]}" stroke-width="0.8"/>'
+            f'<text x="{lx + 14}" y="{ly + 9}">hatched: {HIDDEN_WORDS}</text>'
+        )
     out.append("</svg>")
     return "".join(out)
 
 
-def bars_text(rows: list[tuple[str, dict]], *, unit: str, scale: float, labels: dict | None = None,
-              limit: tuple[str, float] | None = None, hidden: dict[str, dict] | None = None) -> list[str]:  # fmt: skip
+def bars_text(
+    rows: list[tuple[str, dict]],
+    *,
+    unit: str,
+    scale: float,
+    labels: dict | None = None,
+    limit: tuple[str, float] | None = None,
+    hidden: dict[str, dict] | None = None,
+) -> list[str]:
     """The same chart as `bars_svg` in characters: one fill character per part, a `|` at the limit, hidden parts
     as `/` after the bar (not in its total)."""
     labels, hidden = labels or {}, hidden or {}
     parts = _parts(rows + list(hidden.items()), labels)
     fill = {p: TEXT_FILL[i % len(TEXT_FILL)] for i, p in enumerate(parts)}
-    top = max([_positive(values) + _positive(hidden.get(label, {})) for label, values in rows]
-              + [limit[1] if limit else 0.0])  # fmt: skip
+    top = max(
+        [_positive(values) + _positive(hidden.get(label, {})) for label, values in rows] + [limit[1] if limit else 0.0]
+    )
     top = top or 1.0
     name_w = max(len(label) for label, _ in rows)
     lines = []
@@ -162,9 +195,12 @@ def bars_text(rows: list[tuple[str, dict]], *, unit: str, scale: float, labels: 
         if _positive(hidden.get(label, {})):
             words += f" (+ {_positive(hidden[label]) / scale:,.2f} {unit} hidden)"
         lines.append(f"{label:<{name_w}} {bar.rstrip()} {words}")
-    lines.append("legend: " + ", ".join(f"{fill[p]} {labels.get(p, p)}" for p in parts)
-                 + (f", {HIDDEN_FILL} {HIDDEN_WORDS}" if any(map(_positive, hidden.values())) else "")
-                 + (f"; | {limit[0]}" if limit else ""))  # fmt: skip
+    lines.append(
+        "legend: "
+        + ", ".join(f"{fill[p]} {labels.get(p, p)}" for p in parts)
+        + (f", {HIDDEN_FILL} {HIDDEN_WORDS}" if any(map(_positive, hidden.values())) else "")
+        + (f"; | {limit[0]}" if limit else "")
+    )
     return lines
 
 
@@ -251,13 +287,18 @@ def gantt_svg(slots: list[Slot], pp: int, *, title: str, unit_s: float) -> str:
     end = max(s.end for s in slots) or 1.0
     left, width, row_h = 70, 760, 18
     height = 30 + pp * (row_h + 4) + 40
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{height}" role="img" '
-           f'aria-label="{_esc(title)}" style="{_FONT}">', f"<title>{_esc(title)}</title>",
-           f'<text x="4" y="14" font-weight="bold">{_esc(title)}</text>']  # fmt: skip
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + width + 20}" height="{height}" role="img" '
+        f'aria-label="{_esc(title)}" style="{_FONT}">',
+        f"<title>{_esc(title)}</title>",
+        f'<text x="4" y="14" font-weight="bold">{_esc(title)}</text>',
+    ]
     for s in range(pp):
         y = 24 + s * (row_h + 4)
-        out.append(f'<rect x="{left}" y="{y}" width="{width}" height="{row_h}" fill="#f1f1f1"/>'
-                   f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">stage {s}</text>')  # fmt: skip
+        out.append(
+            f'<rect x="{left}" y="{y}" width="{width}" height="{row_h}" fill="#f1f1f1"/>'
+            f'<text x="{left - 6}" y="{y + 13}" text-anchor="end">stage {s}</text>'
+        )
     for sl in slots:
         x = left + sl.start / end * width
         w = max((sl.end - sl.start) / end * width, 0.4)
@@ -268,13 +309,15 @@ def gantt_svg(slots: list[Slot], pp: int, *, title: str, unit_s: float) -> str:
             f'stroke-width="0.3"><title>{sl.kind} micro-batch {sl.microbatch} chunk {sl.chunk}</title></rect>'
         )
     y = 24 + pp * (row_h + 4)
-    out.append(f'<text x="{left}" y="{y + 12}">0</text><text x="{left + width}" y="{y + 12}" text-anchor="end">'
-               f'{end * unit_s * 1e3:,.1f} ms</text>'
-               f'<rect x="{left}" y="{y + 20}" width="10" height="10" fill="#8fb8ec"/>'
-               f'<text x="{left + 14}" y="{y + 29}">forward</text>'
-               f'<rect x="{left + 80}" y="{y + 20}" width="10" height="10" fill="#1f4e96"/>'
-               f'<text x="{left + 94}" y="{y + 29}">backward</text>'
-               f'<text x="{left + 170}" y="{y + 29}">grey: idle (bubble)</text></svg>')  # fmt: skip
+    out.append(
+        f'<text x="{left}" y="{y + 12}">0</text><text x="{left + width}" y="{y + 12}" text-anchor="end">'
+        f"{end * unit_s * 1e3:,.1f} ms</text>"
+        f'<rect x="{left}" y="{y + 20}" width="10" height="10" fill="#8fb8ec"/>'
+        f'<text x="{left + 14}" y="{y + 29}">forward</text>'
+        f'<rect x="{left + 80}" y="{y + 20}" width="10" height="10" fill="#1f4e96"/>'
+        f'<text x="{left + 94}" y="{y + 29}">backward</text>'
+        f'<text x="{left + 170}" y="{y + 29}">grey: idle (bubble)</text></svg>'
+    )
     return "".join(out)
 
 

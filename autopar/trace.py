@@ -187,8 +187,10 @@ def _take_real_constants(exported: ExportedProgram, model: torch.nn.Module, dtyp
             continue
         real = _tensor_at(model, name)
         if real is None:
-            raise TraceError(f"the traced constant {name!r} has no value in the model: trace the model in its own "
-                             f"format (precision matching its dtype)")  # fmt: skip
+            raise TraceError(
+                f"the traced constant {name!r} has no value in the model: trace the model in its own "
+                f"format (precision matching its dtype)"
+            )
         exported.constants[name] = real.detach().to(dtype) if real.is_floating_point() else real.detach()
 
 

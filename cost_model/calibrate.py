@@ -111,8 +111,9 @@ def measure_kernel_overhead(repeats: int) -> float:
     return median_time_s(run, repeats) / inner
 
 
-def _chain_backward_s(make_link, repeats: int, length: int = 500, *, leaf: torch.Tensor | None = None,
-                      finish=None) -> float:  # fmt: skip
+def _chain_backward_s(
+    make_link, repeats: int, length: int = 500, *, leaf: torch.Tensor | None = None, finish=None
+) -> float:
     """Seconds per node of one backward through a chain of `length` nodes that `make_link(x)` records.
 
     The chain starts at `leaf` (a one-element tensor requiring grad by default); `finish` turns its end
@@ -137,9 +138,19 @@ def small_op_mix() -> list:
     """Twenty different ATen ops and views on 4 x 4 tensors, each `x -> y` of the same shape."""
     aten = torch.ops.aten
     b = torch.ones(4, 4)
-    unary = (aten.neg.default, aten.exp.default, aten.sin.default, aten.cos.default, aten.tanh.default,
-             aten.sigmoid.default, aten.relu.default, aten.sqrt.default, aten.abs.default, aten.silu.default,
-             aten.rsqrt.default)  # fmt: skip
+    unary = (
+        aten.neg.default,
+        aten.exp.default,
+        aten.sin.default,
+        aten.cos.default,
+        aten.tanh.default,
+        aten.sigmoid.default,
+        aten.relu.default,
+        aten.sqrt.default,
+        aten.abs.default,
+        aten.silu.default,
+        aten.rsqrt.default,
+    )
     binary = (aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor, aten.div.Tensor, aten.mm.default)
     ops = [lambda x, f=f: f(x) for f in unary] + [lambda x, f=f: f(x, b) for f in binary]
     return ops + [
@@ -265,9 +276,13 @@ def measure_dtensor_overhead(repeats: int) -> dict[str, float] | None:
 
             fwd = forward(da, db) - forward(a, b)
             mul = torch.ops.aten.mul.Tensor  # its backward runs an op (a product), as most nodes' do
-            on_dtensors = _chain_backward_s(lambda x: mul(x, db), repeats, 200,
-                                            leaf=wrap(torch.ones(1)).requires_grad_(),
-                                            finish=lambda x: x.to_local().sum())  # fmt: skip
+            on_dtensors = _chain_backward_s(
+                lambda x: mul(x, db),
+                repeats,
+                200,
+                leaf=wrap(torch.ones(1)).requires_grad_(),
+                finish=lambda x: x.to_local().sum(),
+            )
             bwd = on_dtensors - _chain_backward_s(lambda x: mul(x, b), repeats)
         finally:
             dist.destroy_process_group()
@@ -354,8 +369,13 @@ _IN_FLIGHT = {"all_gather": 2, "reduce_scatter": 2}
 # reduce-scatters to 16 MiB, as the sharded programs gather each weight on its own (the bench's wide-llama's
 # largest is 9 MiB) and gloo runs both much slower per byte past 16 MiB, which a fit through 64 MiB would
 # price every gather at
-FIT_MAX_BYTES = {"all_reduce": 64 << 20, "all_gather": 16 << 20, "reduce_scatter": 16 << 20, "all_to_all": 16 << 20,
-                 "send_recv": 16 << 20}  # fmt: skip
+FIT_MAX_BYTES = {
+    "all_reduce": 64 << 20,
+    "all_gather": 16 << 20,
+    "reduce_scatter": 16 << 20,
+    "all_to_all": 16 << 20,
+    "send_recv": 16 << 20,
+}
 
 
 def run_in_a_row(collectives: list, calls: int, in_flight: int | None):
@@ -382,8 +402,9 @@ def run_in_a_row(collectives: list, calls: int, in_flight: int | None):
     return run_issued
 
 
-def _collective_worker(rank: int, world: int, init_file: str, repeats: int, result_file: str,
-                       sizes: dict[str, tuple[int, ...]]) -> None:  # fmt: skip
+def _collective_worker(
+    rank: int, world: int, init_file: str, repeats: int, result_file: str, sizes: dict[str, tuple[int, ...]]
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -427,8 +448,12 @@ def _collective_worker(rank: int, world: int, init_file: str, repeats: int, resu
         dist.destroy_process_group()
 
 
-def measure_gloo_collectives(num_ranks: int, repeats: int, max_bytes: int | Mapping[str, int] | None = FIT_MAX_BYTES,
-                             kinds: tuple[str, ...] = MEASURED_COLLECTIVES) -> dict[str, dict[int, float]]:  # fmt: skip
+def measure_gloo_collectives(
+    num_ranks: int,
+    repeats: int,
+    max_bytes: int | Mapping[str, int] | None = FIT_MAX_BYTES,
+    kinds: tuple[str, ...] = MEASURED_COLLECTIVES,
+) -> dict[str, dict[int, float]]:
     """{collective: {bytes of the full tensor: seconds}} that each of `kinds` among `num_ranks` local gloo
     processes adds to a step (sizes up to `max_bytes`, one for all or one per collective; by default
     `FIT_MAX_BYTES`).
@@ -450,12 +475,15 @@ def measure_gloo_collectives(num_ranks: int, repeats: int, max_bytes: int | Mapp
     reduce-scatter over gloo as an all-reduce, and this measures that: see `_collective_call`.)
     """
     limits = max_bytes if isinstance(max_bytes, Mapping) else {kind: max_bytes for kind in kinds}
-    sizes = {kind: tuple(s for s in _COLLECTIVE_SIZES_BYTES if limits.get(kind) is None or s <= limits[kind])
-             for kind in kinds}  # fmt: skip
+    sizes = {
+        kind: tuple(s for s in _COLLECTIVE_SIZES_BYTES if limits.get(kind) is None or s <= limits[kind])
+        for kind in kinds
+    }
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
-        mp.spawn(_collective_worker, args=(num_ranks, init_file, repeats, result_file, sizes),
-                 nprocs=num_ranks, join=True)  # fmt: skip
+        mp.spawn(
+            _collective_worker, args=(num_ranks, init_file, repeats, result_file, sizes), nprocs=num_ranks, join=True
+        )
         with open(result_file) as f:
             return {kind: {int(k): v for k, v in times.items()} for kind, times in json.load(f).items()}
 
@@ -488,8 +516,9 @@ def _host_work_s(duration_s: float, make_work=small_op_step, min_samples: int = 
     return statistics.median(samples)
 
 
-def _shared_core_worker(rank: int, world: int, init_file: str, duration_s: float, result_dir: str,
-                        make_work=small_op_step) -> None:  # fmt: skip
+def _shared_core_worker(
+    rank: int, world: int, init_file: str, duration_s: float, result_dir: str, make_work=small_op_step
+) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -525,8 +554,12 @@ def measure_shared_core_slowdown(num_ranks: int, duration_s: float = 1.0, make_w
     other ranks wait), each phase at least `duration_s`; never below 1.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_shared_core_worker, args=(num_ranks, os.path.join(tmp, "rendezvous"), duration_s, tmp, make_work),
-                 nprocs=num_ranks, join=True)  # fmt: skip
+        mp.spawn(
+            _shared_core_worker,
+            args=(num_ranks, os.path.join(tmp, "rendezvous"), duration_s, tmp, make_work),
+            nprocs=num_ranks,
+            join=True,
+        )
         results = []
         for rank in range(num_ranks):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
@@ -607,8 +640,9 @@ OVERLAP_PROBE_BYTES = 25 << 20  # one gradient bucket (`runtime.overlap.BUCKET_B
 OVERLAP_PROBE_REPEATS = 21
 
 
-def measure_overlap_efficiency(num_ranks: int, num_bytes: int = OVERLAP_PROBE_BYTES,
-                               repeats: int = OVERLAP_PROBE_REPEATS) -> dict[str, float]:  # fmt: skip
+def measure_overlap_efficiency(
+    num_ranks: int, num_bytes: int = OVERLAP_PROBE_BYTES, repeats: int = OVERLAP_PROBE_REPEATS
+) -> dict[str, float]:
     """How much of a gloo all-reduce hides behind compute on this machine: {"eta", "compute_s", "comm_s",
     "both_s"}.
 
@@ -622,8 +656,9 @@ def measure_overlap_efficiency(num_ranks: int, num_bytes: int = OVERLAP_PROBE_BY
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "result.json")
-        mp.spawn(_overlap_worker, args=(num_ranks, init_file, num_bytes, repeats, result_file), nprocs=num_ranks,
-                 join=True)  # fmt: skip
+        mp.spawn(
+            _overlap_worker, args=(num_ranks, init_file, num_bytes, repeats, result_file), nprocs=num_ranks, join=True
+        )
         with open(result_file) as f:
             samples = json.load(f)
     medians = {f"{k}_s": statistics.median(v) for k, v in samples.items()}
@@ -701,11 +736,11 @@ def calibrate(num_ranks: int = 2, repeats: int = 7, runs: int = 1) -> dict:
     finally:
         torch.set_num_threads(previous)
     samples = [measure_gloo_collectives(num_ranks, repeats) for _ in range(runs)]
-    best = {kind: {size: min(run[kind][size] for run in samples) for size in times}
-            for kind, times in samples[0].items()}  # fmt: skip
+    best = {
+        kind: {size: min(run[kind][size] for run in samples) for size in times} for kind, times in samples[0].items()
+    }
     # the median, not the best: other load on the machine moves eta either way
-    device["overlap_efficiency"] = statistics.median(measure_overlap_efficiency(num_ranks)["eta"]
-                                                     for _ in range(runs))  # fmt: skip
+    device["overlap_efficiency"] = statistics.median(measure_overlap_efficiency(num_ranks)["eta"] for _ in range(runs))
     link = fit_link(best, num_ranks)
     ram = host_memory_bytes()  # the cluster file divides it among the ranks
     return {
@@ -734,12 +769,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks < 2:
         parser.error("--ranks must be at least 2: an all-reduce among one process moves nothing")
     result = _round(calibrate(args.ranks, args.repeats, max(args.runs, 1)))
-    print(f"# measured {datetime.date.today().isoformat()} on {platform.node()} ({platform.processor() or 'cpu'}, "
-          f"{os.cpu_count()} cores), torch {torch.__version__}", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"# measured {datetime.date.today().isoformat()} on {platform.node()} ({platform.processor() or 'cpu'}, "
+        f"{os.cpu_count()} cores), torch {torch.__version__}",
+        file=sys.stderr,
+        flush=True,
+    )
     torch.set_num_threads(1)
     host = measure_host_overheads(args.repeats) | measure_optimizer_step(args.repeats)
-    print(f"# host costs per call, one thread (ProfiledEstimator measures these into its cache): "
-          f"{json.dumps(_round(host))}", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"# host costs per call, one thread (ProfiledEstimator measures these into its cache): "
+        f"{json.dumps(_round(host))}",
+        file=sys.stderr,
+        flush=True,
+    )
     print(json.dumps(result, indent=2))
     return 0
 

@@ -185,12 +185,35 @@ def _copy_cost(node: fx.Node) -> OpCost:
 # ------------------------------------------------------------------------------ views and copies
 
 _VIEW_OPS = _overloads(
-    "view.default", "view.dtype", "_unsafe_view.default", "transpose.int", "permute.default", "unsqueeze.default",
-    "squeeze.default", "squeeze.dim", "squeeze.dims", "expand.default", "expand_as.default", "slice.Tensor",
-    "select.int", "split.Tensor", "split_with_sizes.default", "unbind.int", "chunk.default", "narrow.default",
-    "alias.default", "t.default", "detach.default", "_assert_tensor_metadata.default", "as_strided.default",
-    "view_as.default", "unflatten.int", "diagonal.default", "movedim.int", "lift_fresh.default",
-)  # fmt: skip
+    "view.default",
+    "view.dtype",
+    "_unsafe_view.default",
+    "transpose.int",
+    "permute.default",
+    "unsqueeze.default",
+    "squeeze.default",
+    "squeeze.dim",
+    "squeeze.dims",
+    "expand.default",
+    "expand_as.default",
+    "slice.Tensor",
+    "select.int",
+    "split.Tensor",
+    "split_with_sizes.default",
+    "unbind.int",
+    "chunk.default",
+    "narrow.default",
+    "alias.default",
+    "t.default",
+    "detach.default",
+    "_assert_tensor_metadata.default",
+    "as_strided.default",
+    "view_as.default",
+    "unflatten.int",
+    "diagonal.default",
+    "movedim.int",
+    "lift_fresh.default",
+)
 
 
 @register_op_cost(operator.getitem, *_VIEW_OPS)
@@ -234,23 +257,63 @@ def _copy(node: fx.Node) -> OpCost:
     return _copy_cost(node)
 
 
-@register_op_cost(*_overloads(
-    "cat.default", "stack.default", "pad.default", "constant_pad_nd.default", "index.Tensor", "gather.default",
-    "index_select.default", "repeat.default", "roll.default", "flip.default", "tril.default", "triu.default",
-    "masked_fill.Scalar", "masked_fill.Tensor", "where.self", "where.ScalarSelf", "where.ScalarOther",
-    "where.Scalar", "expand_copy.default", "scatter.src", "scatter.value", "index_put.default",
-))  # fmt: skip
+@register_op_cost(
+    *_overloads(
+        "cat.default",
+        "stack.default",
+        "pad.default",
+        "constant_pad_nd.default",
+        "index.Tensor",
+        "gather.default",
+        "index_select.default",
+        "repeat.default",
+        "roll.default",
+        "flip.default",
+        "tril.default",
+        "triu.default",
+        "masked_fill.Scalar",
+        "masked_fill.Tensor",
+        "where.self",
+        "where.ScalarSelf",
+        "where.ScalarOther",
+        "where.Scalar",
+        "expand_copy.default",
+        "scatter.src",
+        "scatter.value",
+        "index_put.default",
+    )
+)
 def _data_movement(node: fx.Node) -> OpCost:
     """Gathers, selections and concatenations: bytes, no arithmetic."""
     return elementwise_cost(node, flops_per_element=0.0)
 
 
-@register_op_cost(*_overloads(
-    "arange.default", "arange.start", "arange.start_step", "full.default", "zeros.default", "ones.default",
-    "empty.memory_format", "new_ones.default", "new_zeros.default", "new_full.default", "new_empty.default",
-    "zeros_like.default", "ones_like.default", "full_like.default", "empty_like.default", "scalar_tensor.default",
-    "rand.default", "randn.default", "randint.default", "randint.low", "fill.Scalar", "fill.Tensor",
-))  # fmt: skip
+@register_op_cost(
+    *_overloads(
+        "arange.default",
+        "arange.start",
+        "arange.start_step",
+        "full.default",
+        "zeros.default",
+        "ones.default",
+        "empty.memory_format",
+        "new_ones.default",
+        "new_zeros.default",
+        "new_full.default",
+        "new_empty.default",
+        "zeros_like.default",
+        "ones_like.default",
+        "full_like.default",
+        "empty_like.default",
+        "scalar_tensor.default",
+        "rand.default",
+        "randn.default",
+        "randint.default",
+        "randint.low",
+        "fill.Scalar",
+        "fill.Tensor",
+    )
+)
 def _factory(node: fx.Node) -> OpCost:
     """Creating a tensor writes it; it has no inputs worth a gradient."""
     return OpCost(0.0, _nbytes(tensors_of(node)), 0.0, 0.0)
@@ -259,20 +322,83 @@ def _factory(node: fx.Node) -> OpCost:
 # ---------------------------------------------------------------------------------- elementwise
 
 _ELEMENTWISE_OPS = _overloads(
-    "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Tensor", "rsub.Scalar", "mul.Tensor", "mul.Scalar",
-    "div.Tensor", "div.Scalar", "div.Tensor_mode", "div.Scalar_mode", "neg.default", "pow.Tensor_Scalar",
-    "pow.Tensor_Tensor", "pow.Scalar", "rsqrt.default", "sqrt.default", "exp.default", "log.default",
-    "log1p.default", "expm1.default", "cos.default", "sin.default", "tanh.default", "sigmoid.default",
-    "silu.default", "gelu.default", "relu.default", "leaky_relu.default", "erf.default", "abs.default",
-    "sign.default", "reciprocal.default", "square.default", "clamp.default", "clamp.Tensor", "clamp_min.default",
-    "clamp_max.default", "minimum.default", "maximum.default", "lerp.Scalar", "addcmul.default", "addcdiv.default",
-    "floor_divide.default", "remainder.Scalar", "remainder.Tensor", "floor.default", "ceil.default",
-    "round.default", "trunc.default", "diff.default", "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar",
-    "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar", "gt.Tensor", "gt.Scalar", "ge.Tensor", "ge.Scalar",
-    "__and__.Tensor", "__or__.Tensor", "__xor__.Tensor", "bitwise_and.Tensor", "bitwise_or.Tensor",
-    "bitwise_not.default", "logical_and.default", "logical_or.default", "logical_not.default", "isnan.default",
-    "isinf.default", "bernoulli.p",
-)  # fmt: skip
+    "add.Tensor",
+    "add.Scalar",
+    "sub.Tensor",
+    "sub.Scalar",
+    "rsub.Tensor",
+    "rsub.Scalar",
+    "mul.Tensor",
+    "mul.Scalar",
+    "div.Tensor",
+    "div.Scalar",
+    "div.Tensor_mode",
+    "div.Scalar_mode",
+    "neg.default",
+    "pow.Tensor_Scalar",
+    "pow.Tensor_Tensor",
+    "pow.Scalar",
+    "rsqrt.default",
+    "sqrt.default",
+    "exp.default",
+    "log.default",
+    "log1p.default",
+    "expm1.default",
+    "cos.default",
+    "sin.default",
+    "tanh.default",
+    "sigmoid.default",
+    "silu.default",
+    "gelu.default",
+    "relu.default",
+    "leaky_relu.default",
+    "erf.default",
+    "abs.default",
+    "sign.default",
+    "reciprocal.default",
+    "square.default",
+    "clamp.default",
+    "clamp.Tensor",
+    "clamp_min.default",
+    "clamp_max.default",
+    "minimum.default",
+    "maximum.default",
+    "lerp.Scalar",
+    "addcmul.default",
+    "addcdiv.default",
+    "floor_divide.default",
+    "remainder.Scalar",
+    "remainder.Tensor",
+    "floor.default",
+    "ceil.default",
+    "round.default",
+    "trunc.default",
+    "diff.default",
+    "eq.Tensor",
+    "eq.Scalar",
+    "ne.Tensor",
+    "ne.Scalar",
+    "lt.Tensor",
+    "lt.Scalar",
+    "le.Tensor",
+    "le.Scalar",
+    "gt.Tensor",
+    "gt.Scalar",
+    "ge.Tensor",
+    "ge.Scalar",
+    "__and__.Tensor",
+    "__or__.Tensor",
+    "__xor__.Tensor",
+    "bitwise_and.Tensor",
+    "bitwise_or.Tensor",
+    "bitwise_not.default",
+    "logical_and.default",
+    "logical_or.default",
+    "logical_not.default",
+    "isnan.default",
+    "isinf.default",
+    "bernoulli.p",
+)
 
 
 @register_op_cost(*_ELEMENTWISE_OPS)
@@ -292,11 +418,29 @@ def _dropout(node: fx.Node) -> OpCost:
 # ------------------------------------------------------------------------- reductions and norms
 
 
-@register_op_cost(*_overloads(
-    "mean.dim", "mean.default", "sum.dim_IntList", "sum.default", "amax.default", "amin.default", "max.dim",
-    "min.dim", "argmax.default", "argmin.default", "cumsum.default", "prod.default", "var.correction",
-    "std.correction", "any.default", "any.dim", "all.default", "logsumexp.default", "norm.ScalarOpt_dim",
-))  # fmt: skip
+@register_op_cost(
+    *_overloads(
+        "mean.dim",
+        "mean.default",
+        "sum.dim_IntList",
+        "sum.default",
+        "amax.default",
+        "amin.default",
+        "max.dim",
+        "min.dim",
+        "argmax.default",
+        "argmin.default",
+        "cumsum.default",
+        "prod.default",
+        "var.correction",
+        "std.correction",
+        "any.default",
+        "any.dim",
+        "all.default",
+        "logsumexp.default",
+        "norm.ScalarOpt_dim",
+    )
+)
 def _reduction(node: fx.Node) -> OpCost:
     """One FLOP per input element; the backward broadcasts dY back to the input's size."""
     ins, outs = _input_tensors(node)[:1], tensors_of(node)
@@ -411,10 +555,12 @@ def _grouped_mm(node: fx.Node) -> OpCost:
 
 
 _SDPA_OPS = _overloads(
-    "scaled_dot_product_attention.default", "_scaled_dot_product_flash_attention.default",
-    "_scaled_dot_product_flash_attention_for_cpu.default", "_scaled_dot_product_efficient_attention.default",
+    "scaled_dot_product_attention.default",
+    "_scaled_dot_product_flash_attention.default",
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "_scaled_dot_product_efficient_attention.default",
     "_scaled_dot_product_cudnn_attention.default",
-)  # fmt: skip
+)
 
 
 @register_op_cost(*_SDPA_OPS)
@@ -502,8 +648,9 @@ def _linear_cross_entropy(node: fx.Node) -> OpCost:
 # ------------------------------------------------------------------------------------- timing
 
 
-def estimate_compute_time(cost: OpCost, device: DeviceSpec, dtype: DType, *, divisor: float = 1.0,
-                          backward: bool = False) -> float:  # fmt: skip
+def estimate_compute_time(
+    cost: OpCost, device: DeviceSpec, dtype: DType, *, divisor: float = 1.0, backward: bool = False
+) -> float:
     """Roofline seconds of `cost` on `device`: max(FLOPs / achievable rate, bytes / achievable bandwidth) + launch.
 
     Args:
@@ -578,8 +725,9 @@ class AnalyticEstimator:
         return estimate_adamw_step_time(num_tensors, num_param_bytes, self.device)
 
 
-def estimate_optimizer_step_time(num_tensors: int, num_param_bytes: float, *, tensor_s: float,
-                                 s_per_param_byte: float) -> float:  # fmt: skip
+def estimate_optimizer_step_time(
+    num_tensors: int, num_param_bytes: float, *, tensor_s: float, s_per_param_byte: float
+) -> float:
     """Seconds of one optimizer step over `num_tensors` parameter tensors of `num_param_bytes` in all.
 
     An eager optimizer (PyTorch's AdamW without `foreach`/`fused`, the default on CPU) runs a
@@ -630,8 +778,9 @@ def estimate_adamw_step_time(num_tensors: int, num_param_bytes: float, device: D
     if device.kind == "gpu":
         per_tensor /= FOREACH_TENSORS_PER_LAUNCH
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
-    return estimate_optimizer_step_time(num_tensors, num_param_bytes, tensor_s=per_tensor,
-                                        s_per_param_byte=ADAMW_BYTES_PER_PARAM_BYTE / bandwidth)  # fmt: skip
+    return estimate_optimizer_step_time(
+        num_tensors, num_param_bytes, tensor_s=per_tensor, s_per_param_byte=ADAMW_BYTES_PER_PARAM_BYTE / bandwidth
+    )
 
 
 def optimizer_step_time_s(estimator, device: DeviceSpec, num_tensors: int, num_param_bytes: float) -> float:

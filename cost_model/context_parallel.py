@@ -82,8 +82,10 @@ class CPAttentionShape:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"attention shape: {name} must be a positive integer, got {value!r}")
         if self.heads % self.kv_heads:
-            raise ConfigError(f"attention shape: the {self.heads} query heads must be a multiple of the "
-                              f"{self.kv_heads} key/value heads (grouped-query attention)")  # fmt: skip
+            raise ConfigError(
+                f"attention shape: the {self.heads} query heads must be a multiple of the "
+                f"{self.kv_heads} key/value heads (grouped-query attention)"
+            )
 
     def head_bytes(self, heads: int) -> float:
         """Bytes of a (batch, heads, seq_len, head_dim) tensor."""
@@ -177,8 +179,10 @@ def estimate_cp_attention(
     algorithm, layout = CPAlgorithm(algorithm), SequenceLayout(layout)
     check_cp_sequence(shape.seq_len, num_ranks, layout)
     if algorithm == CPAlgorithm.ALL_TO_ALL and shape.heads % num_ranks:
-        raise ConfigError(f"all-to-all (Ulysses) context parallelism needs the cp degree {num_ranks} to divide "
-                          f"the {shape.heads} query heads; price 'ring' or 'allgather' instead")  # fmt: skip
+        raise ConfigError(
+            f"all-to-all (Ulysses) context parallelism needs the cp degree {num_ranks} to divide "
+            f"the {shape.heads} query heads; price 'ring' or 'allgather' instead"
+        )
     if isinstance(compute, DeviceSpec):
         dtype = dtype if dtype is not None else (DType.FP32 if shape.bytes_per_element >= 4 else DType.BF16)
         compute = attention_time_from_device(compute, dtype)
@@ -209,8 +213,16 @@ def _all_gather(shape: CPAttentionShape, c: int, fwd: float, link: LinkSpec) -> 
     scatter = estimate_collective_time(Collective.REDUCE_SCATTER, shape.kv_bytes, c, link)
     bwd = BACKWARD_FACTOR * fwd
     kept = shape.kv_bytes if c > 1 else 0.0
-    return CPAttentionCost(CPAlgorithm.ALL_GATHER, gather + fwd, bwd + scatter, fwd, bwd, gather + scatter,
-                           saved_bytes=kept, peak_extra_bytes=2 * kept)  # fmt: skip
+    return CPAttentionCost(
+        CPAlgorithm.ALL_GATHER,
+        gather + fwd,
+        bwd + scatter,
+        fwd,
+        bwd,
+        gather + scatter,
+        saved_bytes=kept,
+        peak_extra_bytes=2 * kept,
+    )
 
 
 def _ring(shape: CPAttentionShape, c: int, fwd: float, link: LinkSpec) -> CPAttentionCost:
@@ -223,8 +235,9 @@ def _ring(shape: CPAttentionShape, c: int, fwd: float, link: LinkSpec) -> CPAtte
     hops = [(s <= c - 2) + (s >= 2) for s in range(c)]  # K/V hop, dK/dV hop from the step before
     backward = sum(max(step_b, n * hop) for n in hops) + hop
     block = shape.kv_bytes / c
-    return CPAttentionCost(CPAlgorithm.RING, forward, backward, fwd, bwd, 3 * (c - 1) * hop,
-                           saved_bytes=0.0, peak_extra_bytes=4 * block)  # fmt: skip
+    return CPAttentionCost(
+        CPAlgorithm.RING, forward, backward, fwd, bwd, 3 * (c - 1) * hop, saved_bytes=0.0, peak_extra_bytes=4 * block
+    )
 
 
 def _all_to_all(
@@ -233,13 +246,22 @@ def _all_to_all(
     kv_heads = shape.kv_heads if shape.kv_heads % c == 0 else math.lcm(shape.kv_heads, c)
     qkv = shape.head_bytes(shape.heads + 2 * kv_heads)
     out = shape.head_bytes(shape.heads)
-    fwd = (0.5 if causal else 1.0) * compute(shape.batch, shape.heads // c, shape.seq_len, shape.seq_len,
-                                             shape.head_dim)  # fmt: skip
+    fwd = (0.5 if causal else 1.0) * compute(
+        shape.batch, shape.heads // c, shape.seq_len, shape.seq_len, shape.head_dim
+    )
     bwd = BACKWARD_FACTOR * fwd
     comm = estimate_collective_time(Collective.ALL_TO_ALL, qkv, c, link)
     comm += estimate_collective_time(Collective.ALL_TO_ALL, out, c, link)
     if c == 1:
         return CPAttentionCost(CPAlgorithm.ALL_TO_ALL, fwd, bwd, fwd, bwd, 0.0, 0.0, 0.0)
     saved = (qkv + out) / c
-    return CPAttentionCost(CPAlgorithm.ALL_TO_ALL, fwd + comm, bwd + comm, fwd, bwd, 2 * comm,
-                           saved_bytes=saved, peak_extra_bytes=saved + 2 * qkv / c)  # fmt: skip
+    return CPAttentionCost(
+        CPAlgorithm.ALL_TO_ALL,
+        fwd + comm,
+        bwd + comm,
+        fwd,
+        bwd,
+        2 * comm,
+        saved_bytes=saved,
+        peak_extra_bytes=saved + 2 * qkv / c,
+    )

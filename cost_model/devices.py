@@ -129,8 +129,10 @@ class LinkSpec:
         _check_alpha_beta(f"link {self.name!r}", self.latency_s, self.bandwidth_bytes_per_s)
         for entry in self.per_collective:
             if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)):
-                raise ConfigError(f"link {self.name!r}: per_collective entries are (kind, latency_s, "
-                                  f"bandwidth_bytes_per_s), got {entry!r}")  # fmt: skip
+                raise ConfigError(
+                    f"link {self.name!r}: per_collective entries are (kind, latency_s, "
+                    f"bandwidth_bytes_per_s), got {entry!r}"
+                )
             _check_alpha_beta(f"link {self.name!r} ({entry[0]})", entry[1], entry[2])
 
     def alpha_beta(self, kind: str) -> tuple[float, float]:
@@ -149,9 +151,12 @@ class LinkSpec:
     @classmethod
     def from_dict(cls, d: Mapping) -> LinkSpec:
         _check_keys("link", d, {f.name for f in fields(cls)}, required=True, optional={"per_collective"})
-        return cls(name=str(d["name"]), bandwidth_bytes_per_s=float(d["bandwidth_bytes_per_s"]),
-                   latency_s=float(d["latency_s"]),
-                   per_collective=parse_per_collective(d.get("per_collective", {}), f"link {d['name']!r}"))  # fmt: skip
+        return cls(
+            name=str(d["name"]),
+            bandwidth_bytes_per_s=float(d["bandwidth_bytes_per_s"]),
+            latency_s=float(d["latency_s"]),
+            per_collective=parse_per_collective(d.get("per_collective", {}), f"link {d['name']!r}"),
+        )
 
 
 def parse_per_collective(value, owner: str) -> tuple[tuple[str, float, float], ...]:
@@ -160,15 +165,17 @@ def parse_per_collective(value, owner: str) -> tuple[tuple[str, float, float], .
     from autopar.cost_model.comm import Collective
 
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{owner}: per_collective must map a collective to its latency_s and "
-                          f"bandwidth_bytes_per_s, got {value!r}")  # fmt: skip
+        raise ConfigError(
+            f"{owner}: per_collective must map a collective to its latency_s and bandwidth_bytes_per_s, got {value!r}"
+        )
     out = []
     for kind, figures in value.items():
         if kind not in {c.value for c in Collective}:
-            raise ConfigError(f"{owner}: per_collective names {kind!r}, not a collective: expected one of "
-                              f"{[c.value for c in Collective]}")  # fmt: skip
-        _check_keys(f"{owner} per_collective[{kind!r}]", figures, {"latency_s", "bandwidth_bytes_per_s"},
-                    required=True)  # fmt: skip
+            raise ConfigError(
+                f"{owner}: per_collective names {kind!r}, not a collective: expected one of "
+                f"{[c.value for c in Collective]}"
+            )
+        _check_keys(f"{owner} per_collective[{kind!r}]", figures, {"latency_s", "bandwidth_bytes_per_s"}, required=True)
         out.append((str(kind), float(figures["latency_s"]), float(figures["bandwidth_bytes_per_s"])))
     return tuple(sorted(out))
 
@@ -200,9 +207,13 @@ class DeviceSpec:
         owner = f"device {self.name!r}"
         if self.kind not in ("gpu", "cpu"):
             raise ConfigError(f"{owner}: kind must be 'gpu' or 'cpu', got {self.kind!r}")
-        _check_positive(owner, memory_bytes=self.memory_bytes, vector_flops_per_s=self.vector_flops_per_s,
-                        memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s,
-                        host_adamw_params_per_s=self.host_adamw_params_per_s)  # fmt: skip
+        _check_positive(
+            owner,
+            memory_bytes=self.memory_bytes,
+            vector_flops_per_s=self.vector_flops_per_s,
+            memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s,
+            host_adamw_params_per_s=self.host_adamw_params_per_s,
+        )
         for name in ("matmul_efficiency", "memory_efficiency"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value <= 1:
@@ -270,8 +281,9 @@ def _check_keys(what: str, d, allowed: set[str], *, required: bool, optional: se
         raise ConfigError(f"{what}: missing fields {sorted(missing)}")
 
 
-def _gpu(name, memory_gb, bandwidth_tb_s, tensor_tflops, tf32_tflops, fp32_tflops, nvlink, ib, pcie,
-         host_adamw) -> DeviceSpec:  # fmt: skip
+def _gpu(
+    name, memory_gb, bandwidth_tb_s, tensor_tflops, tf32_tflops, fp32_tflops, nvlink, ib, pcie, host_adamw
+) -> DeviceSpec:
     return DeviceSpec(
         name=name,
         kind="gpu",
@@ -282,7 +294,7 @@ def _gpu(name, memory_gb, bandwidth_tb_s, tensor_tflops, tf32_tflops, fp32_tflop
             (DType.TF32, tf32_tflops * 1e12),
             (DType.BF16, tensor_tflops * 1e12),
             (DType.FP16, tensor_tflops * 1e12),
-        ),  # fmt: skip
+        ),
         vector_flops_per_s=fp32_tflops * 1e12,
         matmul_efficiency=780.0 / 989.4,
         memory_efficiency=4.3 / 4.8,

@@ -39,8 +39,14 @@ _STATE_BYTES = {
     ("sgd_momentum", True): (2, 2, 8),
     ("sgd_momentum", False): (4, 4, 4),
 }
-_OPTIMIZER_ALIASES = {"adam": "adamw", "adamw": "adamw", "sgd": "sgd", "sgd_momentum": "sgd_momentum",
-                      "sgd-momentum": "sgd_momentum", "momentum": "sgd_momentum"}  # fmt: skip
+_OPTIMIZER_ALIASES = {
+    "adam": "adamw",
+    "adamw": "adamw",
+    "sgd": "sgd",
+    "sgd_momentum": "sgd_momentum",
+    "sgd-momentum": "sgd_momentum",
+    "momentum": "sgd_momentum",
+}
 _RECOMPUTE = ("none", "selective", "full")
 
 
@@ -62,8 +68,9 @@ def _check_zero(zero_stage: int) -> None:
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {zero_stage!r}")
 
 
-def estimate_model_state_bytes(num_params: float, *, mixed_precision: bool, zero_stage: int, dp: int,
-                               optimizer: str = "adamw") -> ModelStateBytes:  # fmt: skip
+def estimate_model_state_bytes(
+    num_params: float, *, mixed_precision: bool, zero_stage: int, dp: int, optimizer: str = "adamw"
+) -> ModelStateBytes:
     """Per-device model-state bytes of `num_params` parameters.
 
     Args:
@@ -89,9 +96,16 @@ def estimate_model_state_bytes(num_params: float, *, mixed_precision: bool, zero
     )
 
 
-def estimate_transformer_activation_bytes(seq_len: int, micro_batch: int, hidden: int, num_heads: int, *,
-                                          tp: int = 1, sequence_parallel: bool = False,
-                                          recompute: str = "none") -> float:  # fmt: skip
+def estimate_transformer_activation_bytes(
+    seq_len: int,
+    micro_batch: int,
+    hidden: int,
+    num_heads: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+) -> float:
     """Activation bytes one transformer layer keeps for its backward (Korthikanti et al., 16-bit).
 
     Args:
@@ -102,8 +116,13 @@ def estimate_transformer_activation_bytes(seq_len: int, micro_batch: int, hidden
     """
     if recompute not in _RECOMPUTE:
         raise ConfigError(f"recompute must be one of {list(_RECOMPUTE)}, got {recompute!r}")
-    for name, value in (("seq_len", seq_len), ("micro_batch", micro_batch), ("hidden", hidden),
-                        ("num_heads", num_heads), ("tp", tp)):  # fmt: skip
+    for name, value in (
+        ("seq_len", seq_len),
+        ("micro_batch", micro_batch),
+        ("hidden", hidden),
+        ("num_heads", num_heads),
+        ("tp", tp),
+    ):
         if value < 1:
             raise ConfigError(f"{name} must be at least 1, got {value}")
     s, b, h, a, t = float(seq_len), float(micro_batch), float(hidden), float(num_heads), float(tp)

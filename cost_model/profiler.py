@@ -217,8 +217,9 @@ def local_share(node: fx.Node, divisor: float) -> LocalShare | None:
     for leaf in pytree.tree_leaves((node.args, node.kwargs)):
         meta = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
         if isinstance(meta, torch.Tensor) and meta.ndim and meta.shape[0] == rows:
-            local[leaf] = torch.empty_strided((rows // factor, *meta.shape[1:]), meta.stride(), dtype=meta.dtype,
-                                              device="meta")  # fmt: skip
+            local[leaf] = torch.empty_strided(
+                (rows // factor, *meta.shape[1:]), meta.stride(), dtype=meta.dtype, device="meta"
+            )
     if factor == 1 or not local:
         return None
     shapes = tuple((rows // factor, *t.shape[1:]) if t.ndim and t.shape[0] == rows else tuple(t.shape) for t in outs)
@@ -265,10 +266,18 @@ class ProfiledEstimator:
             cached under the name) and priced; None prices AdamW from the profile's host costs.
     """
 
-    def __init__(self, cache_path: str | Path | None = None, *, device: str = "cpu", repeats: int = 5,
-                 num_threads: int | None = 1, fallback=None, ranks_per_core: float = 1.0,
-                 in_step: tuple[float, float] = (1.0, 1.0),
-                 optimizer: tuple[str, Callable] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cache_path: str | Path | None = None,
+        *,
+        device: str = "cpu",
+        repeats: int = 5,
+        num_threads: int | None = 1,
+        fallback=None,
+        ranks_per_core: float = 1.0,
+        in_step: tuple[float, float] = (1.0, 1.0),
+        optimizer: tuple[str, Callable] | None = None,
+    ):
         if repeats < 1:
             raise ValueError(f"repeats must be at least 1, got {repeats}")
         if not ranks_per_core >= 1:
@@ -286,8 +295,9 @@ class ProfiledEstimator:
         self.unshared_targets: set[str] = set()  # ops timed whole and divided: their share did not run or shrink
         self._entries: dict[str, dict[str, float]] = self._load()
         self._fallback = fallback
-        if optimizer is not None and not (len(optimizer) == 2 and isinstance(optimizer[0], str) and optimizer[0]
-                                          and callable(optimizer[1])):  # fmt: skip
+        if optimizer is not None and not (
+            len(optimizer) == 2 and isinstance(optimizer[0], str) and optimizer[0] and callable(optimizer[1])
+        ):
             raise ValueError(f"optimizer must be (a name, a factory over parameters), got {optimizer!r}")
         self.optimizer = optimizer
 
@@ -325,8 +335,11 @@ class ProfiledEstimator:
         tensors holding `num_param_bytes`."""
         host = self.optimizer_overheads()
         return self.ranks_per_core * estimate_optimizer_step_time(
-            num_tensors, num_param_bytes, tensor_s=host["optimizer_tensor_s"],
-            s_per_param_byte=host["optimizer_s_per_param_byte"])  # fmt: skip
+            num_tensors,
+            num_param_bytes,
+            tensor_s=host["optimizer_tensor_s"],
+            s_per_param_byte=host["optimizer_s_per_param_byte"],
+        )
 
     def optimizer_overheads(self) -> dict[str, float]:
         """{"optimizer_tensor_s", "optimizer_s_per_param_byte"} of the optimizer priced: AdamW's from the host
@@ -449,8 +462,11 @@ class ProfiledEstimator:
         except Exception as e:  # an op that random inputs cannot drive: fall back, and say so
             target = str(node.target)
             if target not in self.failed_targets:
-                warnings.warn(f"cannot time {target} on random inputs ({type(e).__name__}: {e}); "
-                              "using the analytic estimate of the local device instead", stacklevel=4)  # fmt: skip
+                warnings.warn(
+                    f"cannot time {target} on random inputs ({type(e).__name__}: {e}); "
+                    "using the analytic estimate of the local device instead",
+                    stacklevel=4,
+                )
             self.failed_targets.add(target)
             return self._analytic(node)
 
@@ -463,8 +479,11 @@ class ProfiledEstimator:
     def _inputs(self, node: fx.Node, share: LocalShare | None = None):
         """(args, kwargs, floating leaf inputs) of random tensors shaped like the node's arguments (or `share`'s)."""
         local = share.inputs if share is not None else {}
-        metas = [t for leaf in pytree.tree_leaves((node.args, node.kwargs))
-                 if isinstance(leaf, fx.Node) and isinstance(t := local.get(leaf, leaf.meta.get("val")), torch.Tensor)]  # fmt: skip
+        metas = [
+            t
+            for leaf in pytree.tree_leaves((node.args, node.kwargs))
+            if isinstance(leaf, fx.Node) and isinstance(t := local.get(leaf, leaf.meta.get("val")), torch.Tensor)
+        ]
         bound = _index_bound(node, metas)
         generator = torch.Generator().manual_seed(0)
         leaves: list[torch.Tensor] = []
@@ -524,8 +543,11 @@ class ProfiledEstimator:
             if shapes != share.output_shapes:
                 raise ValueError(f"on a rank's share {node.target} returns {shapes}, not {share.output_shapes}")
         forward_s = self._median_s(lambda: node.target(*args, **kwargs), between=evict_dispatch_paths)
-        outs = [t for t in pytree.tree_leaves(node.target(*args, **kwargs))
-                if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.dtype.is_floating_point]  # fmt: skip
+        outs = [
+            t
+            for t in pytree.tree_leaves(node.target(*args, **kwargs))
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None and t.dtype.is_floating_point
+        ]
         if not outs or not leaves:
             return {"forward_s": forward_s, "backward_s": 0.0}
         grads = [torch.randn_like(t) for t in outs]
@@ -551,8 +573,9 @@ class InStepScale:
         return (self.forward_measured_s / self.forward_profiled_s, self.backward_measured_s / self.backward_profiled_s)
 
 
-def measure_in_step_scale(estimator: ProfiledEstimator, gm: fx.GraphModule, values: list, *, loss_index: int = 0,
-                          repeats: int = 5) -> InStepScale:  # fmt: skip
+def measure_in_step_scale(
+    estimator: ProfiledEstimator, gm: fx.GraphModule, values: list, *, loss_index: int = 0, repeats: int = 5
+) -> InStepScale:
     """Run `gm` forward and backward as a training step does, and compare with the sum of its ops' profiles.
 
     Ops timed one at a time miss what a step adds around them: the Python of the graph's own code, an
@@ -562,8 +585,13 @@ def measure_in_step_scale(estimator: ProfiledEstimator, gm: fx.GraphModule, valu
     starts from. The profiles are `estimator`'s (its cache), summed over the graph's ops at divisor 1
     with no scale (one rank alone, as measured here); forward and backward are medians over `repeats`.
     """
-    plain = ProfiledEstimator(estimator.cache_path, device=estimator.device, repeats=estimator.repeats,
-                              num_threads=estimator.num_threads, fallback=estimator._fallback)  # fmt: skip
+    plain = ProfiledEstimator(
+        estimator.cache_path,
+        device=estimator.device,
+        repeats=estimator.repeats,
+        num_threads=estimator.num_threads,
+        fallback=estimator._fallback,
+    )
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     forward_profiled = sum(plain.forward_time_s(n, 1.0) for n in nodes)
     backward_profiled = sum(plain.backward_time_s(n, 1.0) for n in nodes)

@@ -32,9 +32,16 @@ ALGORITHMS = ("allgather", "ring", "alltoall")
 def build_model(seq_len: int) -> torch.nn.Module:
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, vocab_size=1024,
-                                      max_position_embeddings=seq_len, use_cache=False)  # fmt: skip
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=seq_len,
+        use_cache=False,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
@@ -48,8 +55,9 @@ def batch(global_batch: int, seq_len: int):
 def _train(rank: int, world: int, plan_json: str, seq_len: int, global_batch: int, steps: int) -> list[float]:
     plan = autopar.Plan.from_json(plan_json)
     args, kwargs = batch(global_batch, seq_len)
-    pm = autopar.compile(build_model(seq_len), f"cpu:{world}", args, kwargs, plan=plan,
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))  # fmt: skip
+    pm = autopar.compile(
+        build_model(seq_len), f"cpu:{world}", args, kwargs, plan=plan, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3)
+    )
     pm.train_step(*args, **kwargs)  # warm-up
     times = []
     for _ in range(steps):
@@ -81,24 +89,27 @@ def main() -> int:
     common = dict(alternatives=False, memory_budget=a.memory_budget)
     free = autopar.plan(model, cluster, args, kwargs, **common)
     cp_info = free.context_parallel or {}
-    print(f"free search: mesh {free.mesh}, cp attention {cp_info.get('algorithm', '-')}, predicted "
-          f"{free.predicted.step_time_s * 1e3:,.1f} ms, peak {free.predicted.peak_memory_bytes / 2**20:,.1f} MiB",
-          flush=True)  # fmt: skip
+    print(
+        f"free search: mesh {free.mesh}, cp attention {cp_info.get('algorithm', '-')}, predicted "
+        f"{free.predicted.step_time_s * 1e3:,.1f} ms, peak {free.predicted.peak_memory_bytes / 2**20:,.1f} MiB",
+        flush=True,
+    )
     for r in cp_info.get("search", []):
         print(f"  cp={r['degree']}: " + (f"{r['step_time_s'] * 1e3:,.1f} ms" if r.get("feasible") else r["reason"]))
     rows = []
     for algo in ALGORITHMS:
         try:
-            p = autopar.plan(model, cluster, args, kwargs, constraints={"cp": a.world, "cp_attention": algo},
-                             **common)  # fmt: skip
+            p = autopar.plan(model, cluster, args, kwargs, constraints={"cp": a.world, "cp_attention": algo}, **common)
         except InfeasiblePlanError as e:
             rows.append((algo, None, None, str(e).splitlines()[0]))
             continue
         ranks = run_on_ranks(a.world, _train, p.to_json(), a.seq_len, 1, a.steps, label=f"cp {algo}")
         measured = max(statistics.median(t) for t in ranks)
         rows.append((algo, p.predicted.step_time_s, measured, ""))
-        print(f"  {algo}: predicted {p.predicted.step_time_s * 1e3:,.1f} ms, measured {measured * 1e3:,.1f} ms",
-              flush=True)  # fmt: skip
+        print(
+            f"  {algo}: predicted {p.predicted.step_time_s * 1e3:,.1f} ms, measured {measured * 1e3:,.1f} ms",
+            flush=True,
+        )
     base = next((r for r in rows if r[0] == "allgather" and r[1] is not None), None)
     print("\n| algorithm | predicted ms | measured ms | predicted / all-gather | measured / all-gather | note |")
     print("|---|---|---|---|---|---|")

@@ -36,9 +36,16 @@ def base_weights(workdir: Path) -> Path:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                             use_cache=False)  # fmt: skip
+        config = LlamaConfig(
+            vocab_size=128,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
         LlamaForCausalLM(config).save_pretrained(path)
     dist.barrier()
     return path
@@ -72,8 +79,14 @@ def main() -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     ids = batch(0, args.batch_size, args.seq_len, config.vocab_size)
-    pm = autopar.compile(model, f"cpu:{world}", (ids,), {"labels": ids}, pretrained=weights,
-                         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3))  # fmt: skip
+    pm = autopar.compile(
+        model,
+        f"cpu:{world}",
+        (ids,),
+        {"labels": ids},
+        pretrained=weights,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
+    )
     checkpoints = args.workdir / "checkpoints"
     start = 0
     latest = autopar.latest_checkpoint(checkpoints)

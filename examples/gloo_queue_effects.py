@@ -28,8 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-QUEUE_CASES = (("all_gather", 8 << 10, 32), ("all_gather", 1 << 20, 32), ("all_gather", 4 << 20, 16),
-               ("all_gather", 9 << 20, 8), ("all_reduce", 4 << 20, 8), ("all_reduce", 25 << 20, 4))  # fmt: skip
+QUEUE_CASES = (
+    ("all_gather", 8 << 10, 32),
+    ("all_gather", 1 << 20, 32),
+    ("all_gather", 4 << 20, 16),
+    ("all_gather", 9 << 20, 8),
+    ("all_reduce", 4 << 20, 8),
+    ("all_reduce", 25 << 20, 4),
+)
 
 
 def _issue(kind: str, full: torch.Tensor, shard: torch.Tensor):
@@ -137,14 +143,18 @@ def main() -> None:
         queue, zero3 = out["queue"], out["zero3"]
     print(f"{args.ranks} gloo ranks, one thread each; per call, the slowest rank's median of {args.repeats}")
     for kind, nbytes, count, alone, two, queued in queue:
-        print(f"  {count:3d} x {kind:10s} {nbytes / 2**20:7.3f} MiB: one at a time {alone / count * 1e3:6.2f} ms, "
-              f"two in flight {two / count * 1e3:6.2f} ms ({two / alone:.2f}), "
-              f"queued {queued / count * 1e3:6.2f} ms ({queued / alone:.2f})")  # fmt: skip
+        print(
+            f"  {count:3d} x {kind:10s} {nbytes / 2**20:7.3f} MiB: one at a time {alone / count * 1e3:6.2f} ms, "
+            f"two in flight {two / count * 1e3:6.2f} ms ({two / alone:.2f}), "
+            f"queued {queued / count * 1e3:6.2f} ms ({queued / alone:.2f})"
+        )
     calls, gathers, alone, two, queued = zero3
     exposed, hidden = _priced(args.ranks, args.fit_link)
-    print(f"wide-llama ZeRO-3, one step's {calls} collectives ({gathers} all-gathers) without compute: one at a time "
-          f"{alone * 1e3:.1f} ms, two in flight {two * 1e3:.1f} ms, queued {queued * 1e3:.1f} ms; priced {(exposed + hidden) * 1e3:.1f} ms "
-          f"({exposed * 1e3:.1f} exposed + {hidden * 1e3:.1f} hidden)")  # fmt: skip
+    print(
+        f"wide-llama ZeRO-3, one step's {calls} collectives ({gathers} all-gathers) without compute: one at a time "
+        f"{alone * 1e3:.1f} ms, two in flight {two * 1e3:.1f} ms, queued {queued * 1e3:.1f} ms; priced {(exposed + hidden) * 1e3:.1f} ms "
+        f"({exposed * 1e3:.1f} exposed + {hidden * 1e3:.1f} hidden)"
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,13 @@ import warnings
 import autopar
 
 MODEL, BATCH = "llama3-8b", 8
-CASES = [("8xH100-80GB", 32768), ("8xH100-80GB", 65536), ("8xH100-80GB", 131072), ("8xH100-80GB", 262144),
-         ("8x8xH100-80GB", 1048576)]  # fmt: skip
+CASES = [
+    ("8xH100-80GB", 32768),
+    ("8xH100-80GB", 65536),
+    ("8xH100-80GB", 131072),
+    ("8xH100-80GB", 262144),
+    ("8x8xH100-80GB", 1048576),
+]
 QUICK = [("8xH100-80GB", 32768), ("8xH100-80GB", 131072)]
 
 
@@ -58,15 +63,19 @@ def run_case(cluster: str, seq_len: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| cluster | seq | mesh | cp | attention | micro-batches | recompute | step (s) | tokens/s/GPU | MFU "
-            "| peak GiB | planning (s) |")  # fmt: skip
+    head = (
+        "| cluster | seq | mesh | cp | attention | micro-batches | recompute | step (s) | tokens/s/GPU | MFU "
+        "| peak GiB | planning (s) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
-        lines.append(f"| {r['cluster']} | {r['seq_len'] // 1024}K | {mesh} | {r['cp']} | {r['algorithm'] or '-'} | "
-                     f"{r['num_microbatches']} | {r['recompute']} | {r['step_time_s']:.2f} | "
-                     f"{r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.1f} | "
-                     f"{r['planning_time_s']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {r['cluster']} | {r['seq_len'] // 1024}K | {mesh} | {r['cp']} | {r['algorithm'] or '-'} | "
+            f"{r['num_microbatches']} | {r['recompute']} | {r['step_time_s']:.2f} | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} | {r['mfu']:.1%} | {r['peak_memory_gib']:.1f} | "
+            f"{r['planning_time_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -81,8 +90,11 @@ def main() -> None:
     for cluster, seq_len in QUICK if args.quick else CASES:
         rows.append(run_case(cluster, seq_len))
         r = rows[-1]
-        print(f"{cluster} {seq_len}: mesh {r['mesh']}, {r['algorithm'] or 'no cp'}, {r['mfu']:.1%} MFU, "
-              f"planned in {r['planning_time_s']:.1f} s; searched {'; '.join(r['searched']) or '-'}", flush=True)  # fmt: skip
+        print(
+            f"{cluster} {seq_len}: mesh {r['mesh']}, {r['algorithm'] or 'no cp'}, {r['mfu']:.1%} MFU, "
+            f"planned in {r['planning_time_s']:.1f} s; searched {'; '.join(r['searched']) or '-'}",
+            flush=True,
+        )
     print()
     print(table(rows))
     if args.json:
@@ -95,11 +107,18 @@ def main() -> None:
 
 def markdown(rows: list[dict]) -> str:
     """The sweep as a page: how it was made, the table, and the cp degrees each plan priced."""
-    lines = ["# LLaMA-3-8B at long sequences: the cp layouts autopar plans", "",
-             f"Made by `python examples/long_context_sweep.py` (autopar.plan of {MODEL}, global batch {BATCH}, cp "
-             "unpinned; analytic cost model, bf16). Planning times are wall-clock seconds of the `plan` call on the "
-             "machine that ran it, and vary with its load.", "", table(rows), "",
-             "## The cp degrees each plan priced", ""]  # fmt: skip
+    lines = [
+        "# LLaMA-3-8B at long sequences: the cp layouts autopar plans",
+        "",
+        f"Made by `python examples/long_context_sweep.py` (autopar.plan of {MODEL}, global batch {BATCH}, cp "
+        "unpinned; analytic cost model, bf16). Planning times are wall-clock seconds of the `plan` call on the "
+        "machine that ran it, and vary with its load.",
+        "",
+        table(rows),
+        "",
+        "## The cp degrees each plan priced",
+        "",
+    ]
     for r in rows:
         lines.append(
             f"- {r['cluster']}, {r['seq_len'] // 1024}K tokens: " + "; ".join(f"cp={s}" for s in r["searched"])

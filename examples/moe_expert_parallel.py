@@ -88,9 +88,21 @@ def estimate(plan, config) -> dict:
     else:
         delta = m * 4 * layers * a2a - g - m * (1 - 1 / e) * c
     step = plan.predicted.step_time_s
-    return dict(mesh=dict(plan.mesh), zero=plan.zero_stage, microbatches=m, program=str(plan.program),
-                step_s=step, expert_collectives_s=g, axis=axis, ep=e, a2a_bytes=a2a_bytes, a2a_s=a2a,
-                routed_matmuls_s=c, delta_s=delta, step_with_ep_s=step + delta)  # fmt: skip
+    return dict(
+        mesh=dict(plan.mesh),
+        zero=plan.zero_stage,
+        microbatches=m,
+        program=str(plan.program),
+        step_s=step,
+        expert_collectives_s=g,
+        axis=axis,
+        ep=e,
+        a2a_bytes=a2a_bytes,
+        a2a_s=a2a,
+        routed_matmuls_s=c,
+        delta_s=delta,
+        step_with_ep_s=step + delta,
+    )
 
 
 def main() -> None:

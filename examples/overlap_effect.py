@@ -39,21 +39,27 @@ def main() -> int:
     ap.add_argument("--cases", type=int, nargs="*", help="indices into CASES (default: all)")
     args = ap.parse_args()
     cases = [CASES[i] for i in args.cases] if args.cases else list(CASES)
-    print("| model | cluster | layout, overlap off | step ms | layout, overlap on | step ms | change | grad sync ms "
-          "(hidden) | planning s (off / on) |")  # fmt: skip
+    print(
+        "| model | cluster | layout, overlap off | step ms | layout, overlap on | step ms | change | grad sync ms "
+        "(hidden) | planning s (off / on) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for model, cluster, gbs, seq in cases:
         plans, secs = {}, {}
         for overlap in (False, True):
             t0 = time.perf_counter()
-            plans[overlap] = autopar.plan(model, cluster, global_batch_size=gbs, seq_len=seq,
-                                          constraints={"overlap": overlap}, alternatives=False)  # fmt: skip
+            plans[overlap] = autopar.plan(
+                model, cluster, global_batch_size=gbs, seq_len=seq, constraints={"overlap": overlap}, alternatives=False
+            )
             secs[overlap] = time.perf_counter() - t0
         off, on = plans[False].predicted, plans[True].predicted
         change = 100.0 * (on.step_time_s - off.step_time_s) / off.step_time_s
-        print(f"| {model} | {cluster} | {layout(plans[False])} | {_ms(off.step_time_s)} | {layout(plans[True])} | "
-              f"{_ms(on.step_time_s)} | {change:+.1f}% | {_ms(on.grad_sync_s)} ({_ms(on.grad_sync_hidden_s)}) | "
-              f"{secs[False]:.1f} / {secs[True]:.1f} |", flush=True)  # fmt: skip
+        print(
+            f"| {model} | {cluster} | {layout(plans[False])} | {_ms(off.step_time_s)} | {layout(plans[True])} | "
+            f"{_ms(on.step_time_s)} | {change:+.1f}% | {_ms(on.grad_sync_s)} ({_ms(on.grad_sync_hidden_s)}) | "
+            f"{secs[False]:.1f} / {secs[True]:.1f} |",
+            flush=True,
+        )
     return 0
 
 

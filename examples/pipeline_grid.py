@@ -51,16 +51,21 @@ def main() -> int:
                     continue
                 step = p.predicted.step_time_s
                 sched = p.pipeline.get("schedule", "-") if p.pipeline else "-"
-                print(f"pp={pp:<3} tp={tp} dp={dp:<4} b={b}: {step * 1e3:10.1f} ms  {sched:<16} ZeRO-{p.zero_stage} "
-                      f"recompute {p.recompute:<9} ({time.perf_counter() - t0:.1f} s)", flush=True)  # fmt: skip
+                print(
+                    f"pp={pp:<3} tp={tp} dp={dp:<4} b={b}: {step * 1e3:10.1f} ms  {sched:<16} ZeRO-{p.zero_stage} "
+                    f"recompute {p.recompute:<9} ({time.perf_counter() - t0:.1f} s)",
+                    flush=True,
+                )
                 if best_pinned is None or step < best_pinned[0]:
                     best_pinned = (step, pins)
     if best_pinned is None:
         print("no pinned layout fits")
         return 0
     ratio = free.predicted.step_time_s / best_pinned[0]
-    print(f"free search {free.predicted.step_time_s * 1e3:.1f} ms; best pinned {best_pinned[0] * 1e3:.1f} ms "
-          f"{best_pinned[1]}; free / best pinned = {ratio:.4f}")  # fmt: skip
+    print(
+        f"free search {free.predicted.step_time_s * 1e3:.1f} ms; best pinned {best_pinned[0] * 1e3:.1f} ms "
+        f"{best_pinned[1]}; free / best pinned = {ratio:.4f}"
+    )
     return 0 if ratio <= 1 + 1e-9 else 1
 
 

@@ -49,8 +49,15 @@ def plan_row(seq: int, dp: int, cp: int, recompute: str, local: int, budget: str
     """autopar's plan of one published layout: predicted figures and planning time."""
     constraints = {"dp": dp, "cp": cp, "tp": 1, "pp": 1, "zero": 3, "recompute": recompute, "micro_batch_size": local}
     t0 = time.perf_counter()
-    plan = autopar.plan(MODEL, CLUSTER, global_batch_size=dp * local, seq_len=seq, constraints=constraints,
-                        memory_budget=budget, alternatives=False)  # fmt: skip
+    plan = autopar.plan(
+        MODEL,
+        CLUSTER,
+        global_batch_size=dp * local,
+        seq_len=seq,
+        constraints=constraints,
+        memory_budget=budget,
+        alternatives=False,
+    )
     p = plan.predicted
     return {
         "mesh": dict(plan.mesh),
@@ -63,14 +70,18 @@ def plan_row(seq: int, dp: int, cp: int, recompute: str, local: int, budget: str
 
 
 def table(results: list[tuple]) -> str:
-    head = ("| published run | seq | cp attention | published tokens/s/GPU | predicted | predicted / published "
-            "| predicted MFU | published GiB | predicted peak GiB |")  # fmt: skip
+    head = (
+        "| published run | seq | cp attention | published tokens/s/GPU | predicted | predicted / published "
+        "| predicted MFU | published GiB | predicted peak GiB |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row, r in results:
         label, seq, _dp, _cp, _rc, _local, tps, gib, _budget = row
-        lines.append(f"| {label} | {seq // 1024}K | {r['algorithm'] or '-'} | {tps:,} | "
-                     f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tokens_per_s_per_gpu'] / tps:.2f} | {r['mfu']:.1%} | "
-                     f"{gib} | {r['peak_memory_gib']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {label} | {seq // 1024}K | {r['algorithm'] or '-'} | {tps:,} | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tokens_per_s_per_gpu'] / tps:.2f} | {r['mfu']:.1%} | "
+            f"{gib} | {r['peak_memory_gib']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -88,9 +99,11 @@ def main() -> None:
     print(text)
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write("# LLaMA-3.1-8B on 8 H100s: torchtitan's published runs next to autopar's prediction\n\n"
-                    f"Made by `python examples/torchtitan_long_context.py`; published figures from {SOURCE} (see "
-                    "the script's docstring for what differs between the two set-ups).\n\n" + text + "\n")  # fmt: skip
+            f.write(
+                "# LLaMA-3.1-8B on 8 H100s: torchtitan's published runs next to autopar's prediction\n\n"
+                f"Made by `python examples/torchtitan_long_context.py`; published figures from {SOURCE} (see "
+                "the script's docstring for what differs between the two set-ups).\n\n" + text + "\n"
+            )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--tp", type=int, default=None, help="pin the tensor-parallel axis size")
     ap.add_argument("--pp", type=int, default=None, help="pin the number of pipeline stages")
-    ap.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default=None,
-                    help="pin the pipeline schedule (with --pp)")  # fmt: skip
+    ap.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved_1f1b"),
+        default=None,
+        help="pin the pipeline schedule (with --pp)",
+    )
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -40,8 +44,14 @@ def main() -> None:
     ids = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_len), generator=g)
     pins = {"tp": args.tp, "pp": args.pp, "schedule": args.schedule}
     constraints = {k: v for k, v in pins.items() if v is not None} or None
-    pm = autopar.compile(model, cluster, (ids,), {"labels": ids}, constraints=constraints,
-                         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3))  # fmt: skip
+    pm = autopar.compile(
+        model,
+        cluster,
+        (ids,),
+        {"labels": ids},
+        constraints=constraints,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
+    )
     rank = dist.get_rank()
     if rank == 0:
         print(pm.plan.summary(), flush=True)

@@ -73,8 +73,12 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
         layer_bytes, layer_fwd_s = (v / layers for v in prog.fixed_layer_activations(choice))
         host_left = prog.host_capacity() - res.offload.get("host_bytes_per_device", 0.0)
         if layer_bytes > 0 and host_left >= layer_bytes:
-            per["offload"] = (layer_bytes, _offload_seconds(prog, layer_bytes, layer_fwd_s), layer_bytes,
-                              min(layers, int(host_left // layer_bytes)))  # fmt: skip
+            per["offload"] = (
+                layer_bytes,
+                _offload_seconds(prog, layer_bytes, layer_fwd_s),
+                layer_bytes,
+                min(layers, int(host_left // layer_bytes)),
+            )
     if not per:
         return res
     uniform_acts = res.memory.get("activations", 0.0) + res.memory.get("recompute", 0.0)
@@ -103,11 +107,17 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
         memory["recompute"] = peak
     used = [m for m in ("selective", "full") if counts.get(m)]
     copies_s = counts["offload"] * per["offload"][1] if counts.get("offload") else 0.0  # reported as offload
-    return dataclasses.replace(res, step_time_s=base_s + seconds, compute_s=res.compute_s - solved_s + seconds - copies_s,
-                               memory=memory, recompute=used[-1] if used else "none", recompute_s=seconds - copies_s,
-                               layer_modes={m: c for m, c in counts.items() if c},
-                               grad_sync_hidden_s=0.0 if plain else res.grad_sync_hidden_s,  # the sharded one overlaps
-                               activation_offload=_activation_offload(counts, per))  # fmt: skip
+    return dataclasses.replace(
+        res,
+        step_time_s=base_s + seconds,
+        compute_s=res.compute_s - solved_s + seconds - copies_s,
+        memory=memory,
+        recompute=used[-1] if used else "none",
+        recompute_s=seconds - copies_s,
+        layer_modes={m: c for m, c in counts.items() if c},
+        grad_sync_hidden_s=0.0 if plain else res.grad_sync_hidden_s,  # the sharded one overlaps
+        activation_offload=_activation_offload(counts, per),
+    )
 
 
 def _best_counts(per: dict, layers: int, room: float):
@@ -155,8 +165,11 @@ def _activation_offload(counts: dict, per: dict) -> dict:
     """Host bytes per device and seconds per step of the offloaded layers' activations (empty: none)."""
     if not counts.get("offload"):
         return {}
-    return {"layers": counts["offload"], "bytes_per_device": counts["offload"] * per["offload"][0],
-            "time_s": counts["offload"] * per["offload"][1]}  # fmt: skip
+    return {
+        "layers": counts["offload"],
+        "bytes_per_device": counts["offload"] * per["offload"][0],
+        "time_s": counts["offload"] * per["offload"][1],
+    }
 
 
 def model_layers(opgraph) -> tuple[int, float]:

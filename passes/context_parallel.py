@@ -119,18 +119,21 @@ class CPSpec:
         cp, alg = constraints.get("cp"), constraints.get("cp_attention")
         if cp is None:
             if alg is not None:
-                raise ConfigError("constraints['cp_attention'] picks the attention algorithm of a cp axis: pin 'cp' "
-                                  "too")  # fmt: skip
+                raise ConfigError(
+                    "constraints['cp_attention'] picks the attention algorithm of a cp axis: pin 'cp' too"
+                )
             return cls()
         if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world_size % cp:
             divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            raise ConfigError(f"constraints['cp']={cp!r} does not divide the world size {world_size}; choose one "
-                              f"of {divisors}")  # fmt: skip
+            raise ConfigError(
+                f"constraints['cp']={cp!r} does not divide the world size {world_size}; choose one of {divisors}"
+            )
         try:
             algorithm = CPAlgorithm(alg) if alg is not None else None
         except ValueError:
-            raise ConfigError(f"constraints['cp_attention']={alg!r}: expected one of "
-                              f"{[a.value for a in CPAlgorithm]}") from None  # fmt: skip
+            raise ConfigError(
+                f"constraints['cp_attention']={alg!r}: expected one of {[a.value for a in CPAlgorithm]}"
+            ) from None
         return cls(cp, algorithm)
 
     @property
@@ -143,21 +146,27 @@ def check_cp_graph(graph: fx.Graph, spec: CPSpec) -> list[fx.Node]:
     nodes = list(graph.nodes)
     convs = [n.name for n in nodes if n.op == "call_function" and str(n.target).startswith(_CONVOLUTIONS)]
     if convs:
-        raise ConfigError(f"context parallelism splits the sequence over {spec.degree} ranks, but the model has "
-                          f"convolutions ({', '.join(convs[:3])}) that mix neighbouring tokens across that split; "
-                          f"plan without cp")  # fmt: skip
+        raise ConfigError(
+            f"context parallelism splits the sequence over {spec.degree} ranks, but the model has "
+            f"convolutions ({', '.join(convs[:3])}) that mix neighbouring tokens across that split; "
+            f"plan without cp"
+        )
     attn = [n for n in nodes if is_attention(n)]
     if not attn:
-        raise ConfigError("context parallelism needs the model's attention as scaled_dot_product_attention (or "
-                          "autopar's flash attention), and none was found in the traced graph: load the model "
-                          "with attn_implementation='sdpa', or plan without cp")  # fmt: skip
+        raise ConfigError(
+            "context parallelism needs the model's attention as scaled_dot_product_attention (or "
+            "autopar's flash attention), and none was found in the traced graph: load the model "
+            "with attn_implementation='sdpa', or plan without cp"
+        )
     if spec.algorithm == CPAlgorithm.ALL_TO_ALL:
         for n in attn:
             heads = n.args[0].meta["val"].shape[1]
             if heads % spec.degree:
-                raise ConfigError(f"cp_attention='alltoall' splits the {heads} query heads over cp={spec.degree}, "
-                                  f"which does not divide them; pin 'ring' or 'allgather', or a cp dividing "
-                                  f"{heads}")  # fmt: skip
+                raise ConfigError(
+                    f"cp_attention='alltoall' splits the {heads} query heads over cp={spec.degree}, "
+                    f"which does not divide them; pin 'ring' or 'allgather', or a cp dividing "
+                    f"{heads}"
+                )
     return attn
 
 
@@ -173,8 +182,14 @@ def attention_shape(node: fx.Node, degree: int, batch: int, divisor: int = 1) ->
     heads, kv_heads = q.shape[1], k.shape[1]
     if divisor > 1 and heads % divisor == 0 and kv_heads % divisor == 0:
         heads, kv_heads = heads // divisor, kv_heads // divisor
-    return CPAttentionShape(batch=max(1, batch), heads=heads, kv_heads=kv_heads, seq_len=q.shape[2] * degree,
-                            head_dim=q.shape[3], bytes_per_element=q.element_size())  # fmt: skip
+    return CPAttentionShape(
+        batch=max(1, batch),
+        heads=heads,
+        kv_heads=kv_heads,
+        seq_len=q.shape[2] * degree,
+        head_dim=q.shape[3],
+        bytes_per_element=q.element_size(),
+    )
 
 
 def cp_attention_flops(node: fx.Node, degree: int) -> tuple[float, float]:
@@ -210,22 +225,37 @@ class CPPricing:
         lines = self.lines + ((why,) if why else ())
         return CPPricing(self.degree, algorithm, self.cluster, self.dtype, self.link_axis, lines, self.ranked)
 
-    def cost(self, node: fx.Node, local_batch: int, divisor: int = 1,
-             algorithm: CPAlgorithm | None = None) -> CPAttentionCost:  # fmt: skip
+    def cost(
+        self, node: fx.Node, local_batch: int, divisor: int = 1, algorithm: CPAlgorithm | None = None
+    ) -> CPAttentionCost:
         """One attention node's cost per micro-batch on the busiest rank; `divisor` splits its heads (tp)."""
         shape = attention_shape(node, self.degree, local_batch, divisor)
-        return estimate_cp_attention(shape, self.degree, causal=attention_causal(node), layout=LAYOUT,
-                                     algorithm=algorithm or self.algorithm,
-                                     link=self.cluster.link_for_axis(*self.link_axis), compute=self.cluster.device,
-                                     dtype=self.dtype)  # fmt: skip
+        return estimate_cp_attention(
+            shape,
+            self.degree,
+            causal=attention_causal(node),
+            layout=LAYOUT,
+            algorithm=algorithm or self.algorithm,
+            link=self.cluster.link_for_axis(*self.link_axis),
+            compute=self.cluster.device,
+            dtype=self.dtype,
+        )
 
     def times(self, node: fx.Node, local_batch: int, divisor: int = 1) -> tuple[float, float]:
         c = self.cost(node, local_batch, divisor)
         return c.forward_s, c.backward_s
 
 
-def price_cp_attention(attention: list[fx.Node], cluster: ClusterSpec, spec: CPSpec, *, data: int, tp: int,
-                       num_microbatches: int, precision: str) -> CPPricing:  # fmt: skip
+def price_cp_attention(
+    attention: list[fx.Node],
+    cluster: ClusterSpec,
+    spec: CPSpec,
+    *,
+    data: int,
+    tp: int,
+    num_microbatches: int,
+    precision: str,
+) -> CPPricing:
     """The algorithm a (data, tp) mesh runs cp attention with, and every algorithm's price on it.
 
     Args:
@@ -248,7 +278,9 @@ def price_cp_attention(attention: list[fx.Node], cluster: ClusterSpec, spec: CPS
             continue
         c = base.cost(node, local_batch, algorithm=alg)
         costs[alg] = c
-        lines.append(f"{alg}: {c.time_s * 1e3:.3f} ms per layer and micro-batch, {c.exposed_comm_s * 1e3:.3f} ms of "
-                     f"it exposed communication")  # fmt: skip
+        lines.append(
+            f"{alg}: {c.time_s * 1e3:.3f} ms per layer and micro-batch, {c.exposed_comm_s * 1e3:.3f} ms of "
+            f"it exposed communication"
+        )
     ranked = (spec.algorithm,) if spec.algorithm else tuple(sorted(costs, key=lambda a: costs[a].time_s))
     return CPPricing(spec.degree, ranked[0], cluster, DType(precision), (spec.degree, tp), tuple(lines), ranked)

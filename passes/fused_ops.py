@@ -125,8 +125,9 @@ def default_fusion(device_kind: str) -> bool:
     raise ConfigError(f"default_fusion: unknown device kind {device_kind!r}; expected 'gpu', 'cuda' or 'cpu'")
 
 
-def fuse_kernels_pass(gm: fx.GraphModule, example_inputs, *, attention: bool = True, norms: bool = True,
-                      cross_entropy: bool = True) -> fx.GraphModule:  # fmt: skip
+def fuse_kernels_pass(
+    gm: fx.GraphModule, example_inputs, *, attention: bool = True, norms: bool = True, cross_entropy: bool = True
+) -> fx.GraphModule:
     """Replace attention, norms and the LM-head loss by autopar's Triton ops (see the module docstring).
 
     Args:
@@ -181,9 +182,17 @@ def fuse_traced(traced: TracedModel, **knobs) -> TracedModel:
     if specs == list(ep.graph_signature.output_specs):
         return traced
     signature = ExportGraphSignature(input_specs=list(ep.graph_signature.input_specs), output_specs=specs)
-    exported = ExportedProgram(root=gm, graph=gm.graph, graph_signature=signature, state_dict=ep.state_dict,
-                               range_constraints=ep.range_constraints, module_call_graph=ep.module_call_graph,
-                               example_inputs=ep.example_inputs, constants=ep.constants, verifiers=ep.verifiers)  # fmt: skip
+    exported = ExportedProgram(
+        root=gm,
+        graph=gm.graph,
+        graph_signature=signature,
+        state_dict=ep.state_dict,
+        range_constraints=ep.range_constraints,
+        module_call_graph=ep.module_call_graph,
+        example_inputs=ep.example_inputs,
+        constants=ep.constants,
+        verifiers=ep.verifiers,
+    )
     return dataclasses.replace(traced, exported=exported)
 
 
@@ -616,14 +625,44 @@ def _keeps_classes_last(node: fx.Node, source: fx.Node) -> bool:
 # Elementwise ops (and expand, which only broadcasts) whose value on a block of the output is the op applied to
 # the same block of its inputs: a mask too large to evaluate whole is evaluated block by block through them.
 _BLOCKWISE = {
-    aten.expand.default, aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.__or__.Tensor, aten.bitwise_or.Tensor,
-    aten.logical_and.default, aten.logical_or.default, aten.logical_not.default, aten.bitwise_not.default,
-    aten.eq.Tensor, aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor,
-    aten.eq.Scalar, aten.ne.Scalar, aten.le.Scalar, aten.lt.Scalar, aten.ge.Scalar, aten.gt.Scalar,
-    aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar,
-    aten.masked_fill.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add.Scalar, aten.sub.Scalar,
-    aten.mul.Scalar, aten.neg.default, aten.abs.default, *_CASTS, *_IDENTITIES,
-}  # fmt: skip
+    aten.expand.default,
+    aten.__and__.Tensor,
+    aten.bitwise_and.Tensor,
+    aten.__or__.Tensor,
+    aten.bitwise_or.Tensor,
+    aten.logical_and.default,
+    aten.logical_or.default,
+    aten.logical_not.default,
+    aten.bitwise_not.default,
+    aten.eq.Tensor,
+    aten.ne.Tensor,
+    aten.le.Tensor,
+    aten.lt.Tensor,
+    aten.ge.Tensor,
+    aten.gt.Tensor,
+    aten.eq.Scalar,
+    aten.ne.Scalar,
+    aten.le.Scalar,
+    aten.lt.Scalar,
+    aten.ge.Scalar,
+    aten.gt.Scalar,
+    aten.where.self,
+    aten.where.ScalarOther,
+    aten.where.ScalarSelf,
+    aten.where.Scalar,
+    aten.masked_fill.Scalar,
+    aten.masked_fill.Tensor,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.add.Scalar,
+    aten.sub.Scalar,
+    aten.mul.Scalar,
+    aten.neg.default,
+    aten.abs.default,
+    *_CASTS,
+    *_IDENTITIES,
+}
 
 
 class _MaskValue:
@@ -644,8 +683,9 @@ class _MaskValue:
         self.large = {n for n in ancestors if _numel(n) > MAX_MASK_ELEMENTS}
         for n in self.large:
             if n.target not in _BLOCKWISE:
-                raise _Skip(f"{n.name} has more than {MAX_MASK_ELEMENTS} elements and {n.target} cannot be "
-                            f"evaluated in blocks")  # fmt: skip
+                raise _Skip(
+                    f"{n.name} has more than {MAX_MASK_ELEMENTS} elements and {n.target} cannot be evaluated in blocks"
+                )
         self.frontier = [n for n in ancestors if n not in self.large and any(u in self.large for u in n.users)]
         self.whole: dict[fx.Node, object] = {}
         try:
@@ -789,9 +829,14 @@ _INTERVAL_RULES = {
 
 
 _BOOLEAN_OPS = {
-    aten.__and__.Tensor, aten.bitwise_and.Tensor, aten.logical_and.default, aten.__or__.Tensor,
-    aten.bitwise_or.Tensor, aten.logical_or.default, aten.logical_not.default,
-}  # fmt: skip
+    aten.__and__.Tensor,
+    aten.bitwise_and.Tensor,
+    aten.logical_and.default,
+    aten.__or__.Tensor,
+    aten.bitwise_or.Tensor,
+    aten.logical_or.default,
+    aten.logical_not.default,
+}
 
 
 def _numel(node: fx.Node) -> int:
@@ -829,8 +874,13 @@ def _classify_mask(mask: _MaskValue, seq_q: int, seq_k: int) -> str:
         raise _Skip(f"a mask of shape {tuple(shape)} that does not broadcast to ({seq_q}, {seq_k})")
     leads = mask.leading_groups()
     whole = (*leads[0], slice(None), slice(None))
-    if mask.large and shape[-2] == seq_q > 1 and shape[-1] == seq_k > 1 and mask.node.meta["val"].dtype == torch.bool \
-            and mask.bounds(whole) is not None:  # fmt: skip
+    if (
+        mask.large
+        and shape[-2] == seq_q > 1
+        and shape[-1] == seq_k > 1
+        and mask.node.meta["val"].dtype == torch.bool
+        and mask.bounds(whole) is not None
+    ):
         found = {"none", "causal"}
         for lead in leads:
             _classify_tile(mask, lead, 0, seq_q, 0, seq_k, found)
@@ -851,8 +901,9 @@ def _classify_mask(mask: _MaskValue, seq_q: int, seq_k: int) -> str:
     return "none" if keeps_all else "causal"
 
 
-def _classify_tile(mask: _MaskValue, lead: tuple[slice, ...], r0: int, r1: int, c0: int, c1: int,
-                   found: set[str]) -> None:  # fmt: skip
+def _classify_tile(
+    mask: _MaskValue, lead: tuple[slice, ...], r0: int, r1: int, c0: int, c1: int, found: set[str]
+) -> None:
     """Remove from `found` ("none", "causal") what the mask's rows [r0, r1) x columns [c0, c1) rule out.
 
     A tile the interval bounds decide (`_MaskValue.bounds`: all kept or all blocked) is compared with the causal

@@ -82,8 +82,14 @@ class _ContiguousGrad(torch.autograd.Function):
             local = grad.to_local()
             if local.is_contiguous():
                 return grad
-            return DTensor.from_local(local.contiguous(), grad.device_mesh, grad.placements, run_check=False,
-                                      shape=grad.shape, stride=grad.stride())  # fmt: skip
+            return DTensor.from_local(
+                local.contiguous(),
+                grad.device_mesh,
+                grad.placements,
+                run_check=False,
+                shape=grad.shape,
+                stride=grad.stride(),
+            )
         return grad.contiguous()
 
 
@@ -138,10 +144,23 @@ class ShardedInterpreter(fx.Interpreter):
             not the next op (`launches_early`; the plan's `overlap`, which prices it so).
     """
 
-    def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
-                 local_ops: dict | None = None, batch_size: int | None = None, recompute: str = "none",
-                 layer_modes: dict | None = None, cp_group=None, cp_algorithm: str | None = None, *,
-                 params: frozenset[str] = frozenset(), gather=None, launch_early: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        mesh: DeviceMesh,
+        node_inputs: dict,
+        node_output: dict,
+        local_ops: dict | None = None,
+        batch_size: int | None = None,
+        recompute: str = "none",
+        layer_modes: dict | None = None,
+        cp_group=None,
+        cp_algorithm: str | None = None,
+        *,
+        params: frozenset[str] = frozenset(),
+        gather=None,
+        launch_early: bool = True,
+    ):
         super().__init__(gm, garbage_collect_values=True)
         self.params = params
         self.gather = gather or (lambda name, value: gathered_over_dp(value))
@@ -152,8 +171,10 @@ class ShardedInterpreter(fx.Interpreter):
         self.out = {k: parse_placement(v) for k, v in node_output.items()}
         # attention runs across the cp group on a cp plan
         attention = "_cp_attention" if cp_group is not None else "_run_local"
-        self.local_ops = {op: getattr(self, attention if method == "_run_local" else method)
-                          for op, method in _local_op_methods().items()}  # fmt: skip
+        self.local_ops = {
+            op: getattr(self, attention if method == "_run_local" else method)
+            for op, method in _local_op_methods().items()
+        }
         self.local_ops.update(local_ops or {})
         self.fallback_ops: set[str] = set()
         # DTensor's mse_loss over rows split on dp gives a wrong backward (its loss is right): run it on
@@ -322,8 +343,9 @@ class ShardedInterpreter(fx.Interpreter):
         early = n.name in self.launched_early
         for want in (self.out.get(n.name), self.consumed_as.get(n.name)):
             if want is not None:
-                out = pytree.tree_map(lambda v, w=want: self._to(v, w, early=early) if isinstance(v, DTensor) else v,
-                                      out)  # fmt: skip
+                out = pytree.tree_map(
+                    lambda v, w=want: self._to(v, w, early=early) if isinstance(v, DTensor) else v, out
+                )
         return out
 
     def _call(self, target, args, kwargs, *, distributed: bool):
@@ -365,8 +387,9 @@ class ShardedInterpreter(fx.Interpreter):
         )
         # flash attention also returns its LSE (batch, heads, seq_q): split on batch and heads like the output
         local = target(*la, **lk)
-        return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, self.mesh, out_pl, run_check=False),
-                                    local)  # fmt: skip
+        return pytree.tree_map_only(
+            torch.Tensor, lambda t: DTensor.from_local(t, self.mesh, out_pl, run_check=False), local
+        )
 
     def _cp_attention(self, target, args, kwargs):
         """Attention of each rank's rows (its sequences' cp chunk) against the whole sequence, over the cp group.
@@ -378,15 +401,19 @@ class ShardedInterpreter(fx.Interpreter):
         from autopar.context_parallel import cp_attention
 
         flash = target is not aten.scaled_dot_product_attention.default
-        names = ("q", "k", "v", "causal", "scale") if flash else ("q", "k", "v", "attn_mask", "dropout_p",
-                                                                  "is_causal", "scale", "enable_gqa")  # fmt: skip
+        names = (
+            ("q", "k", "v", "causal", "scale")
+            if flash
+            else ("q", "k", "v", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        )
         bound = dict(zip(names, args, strict=False)) | kwargs
         causal = (
             bool(bound.get("causal")) if flash else bool(bound.get("is_causal")) or bound.get("attn_mask") is not None
         )
         if not flash and bound.get("dropout_p", 0.0):
-            raise LoweringError("context-parallel attention runs without dropout; set the model's attention dropout "
-                                "to 0 for a cp plan")  # fmt: skip
+            raise LoweringError(
+                "context-parallel attention runs without dropout; set the model's attention dropout to 0 for a cp plan"
+            )
         q = bound["q"]
         batch, data = q.shape[0], self.mesh.size(0)
 
@@ -395,8 +422,9 @@ class ShardedInterpreter(fx.Interpreter):
 
         out_pl = rows(q)
         lq, lk, lv = (bound[n].redistribute(self.mesh, rows(bound[n])).to_local() for n in ("q", "k", "v"))
-        out = cp_attention(lq, lk, lv, group=self.cp_group, causal=causal, algorithm=self.cp_algorithm,
-                           scale=bound.get("scale"))  # fmt: skip
+        out = cp_attention(
+            lq, lk, lv, group=self.cp_group, causal=causal, algorithm=self.cp_algorithm, scale=bound.get("scale")
+        )
         out = DTensor.from_local(out, self.mesh, out_pl, run_check=False)
         return (out, None) if flash else out
 
@@ -441,8 +469,9 @@ class ShardedInterpreter(fx.Interpreter):
         grads = tuple(P if isinstance(p, Shard) else R for p in rows)
         local = [x.redistribute(self.mesh, rows).to_local()]
         for a in rest:
-            local.append(a.redistribute(self.mesh, (R, R)).to_local(grad_placements=grads) if isinstance(a, DTensor)
-                         else a)  # fmt: skip
+            local.append(
+                a.redistribute(self.mesh, (R, R)).to_local(grad_placements=grads) if isinstance(a, DTensor) else a
+            )
         y, *stats = target(*local, **kwargs)
         y = DTensor.from_local(y, self.mesh, rows, run_check=False, shape=x.shape, stride=x.stride())
         return (y, *(None for _ in stats))
@@ -461,9 +490,14 @@ class ShardedInterpreter(fx.Interpreter):
         rows = (dp_pl, Shard(d) if d is not None else R)
         grads = tuple(P if isinstance(p, Shard) else R for p in rows)
         local_labels = labels.redistribute(self.mesh, rows).to_local()
-        mean = target(hidden.redistribute(self.mesh, rows).to_local(),
-                      weight.redistribute(self.mesh, (R, R)).to_local(grad_placements=grads),
-                      local_labels, ignore, *rest, **kwargs)[0]  # fmt: skip
+        mean = target(
+            hidden.redistribute(self.mesh, rows).to_local(),
+            weight.redistribute(self.mesh, (R, R)).to_local(grad_placements=grads),
+            local_labels,
+            ignore,
+            *rest,
+            **kwargs,
+        )[0]
         count = (local_labels != ignore).sum()
         total = torch.where(count > 0, mean, torch.zeros_like(mean)) * count.to(mean.dtype)
         total = DTensor.from_local(total, self.mesh, grads, run_check=False).redistribute(self.mesh, (R, R))
@@ -502,8 +536,12 @@ _LOCAL_ATEN = {
     aten.scaled_dot_product_attention.default: "_run_local",
     aten.cross_entropy_loss.default: "_cross_entropy",
 }
-_LOCAL_FUSED = {"flash_attention": "_run_local", "rms_norm": "_norm", "layer_norm": "_norm",
-                "linear_cross_entropy": "_linear_cross_entropy"}  # fmt: skip
+_LOCAL_FUSED = {
+    "flash_attention": "_run_local",
+    "rms_norm": "_norm",
+    "layer_norm": "_norm",
+    "linear_cross_entropy": "_linear_cross_entropy",
+}
 
 
 def _local_op_methods() -> dict:
@@ -534,11 +572,23 @@ def launches_early(node: fx.Node, order: dict, local_targets) -> bool:
     return min(order[u] for u in users) > order[node] + 1
 
 
-def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inputs: dict, node_output: dict,
-               local_ops: dict | None = None, batch_size: int | None = None,
-               recompute: str = "none", layer_modes: dict | None = None, cp_group=None,
-               cp_algorithm: str | None = None, params: frozenset[str] = frozenset(),
-               gather=None, launch_early: bool = True) -> ShardedInterpreter:  # fmt: skip
+def shard_pass(
+    gm: fx.GraphModule,
+    example_inputs,
+    *,
+    mesh: DeviceMesh,
+    node_inputs: dict,
+    node_output: dict,
+    local_ops: dict | None = None,
+    batch_size: int | None = None,
+    recompute: str = "none",
+    layer_modes: dict | None = None,
+    cp_group=None,
+    cp_algorithm: str | None = None,
+    params: frozenset[str] = frozenset(),
+    gather=None,
+    launch_early: bool = True,
+) -> ShardedInterpreter:
     """The rewrite pass: bind `gm` to the plan and mesh; the result runs the parallel program.
 
     `recompute` is the plan's activation recompute mode: its segments run under checkpointing. `params` names
@@ -546,9 +596,21 @@ def shard_pass(gm: fx.GraphModule, example_inputs, *, mesh: DeviceMesh, node_inp
     `ShardedInterpreter`).
     """
     del example_inputs  # placements come from the plan; shapes from the graph
-    return ShardedInterpreter(gm, mesh, node_inputs, node_output, local_ops, batch_size, recompute, layer_modes,
-                              cp_group, cp_algorithm, params=params, gather=gather,
-                              launch_early=launch_early)  # fmt: skip
+    return ShardedInterpreter(
+        gm,
+        mesh,
+        node_inputs,
+        node_output,
+        local_ops,
+        batch_size,
+        recompute,
+        layer_modes,
+        cp_group,
+        cp_algorithm,
+        params=params,
+        gather=gather,
+        launch_early=launch_early,
+    )
 
 
 def gathered_over_dp(value):

@@ -224,8 +224,9 @@ def layer_structure(graph: OpGraph, batch_size: int) -> LayerStructure | None:
             post.add(n.name)
         if users & pre or not users & post:
             pre.add(n.name)
-    return LayerStructure(container, num, traced, frozenset(pre), frozenset(post),
-                          _boundary_bytes(graph, in_layer, idxs[0], batch_size))  # fmt: skip
+    return LayerStructure(
+        container, num, traced, frozenset(pre), frozenset(post), _boundary_bytes(graph, in_layer, idxs[0], batch_size)
+    )
 
 
 def why_no_layer_run(graph: OpGraph) -> str:
@@ -241,11 +242,15 @@ def why_no_layer_run(graph: OpGraph) -> str:
     if len(outer) > 1:
         names = sorted(outer)
         listed = ", ".join(names[:-1]) + f" and {names[-1]}"
-        return (f"the model has {_count_words(len(names))} stacks of layers: {listed}; pipelines cut several "
-                f"stacks (an encoder and a decoder) only from a trace of every layer, not a shortened one")  # fmt: skip
+        return (
+            f"the model has {_count_words(len(names))} stacks of layers: {listed}; pipelines cut several "
+            f"stacks (an encoder and a decoder) only from a trace of every layer, not a shortened one"
+        )
     container = next(iter(outer))
-    return (f"the layers of {container} are not all alike (their shapes or ops differ), so a cut cannot count "
-            f"them; pipeline cuts need one container of identical layers")  # fmt: skip
+    return (
+        f"the layers of {container} are not all alike (their shapes or ops differ), so a cut cannot count "
+        f"them; pipeline cuts need one container of identical layers"
+    )
 
 
 def _count_words(n: int) -> str:
@@ -325,8 +330,11 @@ def range_view(graph: OpGraph, flat: dict, layers: int, a: int, b: int) -> OpGra
     buffers count on every stage. A representative counts the nodes of the stage it stands for.
     """
     on, _ = _stage_nodes(graph, flat, layers, a, b)
-    held = {n.name for n in graph.nodes() if n.op == "placeholder" and n.name in graph.params
-            and any(u.name in on for u in n.users)}  # fmt: skip
+    held = {
+        n.name
+        for n in graph.nodes()
+        if n.op == "placeholder" and n.name in graph.params and any(u.name in on for u in n.users)
+    }
     counts = {name: 0 for name in graph.layer_count}
     for n in graph.nodes():
         if n.op == "call_function" and n.name in on or n.name in held:
@@ -504,9 +512,20 @@ class _Floors:
 class _StagePricer:
     """Builds and solves stage programs, each (view, sub-mesh, micro-batches, copies) once."""
 
-    def __init__(self, graph: OpGraph, structure: LayerStructure, cluster: ClusterSpec, *, estimator,
-                 precision: Precision, zero: int | None, budget: float, batch: int,
-                 recompute: str | None = None, constraints: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        graph: OpGraph,
+        structure: LayerStructure,
+        cluster: ClusterSpec,
+        *,
+        estimator,
+        precision: Precision,
+        zero: int | None,
+        budget: float,
+        batch: int,
+        recompute: str | None = None,
+        constraints: dict | None = None,
+    ):
         self.graph, self.structure, self.cluster = graph, structure, cluster
         # a cp axis (pinned): the data axis of a sub-mesh is dp·cp ranks and attention is priced across the group
         self.cp = CPSpec.from_constraints(dict(constraints or {}), cluster.world_size)
@@ -545,14 +564,22 @@ class _StagePricer:
             return None
         key = (dp, tp, m)
         if key not in self._cp_pricing:
-            self._cp_pricing[key] = price_cp_attention(self._attention, self.cluster, self.cp, data=dp, tp=tp,
-                                                       num_microbatches=m, precision=self.precision.name)  # fmt: skip
+            self._cp_pricing[key] = price_cp_attention(
+                self._attention,
+                self.cluster,
+                self.cp,
+                data=dp,
+                tp=tp,
+                num_microbatches=m,
+                precision=self.precision.name,
+            )
         pricing, alg = self._cp_pricing[key], self.cp_algorithm
         if alg is None or alg == pricing.algorithm or alg not in pricing.ranked:
             return pricing
         faster = ", ".join(str(a) for a in pricing.ranked[: pricing.ranked.index(alg)])
-        return pricing.with_algorithm(alg, f"{faster}: faster per layer, but under the memory budget the fastest "
-                                           f"pipeline layout runs {alg}")  # fmt: skip
+        return pricing.with_algorithm(
+            alg, f"{faster}: faster per layer, but under the memory budget the fastest pipeline layout runs {alg}"
+        )
 
     def leaner_cp_algorithms(self) -> list[CPAlgorithm]:
         """The algorithms worth a search of their own when memory binds: those no other algorithm beats in both
@@ -562,8 +589,9 @@ class _StagePricer:
         (nothing kept, the smallest blocks in flight) is the one."""
         ref = self.cp_pricing(self.cp.degree, 1, 1)
         node = self._attention[0]
-        figures = {a: (c.saved_bytes, c.peak_extra_bytes) for a in ref.ranked
-                   for c in (ref.cost(node, 1, algorithm=a),)}  # fmt: skip
+        figures = {
+            a: (c.saved_bytes, c.peak_extra_bytes) for a in ref.ranked for c in (ref.cost(node, 1, algorithm=a),)
+        }
 
         def dominated(mine: tuple[float, float]) -> bool:
             return any(f != mine and all(x <= y for x, y in zip(f, mine, strict=True)) for f in figures.values())
@@ -582,14 +610,26 @@ class _StagePricer:
         return self.cp_algorithm is None or self.cp_algorithm in self.cp_pricing(self.cp.degree, tp, 1).ranked
 
     def program(self, k, first, last, dp, tp, m, copies=1.0) -> ShardingProgram:
-        prog = ShardingProgram(self.view(k, first, last), self.cluster, dp, tp, estimator=self.estimator,
-                               precision=self.precision, zero_stage=None, memory_budget_bytes=self.budget,
-                               batch_dim_size=self.batch, num_microbatches=m, activation_copies=copies,
-                               recompute=self.recompute,
-                               tensor_split=TensorSplit.from_constraints(self.constraints, tp),
-                               overlap=False,  # a stage reduces its gradients after the schedule
-                               pipeline_stage=True, step_gathers=self.overlap_on, tp_overlap=self.overlap_on,
-                               cp=self.cp_pricing(dp, tp, m))  # fmt: skip
+        prog = ShardingProgram(
+            self.view(k, first, last),
+            self.cluster,
+            dp,
+            tp,
+            estimator=self.estimator,
+            precision=self.precision,
+            zero_stage=None,
+            memory_budget_bytes=self.budget,
+            batch_dim_size=self.batch,
+            num_microbatches=m,
+            activation_copies=copies,
+            recompute=self.recompute,
+            tensor_split=TensorSplit.from_constraints(self.constraints, tp),
+            overlap=False,  # a stage reduces its gradients after the schedule
+            pipeline_stage=True,
+            step_gathers=self.overlap_on,
+            tp_overlap=self.overlap_on,
+            cp=self.cp_pricing(dp, tp, m),
+        )
         if dp > 1:
             prog.zero_choices = list(self.zero_choices)
         return prog
@@ -620,8 +660,9 @@ class _StagePricer:
             else:
                 prog.build()
                 self.num_programs += 1
-                self._bound[key] = dataclasses.replace(self._record(prog, prog.solve_best(free.result.step_time_s),
-                                                                    copies), bound=True)  # fmt: skip
+                self._bound[key] = dataclasses.replace(
+                    self._record(prog, prog.solve_best(free.result.step_time_s), copies), bound=True
+                )
         return self._bound[key]
 
     def floors(self, first: bool, last: bool, dp: int, tp: int, b: int) -> _Floors:
@@ -634,8 +675,12 @@ class _StagePricer:
             # solved, so it knows each group's forward time (per step: divided by its micro-batches)
             built = free.program
             rec = {m: built.recompute_time_lower_bound(m) / built.mb if built is not None else 0.0 for m in bounds}
-            self._act_floor[akey] = ({m: bd["activations"] for m, bd in bounds.items()},
-                                     {m: bd["transient"] for m, bd in bounds.items()}, rec, free.t_mb)  # fmt: skip
+            self._act_floor[akey] = (
+                {m: bd["activations"] for m, bd in bounds.items()},
+                {m: bd["transient"] for m, bd in bounds.items()},
+                rec,
+                free.t_mb,
+            )
         if skey not in self._state_floor:
             prog = self.program(1, first, last, dp, tp, 1)
             states, sync = {}, {}
@@ -658,8 +703,17 @@ class _StagePricer:
         # the stage waits for it every micro-batch as for its compute
         t_mb = (res.compute_s + res.reshard_s + res.cp_comm_s) / prog.mb
         last = prog.last_bucket_s(res.zero_stage) if prog.dp > 1 else 0.0
-        return _Priced(True, t_mb, res.grad_sync_s + res.optimizer_s, res.zero_stage, tuple(res.memory.items()), copies,
-                       res, prog, last_bucket_s=last)  # fmt: skip
+        return _Priced(
+            True,
+            t_mb,
+            res.grad_sync_s + res.optimizer_s,
+            res.zero_stage,
+            tuple(res.memory.items()),
+            copies,
+            res,
+            prog,
+            last_bucket_s=last,
+        )
 
 
 # ------------------------------------------------------------------------------ transfers between stages
@@ -703,8 +757,9 @@ def _transfer_s(cluster: ClusterSpec, bytes_per_sample: float, link: LinkSpec, b
     return Transfer(t, fixed)
 
 
-def _stage_transfers(cluster: ClusterSpec, structure: LayerStructure, pp: int, tp: int, b: int,
-                     schedule: Schedule, v: int) -> list[Transfer]:  # fmt: skip
+def _stage_transfers(
+    cluster: ClusterSpec, structure: LayerStructure, pp: int, tp: int, b: int, schedule: Schedule, v: int
+) -> list[Transfer]:
     """c_s of every stage: forward sends to the next stage, backward sends to the previous one."""
     n = cluster.world_size // pp
     chunks = v if schedule == Schedule.INTERLEAVED_1F1B else 1
@@ -714,11 +769,19 @@ def _stage_transfers(cluster: ClusterSpec, structure: LayerStructure, pp: int, t
         bwd = chunks - (1 if s == 0 else 0)
         t = Transfer()
         if fwd:
-            t += _transfer_s(cluster, structure.boundary_bytes_per_sample,
-                             _block_link(cluster, n, s, (s + 1) % pp), b, tp) * fwd  # fmt: skip
+            t += (
+                _transfer_s(
+                    cluster, structure.boundary_bytes_per_sample, _block_link(cluster, n, s, (s + 1) % pp), b, tp
+                )
+                * fwd
+            )
         if bwd:
-            t += _transfer_s(cluster, structure.boundary_bytes_per_sample,
-                             _block_link(cluster, n, s, (s - 1) % pp), b, tp) * bwd  # fmt: skip
+            t += (
+                _transfer_s(
+                    cluster, structure.boundary_bytes_per_sample, _block_link(cluster, n, s, (s - 1) % pp), b, tp
+                )
+                * bwd
+            )
         out.append(t)
     return out
 
@@ -787,8 +850,10 @@ def step_price(slots: float, stages: list[_Priced], transfers: list[Transfer], o
     """T = slots max_s (t_s + e_s) + max_s (E_s + O_s) (the module docstring)."""
     exposed = [overlap.transfer_exposed(c, p.t_mb) for p, c in zip(stages, transfers, strict=True)]
     windows = sync_windows([p.t_mb for p in stages], v)
-    hidden = [overlap.sync_hidden(p.grad_sync(), w, backward_time(p.t_mb, v), p.last_bucket_s)
-              for p, w in zip(stages, windows, strict=True)]  # fmt: skip
+    hidden = [
+        overlap.sync_hidden(p.grad_sync(), w, backward_time(p.t_mb, v), p.last_bucket_s)
+        for p, w in zip(stages, windows, strict=True)
+    ]
     step = slots * max(p.t_mb + e for p, e in zip(stages, exposed, strict=True)) + max(
         p.sync - h for p, h in zip(stages, hidden, strict=True)
     )
@@ -837,34 +902,44 @@ def _check_constraints(constraints: dict, world: int, num_layers: int) -> dict:
             raise ConfigError(f"constraints[{key!r}]={c[key]!r}: expected a positive integer")
     pp = c.get("pp")
     if pp is not None and world % pp:
-        raise ConfigError(f"constraints['pp']={pp} does not divide the world size {world}; choose one of "
-                          f"{_divisors(world)}")  # fmt: skip
+        raise ConfigError(
+            f"constraints['pp']={pp} does not divide the world size {world}; choose one of {_divisors(world)}"
+        )
     if pp is not None and pp > max(num_layers, 1):
-        raise ConfigError(f"constraints['pp']={pp}: the model has {num_layers} layer(s) to cut and every stage needs "
-                          f"at least one; choose pp <= {max(num_layers, 1)}")  # fmt: skip
+        raise ConfigError(
+            f"constraints['pp']={pp}: the model has {num_layers} layer(s) to cut and every stage needs "
+            f"at least one; choose pp <= {max(num_layers, 1)}"
+        )
     if c.get("zero") not in (None, 0, 1, 2, 3):
         raise ConfigError(f"constraints['zero']={c['zero']!r}: expected 0, 1, 2 or 3")
     if c.get("zero") not in (None, *PIPELINE_ZERO_STAGES) and _wants_pipeline(c):
-        raise ConfigError(f"constraints: ZeRO-{c['zero']} is not run with a pipeline (a stage would gather every split "
-                          f"weight and reduce-scatter its gradient once per micro-batch, each collective waited on "
-                          f"where it is issued); with pp pin zero 0 or 1 (ZeRO-1 gathers each weight once a step, "
-                          f"behind compute), or drop pp, schedule and virtual_stages for ZeRO-{c['zero']}")  # fmt: skip
+        raise ConfigError(
+            f"constraints: ZeRO-{c['zero']} is not run with a pipeline (a stage would gather every split "
+            f"weight and reduce-scatter its gradient once per micro-batch, each collective waited on "
+            f"where it is issued); with pp pin zero 0 or 1 (ZeRO-1 gathers each weight once a step, "
+            f"behind compute), or drop pp, schedule and virtual_stages for ZeRO-{c['zero']}"
+        )
     sched = c.get("schedule")
     if sched is not None:
         try:
             c["schedule"] = Schedule(sched)
         except ValueError:
-            raise ConfigError(f"constraints['schedule']={sched!r}: expected one of "
-                              f"{', '.join(repr(s.value) for s in Schedule)}") from None  # fmt: skip
+            raise ConfigError(
+                f"constraints['schedule']={sched!r}: expected one of {', '.join(repr(s.value) for s in Schedule)}"
+            ) from None
     v = c.get("virtual_stages")
     if v is not None and v > 1 and c.get("schedule") not in (None, Schedule.INTERLEAVED_1F1B):
-        raise ConfigError(f"constraints['virtual_stages']={v} needs schedule 'interleaved_1f1b', not "
-                          f"{c['schedule'].value!r}; drop one of the two")  # fmt: skip
+        raise ConfigError(
+            f"constraints['virtual_stages']={v} needs schedule 'interleaved_1f1b', not "
+            f"{c['schedule'].value!r}; drop one of the two"
+        )
     if v == 1 and c.get("schedule") == Schedule.INTERLEAVED_1F1B:
         raise ConfigError("constraints: the interleaved schedule needs virtual_stages >= 2 (with 1 it is '1f1b')")
     if v is not None and v > 1 and pp is not None and pp * v > num_layers:
-        raise ConfigError(f"constraints: pp={pp} x virtual_stages={v} chunks need at least {pp * v} layers, the "
-                          f"model has {num_layers}; lower virtual_stages")  # fmt: skip
+        raise ConfigError(
+            f"constraints: pp={pp} x virtual_stages={v} chunks need at least {pp * v} layers, the "
+            f"model has {num_layers}; lower virtual_stages"
+        )
     return c
 
 
@@ -958,8 +1033,9 @@ class _Search:
 
     def configurations(self) -> list[tuple[float, _Config, list[int]]]:
         """(estimate, configuration, cut) of every allowed configuration where some cut fits the floors."""
-        pps = [self.c["pp"]] if self.c.get("pp") else [p for p in _divisors(self.cluster.world_size)
-                                                         if 2 <= p <= self.L]  # fmt: skip
+        pps = (
+            [self.c["pp"]] if self.c.get("pp") else [p for p in _divisors(self.cluster.world_size) if 2 <= p <= self.L]
+        )
         out = []
         for pp in pps:
             for dp, tp in _meshes(self.c, self.cluster, pp, self.B, self.pricer.cp.degree):
@@ -1039,8 +1115,9 @@ class _Search:
         """What stage s adds to the step priced alone: slots (t_s + e_s) + E_s + O_s."""
         if not p.feasible:
             return math.inf
-        hidden = self.overlap.sync_hidden(p.grad_sync(), self._alone_window(cfg, s, p.t_mb), backward_time(p.t_mb, cfg.v),
-                                          p.last_bucket_s)  # fmt: skip
+        hidden = self.overlap.sync_hidden(
+            p.grad_sync(), self._alone_window(cfg, s, p.t_mb), backward_time(p.t_mb, cfg.v), p.last_bucket_s
+        )
         return slots * (p.t_mb + self.overlap.transfer_exposed(transfer, p.t_mb)) + p.sync - hidden
 
     # ------------------------------------------------------------------------------ exact pricing
@@ -1071,22 +1148,35 @@ class _Search:
         other and against `bound`, a step found elsewhere)."""
         t0 = time.perf_counter()
         ranked = sorted(self.configurations(), key=lambda r: (r[0], r[1].pp, r[1].v))
-        self.say(f"pipeline: {len(ranked)} of {self.num_configurations} configurations fit the memory floors "
-                 f"({time.perf_counter() - t0:.1f} s, {self.pricer.num_programs} programs)")  # fmt: skip
+        self.say(
+            f"pipeline: {len(ranked)} of {self.num_configurations} configurations fit the memory floors "
+            f"({time.perf_counter() - t0:.1f} s, {self.pricer.num_programs} programs)"
+        )
         records, best = [], None
         for est, cfg, guess in ranked:
             if est * (1 - ESTIMATE_SLACK) >= min(bound, best[0] if best is not None else math.inf):
                 break
             got = self.evaluate(cfg, guess)
-            records.append({"pp": cfg.pp, "dp": cfg.dp, "tp": cfg.tp, "num_microbatches": cfg.m,
-                            "schedule": cfg.schedule.value, "virtual_stages": cfg.v, "estimate_s": est,
-                            "step_time_s": got[0] if got else None,
-                            "reason": "" if got else "no cut fits the memory budget"}
-                           | ({"cp_attention": str(alg)} if (alg := self.pricer.cp_run(cfg.dp, cfg.tp, cfg.m)) else {}))  # fmt: skip
+            records.append(
+                {
+                    "pp": cfg.pp,
+                    "dp": cfg.dp,
+                    "tp": cfg.tp,
+                    "num_microbatches": cfg.m,
+                    "schedule": cfg.schedule.value,
+                    "virtual_stages": cfg.v,
+                    "estimate_s": est,
+                    "step_time_s": got[0] if got else None,
+                    "reason": "" if got else "no cut fits the memory budget",
+                }
+                | ({"cp_attention": str(alg)} if (alg := self.pricer.cp_run(cfg.dp, cfg.tp, cfg.m)) else {})
+            )
             if got is None:
                 continue
-            self.say(f"pipeline {cfg.describe(self.pricer.cp.degree)}: {got[0] * 1e3:.2f} ms "
-                     f"(estimate {est * 1e3:.2f} ms, cut {got[1]})")  # fmt: skip
+            self.say(
+                f"pipeline {cfg.describe(self.pricer.cp.degree)}: {got[0] * 1e3:.2f} ms "
+                f"(estimate {est * 1e3:.2f} ms, cut {got[1]})"
+            )
             if best is None or got[0] < best[0]:
                 best = (got[0], cfg, *got[1:])
         return records, best
@@ -1151,8 +1241,9 @@ class _StackSearch(_Search):
         bounds = [round(s * L / p) for s in range(p + 1)]
         need = 0.0
         for s in range(p):
-            prog = self.pricer.program((bounds[s], bounds[s + 1]), s == 0, s == p - 1, cfg.dp, cfg.tp, cfg.m,
-                                       self.copies(cfg, s))  # fmt: skip
+            prog = self.pricer.program(
+                (bounds[s], bounds[s + 1]), s == 0, s == p - 1, cfg.dp, cfg.tp, cfg.m, self.copies(cfg, s)
+            )
             need = max(need, sum(prog.memory_lower_bound().values()))
         if self.least_memory is None or need < self.least_memory[0]:
             self.least_memory = (need, cfg)
@@ -1171,8 +1262,19 @@ class _StackSearch(_Search):
         best: list[dict[int, tuple[float, int]]] = [{e: (cost(0, 0, e), 0) for e in range(1, L - p + 2)}]
         for s in range(1, p):
             ends = [L] if s == p - 1 else range(s + 1, L - p + s + 2)
-            best.append({e: min(((max(best[s - 1][a][0], cost(s, a, e)), a) for a in range(s, e)
-                                 if math.isfinite(best[s - 1][a][0])), default=(math.inf, 0)) for e in ends})  # fmt: skip
+            best.append(
+                {
+                    e: min(
+                        (
+                            (max(best[s - 1][a][0], cost(s, a, e)), a)
+                            for a in range(s, e)
+                            if math.isfinite(best[s - 1][a][0])
+                        ),
+                        default=(math.inf, 0),
+                    )
+                    for e in ends
+                }
+            )
         if not math.isfinite(best[p - 1][L][0]):
             self._note_least_memory(cfg)
             return None
@@ -1192,8 +1294,9 @@ class _StackSearch(_Search):
 
 def _record_key(record: dict) -> tuple:
     """A priced configuration's identity in the search records: its layout and the cp algorithm it ran."""
-    return tuple(record.get(k) for k in ("pp", "dp", "tp", "num_microbatches", "schedule", "virtual_stages",
-                                         "cp_attention"))  # fmt: skip
+    return tuple(
+        record.get(k) for k in ("pp", "dp", "tp", "num_microbatches", "schedule", "virtual_stages", "cp_attention")
+    )
 
 
 def _cp_fallback(pricer: _StagePricer, c: dict, say, records: list[dict], best: tuple | None, search: _Search):
@@ -1217,17 +1320,29 @@ def _cp_fallback(pricer: _StagePricer, c: dict, say, records: list[dict], best: 
             records = records + [r for r in more if _record_key(r) not in seen]
             if got is not None and (best is None or got[0] < best[0]):
                 best, found = got, again
-            if best is None and again.least_memory is not None and (
-                    found.least_memory is None or again.least_memory[0] < found.least_memory[0]):  # fmt: skip
+            if (
+                best is None
+                and again.least_memory is not None
+                and (found.least_memory is None or again.least_memory[0] < found.least_memory[0])
+            ):
                 found = again
     finally:
         pricer.cp_algorithm = None  # the pricer serves later searches (`pricers`) with the fastest algorithms
     return records, best, found
 
 
-def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision: str = "bf16",
-                    constraints: dict | None = None, memory_budget_bytes: float | None = None, batch_size: int,
-                    progress=None, pricers: dict | None = None) -> PipelineSolution:  # fmt: skip
+def search_pipeline(
+    graph: OpGraph,
+    cluster: ClusterSpec,
+    *,
+    estimator,
+    precision: str = "bf16",
+    constraints: dict | None = None,
+    memory_budget_bytes: float | None = None,
+    batch_size: int,
+    progress=None,
+    pricers: dict | None = None,
+) -> PipelineSolution:
     """Choose pp, the stage cuts, the sub-mesh, the micro-batches and the schedule by predicted step time.
 
     Args:
@@ -1258,19 +1373,32 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
     if structure is None and isinstance(pinned_pp, int) and pinned_pp > 1:
         raise ConfigError(f"constraints['pp']={pinned_pp}: {why_no_layer_run(graph)}; drop 'pp'")
     c = _check_constraints(dict(constraints or {}), world, num_layers)
-    if structure is not None and structure.stacks and (c.get("schedule") == Schedule.INTERLEAVED_1F1B
-                                                       or (c.get("virtual_stages") or 1) > 1):  # fmt: skip
+    if (
+        structure is not None
+        and structure.stacks
+        and (c.get("schedule") == Schedule.INTERLEAVED_1F1B or (c.get("virtual_stages") or 1) > 1)
+    ):
         names = " and ".join(path for path, _ in structure.stacks)
-        raise ConfigError(f"constraints: interleaved schedules are not searched over several stacks of layers "
-                          f"({names}); pin schedule '1f1b' or 'gpipe', or drop the pin")  # fmt: skip
+        raise ConfigError(
+            f"constraints: interleaved schedules are not searched over several stacks of layers "
+            f"({names}); pin schedule '1f1b' or 'gpipe', or drop the pin"
+        )
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     single, single_error = None, None
     wants_pipeline = _wants_pipeline(c)
     if c.get("pp") in (None, 1):
         flat = {k: v for k, v in c.items() if k not in PIPELINE_CONSTRAINT_KEYS}
         try:
-            single = ss.solve_sharding(graph, cluster, estimator=estimator, precision=precision, constraints=flat,
-                                       memory_budget_bytes=budget, batch_size=batch_size, progress=say)  # fmt: skip
+            single = ss.solve_sharding(
+                graph,
+                cluster,
+                estimator=estimator,
+                precision=precision,
+                constraints=flat,
+                memory_budget_bytes=budget,
+                batch_size=batch_size,
+                progress=say,
+            )
             say(f"no pipeline: {single.step_time_s * 1e3:.2f} ms")
         except (InfeasiblePlanError, ConfigError) as e:
             single_error = e
@@ -1281,9 +1409,18 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
         pricer = (pricers or {}).get(key)
         if pricer is None:
             pricer_cls = _StackPricer if structure.stacks else _StagePricer
-            pricer = pricer_cls(graph, structure, cluster, estimator=estimator, precision=Precision.get(precision, c.get("grad_reduce")),
-                                  zero=c.get("zero"), budget=budget, batch=batch_size,
-                                  recompute=c.get("recompute"), constraints=c)  # fmt: skip
+            pricer = pricer_cls(
+                graph,
+                structure,
+                cluster,
+                estimator=estimator,
+                precision=Precision.get(precision, c.get("grad_reduce")),
+                zero=c.get("zero"),
+                budget=budget,
+                batch=batch_size,
+                recompute=c.get("recompute"),
+                constraints=c,
+            )
             if pricers is not None:
                 pricers[key] = pricer
         programs_before = pricer.num_programs
@@ -1291,8 +1428,11 @@ def search_pipeline(graph: OpGraph, cluster: ClusterSpec, *, estimator, precisio
         records, best = search.run()
         # where memory binds (nothing fits, a configuration fits no cut, or a stage of the best is priced within the
         # budget), a cp algorithm that holds less may win
-        if pricer.cp.on and pricer.cp.algorithm is None and (best is None or search.dropped
-                                                             or any(p.bound for p in best[3])):  # fmt: skip
+        if (
+            pricer.cp.on
+            and pricer.cp.algorithm is None
+            and (best is None or search.dropped or any(p.bound for p in best[3]))
+        ):
             records, best, search = _cp_fallback(pricer, c, say, records, best, search)
         search.num_programs = pricer.num_programs - programs_before
     else:
@@ -1309,26 +1449,58 @@ def _raise_none_fits(c: dict, search: _Search | None, single_error: Exception | 
     if search is None or search.least_memory is None:
         if single_error is not None:
             raise single_error
-        raise ConfigError(f"no pipeline layout satisfies the constraints {c}: the sub-mesh dp x tp must make "
-                          f"world size / pp devices, the global batch must divide over dp and the samples of a "
-                          f"data-parallel rank into the micro-batches, 1F1B needs at least pp micro-batches and "
-                          f"interleaving a multiple of pp; loosen the pins")  # fmt: skip
+        raise ConfigError(
+            f"no pipeline layout satisfies the constraints {c}: the sub-mesh dp x tp must make "
+            f"world size / pp devices, the global batch must divide over dp and the samples of a "
+            f"data-parallel rank into the micro-batches, 1F1B needs at least pp micro-batches and "
+            f"interleaving a multiple of pp; loosen the pins"
+        )
     need, cfg = search.least_memory
     raise InfeasiblePlanError(
         f"no pipeline layout fits: the leanest ({cfg.describe(search.pricer.cp.degree)}, micro-batch size {search.micro_batch(cfg)}) needs "
         f"at least {format_bytes(need)} per device on its fullest stage with balanced cuts, but the budget is "
-        f"{format_bytes(budget)}; raise memory_budget, use more devices or a smaller batch or sequence")  # fmt: skip
+        f"{format_bytes(budget)}; raise memory_budget, use more devices or a smaller batch or sequence"
+    )
 
 
 def _single_solution(sol: ShardingSolution, graph: OpGraph, batch: int, records, search, dt) -> PipelineSolution:
     """The plan without a pipeline in the PipelineSolution form: one stage holding every layer."""
     num_layers = graph.num_layers
-    stage = StagePlan(0, ((0, num_layers),), num_layers, True, True, sol.dp, sol.tp, sol.zero_stage,
-                      (sol.compute_s + sol.reshard_s + sol.cp_comm_s) / sol.num_microbatches, 0.0, sol.grad_sync_s, 1.0,
-                      dict(sol.memory), sol, sol.optimizer_s)  # fmt: skip
-    return PipelineSolution(1, sol.dp, sol.tp, (stage,), sol.num_microbatches, batch // (sol.dp * sol.num_microbatches),
-                            None, 1, 0.0, sol.step_time_s, stage.peak_memory_bytes, sol.step_time_s, sol,
-                            tuple(records), search.num_programs if search else 0, dt)  # fmt: skip
+    stage = StagePlan(
+        0,
+        ((0, num_layers),),
+        num_layers,
+        True,
+        True,
+        sol.dp,
+        sol.tp,
+        sol.zero_stage,
+        (sol.compute_s + sol.reshard_s + sol.cp_comm_s) / sol.num_microbatches,
+        0.0,
+        sol.grad_sync_s,
+        1.0,
+        dict(sol.memory),
+        sol,
+        sol.optimizer_s,
+    )
+    return PipelineSolution(
+        1,
+        sol.dp,
+        sol.tp,
+        (stage,),
+        sol.num_microbatches,
+        batch // (sol.dp * sol.num_microbatches),
+        None,
+        1,
+        0.0,
+        sol.step_time_s,
+        stage.peak_memory_bytes,
+        sol.step_time_s,
+        sol,
+        tuple(records),
+        search.num_programs if search else 0,
+        dt,
+    )
 
 
 def _layer_ranges(alloc: list[int], cfg: _Config) -> list[tuple[tuple[int, int], ...]]:
@@ -1353,11 +1525,43 @@ def _pipeline_solution(best, search: _Search, single, records, dt) -> PipelineSo
         copies = search.copies(cfg, s)
         sharding = ss._solution(p.program, p.result, (), (), p.result.solve_time_s) if p.program else None
         opt = p.result.optimizer_s if p.result is not None else 0.0
-        stages.append(StagePlan(s, rng, k, s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, p.zero, p.t_mb,
-                                transfers[s].total_s, p.sync - opt, copies, p.memory_at(copies), sharding, opt,
-                                price.transfer_exposed[s], price.sync_hidden[s], p.last_bucket_s))  # fmt: skip
-    return PipelineSolution(cfg.pp, cfg.dp, cfg.tp, tuple(stages), cfg.m, search.micro_batch(cfg), cfg.schedule, cfg.v,
-                            bubble_fraction(cfg.schedule, cfg.pp, cfg.m, cfg.v), step,
-                            max(st.peak_memory_bytes for st in stages),
-                            single.step_time_s if single is not None else None, single, tuple(records),
-                            search.num_programs, dt)  # fmt: skip
+        stages.append(
+            StagePlan(
+                s,
+                rng,
+                k,
+                s == 0,
+                s == cfg.pp - 1,
+                cfg.dp,
+                cfg.tp,
+                p.zero,
+                p.t_mb,
+                transfers[s].total_s,
+                p.sync - opt,
+                copies,
+                p.memory_at(copies),
+                sharding,
+                opt,
+                price.transfer_exposed[s],
+                price.sync_hidden[s],
+                p.last_bucket_s,
+            )
+        )
+    return PipelineSolution(
+        cfg.pp,
+        cfg.dp,
+        cfg.tp,
+        tuple(stages),
+        cfg.m,
+        search.micro_batch(cfg),
+        cfg.schedule,
+        cfg.v,
+        bubble_fraction(cfg.schedule, cfg.pp, cfg.m, cfg.v),
+        step,
+        max(st.peak_memory_bytes for st in stages),
+        single.step_time_s if single is not None else None,
+        single,
+        tuple(records),
+        search.num_programs,
+        dt,
+    )

@@ -106,8 +106,9 @@ class StageGraph:
     layers: tuple[tuple[int, int], ...]
 
 
-def assign_stages(graph: fx.Graph, node_layer: dict, container: str, stage_layers: list, *,
-                  param_nodes: set[str]) -> tuple[dict[str, int], dict[str, set[int]]]:  # fmt: skip
+def assign_stages(
+    graph: fx.Graph, node_layer: dict, container: str, stage_layers: list, *, param_nodes: set[str]
+) -> tuple[dict[str, int], dict[str, set[int]]]:
     """(node -> stage for computed nodes, node -> stages for copied input-only nodes); see the module docstring."""
     layer_stage: dict[int, int] = {}
     for s, ranges in enumerate(stage_layers):
@@ -152,8 +153,10 @@ def assign_stages(graph: fx.Graph, node_layer: dict, container: str, stage_layer
     for n in nodes:
         for i in n.all_input_nodes:
             if i.name in stage and n.name in stage and stage[i.name] > stage[n.name]:
-                raise LoweringError(f"{n.name} (stage {stage[n.name]}) reads {i.name} from the later stage "
-                                    f"{stage[i.name]}: the layers do not run in the order of the stages")  # fmt: skip
+                raise LoweringError(
+                    f"{n.name} (stage {stage[n.name]}) reads {i.name} from the later stage "
+                    f"{stage[i.name]}: the layers do not run in the order of the stages"
+                )
     copies = _free_copies(nodes, free, checks, stage, last, {})
     # a free op that writes into its argument (T5 shifts the labels into its decoder inputs by a copy_ into a
     # slice of zeros) has no reader of its own: it runs wherever the tensor it writes is read
@@ -175,8 +178,9 @@ def _written_base(node: fx.Node) -> fx.Node:
     return base
 
 
-def _free_copies(nodes: list, free: set[str], checks: set[str], stage: dict[str, int], last: int,
-                 seeds: dict[str, set[int]]) -> dict[str, set[int]]:  # fmt: skip
+def _free_copies(
+    nodes: list, free: set[str], checks: set[str], stage: dict[str, int], last: int, seeds: dict[str, set[int]]
+) -> dict[str, set[int]]:
     """Stages that read each free node (directly or through other free nodes), plus its `seeds`."""
     copies: dict[str, set[int]] = {name: set() for name in free}
     for n in reversed(nodes):
@@ -195,8 +199,15 @@ def _free_copies(nodes: list, free: set[str], checks: set[str], stage: dict[str,
     return copies
 
 
-def split_stages(gm: fx.GraphModule, node_layer: dict, container: str, stage_layers: list, *,
-                 param_nodes: set[str], loss_output: int = 0) -> list[StageGraph]:  # fmt: skip
+def split_stages(
+    gm: fx.GraphModule,
+    node_layer: dict,
+    container: str,
+    stage_layers: list,
+    *,
+    param_nodes: set[str],
+    loss_output: int = 0,
+) -> list[StageGraph]:
     """Cut `gm` into one `StageGraph` per entry of `stage_layers` (see the module docstring).
 
     `loss_output` is the position of the loss among the graph's outputs. `gm` is left as it is.

@@ -47,9 +47,10 @@ def sum_loss_pass(gm: fx.GraphModule, example_inputs, *, loss_index: int) -> fx.
         return gm
     ignore = bound.get("ignore_index", -100)
     with gm.graph.inserting_after(loss):
-        total = gm.graph.call_function(aten.cross_entropy_loss.default,
-                                       (bound["input"], bound["target"], None, 2, ignore,
-                                        bound.get("label_smoothing", 0.0)))  # fmt: skip
+        total = gm.graph.call_function(
+            aten.cross_entropy_loss.default,
+            (bound["input"], bound["target"], None, 2, ignore, bound.get("label_smoothing", 0.0)),
+        )
     with gm.graph.inserting_after(total):
         kept = gm.graph.call_function(aten.ne.Scalar, (bound["target"], ignore))
     with gm.graph.inserting_after(kept):

@@ -49,8 +49,12 @@ class RecomputeMode(StrEnum):
 
 RECOMPUTE_MODES = tuple(m.value for m in RecomputeMode)
 
-_ATTENTION_OPS = {"aten.scaled_dot_product_attention.default", "aten._softmax.default", "aten.softmax.int",
-                  "autopar.flash_attention.default"}  # fmt: skip
+_ATTENTION_OPS = {
+    "aten.scaled_dot_product_attention.default",
+    "aten._softmax.default",
+    "aten.softmax.int",
+    "autopar.flash_attention.default",
+}
 _SEGMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -165,8 +169,11 @@ def offloaded_nodes(graph: fx.Graph, layer_modes: dict | None) -> frozenset[str]
     layers = set((layer_modes or {}).get("offload", ()))
     if not layers:
         return frozenset()
-    return frozenset(n.name for n in graph.nodes if n.op == "call_function" and layer_of(n)[0] is not None
-                     and layer_of(n)[1] in layers)  # fmt: skip
+    return frozenset(
+        n.name
+        for n in graph.nodes
+        if n.op == "call_function" and layer_of(n)[0] is not None and layer_of(n)[1] in layers
+    )
 
 
 def _nodes_by_name(graph: fx.Graph) -> dict[str, fx.Node]:

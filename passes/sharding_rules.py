@@ -195,17 +195,48 @@ def _follower_as_rule(node: fx.Node, tp: int) -> list[OpStrategy]:
 # ---------------------------------------------------------------- followers: views and unary ops
 
 _UNARY_ELEMENTWISE = [
-    aten.silu.default, aten.gelu.default, aten.tanh.default, aten.relu.default, aten.sigmoid.default,
-    aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.cos.default, aten.sin.default,
-    aten.pow.Tensor_Scalar, aten.dropout.default, aten.ne.Scalar, aten.eq.Scalar, aten.ge.Scalar,
-    aten.gt.Scalar, aten.le.Scalar, aten.lt.Scalar, aten.logical_not.default, aten.abs.default,
-    aten.mul.Scalar, aten.add.Scalar, aten.sub.Scalar, aten.div.Scalar, aten.masked_fill.Scalar,
-    aten.gelu_.default, aten.silu_.default, aten.clone.default,  # DTensor sums a partial before it copies it
-]  # fmt: skip
+    aten.silu.default,
+    aten.gelu.default,
+    aten.tanh.default,
+    aten.relu.default,
+    aten.sigmoid.default,
+    aten.rsqrt.default,
+    aten.sqrt.default,
+    aten.exp.default,
+    aten.cos.default,
+    aten.sin.default,
+    aten.pow.Tensor_Scalar,
+    aten.dropout.default,
+    aten.ne.Scalar,
+    aten.eq.Scalar,
+    aten.ge.Scalar,
+    aten.gt.Scalar,
+    aten.le.Scalar,
+    aten.lt.Scalar,
+    aten.logical_not.default,
+    aten.abs.default,
+    aten.mul.Scalar,
+    aten.add.Scalar,
+    aten.sub.Scalar,
+    aten.div.Scalar,
+    aten.masked_fill.Scalar,
+    aten.gelu_.default,
+    aten.silu_.default,
+    aten.clone.default,  # DTensor sums a partial before it copies it
+]
 _LINEAR_UNARY = [
-    aten.neg.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.contiguous.default, aten.alias.default, aten.detach.default, aten.to.device, aten.type_as.default,
-    aten.mul.Scalar, aten.div.Scalar,
-]  # fmt: skip
+    aten.neg.default,
+    aten.to.dtype,
+    aten.to.dtype_layout,
+    aten._to_copy.default,
+    aten.contiguous.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.to.device,
+    aten.type_as.default,
+    aten.mul.Scalar,
+    aten.div.Scalar,
+]
 
 
 # what a masked partial sum stays one through (DTensor sums it before any other op, copies and casts included)
@@ -361,11 +392,25 @@ def _follow_view(node, p, tp):
 # ------------------------------------------------------------------------- n-ary elementwise ops
 
 _BINARY_ELEMENTWISE = [
-    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self, aten.eq.Tensor,
-    aten.ne.Tensor, aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor, aten.__and__.Tensor,
-    aten.bitwise_and.Tensor, aten.__or__.Tensor, aten.maximum.default, aten.minimum.default,
-    aten.masked_fill.Tensor, aten.pow.Tensor_Tensor,
-]  # fmt: skip
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.where.self,
+    aten.eq.Tensor,
+    aten.ne.Tensor,
+    aten.le.Tensor,
+    aten.lt.Tensor,
+    aten.ge.Tensor,
+    aten.gt.Tensor,
+    aten.__and__.Tensor,
+    aten.bitwise_and.Tensor,
+    aten.__or__.Tensor,
+    aten.maximum.default,
+    aten.minimum.default,
+    aten.masked_fill.Tensor,
+    aten.pow.Tensor_Tensor,
+]
 
 
 def _broadcast_placement(arg_shape: Sequence[int], out_shape: Sequence[int], out_dim: int) -> Placement:
@@ -427,8 +472,9 @@ def _reduction_rule(node, tp):
     return out
 
 
-@register_rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
-               aten.cumsum.default)  # fmt: skip
+@register_rule(
+    aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int, aten.cumsum.default
+)
 def _softmax_rule(node, tp):
     in_shape = _shape(node.args[0])
     dim = _norm_dim(node.args[1], len(in_shape))
@@ -475,11 +521,29 @@ def _linear_like(node, tp, *, x_idx: int, w_idx: int, b_idx: int | None, w_out_d
         return OpStrategy(tuple(ins), o, div, tuple(grads), name)
 
     if w_shape[w_out_dim] % tp == 0:
-        out.append(make(R, Shard(w_out_dim), Shard(0), Shard(out_ndim - 1), tp, (P, Shard(w_out_dim), Shard(0)),
-                        "column parallel"))  # fmt: skip
+        out.append(
+            make(
+                R,
+                Shard(w_out_dim),
+                Shard(0),
+                Shard(out_ndim - 1),
+                tp,
+                (P, Shard(w_out_dim), Shard(0)),
+                "column parallel",
+            )
+        )
     if w_shape[w_in_dim] % tp == 0:
-        out.append(make(Shard(out_ndim - 1), Shard(w_in_dim), R, P, tp, (Shard(out_ndim - 1), Shard(w_in_dim), R),
-                        "row parallel"))  # fmt: skip
+        out.append(
+            make(
+                Shard(out_ndim - 1),
+                Shard(w_in_dim),
+                R,
+                P,
+                tp,
+                (Shard(out_ndim - 1), Shard(w_in_dim), R),
+                "row parallel",
+            )
+        )
     for d in _divisible_dims(x_shape[:-1], tp):
         out.append(make(Shard(d), R, R, Shard(d), tp, (Shard(d), P, P), f"split rows S({d})"))
     return out

@@ -196,20 +196,56 @@ FORBIDDEN_S = 1e6  # the price of a conversion the runtime cannot do: no optimum
 
 # Ops that keep none of their inputs for the backward pass (the gradient does not need them).
 _NO_SAVE = {
-    "aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default", "aten.view.default", "aten.reshape.default",
-    "aten.transpose.int", "aten.permute.default", "aten.unsqueeze.default", "aten.squeeze.dim",
-    "aten.expand.default", "aten.slice.Tensor", "aten.select.int", "aten.split.Tensor", "aten.cat.default",
-    "aten.clone.default", "aten.contiguous.default", "aten.alias.default", "aten.to.dtype",
-    "aten.to.dtype_layout", "aten._to_copy.default", "aten._assert_tensor_metadata.default", "aten.t.default",
-    "<built-in function getitem>", "aten.detach.default", "aten.dropout.default", "aten.add.Scalar",
-    "aten.sub.Scalar", "aten.mul.Scalar", "aten.div.Scalar", "aten.to.device", "aten._unsafe_view.default",
-}  # fmt: skip
+    "aten.add.Tensor",
+    "aten.sub.Tensor",
+    "aten.neg.default",
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten.transpose.int",
+    "aten.permute.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.expand.default",
+    "aten.slice.Tensor",
+    "aten.select.int",
+    "aten.split.Tensor",
+    "aten.cat.default",
+    "aten.clone.default",
+    "aten.contiguous.default",
+    "aten.alias.default",
+    "aten.to.dtype",
+    "aten.to.dtype_layout",
+    "aten._to_copy.default",
+    "aten._assert_tensor_metadata.default",
+    "aten.t.default",
+    "<built-in function getitem>",
+    "aten.detach.default",
+    "aten.dropout.default",
+    "aten.add.Scalar",
+    "aten.sub.Scalar",
+    "aten.mul.Scalar",
+    "aten.div.Scalar",
+    "aten.to.device",
+    "aten._unsafe_view.default",
+}
 _VIEW_OPS = {
-    "aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.permute.default",
-    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.expand.default", "aten.slice.Tensor", "aten.select.int",
-    "aten.split.Tensor", "aten.alias.default", "aten.t.default", "<built-in function getitem>",
-    "aten._assert_tensor_metadata.default", "aten.detach.default", "aten._unsafe_view.default",
-}  # fmt: skip
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten.transpose.int",
+    "aten.permute.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.expand.default",
+    "aten.slice.Tensor",
+    "aten.select.int",
+    "aten.split.Tensor",
+    "aten.alias.default",
+    "aten.t.default",
+    "<built-in function getitem>",
+    "aten._assert_tensor_metadata.default",
+    "aten.detach.default",
+    "aten._unsafe_view.default",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,8 +269,10 @@ class Precision:
         reduce = grad_reduce or "fp32"
         if name in ("bf16", "fp16"):
             if reduce not in ("fp32", name):
-                raise ConfigError(f"grad_reduce={reduce!r} with precision {name!r}: gradients are reduced in 'fp32' "
-                                  f"(the default) or in the compute format {name!r}")  # fmt: skip
+                raise ConfigError(
+                    f"grad_reduce={reduce!r} with precision {name!r}: gradients are reduced in 'fp32' "
+                    f"(the default) or in the compute format {name!r}"
+                )
             # compute-format weights, fp32 master weights and two fp32 moments (ZeRO paper: 2 + 2 + 12), and
             # gradients in the format they are reduced in
             return cls(name, 2, 4 if reduce == "fp32" else 2, 12, reduce)
@@ -384,13 +422,25 @@ def batch_split_nodes(graph: OpGraph, batch: int) -> frozenset[str]:
 
 
 # Matrix products and the argument holding the weight (None: whichever argument a parameter reaches)
-_MATMUL_WEIGHT_ARG = {"aten.linear.default": 1, "aten.addmm.default": 2, "aten.mm.default": 1,
-                      "aten.bmm.default": None, "aten.matmul.default": None}  # fmt: skip
+_MATMUL_WEIGHT_ARG = {
+    "aten.linear.default": 1,
+    "aten.addmm.default": 2,
+    "aten.mm.default": 1,
+    "aten.bmm.default": None,
+    "aten.matmul.default": None,
+}
 # Ops a weight passes through on its way to a matmul: views, casts, and the selection of experts
 _WEIGHT_PATH_OPS = _VIEW_OPS | {
-    "aten.index.Tensor", "aten._to_copy.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.clone.default",
-    "aten.contiguous.default", "aten.chunk.default", "aten.narrow.default", "aten.numpy_T.default",
-}  # fmt: skip
+    "aten.index.Tensor",
+    "aten._to_copy.default",
+    "aten.to.dtype",
+    "aten.to.dtype_layout",
+    "aten.clone.default",
+    "aten.contiguous.default",
+    "aten.chunk.default",
+    "aten.narrow.default",
+    "aten.numpy_T.default",
+}
 
 
 def matmul_weights(graph: OpGraph) -> frozenset[str]:
@@ -436,8 +486,10 @@ class TensorSplit:
         plan's tp pinned, builds what was priced), or the fraction `tp_min_split` says."""
         f = constraints.get("tp_min_split")
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
-            raise ConfigError(f"constraints['tp_min_split']={f!r}: expected a fraction between 0 and 1 (0 lets the "
-                              f"tensor axis split nothing, 1 splits every layer matmul weight)")  # fmt: skip
+            raise ConfigError(
+                f"constraints['tp_min_split']={f!r}: expected a fraction between 0 and 1 (0 lets the "
+                f"tensor axis split nothing, 1 splits every layer matmul weight)"
+            )
         if tp == 1:
             return cls()
         return cls(1.0 if f is None else float(f))
@@ -483,14 +535,31 @@ def factorizations(world_size: int) -> list[tuple[int, int]]:
 class ShardingProgram:
     """The integer program of one (dp, tp) mesh; see the module docstring for the math."""
 
-    def __init__(self, graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, *, estimator, precision: Precision,
-                 zero_stage: int | None, memory_budget_bytes: float, batch_dim_size: int,
-                 num_microbatches: int = 1, activation_copies: float = 1.0,
-                 recompute: str | None = None, offload: bool | None = False,
-                 tensor_split: TensorSplit = TensorSplit(), pinned_placements: dict | None = None,
-                 overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1,
-                 pipeline_stage: bool = False, step_gathers: bool = False,
-                 tp_overlap: bool | None = None):  # fmt: skip
+    def __init__(
+        self,
+        graph: OpGraph,
+        cluster: ClusterSpec,
+        dp: int,
+        tp: int,
+        *,
+        estimator,
+        precision: Precision,
+        zero_stage: int | None,
+        memory_budget_bytes: float,
+        batch_dim_size: int,
+        num_microbatches: int = 1,
+        activation_copies: float = 1.0,
+        recompute: str | None = None,
+        offload: bool | None = False,
+        tensor_split: TensorSplit = TensorSplit(),
+        pinned_placements: dict | None = None,
+        overlap: bool = True,
+        cp: CPPricing | None = None,
+        prefetch_depth: int = 1,
+        pipeline_stage: bool = False,
+        step_gathers: bool = False,
+        tp_overlap: bool | None = None,
+    ):
         self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
         # priced as the pipeline program runs a stage (`runtime.pipeline`): its dp-replicated gradients summed over
         # the data axis once a step, in buckets, whatever its tensor and cp axes
@@ -536,8 +605,9 @@ class ShardingProgram:
         # micro-batches whose saved activations are alive at once (1 here; a pipeline schedule keeps more)
         self.activation_copies = activation_copies
         if batch_dim_size % (dp * num_microbatches):
-            raise ConfigError(f"the global batch of {batch_dim_size} does not split into dp={dp} x "
-                              f"{num_microbatches} micro-batches")  # fmt: skip
+            raise ConfigError(
+                f"the global batch of {batch_dim_size} does not split into dp={dp} x {num_microbatches} micro-batches"
+            )
         self.estimator, self.precision = estimator, precision
         self.zero_choices = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
         if dp == 1 and zero_stage is None:
@@ -610,8 +680,14 @@ class ShardingProgram:
     def _new_group(self, node: fx.Node, strategies: list[OpStrategy]) -> None:
         grp = Group(node.name, strategies, self.graph.layer_count[node.name])
         grp.extra_s = [0.0] * len(strategies)
-        self._add_member(grp, node, [s.output for s in strategies], [s.inputs for s in strategies],
-                         [s.grad_placements() for s in strategies], [s.divisor for s in strategies])  # fmt: skip
+        self._add_member(
+            grp,
+            node,
+            [s.output for s in strategies],
+            [s.inputs for s in strategies],
+            [s.grad_placements() for s in strategies],
+            [s.divisor for s in strategies],
+        )
         self.groups[node.name] = grp
 
     def _add_member(self, grp, node, out, need, grads, divisor) -> None:
@@ -735,8 +811,11 @@ class ShardingProgram:
         """The layer matmul weights (representatives) with a placement split on the tensor axis."""
         if self.tp == 1:
             return []
-        return [w for w in sorted(layer_matmul_weights(self.graph)) if w in self.groups
-                and any(isinstance(s.output, Shard) for s in self.groups[w].strategies)]  # fmt: skip
+        return [
+            w
+            for w in sorted(layer_matmul_weights(self.graph))
+            if w in self.groups and any(isinstance(s.output, Shard) for s in self.groups[w].strategies)
+        ]
 
     def cannot_split(self) -> bool:
         """Whether the tensor-split rule asks for a split this mesh has no weight to make."""
@@ -749,8 +828,12 @@ class ShardingProgram:
             return
         size = {w: self.groups[w].count * self.graph.params[w].meta.numel for w in weights}
         total = sum(size.values())
-        split = [size[w] / total * self.x[w][k] for w in weights
-                 for k, s in enumerate(self.groups[w].strategies) if isinstance(s.output, Shard)]  # fmt: skip
+        split = [
+            size[w] / total * self.x[w][k]
+            for w in weights
+            for k, s in enumerate(self.groups[w].strategies)
+            if isinstance(s.output, Shard)
+        ]
         # fractions of the total keep the coefficients near 1; the slack absorbs their rounding at f = 1
         self.prob += pulp.lpSum(split) >= f - 1e-9, "tp_min_split"
 
@@ -771,12 +854,16 @@ class ShardingProgram:
             ks = [k for k, st in enumerate(grp.strategies) if rules.placement_str(st.output) == text]
             if not ks:
                 shape = self.graph.params[names[fqn]].meta.shape
-                raise ConfigError(f"constraints['param_placements'][{fqn!r}]={text!r}: a parameter of shape {shape} "
-                                  f"takes one of {[rules.placement_str(st.output) for st in grp.strategies]} "
-                                  f"on a tensor axis of {self.tp}")  # fmt: skip
+                raise ConfigError(
+                    f"constraints['param_placements'][{fqn!r}]={text!r}: a parameter of shape {shape} "
+                    f"takes one of {[rules.placement_str(st.output) for st in grp.strategies]} "
+                    f"on a tensor axis of {self.tp}"
+                )
             if out.get(names[fqn], ks[0]) != ks[0]:
-                raise ConfigError(f"constraints['param_placements'] pins identical layers' {fqn!r} two ways; "
-                                  f"identical layers share one placement")  # fmt: skip
+                raise ConfigError(
+                    f"constraints['param_placements'] pins identical layers' {fqn!r} two ways; "
+                    f"identical layers share one placement"
+                )
             out[names[fqn]] = ks[0]
         return out
 
@@ -881,8 +968,9 @@ class ShardingProgram:
             if gp == gc:  # both ends in one group: the strategy index is shared
                 self.cost_terms["reshard"] += [cost[k][k] * self.x[gp][k] for k in range(len(cost)) if cost[k][k]]
                 self._tp_hidden_terms += [hidden[k][k] * self.x[gp][k] for k in range(len(cost)) if hidden[k][k]]
-                self._edge_fwd += [(c, fwd_cost[k][k], self.x[gp][k], ((gp, k),)) for k in range(len(cost))
-                                   if fwd_cost[k][k]]  # fmt: skip
+                self._edge_fwd += [
+                    (c, fwd_cost[k][k], self.x[gp][k], ((gp, k),)) for k in range(len(cost)) if fwd_cost[k][k]
+                ]
                 continue
             if len(gpr.strategies) == 1 or len(gcr.strategies) == 1:
                 for k, row in enumerate(cost):
@@ -895,8 +983,10 @@ class ShardingProgram:
                         if fwd_cost[k][m]:
                             self._edge_fwd.append((c, fwd_cost[k][m], var, ((gp, k), (gc, m))))
                 continue
-            y = [[self.prob.add_variable(f"y_{idx}_{k}_{m}", 0, 1) for m in range(len(gcr.strategies))]
-                 for k in range(len(gpr.strategies))]  # fmt: skip
+            y = [
+                [self.prob.add_variable(f"y_{idx}_{k}_{m}", 0, 1) for m in range(len(gcr.strategies))]
+                for k in range(len(gpr.strategies))
+            ]
             for k in range(len(gpr.strategies)):
                 self.prob += pulp.lpSum(y[k]) == self.x[gp][k], f"edge_src_{idx}_{k}"
             for m in range(len(gcr.strategies)):
@@ -904,12 +994,18 @@ class ShardingProgram:
                     pulp.lpSum(y[k][m] for k in range(len(gpr.strategies))) == self.x[gc][m],
                     f"edge_dst_{idx}_{m}",
                 )
-            self.cost_terms["reshard"] += [cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0]))
-                                           if cost[k][m]]  # fmt: skip
-            self._tp_hidden_terms += [hidden[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0]))
-                                      if hidden[k][m]]  # fmt: skip
-            self._edge_fwd += [(c, fwd_cost[k][m], y[k][m], ((gp, k), (gc, m))) for k in range(len(cost))
-                               for m in range(len(cost[0])) if fwd_cost[k][m]]  # fmt: skip
+            self.cost_terms["reshard"] += [
+                cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if cost[k][m]
+            ]
+            self._tp_hidden_terms += [
+                hidden[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if hidden[k][m]
+            ]
+            self._edge_fwd += [
+                (c, fwd_cost[k][m], y[k][m], ((gp, k), (gc, m)))
+                for k in range(len(cost))
+                for m in range(len(cost[0]))
+                if fwd_cost[k][m]
+            ]
 
     def _early_window(self, p: str, c: str) -> float:
         """W: forward seconds of one micro-batch between node `p` and `c`, its only consumer, when the interpreter
@@ -1041,8 +1137,7 @@ class ShardingProgram:
         def launched(first: int, last: int) -> float:  # buckets first..last (indices clipped at 0), in flight
             return both * sum(sizes[max(first, 0) : last + 1])
 
-        return max((max(b + launched(j - w, j - 1), launched(j - w + 1, j)) for j, b in enumerate(sizes)),
-                   default=0.0)  # fmt: skip
+        return max((max(b + launched(j - w, j - 1), launched(j - w + 1, j)) for j, b in enumerate(sizes)), default=0.0)
 
     def bucket_bytes(self, stage: int) -> list[float]:
         """The gradient buckets of the sharded program with overlap, in launch order, as bytes in the format they are
@@ -1093,8 +1188,9 @@ class ShardingProgram:
         if not self.gathers_once_a_step(stage) or not info.requires_grad:
             return 0.0
         local = self._tp_numel(name, k)
-        return estimate_collective_time(Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp,
-                                        self.dp_link)  # fmt: skip
+        return estimate_collective_time(
+            Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link
+        )
 
     @property
     def sharded_overlap(self) -> bool:
@@ -1154,8 +1250,12 @@ class ShardingProgram:
         `offload_chunk_numel` under the memory budget, `pack`."""
         specs = self._model_param_specs()
         budget = self.budget if math.isfinite(self.budget) else self.cluster.device.memory_bytes
-        numel = offload_chunk_numel([sp.numel for sp in specs], dp=self.dp, budget_bytes=budget,
-                                    compute_itemsize=int(self.precision.param_bytes))  # fmt: skip
+        numel = offload_chunk_numel(
+            [sp.numel for sp in specs],
+            dp=self.dp,
+            budget_bytes=budget,
+            compute_itemsize=int(self.precision.param_bytes),
+        )
         return pack(specs, numel, multiple=ALIGN_NUMEL * self.dp)
 
     def _chunk_bandwidth(self, kind: Collective, nbytes: float) -> float:
@@ -1172,10 +1272,12 @@ class ShardingProgram:
         fixed part one latency per chunk."""
         rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
         trainable = [c for c in self.offload_chunks if c.requires_grad]
-        totals = (sum(self._chunk_bandwidth(rs, c.capacity * _FP32_BYTES) for c in trainable),
-                  self._chunk_latency(rs) * len(trainable),
-                  sum(self._chunk_bandwidth(ag, c.capacity * self.precision.param_bytes) for c in self.offload_chunks),
-                  self._chunk_latency(ag) * len(self.offload_chunks))  # fmt: skip
+        totals = (
+            sum(self._chunk_bandwidth(rs, c.capacity * _FP32_BYTES) for c in trainable),
+            self._chunk_latency(rs) * len(trainable),
+            sum(self._chunk_bandwidth(ag, c.capacity * self.precision.param_bytes) for c in self.offload_chunks),
+            self._chunk_latency(ag) * len(self.offload_chunks),
+        )
         return totals, sum(sp.numel for sp in self._model_param_specs() if sp.requires_grad)
 
     def sharded_sync_parts(self, name: str, k: int, stage: int) -> tuple[float, float, float, float]:
@@ -1402,8 +1504,9 @@ class ShardingProgram:
             rs = self._chunk_bandwidth(Collective.REDUCE_SCATTER, first.capacity * _FP32_BYTES)
             if not self.prefetch_depth:  # the backward's gathers are exposed whole (`sharded_sync_parts`)
                 return rs
-            return rs + self._chunk_bandwidth(Collective.ALL_GATHER, self.offload_chunks[-1].capacity
-                                              * self.precision.param_bytes)  # fmt: skip
+            return rs + self._chunk_bandwidth(
+                Collective.ALL_GATHER, self.offload_chunks[-1].capacity * self.precision.param_bytes
+            )
         return self.last_bucket_s(stage)
 
     def first_gather_bw_s(self, stage: int) -> float:
@@ -1461,8 +1564,11 @@ class ShardingProgram:
         """T_last: the bandwidth part of the reduction of the bucket launched when backward ends (see
         `add_overlap_constraint`), an all-reduce at ZeRO stage 0 and a reduce-scatter above (its latency is in
         the step with every bucket's)."""
-        total = sum(self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
-                    for n in self._param_groups() if self.graph.params[n].requires_grad)  # fmt: skip
+        total = sum(
+            self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
+            for n in self._param_groups()
+            if self.graph.params[n].requires_grad
+        )
         kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
         one = estimate_collective_time(kind, min(BUCKET_BYTES, total), self.dp, self.dp_link)
         return max(one - estimate_collective_time(kind, 1.0, self.dp, self.dp_link), 0.0)
@@ -1533,8 +1639,7 @@ class ShardingProgram:
         c_o, c_g, c_p = self.offload_prices()
         self.cost_terms["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else []) + ([c_p * h_p] if c_p else [])
         # the device no longer steps the states on the host (their per-tensor cost is kept: an upper bound)
-        d_o = min(c_o, optimizer_step_time_s(self.estimator, self.cluster.device, 0,
-                                             _FP32_BYTES / pr.optimizer_bytes))  # fmt: skip
+        d_o = min(c_o, optimizer_step_time_s(self.estimator, self.cluster.device, 0, _FP32_BYTES / pr.optimizer_bytes))
         if d_o:
             self.cost_terms["optimizer"].append(-d_o * h_o)
         self.memory_terms["optimizer"].append(-1.0 * h_o)
@@ -1549,13 +1654,19 @@ class ShardingProgram:
         if h_o <= 0.5:
             return {}
         host = h_o + h_g
-        return {"optimizer_fraction": min(1.0, h_o / max(mem.get("optimizer", 0.0) + h_o, 1.0)),
-                "grad_fraction": min(1.0, h_g / max(mem.get("grads", 0.0) + h_g, 1.0)),
-                "param_fraction": min(1.0, h_p / max(mem.get("params", 0.0) + h_p, 1.0)),
-                "optimizer_bytes_per_device": h_o, "grad_bytes_per_device": h_g, "param_bytes_per_device": h_p,
-                "host_bytes_per_device": host, "host_bytes_per_node": host * self.cluster.devices_per_node,
-                "host_capacity_bytes_per_device": self.host_capacity(), "time_s": offload_s,
-                "device_budget_bytes": self.budget}  # fmt: skip
+        return {
+            "optimizer_fraction": min(1.0, h_o / max(mem.get("optimizer", 0.0) + h_o, 1.0)),
+            "grad_fraction": min(1.0, h_g / max(mem.get("grads", 0.0) + h_g, 1.0)),
+            "param_fraction": min(1.0, h_p / max(mem.get("params", 0.0) + h_p, 1.0)),
+            "optimizer_bytes_per_device": h_o,
+            "grad_bytes_per_device": h_g,
+            "param_bytes_per_device": h_p,
+            "host_bytes_per_device": host,
+            "host_bytes_per_node": host * self.cluster.devices_per_node,
+            "host_capacity_bytes_per_device": self.host_capacity(),
+            "time_s": offload_s,
+            "device_budget_bytes": self.budget,
+        }
 
     def transient_bytes(self) -> float:
         """Working memory of the largest op: its output plus its gradient, unsharded on tp (an upper bound).
@@ -1564,8 +1675,11 @@ class ShardingProgram:
         """
         cache = _analysis(self.graph)
         if "storage_nodes" not in cache:  # representatives only: a deduplicated node has its representative's shape
-            cache["storage_nodes"] = [n for n in self.graph.graph.nodes if n.op == "call_function"
-                                      and self.graph.layer_count[n.name] and str(n.target) not in _VIEW_OPS]  # fmt: skip
+            cache["storage_nodes"] = [
+                n
+                for n in self.graph.graph.nodes
+                if n.op == "call_function" and self.graph.layer_count[n.name] and str(n.target) not in _VIEW_OPS
+            ]
         largest = max((2 * self._act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
         if self.cp is None:
             return largest
@@ -1583,8 +1697,11 @@ class ShardingProgram:
         total = sum(self._member_bytes(grp, m, k) for m in grp.members if m in saved)
         if self.cp is not None:
             again = recomputed_nodes(self.graph.graph, recompute) if recompute != "none" else {}
-            total += sum(self._cp_cost(m, grp.divisor[m][k]).saved_bytes for m in grp.members
-                         if m not in again and is_attention(self.graph.node(m)))  # fmt: skip
+            total += sum(
+                self._cp_cost(m, grp.divisor[m][k]).saved_bytes
+                for m in grp.members
+                if m not in again and is_attention(self.graph.node(m))
+            )
         return total
 
     def _cp_cost(self, name: str, divisor: int):
@@ -1609,8 +1726,17 @@ class ShardingProgram:
         dropped = self._saved_for_backward("none") - self._saved_for_backward(recompute)
         out, seen = [], set()
         for seg in recompute_segments(self.graph.graph, recompute):
-            reps = tuple(sorted({self._rep(n) for n in seg if self._rep(n) in dropped and self._rep(n) in self.group_of
-                                 and self.graph.layer_count[self._rep(n)]}))  # fmt: skip
+            reps = tuple(
+                sorted(
+                    {
+                        self._rep(n)
+                        for n in seg
+                        if self._rep(n) in dropped
+                        and self._rep(n) in self.group_of
+                        and self.graph.layer_count[self._rep(n)]
+                    }
+                )
+            )
             if reps and reps not in seen:
                 seen.add(reps)
                 out.append([(self.group_of[r], r) for r in reps])
@@ -1663,8 +1789,16 @@ class ShardingProgram:
                 grp.count * min(self.saved_bytes(name, k, recompute) for k in range(len(grp.strategies)))
                 for name, grp in self.groups.items()
             )
-            peak = max((sum(min(self._member_bytes(self.groups[g], m, k) for k in range(len(self.groups[g].strategies)))
-                            for g, m in seg) for seg in self._recomputed_saves(recompute)), default=0.0)  # fmt: skip
+            peak = max(
+                (
+                    sum(
+                        min(self._member_bytes(self.groups[g], m, k) for k in range(len(self.groups[g].strategies)))
+                        for g, m in seg
+                    )
+                    for seg in self._recomputed_saves(recompute)
+                ),
+                default=0.0,
+            )
             cache[recompute] = (acts, peak)
         return cache[recompute]
 
@@ -1697,8 +1831,9 @@ class ShardingProgram:
         if recompute == "none" or self.dp == 1:
             return []
         rec = recomputed_nodes(self.graph.graph, recompute)
-        read = {a.name for n in self.graph.graph.nodes if n.name in rec
-                for a in n.all_input_nodes if a.op == "placeholder"}  # fmt: skip
+        read = {
+            a.name for n in self.graph.graph.nodes if n.name in rec for a in n.all_input_nodes if a.op == "placeholder"
+        }
         return [g for g in self._param_groups() if g in read and self.graph.params[g].requires_grad]
 
     def regather_s(self, name: str, k: int, stage: int) -> float:
@@ -1717,8 +1852,12 @@ class ShardingProgram:
         its arguments need, once more: sum_{g, m in R} n_g sum_k x[g,k] F[m,k] + sum_{e into R} n_e y Rf, and the
         weights it gathers again (`regathered`): sum_{w read in R} sum_{k, s} regather_s(w, k, s) u[w,k,s]."""
         rec = recomputed_nodes(self.graph.graph, recompute)
-        terms = [self.regather_s(w, k, st) * u for w in self.regathered(recompute)
-                 for (name, k, st), u in self.u.items() if name == w and self.regather_s(w, k, st)]  # fmt: skip
+        terms = [
+            self.regather_s(w, k, st) * u
+            for w in self.regathered(recompute)
+            for (name, k, st), u in self.u.items()
+            if name == w and self.regather_s(w, k, st)
+        ]
         for name, members in self._fwd_s.items():
             grp = self.groups[name]
             for m, fwd in members.items():
@@ -1734,16 +1873,23 @@ class ShardingProgram:
 
     # ------------------------------------------------------- activations of one chosen layout, per mode
 
-    def fixed_activations(self, choice: dict[str, int], recompute: str,
-                          stage: int | None = None) -> tuple[float, float, float]:  # fmt: skip
+    def fixed_activations(
+        self, choice: dict[str, int], recompute: str, stage: int | None = None
+    ) -> tuple[float, float, float]:
         """(saved activation bytes, recomputed-segment peak bytes, recompute seconds) of the layout `choice`
         (strategy per group) at ZeRO stage `stage` (None: the weights' gathers left out) under recompute mode r:
         the program's M_saved(r), M_recompute(r) and recompute objective terms evaluated at that layout, without
         solving."""
-        acts = self.activation_copies * sum(grp.count * self.saved_bytes(name, choice[name], recompute)
-                                            for name, grp in self.groups.items())  # fmt: skip
-        peak = max((sum(self._member_bytes(self.groups[g], m, choice[g]) for g, m in seg)
-                    for seg in self._recomputed_saves(recompute)), default=0.0)  # fmt: skip
+        acts = self.activation_copies * sum(
+            grp.count * self.saved_bytes(name, choice[name], recompute) for name, grp in self.groups.items()
+        )
+        peak = max(
+            (
+                sum(self._member_bytes(self.groups[g], m, choice[g]) for g, m in seg)
+                for seg in self._recomputed_saves(recompute)
+            ),
+            default=0.0,
+        )
         if recompute == "none":
             return acts, peak, 0.0
         rec = recomputed_nodes(self.graph.graph, recompute)
@@ -1793,8 +1939,14 @@ class ShardingProgram:
                 if b:
                     acts.append(grp.count * b * self.x[name][k])
         rows, peak = {}, []
-        segs = [pulp.lpSum(self._member_bytes(self.groups[g], m, k) * self.x[g][k] for g, m in seg
-                           for k in range(len(self.groups[g].strategies))) for seg in self._recomputed_saves(recompute)]  # fmt: skip
+        segs = [
+            pulp.lpSum(
+                self._member_bytes(self.groups[g], m, k) * self.x[g][k]
+                for g, m in seg
+                for k in range(len(self.groups[g].strategies))
+            )
+            for seg in self._recomputed_saves(recompute)
+        ]
         if len(segs) == 1:
             peak = [segs[0]]
         elif segs:  # the largest segment: one variable above each
@@ -1832,8 +1984,9 @@ class ShardingProgram:
 
     # ---------------------------------------------------------------------------------- solving
 
-    def solve(self, time_limit_s: float = 60.0, *, stage: int | None = None, memory: bool = True,
-              recompute: str | None = None) -> MeshResult:  # fmt: skip
+    def solve(
+        self, time_limit_s: float = 60.0, *, stage: int | None = None, memory: bool = True, recompute: str | None = None
+    ) -> MeshResult:
         """Solve the program, optionally with the ZeRO stage fixed and without the memory constraint.
 
         Fixing the stage turns the stage product into constants that presolve removes; HiGHS solves
@@ -1855,8 +2008,9 @@ class ShardingProgram:
         dt = time.perf_counter() - t0
         status = pulp.LpStatus[self.prob.status]
         if status != "Optimal":
-            return MeshResult(self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, dt, f"solver status {status}",
-                              self.mb, mode)  # fmt: skip
+            return MeshResult(
+                self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, dt, f"solver status {status}", self.mb, mode
+            )
         val = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.cost_terms.items()}
         mem = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.memory_terms.items()}
         mem["transient"] = self.transient
@@ -1874,16 +2028,29 @@ class ShardingProgram:
             hidden += max(sum(pulp.value(t) or 0.0 for t in terms) - (pulp.value(exposed) or 0.0), 0.0)
         self.last_choice = self.chosen()
         # recomputed forwards are compute; resharding they repeat is counted with them
-        return MeshResult(self.dp, self.tp, True, step, val.get("compute", 0.0) + val.get("recompute", 0.0),
-                          val.get("reshard", 0.0), val.get("grad_sync", 0.0), chosen_stage, mem, dt,
-                          num_microbatches=self.mb, recompute=mode,
-                          offload=self._offload_result(mem, val.get("offload", 0.0)),
-                          optimizer_s=val.get("optimizer", 0.0), recompute_s=val.get("recompute", 0.0),
-                          grad_sync_hidden_s=hidden, cp_comm_s=val.get("cp_comm", 0.0),
-                          cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in self._cp_hidden_terms),
-                          step_gather_s=sum(pulp.value(t) or 0.0 for t in self._step_gather_terms),
-                          sync_fixed_s=sum(pulp.value(t) or 0.0 for t in self._sync_fixed_terms),
-                          reshard_hidden_s=sum(pulp.value(t) or 0.0 for t in self._tp_hidden_terms))  # fmt: skip
+        return MeshResult(
+            self.dp,
+            self.tp,
+            True,
+            step,
+            val.get("compute", 0.0) + val.get("recompute", 0.0),
+            val.get("reshard", 0.0),
+            val.get("grad_sync", 0.0),
+            chosen_stage,
+            mem,
+            dt,
+            num_microbatches=self.mb,
+            recompute=mode,
+            offload=self._offload_result(mem, val.get("offload", 0.0)),
+            optimizer_s=val.get("optimizer", 0.0),
+            recompute_s=val.get("recompute", 0.0),
+            grad_sync_hidden_s=hidden,
+            cp_comm_s=val.get("cp_comm", 0.0),
+            cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in self._cp_hidden_terms),
+            step_gather_s=sum(pulp.value(t) or 0.0 for t in self._step_gather_terms),
+            sync_fixed_s=sum(pulp.value(t) or 0.0 for t in self._sync_fixed_terms),
+            reshard_hidden_s=sum(pulp.value(t) or 0.0 for t in self._tp_hidden_terms),
+        )
 
     def solve_free(self, recompute: str | None = None) -> MeshResult:
         """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
@@ -1997,8 +2164,10 @@ def _pinned(constraints: dict, world_size: int, batch: int) -> list[tuple[int, i
     tp, dp = constraints.get("tp"), constraints.get("dp")
     for key, v in (("tp", tp), ("dp", dp)):
         if v is not None and (not isinstance(v, int) or v < 1 or world_size % v):
-            raise ConfigError(f"constraints[{key!r}]={v!r} does not divide the world size {world_size}; "
-                              f"choose one of {[t for _, t in meshes]}")  # fmt: skip
+            raise ConfigError(
+                f"constraints[{key!r}]={v!r} does not divide the world size {world_size}; "
+                f"choose one of {[t for _, t in meshes]}"
+            )
     meshes = [(d, t) for d, t in meshes if (tp is None or t == tp) and (dp is None or d == dp)]
     if not meshes:
         raise ConfigError(f"constraints tp={tp}, dp={dp} do not multiply to the world size {world_size}")
@@ -2008,20 +2177,33 @@ def _pinned(constraints: dict, world_size: int, batch: int) -> list[tuple[int, i
             raise ConfigError(f"constraints[{key!r}]={v!r}: expected a positive integer")
     ok = [(d, t) for d, t in meshes if batch % d == 0]
     if not ok:
-        raise ConfigError(f"the global batch of {batch} does not divide over the data axis "
-                          f"(dp={meshes[0][0]}); use a batch size that is a multiple of it")  # fmt: skip
+        raise ConfigError(
+            f"the global batch of {batch} does not divide over the data axis "
+            f"(dp={meshes[0][0]}); use a batch size that is a multiple of it"
+        )
     split = [(d, t) for d, t in ok if _microbatch_choices(batch // d, constraints)]
     if not split:
         what = {k: constraints[k] for k in ("num_microbatches", "micro_batch_size") if k in constraints}
-        raise ConfigError(f"the global batch of {batch} does not split into {what} on any data axis size "
-                          f"{sorted({d for d, _ in ok})}; the samples per data-parallel rank must be a multiple "
-                          f"of the micro-batch size (and of the micro-batch count)")  # fmt: skip
+        raise ConfigError(
+            f"the global batch of {batch} does not split into {what} on any data axis size "
+            f"{sorted({d for d, _ in ok})}; the samples per data-parallel rank must be a multiple "
+            f"of the micro-batch size (and of the micro-batch count)"
+        )
     return split
 
 
-def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision: str = "fp32",
-                   constraints: dict | None = None, memory_budget_bytes: float | None = None,
-                   batch_size: int, progress=None, offload: bool | None = False) -> ShardingSolution:  # fmt: skip
+def solve_sharding(
+    graph: OpGraph,
+    cluster: ClusterSpec,
+    *,
+    estimator,
+    precision: str = "fp32",
+    constraints: dict | None = None,
+    memory_budget_bytes: float | None = None,
+    batch_size: int,
+    progress=None,
+    offload: bool | None = False,
+) -> ShardingSolution:
     """Solve every allowed (dp, tp) mesh and return the fastest feasible layout.
 
     Args:
@@ -2048,16 +2230,22 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         raise ConfigError(f"constraints['zero']={zero!r}: expected 0, 1, 2 or 3")
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     if offload is True and constraints.get("tp", 1) != 1:
-        raise ConfigError(f"offload=True with constraints['tp']={constraints['tp']}: host offload runs on meshes "
-                          f"without a tensor axis; pin tp=1 or leave offload to the solver (offload=None)")  # fmt: skip
+        raise ConfigError(
+            f"offload=True with constraints['tp']={constraints['tp']}: host offload runs on meshes "
+            f"without a tensor axis; pin tp=1 or leave offload to the solver (offload=None)"
+        )
     if offload is True and zero is not None and zero < 3 and cluster.world_size > 1 and constraints.get("dp", 2) > 1:
-        raise ConfigError(f"offload=True with constraints['zero']={zero}: the offload program runs the states as "
-                          f"ZeRO-3 chunks over the data axis; pin zero=3 or leave the stage to the solver")  # fmt: skip
+        raise ConfigError(
+            f"offload=True with constraints['zero']={zero}: the offload program runs the states as "
+            f"ZeRO-3 chunks over the data axis; pin zero=3 or leave the stage to the solver"
+        )
     prec = Precision.get(precision, constraints.get("grad_reduce"))
     pins = constraints.get("param_placements") or {}
     if not isinstance(pins, dict) or not all(isinstance(v, str) for v in pins.values()):
-        raise ConfigError(f"constraints['param_placements']={pins!r}: expected a mapping of parameter names to "
-                          f"placements on the tensor axis, such as {{'lm_head.weight': 'S(0)'}}")  # fmt: skip
+        raise ConfigError(
+            f"constraints['param_placements']={pins!r}: expected a mapping of parameter names to "
+            f"placements on the tensor axis, such as {{'lm_head.weight': 'S(0)'}}"
+        )
     recompute = _pinned_recompute(graph, constraints.get("recompute"))
     cp = CPSpec.from_constraints(constraints, cluster.world_size)
     attention = check_cp_graph(graph.graph, cp) if cp.on else []
@@ -2072,18 +2260,44 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         pricing = None
         if cp.on:
             m0 = (_microbatch_choices(batch_size // dp, constraints) or [1])[0]
-            pricing = price_cp_attention(attention, cluster, cp, data=dp, tp=tp, num_microbatches=m0,
-                                         precision=precision)  # fmt: skip
+            pricing = price_cp_attention(
+                attention, cluster, cp, data=dp, tp=tp, num_microbatches=m0, precision=precision
+            )
         if offload is True and tp > 1:
-            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
-                                      "offload=True: host offload runs on meshes without a tensor axis"))  # fmt: skip
+            results.append(
+                MeshResult(
+                    dp,
+                    tp,
+                    False,
+                    math.inf,
+                    0,
+                    0,
+                    0,
+                    -1,
+                    {},
+                    0.0,
+                    "offload=True: host offload runs on meshes without a tensor axis",
+                )
+            )
             continue
-        factory = functools.partial(_program_factory, graph, cluster, dp, tp, estimator=estimator, precision=prec,
-                                    zero_stage=zero, budget=budget, batch_size=batch_size, recompute=recompute,
-                                    offload=offload if tp == 1 else False,
-                                    tensor_split=TensorSplit.from_constraints(constraints, tp),
-                                    pinned_placements=pins, overlap=bool(constraints.get("overlap", True)),
-                                    prefetch_depth=_prefetch_depth(constraints))  # fmt: skip
+        factory = functools.partial(
+            _program_factory,
+            graph,
+            cluster,
+            dp,
+            tp,
+            estimator=estimator,
+            precision=prec,
+            zero_stage=zero,
+            budget=budget,
+            batch_size=batch_size,
+            recompute=recompute,
+            offload=offload if tp == 1 else False,
+            tensor_split=TensorSplit.from_constraints(constraints, tp),
+            pinned_placements=pins,
+            overlap=bool(constraints.get("overlap", True)),
+            prefetch_depth=_prefetch_depth(constraints),
+        )
         make = factory(cp=pricing)
         if tp == 1 and any(v != "R" for v in pins.values()):
             results.append(
@@ -2106,8 +2320,11 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         for alg in pricing.ranked if pricing is not None else (None,):
             if alg is not None and alg != pricing.algorithm:  # the faster ones did not fit
                 faster = ", ".join(str(a) for a in pricing.ranked[: pricing.ranked.index(alg)])
-                pricing = pricing.with_algorithm(alg, f"{faster}: faster, but does not fit the memory budget "
-                                                      f"on dp={dp // cp.degree} cp={cp.degree} tp={tp}")  # fmt: skip
+                pricing = pricing.with_algorithm(
+                    alg,
+                    f"{faster}: faster, but does not fit the memory budget "
+                    f"on dp={dp // cp.degree} cp={cp.degree} tp={tp}",
+                )
                 make = factory(cp=pricing)
             for m in _microbatch_choices(batch_size // dp, constraints):
                 prog = make(m)
@@ -2121,13 +2338,29 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
             if fits is not None or prog.cannot_split():
                 break
         if fits is None and prog.cannot_split():
-            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
-                                      f"the tensor axis would split no matmul weight (none has a dimension divisible "
-                                      f"by tp={tp}): that is data parallelism, which dp={dp * tp} runs"))  # fmt: skip
+            results.append(
+                MeshResult(
+                    dp,
+                    tp,
+                    False,
+                    math.inf,
+                    0,
+                    0,
+                    0,
+                    -1,
+                    {},
+                    0.0,
+                    f"the tensor axis would split no matmul weight (none has a dimension divisible "
+                    f"by tp={tp}): that is data parallelism, which dp={dp * tp} runs",
+                )
+            )
             continue
         if fits is None:
-            results.append(MeshResult(dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0,
-                                      "does not fit even with micro-batches of one sample"))  # fmt: skip
+            results.append(
+                MeshResult(
+                    dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0, "does not fit even with micro-batches of one sample"
+                )
+            )
             continue
         fits.build()
         free = fits.solve_free()
@@ -2147,8 +2380,15 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
                 )
             )
             continue
-        res, res_prog = _solve_mesh(free, prog, make, batch_size, constraints, progress,
-                                    beat_s=best.step_time_s if best is not None else math.inf)  # fmt: skip
+        res, res_prog = _solve_mesh(
+            free,
+            prog,
+            make,
+            batch_size,
+            constraints,
+            progress,
+            beat_s=best.step_time_s if best is not None else math.inf,
+        )
         results.append(res)
         if res.feasible and (best is None or res.step_time_s < best.step_time_s):
             best, best_prog = res, res_prog
@@ -2156,8 +2396,9 @@ def solve_sharding(graph: OpGraph, cluster: ClusterSpec, *, estimator, precision
         raise InfeasiblePlanError(_infeasible_message(bounds, budget, offload))
     unruled = tuple(sorted(rules.UNRULED_OPS))
     if unruled and best.tp > 1:
-        warnings.warn(f"no sharding rule for {', '.join(unruled)}: these ops run replicated on the tensor axis",
-                      stacklevel=2)  # fmt: skip
+        warnings.warn(
+            f"no sharding rule for {', '.join(unruled)}: these ops run replicated on the tensor axis", stacklevel=2
+        )
     return _solution(best_prog, best, tuple(results), unruled, time.perf_counter() - t0)
 
 
@@ -2168,8 +2409,11 @@ def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
     if pinned not in RECOMPUTE_MODES:
         raise ConfigError(f"constraints['recompute']={pinned!r}: expected one of {', '.join(RECOMPUTE_MODES)}")
     if pinned != "none" and not recompute_segments(graph.graph, pinned):
-        warnings.warn(f"recompute={pinned!r}: the model has no repeated layers (attention blocks) to recompute; "
-                      f"planning without recompute", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"recompute={pinned!r}: the model has no repeated layers (attention blocks) to recompute; "
+            f"planning without recompute",
+            stacklevel=3,
+        )
         return "none"
     return pinned
 
@@ -2180,21 +2424,58 @@ def _prefetch_depth(constraints: dict) -> int:
     return 1 if depth is None else int(depth)
 
 
-def _program_factory(graph, cluster, dp, tp, *, estimator, precision, zero_stage, budget, batch_size, recompute=None,
-                     offload=False, tensor_split: TensorSplit = TensorSplit(), pinned_placements=None,
-                     overlap: bool = True, cp: CPPricing | None = None, prefetch_depth: int = 1):  # fmt: skip
+def _program_factory(
+    graph,
+    cluster,
+    dp,
+    tp,
+    *,
+    estimator,
+    precision,
+    zero_stage,
+    budget,
+    batch_size,
+    recompute=None,
+    offload=False,
+    tensor_split: TensorSplit = TensorSplit(),
+    pinned_placements=None,
+    overlap: bool = True,
+    cp: CPPricing | None = None,
+    prefetch_depth: int = 1,
+):
     def make(m: int) -> ShardingProgram:
-        return ShardingProgram(graph, cluster, dp, tp, estimator=estimator, precision=precision,
-                               zero_stage=zero_stage, memory_budget_bytes=budget, batch_dim_size=batch_size,
-                               num_microbatches=m, recompute=recompute, offload=offload,
-                               tensor_split=tensor_split, pinned_placements=pinned_placements,
-                               overlap=overlap, cp=cp, prefetch_depth=prefetch_depth)  # fmt: skip
+        return ShardingProgram(
+            graph,
+            cluster,
+            dp,
+            tp,
+            estimator=estimator,
+            precision=precision,
+            zero_stage=zero_stage,
+            memory_budget_bytes=budget,
+            batch_dim_size=batch_size,
+            num_microbatches=m,
+            recompute=recompute,
+            offload=offload,
+            tensor_split=tensor_split,
+            pinned_placements=pinned_placements,
+            overlap=overlap,
+            cp=cp,
+            prefetch_depth=prefetch_depth,
+        )
 
     return make
 
 
-def _solve_mesh(free: MeshResult, prog: ShardingProgram, make, batch_size: int, constraints: dict, progress,
-                beat_s: float = math.inf):  # fmt: skip
+def _solve_mesh(
+    free: MeshResult,
+    prog: ShardingProgram,
+    make,
+    batch_size: int,
+    constraints: dict,
+    progress,
+    beat_s: float = math.inf,
+):
     """The best layout of one mesh: per recompute mode, fewest micro-batches that fit first, more while that helps.
 
     `free` is the memory-free optimum at the fewest micro-batches without recompute: when it fits,
@@ -2234,8 +2515,10 @@ def _solve_mesh(free: MeshResult, prog: ShardingProgram, make, batch_size: int, 
                 if target <= bound * (1 + 1e-9):
                     break
             res = last = mix_layer_modes(p, p.solve_best(bound if mode == "none" else lower, recompute=mode))
-            say(f"mesh dp={p.dp} tp={p.tp} micro-batches={m}, {mode} recompute: "
-                + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible"))  # fmt: skip
+            say(
+                f"mesh dp={p.dp} tp={p.tp} micro-batches={m}, {mode} recompute: "
+                + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible")
+            )
             if mode_best is not None and (not res.feasible or res.step_time_s >= mode_best[0].step_time_s):
                 break  # more micro-batches only pay more latency once the states have stopped shrinking
             if res.feasible:
@@ -2246,8 +2529,12 @@ def _solve_mesh(free: MeshResult, prog: ShardingProgram, make, batch_size: int, 
             best = mode_best
     if best is None:
         if last is None and beat_s < math.inf:
-            return dataclasses.replace(free, feasible=False, reason=f"cannot beat the chosen plan: at least "
-                                       f"{lower * 1e3:.2f} ms with the micro-batches memory needs"), None  # fmt: skip
+            return dataclasses.replace(
+                free,
+                feasible=False,
+                reason=f"cannot beat the chosen plan: at least "
+                f"{lower * 1e3:.2f} ms with the micro-batches memory needs",
+            ), None
         return last or dataclasses.replace(free, feasible=False, reason="no micro-batch count fits"), None
     res, p, choice = best
     p.last_choice = choice
@@ -2279,17 +2566,38 @@ def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> 
         strat[node.name] = grp.strategies[k].name if gname == rep else "follows " + gname
         if node.name in graph.params:
             params[graph.params[node.name].name] = out[node.name]
-    return ShardingSolution(best.dp, best.tp, best.num_microbatches, best.zero_stage, best.step_time_s, best.compute_s, best.reshard_s,
-                            best.grad_sync_s, best.memory, out, ins, strat, params, results, unruled,
-                            len(prog.groups), dt, recompute=best.recompute, offload=best.offload,
-                            layer_modes=layer_indices(best.layer_modes, graph) if best.layer_modes else {},
-                            activation_offload=best.activation_offload, optimizer_s=best.optimizer_s,
-                            recompute_s=best.recompute_s, grad_sync_hidden_s=best.grad_sync_hidden_s,
-                            cp_comm_s=best.cp_comm_s, cp_comm_hidden_s=best.cp_comm_hidden_s,
-                            reshard_hidden_s=best.reshard_hidden_s,
-                            tensor_split=tensor_split_report(prog, chosen),
-                            layer_ops=layer_ops_report(prog, chosen, best.zero_stage, exposed_fraction(best)),
-                            cp=cp_report(prog.cp))  # fmt: skip
+    return ShardingSolution(
+        best.dp,
+        best.tp,
+        best.num_microbatches,
+        best.zero_stage,
+        best.step_time_s,
+        best.compute_s,
+        best.reshard_s,
+        best.grad_sync_s,
+        best.memory,
+        out,
+        ins,
+        strat,
+        params,
+        results,
+        unruled,
+        len(prog.groups),
+        dt,
+        recompute=best.recompute,
+        offload=best.offload,
+        layer_modes=layer_indices(best.layer_modes, graph) if best.layer_modes else {},
+        activation_offload=best.activation_offload,
+        optimizer_s=best.optimizer_s,
+        recompute_s=best.recompute_s,
+        grad_sync_hidden_s=best.grad_sync_hidden_s,
+        cp_comm_s=best.cp_comm_s,
+        cp_comm_hidden_s=best.cp_comm_hidden_s,
+        reshard_hidden_s=best.reshard_hidden_s,
+        tensor_split=tensor_split_report(prog, chosen),
+        layer_ops=layer_ops_report(prog, chosen, best.zero_stage, exposed_fraction(best)),
+        cp=cp_report(prog.cp),
+    )
 
 
 def cp_report(pricing: CPPricing | None) -> dict:
@@ -2331,25 +2639,30 @@ def tensor_split_report(prog: ShardingProgram, chosen: dict[str, int]) -> dict:
             for member in members[name]:
                 for fqn in graph.expand_param_name(member.name, member.layer):
                     replicated[fqn] = reason
-    return {"split_fraction": split / total if total else 0.0,
-            "layer_matmul_split_fraction": layer_split / layer_total if layer_total else 0.0,
-            "min_fraction": rule.min_fraction,
-            "replicated": dict(sorted(replicated.items()))}  # fmt: skip
+    return {
+        "split_fraction": split / total if total else 0.0,
+        "layer_matmul_split_fraction": layer_split / layer_total if layer_total else 0.0,
+        "min_fraction": rule.min_fraction,
+        "replicated": dict(sorted(replicated.items())),
+    }
 
 
 # what the data axis runs for one parameter's gradient (and, sharded, its weights) at each ZeRO stage
-_SYNC_WORDS = {0: "all_reduce of the gradient", 1: "reduce_scatter of the gradient, all_gather of the weights",
-               2: "reduce_scatter of the gradient per micro-batch, all_gather of the weights",
-               3: "reduce_scatter of the gradient per micro-batch, all_gather of the weights per forward and "
-                  "backward"}  # fmt: skip
+_SYNC_WORDS = {
+    0: "all_reduce of the gradient",
+    1: "reduce_scatter of the gradient, all_gather of the weights",
+    2: "reduce_scatter of the gradient per micro-batch, all_gather of the weights",
+    3: "reduce_scatter of the gradient per micro-batch, all_gather of the weights per forward and backward",
+}
 # the sharded program with overlap: gradient buckets from backward (stages 0, 1: the last micro-batch's; 2, 3: every
 # micro-batch's), gathers issued ahead of use
-_OVERLAP_SYNC_WORDS = {0: "all_reduce of the gradient (bucketed, from backward)",
-                       1: "reduce_scatter of the gradient (bucketed, from backward), all_gather of the weights",
-                       2: "reduce_scatter of the gradient per micro-batch (bucketed, from backward), all_gather of "
-                          "the weights",
-                       3: "reduce_scatter of the gradient per micro-batch (bucketed, from backward), all_gather of "
-                          "the weights per forward and backward"}  # fmt: skip
+_OVERLAP_SYNC_WORDS = {
+    0: "all_reduce of the gradient (bucketed, from backward)",
+    1: "reduce_scatter of the gradient (bucketed, from backward), all_gather of the weights",
+    2: "reduce_scatter of the gradient per micro-batch (bucketed, from backward), all_gather of the weights",
+    3: "reduce_scatter of the gradient per micro-batch (bucketed, from backward), all_gather of "
+    "the weights per forward and backward",
+}
 
 # a ZeRO-1 pipeline stage with overlap (`ShardingProgram.step_gathers`)
 _STEP_GATHER_WORDS = "reduce_scatter of the gradient (bucketed, once a step), all_gather of the weights (once a step)"
@@ -2362,8 +2675,9 @@ def exposed_fraction(res: MeshResult) -> float:
     return res.grad_sync_s / whole if res.grad_sync_hidden_s > 0 and whole > 0 else 1.0
 
 
-def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
-                     exposed: float = 1.0) -> tuple[dict, ...]:  # fmt: skip
+def layer_ops_report(
+    prog: ShardingProgram, chosen: dict[str, int], stage: int, exposed: float = 1.0
+) -> tuple[dict, ...]:
     """Per deduplicated layer of `prog`'s layout `chosen` (and one entry for what runs outside the layers):
     its parameters and ops with their placements on the tensor axis, and the collectives the layout inserts,
     as the program priced them.
@@ -2394,16 +2708,29 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
         for when, a, b in (("forward", src, need), ("backward", grad, grad_layout(src))):
             t = redistribute_time(a, b, nbytes, prog.tp, tp_link)
             if t:
-                found[c].append(_collective(redistribute_kind(a, b), "tp", when, i, source(p), a, b, nbytes, t,
-                                            mult * prog.mb))  # fmt: skip
+                found[c].append(
+                    _collective(redistribute_kind(a, b), "tp", when, i, source(p), a, b, nbytes, t, mult * prog.mb)
+                )
     for grp in prog.groups.values():
         for member, gathers in grp.follow_fwd_s.items():
             if gathers[chosen[grp.leader]]:
                 (arg,) = tensor_args(graph.node(member))
                 src, nbytes = grp.out[arg.name][chosen[grp.leader]], prog._act_bytes(arg)
                 t = redistribute_time(src, R, nbytes, prog.tp, tp_link)
-                found[member].append(_collective(redistribute_kind(src, R), "tp", "forward", 0, source(arg.name), src, R,
-                                                 nbytes, t, grp.count * prog.mb))  # fmt: skip
+                found[member].append(
+                    _collective(
+                        redistribute_kind(src, R),
+                        "tp",
+                        "forward",
+                        0,
+                        source(arg.name),
+                        src,
+                        R,
+                        nbytes,
+                        t,
+                        grp.count * prog.mb,
+                    )
+                )
     entries: dict[str, dict] = {}
     for node in graph.graph.nodes:
         name = node.name
@@ -2419,33 +2746,67 @@ def layer_ops_report(prog: ShardingProgram, chosen: dict[str, int], stage: int,
                 t = sum(prog.sharded_sync_parts(name, k, stage))  # as the overlapping sharded program runs them
             if t:
                 local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
-                words = ("all_reduce of the gradient (bucketed)" if prog.buckets_all_reduce(stage)
-                         else _STEP_GATHER_WORDS if prog.gathers_once_a_step(stage)
-                         else (_OVERLAP_SYNC_WORDS if prog.overlaps_at(stage) else _SYNC_WORDS)[stage])  # fmt: skip
-                ops.append({"kind": words, "axis": "dp", "pass": "step", "arg": None, "from": source(name),
-                            "bytes": local * prog.precision.grad_bytes, "time_s": t, "per_step": grp.count}
-                           | ({"exposed_s": t * exposed} if exposed < 1.0 else {}))  # fmt: skip
+                words = (
+                    "all_reduce of the gradient (bucketed)"
+                    if prog.buckets_all_reduce(stage)
+                    else _STEP_GATHER_WORDS
+                    if prog.gathers_once_a_step(stage)
+                    else (_OVERLAP_SYNC_WORDS if prog.overlaps_at(stage) else _SYNC_WORDS)[stage]
+                )
+                ops.append(
+                    {
+                        "kind": words,
+                        "axis": "dp",
+                        "pass": "step",
+                        "arg": None,
+                        "from": source(name),
+                        "bytes": local * prog.precision.grad_bytes,
+                        "time_s": t,
+                        "per_step": grp.count,
+                    }
+                    | ({"exposed_s": t * exposed} if exposed < 1.0 else {})
+                )
         if kind not in (NodeKind.PARAM, NodeKind.COMPUTE) or (gname != name and not ops):
             continue
         container = graph.node_layer.get(name, (None, None))[0] or ""
         entry = entries.setdefault(container, {"layer": container, "num_layers": 0, "ops": []})
         entry["num_layers"] = max(entry["num_layers"], graph.layer_count[name] if container else 1)
-        entry["ops"].append({
-            "node": graph.params[name].name if kind == NodeKind.PARAM else name,
-            "op": "parameter" if kind == NodeKind.PARAM else _short_target(node),
-            "strategy": grp.strategies[k].name if gname == name else "follows " + gname,
-            "inputs": [placement_str(pl) for pl in grp.need[name][k]],
-            "output": placement_str(grp.out[name][k]),
-            "collectives": ops,
-        })  # fmt: skip
+        entry["ops"].append(
+            {
+                "node": graph.params[name].name if kind == NodeKind.PARAM else name,
+                "op": "parameter" if kind == NodeKind.PARAM else _short_target(node),
+                "strategy": grp.strategies[k].name if gname == name else "follows " + gname,
+                "inputs": [placement_str(pl) for pl in grp.need[name][k]],
+                "output": placement_str(grp.out[name][k]),
+                "collectives": ops,
+            }
+        )
     return tuple(sorted(entries.values(), key=lambda e: e["layer"] == ""))
 
 
-def _collective(kind: Collective, axis: str, when: str, arg: int, source: str, a: Placement, b: Placement,
-                nbytes: float, time_s: float, per_step: float) -> dict:  # fmt: skip
-    return {"kind": str(kind), "axis": axis, "pass": when, "arg": arg, "from": source,
-            "placements": f"{placement_str(a)} -> {placement_str(b)}", "bytes": float(nbytes), "time_s": time_s,
-            "per_step": per_step}  # fmt: skip
+def _collective(
+    kind: Collective,
+    axis: str,
+    when: str,
+    arg: int,
+    source: str,
+    a: Placement,
+    b: Placement,
+    nbytes: float,
+    time_s: float,
+    per_step: float,
+) -> dict:
+    return {
+        "kind": str(kind),
+        "axis": axis,
+        "pass": when,
+        "arg": arg,
+        "from": source,
+        "placements": f"{placement_str(a)} -> {placement_str(b)}",
+        "bytes": float(nbytes),
+        "time_s": time_s,
+        "per_step": per_step,
+    }
 
 
 def _short_target(node: fx.Node) -> str:
@@ -2489,16 +2850,20 @@ def _infeasible_message(bounds, budget, offload=False) -> str:
         return "no layout satisfies the constraints"
     total, mesh, m, parts, mode = min(bounds, key=lambda b: b[0])
     if total <= budget:  # memory is not what stops it
-        return (f"no layout satisfies the constraints, though memory would allow one (at least "
-                f"{format_bytes(total)} of {format_bytes(budget)} per device at {mesh}); loosen the pins")  # fmt: skip
+        return (
+            f"no layout satisfies the constraints, though memory would allow one (at least "
+            f"{format_bytes(total)} of {format_bytes(budget)} per device at {mesh}); loosen the pins"
+        )
     recompute = "no activation recompute" if mode == "none" else f"{mode} activation recompute"
     if offload is False:
         recompute += ", nothing offloaded to the host (offload=False)"
     else:
         recompute += ", optimizer states and gradients on the host as far as host memory allows"
-    return (f"the model needs at least {format_bytes(total)} per device (model states "
-            f"{format_bytes(parts['states'])}, activations {format_bytes(parts['activations'])}, working memory "
-            f"{format_bytes(parts['transient'])}, at {mesh} with {m} micro-batch(es), states sharded "
-            f"as far as allowed and {recompute}), but the budget is {format_bytes(budget)} per device: "
-            f"{format_bytes(total - budget)} short; raise memory_budget, use more devices or a smaller batch"
-            + ("" if offload is not False else ", or allow host offload (offload=None)"))  # fmt: skip
+    return (
+        f"the model needs at least {format_bytes(total)} per device (model states "
+        f"{format_bytes(parts['states'])}, activations {format_bytes(parts['activations'])}, working memory "
+        f"{format_bytes(parts['transient'])}, at {mesh} with {m} micro-batch(es), states sharded "
+        f"as far as allowed and {recompute}), but the budget is {format_bytes(budget)} per device: "
+        f"{format_bytes(total - budget)} short; raise memory_budget, use more devices or a smaller batch"
+        + ("" if offload is not False else ", or allow host offload (offload=None)")
+    )

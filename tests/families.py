@@ -17,37 +17,74 @@ HIDDEN, HEADS, FFN, POSITIONS = 64, 4, 128, 64
 def tiny_t5() -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    cfg = T5Config(vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_layers=2,
-                   num_decoder_layers=2, num_heads=HEADS, dropout_rate=0.0, use_cache=False,
-                   decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+    cfg = T5Config(
+        vocab_size=VOCAB,
+        d_model=HIDDEN,
+        d_kv=HIDDEN // HEADS,
+        d_ff=FFN,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=HEADS,
+        dropout_rate=0.0,
+        use_cache=False,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     return T5ForConditionalGeneration(cfg)
 
 
 def tiny_bloom() -> nn.Module:
     from transformers import BloomConfig, BloomForCausalLM
 
-    cfg = BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2, n_head=HEADS, hidden_dropout=0.0,
-                      attention_dropout=0.0, use_cache=False)  # fmt: skip
+    cfg = BloomConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        n_layer=2,
+        n_head=HEADS,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
     return BloomForCausalLM(cfg)
 
 
 def tiny_falcon() -> nn.Module:
     from transformers import FalconConfig, FalconForCausalLM
 
-    cfg = FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
-                       new_decoder_architecture=False, multi_query=True, parallel_attn=True, bias=False,
-                       hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, max_position_embeddings=POSITIONS,
-                       attn_implementation="sdpa")  # fmt: skip
+    cfg = FalconConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        new_decoder_architecture=False,
+        multi_query=True,
+        parallel_attn=True,
+        bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cache=False,
+        max_position_embeddings=POSITIONS,
+        attn_implementation="sdpa",
+    )
     return FalconForCausalLM(cfg)
 
 
 def tiny_gemma2() -> nn.Module:
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
-                       num_attention_heads=HEADS, num_key_value_heads=2, head_dim=HIDDEN // HEADS,
-                       max_position_embeddings=POSITIONS, sliding_window=8, use_cache=False,
-                       attn_implementation="eager")  # Gemma-2 has no sdpa path (its logit soft-capping)  # fmt: skip
+    cfg = Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        head_dim=HIDDEN // HEADS,
+        max_position_embeddings=POSITIONS,
+        sliding_window=8,
+        use_cache=False,
+        attn_implementation="eager",
+    )  # Gemma-2 has no sdpa path (its logit soft-capping)
     return Gemma2ForCausalLM(cfg)
 
 
@@ -56,10 +93,21 @@ def tiny_mixtral() -> nn.Module:
 
     # batched_mm selects each token's experts by index and multiplies in one bmm: no data-dependent loop,
     # so export traces it (the eager loop over hit experts does not trace)
-    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=2,
-                        num_attention_heads=HEADS, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                        max_position_embeddings=POSITIONS, use_cache=False, router_aux_loss_coef=0.0,
-                        attn_implementation="sdpa", experts_implementation="batched_mm")  # fmt: skip
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=POSITIONS,
+        use_cache=False,
+        router_aux_loss_coef=0.0,
+        attn_implementation="sdpa",
+        experts_implementation="batched_mm",
+    )
     return MixtralForCausalLM(cfg)
 
 
@@ -103,9 +151,16 @@ class TorchTransformer(nn.Module):
 
 
 FAMILIES = {
-    "gpt2": tiny_gpt2, "llama": tiny_llama, "bert": tiny_bert, "t5": tiny_t5, "bloom": tiny_bloom,
-    "falcon": tiny_falcon, "gemma2": tiny_gemma2, "mixtral": tiny_mixtral, "torch": TorchTransformer,
-}  # fmt: skip
+    "gpt2": tiny_gpt2,
+    "llama": tiny_llama,
+    "bert": tiny_bert,
+    "t5": tiny_t5,
+    "bloom": tiny_bloom,
+    "falcon": tiny_falcon,
+    "gemma2": tiny_gemma2,
+    "mixtral": tiny_mixtral,
+    "torch": TorchTransformer,
+}
 
 
 def make_family(name: str, seed: int = 0) -> nn.Module:

@@ -10,23 +10,50 @@ VOCAB = 128
 
 
 def tiny_llama(num_layers: int = 2) -> torch.nn.Module:
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-                      attn_implementation="sdpa")  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg)
 
 
 def tiny_gpt2(num_layers: int = 2) -> torch.nn.Module:
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=num_layers, n_head=4, n_positions=64, use_cache=False,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
-                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=num_layers,
+        n_head=4,
+        n_positions=64,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
 def tiny_bert(num_layers: int = 2) -> torch.nn.Module:
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0, attn_implementation="sdpa")  # fmt: skip
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+    )
     return BertForMaskedLM(cfg)
 
 

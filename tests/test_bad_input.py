@@ -107,8 +107,10 @@ def test_compile_refuses_a_plan_of_another_sequence_length(llama_plan):
         autopar.compile(make_model("llama"), "cpu:1", *make_batch("llama", seq=8), plan=llama_plan)
 
 
-@pytest.mark.parametrize(("kw", "words"), [({"plan": "plan.json"}, "plan= must be an autopar.Plan"),
-                                           ({"optimizer": 0.1}, "optimizer must be a callable")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [({"plan": "plan.json"}, "plan= must be an autopar.Plan"), ({"optimizer": 0.1}, "optimizer must be a callable")],
+)
 def test_compile_refuses_arguments_of_the_wrong_kind(kw, words):
     with pytest.raises(autopar.ConfigError, match=words):
         autopar.compile(make_model("llama"), "cpu:1", *make_batch("llama"), **kw)
@@ -174,8 +176,10 @@ def test_checkpoint_of_another_version_is_skipped_and_refused_with_both_versions
         pm.load_checkpoint(tmp_path / "new")
 
 
-@pytest.mark.parametrize(("name", "words"), [(".metadata", "missing or damaged index"),
-                                             ("__0_0.distcp", "shard files are missing or damaged")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [(".metadata", "missing or damaged index"), ("__0_0.distcp", "shard files are missing or damaged")],
+)
 def test_checkpoint_with_a_missing_file_is_a_config_error(llama, saved, tmp_path, name, words):
     pm, _, _ = llama
     shutil.copytree(saved, tmp_path / "ckpt")
@@ -190,10 +194,15 @@ def test_checkpoint_of_another_model_is_refused(saved):
         other.load_checkpoint(saved)
 
 
-@pytest.mark.parametrize(("kw", "words"), [({"keep_last": "2"}, "keep_last must be a whole number"),
-                                           ({"extra": {"f": lambda: 0}}, "cannot be pickled"),
-                                           ({"extra": [1]}, "extra must be a dict"),
-                                           ({"async_save": "yes"}, "async_save must be True or False")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kw", "words"),
+    [
+        ({"keep_last": "2"}, "keep_last must be a whole number"),
+        ({"extra": {"f": lambda: 0}}, "cannot be pickled"),
+        ({"extra": [1]}, "extra must be a dict"),
+        ({"async_save": "yes"}, "async_save must be True or False"),
+    ],
+)
 def test_save_refuses_bad_arguments_before_writing(llama, tmp_path, kw, words):
     pm, _, _ = llama
     with pytest.raises(autopar.ConfigError, match=words):

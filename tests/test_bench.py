@@ -103,8 +103,7 @@ def test_grid_uses_only_accepted_constraints():
 
 
 def test_compile_suite_splits_planning_time(tmp_path):
-    sweep = compile_time.CompileSweep("tiny-llama", (1, 3), "8xA100-80GB", 2, ("8xA100-80GB", "2x8xA100-80GB"),
-                                      8, 32)  # fmt: skip
+    sweep = compile_time.CompileSweep("tiny-llama", (1, 3), "8xA100-80GB", 2, ("8xA100-80GB", "2x8xA100-80GB"), 8, 32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         doc = compile_time.run(tmp_path, sweep=sweep, show_progress=False)
@@ -124,8 +123,14 @@ def test_run_suite_measures_every_method(tmp_path):
     model = RunModel("tiny-llama", "tiny-llama", 4, 32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a link fit on a busy machine may fall back to the preset, with a warning
-        doc = execution.run(tmp_path, cluster="cpu:2", models=(model,), settings=RunSettings(1, 2, 2, 1, min_measured_s=0.2, max_repetitions=4),
-                            show_progress=False, methods="autopar,autopar-dp,autopar-offload,ddp,fsdp2,tp")  # fmt: skip
+        doc = execution.run(
+            tmp_path,
+            cluster="cpu:2",
+            models=(model,),
+            settings=RunSettings(1, 2, 2, 1, min_measured_s=0.2, max_repetitions=4),
+            show_progress=False,
+            methods="autopar,autopar-dp,autopar-offload,ddp,fsdp2,tp",
+        )
     (res,) = doc["results"]
     assert set(res["methods"]) == {"autopar", "autopar-dp", "autopar-offload", "ddp", "fsdp2", "tp"}
     times = []
@@ -179,8 +184,10 @@ def test_run_suite_measures_every_method(tmp_path):
     assert m["shared_core_slowdown"] >= 1.0 and m["ranks_per_core"] == m["shared_core_slowdown"]
     in_step = m["in_step"]
     assert in_step["forward_measured_s"] > 0 and in_step["backward_profiled_s"] > 0
-    assert in_step["scale"] == [in_step["forward_measured_s"] / in_step["forward_profiled_s"],
-                                in_step["backward_measured_s"] / in_step["backward_profiled_s"]]  # fmt: skip
+    assert in_step["scale"] == [
+        in_step["forward_measured_s"] / in_step["forward_profiled_s"],
+        in_step["backward_measured_s"] / in_step["backward_profiled_s"],
+    ]
     md = (tmp_path / "run.md").read_text()
     assert "(predicted − measured) / measured" in md and "## Communication the step waits for" in md
     assert "autopar-dp/ddp" in md
@@ -251,6 +258,7 @@ def test_model_estimator_prices_the_optimizer_the_model_trains_with(tmp_path):
     # the figures recorded are the ones priced (one rank: no shared-core scale), not the profile's AdamW
     expected = 3 * measured["optimizer_tensor_s"] + 1e6 * measured["optimizer_s_per_param_byte"]
     assert estimator.optimizer_step_time_s(3, 1e6) == pytest.approx(expected, rel=1e-12)
-    _, adamw = execution.model_estimator(RunModel("tiny", "tiny-llama", 2, 16), 1, tmp_path, repeats=1,
-                                         show_progress=False)  # fmt: skip
+    _, adamw = execution.model_estimator(
+        RunModel("tiny", "tiny-llama", 2, 16), 1, tmp_path, repeats=1, show_progress=False
+    )
     assert "optimizer_step" not in adamw

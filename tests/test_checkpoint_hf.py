@@ -99,16 +99,22 @@ def test_missing_tensor_is_named(tmp_path):
 def test_unexpected_tensor_is_named_with_its_file(tmp_path):
     model = make_model("llama")
     _files(tmp_path, model, lambda s: s.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(2)}))
-    with pytest.raises(ConfigError, match=r"model.safetensors holds 1 tensor\(s\) the model does not have, e.g. "
-                                          r"\['model.layers.9.mlp.up_proj.weight'\]"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"model.safetensors holds 1 tensor\(s\) the model does not have, e.g. "
+        r"\['model.layers.9.mlp.up_proj.weight'\]",
+    ):
         hf.load_pretrained(_Holder(model), tmp_path)
 
 
 def test_shape_mismatch_is_named_with_its_file(tmp_path):
     model = make_model("llama")
     _files(tmp_path, model, lambda s: s.update({"lm_head.weight": torch.zeros(100, 64)}))
-    with pytest.raises(ConfigError, match=r"'lm_head.weight' in .*model.safetensors has shape \(100, 64\) but the "
-                                          r"model's 'lm_head.weight' has \(128, 64\)"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"'lm_head.weight' in .*model.safetensors has shape \(100, 64\) but the "
+        r"model's 'lm_head.weight' has \(128, 64\)",
+    ):
         hf.load_pretrained(_Holder(model), tmp_path)
 
 

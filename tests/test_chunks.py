@@ -58,8 +58,14 @@ def test_chosen_chunk_size_wastes_less_than_a_naive_one():
 
 
 def test_pack_rules():
-    specs = [ParamSpec("a", (10,)), ParamSpec("big", (100,)), ParamSpec("b", (20,)), ParamSpec("c", (30,)),
-             ParamSpec("frozen", (5,), requires_grad=False), ParamSpec("d", (40,))]  # fmt: skip
+    specs = [
+        ParamSpec("a", (10,)),
+        ParamSpec("big", (100,)),
+        ParamSpec("b", (20,)),
+        ParamSpec("c", (30,)),
+        ParamSpec("frozen", (5,), requires_grad=False),
+        ParamSpec("d", (40,)),
+    ]
     layouts = pack(specs, 64, multiple=8)
     assert [[s.name for s in lay.slots] for lay in layouts] == [["a", "b", "c"], ["big"], ["frozen"], ["d"]]
     assert [lay.capacity for lay in layouts] == [64, 104, 8, 40]  # oversized: own chunk; last ones shrunk
@@ -120,8 +126,9 @@ def _train_pair(impl: str, *, micro_batches: int, freeze: tuple[str, ...] = (), 
     store = ChunkStore.from_module(model, chunk_numel=20000, device="cpu", host={1, 3})
     store.bind(model)
     opt = ChunkAdamW(store, lr=LR, eps=EPS, weight_decay=0.1, impl=impl)
-    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, eps=EPS,
-                                weight_decay=0.1, foreach=False)  # fmt: skip
+    ref_opt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad], lr=LR, eps=EPS, weight_decay=0.1, foreach=False
+    )
     sched = ChunkScheduler(store, model)
     for step in range(steps):
         for micro in range(micro_batches):
@@ -276,8 +283,9 @@ def test_memory_check_trains_a_model_whose_states_exceed_the_budget():
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = main(["--device", "cpu", "--layers", "2", "--hidden", "64", "--seq", "32", "--batch", "4",
-                       "--steps", "3"])  # fmt: skip
+        status = main(
+            ["--device", "cpu", "--layers", "2", "--hidden", "64", "--seq", "32", "--batch", "4", "--steps", "3"]
+        )
     text = out.getvalue()
     assert status == 0, text
     assert "of optimizer states on the host" in text and text.rstrip().endswith("ok")

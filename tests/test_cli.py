@@ -16,8 +16,22 @@ def _run(*args):
 def test_plan_json_and_explain(tmp_path):
     out = tmp_path / "plan.json"
     report = tmp_path / "plan.html"
-    r = _run("plan", "--model", "gpt2", "--cluster", "8xA100-80GB", "--global-batch-size", "64", "--seq-len", "512",
-             "--json", str(out), "--report", str(report), "--quiet")  # fmt: skip
+    r = _run(
+        "plan",
+        "--model",
+        "gpt2",
+        "--cluster",
+        "8xA100-80GB",
+        "--global-batch-size",
+        "64",
+        "--seq-len",
+        "512",
+        "--json",
+        str(out),
+        "--report",
+        str(report),
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr
     assert "mesh" in r.stdout and "MFU" in r.stdout
     doc = json.loads(out.read_text())
@@ -30,8 +44,9 @@ def test_plan_json_and_explain(tmp_path):
 def test_user_errors_exit_with_a_message(tmp_path):
     r = _run("plan", "--model", "gpt2", "--cluster", "8xB999", "--global-batch-size", "8", "--seq-len", "128")
     assert r.returncode == 2 and "autopar: error:" in r.stderr and "A100-80GB" in r.stderr
-    r = _run("plan", "--model", "no-such-model", "--cluster", "8xA100-80GB", "--global-batch-size", "8",
-             "--seq-len", "128")  # fmt: skip
+    r = _run(
+        "plan", "--model", "no-such-model", "--cluster", "8xA100-80GB", "--global-batch-size", "8", "--seq-len", "128"
+    )
     assert r.returncode == 2 and "preset" in r.stderr
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -68,15 +83,25 @@ def test_choices_are_those_the_api_accepts():
     ("flags", "constraints", "switches"),
     [
         ((), {}, {}),
-        (("--pp", "2", "--schedule", "interleaved_1f1b", "--virtual-stages", "2"),
-         {"pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}, {}),
-        (("--num-microbatches", "4", "--recompute", "selective"), {"num_microbatches": 4, "recompute": "selective"}, {}),
+        (
+            ("--pp", "2", "--schedule", "interleaved_1f1b", "--virtual-stages", "2"),
+            {"pp": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2},
+            {},
+        ),
+        (
+            ("--num-microbatches", "4", "--recompute", "selective"),
+            {"num_microbatches": 4, "recompute": "selective"},
+            {},
+        ),
         (("--micro-batch-size", "2", "--tp", "1"), {"micro_batch_size": 2, "tp": 1}, {}),
         (("--offload", "--pipeline", "--fuse-kernels"), {}, {"offload": True, "pipeline": True, "fuse_kernels": True}),
-        (("--no-offload", "--no-pipeline", "--no-fuse-kernels"), {},
-         {"offload": False, "pipeline": False, "fuse_kernels": False}),
+        (
+            ("--no-offload", "--no-pipeline", "--no-fuse-kernels"),
+            {},
+            {"offload": False, "pipeline": False, "fuse_kernels": False},
+        ),
     ],
-)  # fmt: skip
+)
 def test_plan_flags_pass_through(monkeypatch, flags, constraints, switches):
     import autopar
     from autopar.cli import main

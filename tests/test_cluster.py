@@ -36,8 +36,21 @@ def test_parse_cpu_ranks_share_the_host_memory():
     assert c.intra_node_link.name == "loopback-gloo"
 
 
-MALFORMED = ["4x", "0x8xA100-80GB", "4x0xA100-80GB", "cpu:0", "8xB300", "abc", "", "4x8x", "x8xA100-80GB",
-             "4x8xA100-80GBx", "cpu:", "-1xA100-80GB", "4 x 8 x A100-80GB"]  # fmt: skip
+MALFORMED = [
+    "4x",
+    "0x8xA100-80GB",
+    "4x0xA100-80GB",
+    "cpu:0",
+    "8xB300",
+    "abc",
+    "",
+    "4x8x",
+    "x8xA100-80GB",
+    "4x8xA100-80GBx",
+    "cpu:",
+    "-1xA100-80GB",
+    "4 x 8 x A100-80GB",
+]
 
 
 @pytest.mark.parametrize("text", MALFORMED)
@@ -86,12 +99,16 @@ def test_from_file_json_calibration_output(tmp_path):
     # the shape `python -m autopar.cost_model.calibrate` prints
     measured = {
         "cluster": "cpu:2",
-        "device": {"memory_bandwidth_bytes_per_s": 1.2e10, "matmul_flops_per_s": {"fp32": 5e10, "tf32": 5e10},
-                   "vector_flops_per_s": 4e9, "kernel_overhead_s": 6e-6},
+        "device": {
+            "memory_bandwidth_bytes_per_s": 1.2e10,
+            "matmul_flops_per_s": {"fp32": 5e10, "tf32": 5e10},
+            "vector_flops_per_s": 4e9,
+            "kernel_overhead_s": 6e-6,
+        },
         "intra_node_link": {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-4},
         "host_link": {"bandwidth_bytes_per_s": 6e9},
         "host_memory_bytes": 16e9,
-    }  # fmt: skip
+    }
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps(measured))
     c = ClusterSpec.from_file(path)

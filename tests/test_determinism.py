@@ -51,14 +51,31 @@ def test_plan_json_is_byte_identical_in_another_process_with_another_hash_seed(c
     here = _plan_json(case)
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
     env = dict(os.environ, PYTHONHASHSEED=seed, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", _PLAN_SCRIPT, repr(CASES[case])], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _PLAN_SCRIPT, repr(CASES[case])],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     assert out.stdout == here
 
 
 def _dropout_gpt2() -> torch.nn.Module:
-    cfg = GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False,
-                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0, attn_implementation="sdpa")  # fmt: skip
+    cfg = GPT2Config(
+        vocab_size=128,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        use_cache=False,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+    )
     return GPT2LMHeadModel(cfg)
 
 

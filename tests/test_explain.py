@@ -16,8 +16,15 @@ from autopar.rationale import TERMS, loss_reason, parse_layout
 from autopar.report_charts import schedule_order, simulate
 from tests.models import MLPBlock, make_batch, make_model
 
-SECTIONS = ("Summary", "Memory per device", "Time breakdown", "Layer table", "Why this plan", "Your layout",
-            "Assumptions")  # fmt: skip
+SECTIONS = (
+    "Summary",
+    "Memory per device",
+    "Time breakdown",
+    "Layer table",
+    "Why this plan",
+    "Your layout",
+    "Assumptions",
+)
 
 
 def _plan(name: str, **kw):
@@ -97,15 +104,21 @@ class _MLPStack(torch.nn.Module):
 
 
 def _collectives(plan, **match) -> list[dict]:
-    return [c for e in plan.layer_ops for op in e["ops"] for c in op["collectives"]
-            if all(c[k] == v for k, v in match.items())]  # fmt: skip
+    return [
+        c
+        for e in plan.layer_ops
+        for op in e["ops"]
+        for c in op["collectives"]
+        if all(c[k] == v for k, v in match.items())
+    ]
 
 
 def test_layer_table_collectives_of_a_tp2_mlp_match_a_hand_computation():
     batch, seq, hidden = 4, 8, 256
     ids = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(0))
-    plan = autopar.plan(_MLPStack(hidden), "cpu:2", (ids,), constraints={"tp": 2, "dp": 1}, precision="fp32",
-                        alternatives=False)  # fmt: skip
+    plan = autopar.plan(
+        _MLPStack(hidden), "cpu:2", (ids,), constraints={"tp": 2, "dp": 1}, precision="fp32", alternatives=False
+    )
     (layer,) = [e for e in plan.layer_ops if e["layer"] == "layers"]
     assert layer["num_layers"] == 2 and layer["stages"] == []
     ops = {op["node"]: op for op in layer["ops"]}
@@ -116,8 +129,9 @@ def test_layer_table_collectives_of_a_tp2_mlp_match_a_hand_computation():
     assert fwd["kind"] == "all_reduce" and fwd["axis"] == "tp" and fwd["placements"] == "P -> R"
     assert ops[fwd["from"]]["strategy"] == "row parallel"
     assert fwd["bytes"] == batch * seq * hidden * 4 and fwd["per_step"] == 2
-    assert fwd["time_s"] == estimate_collective_time(Collective.ALL_REDUCE, fwd["bytes"], 2,
-                                                     plan.cluster.intra_node_link)  # fmt: skip
+    assert fwd["time_s"] == estimate_collective_time(
+        Collective.ALL_REDUCE, fwd["bytes"], 2, plan.cluster.intra_node_link
+    )
     # backward: the column-parallel projection's input gradient, the same bytes
     (bwd,) = _collectives(plan, **{"pass": "backward"})
     assert bwd["kind"] == "all_reduce" and bwd["bytes"] == fwd["bytes"]
@@ -125,8 +139,10 @@ def test_layer_table_collectives_of_a_tp2_mlp_match_a_hand_computation():
     total = sum(c["time_s"] * c["per_step"] for c in _collectives(plan, axis="tp"))
     assert total == pytest.approx(plan.predicted.reshard_s, rel=1e-9)  # float sums in another order
     md = plan.explain()
-    row = (f"| all_reduce of `{fwd['from']}` (P -> R) | tp | forward | 32.00 KiB | {fwd['time_s'] * 1e3:,.3f} | 2 | "
-           f"{2 * fwd['time_s'] * 1e3:,.3f} |")  # fmt: skip
+    row = (
+        f"| all_reduce of `{fwd['from']}` (P -> R) | tp | forward | 32.00 KiB | {fwd['time_s'] * 1e3:,.3f} | 2 | "
+        f"{2 * fwd['time_s'] * 1e3:,.3f} |"
+    )
     assert row in md
 
 
@@ -162,8 +178,9 @@ def test_alternatives_are_real_plans_and_never_faster_than_a_free_plan(plans):
             assert b["reason"]
             continue
         assert b["step_time_s"] >= plan.predicted.step_time_s * (1 - 1e-12), b["name"]
-        again = autopar.plan(make_model("llama"), "cpu:2", args, kwargs, constraints=b["constraints"],
-                             alternatives=False)  # fmt: skip
+        again = autopar.plan(
+            make_model("llama"), "cpu:2", args, kwargs, constraints=b["constraints"], alternatives=False
+        )
         assert again.predicted.step_time_s == pytest.approx(b["step_time_s"], rel=1e-9), b["name"]
         assert again.predicted.peak_memory_bytes == pytest.approx(b["peak_memory_bytes"], rel=1e-9)
 
@@ -205,8 +222,7 @@ def test_reports_of_a_plan_read_back_from_json_are_identical(plans, kind):
 def test_compare_adds_layouts_to_a_plan(plans):
     args, kwargs = make_batch("llama", batch=8, seq=16)
     plan = autopar.Plan.from_json(plans["offload"].to_json())
-    out = autopar.compare(plan, "dp=2,zero=0", model=make_model("llama"), example_inputs=args,
-                          example_kwargs=kwargs)  # fmt: skip
+    out = autopar.compare(plan, "dp=2,zero=0", model=make_model("llama"), example_inputs=args, example_kwargs=kwargs)
     (entry,) = out.comparisons
     assert entry["feasible"] and entry["mesh"] == {"dp": 2, "tp": 1} and entry["zero_stage"] == 0
     assert "## Your layout" in out.explain() and "### dp=2,zero=0" in out.explain()
@@ -224,10 +240,17 @@ def _priced(step_s: float, dp_s: float, zero: int):
     from types import SimpleNamespace
 
     return SimpleNamespace(
-        predicted=SimpleNamespace(step_time_s=step_s), time_breakdown={"comm_dp": dp_s, "compute": step_s - dp_s},
-        mesh={"dp": 8}, zero_stage=zero, num_microbatches=1, recompute="none", layer_modes=None, offload=None,
-        pipeline={}, cluster=SimpleNamespace(devices_per_node=8, num_nodes=1),
-    )  # fmt: skip
+        predicted=SimpleNamespace(step_time_s=step_s),
+        time_breakdown={"comm_dp": dp_s, "compute": step_s - dp_s},
+        mesh={"dp": 8},
+        zero_stage=zero,
+        num_microbatches=1,
+        recompute="none",
+        layer_modes=None,
+        offload=None,
+        pipeline={},
+        cluster=SimpleNamespace(devices_per_node=8, num_nodes=1),
+    )
 
 
 def test_a_loss_reason_gives_a_grown_term_in_percent_or_from_what_it_was():
@@ -276,12 +299,29 @@ def test_cli_progress_goes_to_stderr_never_into_stdout_or_json(tmp_path):
     import subprocess
     import sys
 
-    base = [sys.executable, "-m", "autopar", "plan", "--model", "tiny-llama", "--cluster", "cpu:2",
-            "--global-batch-size", "8", "--seq-len", "16"]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "autopar",
+        "plan",
+        "--model",
+        "tiny-llama",
+        "--cluster",
+        "cpu:2",
+        "--global-batch-size",
+        "8",
+        "--seq-len",
+        "16",
+    ]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     out = tmp_path / "plan.json"
-    done = subprocess.run(base + ["--json", str(out), "--report", str(tmp_path / "r.html"), "--compare", "tp=1"],
-                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    done = subprocess.run(
+        base + ["--json", str(out), "--report", str(tmp_path / "r.html"), "--compare", "tp=1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("\n") == 1 and "[autopar]" not in done.stdout  # the summary, nothing else
     plan = autopar.Plan.from_json(out.read_text())
@@ -301,8 +341,14 @@ def test_progress_line_updates_in_place_on_a_terminal():
         def isatty(self):
             return True
 
-    msgs = ["tracing m", "traced 10 nodes", "mesh dp=2 tp=1 micro-batches=1: 1 ms", "mesh dp=1 tp=2 micro-batches=1: 2 ms",
-            "pipeline pp=2 dp=1 tp=1: 3 ms", "pricing alternative dp: tp=1"]  # fmt: skip
+    msgs = [
+        "tracing m",
+        "traced 10 nodes",
+        "mesh dp=2 tp=1 micro-batches=1: 1 ms",
+        "mesh dp=1 tp=2 micro-batches=1: 2 ms",
+        "pipeline pp=2 dp=1 tp=1: 3 ms",
+        "pricing alternative dp: tp=1",
+    ]
     tty = Tty()
     bar = PlanProgress(tty)
     for m in msgs:
@@ -325,8 +371,14 @@ def test_progress_line_updates_in_place_on_a_terminal():
 def overlapped():
     """A GPU data-parallel plan (dp=8, no tensor axis, ZeRO-0): its gradient all-reduces overlap backward, and with
     GPT-2's 0.5 GB of fp32 gradients in 25 MiB buckets most of them hide."""
-    return autopar.plan("gpt2", "8xA100-80GB", global_batch_size=16, seq_len=256,
-                        constraints={"dp": 8, "tp": 1, "zero": 0}, alternatives=False)  # fmt: skip
+    return autopar.plan(
+        "gpt2",
+        "8xA100-80GB",
+        global_batch_size=16,
+        seq_len=256,
+        constraints={"dp": 8, "tp": 1, "zero": 0},
+        alternatives=False,
+    )
 
 
 def test_hidden_communication_is_the_solvers_figure_per_axis(overlapped):
@@ -336,8 +388,14 @@ def test_hidden_communication_is_the_solvers_figure_per_axis(overlapped):
     assert overlapped.hidden_communication == {"comm_dp": p.grad_sync_hidden_s}
     assert overlapped.time_breakdown["comm_dp"] == p.grad_sync_s
     # no overlap: nothing hidden, on any axis
-    off = autopar.plan("gpt2", "8xA100-80GB", global_batch_size=16, seq_len=256, alternatives=False,
-                       constraints={"dp": 8, "tp": 1, "zero": 0, "overlap": False})  # fmt: skip
+    off = autopar.plan(
+        "gpt2",
+        "8xA100-80GB",
+        global_batch_size=16,
+        seq_len=256,
+        alternatives=False,
+        constraints={"dp": 8, "tp": 1, "zero": 0, "overlap": False},
+    )
     assert off.hidden_communication == {} and off.predicted.grad_sync_hidden_s == 0
     # what overlap hides is what the step no longer waits for (float sums in another order)
     whole = off.time_breakdown["comm_dp"]
@@ -361,8 +419,10 @@ def test_layer_table_dp_rows_give_their_exposed_part(overlapped):
     assert exposed == pytest.approx(p.grad_sync_s, rel=1e-9)
     md = overlapped.explain()
     c = max(rows, key=lambda c: c["time_s"])
-    assert (f"| {c['time_s'] * 1e3:,.3f} | {c['per_step']:,.4g} | {c['time_s'] * c['per_step'] * 1e3:,.3f} | "
-            f"{c['exposed_s'] * c['per_step'] * 1e3:,.3f} |") in md  # fmt: skip
+    assert (
+        f"| {c['time_s'] * 1e3:,.3f} | {c['per_step']:,.4g} | {c['time_s'] * c['per_step'] * 1e3:,.3f} | "
+        f"{c['exposed_s'] * c['per_step'] * 1e3:,.3f} |"
+    ) in md
     assert "pro rata to its sync time" in md
 
 
@@ -403,8 +463,11 @@ def test_an_overlapped_plan_read_back_from_json_reports_identically(overlapped):
     del old["hidden_communication"]
     assert autopar.Plan.from_json(json.dumps(old)).hidden_communication == overlapped.hidden_communication
     # and a plan without overlap writes no field, as before
-    assert "hidden_communication" not in json.loads(autopar.Plan.from_json(json.dumps(old | {
-        "predicted": old["predicted"] | {"grad_sync_hidden_s": 0.0}})).to_json())  # fmt: skip
+    assert "hidden_communication" not in json.loads(
+        autopar.Plan.from_json(
+            json.dumps(old | {"predicted": old["predicted"] | {"grad_sync_hidden_s": 0.0}})
+        ).to_json()
+    )
 
 
 # ------------------------------------------------------------------------------------------------ host memory
@@ -433,8 +496,11 @@ def test_host_memory_holds_offloaded_activations_too():
     plan = autopar.plan("llama2-70b", "8xA100-80GB", global_batch_size=32, seq_len=4096, alternatives=False)
     assert plan.offload and plan.activation_offload
     md, gib = plan.explain(), 1024**3
-    held = (plan.offload["optimizer_bytes_per_device"] + plan.offload["grad_bytes_per_device"]
-            + plan.activation_offload["bytes_per_device"])  # fmt: skip
+    held = (
+        plan.offload["optimizer_bytes_per_device"]
+        + plan.offload["grad_bytes_per_device"]
+        + plan.activation_offload["bytes_per_device"]
+    )
     assert f"| activations | {plan.activation_offload['bytes_per_device'] / gib:,.2f} |" in md
     assert f"| **total** | {held / gib:,.2f} |" in md
     # what the solver let each device put there stays within its share of the node's host memory
@@ -513,8 +579,7 @@ def test_compare_prices_layouts_against_the_plan_it_is_given():
     search would make (which, here, is that very layout)."""
     args, kwargs = make_batch("llama", batch=8, seq=16)
     pinned = _plan("llama", constraints={"tp": 2}, alternatives=False)
-    out = autopar.compare(pinned, "dp=2,zero=0", model=make_model("llama"), example_inputs=args,
-                          example_kwargs=kwargs)  # fmt: skip
+    out = autopar.compare(pinned, "dp=2,zero=0", model=make_model("llama"), example_inputs=args, example_kwargs=kwargs)
     assert out.predicted == pinned.predicted and out.mesh == {"dp": 1, "tp": 2}  # the plan stays what it was
     (entry,) = out.comparisons
     assert entry["feasible"] and entry["step_time_s"] < pinned.predicted.step_time_s
@@ -561,8 +626,14 @@ def test_a_cp_plan_is_compared_with_layouts_at_their_own_cp_degree():
     from tests.passes.test_context_parallel import _wide_llama
 
     model, args, kwargs = _wide_llama(16384)
-    plan = autopar.plan(model, "4xH100-80GB", args, kwargs, memory_budget="300MiB",
-                        compare=["cp=4,tp=1,cp_attention=ring", "cp=3", "cp=2,tp=1"])  # fmt: skip
+    plan = autopar.plan(
+        model,
+        "4xH100-80GB",
+        args,
+        kwargs,
+        memory_budget="300MiB",
+        compare=["cp=4,tp=1,cp_attention=ring", "cp=3", "cp=2,tp=1"],
+    )
     assert plan.mesh.get("cp", 1) > 1
     base = {b["name"]: b for b in plan.baselines}
     for name in ("dp", "zero3"):
@@ -587,8 +658,13 @@ def test_compare_prices_a_cp_layout_next_to_a_plan_without_cp():
     args, kwargs = make_batch("llama", batch=4, seq=32)
     pins = {"tp": 1, "dp": 2, "recompute": "none", "zero": 0, "num_microbatches": 2}
     plain = autopar.plan(make_model("llama"), "cpu:2", args, kwargs, constraints=pins, alternatives=False)
-    out = autopar.compare(plain, "cp=2,dp=1,tp=1,recompute=none,zero=0,m=4", model=make_model("llama"),
-                          example_inputs=args, example_kwargs=kwargs)  # fmt: skip
+    out = autopar.compare(
+        plain,
+        "cp=2,dp=1,tp=1,recompute=none,zero=0,m=4",
+        model=make_model("llama"),
+        example_inputs=args,
+        example_kwargs=kwargs,
+    )
     (entry,) = out.comparisons
     assert entry["feasible"], entry["reason"]
     assert entry["mesh"] == {"dp": 1, "cp": 2, "tp": 1}
@@ -598,10 +674,17 @@ def test_compare_prices_a_cp_layout_next_to_a_plan_without_cp():
 def test_assumptions_give_the_clusters_links_and_their_per_collective_figures():
     """A cluster file (or `bench run`'s fit) sets the links apart from the device preset's: the report gives the
     figures the plan was priced with, the per-collective ones on lines of their own."""
-    cluster = autopar.ClusterSpec.from_overrides({"cluster": "cpu:2", "intra_node_link": {
-        "latency_s": 7.5e-4, "bandwidth_bytes_per_s": 1.3e9,
-        "per_collective": {"reduce_scatter": {"latency_s": 8.25e-4, "bandwidth_bytes_per_s": 0.4e9}}}},
-        source="test")  # fmt: skip
+    cluster = autopar.ClusterSpec.from_overrides(
+        {
+            "cluster": "cpu:2",
+            "intra_node_link": {
+                "latency_s": 7.5e-4,
+                "bandwidth_bytes_per_s": 1.3e9,
+                "per_collective": {"reduce_scatter": {"latency_s": 8.25e-4, "bandwidth_bytes_per_s": 0.4e9}},
+            },
+        },
+        source="test",
+    )
     assert cluster.device.intra_node_link != cluster.intra_node_link  # the preset's stays on the device
     args, kwargs = make_batch("llama", batch=8, seq=16)
     plan = autopar.plan(make_model("llama"), cluster, args, kwargs, alternatives=False)

@@ -33,8 +33,9 @@ def browser() -> str:
     if not shutil.which("apt-get") or os.geteuid() != 0:
         pytest.skip("no Chromium, and it cannot be installed here (needs root and apt-get)")
     for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "chromium"]):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                              env=os.environ | {"DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=900, env=os.environ | {"DEBIAN_FRONTEND": "noninteractive"}
+        )
         if done.returncode != 0:
             pytest.skip(f"installing Chromium failed ({' '.join(cmd)}): {done.stderr.strip()[-300:]}")
     found = _find_browser()
@@ -51,8 +52,17 @@ def _artefacts(tmp_path_factory) -> Path:
 
 
 def _run(browser: str, *flags: str, page: Path) -> subprocess.CompletedProcess:
-    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
-           "--v=0", *flags, page.as_uri()]  # fmt: skip
+    cmd = [
+        browser,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--enable-logging=stderr",
+        "--v=0",
+        *flags,
+        page.as_uri(),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -80,9 +90,11 @@ def _chart_regions(png: Path, colours: list[str]) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("kind", ["plain", "pipeline", "offload"])
 def test_html_report_renders_with_charts(browser, tmp_path_factory, kind):
-    plan = {"plain": lambda: _plan("llama", compare=["dp=2,zero=3"]),
-            "pipeline": lambda: _plan("gpt2", constraints={"pp": 2, "num_microbatches": 4}),
-            "offload": lambda: _plan("llama", offload=True)}[kind]()  # fmt: skip
+    plan = {
+        "plain": lambda: _plan("llama", compare=["dp=2,zero=3"]),
+        "pipeline": lambda: _plan("gpt2", constraints={"pp": 2, "num_microbatches": 4}),
+        "offload": lambda: _plan("llama", offload=True),
+    }[kind]()
     out = _artefacts(tmp_path_factory)
     page = out / f"report-{kind}.html"
     page.write_text(plan.explain("html"))

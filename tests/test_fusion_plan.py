@@ -20,8 +20,11 @@ BATCH, SEQ = 16, 4096  # the HF causal mask is 16 x 1 x 4096 x 4096: proven caus
 def gpu_plans() -> dict:
     """llama2-7b on one 8-GPU node: the default (fused) plan, the unfused one, and a fused plan pinned to tp=8."""
     kw = {"global_batch_size": BATCH, "seq_len": SEQ}
-    return {"fused": autopar.plan("llama2-7b", GPU, **kw), "unfused": autopar.plan("llama2-7b", GPU, fuse_kernels=False, **kw),
-            "tp8": autopar.plan("llama2-7b", GPU, constraints={"tp": 8, "dp": 1}, **kw)}  # fmt: skip
+    return {
+        "fused": autopar.plan("llama2-7b", GPU, **kw),
+        "unfused": autopar.plan("llama2-7b", GPU, fuse_kernels=False, **kw),
+        "tp8": autopar.plan("llama2-7b", GPU, constraints={"tp": 8, "dp": 1}, **kw),
+    }
 
 
 def test_gpu_plan_fuses_every_layer_by_default(gpu_plans):

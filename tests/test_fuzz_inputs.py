@@ -77,11 +77,22 @@ _QUANTITY = st.one_of(
         lambda x, u: f"{x}{u}",
         st.floats(allow_nan=True, allow_infinity=True) | st.integers(-5, 10**30),
         st.sampled_from(["", "GB", "GiB", "GB/s", "TFLOP/s", "us", "ms", "B", "x", "KiB/s"]),
-    ),  # fmt: skip
+    ),
 )
-_DEVICE_FIELDS = ["name", "kind", "memory_bytes", "memory_bandwidth_bytes_per_s", "matmul_flops_per_s",
-                  "vector_flops_per_s", "matmul_efficiency", "memory_efficiency", "kernel_overhead_s",
-                  "host_adamw_params_per_s", "intra_node_link", "bogus"]  # fmt: skip
+_DEVICE_FIELDS = [
+    "name",
+    "kind",
+    "memory_bytes",
+    "memory_bandwidth_bytes_per_s",
+    "matmul_flops_per_s",
+    "vector_flops_per_s",
+    "matmul_efficiency",
+    "memory_efficiency",
+    "kernel_overhead_s",
+    "host_adamw_params_per_s",
+    "intra_node_link",
+    "bogus",
+]
 _LINK = st.dictionaries(st.sampled_from(["name", "bandwidth_bytes_per_s", "latency_s", "speed"]), _QUANTITY, max_size=3)
 CLUSTER_FILES = st.fixed_dictionaries(
     {"cluster": st.sampled_from(["cpu:2", "2x8xA100-80GB", "8xH100-80GB"]) | CLUSTER_STRINGS},
@@ -127,9 +138,15 @@ class _Stack(nn.Module):
         return (x.square().mean(),)
 
 
-_VALUE = st.one_of(st.integers(-2, 9), st.none(), st.booleans(), st.floats(-1, 2), st.text(max_size=6),
-                   st.sampled_from(["none", "full", "selective", "1f1b", "gpipe", "ring", "fp32", "bf16"]),
-                   st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=2))  # fmt: skip
+_VALUE = st.one_of(
+    st.integers(-2, 9),
+    st.none(),
+    st.booleans(),
+    st.floats(-1, 2),
+    st.text(max_size=6),
+    st.sampled_from(["none", "full", "selective", "1f1b", "gpipe", "ring", "fp32", "bf16"]),
+    st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=2),
+)
 CONSTRAINTS = st.dictionaries(st.sampled_from(sorted(_CONSTRAINT_KEYS) + ["bogus"]), _VALUE, max_size=4)
 
 

@@ -25,8 +25,9 @@ def test_predictions_are_consistent(plan):
     p = plan.predicted
     assert plan.mesh["dp"] * plan.mesh["tp"] == 8
     assert p.optimizer_s > 0
-    assert p.step_time_s == pytest.approx(p.compute_s + p.reshard_s + p.grad_sync_s + p.optimizer_s + p.offload_s,
-                                          rel=1e-6)  # fmt: skip
+    assert p.step_time_s == pytest.approx(
+        p.compute_s + p.reshard_s + p.grad_sync_s + p.optimizer_s + p.offload_s, rel=1e-6
+    )
     world, peak = 8, plan.cluster.device.peak_matmul_flops(torch.bfloat16)
     assert p.mfu == pytest.approx(plan.model_flops_per_step / (p.step_time_s * world * peak), rel=1e-9)
     assert p.tflops_per_device == pytest.approx(plan.model_flops_per_step / p.step_time_s / world / 1e12, rel=1e-9)
@@ -85,8 +86,15 @@ def test_a_model_handed_in_fp32_is_priced_as_the_plans_compute_format():
     in: fp32 and bf16 copies of one model give the same plan (the cost model sees the same graph)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=8, use_cache=False)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        use_cache=False,
+    )
     ids = torch.zeros(16, 512, dtype=torch.long, device="meta")
     plans = []
     for dtype in (torch.float32, torch.bfloat16):
@@ -104,25 +112,39 @@ def test_gradient_reduction_format_is_priced():
     plan moves half the bytes and holds half the gradient memory."""
     pins = {"dp": 8, "tp": 1, "zero": 0, "overlap": False}  # the whole reduction, none of it hidden
     fp32 = autopar.plan("gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024, constraints=pins)
-    bf16 = autopar.plan("gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024,
-                        constraints={**pins, "grad_reduce": "bf16"})  # fmt: skip
+    bf16 = autopar.plan(
+        "gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024, constraints={**pins, "grad_reduce": "bf16"}
+    )
     assert fp32.grad_reduce == "fp32" and bf16.grad_reduce == "bf16"
     # bandwidth-bound all-reduce of 2.6-5.3 GB: twice the bytes take about twice the time (latency is negligible)
     assert fp32.predicted.grad_sync_s == pytest.approx(2 * bf16.predicted.grad_sync_s, rel=0.02)
     assert fp32.predicted.memory_breakdown["grads"] == pytest.approx(2 * bf16.predicted.memory_breakdown["grads"])
     assert autopar.Plan.from_json(bf16.to_json()).grad_reduce == "bf16"
     with pytest.raises(autopar.ConfigError, match="grad_reduce"):
-        autopar.plan("gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024,
-                     constraints={**pins, "grad_reduce": "fp16"})  # fmt: skip
+        autopar.plan(
+            "gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024, constraints={**pins, "grad_reduce": "fp16"}
+        )
 
 
 def test_prefetch_depth_is_written_for_layouts_that_gather_and_read_back():
     """A ZeRO >= 1 plan records how far ahead its weights are gathered, and reads it back; a ZeRO-0 plan's file
     keeps its old fields."""
-    deep = autopar.plan("tiny-llama", "cpu:2", global_batch_size=2, seq_len=8, alternatives=False,
-                        constraints={"dp": 2, "tp": 1, "zero": 3, "prefetch_depth": 2})  # fmt: skip
+    deep = autopar.plan(
+        "tiny-llama",
+        "cpu:2",
+        global_batch_size=2,
+        seq_len=8,
+        alternatives=False,
+        constraints={"dp": 2, "tp": 1, "zero": 3, "prefetch_depth": 2},
+    )
     assert deep.prefetch_depth == 2 and json.loads(deep.to_json())["prefetch_depth"] == 2
     assert autopar.Plan.from_json(deep.to_json()).prefetch_depth == 2
-    plain = autopar.plan("tiny-llama", "cpu:2", global_batch_size=2, seq_len=8, alternatives=False,
-                         constraints={"dp": 2, "tp": 1, "zero": 0})  # fmt: skip
+    plain = autopar.plan(
+        "tiny-llama",
+        "cpu:2",
+        global_batch_size=2,
+        seq_len=8,
+        alternatives=False,
+        constraints={"dp": 2, "tp": 1, "zero": 0},
+    )
     assert "prefetch_depth" not in json.loads(plain.to_json())

@@ -93,8 +93,9 @@ def test_pipeline_plan_reports_its_exposed_and_hidden_communication(pinned):
     report = pinned.explain()
     assert "pp: " in report and "hidden (stage sends overlapping compute)" in report
     assert "pipeline transfers are posted ahead" in report
-    off = autopar.plan("gpt3-1.3b", "2x8xA100-80GB", constraints={"pp": 2, "schedule": "1f1b", "overlap": False},
-                       **CASE)  # fmt: skip
+    off = autopar.plan(
+        "gpt3-1.3b", "2x8xA100-80GB", constraints={"pp": 2, "schedule": "1f1b", "overlap": False}, **CASE
+    )
     assert not off.hidden_communication and not off.overlap
     assert all(
         st["transfer_exposed_per_microbatch_s"] == st["transfer_per_microbatch_s"] for st in off.pipeline["stages"]

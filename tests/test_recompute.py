@@ -50,8 +50,9 @@ def _eager_grads(name: str) -> dict:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize(("name", "mode"), [("llama", "full"), ("llama", "selective"), ("gpt2", "full"),
-                                            ("bert", "selective")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "mode"), [("llama", "full"), ("llama", "selective"), ("gpt2", "full"), ("bert", "selective")]
+)
 def test_recompute_gives_the_same_gradients(name, mode):
     plain, plain_loss, plain_grads = _grads(name, "none")
     pm, loss, grads = _grads(name, mode)

@@ -39,8 +39,12 @@ FAILED: list[str] = []
 CPU_REPEATS = 3
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device, grad_to_none: Sequence[torch.Tensor] = (),
-             repeats: int = CPU_REPEATS) -> float:  # fmt: skip
+def _time_ms(
+    fn: Callable[[], object],
+    device: torch.device,
+    grad_to_none: Sequence[torch.Tensor] = (),
+    repeats: int = CPU_REPEATS,
+) -> float:
     """Milliseconds per call of `fn`: do_bench's CUDA events on a GPU, the median of `repeats` by a CPU clock."""
     if device.type == "cuda":
         from triton.testing import do_bench
@@ -125,9 +129,13 @@ def _check_norms(rows, cols, dtype, gen, device) -> None:
     dy = torch.randn(rows, cols, device=device, dtype=dtype, generator=gen)
     cases = (
         ("rms_norm", lambda x, w: rms_norm(x, w, 1e-6), lambda x, w: F.rms_norm(x, (cols,), w, 1e-6), [x, w]),
-        ("layer_norm", lambda x, w, b: layer_norm(x, w, b, 1e-5),
-         lambda x, w, b: F.layer_norm(x, (cols,), w, b, 1e-5), [x, w, b]),
-    )  # fmt: skip
+        (
+            "layer_norm",
+            lambda x, w, b: layer_norm(x, w, b, 1e-5),
+            lambda x, w, b: F.layer_norm(x, (cols,), w, b, 1e-5),
+            [x, w, b],
+        ),
+    )
     for name, ours, theirs, params in cases:
         out, grads = _grads_of(ours, params, dy)
         ref, ref_grads = _grads_of(theirs, [t.float() for t in params], dy.float())
@@ -186,8 +194,9 @@ def check_correctness(device: torch.device, smoke: bool = False) -> None:
         _check_cross_entropy(*case, gen, device)
 
 
-def _attention_row(batch: int, heads: int, seq: int, head_dim: int, causal: bool, device: torch.device,
-                   repeats: int) -> list[float]:  # fmt: skip
+def _attention_row(
+    batch: int, heads: int, seq: int, head_dim: int, causal: bool, device: torch.device, repeats: int
+) -> list[float]:
     """TFLOP/s: ours forward, SDPA forward, ours forward+backward, SDPA forward+backward."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -214,8 +223,14 @@ def _attention_row(batch: int, heads: int, seq: int, head_dim: int, causal: bool
     return row
 
 
-def bench_attention(seq_lens: list[int], head_dims: list[int], device: torch.device, tokens: int = 16384,
-                    width: int = 2048, repeats: int = CPU_REPEATS) -> None:  # fmt: skip
+def bench_attention(
+    seq_lens: list[int],
+    head_dims: list[int],
+    device: torch.device,
+    tokens: int = 16384,
+    width: int = 2048,
+    repeats: int = CPU_REPEATS,
+) -> None:
     """TFLOP/s of our forward and forward+backward next to SDPA's flash backend, bf16.
 
     Each shape holds `tokens` tokens per batch (batch = tokens / seq) and heads of `width` / head_dim; `repeats`
@@ -232,8 +247,9 @@ def bench_attention(seq_lens: list[int], head_dims: list[int], device: torch.dev
                 print(f"  {shape:28s} {causal!s:>6s} " + " ".join(_rate(x) for x in row), flush=True)
 
 
-def _cross_entropy_row(tokens: int, hidden_dim: int, vocab: int, device: torch.device,
-                       repeats: int) -> list[float | None]:  # fmt: skip
+def _cross_entropy_row(
+    tokens: int, hidden_dim: int, vocab: int, device: torch.device, repeats: int
+) -> list[float | None]:
     """ms ours, ms materialised, peak GiB ours, peak GiB materialised (forward+backward; None off CUDA)."""
     from autopar.triton_kernels import linear_cross_entropy
 
@@ -254,8 +270,13 @@ def _cross_entropy_row(tokens: int, hidden_dim: int, vocab: int, device: torch.d
     return row
 
 
-def bench_cross_entropy(token_counts: list[int], device: torch.device, hidden_dim: int = 4096,
-                        vocab: int = 128256, repeats: int = CPU_REPEATS) -> None:  # fmt: skip
+def bench_cross_entropy(
+    token_counts: list[int],
+    device: torch.device,
+    hidden_dim: int = 4096,
+    vocab: int = 128256,
+    repeats: int = CPU_REPEATS,
+) -> None:
     """Time of forward+backward and peak memory above the inputs, fused op against materialised logits."""
     print(f"\nlinear + cross-entropy, bf16, hidden {hidden_dim}, vocab {vocab} (forward+backward):")
     print(f"  {'tokens':>7s} {'ms ours':>9s} {'ms torch':>9s} {'peak GiB ours':>14s} {'peak GiB torch':>15s}")
@@ -269,29 +290,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autopar.triton_kernels.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="seq 1k and 4k, head dim 128, one token count")
     parser.add_argument("--skip-correctness", action="store_true", help="only time the kernels")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cpu runs the kernels in the Triton interpreter (needs TRITON_INTERPRET=1)")  # fmt: skip
-    parser.add_argument("--smoke", action="store_true",
-                        help="every check and timing row at tiny sizes, few repeats: does the script run")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu runs the kernels in the Triton interpreter (needs TRITON_INTERPRET=1)",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every check and timing row at tiny sizes, few repeats: does the script run",
+    )
     args = parser.parse_args(argv)
     FAILED.clear()  # main may run more than once in a process (tests)
     from autopar.triton_kernels import kernels_interpreted
 
     if args.device == "cpu":
         if not kernels_interpreted():
-            print("autopar.triton_kernels.bench: --device cpu runs the kernels in the Triton interpreter, and "
-                  "TRITON_INTERPRET is not set; run it as TRITON_INTERPRET=1 python -m autopar.triton_kernels.bench "
-                  "--device cpu.")  # fmt: skip
+            print(
+                "autopar.triton_kernels.bench: --device cpu runs the kernels in the Triton interpreter, and "
+                "TRITON_INTERPRET is not set; run it as TRITON_INTERPRET=1 python -m autopar.triton_kernels.bench "
+                "--device cpu."
+            )
             return 2
         print(f"device: cpu (Triton interpreter), torch {torch.__version__}")
     else:
         if not torch.cuda.is_available():
-            print("autopar.triton_kernels.bench: no CUDA device is available; this benchmark needs a GPU (or "
-                  "--device cpu with TRITON_INTERPRET=1 to check that it runs). Nothing to run.")  # fmt: skip
+            print(
+                "autopar.triton_kernels.bench: no CUDA device is available; this benchmark needs a GPU (or "
+                "--device cpu with TRITON_INTERPRET=1 to check that it runs). Nothing to run."
+            )
             return 0
         if kernels_interpreted():
-            print("autopar.triton_kernels.bench: TRITON_INTERPRET is set, so the kernels would run in the "
-                  "interpreter; unset it to benchmark the compiled kernels.")  # fmt: skip
+            print(
+                "autopar.triton_kernels.bench: TRITON_INTERPRET is set, so the kernels would run in the "
+                "interpreter; unset it to benchmark the compiled kernels."
+            )
             return 1
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     device = torch.device(args.device)

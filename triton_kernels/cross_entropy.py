@@ -189,9 +189,17 @@ def _forward(
         chunk_logits = logits[: end - start]
         torch.mm(hidden_chunk, weight.t(), out=chunk_logits)
         _cross_entropy_kernel[(end - start,)](
-            chunk_logits, labels1[start:end], token_loss[start:end], inv_count, chunk_logits.stride(0), vocab,
-            ignore_index, WRITE_GRAD=need_grad_hidden or need_grad_weight, BLOCK_V=_BLOCK_V, num_warps=_NUM_WARPS,
-        )  # fmt: skip
+            chunk_logits,
+            labels1[start:end],
+            token_loss[start:end],
+            inv_count,
+            chunk_logits.stride(0),
+            vocab,
+            ignore_index,
+            WRITE_GRAD=need_grad_hidden or need_grad_weight,
+            BLOCK_V=_BLOCK_V,
+            num_warps=_NUM_WARPS,
+        )
         if need_grad_hidden:
             torch.mm(chunk_logits, weight, out=grad_hidden[start:end])
         if grad_weight_acc is not None:

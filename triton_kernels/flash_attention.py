@@ -227,13 +227,49 @@ def _attn_fwd_kernel(
         hi_full = (seq_k // BLOCK_N) * BLOCK_N
         hi = seq_k
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, hi_full, seq_k, qk_scale_log2,
-        diag, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
-    )  # fmt: skip
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        0,
+        hi_full,
+        seq_k,
+        qk_scale_log2,
+        diag,
+        False,
+        IS_CAUSAL,
+        HEAD_DIM,
+        BLOCK_N,
+        DOT_PRECISION,
+    )
     acc, l_i, m_i = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, hi_full, hi, seq_k, qk_scale_log2,
-        diag, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
-    )  # fmt: skip
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        hi_full,
+        hi,
+        seq_k,
+        qk_scale_log2,
+        diag,
+        True,
+        IS_CAUSAL,
+        HEAD_DIM,
+        BLOCK_N,
+        DOT_PRECISION,
+    )
 
     # A row that saw no key (causal with diag < 0) has l = 0: its output is 0 and its LSE -inf, so that a merge
     # over key blocks gives it no weight.
@@ -409,13 +445,51 @@ def _attn_bwd_dkdv_kernel(
         do_base = do_ptr + batch * stride_dob + head * stride_doh
         row_base = (batch * num_heads_q + head) * seq_q
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_ptr + row_base, delta_ptr + row_base, stride_qm, stride_dom,
-            offs_n, offs_d, lo, mid, seq_q, qk_scale_log2, diag, True, HEAD_DIM, BLOCK_M, DOT_PRECISION,
-        )  # fmt: skip
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_ptr + row_base,
+            delta_ptr + row_base,
+            stride_qm,
+            stride_dom,
+            offs_n,
+            offs_d,
+            lo,
+            mid,
+            seq_q,
+            qk_scale_log2,
+            diag,
+            True,
+            HEAD_DIM,
+            BLOCK_M,
+            DOT_PRECISION,
+        )
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, lse_ptr + row_base, delta_ptr + row_base, stride_qm, stride_dom,
-            offs_n, offs_d, mid, seq_q, seq_q, qk_scale_log2, diag, False, HEAD_DIM, BLOCK_M, DOT_PRECISION,
-        )  # fmt: skip
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            lse_ptr + row_base,
+            delta_ptr + row_base,
+            stride_qm,
+            stride_dom,
+            offs_n,
+            offs_d,
+            mid,
+            seq_q,
+            seq_q,
+            qk_scale_log2,
+            diag,
+            False,
+            HEAD_DIM,
+            BLOCK_M,
+            DOT_PRECISION,
+        )
     dk *= sm_scale
     dk_offs = batch * stride_dkb + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :]
     tl.store(dk_ptr + dk_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
@@ -531,13 +605,51 @@ def _attn_bwd_dq_kernel(
         hi_full = (seq_k // BLOCK_N) * BLOCK_N
         hi = seq_k
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, 0, hi_full, seq_k,
-        qk_scale_log2, diag, False, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
-    )  # fmt: skip
+        dq,
+        q,
+        do,
+        lse_log2,
+        delta,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        0,
+        hi_full,
+        seq_k,
+        qk_scale_log2,
+        diag,
+        False,
+        IS_CAUSAL,
+        HEAD_DIM,
+        BLOCK_N,
+        DOT_PRECISION,
+    )
     dq = _attn_bwd_dq_inner(
-        dq, q, do, lse_log2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, hi_full, hi, seq_k,
-        qk_scale_log2, diag, True, IS_CAUSAL, HEAD_DIM, BLOCK_N, DOT_PRECISION,
-    )  # fmt: skip
+        dq,
+        q,
+        do,
+        lse_log2,
+        delta,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_d,
+        hi_full,
+        hi,
+        seq_k,
+        qk_scale_log2,
+        diag,
+        True,
+        IS_CAUSAL,
+        HEAD_DIM,
+        BLOCK_N,
+        DOT_PRECISION,
+    )
     dq *= sm_scale
     dq_base = dq_ptr + batch * stride_dqb + head.to(tl.int64) * stride_dqh
     tl.store(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], dq.to(dq_ptr.dtype.element_ty), mask=io_mask)
@@ -622,13 +734,34 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, diag: 
         return (triton.cdiv(seq_q, meta["BLOCK_M"]), heads_q, batch)
 
     _attn_fwd_kernel[grid](
-        q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        heads_q, heads_q // heads_kv, seq_q, seq_k, scale * _LOG2E, diag,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim), IS_CAUSAL=causal,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        heads_q,
+        heads_q // heads_kv,
+        seq_q,
+        seq_k,
+        scale * _LOG2E,
+        diag,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=_head_dim_pad(head_dim),
+        IS_CAUSAL=causal,
         DOT_PRECISION=_dot_precision(q.dtype),
-    )  # fmt: skip
+    )
     return out, lse
 
 
@@ -658,10 +791,22 @@ def _backward(
     dlse = None if grad_lse is None else grad_lse.to(torch.float32).contiguous()
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim))
     _attn_bwd_preprocess_kernel[(triton.cdiv(seq_q, _PREPROCESS_BLOCK_M), heads_q, batch)](
-        out, grad_out, dlse if dlse is not None else delta, delta,
-        out.stride(0), out.stride(1), out.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-        heads_q, seq_q, HAS_DLSE=dlse is not None, BLOCK_M=_PREPROCESS_BLOCK_M, **common,
-    )  # fmt: skip
+        out,
+        grad_out,
+        dlse if dlse is not None else delta,
+        delta,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        grad_out.stride(2),
+        heads_q,
+        seq_q,
+        HAS_DLSE=dlse is not None,
+        BLOCK_M=_PREPROCESS_BLOCK_M,
+        **common,
+    )
     common.update(IS_CAUSAL=causal, DOT_PRECISION=_dot_precision(q.dtype))
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
     qkv_strides += (v.stride(0), v.stride(1), v.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2))
@@ -797,9 +942,18 @@ def attention_block_forward(
 
 
 def attention_block_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
-    q_offset: int = 0, k_offset: int = 0,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    q_offset: int = 0,
+    k_offset: int = 0,
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of one block (the mask of :func:`attention_block_forward`), given `out` and `lse`.
 
     Pass the *merged* output and LSE of the query rows over every key block: then each block's gradients are its
@@ -809,5 +963,6 @@ def attention_block_backward(
     """
     _check_inputs(q, k, v)
     lse = lse.to(torch.float32)
-    return _backward(grad_out.to(q.dtype), None, q, k, v, out, lse, bool(causal), float(scale),
-                     int(q_offset) - int(k_offset))  # fmt: skip
+    return _backward(
+        grad_out.to(q.dtype), None, q, k, v, out, lse, bool(causal), float(scale), int(q_offset) - int(k_offset)
+    )

@@ -248,9 +248,21 @@ def _rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> t
     dw_partial = torch.empty((num_programs, n_cols), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(n_cols)
     _rms_norm_bwd_kernel[(num_programs,)](
-        dy2, x2, weight, rstd, dx, dw_partial, dy2.stride(0), x2.stride(0), dx.stride(0),
-        n_rows, n_cols, rows_per_program, BLOCK=block, num_warps=_num_warps(block),
-    )  # fmt: skip
+        dy2,
+        x2,
+        weight,
+        rstd,
+        dx,
+        dw_partial,
+        dy2.stride(0),
+        x2.stride(0),
+        dx.stride(0),
+        n_rows,
+        n_cols,
+        rows_per_program,
+        BLOCK=block,
+        num_warps=_num_warps(block),
+    )
     return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
 
 
@@ -264,9 +276,20 @@ def _layer_norm_forward(x: Tensor, weight: Tensor, bias: Tensor | None, eps: flo
     if n_rows > 0:
         block = triton.next_power_of_2(n_cols)
         _layer_norm_fwd_kernel[(n_rows,)](
-            x2, weight, weight if bias is None else bias, y, mean, rstd, x2.stride(0), y.stride(0), n_cols, eps,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=_num_warps(block),
-        )  # fmt: skip
+            x2,
+            weight,
+            weight if bias is None else bias,
+            y,
+            mean,
+            rstd,
+            x2.stride(0),
+            y.stride(0),
+            n_cols,
+            eps,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=_num_warps(block),
+        )
     return y.view(x.shape), mean, rstd
 
 
@@ -284,9 +307,23 @@ def _layer_norm_backward(
     db_partial = torch.empty_like(dw_partial)
     block = triton.next_power_of_2(n_cols)
     _layer_norm_bwd_kernel[(num_programs,)](
-        dy2, x2, weight, mean, rstd, dx, dw_partial, db_partial, dy2.stride(0), x2.stride(0), dx.stride(0),
-        n_rows, n_cols, rows_per_program, BLOCK=block, num_warps=_num_warps(block),
-    )  # fmt: skip
+        dy2,
+        x2,
+        weight,
+        mean,
+        rstd,
+        dx,
+        dw_partial,
+        db_partial,
+        dy2.stride(0),
+        x2.stride(0),
+        dx.stride(0),
+        n_rows,
+        n_cols,
+        rows_per_program,
+        BLOCK=block,
+        num_warps=_num_warps(block),
+    )
     return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype)
 
 

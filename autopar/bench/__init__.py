@@ -24,8 +24,15 @@ SUITES = ("plans", "compile", "run", "soak", "checkpoint")
 DEFAULT_CLUSTERS = {"run": "cpu:2", "soak": "cpu:4", "checkpoint": "cpu:2"}
 
 
-def run_suite(suite: str, out_dir: str | Path, *, quick: bool = False, cluster: str | None = None,
-              show_progress: bool = True, **picks):  # fmt: skip
+def run_suite(
+    suite: str,
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    cluster: str | None = None,
+    show_progress: bool = True,
+    **picks,
+):
     """Run one suite by name and return what it wrote to its JSON file.
 
     Args:

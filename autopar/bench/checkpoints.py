@@ -70,9 +70,17 @@ def _rss_bytes() -> int | None:
 def _llama(hidden: int, layers: int, intermediate: int, vocab: int, heads: int = 4) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=256,
-                      use_cache=False, attn_implementation="sdpa")  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=256,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -111,8 +119,14 @@ def _soak_rank(rank: int, world: int, root: str, settings: SoakSettings, show: b
     torch.manual_seed(0)
     model = _llama(64, 2, 128, 256)
     args, kwargs = _batch(256, settings.batch, settings.seq)
-    pm = autopar.compile(model, f"cpu:{world}", args, kwargs, constraints=dict(settings.constraints),
-                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))  # fmt: skip
+    pm = autopar.compile(
+        model,
+        f"cpu:{world}",
+        args,
+        kwargs,
+        constraints=dict(settings.constraints),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+    )
     _say(rank, show, f"soak: {pm.plan.summary()}")
     records, losses = [], []
     t0 = time.perf_counter()
@@ -127,18 +141,42 @@ def _soak_rank(rank: int, world: int, root: str, settings: SoakSettings, show: b
         extra = pm.load_checkpoint(path)
         t_done = time.perf_counter()
         after = pm.eval_step(*args, **kwargs)
-        records.append({"step": step, "rss_bytes": _rss_bytes(), "save_s": t_load - t_save, "load_s": t_done - t_load,
-                        "loaded": extra == {"step": step} and after == before and pm.num_steps == step,
-                        "latest": Path(latest_checkpoint(root) or "").resolve() == Path(path)})  # fmt: skip
-        _say(rank, show, f"soak: step {step}, rank 0 RSS {fmt_gib(records[-1]['rss_bytes'])}, "
-                         f"{(time.perf_counter() - t0) / step * 1e3:.0f} ms/step")  # fmt: skip
+        records.append(
+            {
+                "step": step,
+                "rss_bytes": _rss_bytes(),
+                "save_s": t_load - t_save,
+                "load_s": t_done - t_load,
+                "loaded": extra == {"step": step} and after == before and pm.num_steps == step,
+                "latest": Path(latest_checkpoint(root) or "").resolve() == Path(path),
+            }
+        )
+        _say(
+            rank,
+            show,
+            f"soak: step {step}, rank 0 RSS {fmt_gib(records[-1]['rss_bytes'])}, "
+            f"{(time.perf_counter() - t0) / step * 1e3:.0f} ms/step",
+        )
     kept = sorted(int(read_marker(p)["step"]) for p in Path(root).iterdir() if read_marker(p) is not None)
-    return {"rank": rank, "records": records, "kept_steps": kept, "losses": losses, "program": str(pm.plan.program),
-            "mesh": dict(pm.plan.mesh), "wall_s": time.perf_counter() - t0}  # fmt: skip
+    return {
+        "rank": rank,
+        "records": records,
+        "kept_steps": kept,
+        "losses": losses,
+        "program": str(pm.plan.program),
+        "mesh": dict(pm.plan.mesh),
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
-def run_soak(out_dir, *, cluster: str = "cpu:4", quick: bool = False, show_progress: bool = True,
-             settings: SoakSettings | None = None) -> dict:  # fmt: skip
+def run_soak(
+    out_dir,
+    *,
+    cluster: str = "cpu:4",
+    quick: bool = False,
+    show_progress: bool = True,
+    settings: SoakSettings | None = None,
+) -> dict:
     """Run the soak (see the module docstring) and write soak.json and soak.md into `out_dir`."""
     world = _cpu_world(cluster)
     settings = settings or (SoakSettings(steps=60, every=10, constraints=()) if quick else SoakSettings())
@@ -153,9 +191,17 @@ def run_soak(out_dir, *, cluster: str = "cpu:4", quick: bool = False, show_progr
     finally:
         shutil.rmtree(root, ignore_errors=True)
     expected = [s for s in range(settings.every, settings.steps + 1, settings.every)][-settings.keep_last :]
-    doc = {"suite": "soak", "environment": environment(), "cluster": cluster, "settings": asdict(settings),
-           "load_average_before": load_before, "load_average_after": _load_average(), "ranks": ranks,
-           "expected_kept_steps": expected, "summary": _soak_summary(ranks, expected)}  # fmt: skip
+    doc = {
+        "suite": "soak",
+        "environment": environment(),
+        "cluster": cluster,
+        "settings": asdict(settings),
+        "load_average_before": load_before,
+        "load_average_after": _load_average(),
+        "ranks": ranks,
+        "expected_kept_steps": expected,
+        "summary": _soak_summary(ranks, expected),
+    }
     write_json(out / "soak.json", doc)
     (out / "soak.md").write_text(soak_markdown(doc))
     return doc
@@ -167,10 +213,12 @@ def _soak_summary(ranks: list[dict], expected: list[int]) -> dict:
     for r in ranks:
         rss = [rec["rss_bytes"] for rec in r["records"] if rec["rss_bytes"] is not None]
         growth[str(r["rank"])] = rss[-1] - rss[1] if len(rss) > 2 else None  # str: the keys JSON writes
-    return {"rss_growth_after_warmup_bytes": growth,
-            "every_checkpoint_loadable": all(rec["loaded"] for r in ranks for rec in r["records"]),
-            "latest_is_the_newest": all(rec["latest"] for r in ranks for rec in r["records"]),
-            "retention_honoured": all(r["kept_steps"] == expected for r in ranks)}  # fmt: skip
+    return {
+        "rss_growth_after_warmup_bytes": growth,
+        "every_checkpoint_loadable": all(rec["loaded"] for r in ranks for rec in r["records"]),
+        "latest_is_the_newest": all(rec["latest"] for r in ranks for rec in r["records"]),
+        "retention_honoured": all(r["kept_steps"] == expected for r in ranks),
+    }
 
 
 def soak_markdown(doc: dict) -> str:
@@ -180,23 +228,33 @@ def soak_markdown(doc: dict) -> str:
     rows = []
     for i, step in enumerate(steps):
         rec0 = ranks[0]["records"][i]
-        rows.append([step] + [fmt_gib(r["records"][i]["rss_bytes"]) for r in ranks]
-                    + [f"{rec0['save_s'] * 1e3:.0f} ms", f"{rec0['load_s'] * 1e3:.0f} ms"])  # fmt: skip
+        rows.append(
+            [step]
+            + [fmt_gib(r["records"][i]["rss_bytes"]) for r in ranks]
+            + [f"{rec0['save_s'] * 1e3:.0f} ms", f"{rec0['load_s'] * 1e3:.0f} ms"]
+        )
     s = doc["summary"]
-    growth = ", ".join(f"rank {k}: {v / 2**20:+.1f} MiB" if v is not None else f"rank {k}: —"
-                       for k, v in s["rss_growth_after_warmup_bytes"].items())  # fmt: skip
-    return "\n".join([
-        f"# autopar bench soak: {doc['settings']['steps']} steps on {doc['cluster']}, a checkpoint every "
-        f"{doc['settings']['every']} (keep_last={doc['settings']['keep_last']})", "",
-        f"Program: {ranks[0]['program']} {ranks[0]['mesh']}; load average {doc['load_average_before']} before, "
-        f"{doc['load_average_after']} after (other work on the machine slows every figure).", "",
-        md_table(header, rows), "",
-        f"- resident set growth from the second checkpoint to the last: {growth}",
-        f"- every checkpoint loaded back with the same eval loss, step and extra: {s['every_checkpoint_loadable']}",
-        f"- latest_checkpoint named the newest after every save: {s['latest_is_the_newest']}",
-        f"- retention kept exactly steps {doc['expected_kept_steps']}: {s['retention_honoured']}",
-        "",
-    ])  # fmt: skip
+    growth = ", ".join(
+        f"rank {k}: {v / 2**20:+.1f} MiB" if v is not None else f"rank {k}: —"
+        for k, v in s["rss_growth_after_warmup_bytes"].items()
+    )
+    return "\n".join(
+        [
+            f"# autopar bench soak: {doc['settings']['steps']} steps on {doc['cluster']}, a checkpoint every "
+            f"{doc['settings']['every']} (keep_last={doc['settings']['keep_last']})",
+            "",
+            f"Program: {ranks[0]['program']} {ranks[0]['mesh']}; load average {doc['load_average_before']} before, "
+            f"{doc['load_average_after']} after (other work on the machine slows every figure).",
+            "",
+            md_table(header, rows),
+            "",
+            f"- resident set growth from the second checkpoint to the last: {growth}",
+            f"- every checkpoint loaded back with the same eval loss, step and extra: {s['every_checkpoint_loadable']}",
+            f"- latest_checkpoint named the newest after every save: {s['latest_is_the_newest']}",
+            f"- retention kept exactly steps {doc['expected_kept_steps']}: {s['retention_honoured']}",
+            "",
+        ]
+    )
 
 
 # ------------------------------------------------------------------------------------ save/load timing
@@ -211,8 +269,14 @@ def _timing_rank(rank: int, world: int, root: str, settings: TimingSettings, sho
     model = _llama(settings.hidden, settings.layers, settings.intermediate, settings.vocab)
     num_params = sum(p.numel() for p in model.parameters())
     args, kwargs = _batch(settings.vocab, 2, 16)
-    pm = autopar.compile(model, f"cpu:{world}", args, kwargs, constraints=dict(settings.constraints),
-                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))  # fmt: skip
+    pm = autopar.compile(
+        model,
+        f"cpu:{world}",
+        args,
+        kwargs,
+        constraints=dict(settings.constraints),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+    )
     del model
     pm.train_step(*args, **kwargs)  # AdamW's moments exist from the first step
     _say(rank, show, f"checkpoint: {num_params / 1e6:.0f}M parameters, {pm.plan.summary()}")
@@ -234,9 +298,17 @@ def _timing_rank(rank: int, world: int, root: str, settings: TimingSettings, sho
         _say(rank, show, f"checkpoint: save {saves[-1]:.2f} s, load {loads[-1]:.2f} s, {size / 2**30:.2f} GiB")
     blocked, committed = _async_timing(rank, pm, root, settings.repeats)
     _say(rank, show, f"checkpoint: async save blocked {blocked[-1]:.2f} s, committed after {committed[-1]:.2f} s")
-    return {"rank": rank, "num_parameters": num_params, "save_s": saves, "load_s": loads, "bytes": size,
-            "async_blocked_s": blocked, "async_committed_s": committed, "program": str(pm.plan.program),
-            "mesh": dict(pm.plan.mesh)}  # fmt: skip
+    return {
+        "rank": rank,
+        "num_parameters": num_params,
+        "save_s": saves,
+        "load_s": loads,
+        "bytes": size,
+        "async_blocked_s": blocked,
+        "async_committed_s": committed,
+        "program": str(pm.plan.program),
+        "mesh": dict(pm.plan.mesh),
+    }
 
 
 def _async_timing(rank: int, pm, root: str, repeats: int) -> tuple[list[float], list[float]]:
@@ -286,12 +358,19 @@ def _torch_save_reference(root: Path, settings: TimingSettings) -> dict:
     return {"save_s": saves, "load_s": loads, "bytes": size}
 
 
-def run_checkpoint_timing(out_dir, *, cluster: str = "cpu:2", quick: bool = False, show_progress: bool = True,
-                          settings: TimingSettings | None = None) -> dict:  # fmt: skip
+def run_checkpoint_timing(
+    out_dir,
+    *,
+    cluster: str = "cpu:2",
+    quick: bool = False,
+    show_progress: bool = True,
+    settings: TimingSettings | None = None,
+) -> dict:
     """Time checkpoint save and load (see the module docstring); write checkpoint.json and checkpoint.md."""
     world = _cpu_world(cluster)
-    settings = settings or (TimingSettings(hidden=256, layers=2, intermediate=512, repeats=2) if quick
-                            else TimingSettings())  # fmt: skip
+    settings = settings or (
+        TimingSettings(hidden=256, layers=2, intermediate=512, repeats=2) if quick else TimingSettings()
+    )
     if world % dict(settings.constraints).get("dp", 1):  # a pinned data axis this cluster cannot hold
         settings = TimingSettings(**(asdict(settings) | {"constraints": ()}))
     out = Path(out_dir)
@@ -303,9 +382,16 @@ def run_checkpoint_timing(out_dir, *, cluster: str = "cpu:2", quick: bool = Fals
         reference = _torch_save_reference(root, settings)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    doc = {"suite": "checkpoint", "environment": environment(), "cluster": cluster, "settings": asdict(settings),
-           "load_average_before": load_before, "load_average_after": _load_average(), "ranks": ranks,
-           "torch_save": reference}  # fmt: skip
+    doc = {
+        "suite": "checkpoint",
+        "environment": environment(),
+        "cluster": cluster,
+        "settings": asdict(settings),
+        "load_average_before": load_before,
+        "load_average_after": _load_average(),
+        "ranks": ranks,
+        "torch_save": reference,
+    }
     write_json(out / "checkpoint.json", doc)
     (out / "checkpoint.md").write_text(checkpoint_markdown(doc))
     return doc
@@ -316,21 +402,41 @@ def checkpoint_markdown(doc: dict) -> str:
     # a collective save or load ends when its slowest rank does
     save = [max(r["save_s"][i] for r in ranks) for i in range(len(ranks[0]["save_s"]))]
     load = [max(r["load_s"][i] for r in ranks) for i in range(len(ranks[0]["load_s"]))]
-    rows = [[f"autopar save_checkpoint / load_checkpoint ({doc['cluster']}, {ranks[0]['program']} "
-             f"{ranks[0]['mesh']})", f"{statistics.median(save):.2f} s", f"{statistics.median(load):.2f} s",
-             fmt_gib(ranks[0]["bytes"])],
-            ["torch.save / torch.load of the full state dicts, one process", f"{statistics.median(ref['save_s']):.2f} s",
-             f"{statistics.median(ref['load_s']):.2f} s", fmt_gib(ref["bytes"])]]  # fmt: skip
+    rows = [
+        [
+            f"autopar save_checkpoint / load_checkpoint ({doc['cluster']}, {ranks[0]['program']} {ranks[0]['mesh']})",
+            f"{statistics.median(save):.2f} s",
+            f"{statistics.median(load):.2f} s",
+            fmt_gib(ranks[0]["bytes"]),
+        ],
+        [
+            "torch.save / torch.load of the full state dicts, one process",
+            f"{statistics.median(ref['save_s']):.2f} s",
+            f"{statistics.median(ref['load_s']):.2f} s",
+            fmt_gib(ref["bytes"]),
+        ],
+    ]
     if "async_blocked_s" in ranks[0]:
         blocked = [max(r["async_blocked_s"][i] for r in ranks) for i in range(len(ranks[0]["async_blocked_s"]))]
         done = [max(r["async_committed_s"][i] for r in ranks) for i in range(len(ranks[0]["async_committed_s"]))]
-        rows.insert(1, ["autopar save_checkpoint(async_save=True): training blocked / until committed",
-                        f"{statistics.median(blocked):.2f} s / {statistics.median(done):.2f} s", "", ""])  # fmt: skip
-    return "\n".join([
-        f"# autopar bench checkpoint: {ranks[0]['num_parameters'] / 1e6:.0f}M parameters, AdamW, fp32", "",
-        md_table(["", "save (median)", "load (median)", "on disk"], rows), "",
-        f"Medians of {len(save)} repetitions, wall clock, the slowest rank's; load average "
-        f"{doc['load_average_before']} before, {doc['load_average_after']} after (other work on the machine slows "
-        f"every figure). The autopar load includes the checks against the model and the RNG and step restore.",
-        "",
-    ])  # fmt: skip
+        rows.insert(
+            1,
+            [
+                "autopar save_checkpoint(async_save=True): training blocked / until committed",
+                f"{statistics.median(blocked):.2f} s / {statistics.median(done):.2f} s",
+                "",
+                "",
+            ],
+        )
+    return "\n".join(
+        [
+            f"# autopar bench checkpoint: {ranks[0]['num_parameters'] / 1e6:.0f}M parameters, AdamW, fp32",
+            "",
+            md_table(["", "save (median)", "load (median)", "on disk"], rows),
+            "",
+            f"Medians of {len(save)} repetitions, wall clock, the slowest rank's; load average "
+            f"{doc['load_average_before']} before, {doc['load_average_after']} after (other work on the machine slows "
+            f"every figure). The autopar load includes the checks against the model and the RNG and step restore.",
+            "",
+        ]
+    )

@@ -120,8 +120,10 @@ def pyplot():
 
 
 def env_md(env: dict) -> str:
-    return (f"autopar {env['autopar_version']}, torch {env['torch_version']}, Python {env['python_version']} on "
-            f"{env['processor']} ({env['cpu_count']} CPUs), {env['platform']}, {env['time_utc']}")  # fmt: skip
+    return (
+        f"autopar {env['autopar_version']}, torch {env['torch_version']}, Python {env['python_version']} on "
+        f"{env['processor']} ({env['cpu_count']} CPUs), {env['platform']}, {env['time_utc']}"
+    )
 
 
 def _rank_entry(rank: int, world: int, folder: str, fn, args) -> None:
@@ -134,8 +136,9 @@ def _rank_entry(rank: int, world: int, folder: str, fn, args) -> None:
     try:
         torch.save({"ok": True, "result": fn(rank, world, *args)}, f"{folder}/rank{rank}.pt")
     except BaseException as e:  # the parent reports it with this rank's traceback
-        torch.save({"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"},
-                   f"{folder}/rank{rank}.pt")  # fmt: skip
+        torch.save(
+            {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}, f"{folder}/rank{rank}.pt"
+        )
     finally:
         dist.destroy_process_group()
 
@@ -146,8 +149,9 @@ def run_on_ranks(world: int, fn, *args, label: str) -> list:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(_rank_entry, args=(world, folder, fn, args), nprocs=world, join=False,
-                                 start_method="spawn")  # fmt: skip
+        ctx = mp.start_processes(
+            _rank_entry, args=(world, folder, fn, args), nprocs=world, join=False, start_method="spawn"
+        )
         while not ctx.join():
             pass
         out = []

@@ -44,11 +44,18 @@ class CompileSweep:
     seq_len: int
 
 
-SWEEP = CompileSweep("llama2-7b", (2, 4, 8, 16, 32, 64, 128), "4x8xH100-80GB", 32,
-                     ("8xH100-80GB", "2x8xH100-80GB", "8x8xH100-80GB", "32x8xH100-80GB", "128x8xH100-80GB",
-                      "512x8xH100-80GB"), 4096, 1024)  # fmt: skip
-QUICK_SWEEP = CompileSweep("llama2-7b", (2, 8, 32), "4x8xH100-80GB", 4, ("8xH100-80GB", "8x8xH100-80GB",
-                           "64x8xH100-80GB"), 4096, 1024)  # fmt: skip
+SWEEP = CompileSweep(
+    "llama2-7b",
+    (2, 4, 8, 16, 32, 64, 128),
+    "4x8xH100-80GB",
+    32,
+    ("8xH100-80GB", "2x8xH100-80GB", "8x8xH100-80GB", "32x8xH100-80GB", "128x8xH100-80GB", "512x8xH100-80GB"),
+    4096,
+    1024,
+)
+QUICK_SWEEP = CompileSweep(
+    "llama2-7b", (2, 8, 32), "4x8xH100-80GB", 4, ("8xH100-80GB", "8x8xH100-80GB", "64x8xH100-80GB"), 4096, 1024
+)
 
 
 def _trace(model: str, num_layers: int, batch: int, seq: int):
@@ -71,16 +78,26 @@ def _point(module, args, kwargs, traced, export_s: float, cluster: str) -> dict:
     # With `_traced`, the plan's trace_time_s is the OpGraph build: tracing is export + that.
     graph_s = plan.stats["trace_time_s"]
     solve_s = plan.stats["solve_time_s"]
-    return {"cluster": cluster, "world_size": spec.world_size, "trace_time_s": export_s + graph_s,
-            "export_time_s": export_s, "graph_build_time_s": graph_s, "solve_time_s": solve_s,
-            "other_time_s": max(total - graph_s - solve_s, 0.0), "rewrite_time_s": 0.0,
-            "total_time_s": export_s + total, "graph_nodes": plan.stats.get("graph_nodes"),
-            "decision_groups": plan.stats.get("decision_groups"), "candidates_solved": len(plan.alternatives),
-            "mesh": dict(plan.mesh)}  # fmt: skip
+    return {
+        "cluster": cluster,
+        "world_size": spec.world_size,
+        "trace_time_s": export_s + graph_s,
+        "export_time_s": export_s,
+        "graph_build_time_s": graph_s,
+        "solve_time_s": solve_s,
+        "other_time_s": max(total - graph_s - solve_s, 0.0),
+        "rewrite_time_s": 0.0,
+        "total_time_s": export_s + total,
+        "graph_nodes": plan.stats.get("graph_nodes"),
+        "decision_groups": plan.stats.get("decision_groups"),
+        "candidates_solved": len(plan.alternatives),
+        "mesh": dict(plan.mesh),
+    }
 
 
-def run(out_dir: str | Path, *, quick: bool = False, sweep: CompileSweep | None = None,
-        show_progress: bool = True) -> dict:  # fmt: skip
+def run(
+    out_dir: str | Path, *, quick: bool = False, sweep: CompileSweep | None = None, show_progress: bool = True
+) -> dict:
     """Run both sweeps and write `compile.json`, `compile.md` and `compile.png` into `out_dir`.
 
     Args:
@@ -96,12 +113,19 @@ def run(out_dir: str | Path, *, quick: bool = False, sweep: CompileSweep | None 
         traced = _trace(sweep.model, n, b, s)
         layers.append({"num_layers": n} | _point(*traced, sweep.layers_cluster))
     module, args, kwargs, traced, export_s = _trace(sweep.model, sweep.devices_layers, b, s)
-    devices = [{"num_layers": sweep.devices_layers} | _point(module, args, kwargs, traced, export_s, c)
-               for c in progress(sweep.devices, desc="compile: devices", enabled=show_progress)]  # fmt: skip
-    doc = {"environment": environment(), "sweep": asdict(sweep), "memory_budget": NO_BUDGET,
-           "rewrite_note": "rewrite_time_s is 0: planning only; autopar bench run reports the full compile time",
-           "devices_note": "the device sweep traces once; its trace_time_s repeats that measurement",
-           "layers": layers, "devices": devices}  # fmt: skip
+    devices = [
+        {"num_layers": sweep.devices_layers} | _point(module, args, kwargs, traced, export_s, c)
+        for c in progress(sweep.devices, desc="compile: devices", enabled=show_progress)
+    ]
+    doc = {
+        "environment": environment(),
+        "sweep": asdict(sweep),
+        "memory_budget": NO_BUDGET,
+        "rewrite_note": "rewrite_time_s is 0: planning only; autopar bench run reports the full compile time",
+        "devices_note": "the device sweep traces once; its trace_time_s repeats that measurement",
+        "layers": layers,
+        "devices": devices,
+    }
     out = Path(out_dir)
     write_json(out / "compile.json", doc)
     (out / "compile.md").write_text(markdown(doc))
@@ -110,9 +134,21 @@ def run(out_dir: str | Path, *, quick: bool = False, sweep: CompileSweep | None 
 
 
 def _rows(points: list[dict], key: str) -> list[list]:
-    return [[p[key], p["cluster"], p["graph_nodes"], p["decision_groups"], p["candidates_solved"],
-             f"{p['trace_time_s']:.2f}", f"{p['solve_time_s']:.2f}", f"{p['other_time_s']:.2f}",
-             f"{p['rewrite_time_s']:.2f}", f"{p['total_time_s']:.2f}"] for p in points]  # fmt: skip
+    return [
+        [
+            p[key],
+            p["cluster"],
+            p["graph_nodes"],
+            p["decision_groups"],
+            p["candidates_solved"],
+            f"{p['trace_time_s']:.2f}",
+            f"{p['solve_time_s']:.2f}",
+            f"{p['other_time_s']:.2f}",
+            f"{p['rewrite_time_s']:.2f}",
+            f"{p['total_time_s']:.2f}",
+        ]
+        for p in points
+    ]
 
 
 def markdown(doc: dict) -> str:
@@ -127,13 +163,20 @@ def markdown(doc: dict) -> str:
         "total s",
     ]
     sw = doc["sweep"]
-    return "\n\n".join([
-        "# autopar bench compile",
-        f"Planning time of {sw['model']} (batch {sw['global_batch_size']}x{sw['seq_len']}, memory budget lifted). "
-        f"{doc['rewrite_note']}; {doc['devices_note']}. " + env_md(doc["environment"]),
-        "## Layers", md_table(["layers", "cluster"] + cols, _rows(doc["layers"], "num_layers")),
-        "## Devices", md_table(["devices", "cluster"] + cols, _rows(doc["devices"], "world_size")),
-    ]) + "\n"  # fmt: skip
+    return (
+        "\n\n".join(
+            [
+                "# autopar bench compile",
+                f"Planning time of {sw['model']} (batch {sw['global_batch_size']}x{sw['seq_len']}, memory budget lifted). "
+                f"{doc['rewrite_note']}; {doc['devices_note']}. " + env_md(doc["environment"]),
+                "## Layers",
+                md_table(["layers", "cluster"] + cols, _rows(doc["layers"], "num_layers")),
+                "## Devices",
+                md_table(["devices", "cluster"] + cols, _rows(doc["devices"], "world_size")),
+            ]
+        )
+        + "\n"
+    )
 
 
 def plot(doc: dict, path: Path) -> None:
@@ -142,8 +185,10 @@ def plot(doc: dict, path: Path) -> None:
     if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, points, key, label in ((axes[0], doc["layers"], "num_layers", "layers"),
-                                   (axes[1], doc["devices"], "world_size", "devices")):  # fmt: skip
+    for ax, points, key, label in (
+        (axes[0], doc["layers"], "num_layers", "layers"),
+        (axes[1], doc["devices"], "world_size", "devices"),
+    ):
         xs = [p[key] for p in points]
         for phase in ("trace_time_s", "solve_time_s", "other_time_s", "total_time_s"):
             ax.plot(xs, [p[phase] for p in points], marker="o", label=phase.removesuffix("_time_s"))

@@ -89,8 +89,9 @@ def check_merge(device, dtype, seq: int, num_ranks: int, heads: int, head_dim: i
         part = None
         for _, kc, causal in (p for p in zigzag_pairs(num_ranks) if p[0] == qc):
             qs, ks = slice(qc * n, (qc + 1) * n), slice(kc * n, (kc + 1) * n)
-            found = attention_block_forward(q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, scale=scale,
-                                            q_offset=qc * n, k_offset=kc * n)  # fmt: skip
+            found = attention_block_forward(
+                q[:, :, qs], k[:, :, ks], v[:, :, ks], causal=causal, scale=scale, q_offset=qc * n, k_offset=kc * n
+            )
             part = blocks.merge(part, found)
         expected = full[:, :, qc * n : (qc + 1) * n].float()
         worst = max(worst, (part[0].float() - expected).abs().max().item() / (expected.abs().max().item() or 1.0))
@@ -98,8 +99,10 @@ def check_merge(device, dtype, seq: int, num_ranks: int, heads: int, head_dim: i
     ok = math.isfinite(worst) and worst <= tol
     if not ok:
         FAILED.append(f"merge {seq} c={num_ranks}")
-    print(f"  {'ok  ' if ok else 'FAIL'} zig-zag rank 0 of c={num_ranks}, {seq} tokens, merged vs full call: "
-          f"max error {worst:.1e} of the largest value (tol {tol:.0e})")  # fmt: skip
+    print(
+        f"  {'ok  ' if ok else 'FAIL'} zig-zag rank 0 of c={num_ranks}, {seq} tokens, merged vs full call: "
+        f"max error {worst:.1e} of the largest value (tol {tol:.0e})"
+    )
 
 
 def _pair_times(q, k, v, n: int, causal: bool, device, repeats: int) -> tuple[float, float, tuple]:
@@ -114,10 +117,12 @@ def _pair_times(q, k, v, n: int, causal: bool, device, repeats: int) -> tuple[fl
     offsets = {"q_offset": 0 if causal else n, "k_offset": 0}
     out, lse = attention_block_forward(qs, ks, vs, causal=causal, scale=scale, **offsets)
     dout = torch.ones_like(out)
-    fwd = _time_ms(lambda: attention_block_forward(qs, ks, vs, causal=causal, scale=scale, **offsets), device,
-                   repeats)  # fmt: skip
-    bwd = _time_ms(lambda: attention_block_backward(dout, qs, ks, vs, out, lse, causal=causal, scale=scale,
-                                                    **offsets), device, repeats)  # fmt: skip
+    fwd = _time_ms(lambda: attention_block_forward(qs, ks, vs, causal=causal, scale=scale, **offsets), device, repeats)
+    bwd = _time_ms(
+        lambda: attention_block_backward(dout, qs, ks, vs, out, lse, causal=causal, scale=scale, **offsets),
+        device,
+        repeats,
+    )
     return fwd, bwd, (out, lse)
 
 
@@ -127,8 +132,10 @@ def bench_blocks(sequences, degrees, device, dtype, heads: int, head_dim: int, r
 
     rows = []
     print(f"per-block efficiency against one full causal call ({dtype}, {heads} heads, head dim {head_dim})")
-    print(f"  {'tokens':>7} {'c':>2} {'chunk':>6} {'full fwd ms':>11} {'rank fwd ms':>11} {'eff fwd':>7} "
-          f"{'full f+b ms':>11} {'rank f+b ms':>11} {'eff f+b':>7} {'merge ms':>8} {'merge/fwd':>9}  target")  # fmt: skip
+    print(
+        f"  {'tokens':>7} {'c':>2} {'chunk':>6} {'full fwd ms':>11} {'rank fwd ms':>11} {'eff fwd':>7} "
+        f"{'full f+b ms':>11} {'rank f+b ms':>11} {'eff f+b':>7} {'merge ms':>8} {'merge/fwd':>9}  target"
+    )
     for seq in sequences:
         q, k, v = _qkv(seq, heads, head_dim, dtype, device)
         full_fwd, full_bwd, _ = _pair_times(q, k, v, seq, True, device, repeats)
@@ -153,26 +160,43 @@ def bench_blocks(sequences, degrees, device, dtype, heads: int, head_dim: int, r
             merge_ms = _time_ms(merges, device, repeats)
             in_target = n >= TARGET_MIN_CHUNK
             verdict = ("met" if min(eff_fwd, eff_fb) >= TARGET_EFFICIENCY else "missed") if in_target else "n/a"
-            print(f"  {seq:7d} {c:2d} {n:6d} {full_fwd:11.3f} {rank_fwd:11.3f} {eff_fwd:7.2f} "
-                  f"{full_fwd + full_bwd:11.3f} {rank_fb:11.3f} {eff_fb:7.2f} {merge_ms:8.3f} "
-                  f"{merge_ms / rank_fwd:9.3f}  {verdict}")  # fmt: skip
-            rows.append({"tokens": seq, "degree": c, "chunk": n, "efficiency_forward": eff_fwd,
-                         "efficiency_forward_backward": eff_fb, "merge_ms": merge_ms, "target": verdict})  # fmt: skip
+            print(
+                f"  {seq:7d} {c:2d} {n:6d} {full_fwd:11.3f} {rank_fwd:11.3f} {eff_fwd:7.2f} "
+                f"{full_fwd + full_bwd:11.3f} {rank_fb:11.3f} {eff_fb:7.2f} {merge_ms:8.3f} "
+                f"{merge_ms / rank_fwd:9.3f}  {verdict}"
+            )
+            rows.append(
+                {
+                    "tokens": seq,
+                    "degree": c,
+                    "chunk": n,
+                    "efficiency_forward": eff_fwd,
+                    "efficiency_forward_backward": eff_fb,
+                    "merge_ms": merge_ms,
+                    "target": verdict,
+                }
+            )
         del q, k, v
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autopar.bench.cp_blocks", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cpu runs the kernels in the Triton interpreter (needs TRITON_INTERPRET=1)")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu runs the kernels in the Triton interpreter (needs TRITON_INTERPRET=1)",
+    )
     parser.add_argument("--smoke", action="store_true", help="every step at tiny sizes: does the script run")
     args = parser.parse_args(argv)
     FAILED.clear()
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("autopar.bench.cp_blocks: no CUDA device is available; this benchmark measures the Triton attention "
-              "kernel on a GPU and is skipped here (--device cpu --smoke with TRITON_INTERPRET=1 checks that it "
-              "runs). Nothing was measured.")  # fmt: skip
+        print(
+            "autopar.bench.cp_blocks: no CUDA device is available; this benchmark measures the Triton attention "
+            "kernel on a GPU and is skipped here (--device cpu --smoke with TRITON_INTERPRET=1 checks that it "
+            "runs). Nothing was measured."
+        )
         return 0
     from autopar.triton_kernels import kernels_interpreted
 
@@ -190,8 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     print("correctness")
     check_merge(device, dtype, 64 if smoke else 4096, 2, heads, head_dim)
-    bench_blocks(SMOKE_SEQUENCES if smoke else SEQUENCES, SMOKE_DEGREES if smoke else DEGREES, device, dtype,
-                 heads, head_dim, repeats=1 if smoke else 3)  # fmt: skip
+    bench_blocks(
+        SMOKE_SEQUENCES if smoke else SEQUENCES,
+        SMOKE_DEGREES if smoke else DEGREES,
+        device,
+        dtype,
+        heads,
+        head_dim,
+        repeats=1 if smoke else 3,
+    )
     if FAILED:
         print(f"FAILED: {', '.join(FAILED)}")
         return 1

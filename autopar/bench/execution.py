@@ -63,8 +63,9 @@ class RunModel:
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"RunModel {self.name!r}: optimizer {self.optimizer!r}, expected one of "
-                              f"{', '.join(OPTIMIZERS)}")  # fmt: skip
+            raise ConfigError(
+                f"RunModel {self.name!r}: optimizer {self.optimizer!r}, expected one of {', '.join(OPTIMIZERS)}"
+            )
 
 
 # Small enough that a step takes well under a second on one core per rank.
@@ -84,10 +85,8 @@ MODELS: tuple[RunModel, ...] = (
             ("num_key_value_heads", 4),
             ("vocab_size", 2048),
         ),
-    ),  # fmt: skip
-    RunModel(
-        "small-gpt2", "tiny-gpt2", 8, 128, (("n_embd", 256), ("n_layer", 4), ("n_head", 8), ("vocab_size", 2048))
-    ),  # fmt: skip
+    ),
+    RunModel("small-gpt2", "tiny-gpt2", 8, 128, (("n_embd", 256), ("n_layer", 4), ("n_head", 8), ("vocab_size", 2048))),
 )
 QUICK_MODELS: tuple[RunModel, ...] = MODELS[:2]
 # Communication-bound on cpu:2: ~41M parameters in wide layers (164 MB of fp32 gradients, about 0.15 s of gloo
@@ -108,7 +107,7 @@ WIDE_LLAMA = RunModel(
         ("vocab_size", 2048),
     ),
     optimizer="sgd",
-)  # fmt: skip
+)
 # every model `--models` can name
 ALL_MODELS: tuple[RunModel, ...] = MODELS + (WIDE_LLAMA,)
 
@@ -133,8 +132,9 @@ class RunSettings:
     measure_exposed: bool = True
 
 
-QUICK_SETTINGS = RunSettings(warmup_steps=2, repetitions=3, steps_per_repetition=3, calibration_repeats=3,
-                             min_measured_s=0.5, max_repetitions=15)  # fmt: skip
+QUICK_SETTINGS = RunSettings(
+    warmup_steps=2, repetitions=3, steps_per_repetition=3, calibration_repeats=3, min_measured_s=0.5, max_repetitions=15
+)
 
 
 def run_settings(settings: RunSettings, repetitions: int | None = None) -> RunSettings:
@@ -226,8 +226,7 @@ def _spent(t0: float, c0: float, steps: int, rss0: int | None) -> tuple[float, f
     """(wall, CPU time) per step since `t0`, `c0`, the slowest rank's, and the resident-set growth since `rss0`."""
     import torch.distributed as dist
 
-    spent = torch.tensor([(time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps],
-                         dtype=torch.float64)  # fmt: skip
+    spent = torch.tensor([(time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps], dtype=torch.float64)
     dist.all_reduce(spent, op=dist.ReduceOp.MAX)
     hwm = _proc_status("VmHWM")
     wall, cpu = spent.tolist()
@@ -246,8 +245,9 @@ def _model_and_batch(spec: RunModel):
     return config, base, ids
 
 
-def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, say, plans: dict[str, str],
-                 names: tuple[str, ...]) -> dict:  # fmt: skip
+def _train_model(
+    spec: RunModel, settings: RunSettings, rank: int, world: int, say, plans: dict[str, str], names: tuple[str, ...]
+) -> dict:
     config, base, ids = _model_and_batch(spec)
     skip = {"tp": tp_skip_reason(config, world)} if "tp" in names else {}
     skip |= {n: METHODS[n].skip_reason(spec.optimizer) for n in names if METHODS[n].skip_reason(spec.optimizer)}
@@ -258,8 +258,13 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
             methods[n] = METHODS[n](copy.deepcopy(base), ids, rank, world, optimizer=spec.optimizer, **extra)
     skipped = {n: r for n, r in skip.items() if r}
     if not methods:  # every method named skips this model: nothing to time
-        return {"model": spec.name, "num_parameters": sum(p.numel() for p in base.parameters()), "methods": {},
-                "skipped": skipped, "optimizer": spec.optimizer}  # fmt: skip
+        return {
+            "model": spec.name,
+            "num_parameters": sum(p.numel() for p in base.parameters()),
+            "methods": {},
+            "skipped": skipped,
+            "optimizer": spec.optimizer,
+        }
     for m in methods.values():
         for _ in range(settings.warmup_steps):
             m.step()
@@ -283,13 +288,27 @@ def _train_model(spec: RunModel, settings: RunSettings, rank: int, world: int, s
             rss[n].append(grow)
     out = {}
     for n, m in methods.items():
-        out[n] = {"times_s": times[n], "cpu_times_s": cpu_times[n], "rss_delta_bytes": rss[n], "state_bytes": m.state_bytes(),
-                  "setup_time_s": m.setup_time_s, "final_loss": m.last_loss} | m.extra()  # fmt: skip
+        out[n] = {
+            "times_s": times[n],
+            "cpu_times_s": cpu_times[n],
+            "rss_delta_bytes": rss[n],
+            "state_bytes": m.state_bytes(),
+            "setup_time_s": m.setup_time_s,
+            "final_loss": m.last_loss,
+        } | m.extra()
         if settings.measure_exposed:
-            out[n] |= {"noop_times_s": noop_times[n], "noop_collectives_per_step": max(replaced[n]),
-                       "noop_losses_finite": all(finite[n])}  # fmt: skip
-    return {"model": spec.name, "num_parameters": sum(p.numel() for p in base.parameters()), "methods": out,
-            "skipped": skipped, "optimizer": spec.optimizer}  # fmt: skip
+            out[n] |= {
+                "noop_times_s": noop_times[n],
+                "noop_collectives_per_step": max(replaced[n]),
+                "noop_losses_finite": all(finite[n]),
+            }
+    return {
+        "model": spec.name,
+        "num_parameters": sum(p.numel() for p in base.parameters()),
+        "methods": out,
+        "skipped": skipped,
+        "optimizer": spec.optimizer,
+    }
 
 
 def _measure_on_rank(rank: int, world: int, models, settings, show_progress: bool, plans, names) -> list[dict]:
@@ -300,25 +319,49 @@ def _measure_on_rank(rank: int, world: int, models, settings, show_progress: boo
     return [_train_model(spec, settings, rank, world, say, plans.get(spec.name, {}), names) for spec in models]
 
 
-def spawn_ranks(world: int, models, settings: RunSettings, *, show_progress: bool = True,
-                plans: dict[str, dict[str, str]] | None = None,
-                methods: tuple[str, ...] = DEFAULT_METHODS) -> list[list[dict]]:  # fmt: skip
+def spawn_ranks(
+    world: int,
+    models,
+    settings: RunSettings,
+    *,
+    show_progress: bool = True,
+    plans: dict[str, dict[str, str]] | None = None,
+    methods: tuple[str, ...] = DEFAULT_METHODS,
+) -> list[list[dict]]:
     """Run the measurements on `world` spawned gloo ranks; each rank's list of per-model results.
 
     `plans` maps a model's name to {autopar method: the JSON of the plan it runs} (planned on the ranks, with the
     method's constraints, where absent); `methods` names the methods to measure (`METHODS`).
     """
-    return run_on_ranks(world, _measure_on_rank, tuple(models), settings, show_progress, dict(plans or {}),
-                        tuple(methods), label="bench run")  # fmt: skip
+    return run_on_ranks(
+        world,
+        _measure_on_rank,
+        tuple(models),
+        settings,
+        show_progress,
+        dict(plans or {}),
+        tuple(methods),
+        label="bench run",
+    )
 
 
 # ---------------------------------------------------------------------------------------- reporting
 
 
 # what `_summarise` carries over from rank 0's record of a method as it is
-_CARRIED = ("predicted_step_time_s", "predicted_breakdown_s", "program", "mesh", "zero_stage", "plan_stats",
-            "predicted_exposed_comm_s", "predicted_hidden_comm_s", "overlap", "noop_times_s",
-            "noop_collectives_per_step")  # fmt: skip
+_CARRIED = (
+    "predicted_step_time_s",
+    "predicted_breakdown_s",
+    "program",
+    "mesh",
+    "zero_stage",
+    "plan_stats",
+    "predicted_exposed_comm_s",
+    "predicted_hidden_comm_s",
+    "overlap",
+    "noop_times_s",
+    "noop_collectives_per_step",
+)
 
 
 def _summarise(per_rank: list[list[dict]]) -> list[dict]:
@@ -349,11 +392,21 @@ def _summarise(per_rank: list[list[dict]]) -> list[dict]:
         for m in methods.values():
             m["ratio_to_best_baseline"] = m["median_step_time_s"] / base[best] if best else None
             # the methods take turns within a repetition, so a repetition's ratio sees the same load on both
-            m["paired_ratio_to_best_baseline"] = statistics.median(
-                t / b for t, b in zip(m["times_s"], methods[best]["times_s"], strict=True)) if best else None  # fmt: skip
-        results.append({"model": first["model"], "num_parameters": first["num_parameters"], "methods": methods,
-                        "skipped": first["skipped"], "optimizer": first.get("optimizer", "adamw"),
-                        "pairs": _pairs(methods)})  # fmt: skip
+            m["paired_ratio_to_best_baseline"] = (
+                statistics.median(t / b for t, b in zip(m["times_s"], methods[best]["times_s"], strict=True))
+                if best
+                else None
+            )
+        results.append(
+            {
+                "model": first["model"],
+                "num_parameters": first["num_parameters"],
+                "methods": methods,
+                "skipped": first["skipped"],
+                "optimizer": first.get("optimizer", "adamw"),
+                "pairs": _pairs(methods),
+            }
+        )
     return results
 
 
@@ -367,9 +420,12 @@ def _exposed(m: dict, ranks: list[dict]) -> dict:
     if "noop_times_s" not in m:
         return {}
     exposed = [t - n for t, n in zip(m["times_s"], m["noop_times_s"], strict=True)]
-    return {"noop_median_step_time_s": statistics.median(m["noop_times_s"]), "exposed_comm_s": exposed,
-            "measured_exposed_comm_s": _spread(exposed),
-            "noop_losses_finite": all(r["noop_losses_finite"] for r in ranks)}  # fmt: skip
+    return {
+        "noop_median_step_time_s": statistics.median(m["noop_times_s"]),
+        "exposed_comm_s": exposed,
+        "measured_exposed_comm_s": _spread(exposed),
+        "noop_losses_finite": all(r["noop_losses_finite"] for r in ranks),
+    }
 
 
 def _pairs(methods: dict) -> dict:
@@ -406,8 +462,11 @@ def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_pro
     record: dict = {}
     if world > 1:
         if show_progress:
-            print(f"[autopar bench run] measuring gloo all-reduce, all-gather and reduce-scatter among {world} ranks",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[autopar bench run] measuring gloo all-reduce, all-gather and reduce-scatter among {world} ranks",
+                file=sys.stderr,
+                flush=True,
+            )
         times = measure_gloo_collectives(world, repeats)
         record["collective_median_s"] = {kind: {str(k): v for k, v in t.items()} for kind, t in times.items()}
         try:
@@ -422,8 +481,12 @@ def calibrate_cost_model(world: int, folder: Path, *, repeats: int = 5, show_pro
     cluster = ClusterSpec.from_overrides(overrides, source="bench run calibration")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     estimator = ProfiledEstimator(_profile_cache(folder))
-    record |= {"cores": cores, "ranks_per_core_nominal": max(1.0, world / cores), "host": estimator.host_overheads(),
-               "profile_cache": str(estimator.cache_path)}  # fmt: skip
+    record |= {
+        "cores": cores,
+        "ranks_per_core_nominal": max(1.0, world / cores),
+        "host": estimator.host_overheads(),
+        "profile_cache": str(estimator.cache_path),
+    }
     return cluster, record
 
 
@@ -477,27 +540,48 @@ def model_estimator(spec: RunModel, world: int, folder: Path, *, repeats: int = 
     from autopar.trace import trace_model
 
     if show_progress:
-        print(f"[autopar bench run] {spec.name}: measuring its step alone and on {world} ranks at once",
-              file=sys.stderr, flush=True)  # fmt: skip
-    slowdown = measure_shared_core_slowdown(world, make_work=functools.partial(plain_training_step, spec, world)) \
-        if world > 1 else 1.0  # fmt: skip
+        print(
+            f"[autopar bench run] {spec.name}: measuring its step alone and on {world} ranks at once",
+            file=sys.stderr,
+            flush=True,
+        )
+    slowdown = (
+        measure_shared_core_slowdown(world, make_work=functools.partial(plain_training_step, spec, world))
+        if world > 1
+        else 1.0
+    )
     model, ids = _one_rank(spec, world)
     traced = trace_model(model, (ids,), {"labels": ids})
     named = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     params = [named[n].detach().clone().requires_grad_(named[n].requires_grad) for n in traced.param_names]
-    values = placeholder_values(traced, params, [buffers[n] for n in traced.buffer_names],
-                                traced.exported.constants.get, flat_inputs(traced, (ids,), {"labels": ids}))  # fmt: skip
+    values = placeholder_values(
+        traced,
+        params,
+        [buffers[n] for n in traced.buffer_names],
+        traced.exported.constants.get,
+        flat_inputs(traced, (ids,), {"labels": ids}),
+    )
     gm = drop_assertions_pass(traced.graph_module, None)
-    measured = measure_in_step_scale(ProfiledEstimator(_profile_cache(folder)), gm, values,
-                                     loss_index=traced.num_mutated_outputs, repeats=max(repeats, 5))  # fmt: skip
+    measured = measure_in_step_scale(
+        ProfiledEstimator(_profile_cache(folder)),
+        gm,
+        values,
+        loss_index=traced.num_mutated_outputs,
+        repeats=max(repeats, 5),
+    )
     # the optimizer the methods train with, measured as the profile measures AdamW (one thread, as a rank runs)
-    optimizer = None if spec.optimizer == "adamw" else \
-        (spec.optimizer, functools.partial(make_optimizer, kind=spec.optimizer))  # fmt: skip
-    estimator = ProfiledEstimator(_profile_cache(folder), ranks_per_core=slowdown, in_step=measured.scale,
-                                  optimizer=optimizer)  # fmt: skip
-    record = {"shared_core_slowdown": slowdown, "ranks_per_core": estimator.ranks_per_core,
-              "in_step": asdict(measured) | {"scale": list(measured.scale)}}  # fmt: skip
+    optimizer = (
+        None if spec.optimizer == "adamw" else (spec.optimizer, functools.partial(make_optimizer, kind=spec.optimizer))
+    )
+    estimator = ProfiledEstimator(
+        _profile_cache(folder), ranks_per_core=slowdown, in_step=measured.scale, optimizer=optimizer
+    )
+    record = {
+        "shared_core_slowdown": slowdown,
+        "ranks_per_core": estimator.ranks_per_core,
+        "in_step": asdict(measured) | {"scale": list(measured.scale)},
+    }
     if optimizer is not None:
         record["optimizer_step"] = {"optimizer": spec.optimizer} | estimator.optimizer_overheads()
     return estimator, record
@@ -509,12 +593,29 @@ def plan_model(spec: RunModel, cluster, estimator, constraints: dict | None = No
     import autopar
 
     _, base, ids = _model_and_batch(spec)
-    return autopar.plan(base, cluster, example_inputs=(ids,), example_kwargs={"labels": ids}, estimator=estimator,
-                        alternatives=False, constraints=constraints, **(options or {}))  # fmt: skip
+    return autopar.plan(
+        base,
+        cluster,
+        example_inputs=(ids,),
+        example_kwargs={"labels": ids},
+        estimator=estimator,
+        alternatives=False,
+        constraints=constraints,
+        **(options or {}),
+    )
 
 
-def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, models=None, settings=None,
-        show_progress: bool = True, methods=DEFAULT_METHODS, repetitions: int | None = None) -> dict:  # fmt: skip
+def run(
+    out_dir: str | Path,
+    *,
+    cluster: str = "cpu:2",
+    quick: bool = False,
+    models=None,
+    settings=None,
+    show_progress: bool = True,
+    methods=DEFAULT_METHODS,
+    repetitions: int | None = None,
+) -> dict:
     """Run the run suite on local CPU ranks and write `run.json`, `run.md` and `run.png` into `out_dir`.
 
     Args:
@@ -543,26 +644,40 @@ def run(out_dir: str | Path, *, cluster: str = "cpu:2", quick: bool = False, mod
     load_before = _load_average()
     results = []
     for m in models:
-        cluster_spec, record = calibrate_cost_model(world, out, repeats=settings.calibration_repeats,
-                                                    show_progress=show_progress)  # fmt: skip
+        cluster_spec, record = calibrate_cost_model(
+            world, out, repeats=settings.calibration_repeats, show_progress=show_progress
+        )
         link = {k: record.pop(k) for k in _LINK_RECORD if k in record}
         calibration.update(record)
-        estimator, calibration["models"][m.name] = model_estimator(m, world, out, repeats=settings.calibration_repeats,
-                                                                   show_progress=show_progress)  # fmt: skip
+        estimator, calibration["models"][m.name] = model_estimator(
+            m, world, out, repeats=settings.calibration_repeats, show_progress=show_progress
+        )
         calibration["models"][m.name] |= link
-        plans = {n: plan_model(m, cluster_spec, estimator, METHODS[n].constraints(world),
-                               METHODS[n].plan_options()).to_json()
-                 for n in methods if is_autopar(n) and not METHODS[n].skip_reason(m.optimizer)}  # fmt: skip
-        results += _summarise(spawn_ranks(world, [m], settings, show_progress=show_progress, plans={m.name: plans},
-                                          methods=methods))  # fmt: skip
-    doc = {"environment": environment(), "cluster": cluster, "world_size": world, "settings": asdict(settings),
-           "calibration": calibration, "load_average": {"before": load_before, "after": _load_average()},
-           "memory_measure": "state_bytes_per_rank: parameters + gradients + optimizer states held by a rank, "
-                             "counted from its tensors; peak_rss_delta_bytes: growth of the resident set "
-                             "(VmHWM after reset through /proc/self/clear_refs) over a repetition, max over ranks",
-           "time_measure": "median over repetitions of the mean step time of a repetition, slowest rank "
-                           "(CPU time per step: the same for the process's CPU time)",
-           "wall_time_s": time.perf_counter() - t0, "results": results}  # fmt: skip
+        plans = {
+            n: plan_model(
+                m, cluster_spec, estimator, METHODS[n].constraints(world), METHODS[n].plan_options()
+            ).to_json()
+            for n in methods
+            if is_autopar(n) and not METHODS[n].skip_reason(m.optimizer)
+        }
+        results += _summarise(
+            spawn_ranks(world, [m], settings, show_progress=show_progress, plans={m.name: plans}, methods=methods)
+        )
+    doc = {
+        "environment": environment(),
+        "cluster": cluster,
+        "world_size": world,
+        "settings": asdict(settings),
+        "calibration": calibration,
+        "load_average": {"before": load_before, "after": _load_average()},
+        "memory_measure": "state_bytes_per_rank: parameters + gradients + optimizer states held by a rank, "
+        "counted from its tensors; peak_rss_delta_bytes: growth of the resident set "
+        "(VmHWM after reset through /proc/self/clear_refs) over a repetition, max over ranks",
+        "time_measure": "median over repetitions of the mean step time of a repetition, slowest rank "
+        "(CPU time per step: the same for the process's CPU time)",
+        "wall_time_s": time.perf_counter() - t0,
+        "results": results,
+    }
     write_json(out / "run.json", doc)
     (out / "run.md").write_text(markdown(doc))
     plot(results, out / "run.png")
@@ -591,44 +706,72 @@ def markdown(doc: dict) -> str:
     per_core = (doc.get("calibration") or {}).get("ranks_per_core_nominal", 1)
     for r in doc["results"]:
         for name, m in r["methods"].items():
-            rows.append([r["model"], name, fmt_ms(m["median_step_time_s"]),
-                         f"{fmt_ms(m['min_step_time_s'])} – {fmt_ms(m['max_step_time_s'])} ({m['spread']:.0%})",
-                         fmt_ms(m["median_cpu_time_s"]),
-                         fmt_gib(m["state_bytes_per_rank"]), fmt_gib(m["peak_rss_delta_bytes"]),
-                         _ratios(m),
-                         fmt_ms(m.get("predicted_step_time_s")), _prediction_error(m),
-                         _cpu_prediction_error(m, per_core)])  # fmt: skip
+            rows.append(
+                [
+                    r["model"],
+                    name,
+                    fmt_ms(m["median_step_time_s"]),
+                    f"{fmt_ms(m['min_step_time_s'])} – {fmt_ms(m['max_step_time_s'])} ({m['spread']:.0%})",
+                    fmt_ms(m["median_cpu_time_s"]),
+                    fmt_gib(m["state_bytes_per_rank"]),
+                    fmt_gib(m["peak_rss_delta_bytes"]),
+                    _ratios(m),
+                    fmt_ms(m.get("predicted_step_time_s")),
+                    _prediction_error(m),
+                    _cpu_prediction_error(m, per_core),
+                ]
+            )
         for name, reason in r["skipped"].items():
             rows.append([r["model"], name, f"not run: {reason}", None, None, None, None, None, None, None, None])
     s = doc["settings"]
-    return "\n\n".join([
-        f"# autopar bench run ({doc['cluster']})",
-        f"Measured on {doc['world_size']} gloo ranks, one thread each: {s['warmup_steps']} warm-up steps, then "
-        f"at least {s['repetitions']} repetitions of {s['steps_per_repetition']} steps per method (more, up to "
-        f"{s.get('max_repetitions', s['repetitions'])}, until each method is timed for about "
-        f"{s.get('min_measured_s', 0):g} s; the count is in each row's times), methods in rotating "
-        f"order. Step time: {doc['time_measure']}. Memory: {doc['memory_measure']}. " + env_md(doc["environment"]),
-        _calibration_md(doc.get("calibration") or {}) + _load_md(doc.get("load_average") or {}),
-        md_table(["model", "method", "median step", "min – max ((max − min) / median)", "CPU time per step",
-                  "states per rank",
-                  "peak RSS growth", "time / best baseline (median of per-repetition ratios)", "autopar predicted step",
-                  "(predicted − measured) / measured", "against CPU time"], rows),
-        "Against CPU time: (predicted − CPU time per step) / CPU time per step. Other work on the machine "
-        "stretches the wall time of a step much more than its CPU time, so this checks the cost model's work "
-        "estimate on a loaded machine; given only when each rank has a core of its own (ranks that share a "
-        "core are priced with their time-slicing, which CPU time leaves out).",
-        *_optimizer_md(doc["results"]),
-        *_communication_md(doc["results"]),
-    ]) + "\n"  # fmt: skip
+    return (
+        "\n\n".join(
+            [
+                f"# autopar bench run ({doc['cluster']})",
+                f"Measured on {doc['world_size']} gloo ranks, one thread each: {s['warmup_steps']} warm-up steps, then "
+                f"at least {s['repetitions']} repetitions of {s['steps_per_repetition']} steps per method (more, up to "
+                f"{s.get('max_repetitions', s['repetitions'])}, until each method is timed for about "
+                f"{s.get('min_measured_s', 0):g} s; the count is in each row's times), methods in rotating "
+                f"order. Step time: {doc['time_measure']}. Memory: {doc['memory_measure']}. "
+                + env_md(doc["environment"]),
+                _calibration_md(doc.get("calibration") or {}) + _load_md(doc.get("load_average") or {}),
+                md_table(
+                    [
+                        "model",
+                        "method",
+                        "median step",
+                        "min – max ((max − min) / median)",
+                        "CPU time per step",
+                        "states per rank",
+                        "peak RSS growth",
+                        "time / best baseline (median of per-repetition ratios)",
+                        "autopar predicted step",
+                        "(predicted − measured) / measured",
+                        "against CPU time",
+                    ],
+                    rows,
+                ),
+                "Against CPU time: (predicted − CPU time per step) / CPU time per step. Other work on the machine "
+                "stretches the wall time of a step much more than its CPU time, so this checks the cost model's work "
+                "estimate on a loaded machine; given only when each rank has a core of its own (ranks that share a "
+                "core are priced with their time-slicing, which CPU time leaves out).",
+                *_optimizer_md(doc["results"]),
+                *_communication_md(doc["results"]),
+            ]
+        )
+        + "\n"
+    )
 
 
 def _optimizer_md(results: list[dict]) -> list[str]:
     sgd = [r["model"] for r in results if r.get("optimizer", "adamw") == "sgd"]
     if not sgd:
         return []
-    return [f"{', '.join(sgd)}: every method trains with SGD (momentum 0.9), not AdamW: AdamW's update on CPU "
-            f"would take much of the step and hide the communication the run compares. autopar's prediction "
-            f"prices SGD's step, measured on this machine before the run as its profile measures AdamW's."]  # fmt: skip
+    return [
+        f"{', '.join(sgd)}: every method trains with SGD (momentum 0.9), not AdamW: AdamW's update on CPU "
+        f"would take much of the step and hide the communication the run compares. autopar's prediction "
+        f"prices SGD's step, measured on this machine before the run as its profile measures AdamW's."
+    ]
 
 
 def _communication_md(results: list[dict]) -> list[str]:
@@ -641,27 +784,51 @@ def _communication_md(results: list[dict]) -> list[str]:
             ex = m["measured_exposed_comm_s"]
             pred = m.get("predicted_exposed_comm_s")
             err = f"{(pred - ex['median']) / ex['median']:+.0%}" if pred is not None and ex["median"] > 0 else None
-            rows.append([r["model"], name, fmt_ms(m["median_step_time_s"]), fmt_ms(m["noop_median_step_time_s"]),
-                         f"{fmt_ms(ex['median'])} ({fmt_ms(ex['min'])} – {fmt_ms(ex['max'])})", fmt_ms(pred),
-                         fmt_ms(m.get("predicted_hidden_comm_s")), err,
-                         str(m["noop_collectives_per_step"]) + ("" if m["noop_losses_finite"] else ", loss not finite")])  # fmt: skip
+            rows.append(
+                [
+                    r["model"],
+                    name,
+                    fmt_ms(m["median_step_time_s"]),
+                    fmt_ms(m["noop_median_step_time_s"]),
+                    f"{fmt_ms(ex['median'])} ({fmt_ms(ex['min'])} – {fmt_ms(ex['max'])})",
+                    fmt_ms(pred),
+                    fmt_ms(m.get("predicted_hidden_comm_s")),
+                    err,
+                    str(m["noop_collectives_per_step"]) + ("" if m["noop_losses_finite"] else ", loss not finite"),
+                ]
+            )
         for pair, p in r.get("pairs", {}).items():
             pairs.append([r["model"], pair, f"{p['median']:.2f}", f"{p['min']:.2f} – {p['max']:.2f}"])
     if not rows:
         return []
-    out = ["## Communication the step waits for",
-           "Measured exposed: per repetition, the step time minus the same method's step with every collective a "
-           "no-op (`autopar.bench.noop_collectives`: c10d's collective kernels replaced by ones that complete at "
-           "once; all-gathers fill in this rank's shard), taken in turn with the real steps; median (min – max) over "
-           "repetitions. Predicted: the plan's communication terms the step waits for (exposed) and what it "
-           "counts as hidden behind compute.",
-           md_table(["model", "method", "median step", "no-op step", "measured exposed (min – max)",
-                     "predicted exposed", "predicted hidden", "(predicted − measured) / measured",
-                     "collectives replaced per step"], rows)]  # fmt: skip
+    out = [
+        "## Communication the step waits for",
+        "Measured exposed: per repetition, the step time minus the same method's step with every collective a "
+        "no-op (`autopar.bench.noop_collectives`: c10d's collective kernels replaced by ones that complete at "
+        "once; all-gathers fill in this rank's shard), taken in turn with the real steps; median (min – max) over "
+        "repetitions. Predicted: the plan's communication terms the step waits for (exposed) and what it "
+        "counts as hidden behind compute.",
+        md_table(
+            [
+                "model",
+                "method",
+                "median step",
+                "no-op step",
+                "measured exposed (min – max)",
+                "predicted exposed",
+                "predicted hidden",
+                "(predicted − measured) / measured",
+                "collectives replaced per step",
+            ],
+            rows,
+        ),
+    ]
     if pairs:
-        out += ["Step time of an autopar method over what it is compared with on the same layout (the PyTorch "
-                "baseline, or the same program without overlap), per repetition (the two take turns within one):",
-                md_table(["model", "autopar / compared", "median", "min – max"], pairs)]  # fmt: skip
+        out += [
+            "Step time of an autopar method over what it is compared with on the same layout (the PyTorch "
+            "baseline, or the same program without overlap), per repetition (the two take turns within one):",
+            md_table(["model", "autopar / compared", "median", "min – max"], pairs),
+        ]
     return out
 
 
@@ -686,40 +853,56 @@ def _cpu_prediction_error(m: dict, ranks_per_core: float) -> str | None:
 def _load_md(load: dict) -> str:
     if load.get("before") is None:
         return ""
-    return (f" Load average (1 min) of the machine: {load['before']:.1f} before the run, {load['after']:.1f} after "
-            f"(with {os.cpu_count()} CPUs, more than the ranks means other work shared the cores).")  # fmt: skip
+    return (
+        f" Load average (1 min) of the machine: {load['before']:.1f} before the run, {load['after']:.1f} after "
+        f"(with {os.cpu_count()} CPUs, more than the ranks means other work shared the cores)."
+    )
 
 
 def _calibration_md(cal: dict) -> str:
     """How the prediction was priced: the cost model as profiled on this machine before the run."""
     host = cal.get("host", {})
-    parts = ["Predicted: autopar's plan priced by the cost model profiled on this machine just before the run: "
-             "every op timed at the shapes one rank runs, with other ops run between its calls (ProfiledEstimator)"]  # fmt: skip
+    parts = [
+        "Predicted: autopar's plan priced by the cost model profiled on this machine just before the run: "
+        "every op timed at the shapes one rank runs, with other ops run between its calls (ProfiledEstimator)"
+    ]
     if host:
-        parts.append(f"host costs per op {host['op_forward_s'] * 1e6:.1f} µs forward, {host['op_backward_s'] * 1e6:.1f}"
-                     f" µs backward, per view {host['view_forward_s'] * 1e6:.1f} µs + "
-                     f"{host['view_backward_s'] * 1e6:.1f} µs")  # fmt: skip
+        parts.append(
+            f"host costs per op {host['op_forward_s'] * 1e6:.1f} µs forward, {host['op_backward_s'] * 1e6:.1f}"
+            f" µs backward, per view {host['view_forward_s'] * 1e6:.1f} µs + "
+            f"{host['view_backward_s'] * 1e6:.1f} µs"
+        )
     for name, m in (cal.get("models") or {}).items():
         fwd, bwd = m["in_step"]["scale"]
-        part = (f"{name}, calibrated just before its run: its traced graph run forward and backward at one rank's "
-                f"share took {fwd:.2f}x and {bwd:.2f}x the sums of its ops' profiles, and every op is scaled so")  # fmt: skip
+        part = (
+            f"{name}, calibrated just before its run: its traced graph run forward and backward at one rank's "
+            f"share took {fwd:.2f}x and {bwd:.2f}x the sums of its ops' profiles, and every op is scaled so"
+        )
         if m.get("link"):
-            part += (f"; the gloo link, fitted to what all-reduces among the ranks add to a step of host work: "
-                     f"{m['link']['latency_s'] * 1e6:.0f} µs per ring step, "
-                     f"{m['link']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
+            part += (
+                f"; the gloo link, fitted to what all-reduces among the ranks add to a step of host work: "
+                f"{m['link']['latency_s'] * 1e6:.0f} µs per ring step, "
+                f"{m['link']['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s"
+            )
             for kind, f in (m["link"].get("per_collective") or {}).items():
-                part += (f", {kind.replace('_', '-')} fitted on its own: {f['latency_s'] * 1e6:.0f} µs per ring step, "
-                         f"{f['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s")  # fmt: skip
+                part += (
+                    f", {kind.replace('_', '-')} fitted on its own: {f['latency_s'] * 1e6:.0f} µs per ring step, "
+                    f"{f['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s"
+                )
         elif m.get("link_error"):
             part += f"; link: the cpu preset's ({m['link_error']})"
         if m.get("overlap"):
             o = m["overlap"]
-            part += (f"; overlap efficiency {o['eta']:.2f} (median over repetitions; medians: an all-reduce of "
-                     f"{fmt_ms(o['comm_s'])} launched while {fmt_ms(o['compute_s'])} of matmuls ran took "
-                     f"{fmt_ms(o['both_s'])} in all)")  # fmt: skip
+            part += (
+                f"; overlap efficiency {o['eta']:.2f} (median over repetitions; medians: an all-reduce of "
+                f"{fmt_ms(o['comm_s'])} launched while {fmt_ms(o['compute_s'])} of matmuls ran took "
+                f"{fmt_ms(o['both_s'])} in all)"
+            )
         if m.get("ranks_per_core", 1) > 1:
-            part += (f"; its training step ran {m['ranks_per_core']:.2f}x slower with all ranks at once than alone "
-                     f"on the {cal['cores']} cores, and is priced so")  # fmt: skip
+            part += (
+                f"; its training step ran {m['ranks_per_core']:.2f}x slower with all ranks at once than alone "
+                f"on the {cal['cores']} cores, and is priced so"
+            )
         parts.append(part)
     return "; ".join(parts) + "."
 

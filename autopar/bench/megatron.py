@@ -38,8 +38,10 @@ SEQ_LEN = 2048
 VOCAB = 51200
 GPUS_PER_NODE = 8
 DEVICE = "A100-80GB"
-PAPER = ('Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", '
-         "SC'21, Table 1")  # fmt: skip
+PAPER = (
+    'Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", '
+    "SC'21, Table 1"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +78,14 @@ class MegatronRow:
 
     def constraints(self) -> dict:
         # the paper's runs replicate optimizer states over the data axis (no ZeRO) and recompute every layer
-        pins = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero": 0, "recompute": "full",
-                "micro_batch_size": self.micro_batch}  # fmt: skip
+        pins = {
+            "tp": self.tp,
+            "pp": self.pp,
+            "dp": self.dp,
+            "zero": 0,
+            "recompute": "full",
+            "micro_batch_size": self.micro_batch,
+        }
         if self.pp > 1:
             pins["schedule"] = "interleaved_1f1b" if self.virtual_stages > 1 else "1f1b"
             pins["virtual_stages"] = self.virtual_stages
@@ -130,8 +138,15 @@ def build_model(row: MegatronRow, dtype: torch.dtype = torch.float32) -> torch.n
 
     from autopar import presets
 
-    config = transformers.GPT2Config(n_embd=row.hidden, n_layer=row.layers, n_head=row.heads, n_positions=SEQ_LEN,
-                                     vocab_size=VOCAB, use_cache=False, tie_word_embeddings=True)  # fmt: skip
+    config = transformers.GPT2Config(
+        n_embd=row.hidden,
+        n_layer=row.layers,
+        n_head=row.heads,
+        n_positions=SEQ_LEN,
+        vocab_size=VOCAB,
+        use_cache=False,
+        tie_word_embeddings=True,
+    )
     config._attn_implementation = "sdpa"
     return presets.build_model(config, device="meta", dtype=dtype)
 
@@ -142,9 +157,17 @@ def plan_row(row: MegatronRow, dtype: torch.dtype = torch.float32, progress=None
 
     model = build_model(row, dtype)
     ids = torch.zeros(row.batch, SEQ_LEN, dtype=torch.int64, device="meta")
-    return autopar.plan(model, row.cluster, (ids,), {"labels": ids}, precision="bf16",
-                        constraints=row.constraints(), pipeline=row.pp > 1, progress=progress,
-                        alternatives=False)  # fmt: skip
+    return autopar.plan(
+        model,
+        row.cluster,
+        (ids,),
+        {"labels": ids},
+        precision="bf16",
+        constraints=row.constraints(),
+        pipeline=row.pp > 1,
+        progress=progress,
+        alternatives=False,
+    )
 
 
 def layout(plan) -> str:
@@ -204,19 +227,35 @@ def calibrate_row(row: MegatronRow, progress=None) -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    header = ["row", "layout (fp32-handed plan)", "published s/step", "predicted s/step (fp32-handed)",
-              "predicted s/step (bf16-handed)", "error %", "planning s (fp32 / bf16)"]  # fmt: skip
+    header = [
+        "row",
+        "layout (fp32-handed plan)",
+        "published s/step",
+        "predicted s/step (fp32-handed)",
+        "predicted s/step (bf16-handed)",
+        "error %",
+        "planning s (fp32 / bf16)",
+    ]
     rows = []
     for r in results:
         f32, b16 = r["predicted_fp32_handed"], r["predicted_bf16_handed"]
-        rows.append([f"{r['row']['params_b']}B", f32["layout"], f"{r['published_step_time_s']:.2f}",
-                     f"{f32['step_time_s']:.2f}", f"{b16['step_time_s']:.2f}", f"{r['error_pct']:+.1f}",
-                     f"{f32['planning_time_s']:.1f} / {b16['planning_time_s']:.1f}"])  # fmt: skip
+        rows.append(
+            [
+                f"{r['row']['params_b']}B",
+                f32["layout"],
+                f"{r['published_step_time_s']:.2f}",
+                f"{f32['step_time_s']:.2f}",
+                f"{b16['step_time_s']:.2f}",
+                f"{r['error_pct']:+.1f}",
+                f"{f32['planning_time_s']:.1f} / {b16['planning_time_s']:.1f}",
+            ]
+        )
     return md_table(header, rows)
 
 
-def run(out_dir: str | Path = "out/calibrate", *, rows: str | list[str] | None = None,
-        show_progress: bool = True) -> dict:  # fmt: skip
+def run(
+    out_dir: str | Path = "out/calibrate", *, rows: str | list[str] | None = None, show_progress: bool = True
+) -> dict:
     """Plan the selected rows, print the Markdown table, write calibrate.json and calibrate.md to `out_dir`."""
     out = Path(out_dir)
     selected = select_rows(rows)
@@ -224,8 +263,11 @@ def run(out_dir: str | Path = "out/calibrate", *, rows: str | list[str] | None =
     results = []
     for row in selected:
         if show_progress:
-            print(f"[autopar bench] calibrate: {row.name} on {row.cluster} (tp{row.tp} pp{row.pp} dp{row.dp})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"[autopar bench] calibrate: {row.name} on {row.cluster} (tp{row.tp} pp{row.pp} dp{row.dp})",
+                file=sys.stderr,
+                flush=True,
+            )
         results.append(calibrate_row(row))
     total = time.perf_counter() - t0
     env = environment()
@@ -244,14 +286,27 @@ def run(out_dir: str | Path = "out/calibrate", *, rows: str | list[str] | None =
     }
     write_json(out / "calibrate.json", doc)
     table = markdown(results)
-    text = (f"# Calibration against Megatron-LM (SC'21) Table 1\n\n{PAPER}: sequence {SEQ_LEN}, vocabulary {VOCAB}, "
-            f"bf16 mixed precision, full recompute, {DEVICE} nodes of {GPUS_PER_NODE}. Published s/step = "
-            f"F / (GPUs x TFLOP/s per GPU) with F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)). Error: the fp32-handed "
-            f"prediction against the published time.\n\n{table}\n\nTotal time {total:.1f} s. {env_md(env)}\n")  # fmt: skip
+    text = (
+        f"# Calibration against Megatron-LM (SC'21) Table 1\n\n{PAPER}: sequence {SEQ_LEN}, vocabulary {VOCAB}, "
+        f"bf16 mixed precision, full recompute, {DEVICE} nodes of {GPUS_PER_NODE}. Published s/step = "
+        f"F / (GPUs x TFLOP/s per GPU) with F = 96 B s l h^2 (1 + s/(6h) + V/(16 l h)). Error: the fp32-handed "
+        f"prediction against the published time.\n\n{table}\n\nTotal time {total:.1f} s. {env_md(env)}\n"
+    )
     (out / "calibrate.md").write_text(text)
     print(table)
     return doc
 
 
-__all__ = ["ROWS", "ROW_NAMES", "MegatronRow", "build_model", "calibrate_row", "layout", "plan_row",
-           "published_flops", "published_step_time_s", "run", "select_rows"]  # fmt: skip
+__all__ = [
+    "ROWS",
+    "ROW_NAMES",
+    "MegatronRow",
+    "build_model",
+    "calibrate_row",
+    "layout",
+    "plan_row",
+    "published_flops",
+    "published_step_time_s",
+    "run",
+    "select_rows",
+]

@@ -103,9 +103,21 @@ def _kernels(counts: Counter) -> dict:
             out.copy_(inp.view_as(out))
         return _done(out)
 
-    return {f.__name__: f for f in (allreduce_, allreduce_coalesced_, broadcast_, allgather_, _allgather_base_,
-                                    allgather_into_tensor_coalesced_, reduce_scatter_, _reduce_scatter_base_,
-                                    reduce_scatter_tensor_coalesced_, alltoall_base_)}  # fmt: skip
+    return {
+        f.__name__: f
+        for f in (
+            allreduce_,
+            allreduce_coalesced_,
+            broadcast_,
+            allgather_,
+            _allgather_base_,
+            allgather_into_tensor_coalesced_,
+            reduce_scatter_,
+            _reduce_scatter_base_,
+            reduce_scatter_tensor_coalesced_,
+            alltoall_base_,
+        )
+    }
 
 
 class NoopCollectives:

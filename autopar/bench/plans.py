@@ -41,7 +41,7 @@ from autopar.bench.common import (
     md_table,
     progress,
     pyplot,
-    write_json,  # fmt: skip
+    write_json,
 )
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
@@ -142,20 +142,41 @@ class TracedCase:
     def plan(self, constraints: dict | None = None) -> autopar.Plan:
         # The trace is shared: `_traced` is autopar.plan's hook for callers that traced already.
         cluster = ClusterSpec.parse(self.case.cluster)
-        return autopar.plan(self.module, cluster, self.args, self.kwargs, constraints=constraints,
-                            precision="bf16", memory_budget=self.case.memory_budget, _traced=self.traced)  # fmt: skip
+        return autopar.plan(
+            self.module,
+            cluster,
+            self.args,
+            self.kwargs,
+            constraints=constraints,
+            precision="bf16",
+            memory_budget=self.case.memory_budget,
+            _traced=self.traced,
+        )
 
 
 def _priced(plan: autopar.Plan) -> dict:
     p = plan.predicted
-    return {"step_time_s": p.step_time_s, "tflops_per_device": p.tflops_per_device, "mfu": p.mfu,
-            "peak_memory_bytes": p.peak_memory_bytes, "fits": True, "mesh": dict(plan.mesh),
-            "zero_stage": plan.zero_stage, "num_microbatches": getattr(plan, "num_microbatches", 1)}  # fmt: skip
+    return {
+        "step_time_s": p.step_time_s,
+        "tflops_per_device": p.tflops_per_device,
+        "mfu": p.mfu,
+        "peak_memory_bytes": p.peak_memory_bytes,
+        "fits": True,
+        "mesh": dict(plan.mesh),
+        "zero_stage": plan.zero_stage,
+        "num_microbatches": getattr(plan, "num_microbatches", 1),
+    }
 
 
 def _not_fitting(error: Exception) -> dict:
-    return {"step_time_s": None, "tflops_per_device": None, "mfu": None, "peak_memory_bytes": None, "fits": False,
-            "error": f"{type(error).__name__}: {error}"}  # fmt: skip
+    return {
+        "step_time_s": None,
+        "tflops_per_device": None,
+        "mfu": None,
+        "peak_memory_bytes": None,
+        "fits": False,
+        "error": f"{type(error).__name__}: {error}",
+    }
 
 
 def price(tc: TracedCase, constraints: dict) -> dict:
@@ -211,10 +232,19 @@ def _summarise(case: PlanCase, auto: dict, base: dict, points: list[dict]) -> di
         speedup = fitting[best]["step_time_s"] / auto["step_time_s"]
     for b in base.values():
         b["autopar_speedup"] = b["step_time_s"] / auto["step_time_s"] if b["fits"] and auto["fits"] else None
-    return {"case": case.name, "model": case.model, "cluster": case.cluster,
-            "global_batch_size": case.global_batch_size, "seq_len": case.seq_len, "overrides": dict(case.overrides),
-            "autopar": auto, "baselines": base, "best_baseline": best, "speedup": speedup,
-            "megatron_grid_points": points}  # fmt: skip
+    return {
+        "case": case.name,
+        "model": case.model,
+        "cluster": case.cluster,
+        "global_batch_size": case.global_batch_size,
+        "seq_len": case.seq_len,
+        "overrides": dict(case.overrides),
+        "autopar": auto,
+        "baselines": base,
+        "best_baseline": best,
+        "speedup": speedup,
+        "megatron_grid_points": points,
+    }
 
 
 def run(out_dir: str | Path, *, quick: bool = False, cases=None, grid=None, show_progress: bool = True) -> list[dict]:
@@ -233,8 +263,9 @@ def run(out_dir: str | Path, *, quick: bool = False, cases=None, grid=None, show
     results = [run_case(c, grid) for c in progress(cases, desc="plans", enabled=show_progress)]
     env = environment()
     write_json(out / "plans.json", results)
-    write_json(out / "plans_meta.json", {"environment": env, "cases": [asdict(c) for c in cases],
-                                         "grid_axes": list(grid)})  # fmt: skip
+    write_json(
+        out / "plans_meta.json", {"environment": env, "cases": [asdict(c) for c in cases], "grid_axes": list(grid)}
+    )
     (out / "plans.md").write_text(markdown(results, env))
     plot(results, out / "plans.png")
     return results
@@ -246,19 +277,52 @@ def markdown(results: list[dict], env: dict) -> str:
         entries = [("autopar", r["autopar"])] + list(r["baselines"].items())
         for name, e in entries:
             layout = _layout(e)
-            rows.append([r["case"], name, layout, fmt_ms(e["step_time_s"]),
-                         None if e["tflops_per_device"] is None else f"{e['tflops_per_device']:.1f}",
-                         fmt_pct(e["mfu"]), fmt_gib(e["peak_memory_bytes"]), "yes" if e["fits"] else "no",
-                         None if e.get("autopar_speedup") is None else f"{e['autopar_speedup']:.2f}x"])  # fmt: skip
-    summary = [[r["case"], r["best_baseline"], None if r["speedup"] is None else f"{r['speedup']:.2f}x",
-                f"{r['autopar']['compile_time_s']:.1f} s"] for r in results]  # fmt: skip
-    return "\n\n".join([
-        "# autopar bench plans",
-        "Predicted by autopar's cost model; every layout priced by the same model. " + env_md(env),
-        md_table(["case", "best baseline that fits", "autopar speed-up", "autopar compile time"], summary),
-        md_table(["case", "method", "layout", "step time", "TFLOP/s/device", "MFU", "peak memory", "fits",
-                  "autopar speed-up"], rows),
-    ]) + "\n"  # fmt: skip
+            rows.append(
+                [
+                    r["case"],
+                    name,
+                    layout,
+                    fmt_ms(e["step_time_s"]),
+                    None if e["tflops_per_device"] is None else f"{e['tflops_per_device']:.1f}",
+                    fmt_pct(e["mfu"]),
+                    fmt_gib(e["peak_memory_bytes"]),
+                    "yes" if e["fits"] else "no",
+                    None if e.get("autopar_speedup") is None else f"{e['autopar_speedup']:.2f}x",
+                ]
+            )
+    summary = [
+        [
+            r["case"],
+            r["best_baseline"],
+            None if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            f"{r['autopar']['compile_time_s']:.1f} s",
+        ]
+        for r in results
+    ]
+    return (
+        "\n\n".join(
+            [
+                "# autopar bench plans",
+                "Predicted by autopar's cost model; every layout priced by the same model. " + env_md(env),
+                md_table(["case", "best baseline that fits", "autopar speed-up", "autopar compile time"], summary),
+                md_table(
+                    [
+                        "case",
+                        "method",
+                        "layout",
+                        "step time",
+                        "TFLOP/s/device",
+                        "MFU",
+                        "peak memory",
+                        "fits",
+                        "autopar speed-up",
+                    ],
+                    rows,
+                ),
+            ]
+        )
+        + "\n"
+    )
 
 
 def _layout(e: dict) -> str | None:

@@ -123,10 +123,16 @@ class _Autopar(Method):
         t0 = time.perf_counter()
         plan = autopar.Plan.from_json(plan_json) if plan_json else None
         cluster = plan.cluster if plan is not None else f"cpu:{world}"
-        self.pm = autopar.compile(model, cluster, example_inputs=(ids,), example_kwargs={"labels": ids},
-                                  optimizer=OPTIMIZERS[optimizer], plan=plan,
-                                  constraints=None if plan is not None else self.constraints(world),
-                                  **({} if plan is not None else self.plan_options()))  # fmt: skip
+        self.pm = autopar.compile(
+            model,
+            cluster,
+            example_inputs=(ids,),
+            example_kwargs={"labels": ids},
+            optimizer=OPTIMIZERS[optimizer],
+            plan=plan,
+            constraints=None if plan is not None else self.constraints(world),
+            **({} if plan is not None else self.plan_options()),
+        )
         self.setup_time_s = time.perf_counter() - t0
         self.optimizer = self.pm.optimizer
 
@@ -142,14 +148,23 @@ class _Autopar(Method):
     def extra(self) -> dict:
         plan = self.pm.plan
         pred = plan.predicted
-        return {"predicted_step_time_s": pred.step_time_s, "mesh": dict(plan.mesh), "zero_stage": plan.zero_stage,
-                "program": str(plan.program),
-                "predicted_breakdown_s": {"compute": pred.compute_s, "reshard": pred.reshard_s,
-                                          "grad_sync": pred.grad_sync_s, "optimizer": pred.optimizer_s,
-                                          "offload": pred.offload_s},
-                "predicted_exposed_comm_s": sum(plan.time_breakdown.get(k, 0.0) for k in COMM_TERMS),
-                "predicted_hidden_comm_s": sum(plan.hidden_communication.values()),
-                "overlap": plan.overlap, "plan_stats": dict(plan.stats)}  # fmt: skip
+        return {
+            "predicted_step_time_s": pred.step_time_s,
+            "mesh": dict(plan.mesh),
+            "zero_stage": plan.zero_stage,
+            "program": str(plan.program),
+            "predicted_breakdown_s": {
+                "compute": pred.compute_s,
+                "reshard": pred.reshard_s,
+                "grad_sync": pred.grad_sync_s,
+                "optimizer": pred.optimizer_s,
+                "offload": pred.offload_s,
+            },
+            "predicted_exposed_comm_s": sum(plan.time_breakdown.get(k, 0.0) for k in COMM_TERMS),
+            "predicted_hidden_comm_s": sum(plan.hidden_communication.values()),
+            "overlap": plan.overlap,
+            "plan_stats": dict(plan.stats),
+        }
 
 
 class _AutoparDP(_Autopar):
@@ -304,17 +319,32 @@ def megatron_tp_plan(model) -> dict:
 def tp_skip_reason(config, world: int) -> str | None:
     """Why the hand-written tensor-parallel baseline does not apply to this model, or None."""
     if config.model_type != "llama":
-        return ("GPT-2's Conv1D projections (transposed weights) and fused q/k/v projection do not fit "
-                "ColwiseParallel/RowwiseParallel")  # fmt: skip
+        return (
+            "GPT-2's Conv1D projections (transposed weights) and fused q/k/v projection do not fit "
+            "ColwiseParallel/RowwiseParallel"
+        )
     for attr in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(config, attr) % world:
             return f"{attr}={getattr(config, attr)} does not divide over {world} ranks"
     return None
 
 
-METHODS = {m.name: m for m in (_Autopar, _AutoparDP, _AutoparZero3, _AutoparDPNoOverlap, _AutoparOffload,
-                                _AutoparOffloadNoOverlap, _AutoparPipelineZero1, _AutoparPipelineZero1NoOverlap, _DDP,
-                                _FSDP2, _TensorParallel)}  # fmt: skip
+METHODS = {
+    m.name: m
+    for m in (
+        _Autopar,
+        _AutoparDP,
+        _AutoparZero3,
+        _AutoparDPNoOverlap,
+        _AutoparOffload,
+        _AutoparOffloadNoOverlap,
+        _AutoparPipelineZero1,
+        _AutoparPipelineZero1NoOverlap,
+        _DDP,
+        _FSDP2,
+        _TensorParallel,
+    )
+}
 # what a run measures unless told (`--methods`)
 DEFAULT_METHODS = ("autopar", "ddp", "fsdp2", "tp")
 BASELINES = ("ddp", "fsdp2", "tp")
@@ -339,6 +369,8 @@ def select(names, table: dict, what: str) -> tuple:
         names = [n.strip() for n in names.split(",") if n.strip()]
     unknown = [n for n in names if n not in table]
     if unknown or not names:
-        raise ConfigError(f"unknown {what} {', '.join(map(repr, unknown)) or '(none given)'}: expected a "
-                          f"comma-separated list of {', '.join(table)}")  # fmt: skip
+        raise ConfigError(
+            f"unknown {what} {', '.join(map(repr, unknown)) or '(none given)'}: expected a "
+            f"comma-separated list of {', '.join(table)}"
+        )
     return tuple(table[n] for n in dict.fromkeys(names))

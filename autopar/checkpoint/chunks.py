@@ -20,8 +20,9 @@ def chunk_pieces(store, attr: str) -> dict[str, Piece]:
         for slot in chunk.layout.slots:
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a < b:
-                out[slot.name] = Piece(buf.narrow(0, a - lo, b - a), tuple(slot.shape),
-                                       flat=(a - slot.offset, b - slot.offset))  # fmt: skip
+                out[slot.name] = Piece(
+                    buf.narrow(0, a - lo, b - a), tuple(slot.shape), flat=(a - slot.offset, b - slot.offset)
+                )
     return out
 
 

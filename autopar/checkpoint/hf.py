@@ -93,8 +93,9 @@ def save_pretrained(program, path, *, max_shard_size="2GB") -> None:
         full = assemble({n: p for n, p in masters.items() if n in params}, params, dtypes, shapes=shapes)
         index = first + rank()
         if index < len(files):
-            tensors = {n: full[n] if n in full else buffers[n].detach().to("cpu", dtypes[n]).contiguous()
-                       for n in files[index]}  # fmt: skip
+            tensors = {
+                n: full[n] if n in full else buffers[n].detach().to("cpu", dtypes[n]).contiguous() for n in files[index]
+            }
             save_file(tensors, str(path / names[index]), metadata={"format": "pt"})
             del tensors, full
     if rank() == 0:
@@ -145,21 +146,26 @@ class WeightFiles:
         else:
             found = sorted(p.name for p in self.path.glob("*.safetensors")) if self.path.is_dir() else []
             if len(found) != 1:
-                raise ConfigError(f"{self.path} holds no {SINGLE} and no {INDEX} (found {found or 'nothing'}): pass a "
-                                  f"folder written by save_pretrained")  # fmt: skip
+                raise ConfigError(
+                    f"{self.path} holds no {SINGLE} and no {INDEX} (found {found or 'nothing'}): pass a "
+                    f"folder written by save_pretrained"
+                )
             weight_map, files = None, found
         self.tensors: dict[str, tuple[str, tuple[int, ...], str]] = {}
         for name in files:
             for key, (shape, dtype) in self._header(name).items():
                 if weight_map is not None and weight_map.get(key) != name:
-                    raise ConfigError(f"{self.path / name} holds {key!r}, which the index {INDEX} puts in "
-                                      f"{weight_map.get(key)!r}")  # fmt: skip
+                    raise ConfigError(
+                        f"{self.path / name} holds {key!r}, which the index {INDEX} puts in {weight_map.get(key)!r}"
+                    )
                 self.tensors[key] = (name, shape, dtype)
         if weight_map is not None:
             absent = sorted(k for k in weight_map if k not in self.tensors)
             if absent:
-                raise ConfigError(f"the index {self.path / INDEX} lists {len(absent)} tensor(s) its files do not "
-                                  f"hold, e.g. {absent[:3]} in {weight_map[absent[0]]}")  # fmt: skip
+                raise ConfigError(
+                    f"the index {self.path / INDEX} lists {len(absent)} tensor(s) its files do not "
+                    f"hold, e.g. {absent[:3]} in {weight_map[absent[0]]}"
+                )
 
     def _header(self, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
         """name -> (shape, dtype) from a file's header, checked against the file's size."""
@@ -181,8 +187,9 @@ class WeightFiles:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"{file} has a corrupt safetensors header ({e})") from e
         if 8 + n + end > size:
-            raise ConfigError(f"{file} is cut short: its header places tensors up to byte {8 + n + end} but the file "
-                              f"has {size} bytes")  # fmt: skip
+            raise ConfigError(
+                f"{file} is cut short: its header places tensors up to byte {8 + n + end} but the file has {size} bytes"
+            )
         return out
 
     def file_of(self, key: str) -> Path:
@@ -203,18 +210,24 @@ def check_files(program, files: WeightFiles) -> dict[str, str]:
     unexpected = sorted(k for k in files.tensors if k not in known)
     if unexpected:
         k = unexpected[0]
-        raise ConfigError(f"{files.file_of(k)} holds {len(unexpected)} tensor(s) the model does not have, e.g. "
-                          f"{unexpected[:3]}: these weights are of another model")  # fmt: skip
+        raise ConfigError(
+            f"{files.file_of(k)} holds {len(unexpected)} tensor(s) the model does not have, e.g. "
+            f"{unexpected[:3]}: these weights are of another model"
+        )
     keys = {}
     for name in program._master_names:
         key = _name_in_files(name, names_of, files)
         if key is None:
-            raise ConfigError(f"the weights in {files.path} lack {name!r} (shape {program._master_shapes[name]}): "
-                              f"they are of another model, or the files are incomplete")  # fmt: skip
+            raise ConfigError(
+                f"the weights in {files.path} lack {name!r} (shape {program._master_shapes[name]}): "
+                f"they are of another model, or the files are incomplete"
+            )
         shape = files.tensors[key][1]
         if tuple(shape) != tuple(program._master_shapes[name]):
-            raise ConfigError(f"{key!r} in {files.file_of(key)} has shape {tuple(shape)} but the model's "
-                              f"{name!r} has {tuple(program._master_shapes[name])}")  # fmt: skip
+            raise ConfigError(
+                f"{key!r} in {files.file_of(key)} has shape {tuple(shape)} but the model's "
+                f"{name!r} has {tuple(program._master_shapes[name])}"
+            )
         keys[name] = key
     return keys
 
@@ -300,9 +313,11 @@ def materialize_buffers(model: torch.nn.Module, path) -> None:
     for name, module, attr in made:
         value = module._buffers[attr]
         if value.is_floating_point() and not torch.isfinite(value).all():
-            raise ConfigError(f"the buffer {name!r} of the meta model is not in {path} and the model's initialisation "
-                              f"does not compute it: build the model on the CPU, or give that buffer a value "
-                              f"before compile")  # fmt: skip
+            raise ConfigError(
+                f"the buffer {name!r} of the meta model is not in {path} and the model's initialisation "
+                f"does not compute it: build the model on the CPU, or give that buffer a value "
+                f"before compile"
+            )
 
 
 def materialize_parameters(model: torch.nn.Module, device="cpu") -> None:
@@ -314,8 +329,9 @@ def materialize_parameters(model: torch.nn.Module, device="cpu") -> None:
             if p is None or not p.is_meta:
                 continue
             if id(p) not in made:
-                made[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                 requires_grad=p.requires_grad)  # fmt: skip
+                made[id(p)] = torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad
+                )
             module._parameters[attr] = made[id(p)]
 
 

@@ -75,8 +75,9 @@ class Piece:
         from autopar.runtime.base import contiguous_stride
 
         stride = contiguous_stride(self.shape)
-        return DTensor.from_local(t, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape),
-                                  stride=stride)  # fmt: skip
+        return DTensor.from_local(
+            t, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=stride
+        )
 
 
 def rank() -> int:
@@ -100,8 +101,14 @@ def dtensor_piece(local: torch.Tensor, shape, mesh, placements, *, param=None) -
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     _, offsets = compute_local_shape_and_global_offset(torch.Size(shape), mesh, placements)
-    return Piece(local, tuple(shape), offsets=tuple(int(o) for o in offsets), mesh=mesh, placements=tuple(placements),
-                 param=param)  # fmt: skip
+    return Piece(
+        local,
+        tuple(shape),
+        offsets=tuple(int(o) for o in offsets),
+        mesh=mesh,
+        placements=tuple(placements),
+        param=param,
+    )
 
 
 def region_of(full: torch.Tensor, region: Region) -> torch.Tensor:
@@ -123,8 +130,14 @@ def region_numel(region: Region) -> int:
     return n
 
 
-def assemble(pieces: Mapping[str, Piece], owners: Mapping[str, int], dtypes: Mapping[str, torch.dtype], *,
-             shapes: Mapping[str, tuple] | None = None, group=None) -> dict[str, torch.Tensor]:  # fmt: skip
+def assemble(
+    pieces: Mapping[str, Piece],
+    owners: Mapping[str, int],
+    dtypes: Mapping[str, torch.dtype],
+    *,
+    shapes: Mapping[str, tuple] | None = None,
+    group=None,
+) -> dict[str, torch.Tensor]:
     """Full tensors (on the CPU, in `dtypes[name]`) of the names this rank owns, from every rank's pieces.
 
     Args:

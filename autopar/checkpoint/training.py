@@ -105,8 +105,9 @@ def _read_marker(path) -> tuple[dict | None, str | None]:
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         return None, f"its {MARKER} is not an autopar checkpoint marker (no 'format': '{FORMAT}')"
     if info.get("version") != VERSION or isinstance(info.get("version"), bool):
-        return None, (f"it is of checkpoint format version {info.get('version')!r}; this autopar reads version "
-                      f"{VERSION}")  # fmt: skip
+        return None, (
+            f"it is of checkpoint format version {info.get('version')!r}; this autopar reads version {VERSION}"
+        )
     step = info.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         return None, f"its {MARKER} gives the step as {step!r}, not a count of steps"
@@ -211,9 +212,15 @@ def save(program, path, *, extra: dict | None = None, keep_last: int | None = No
         partial.mkdir(parents=True)
     barrier()
     state = _state(program, extra_bytes)
-    marker = {"format": FORMAT, "version": VERSION, "step": program.num_steps, "world_size": world(),
-              "program": str(program.plan.program), "mesh": dict(program.plan.mesh),
-              "model": program.plan.model_name}  # fmt: skip
+    marker = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": program.num_steps,
+        "world_size": world(),
+        "program": str(program.plan.program),
+        "mesh": dict(program.plan.mesh),
+        "model": program.plan.model_name,
+    }
     if not async_save:
         _written(lambda: dcp.save(state, checkpoint_id=str(partial)), path)
         return _commit(path, marker, keep_last, group=None)
@@ -243,8 +250,10 @@ def _pickled_extra(extra) -> bytes:
     try:  # on every rank, before any collective: a rank that failed alone would leave the others waiting
         return pickle.dumps(dict(extra or {}))
     except Exception as e:  # pickling runs the user's objects' own code: anything may come out
-        raise ConfigError(f"extra holds a value that cannot be pickled ({type(e).__name__}: {e}); keep plain "
-                          f"data (numbers, strings, lists, dicts, tensors) in it") from e  # fmt: skip
+        raise ConfigError(
+            f"extra holds a value that cannot be pickled ({type(e).__name__}: {e}); keep plain "
+            f"data (numbers, strings, lists, dicts, tensors) in it"
+        ) from e
 
 
 def _state(program, extra_bytes: bytes) -> dict:
@@ -282,9 +291,11 @@ def _written(write, path: Path) -> None:
     try:
         write()
     except CheckpointException as e:
-        raise ConfigError(f"the checkpoint {path} could not be written: {_first_failure(e)}; it is not valid "
-                          f"(latest_checkpoint skips it): check the file system (space, permissions) and save "
-                          f"again") from e  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint {path} could not be written: {_first_failure(e)}; it is not valid "
+            f"(latest_checkpoint skips it): check the file system (space, permissions) and save "
+            f"again"
+        ) from e
 
 
 def _commit(path: Path, marker: dict, keep_last: int | None, *, group) -> str:
@@ -307,8 +318,10 @@ def _commit(path: Path, marker: dict, keep_last: int | None, *, group) -> str:
         dist.broadcast_object_list(shared, src=0, group=group)
         problem = shared[0]
     if problem is not None:
-        raise ConfigError(f"the checkpoint {path} could not be committed on rank 0 ({problem}); it is not valid: "
-                          f"check the file system (space, permissions) and save again")  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint {path} could not be committed on rank 0 ({problem}); it is not valid: "
+            f"check the file system (space, permissions) and save again"
+        )
     return str(path)
 
 
@@ -342,8 +355,10 @@ def load(program, path) -> dict:
     wait_checkpoint(program)  # a save of this program in flight may be the checkpoint asked for
     problem = marker_problem(path)
     if problem is not None:
-        raise ConfigError(f"{path} is not a complete autopar checkpoint: {problem}; pass "
-                          f"autopar.latest_checkpoint(root), which skips such folders")  # fmt: skip
+        raise ConfigError(
+            f"{path} is not a complete autopar checkpoint: {problem}; pass "
+            f"autopar.latest_checkpoint(root), which skips such folders"
+        )
     metadata = _read_metadata(path)
     # a checkpoint saved before the first optimizer step holds no optimizer states: the program starts afresh too
     fresh = not any(key.startswith("optim.") for key in metadata)
@@ -367,8 +382,9 @@ def load(program, path) -> dict:
         if not isinstance(metadata[k], TensorStorageMetadata) or tuple(metadata[k].size) != tuple(v.shape)
     ]
     if wrong:
-        raise ConfigError(f"the checkpoint {path} holds buffers of other shapes than the model's: {wrong[:4]}; it is "
-                          f"of another model")  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint {path} holds buffers of other shapes than the model's: {wrong[:4]}; it is of another model"
+        )
     state.update({k: torch.empty_like(v) for k, v in buffers.items()})
     rng_key = f"autopar.rng.rank{rank()}"
     objects = ["autopar.meta", "autopar.extra"] + ([rng_key] if rng_key in metadata else [])
@@ -376,8 +392,10 @@ def load(program, path) -> dict:
     try:
         dcp.load(state, checkpoint_id=str(path))
     except CheckpointException as e:  # every rank raises it (DCP gathers the failures), so none is left waiting
-        raise ConfigError(f"the checkpoint {path} could not be read: {_first_failure(e)}; its shard files are "
-                          f"missing or damaged: load an earlier checkpoint") from e  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint {path} could not be read: {_first_failure(e)}; its shard files are "
+            f"missing or damaged: load an earlier checkpoint"
+        ) from e
     for key, piece in flat.items():
         piece.tensor.copy_(region_of(state[key], piece.region))
     for key, buffer in buffers.items():
@@ -398,8 +416,10 @@ def _read_metadata(path: Path) -> dict:
     try:
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as e:  # an unpickler fed damaged bytes may raise anything
-        raise ConfigError(f"the checkpoint {path} has a missing or damaged index (.metadata: {type(e).__name__}: "
-                          f"{e}); load an earlier checkpoint") from e  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint {path} has a missing or damaged index (.metadata: {type(e).__name__}: "
+            f"{e}); load an earlier checkpoint"
+        ) from e
     if not isinstance(metadata, dict):
         raise ConfigError(f"the checkpoint {path} has a damaged index (.metadata); load an earlier checkpoint")
     return metadata
@@ -410,8 +430,9 @@ def _unpickled(state: dict, key: str, path: Path) -> dict:
     try:
         value = pickle.loads(state[key])
     except Exception as e:  # damaged bytes may raise anything
-        raise ConfigError(f"the checkpoint {path} holds a damaged {key} ({type(e).__name__}); load an earlier "
-                          f"checkpoint") from e  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint {path} holds a damaged {key} ({type(e).__name__}); load an earlier checkpoint"
+        ) from e
     if not isinstance(value, dict):
         raise ConfigError(f"the checkpoint {path} holds a damaged {key} (a {type(value).__name__}, not a dict)")
     return value
@@ -438,11 +459,14 @@ def _check_against(entries: dict, metadata: dict, path: Path) -> None:
         if tuple(md.size) != shape:
             wrong.append(f"{key}: checkpoint {tuple(md.size)}, model {shape}")
     if missing:
-        raise ConfigError(f"the checkpoint {path} lacks {len(missing)} tensor(s) this program holds, e.g. "
-                          f"{missing[:4]}: it is of another model, or was written with another optimizer")  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint {path} lacks {len(missing)} tensor(s) this program holds, e.g. "
+            f"{missing[:4]}: it is of another model, or was written with another optimizer"
+        )
     if wrong:
-        raise ConfigError(f"the checkpoint {path} holds tensors of other shapes than the model's: {wrong[:4]}; "
-                          f"it is of another model")  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint {path} holds tensors of other shapes than the model's: {wrong[:4]}; it is of another model"
+        )
 
 
 def check_model_names(names, metadata: dict, path: Path) -> None:
@@ -450,5 +474,6 @@ def check_model_names(names, metadata: dict, path: Path) -> None:
     ours = {f"model.{n}" for n in names}
     others = sorted(k for k in metadata if k.startswith("model.") and k not in ours)
     if others:
-        raise ConfigError(f"the checkpoint {path} holds weights the model does not have, e.g. {others[:4]}: "
-                          f"it is of another model")  # fmt: skip
+        raise ConfigError(
+            f"the checkpoint {path} holds weights the model does not have, e.g. {others[:4]}: it is of another model"
+        )

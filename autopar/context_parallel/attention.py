@@ -93,18 +93,26 @@ def check_cp_attention(
         ) from None
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
-            raise ConfigError(f"cp_attention: {name} must be a 4-D tensor (batch, heads, local_seq, head_dim), "
-                              f"got {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")  # fmt: skip
+            raise ConfigError(
+                f"cp_attention: {name} must be a 4-D tensor (batch, heads, local_seq, head_dim), "
+                f"got {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}"
+            )
     if k.shape != v.shape or not q.dtype == k.dtype == v.dtype:
-        raise ConfigError(f"cp_attention: k and v must match in shape and dtype with q's dtype, got q {q.dtype}, "
-                          f"k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}")  # fmt: skip
+        raise ConfigError(
+            f"cp_attention: k and v must match in shape and dtype with q's dtype, got q {q.dtype}, "
+            f"k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}"
+        )
     (batch, heads_q, local_seq, head_dim), (batch_k, heads_kv, local_seq_k, head_dim_k) = q.shape, k.shape
     if (batch, local_seq, head_dim) != (batch_k, local_seq_k, head_dim_k):
-        raise ConfigError(f"cp_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in batch, local "
-                          "sequence and head_dim (self-attention over one sequence)")  # fmt: skip
+        raise ConfigError(
+            f"cp_attention: q {tuple(q.shape)} and k/v {tuple(k.shape)} must agree in batch, local "
+            "sequence and head_dim (self-attention over one sequence)"
+        )
     if heads_kv < 1 or heads_q % heads_kv:
-        raise ConfigError(f"cp_attention: the {heads_q} query heads must be a multiple of the {heads_kv} key/value "
-                          "heads (grouped-query attention)")  # fmt: skip
+        raise ConfigError(
+            f"cp_attention: the {heads_q} query heads must be a multiple of the {heads_kv} key/value "
+            "heads (grouped-query attention)"
+        )
     check_cp_sequence(local_seq * num_ranks, num_ranks, layout)
     if algorithm == CPAlgorithm.ALL_TO_ALL and heads_q % num_ranks:
         divisors = [d for d in range(1, heads_q + 1) if heads_q % d == 0]
@@ -200,14 +208,29 @@ class _Partial:
 
 
 def _block_grads(
-    dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, q_segs, k: Tensor, v: Tensor, k_segs, causal: bool,
-    scale: float, dq: Tensor,
-) -> Tensor:  # fmt: skip
+    dout: Tensor,
+    q: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    q_segs,
+    k: Tensor,
+    v: Tensor,
+    k_segs,
+    causal: bool,
+    scale: float,
+    dq: Tensor,
+) -> Tensor:
     """Add this K/V block's share of dq into `dq`; return the block's stacked ``(dk, dv)``."""
     dk = torch.zeros(k.shape, dtype=dq.dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dq.dtype, device=v.device)
-    q_parts = zip(_pieces(q, q_segs), _pieces(dout, q_segs), _pieces(out, q_segs), _pieces(lse, q_segs),
-                  _pieces(dq, q_segs), strict=True)  # fmt: skip
+    q_parts = zip(
+        _pieces(q, q_segs),
+        _pieces(dout, q_segs),
+        _pieces(out, q_segs),
+        _pieces(lse, q_segs),
+        _pieces(dq, q_segs),
+        strict=True,
+    )
     for (q_seg, q_i), (_, do_i), (_, o_i), (_, l_i), (_, dq_i) in q_parts:
         for (k_seg, k_j), (_, v_j), (_, dk_j), (_, dv_j) in zip(
             _pieces(k, k_segs), _pieces(v, k_segs), _pieces(dk, k_segs), _pieces(dv, k_segs), strict=True
@@ -248,11 +271,14 @@ class _AllGatherAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=blocks.accumulation_dtype(q.dtype), device=q.device)
         q_segs = cp.segments[cp.rank]
-        dkv = torch.stack([
-            _block_grads(dout, q, out, lse, q_segs, gathered[r, 0], gathered[r, 1], cp.segments[r], ctx.causal,
-                         ctx.scale, dq)
-            for r in range(cp.num_ranks)
-        ])  # fmt: skip
+        dkv = torch.stack(
+            [
+                _block_grads(
+                    dout, q, out, lse, q_segs, gathered[r, 0], gathered[r, 1], cp.segments[r], ctx.causal, ctx.scale, dq
+                )
+                for r in range(cp.num_ranks)
+            ]
+        )
         from autopar.runtime.collectives import issue_reduce_scatter  # the runtime imports this module
 
         # into a tensor of its own: a view of the summed stack would keep every rank's row alive with the gradients
@@ -268,8 +294,10 @@ class _AllGatherAttention(torch.autograd.Function):
 
 def _pass_on(cp: CPGroup, send: Tensor, recv: Tensor, tag: int) -> list:
     """Send `send` to the next rank and receive `recv` from the previous one, asynchronously."""
-    return [dist.isend(send, cp.global_rank(1), group=cp.group, tag=tag),
-            dist.irecv(recv, cp.global_rank(-1), group=cp.group, tag=tag)]  # fmt: skip
+    return [
+        dist.isend(send, cp.global_rank(1), group=cp.group, tag=tag),
+        dist.irecv(recv, cp.global_rank(-1), group=cp.group, tag=tag),
+    ]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -306,8 +334,19 @@ class _RingAttention(torch.autograd.Function):
                 travelling = torch.empty_like(current)
                 recv = dist.irecv(travelling, cp.global_rank(-1), group=cp.group, tag=_DKV_TAG + step)
             src = (cp.rank - step) % n
-            dkv = _block_grads(dout, q, out, lse, cp.segments[cp.rank], current[0], current[1], cp.segments[src],
-                               ctx.causal, ctx.scale, dq)  # fmt: skip
+            dkv = _block_grads(
+                dout,
+                q,
+                out,
+                lse,
+                cp.segments[cp.rank],
+                current[0],
+                current[1],
+                cp.segments[src],
+                ctx.causal,
+                ctx.scale,
+                dq,
+            )
             if step == 0:
                 own = dkv  # this rank's block: its share waits here for the others'
             else:
@@ -354,8 +393,13 @@ def _heads_to_seq(tensors: tuple[Tensor, ...], cp: CPGroup, order: Tensor) -> tu
     n = cp.num_ranks
     order = order.to(tensors[0].device)
     # in layout order, piece j of the sequence is rank j's tokens
-    send = torch.cat([t.index_select(2, order).unflatten(2, (n, t.shape[2] // n)).permute(2, 0, 1, 3, 4)
-                      .reshape(n, -1) for t in tensors], dim=1)  # fmt: skip
+    send = torch.cat(
+        [
+            t.index_select(2, order).unflatten(2, (n, t.shape[2] // n)).permute(2, 0, 1, 3, 4).reshape(n, -1)
+            for t in tensors
+        ],
+        dim=1,
+    )
     recv = torch.empty_like(send)
     cp.wait(dist.all_to_all_single(recv, send.contiguous(), group=cp.group, async_op=True), "all-to-all heads->seq")
     out, offset = [], 0

@@ -198,9 +198,16 @@ def reference_forward(
 
 
 def reference_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool, mask: Tensor | None,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    is_causal: bool,
+    mask: Tensor | None,
     scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one pair with equal head counts, recomputing probabilities from the merged `lse`."""
     scores = _scores(q, k, is_causal, mask, scale)
     acc = scores.dtype

@@ -59,13 +59,17 @@ def check_cp_inputs(args, kwargs, cp: int) -> int:
     seq = sequence_length(args, kwargs)
     check_cp_sequence(seq, cp, LAYOUT)
     if kwargs.get("attention_mask") is not None:
-        raise ConfigError("context parallelism runs attention causally over global positions and cannot take a "
-                          "padding attention_mask: drop attention_mask and mark padded tokens with label -100 "
-                          "instead (or plan without cp)")  # fmt: skip
+        raise ConfigError(
+            "context parallelism runs attention causally over global positions and cannot take a "
+            "padding attention_mask: drop attention_mask and mark padded tokens with label -100 "
+            "instead (or plan without cp)"
+        )
     for t in pytree.tree_leaves((tuple(args), dict(kwargs))):
         if isinstance(t, torch.Tensor) and t.ndim and (t.ndim < 2 or t.shape[1] != seq):
-            raise ConfigError(f"context parallelism splits every input along its sequence dim (dim 1, {seq} "
-                              f"tokens), but an input has shape {tuple(t.shape)}")  # fmt: skip
+            raise ConfigError(
+                f"context parallelism splits every input along its sequence dim (dim 1, {seq} "
+                f"tokens), but an input has shape {tuple(t.shape)}"
+            )
     return seq
 
 
@@ -97,6 +101,8 @@ def traced_batch(args, kwargs, cp: int, *, causal_lm: bool) -> tuple[tuple, dict
     shares = [local_batch(args, kwargs, cp, c, causal_lm=causal_lm) for c in range(cp)]
     flat = [pytree.tree_flatten(s)[0] for s in shares]
     spec = pytree.tree_flatten(shares[0])[1]
-    joined = [torch.cat(list(vals)) if isinstance(vals[0], torch.Tensor) and vals[0].ndim else vals[0]
-              for vals in zip(*flat, strict=True)]  # fmt: skip
+    joined = [
+        torch.cat(list(vals)) if isinstance(vals[0], torch.Tensor) and vals[0].ndim else vals[0]
+        for vals in zip(*flat, strict=True)
+    ]
     return pytree.tree_unflatten(joined, spec)

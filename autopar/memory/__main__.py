@@ -2,8 +2,10 @@
 
 import sys
 
-_USAGE = ("usage: python -m autopar.memory bench [--layers N] [--hidden H] [--repeats R] [--threads 1 2]\n"
-          "       python -m autopar.memory check [--device cuda|cpu] [--layers N] [--hidden H] [--seq S] [--batch B]")  # fmt: skip
+_USAGE = (
+    "usage: python -m autopar.memory bench [--layers N] [--hidden H] [--repeats R] [--threads 1 2]\n"
+    "       python -m autopar.memory check [--device cuda|cpu] [--layers N] [--hidden H] [--seq S] [--batch B]"
+)
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in ("bench", "check"):

@@ -111,9 +111,23 @@ def _fused(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, we
     steps = [torch.tensor(float(step), device=p.device) for p in params]
     # the kernel divides each gradient by grad_scale (and stores it so), as AMP's unscaling does
     scale = torch.tensor(float(grad_scale), device=params[0].device) if grad_scale != 1.0 and params else None
-    torch._fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], steps, lr=lr,
-                        beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
-                        maximize=False, grad_scale=scale, found_inf=None)  # fmt: skip
+    torch._fused_adamw_(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        [],
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+        grad_scale=scale,
+        found_inf=None,
+    )
 
 
 class ChunkAdamW:
@@ -124,11 +138,21 @@ class ChunkAdamW:
     payloads the model computes with. Gradients accumulate over micro-batches until then.
     """
 
-    def __init__(self, store, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, impl: str = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        store,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        impl: str = "auto",
+    ):
         if not (lr >= 0 and 0 <= betas[0] < 1 and 0 <= betas[1] < 1 and eps >= 0 and weight_decay >= 0):
-            raise ConfigError(f"bad AdamW hyperparameters lr={lr} betas={betas} eps={eps} weight_decay="
-                              f"{weight_decay}: need lr, eps, weight_decay >= 0 and betas in [0, 1)")  # fmt: skip
+            raise ConfigError(
+                f"bad AdamW hyperparameters lr={lr} betas={betas} eps={eps} weight_decay="
+                f"{weight_decay}: need lr, eps, weight_decay >= 0 and betas in [0, 1)"
+            )
         if impl not in IMPLS:
             raise ConfigError(f"impl must be one of {IMPLS}; got {impl!r}")
         self.store = store
@@ -144,10 +168,20 @@ class ChunkAdamW:
         for chunk in store.trainable_chunks():
             by_device.setdefault(chunk.master.device, []).append(chunk)
         for chunks in by_device.values():
-            chunk_adamw_step([c.master for c in chunks], [c.grad for c in chunks],
-                             [c.exp_avg for c in chunks], [c.exp_avg_sq for c in chunks], step=self.num_steps,
-                             lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], eps=self.eps,
-                             weight_decay=self.weight_decay, impl=self.impl, grad_scale=grad_scale)  # fmt: skip
+            chunk_adamw_step(
+                [c.master for c in chunks],
+                [c.grad for c in chunks],
+                [c.exp_avg for c in chunks],
+                [c.exp_avg_sq for c in chunks],
+                step=self.num_steps,
+                lr=self.lr,
+                beta1=self.betas[0],
+                beta2=self.betas[1],
+                eps=self.eps,
+                weight_decay=self.weight_decay,
+                impl=self.impl,
+                grad_scale=grad_scale,
+            )
         store.zero_grad()
         store.refresh_payloads()
 

@@ -27,9 +27,15 @@ HPARAMS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay"
 
 def build_params(layers: int, hidden: int, seed: int = 0) -> dict[str, torch.Tensor]:
     """The parameters of a LLaMA-shaped model (vocab 32000, MLP 8/3 x hidden), built on the CPU."""
-    cfg = presets.load_config("tiny-llama", hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                              num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                              num_key_value_heads=hidden // 64, vocab_size=32000)  # fmt: skip
+    cfg = presets.load_config(
+        "tiny-llama",
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 64,
+        vocab_size=32000,
+    )
     torch.manual_seed(seed)
     model = presets.build_model(cfg, device="cpu")
     return {n: p.detach() for n, p in model.named_parameters()}
@@ -44,16 +50,26 @@ def _torch_case(values: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
     params = [torch.nn.Parameter(v.clone()) for v in values.values()]
     for p, g in zip(params, grads.values(), strict=True):
         p.grad = g
-    opt = torch.optim.AdamW(params, lr=HPARAMS["lr"], betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
-                            eps=HPARAMS["eps"], weight_decay=HPARAMS["weight_decay"], **flags)  # fmt: skip
+    opt = torch.optim.AdamW(
+        params,
+        lr=HPARAMS["lr"],
+        betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
+        eps=HPARAMS["eps"],
+        weight_decay=HPARAMS["weight_decay"],
+        **flags,
+    )
     return opt.step, (params, opt)
 
 
 def _chunk_case(store: ChunkStore, impl: str):
     chunks = store.trainable_chunks()
     state = {"step": 0}
-    bufs = ([c.master for c in chunks], [c.grad for c in chunks], [c.exp_avg for c in chunks],
-            [c.exp_avg_sq for c in chunks])  # fmt: skip
+    bufs = (
+        [c.master for c in chunks],
+        [c.grad for c in chunks],
+        [c.exp_avg for c in chunks],
+        [c.exp_avg_sq for c in chunks],
+    )
 
     def step():
         state["step"] += 1
@@ -67,21 +83,25 @@ def run(layers: int, hidden: int, repeats: int, threads: list[int], chunk_numel:
     num = sum(v.numel() for v in values.values())
     g = torch.Generator().manual_seed(1)
     grads = {n: torch.randn(v.shape, generator=g) * 1e-3 for n, v in values.items()}
-    store = ChunkStore([ParamSpec(n, tuple(v.shape)) for n, v in values.items()], chunk_numel=chunk_numel,
-                       device="cpu")  # fmt: skip
+    store = ChunkStore([ParamSpec(n, tuple(v.shape)) for n, v in values.items()], chunk_numel=chunk_numel, device="cpu")
     store.load_state(values)
     for name, grad in grads.items():
         store.add_grad(name, grad)
-    print(f"{num / 1e6:.1f}M parameters in {len(values)} tensors; {store.num_chunks} chunks of "
-          f"{store.chunk_numel / 1e6:.2f}M elements (waste {store.waste() / max(num, 1):.2%})")  # fmt: skip
+    print(
+        f"{num / 1e6:.1f}M parameters in {len(values)} tensors; {store.num_chunks} chunks of "
+        f"{store.chunk_numel / 1e6:.2f}M elements (waste {store.waste() / max(num, 1):.2%})"
+    )
     rows = []
     for n_threads in threads:
         torch.set_num_threads(n_threads)
         times = {}
         for impl in ("blocked", "fused"):
             times[f"chunk-{impl}"] = _median_time(_chunk_case(store, impl), repeats)
-        for label, flags in (("torch-fused", {"fused": True}), ("torch-foreach", {"foreach": True}),
-                             ("torch-for-loop", {"foreach": False})):  # fmt: skip
+        for label, flags in (
+            ("torch-fused", {"fused": True}),
+            ("torch-foreach", {"foreach": True}),
+            ("torch-for-loop", {"foreach": False}),
+        ):
             step, keep = _torch_case(values, grads, **flags)
             times[label] = _median_time(step, repeats)
             del step, keep

@@ -30,10 +30,16 @@ GIB = 1024**3
 def _model_and_batch(args):
     from autopar import presets
 
-    cfg = presets.load_config("tiny-llama", hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                              num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                              num_key_value_heads=max(1, args.hidden // 128), vocab_size=32000,
-                              max_position_embeddings=max(args.seq, 64))  # fmt: skip
+    cfg = presets.load_config(
+        "tiny-llama",
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 128),
+        vocab_size=32000,
+        max_position_embeddings=max(args.seq, 64),
+    )
     torch.manual_seed(0)
     model = presets.build_model(cfg, device="cpu")
     g = torch.Generator().manual_seed(1)
@@ -63,15 +69,17 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster = f"1x{args.gpu}" if args.device == "cuda" else "cpu:1"
     model, inputs, kwargs = _model_and_batch(args)
-    free = autopar.plan(model, cluster, inputs, kwargs, offload=False, memory_budget=float("inf"),
-                        constraints={"tp": 1})  # fmt: skip
+    free = autopar.plan(
+        model, cluster, inputs, kwargs, offload=False, memory_budget=float("inf"), constraints={"tp": 1}
+    )
     mem = free.predicted.memory_breakdown
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     budget = args.budget_fraction * states
     plan = autopar.plan(model, cluster, inputs, kwargs, memory_budget=budget, constraints={"tp": 1})
     print(plan.summary())
-    print(f"model states {states / GIB:.3f} GiB, budget {budget / GIB:.3f} GiB "
-          f"({args.budget_fraction:.0%} of the states)")  # fmt: skip
+    print(
+        f"model states {states / GIB:.3f} GiB, budget {budget / GIB:.3f} GiB ({args.budget_fraction:.0%} of the states)"
+    )
     ok = bool(plan.offload)
     if not ok:
         print("FAIL: the plan does not offload")
@@ -102,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         measured = rows[-1][1]
         if abs(measured - predicted) > args.tolerance * predicted:
             ok = False
-            print(f"FAIL: measured peak is {measured / predicted - 1:+.1%} from the prediction "
-                  f"(tolerance {args.tolerance:.0%})")  # fmt: skip
+            print(
+                f"FAIL: measured peak is {measured / predicted - 1:+.1%} from the prediction "
+                f"(tolerance {args.tolerance:.0%})"
+            )
     print("ok" if ok else "check failed")
     return 0 if ok else 1

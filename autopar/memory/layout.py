@@ -248,5 +248,6 @@ def offload_chunk_numel(sizes: Sequence[int], *, dp: int, budget_bytes: float, c
     multiple = ALIGN_NUMEL * dp
     per_elem = compute_itemsize + torch.float32.itemsize  # payload + gradient staging
     cap = max(multiple, int(budget_bytes / (CHUNK_SHARE_OF_BUDGET * per_elem)))
-    return choose_chunk_size(sizes, min_numel=min(MIN_CHUNK_NUMEL, cap), max_numel=min(MAX_CHUNK_NUMEL, cap),
-                             multiple=multiple)  # fmt: skip
+    return choose_chunk_size(
+        sizes, min_numel=min(MIN_CHUNK_NUMEL, cap), max_numel=min(MAX_CHUNK_NUMEL, cap), multiple=multiple
+    )

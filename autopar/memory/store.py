@@ -126,8 +126,10 @@ class Chunk:
         return self.layout.requires_grad
 
     def __repr__(self) -> str:
-        return (f"Chunk({self.index}, capacity={self.layout.capacity}, params={len(self.layout.slots)}, "
-                f"device={self.device.value}, resident={self.resident})")  # fmt: skip
+        return (
+            f"Chunk({self.index}, capacity={self.layout.capacity}, params={len(self.layout.slots)}, "
+            f"device={self.device.value}, resident={self.resident})"
+        )
 
 
 def module_params(module: torch.nn.Module) -> tuple[list[ParamSpec], dict[str, str], dict[str, torch.Tensor]]:
@@ -159,11 +161,20 @@ class ChunkStore:
         tracker, counter: shared accounting objects; new ones by default.
     """
 
-    def __init__(self, specs: Sequence[ParamSpec], *, chunk_numel: int | None = None,
-                 compute_dtype: torch.dtype = torch.float32, master_dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, group: dist.ProcessGroup | None = None,
-                 host: Collection[int] = (), aliases: Mapping[str, str] | None = None,
-                 tracker: MemoryTracker | None = None, counter: CollectiveCounter | None = None):  # fmt: skip
+    def __init__(
+        self,
+        specs: Sequence[ParamSpec],
+        *,
+        chunk_numel: int | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        master_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        group: dist.ProcessGroup | None = None,
+        host: Collection[int] = (),
+        aliases: Mapping[str, str] | None = None,
+        tracker: MemoryTracker | None = None,
+        counter: CollectiveCounter | None = None,
+    ):
         self.compute_dtype, self.master_dtype = compute_dtype, master_dtype
         self.device = torch.device(device) if device is not None else _default_device()
         self.group = group
@@ -296,8 +307,10 @@ class ChunkStore:
         if where == chunk.device:
             return
         if chunk.staging is not None or chunk.pending is not None or chunk.reducing is not None:
-            raise LoweringError(f"chunk {chunk.index} has staged gradients, a prefetch or a reduce-scatter in "
-                                f"flight; reduce its gradients and wait for it before moving it")  # fmt: skip
+            raise LoweringError(
+                f"chunk {chunk.index} has staged gradients, a prefetch or a reduce-scatter in "
+                f"flight; reduce its gradients and wait for it before moving it"
+            )
         if chunk.resident and not self._persistent(chunk):
             self.release(chunk)
         was_persistent, aliased = self._persistent(chunk), chunk.master is chunk.payload

@@ -48,8 +48,14 @@ def program_class(plan: Plan) -> type[Program]:
     return PROGRAMS[plan.program]
 
 
-def build(model: torch.nn.Module, plan: Plan, traced: TracedModel | None, cluster: ClusterSpec, *,
-          optimizer: Callable | None = None) -> Program:  # fmt: skip
+def build(
+    model: torch.nn.Module,
+    plan: Plan,
+    traced: TracedModel | None,
+    cluster: ClusterSpec,
+    *,
+    optimizer: Callable | None = None,
+) -> Program:
     """The program of `plan` on this rank, from the model traced at `program_class(plan).trace_parts(plan)`."""
     return program_class(plan)(model, plan, traced, cluster, optimizer=optimizer)
 

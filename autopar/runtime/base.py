@@ -58,11 +58,15 @@ def ensure_process_group(cluster: ClusterSpec) -> None:
             store = dist.HashStore()
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         else:
-            raise LoweringError(f"the cluster has {cluster.world_size} devices but no process group is running: "
-                                f"launch with `torchrun --nproc_per_node {cluster.world_size} ...`")  # fmt: skip
+            raise LoweringError(
+                f"the cluster has {cluster.world_size} devices but no process group is running: "
+                f"launch with `torchrun --nproc_per_node {cluster.world_size} ...`"
+            )
     if dist.get_world_size() != cluster.world_size:
-        raise LoweringError(f"the process group has {dist.get_world_size()} ranks but the cluster "
-                            f"{cluster.describe()} has {cluster.world_size}; launch one rank per device")  # fmt: skip
+        raise LoweringError(
+            f"the process group has {dist.get_world_size()} ranks but the cluster "
+            f"{cluster.describe()} has {cluster.world_size}; launch one rank per device"
+        )
 
 
 def _attempt_store() -> dict:
@@ -74,8 +78,13 @@ def _attempt_store() -> dict:
         return {}
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts the store; ranks are its clients
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=not agent and rank == 0,
-                          timeout=collective_timeout())  # fmt: skip
+    store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world,
+        is_master=not agent and rank == 0,
+        timeout=collective_timeout(),
+    )
     attempt = env["TORCHELASTIC_RESTART_COUNT"]
     return {"store": dist.PrefixStore(f"attempt{attempt}", store), "rank": rank, "world_size": world}
 
@@ -84,8 +93,10 @@ def device_type(cluster: ClusterSpec) -> str:
     """ "cuda" (this rank's GPU made current) for GPU clusters, "cpu" otherwise."""
     if cluster.device.kind == "gpu":
         if not torch.cuda.is_available():
-            raise LoweringError(f"the cluster is {cluster.describe()} but this machine has no CUDA device; "
-                                f"plan for GPUs here, run on GPUs there, or compile for 'cpu:N'")  # fmt: skip
+            raise LoweringError(
+                f"the cluster is {cluster.describe()} but this machine has no CUDA device; "
+                f"plan for GPUs here, run on GPUs there, or compile for 'cpu:N'"
+            )
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         return "cuda"
     return "cpu"
@@ -101,8 +112,10 @@ def micro_batches(args, kwargs, batch: int, m: int) -> list[tuple]:
     flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     for t in flat:
         if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] != batch:
-            raise ConfigError(f"the plan is for a global batch of {batch} but an input has {t.shape[0]} rows; "
-                              f"pass the batch the model was compiled for")  # fmt: skip
+            raise ConfigError(
+                f"the plan is for a global batch of {batch} but an input has {t.shape[0]} rows; "
+                f"pass the batch the model was compiled for"
+            )
     if m == 1:
         return [(tuple(args), dict(kwargs))]
     pieces = [t.chunk(m, dim=0) if isinstance(t, torch.Tensor) and t.ndim else [t] * m for t in flat]
@@ -113,8 +126,10 @@ def input_signature(args, kwargs) -> dict:
     """{input name: (shape, dtype)} of a call's tensor inputs, {name: (None, type name)} of its other inputs: what
     `Program.check_inputs` compares (keywords in any order)."""
     leaves, _ = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))
-    return {_input_name(path): (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, type(v).__name__)
-            for path, v in leaves}  # fmt: skip
+    return {
+        _input_name(path): (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, type(v).__name__)
+        for path, v in leaves
+    }
 
 
 def _input_name(path) -> str:
@@ -129,8 +144,10 @@ def rank_rows(t, parts: int, index: int):
     if not isinstance(t, torch.Tensor) or not t.ndim or parts == 1:
         return t
     if t.shape[0] % parts:
-        raise ConfigError(f"a batch of {t.shape[0]} rows does not divide over {parts} data-parallel ranks; "
-                          f"pass a global batch that is a multiple of {parts}")  # fmt: skip
+        raise ConfigError(
+            f"a batch of {t.shape[0]} rows does not divide over {parts} data-parallel ranks; "
+            f"pass a global batch that is a multiple of {parts}"
+        )
     return t.chunk(parts, dim=0)[index]
 
 
@@ -151,8 +168,9 @@ def flat_inputs(traced: TracedModel, args, kwargs) -> list:
     flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     expected = call_spec(traced.exported).in_spec
     if expected is not None and spec != expected:
-        raise ConfigError(f"the inputs do not have the structure the model was compiled with: expected "
-                          f"{expected}, got {spec}")  # fmt: skip
+        raise ConfigError(
+            f"the inputs do not have the structure the model was compiled with: expected {expected}, got {spec}"
+        )
     return flat
 
 
@@ -173,8 +191,9 @@ def contiguous_stride(shape) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def sum_in_buckets(grads: list[torch.Tensor], group, bucket_bytes: int = 25 * 2**20,
-                   dtype: torch.dtype | None = None) -> None:  # fmt: skip
+def sum_in_buckets(
+    grads: list[torch.Tensor], group, bucket_bytes: int = 25 * 2**20, dtype: torch.dtype | None = None
+) -> None:
     """All-reduce (sum) `grads` in place over `group`, packed into flat buckets of one dtype (sent in `dtype`
     when given)."""
     bucket: list[torch.Tensor] = []
@@ -201,8 +220,9 @@ class BucketedReduction:
     in flight on return (every bucket's flat copy held until `wait`), and `wait` waits for them and copies the
     sums back into `grads` (which nothing may touch in between)."""
 
-    def __init__(self, grads: list[torch.Tensor], group, *, bucket_bytes: int = 25 * 2**20,
-                 dtype: torch.dtype | None = None):  # fmt: skip
+    def __init__(
+        self, grads: list[torch.Tensor], group, *, bucket_bytes: int = 25 * 2**20, dtype: torch.dtype | None = None
+    ):
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, object]] = []
         bucket: list[torch.Tensor] = []
         size = 0
@@ -246,8 +266,13 @@ class LossScaler:
     backward; a step whose gradients hold an inf or NaN is skipped and the scale halved; after
     `growth_interval` good steps in a row the scale doubles."""
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000):  # fmt: skip
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self.good_steps = 0
@@ -283,8 +308,15 @@ class Program(torch.nn.Module):
 
     kind: ClassVar[ProgramKind]
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, traced: TracedModel | None, cluster: ClusterSpec, *,
-                 optimizer: Callable | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: Plan,
+        traced: TracedModel | None,
+        cluster: ClusterSpec,
+        *,
+        optimizer: Callable | None = None,
+    ):
         super().__init__()
         if not self.runs(plan):
             raise LoweringError(f"a {plan.program} plan cannot run as the {self.kind} program")
@@ -368,9 +400,11 @@ class Program(torch.nn.Module):
             return
         expected, got = self._input_signature, input_signature(args, kwargs)
         if set(got) != set(expected):
-            raise ConfigError(f"{where} was given the inputs ({_names(got)}) but the program was compiled for "
-                              f"({_names(expected)}); pass the same arguments and keywords as the example batch "
-                              f"given to compile")  # fmt: skip
+            raise ConfigError(
+                f"{where} was given the inputs ({_names(got)}) but the program was compiled for "
+                f"({_names(expected)}); pass the same arguments and keywords as the example batch "
+                f"given to compile"
+            )
         for name, (shape, dtype) in expected.items():
             g_shape, g_dtype = got[name]
             if shape is None and g_shape is None:
@@ -378,9 +412,11 @@ class Program(torch.nn.Module):
             if (g_shape, g_dtype) != (shape, dtype):
                 what = f"has shape {g_shape} and dtype {g_dtype}" if g_shape is not None else f"is a {g_dtype}"
                 planned = f"shape {shape} and dtype {dtype}" if shape is not None else f"a {dtype}"
-                raise ConfigError(f"{where}: input {name} {what}, but the program was planned for {planned}; pass "
-                                  f"batches of the planned shape and dtype (pad or cut sequences, cast with .to()), "
-                                  f"or compile again with an example batch of the shape you train on")  # fmt: skip
+                raise ConfigError(
+                    f"{where}: input {name} {what}, but the program was planned for {planned}; pass "
+                    f"batches of the planned shape and dtype (pad or cut sequences, cast with .to()), "
+                    f"or compile again with an example batch of the shape you train on"
+                )
 
     def _build_optimizer(self, masters) -> None:
         self.optimizer = self._make_optimizer(list(masters))
@@ -481,8 +517,9 @@ class Program(torch.nn.Module):
 
     # ----------------------------------------------------------------------------- checkpoints
 
-    def save_checkpoint(self, path, *, extra: dict | None = None, keep_last: int | None = None,
-                        async_save: bool = False):  # fmt: skip
+    def save_checkpoint(
+        self, path, *, extra: dict | None = None, keep_last: int | None = None, async_save: bool = False
+    ):
         """Write the training state (masters, optimizer states, step, loss scale, every rank's RNG states and
         `extra`) to the directory `path`, sharded, atomically; keep only the `keep_last` newest checkpoints next
         to it; returns the path. Every rank calls it. See `autopar.checkpoint.training`.
@@ -533,8 +570,11 @@ class Program(torch.nn.Module):
             state = self.optimizer.state.get(piece.param) if piece.param is not None else None
             if not state:
                 continue
-            out[name] = {k: piece.like(v) if isinstance(v, torch.Tensor) and v.shape == piece.tensor.shape and v.ndim
-                         else v for k, v in state.items() if isinstance(v, torch.Tensor)}  # fmt: skip
+            out[name] = {
+                k: piece.like(v) if isinstance(v, torch.Tensor) and v.shape == piece.tensor.shape and v.ndim else v
+                for k, v in state.items()
+                if isinstance(v, torch.Tensor)
+            }
         return out
 
     def _ensure_optimizer_state(self) -> None:
@@ -561,8 +601,11 @@ class Program(torch.nn.Module):
 
     def _checkpoint_meta(self) -> dict:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in getattr(self.optimizer, "param_groups", [])]
-        return {"step": self.num_steps, "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "param_groups": groups}  # fmt: skip
+        return {
+            "step": self.num_steps,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "param_groups": groups,
+        }
 
     def _restore_checkpoint_meta(self, meta: dict) -> None:
         self.num_steps = int(meta.get("step", 0))

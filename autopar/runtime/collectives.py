@@ -53,8 +53,10 @@ def collective_timeout() -> timedelta:
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set it to e.g. 600, or "
-                          f"unset it for {DEFAULT_TIMEOUT_S:g}")  # fmt: skip
+        raise ConfigError(
+            f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set it to e.g. 600, or "
+            f"unset it for {DEFAULT_TIMEOUT_S:g}"
+        )
     return timedelta(seconds=seconds)
 
 
@@ -75,8 +77,7 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
     `collective_timeout()` (a mesh dim spanning the world gets a group of its own, not the world group, whose
     timeout autopar may not have set)."""
     options = _backend_options(device_type, collective_timeout())
-    return init_device_mesh(device_type, shape, mesh_dim_names=names,
-                            backend_override=dict.fromkeys(names, options))  # fmt: skip
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=dict.fromkeys(names, options))
 
 
 def new_group(ranks: list[int]) -> dist.ProcessGroup:

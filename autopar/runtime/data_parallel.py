@@ -60,8 +60,9 @@ class DataParallelProgram(Program):
     def trace_parts(cls, plan: Plan) -> int:
         return plan.mesh["dp"] * plan.num_microbatches  # one rank's share of one micro-batch
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *,
-                 optimizer=None):  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None
+    ):
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
         self.dp, self.rank = plan.mesh["dp"], dist.get_rank()
         device = self.device = self.device_type
@@ -76,21 +77,25 @@ class DataParallelProgram(Program):
         )
         # what the graph computes with: the masters themselves, or their compute-format copies
         mixed = self.compute_dtype is not None
-        self._compute = [p.detach().to(self.compute_dtype).requires_grad_(p.requires_grad) if mixed else p
-                         for p in self.params]  # fmt: skip
+        self._compute = [
+            p.detach().to(self.compute_dtype).requires_grad_(p.requires_grad) if mixed else p for p in self.params
+        ]
         # what the buckets hold: the copies' gradients when reduced in the compute format, else the masters'
         self._bucketed = self._compute if self.reduce_in_compute else list(self.params)
         self._buffers_list = [buffers[n].detach().to(device, copy=True) for n in traced.buffer_names]
-        self._constants = {k: self.in_compute_format(v.to(device)) if isinstance(v, torch.Tensor) else v
-                           for k, v in traced.exported.constants.items()}  # fmt: skip
+        self._constants = {
+            k: self.in_compute_format(v.to(device)) if isinstance(v, torch.Tensor) else v
+            for k, v in traced.exported.constants.items()
+        }
         self._buckets = self._gradient_buckets()
         # Placeholder values but the user inputs, fixed for the program's life (parameters are updated in place):
         # a step fills in the inputs instead of walking the signature again.
         kinds = traced.placeholder_kinds
         self._input_slots = [i for i, kind in enumerate(kinds) if kind == "input"]
         run_buffers = [self.in_compute_format(b) for b in self._buffers_list]
-        self._placeholders = placeholder_values(traced, self._compute, run_buffers, self._constants.get,
-                                                [None] * len(self._input_slots))  # fmt: skip
+        self._placeholders = placeholder_values(
+            traced, self._compute, run_buffers, self._constants.get, [None] * len(self._input_slots)
+        )
         # Buffers no step writes (this program does not write mutated ones back either) and lifted constants.
         placeholders = [n.name for n in self._gm.graph.nodes if n.op == "placeholder"]
         constant = {name for name, kind in zip(placeholders, kinds, strict=True) if kind in ("buffer", "constant")}
@@ -319,8 +324,10 @@ class DataParallelProgram(Program):
     def _local_masters(self) -> dict:
         from autopar.checkpoint.pieces import Piece
 
-        return {n: Piece(p.detach(), tuple(p.shape), offsets=(0,) * p.ndim, param=p)
-                for n, p in zip(self.traced.param_names, self.params, strict=True)}  # fmt: skip
+        return {
+            n: Piece(p.detach(), tuple(p.shape), offsets=(0,) * p.ndim, param=p)
+            for n, p in zip(self.traced.param_names, self.params, strict=True)
+        }
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers_list, strict=True))

@@ -53,8 +53,16 @@ from autopar.plan import Plan, ProgramKind
 from autopar.runtime.base import COMPUTE_DTYPES, Program, check_scalar_loss, rank_rows
 from autopar.trace import TracedModel
 
-_CROSS_ENTROPY_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction",
-                       "label_smoothing")  # fmt: skip
+_CROSS_ENTROPY_ARGS = (
+    "input",
+    "target",
+    "weight",
+    "size_average",
+    "ignore_index",
+    "reduce",
+    "reduction",
+    "label_smoothing",
+)
 
 
 class _SumCrossEntropy(TorchFunctionMode):
@@ -93,11 +101,17 @@ def _adamw_hyperparameters(optimizer) -> dict:
     group = probe.param_groups[0]
     adam = type(probe) is torch.optim.AdamW or (type(probe) is torch.optim.Adam and group["weight_decay"] == 0)
     if not adam or len(probe.param_groups) != 1 or group.get("amsgrad") or group.get("maximize"):
-        raise LoweringError(f"an offloaded plan runs AdamW over chunks (one set of hyperparameters), but the "
-                            f"optimizer is {type(probe).__name__} with {len(probe.param_groups)} group(s); pass "
-                            f"torch.optim.AdamW, or plan with offload=False")  # fmt: skip
-    return {"lr": float(group["lr"]), "betas": tuple(group["betas"]), "eps": group["eps"],
-            "weight_decay": group["weight_decay"]}  # fmt: skip
+        raise LoweringError(
+            f"an offloaded plan runs AdamW over chunks (one set of hyperparameters), but the "
+            f"optimizer is {type(probe).__name__} with {len(probe.param_groups)} group(s); pass "
+            f"torch.optim.AdamW, or plan with offload=False"
+        )
+    return {
+        "lr": float(group["lr"]),
+        "betas": tuple(group["betas"]),
+        "eps": group["eps"],
+        "weight_decay": group["weight_decay"],
+    }
 
 
 def layer_treatments(plan: Plan, num_layers: int) -> dict[int, str]:
@@ -109,8 +123,9 @@ def layer_treatments(plan: Plan, num_layers: int) -> dict[int, str]:
     return {}
 
 
-def apply_layer_treatments(module: torch.nn.Module, plan: Plan, *,
-                           tracker=None) -> tuple[ActivationOffload | None, list[str]]:  # fmt: skip
+def apply_layer_treatments(
+    module: torch.nn.Module, plan: Plan, *, tracker=None
+) -> tuple[ActivationOffload | None, list[str]]:
     """Make the model's repeated layers (its longest ModuleList) do what the plan says with their activations.
 
     "full": the layer's forward runs under non-reentrant checkpointing; "selective": its attention
@@ -181,13 +196,23 @@ class OffloadProgram(Program):
     def trace_parts(cls, plan: Plan) -> None:
         return None  # the model runs eagerly over the chunks
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, traced: TracedModel | None, cluster: ClusterSpec, *,
-                 optimizer=None, chunk_numel: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        plan: Plan,
+        traced: TracedModel | None,
+        cluster: ClusterSpec,
+        *,
+        optimizer=None,
+        chunk_numel: int | None = None,
+    ):
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
         dp = plan.mesh.get("dp", 1)
         if plan.mesh.get("tp", 1) != 1 or dp != dist.get_world_size():
-            raise LoweringError(f"host offload runs plans with a data axis over all ranks only, got mesh {plan.mesh}; "
-                                f"plan with constraints={{'tp': 1}} or offload=False")  # fmt: skip
+            raise LoweringError(
+                f"host offload runs plans with a data axis over all ranks only, got mesh {plan.mesh}; "
+                f"plan with constraints={{'tp': 1}} or offload=False"
+            )
         self.dp, self.rank = dp, dist.get_rank()
         self.device = self.device_type
         module = copy.deepcopy(model).to(self.device)
@@ -195,20 +220,34 @@ class OffloadProgram(Program):
         budget = plan.offload.get("device_budget_bytes") or plan.cluster.device.memory_bytes
         compute = COMPUTE_DTYPES.get(plan.precision, torch.float32)
         if chunk_numel is None:
-            chunk_numel = offload_chunk_numel([s.numel for s in specs], dp=dp, budget_bytes=budget,
-                                              compute_itemsize=compute.itemsize)  # fmt: skip
-        host = host_chunks(pack(specs, chunk_numel, multiple=ALIGN_NUMEL * dp),
-                           plan.offload.get("optimizer_fraction", 0.0))  # fmt: skip
+            chunk_numel = offload_chunk_numel(
+                [s.numel for s in specs], dp=dp, budget_bytes=budget, compute_itemsize=compute.itemsize
+            )
+        host = host_chunks(
+            pack(specs, chunk_numel, multiple=ALIGN_NUMEL * dp), plan.offload.get("optimizer_fraction", 0.0)
+        )
         self.tracker = MemoryTracker(budget_bytes=int(budget))
         group = dist.group.WORLD if dp > 1 else None
-        self.store = ChunkStore(specs, chunk_numel=chunk_numel, compute_dtype=compute, device=self.device,
-                                group=group, host=host, aliases=aliases, tracker=self.tracker)  # fmt: skip
+        self.store = ChunkStore(
+            specs,
+            chunk_numel=chunk_numel,
+            compute_dtype=compute,
+            device=self.device,
+            group=group,
+            host=host,
+            aliases=aliases,
+            tracker=self.tracker,
+        )
         self.store.load_state(values)
         del values
         self.store.bind(module)
         # the store prefetches one chunk ahead at most: a deeper prefetch depth runs as 1
-        self.scheduler = ChunkScheduler(self.store, module, prefetch=plan.overlap and plan.prefetch_depth > 0,
-                                        reduce_window=1 if plan.overlap else 0)  # fmt: skip
+        self.scheduler = ChunkScheduler(
+            self.store,
+            module,
+            prefetch=plan.overlap and plan.prefetch_depth > 0,
+            reduce_window=1 if plan.overlap else 0,
+        )
         # the tensors autograd keeps for backward, on the same tracker as the chunks
         self.activations = ActivationTracker(self.tracker, self.device)
         self.activation_offload, self.checkpointed = apply_layer_treatments(module, plan, tracker=self.tracker)

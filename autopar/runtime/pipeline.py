@@ -116,9 +116,15 @@ class _Stage(torch.nn.Module):
         self.program, self.sg = program, sg
         self.is_last = sg.index == program.num_stages - 1
         node_inputs, node_output = placements
-        knobs = dict(mesh=program.mesh, node_inputs=node_inputs, node_output=node_output,
-                     batch_size=program.micro_batch, params=program.param_nodes, launch_early=program.plan.overlap,
-                     **program.cp_knobs)  # fmt: skip
+        knobs = dict(
+            mesh=program.mesh,
+            node_inputs=node_inputs,
+            node_output=node_output,
+            batch_size=program.micro_batch,
+            params=program.param_nodes,
+            launch_early=program.plan.overlap,
+            **program.cp_knobs,
+        )
         self.train_interp = shard_pass(sg.graph_module, None, recompute=recompute, **knobs)
         self.eval_interp = shard_pass(eval_pass(copy_graph_module(sg.graph_module), None), None, **knobs)
         self.interp = self.train_interp
@@ -142,8 +148,7 @@ class _Stage(torch.nn.Module):
 
     def _example(self, val, requires_grad: bool) -> torch.Tensor:
         pl = _boundary_placement(val.shape, self.program.micro_batch, self.program.dp)
-        t = torch.zeros(_local_shape(val.shape, pl, self.program.dp), dtype=val.dtype,
-                        device=self.program.device_type)  # fmt: skip
+        t = torch.zeros(_local_shape(val.shape, pl, self.program.dp), dtype=val.dtype, device=self.program.device_type)
         return t.requires_grad_(requires_grad)
 
     def forward(self, index: torch.Tensor, *received: torch.Tensor):
@@ -152,11 +157,18 @@ class _Stage(torch.nn.Module):
         values = []
         for t, val in zip(received, self._in_meta, strict=True):
             pl = _boundary_placement(val.shape, prog.micro_batch, prog.dp)
-            values.append(DTensor.from_local(t, prog.mesh, pl, run_check=False, shape=val.shape,
-                                             stride=contiguous_stride(val.shape)))  # fmt: skip
+            values.append(
+                DTensor.from_local(
+                    t, prog.mesh, pl, run_check=False, shape=val.shape, stride=contiguous_stride(val.shape)
+                )
+            )
         # parameters enter the mesh where first read, so their gradients reach the reduction hooks early
-        values += [Deferred(functools.partial(prog.placeholder_value, name, mb)) if prog.is_param(name)
-                   else prog.placeholder_value(name, mb) for name in self.sg.placeholders]  # fmt: skip
+        values += [
+            Deferred(functools.partial(prog.placeholder_value, name, mb))
+            if prog.is_param(name)
+            else prog.placeholder_value(name, mb)
+            for name in self.sg.placeholders
+        ]
         out = self.interp.run(*values)
         if self.is_last:
             loss = out
@@ -174,8 +186,11 @@ class _Stage(torch.nn.Module):
                 v = DTensor.from_local(v, prog.mesh, (R, R), run_check=False)
             if not isinstance(v, DTensor):
                 raise LoweringError(f"a value crossing pipeline stage {self.sg.index} is not on the mesh")
-            sent.append(v.redistribute(prog.mesh, _boundary_placement(val.shape, prog.micro_batch, prog.dp))
-                        .to_local().contiguous())  # fmt: skip
+            sent.append(
+                v.redistribute(prog.mesh, _boundary_placement(val.shape, prog.micro_batch, prog.dp))
+                .to_local()
+                .contiguous()
+            )
         return tuple(sent)
 
 
@@ -209,8 +224,9 @@ class PipelineProgram(Program):
 
     kind = ProgramKind.PIPELINE
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *,
-                 optimizer=None):  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None
+    ):
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
         from torch.distributed.pipelining import PipelineStage
 
@@ -228,14 +244,15 @@ class PipelineProgram(Program):
         self._causal_lm = is_causal_lm(model)
         if cp > 1:
             self.cp_mesh = device_mesh(self.device_type, (pp, dp // cp, cp, tp), ("pp", "dp", "cp", "tp"))
-            self.cp_knobs = dict(cp_group=self.cp_mesh.get_group("cp"),
-                                 cp_algorithm=plan.context_parallel["algorithm"])  # fmt: skip
+            self.cp_knobs = dict(cp_group=self.cp_mesh.get_group("cp"), cp_algorithm=plan.context_parallel["algorithm"])
         self.pp_group = self.world.get_group("pp")
         self.pp_rank = self.world.get_local_rank("pp")
         sig = traced.exported.graph_signature
         if traced.num_mutated_outputs:
-            raise LoweringError("the model updates buffers or inputs in place, which pipeline stages do not "
-                                "support; plan with constraints={'pp': 1}")  # fmt: skip
+            raise LoweringError(
+                "the model updates buffers or inputs in place, which pipeline stages do not "
+                "support; plan with constraints={'pp': 1}"
+            )
 
         # what each placeholder is
         self._kind: dict[str, tuple[str, object]] = {}
@@ -256,16 +273,23 @@ class PipelineProgram(Program):
         self.num_stages = pp * v
         frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
         graph = OpGraph.from_traced(traced, frozen_params=frozen)
-        self.grad_values = values_needing_grad(traced.exported.graph, {n for n, p in graph.params.items()
-                                                                       if p.requires_grad})  # fmt: skip
+        self.grad_values = values_needing_grad(
+            traced.exported.graph, {n for n, p in graph.params.items() if p.requires_grad}
+        )
         if all(c is None for c, _ in graph.node_layer.values()):
             raise LoweringError("pipeline stages need a stack of layers to cut; the model has none")
         # several stacks (an encoder and a decoder) are cut as one sequence of layers
         node_layer, container, _ = stack_layers(graph.node_layer)
         param_nodes = set(graph.params)
         self.param_nodes = frozenset(param_nodes)  # the stages' interpreters gather those split by ZeRO-3
-        stages = split_stages(traced.graph_module, node_layer, container, stage_layers,
-                              param_nodes=param_nodes, loss_output=traced.num_mutated_outputs)  # fmt: skip
+        stages = split_stages(
+            traced.graph_module,
+            node_layer,
+            container,
+            stage_layers,
+            param_nodes=param_nodes,
+            loss_output=traced.num_mutated_outputs,
+        )
         mine = [sg for sg in stages if sg.index % pp == self.pp_rank]
 
         # this rank's parameter shards: one per name, shared by its stages
@@ -291,15 +315,16 @@ class PipelineProgram(Program):
             self._placements[fqn] = pl
             if stage == 1 and pl[0] != R and plan.overlap:
                 self._step_split.add(fqn)
-            shards[fqn] = torch.nn.Parameter(local_shard(self.master(p), self.mesh, pl),
-                                             requires_grad=p.requires_grad)  # fmt: skip
+            shards[fqn] = torch.nn.Parameter(local_shard(self.master(p), self.mesh, pl), requires_grad=p.requires_grad)
         self.shards = torch.nn.ParameterDict({k.replace(".", "/"): v for k, v in shards.items()})
         self._shard = shards
         self._shapes = {k: tuple(named[k].shape) for k in self._param_names}
         self._buffers = {k: b.detach().to(self.device_type) for k, b in buffers_by_name.items()}
         self._run_buffers = {k: self.in_compute_format(b) for k, b in self._buffers.items()}
-        self._constants = {k: self.in_compute_format(c.to(self.device_type)) if isinstance(c, torch.Tensor) else c
-                           for k, c in traced.exported.constants.items()}  # fmt: skip
+        self._constants = {
+            k: self.in_compute_format(c.to(self.device_type)) if isinstance(c, torch.Tensor) else c
+            for k, c in traced.exported.constants.items()
+        }
         self._tie_groups = self._make_tie_groups(holders)
         self._dp_summed = [k for k in self._param_names if dp > 1 and self._placements[k][0] == R]
 
@@ -313,13 +338,28 @@ class PipelineProgram(Program):
             )
             for sg in mine
         ]
-        self._pipe_stages = [PipelineStage(st, st.sg.index, self.num_stages, torch.device(self.device_type),
-                                           input_args=st.example_inputs(), output_args=st.example_outputs(),
-                                           group=self.pp_group) for st in self.stages]  # fmt: skip
+        self._pipe_stages = [
+            PipelineStage(
+                st,
+                st.sg.index,
+                self.num_stages,
+                torch.device(self.device_type),
+                input_args=st.example_inputs(),
+                output_args=st.example_outputs(),
+                group=self.pp_group,
+            )
+            for st in self.stages
+        ]
         # the step's ZeRO-1 gathers in flight, whole weights and fp32 gradient sums
-        self._split_order = list(dict.fromkeys(key for st in sorted(self.stages, key=lambda st: st.sg.index)
-                                               for name in st.sg.placeholders for kind, key in (self._kind[name],)
-                                               if kind == "param" and key in self._step_split))  # fmt: skip
+        self._split_order = list(
+            dict.fromkeys(
+                key
+                for st in sorted(self.stages, key=lambda st: st.sg.index)
+                for name in st.sg.placeholders
+                for kind, key in (self._kind[name],)
+                if kind == "param" and key in self._step_split
+            )
+        )
         self._gathering: dict[str, tuple] = {}
         self._whole_weights: dict[str, torch.Tensor] = {}
         self._whole_grads: dict[str, torch.Tensor] = {}
@@ -328,8 +368,9 @@ class PipelineProgram(Program):
         self._reduced, self._dims, self._buckets = self._make_buckets()
         self._bucket_of = {self._reduced[i]: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
         # key -> this rank's stages that read it
-        self._readers = collections.Counter(self._kind[name][1] for st in self.stages for name in st.sg.placeholders
-                                            if self.is_param(name))  # fmt: skip
+        self._readers = collections.Counter(
+            self._kind[name][1] for st in self.stages for name in st.sg.placeholders if self.is_param(name)
+        )
         self._left: dict[str, int] | None = None  # gradients each member still awaits this step (None: not armed)
         self._launched: list[int] = []  # buckets launched this step, in launch order
         self._stages_done: set[int] = set()  # stages whose last backward of this step has run
@@ -345,8 +386,10 @@ class PipelineProgram(Program):
         its representative's (a layer's nodes stand for every layer of the stage); else the plan's own."""
         if not st.node_output:
             if not self.plan.node_output:
-                raise LoweringError("the pipeline plan holds no per-node placements for its stages: build it with "
-                                    "autopar.compile, which completes them")  # fmt: skip
+                raise LoweringError(
+                    "the pipeline plan holds no per-node placements for its stages: build it with "
+                    "autopar.compile, which completes them"
+                )
             return self.plan.node_inputs, self.plan.node_output
         names = [n.name for n in sg.graph_module.graph.nodes]
         rep = {n: graph.representative.get(n, n) for n in names}
@@ -403,8 +446,15 @@ class PipelineProgram(Program):
         if kind == "param" and self._holding and key in self._step_split:
             shape, tp_pl = self._shapes[key], self._placements[key][1]
             whole = _WholeWeight.apply(self._shard[key], self, key)
-            return DTensor.from_local(whole, self.mesh, (R, tp_pl), run_check=False, shape=torch.Size(shape),
-                                      stride=contiguous_stride(shape), grad_placements=(Partial(), tp_pl))  # fmt: skip
+            return DTensor.from_local(
+                whole,
+                self.mesh,
+                (R, tp_pl),
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=contiguous_stride(shape),
+                grad_placements=(Partial(), tp_pl),
+            )
         if kind == "param":
             shape, pl = self._shapes[key], self._placements[key]
             # replicated over dp: keep this rank's partial gradient; `train_step` sums it over dp once per step
@@ -412,8 +462,15 @@ class PipelineProgram(Program):
             local = self._shard[key]
             if self.reduce_in_compute and pl[0] == R:  # the dp reduction (from_local's backward) in the compute format
                 local = self.in_compute_format(local)
-            dt = DTensor.from_local(local, self.mesh, pl, run_check=False, shape=torch.Size(shape),
-                                    stride=contiguous_stride(shape), grad_placements=grad_pl)  # fmt: skip
+            dt = DTensor.from_local(
+                local,
+                self.mesh,
+                pl,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=contiguous_stride(shape),
+                grad_placements=grad_pl,
+            )
             return self.in_compute_format(dt)
         if kind == "buffer":
             return DTensor.from_local(self._run_buffers[key], self.mesh, (R, R), run_check=False)
@@ -440,8 +497,9 @@ class PipelineProgram(Program):
             ]
             for t in flat:
                 if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == self.micro_batch and t.shape[0] % self.dp:
-                    raise ConfigError(f"a micro-batch of {t.shape[0]} does not divide over the data axis "
-                                      f"(dp={self.dp})")  # fmt: skip
+                    raise ConfigError(
+                        f"a micro-batch of {t.shape[0]} does not divide over the data axis (dp={self.dp})"
+                    )
             self._micro_inputs.append(flat)
 
     def _cp_share(self, args, kwargs) -> tuple[tuple, dict]:
@@ -465,10 +523,16 @@ class PipelineProgram(Program):
         step_args = (index,) if has_first else ()
         run = self.schedule.step if backward else self.schedule.eval
         mine = [st.sg.index for st in self.stages]
-        with waiting_for(f"the pipeline schedule of stage(s) {mine} (pp rank {self.pp_rank} of {self.pp}): a "
-                         f"send or receive of activations or gradients between neighbouring stages"):  # fmt: skip
-            run(*step_args, target=index if has_last else None, losses=losses if has_last else None,
-                return_outputs=False)  # fmt: skip
+        with waiting_for(
+            f"the pipeline schedule of stage(s) {mine} (pp rank {self.pp_rank} of {self.pp}): a "
+            f"send or receive of activations or gradients between neighbouring stages"
+        ):
+            run(
+                *step_args,
+                target=index if has_last else None,
+                losses=losses if has_last else None,
+                return_outputs=False,
+            )
         # loss sum and weight sum from the last stage to every stage
         totals = torch.zeros(2, dtype=torch.float64, device=self.device_type)
         if has_last:
@@ -630,8 +694,7 @@ class PipelineProgram(Program):
         self._record(bucket.kind, b)
         full: list = [None] * len(self._reduced)
         if bucket.kind == "all_reduce":
-            for i, grad in zip(bucket.members, self._grads_of([self._reduced[i] for i in bucket.members]),
-                               strict=True):  # fmt: skip
+            for i, grad in zip(bucket.members, self._grads_of([self._reduced[i] for i in bucket.members]), strict=True):
                 full[i] = grad
             with waiting_for(self._dp_words()):
                 overlap.launch_all_reduce(bucket, full, group)
@@ -703,8 +766,14 @@ class PipelineProgram(Program):
         mine = {}
         for fqn in self._param_names:
             shape = self._shapes[fqn]
-            dt = DTensor.from_local(self._shard[fqn].detach(), self.mesh, self._placements[fqn], run_check=False,
-                                    shape=torch.Size(shape), stride=contiguous_stride(shape))  # fmt: skip
+            dt = DTensor.from_local(
+                self._shard[fqn].detach(),
+                self.mesh,
+                self._placements[fqn],
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=contiguous_stride(shape),
+            )
             full = dt.full_tensor().cpu()
             if self.mesh.get_local_rank("dp") == 0 and self.mesh.get_local_rank("tp") == 0:
                 mine[fqn] = full
@@ -725,5 +794,9 @@ class PipelineProgram(Program):
     def _local_masters(self) -> dict:
         from autopar.checkpoint.pieces import dtensor_piece
 
-        return {n: dtensor_piece(self._shard[n].detach(), self._shapes[n], self.mesh, self._placements[n],
-                                 param=self._shard[n]) for n in self._param_names}  # fmt: skip
+        return {
+            n: dtensor_piece(
+                self._shard[n].detach(), self._shapes[n], self.mesh, self._placements[n], param=self._shard[n]
+            )
+            for n in self._param_names
+        }

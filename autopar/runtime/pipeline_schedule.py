@@ -45,8 +45,10 @@ _READER = {RECV_F: FORWARD, RECV_B: FULL_BACKWARD}
 
 def gpipe_order(pp: int, m: int) -> dict[int, list[_Action]]:
     """Per pp rank (one stage each): every micro-batch's forward, then every backward."""
-    return {s: [_Action(s, FORWARD, i) for i in range(m)] + [_Action(s, FULL_BACKWARD, i) for i in range(m)]
-            for s in range(pp)}  # fmt: skip
+    return {
+        s: [_Action(s, FORWARD, i) for i in range(m)] + [_Action(s, FULL_BACKWARD, i) for i in range(m)]
+        for s in range(pp)
+    }
 
 
 def one_f_one_b_order(pp: int, m: int) -> dict[int, list[_Action]]:
@@ -122,8 +124,16 @@ class OverlappedSchedule(_PipelineScheduleRuntime):
         on_last_backward: called with the stage index after the stage's last backward of a step.
     """
 
-    def __init__(self, stage, n_microbatches: int, name: str, *, loss_fn, scale_grads: bool,
-                 on_last_backward: Callable[[int], None]):  # fmt: skip
+    def __init__(
+        self,
+        stage,
+        n_microbatches: int,
+        name: str,
+        *,
+        loss_fn,
+        scale_grads: bool,
+        on_last_backward: Callable[[int], None],
+    ):
         super().__init__([stage], n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
         pp = stage.group_size
         if name == "1f1b" and n_microbatches < pp:
@@ -137,14 +147,16 @@ class OverlappedSchedule(_PipelineScheduleRuntime):
 def finish(schedule: _PipelineScheduleRuntime, on_last_backward: Callable[[int], None]):
     """Post `schedule`'s receives ahead and call `on_last_backward` at each REDUCE_GRAD; returns it."""
     ranks = schedule.stage_index_to_group_rank
-    schedule.pipeline_order_with_comms = {r: post_receives_ahead(a, ranks.__getitem__)
-                                          for r, a in schedule.pipeline_order_with_comms.items()}  # fmt: skip
+    schedule.pipeline_order_with_comms = {
+        r: post_receives_ahead(a, ranks.__getitem__) for r, a in schedule.pipeline_order_with_comms.items()
+    }
     schedule.register_custom_function(REDUCE_GRAD, _reduce_hook(on_last_backward))
     return schedule
 
 
-def interleaved(stages, n_microbatches: int, *, loss_fn, scale_grads: bool,
-                on_last_backward: Callable[[int], None]) -> ScheduleInterleaved1F1B:  # fmt: skip
+def interleaved(
+    stages, n_microbatches: int, *, loss_fn, scale_grads: bool, on_last_backward: Callable[[int], None]
+) -> ScheduleInterleaved1F1B:
     """torch's interleaved 1F1B with its receives posted ahead and `on_last_backward` at each REDUCE_GRAD."""
     sched = ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     return finish(sched, on_last_backward)

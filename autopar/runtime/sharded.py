@@ -147,8 +147,9 @@ class ShardedProgram(Program):
         # a data-parallel layout runs here too, on DTensors (what recompute does to it)
         return plan.program in (ProgramKind.SHARDED, ProgramKind.DATA_PARALLEL)
 
-    def __init__(self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *,
-                 optimizer=None):  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None
+    ):
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
         dp, tp, cp = plan.mesh["dp"], plan.mesh["tp"], plan.mesh.get("cp", 1)
         self.cp, self.data_ranks = cp, dp * cp  # the data axis: dp·cp ranks
@@ -176,24 +177,37 @@ class ShardedProgram(Program):
         self._shapes = [tuple(named[n].shape) for n in self._param_names]
         self._buffers = [buffers[n].detach().to(self.device_type) for n in traced.buffer_names]
         self._run_buffers = [self.in_compute_format(b) for b in self._buffers]
-        self._constants = {k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
-                           for k, v in traced.exported.constants.items()}  # fmt: skip
+        self._constants = {
+            k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
+            for k, v in traced.exported.constants.items()
+        }
         placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
         params = frozenset(n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param")
-        knobs = dict(mesh=self.mesh, node_inputs=plan.node_inputs, node_output=plan.node_output,
-                     batch_size=plan.global_batch_size * cp // plan.num_microbatches, params=params,
-                     launch_early=plan.overlap, **cp_knobs)  # fmt: skip
+        knobs = dict(
+            mesh=self.mesh,
+            node_inputs=plan.node_inputs,
+            node_output=plan.node_output,
+            batch_size=plan.global_batch_size * cp // plan.num_microbatches,
+            params=params,
+            launch_early=plan.overlap,
+            **cp_knobs,
+        )
         # gradient reductions issued from backward, in buckets (see the module docstring)
         self.overlap = plan.overlap and self.data_ranks > 1
         self._in_backward = False
-        self._index_of = {name: i for i, name in enumerate(p for p, kind in zip(placeholders, traced.placeholder_kinds,
-                                                                                strict=True) if kind == "param")}  # fmt: skip
+        self._index_of = {
+            name: i
+            for i, name in enumerate(
+                p for p, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param"
+            )
+        }
         self._setup_release()
         if self.overlap:
             self._setup_overlap(placeholders, traced.placeholder_kinds)
         gather = self._gather if self.overlap else self._gather_plain if self._release else None
-        self._interp = shard_pass(traced.graph_module, None, recompute=plan.recompute, layer_modes=plan.layer_modes,
-                                  gather=gather, **knobs)  # fmt: skip
+        self._interp = shard_pass(
+            traced.graph_module, None, recompute=plan.recompute, layer_modes=plan.layer_modes, gather=gather, **knobs
+        )
         if self.overlap:
             self._note_segments(self._interp)
         self._eval_knobs = knobs
@@ -204,8 +218,10 @@ class ShardedProgram(Program):
         names = {n.name for n in traced.exported.graph.nodes}
         missing = [n for n in self.plan.node_output if n not in names]
         if missing:
-            raise LoweringError(f"the plan does not belong to this model: {len(missing)} of its nodes "
-                                f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again")  # fmt: skip
+            raise LoweringError(
+                f"the plan does not belong to this model: {len(missing)} of its nodes "
+                f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again"
+            )
 
     # -------------------------------------------------------------------------------- gathered weights
 
@@ -299,8 +315,11 @@ class ShardedProgram(Program):
         n = len(self._param_names)
         self._split_dim = [pl[0].dim if isinstance(pl[0], Shard) else None for pl in self._placements]
         names = [p for p, kind in zip(placeholders, kinds, strict=True) if kind == "param"]
-        order = [self._index_of[p] for p in overlap.gradient_order(self.traced.graph_module.graph, names)
-                 if self.shards[self._index_of[p]].requires_grad]  # fmt: skip
+        order = [
+            self._index_of[p]
+            for p in overlap.gradient_order(self.traced.graph_module.graph, names)
+            if self.shards[self._index_of[p]].requires_grad
+        ]
         sizes = []
         for i in order:
             dtype = self.shards[i].dtype
@@ -391,8 +410,9 @@ class ShardedProgram(Program):
                     continue
                 d = self._split_dim[j]
                 self._record("prefetch", self._param_names[j])
-                self._prefetched[j] = overlap.split_gather(self._sources[j], d, self._shapes[j][d], self._dp_group,
-                                                           async_op=True)  # fmt: skip
+                self._prefetched[j] = overlap.split_gather(
+                    self._sources[j], d, self._shapes[j][d], self._dp_group, async_op=True
+                )
 
     def _drop_prefetched(self) -> None:
         """Wait for gathers issued ahead that nothing used (a forward that stopped early) and forget them."""
@@ -403,15 +423,27 @@ class ShardedProgram(Program):
     def _gather(self, name: str, value):
         """The interpreter's gather of a parameter split over the data axis: deferred reduce-scatter."""
         i = self._index_of.get(name)
-        if (i is None or self._split_dim[i] is None or not isinstance(value, DTensor) or not value.requires_grad
-                or not torch.is_grad_enabled()):  # fmt: skip
+        if (
+            i is None
+            or self._split_dim[i] is None
+            or not isinstance(value, DTensor)
+            or not value.requires_grad
+            or not torch.is_grad_enabled()
+        ):
             return gathered_over_dp(value)
         if not self._in_backward:  # a recompute in backward gathers again but adds no gradient
             self._uses[i] += 1
         tp_pl = value.placements[1]
         full = _DeferredGather.apply(value.to_local(), self, i)
-        full = DTensor.from_local(full, self.mesh, (R, tp_pl), run_check=False, shape=value.shape,
-                                  stride=value.stride(), grad_placements=(Partial(), tp_pl))  # fmt: skip
+        full = DTensor.from_local(
+            full,
+            self.mesh,
+            (R, tp_pl),
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+            grad_placements=(Partial(), tp_pl),
+        )
         full = _PartialGrad.apply(full)
         self._released(i, full._local_tensor, self._sources[i])
         return full
@@ -553,8 +585,9 @@ class ShardedProgram(Program):
             else:
                 out.append(self._param_dtensor(i))
         if self.overlap:  # what a gather issued ahead sends: the pieces the graph's own gathers would
-            self._sources = [dt.to_local().detach() if d is not None else None
-                             for dt, d in zip(out, self._split_dim, strict=True)]  # fmt: skip
+            self._sources = [
+                dt.to_local().detach() if d is not None else None for dt, d in zip(out, self._split_dim, strict=True)
+            ]
         return out
 
     def _param_dtensor(self, i: int) -> DTensor:
@@ -646,10 +679,13 @@ class ShardedProgram(Program):
             self._uses = [0] * len(self.shards)  # a forward run outside a step leaves counts no backward took back
             self._drop_prefetched()
             self._forget_gathers()
-            with waiting_for("a collective of the sharded forward or backward, or a gradient bucket's reduction"), \
-                    self._releasing():  # fmt: skip
-                loss_sum, total = self._weighted_losses(micro, self._interp, backward=True, arm=self._arm,
-                                                        finish=self._finish_micro_batch)  # fmt: skip
+            with (
+                waiting_for("a collective of the sharded forward or backward, or a gradient bucket's reduction"),
+                self._releasing(),
+            ):
+                loss_sum, total = self._weighted_losses(
+                    micro, self._interp, backward=True, arm=self._arm, finish=self._finish_micro_batch
+                )
             return loss_sum, total
         self._forget_gathers()
         with waiting_for("a collective of the sharded forward or backward on the (dp, tp) mesh"), self._releasing():
@@ -678,8 +714,14 @@ class ShardedProgram(Program):
         fqn = self._aliases.get(fqn, fqn)
         i = self._param_names.index(fqn)
         shape = self._shapes[i]
-        dt = DTensor.from_local(self.shards[i].detach(), self.mesh, self._placements[i], run_check=False,
-                                shape=torch.Size(shape), stride=contiguous_stride(shape))  # fmt: skip
+        dt = DTensor.from_local(
+            self.shards[i].detach(),
+            self.mesh,
+            self._placements[i],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=contiguous_stride(shape),
+        )
         return dt.full_tensor()
 
     def _full_parameters(self) -> dict[str, torch.Tensor]:
@@ -694,6 +736,7 @@ class ShardedProgram(Program):
     def _local_masters(self) -> dict:
         from autopar.checkpoint.pieces import dtensor_piece
 
-        return {n: dtensor_piece(p.detach(), shape, self.mesh, pl, param=p)
-                for n, p, pl, shape in zip(self._param_names, self.shards, self._placements, self._shapes,
-                                           strict=True)}  # fmt: skip
+        return {
+            n: dtensor_piece(p.detach(), shape, self.mesh, pl, param=p)
+            for n, p, pl, shape in zip(self._param_names, self.shards, self._placements, self._shapes, strict=True)
+        }

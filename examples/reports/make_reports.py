@@ -24,8 +24,11 @@ CASES = (
 
 
 def main() -> None:
-    rows = ["| report | global batch x seq | planning s | planning CPU s | of which alternatives s | Markdown report s | "
-            "HTML report s | report / planning |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| report | global batch x seq | planning s | planning CPU s | of which alternatives s | Markdown report s | "
+        "HTML report s | report / planning |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, model, cluster, batch, seq in CASES:
         t0, c0 = time.perf_counter(), time.process_time()
         plan = autopar.plan(model, cluster, global_batch_size=batch, seq_len=seq)

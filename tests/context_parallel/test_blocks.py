@@ -58,8 +58,9 @@ def test_pairs_merge_to_whole_attention_forward_and_backward(causal, kv_heads):
     dq, dk, dv = torch.zeros_like(qd), torch.zeros_like(kd), torch.zeros_like(vd)
     for qs, out, lse in zip(Q_SEGS, outs, lses, strict=True):
         for ks in K_SEGS:
-            grads = blocks.block_backward(_take(dout, [qs]), _take(qd, [qs]), _take(kd, [ks]), _take(vd, [ks]), out,
-                                          lse, qs, ks, causal, scale)  # fmt: skip
+            grads = blocks.block_backward(
+                _take(dout, [qs]), _take(qd, [qs]), _take(kd, [ks]), _take(vd, [ks]), out, lse, qs, ks, causal, scale
+            )
             if grads is not None:
                 dq.narrow(2, *qs).add_(grads[0])
                 dk.narrow(2, *ks).add_(grads[1])

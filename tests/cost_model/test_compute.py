@@ -21,8 +21,16 @@ from tests.fx_nodes import call_node
 aten = torch.ops.aten
 BATCH, SEQ = 2, 16
 # big enough that the matmuls dominate the elementwise work (O(h²) against O(h) per token)
-LLAMA = dict(vocab_size=100, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, use_cache=False, attn_implementation="sdpa")  # fmt: skip
+LLAMA = dict(
+    vocab_size=100,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    use_cache=False,
+    attn_implementation="sdpa",
+)
 
 
 def _export(model: torch.nn.Module) -> fx.Graph:
@@ -129,11 +137,29 @@ def test_dtype_conversion_is_free_only_when_the_dtype_stays():
 def test_other_architectures_have_no_unknown_ops(name):
     torch.manual_seed(0)
     if name == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=4, n_positions=32,
-                                           use_cache=False, bos_token_id=0, eos_token_id=0))  # fmt: skip
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=100,
+                n_embd=32,
+                n_layer=1,
+                n_head=4,
+                n_positions=32,
+                use_cache=False,
+                bos_token_id=0,
+                eos_token_id=0,
+            )
+        )
     else:
-        model = BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                           intermediate_size=64, max_position_embeddings=32))  # fmt: skip
+        model = BertForMaskedLM(
+            BertConfig(
+                vocab_size=100,
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                intermediate_size=64,
+                max_position_embeddings=32,
+            )
+        )
     graph = _export(model)
     compute.UNKNOWN_OPS.clear()
     costs = {n: estimate_node_cost(n) for n in graph.nodes}
@@ -177,8 +203,13 @@ def test_bmm_and_mm_flops():
 def test_roofline_hand_computed():
     h100 = get_device("H100-80GB")
     n = 4096
-    gemm = OpCost(flops=2.0 * n**3, bytes_accessed=3 * n * n * 2, backward_flops=4.0 * n**3,
-                  backward_bytes=6 * n * n * 2, is_matmul=True)  # fmt: skip
+    gemm = OpCost(
+        flops=2.0 * n**3,
+        bytes_accessed=3 * n * n * 2,
+        backward_flops=4.0 * n**3,
+        backward_bytes=6 * n * n * 2,
+        is_matmul=True,
+    )
     compute_bound = 2.0 * n**3 / (989.4e12 * h100.matmul_efficiency)
     assert estimate_compute_time(gemm, h100, DType.BF16) == pytest.approx(compute_bound + 5e-6)
     assert estimate_compute_time(gemm, h100, DType.BF16, backward=True) == pytest.approx(2 * compute_bound + 5e-6)
@@ -243,9 +274,18 @@ def test_analytic_adamw_step_is_memory_bound_with_launches_per_tensor():
     assert optimizer_step_time_s(object(), cpu, 3, 5.0) == estimate_adamw_step_time(3, 5.0, cpu)
 
 
-MOE = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
-           num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, use_cache=False,
-           attn_implementation="sdpa")  # fmt: skip
+MOE = dict(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    use_cache=False,
+    attn_implementation="sdpa",
+)
 
 
 def _moe_graph(experts: str, dtype: torch.dtype) -> fx.Graph:

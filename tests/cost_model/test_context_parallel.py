@@ -28,8 +28,9 @@ def block_time(batch, heads, queries, keys, head_dim):
 
 
 def _cost(algorithm, causal=True, layout="zigzag", link=LINK, c=4):
-    return estimate_cp_attention(SHAPE, c, causal=causal, layout=layout, algorithm=algorithm, link=link,
-                                 compute=block_time)  # fmt: skip
+    return estimate_cp_attention(
+        SHAPE, c, causal=causal, layout=layout, algorithm=algorithm, link=link, compute=block_time
+    )
 
 
 def test_load_balance_factor():
@@ -89,14 +90,16 @@ def test_device_roofline_block_time():
     t = attention_time_from_device(device, "bf16")
     rate = device.peak_matmul_flops("bf16") * device.matmul_efficiency
     assert t(1, 8, 1024, 1024, 128) == pytest.approx(4 * 8 * 1024 * 1024 * 128 / rate + device.kernel_overhead_s)
-    cost = estimate_cp_attention(SHAPE, 4, causal=False, layout="zigzag", algorithm="allgather", link=LINK,
-                                 compute=device)  # fmt: skip
+    cost = estimate_cp_attention(
+        SHAPE, 4, causal=False, layout="zigzag", algorithm="allgather", link=LINK, compute=device
+    )
     assert cost.compute_forward_s == pytest.approx(4 * t(1, 8, 1024, 1024, 128))
 
 
 def test_one_rank_costs_no_communication():
-    for cost in estimate_cp_attention_all(SHAPE, 1, causal=True, layout="zigzag", link=LINK,
-                                          compute=block_time).values():  # fmt: skip
+    for cost in estimate_cp_attention_all(
+        SHAPE, 1, causal=True, layout="zigzag", link=LINK, compute=block_time
+    ).values():
         assert cost.comm_s == 0.0 and cost.exposed_comm_s == pytest.approx(0.0)
         assert cost.compute_forward_s == pytest.approx(0.5 * 16 * BLOCK)
 
@@ -104,12 +107,20 @@ def test_one_rank_costs_no_communication():
 def test_errors_and_applicable_algorithms():
     six_heads = CPAttentionShape(1, 6, 2, 4096, 128, 2)
     with pytest.raises(ConfigError, match="divide the 6 query heads"):
-        estimate_cp_attention(six_heads, 4, causal=True, layout="zigzag", algorithm="alltoall", link=LINK,
-                              compute=block_time)  # fmt: skip
+        estimate_cp_attention(
+            six_heads, 4, causal=True, layout="zigzag", algorithm="alltoall", link=LINK, compute=block_time
+        )
     found = estimate_cp_attention_all(six_heads, 4, causal=True, layout="zigzag", link=LINK, compute=block_time)
     assert set(found) == {CPAlgorithm.ALL_GATHER, CPAlgorithm.RING}
     with pytest.raises(ConfigError, match="not a multiple of 8"):
-        estimate_cp_attention(CPAttentionShape(1, 8, 2, 4100, 128, 2), 4, causal=True, layout="zigzag",
-                              algorithm="ring", link=LINK, compute=block_time)  # fmt: skip
+        estimate_cp_attention(
+            CPAttentionShape(1, 8, 2, 4100, 128, 2),
+            4,
+            causal=True,
+            layout="zigzag",
+            algorithm="ring",
+            link=LINK,
+            compute=block_time,
+        )
     with pytest.raises(ConfigError, match="multiple of the 3 key/value heads"):
         CPAttentionShape(1, 8, 3, 4096, 128, 2)

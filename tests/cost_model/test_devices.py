@@ -142,8 +142,10 @@ def test_link_fit_prices_each_measured_collective_on_its_own_ring_model():
     n = 2
     ar, rs = (600e-6, 1.3e9), (1.5e-3, 0.45e9)
     sizes = calibrate._COLLECTIVE_SIZES_BYTES
-    times = {"all_reduce": {s: 2 * (n - 1) * ar[0] + 2 * (n - 1) / n * s / ar[1] for s in sizes},
-             "reduce_scatter": {s: (n - 1) * rs[0] + (n - 1) / n * s / rs[1] for s in sizes}}  # fmt: skip
+    times = {
+        "all_reduce": {s: 2 * (n - 1) * ar[0] + 2 * (n - 1) / n * s / ar[1] for s in sizes},
+        "reduce_scatter": {s: (n - 1) * rs[0] + (n - 1) / n * s / rs[1] for s in sizes},
+    }
     link = calibrate.fit_link(times, n)
     assert link["latency_s"] == pytest.approx(ar[0], rel=1e-9)
     assert link["bandwidth_bytes_per_s"] == pytest.approx(ar[1], rel=1e-9)
@@ -173,9 +175,11 @@ def test_ring_fit_recovers_each_collectives_own_figures(kind, n):
 
 def test_link_fit_keeps_the_all_reduce_figures_for_a_collective_it_cannot_fit():
     n, sizes = 2, calibrate._COLLECTIVE_SIZES_BYTES
-    times = {"all_reduce": {s: 2 * 5e-4 + s / 1e9 for s in sizes},
-             "all_gather": {s: 7e-4 + s / 2 / 0.8e9 for s in sizes},
-             "reduce_scatter": {s: 1e-3 for s in sizes}}  # fmt: skip  # a busy machine: flat in size
+    times = {
+        "all_reduce": {s: 2 * 5e-4 + s / 1e9 for s in sizes},
+        "all_gather": {s: 7e-4 + s / 2 / 0.8e9 for s in sizes},
+        "reduce_scatter": {s: 1e-3 for s in sizes},
+    }  # a busy machine: flat in size
     with pytest.warns(UserWarning, match="reduce_scatter is priced with the all-reduce's figures"):
         link = calibrate.fit_link(times, n)
     assert set(link["per_collective"]) == {"all_gather"}
@@ -184,11 +188,18 @@ def test_link_fit_keeps_the_all_reduce_figures_for_a_collective_it_cannot_fit():
 
 def test_per_collective_figures_must_name_a_collective():
     with pytest.raises(ConfigError, match="not a collective"):
-        ClusterSpec.from_overrides({"cluster": "cpu:2", "intra_node_link": {"per_collective": {
-            "gather": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9}}}}, source="test")  # fmt: skip
+        ClusterSpec.from_overrides(
+            {
+                "cluster": "cpu:2",
+                "intra_node_link": {"per_collective": {"gather": {"latency_s": 1e-3, "bandwidth_bytes_per_s": 1e9}}},
+            },
+            source="test",
+        )
     with pytest.raises(ConfigError, match="missing fields"):
-        ClusterSpec.from_overrides({"cluster": "cpu:2", "intra_node_link": {"per_collective": {
-            "all_gather": {"latency_s": 1e-3}}}}, source="test")  # fmt: skip
+        ClusterSpec.from_overrides(
+            {"cluster": "cpu:2", "intra_node_link": {"per_collective": {"all_gather": {"latency_s": 1e-3}}}},
+            source="test",
+        )
 
 
 def test_ring_fit_refuses_times_that_do_not_grow():
@@ -199,8 +210,14 @@ def test_ring_fit_refuses_times_that_do_not_grow():
 
 def test_host_costs_are_measured_per_call():
     host = calibrate.measure_host_overheads(repeats=1)
-    assert set(host) == {"op_forward_s", "op_cold_extra_s", "op_backward_s", "view_forward_s", "view_backward_s",
-                         "grad_call_s"}  # fmt: skip
+    assert set(host) == {
+        "op_forward_s",
+        "op_cold_extra_s",
+        "op_backward_s",
+        "view_forward_s",
+        "view_backward_s",
+        "grad_call_s",
+    }
     # bookkeeping calls, far below a millisecond; the cold extra is a difference of two timings, so it may be 0
     assert all(0 < t < 1e-3 for k, t in host.items() if k != "op_cold_extra_s"), host
     assert 0 <= host["op_cold_extra_s"] < 1e-3
@@ -257,8 +274,16 @@ def test_collectives_kept_in_flight_are_timed_as_issued():
         return call
 
     calibrate.run_in_a_row([on("a"), on("b")], 4, 2)()
-    assert log == [("issue", 0), ("issue", 1), ("wait", 0), ("issue", 2), ("wait", 1), ("issue", 3),
-                   ("wait", 2), ("wait", 3)]  # fmt: skip
+    assert log == [
+        ("issue", 0),
+        ("issue", 1),
+        ("wait", 0),
+        ("issue", 2),
+        ("wait", 1),
+        ("issue", 3),
+        ("wait", 2),
+        ("wait", 3),
+    ]
     assert turns == ["a", "b", "a", "b"]  # the two in flight never share buffers
     calls: list = []
     calibrate.run_in_a_row([lambda: calls.append(len(calls))], 3, None)()

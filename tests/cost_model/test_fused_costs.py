@@ -49,8 +49,9 @@ def test_flash_attention_matches_the_sdpa_entry():
     names = [g.placeholder(n) for n in "qkv"]
     for p, t in zip(names, (q, k, k), strict=True):
         p.meta["val"] = t
-    sdpa = g.call_function(aten.scaled_dot_product_attention.default, tuple(names), {"is_causal": True,
-                                                                                     "enable_gqa": True})  # fmt: skip
+    sdpa = g.call_function(
+        aten.scaled_dot_product_attention.default, tuple(names), {"is_causal": True, "enable_gqa": True}
+    )
     sdpa.meta["val"] = _meta(B, H, S, D)
     fused = call_node(autopar_ops.flash_attention.default, (q, k, k, True, D**-0.5))
     assert estimate_node_cost(fused).flops == estimate_node_cost(sdpa).flops

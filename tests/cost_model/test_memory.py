@@ -14,8 +14,9 @@ from autopar.errors import ConfigError
 GB = 1e9
 
 
-@pytest.mark.parametrize(("stage", "paper_gb", "abs_gb"), [(0, 120, 0.05), (1, 31.4, 0.05), (2, 16.6, 0.05),
-                                                           (3, 1.88, 0.005)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("stage", "paper_gb", "abs_gb"), [(0, 120, 0.05), (1, 31.4, 0.05), (2, 16.6, 0.05), (3, 1.88, 0.005)]
+)
 def test_zero_paper_example(stage, paper_gb, abs_gb):
     # ZeRO paper, Figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam. The paper rounds to
     # three significant figures, so the tolerance is half of its last digit.
@@ -60,8 +61,9 @@ def test_activation_formulas():
         sbh * 114 / 8
     )
     assert estimate_transformer_activation_bytes(s, b, h, a, tp=8, recompute="selective") == pytest.approx(sbh * 13)
-    selective_sp = estimate_transformer_activation_bytes(s, b, h, a, tp=8, sequence_parallel=True,
-                                                         recompute="selective")  # fmt: skip
+    selective_sp = estimate_transformer_activation_bytes(
+        s, b, h, a, tp=8, sequence_parallel=True, recompute="selective"
+    )
     assert selective_sp == pytest.approx(34 * sbh / 8)
     assert estimate_transformer_activation_bytes(s, b, h, a, tp=8, recompute="full") == pytest.approx(2 * sbh)
     with pytest.raises(ConfigError):

@@ -24,8 +24,15 @@ def test_optimizer_term_is_the_step_over_the_local_shards(zero):
     model = tiny_llama()
     (ids,), kw = make_batch("llama", batch=8, seq=16)
     est = FixedOptimizer(get_device("A100-80GB"), "bf16")
-    plan = autopar.plan(model.to("meta"), "2xA100-80GB", (ids.to("meta"),), {"labels": kw["labels"].to("meta")},
-                        constraints={"dp": 2, "tp": 1, "zero": zero}, estimator=est, offload=False)  # fmt: skip
+    plan = autopar.plan(
+        model.to("meta"),
+        "2xA100-80GB",
+        (ids.to("meta"),),
+        {"labels": kw["labels"].to("meta")},
+        constraints={"dp": 2, "tp": 1, "zero": zero},
+        estimator=est,
+        offload=False,
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     # every rank updates every parameter tensor: whole under ZeRO 0, its half (1/dp) from stage 1 on;
     # the optimizer steps fp32 weights (the master copy under bf16): 4 bytes per parameter

@@ -183,8 +183,10 @@ def test_in_step_scale_compares_a_graph_run_with_its_profiles(tmp_path):
     assert got.forward_profiled_s == pytest.approx(sum(plain.forward_time_s(n, 1.0) for n in nodes))
     assert got.backward_profiled_s == pytest.approx(sum(plain.backward_time_s(n, 1.0) for n in nodes))
     assert got.forward_measured_s > 0 and got.backward_measured_s > 0
-    assert got.scale == (got.forward_measured_s / got.forward_profiled_s,
-                         got.backward_measured_s / got.backward_profiled_s)  # fmt: skip
+    assert got.scale == (
+        got.forward_measured_s / got.forward_profiled_s,
+        got.backward_measured_s / got.backward_profiled_s,
+    )
     assert all(p.grad is None for p in params)  # the measurement leaves no gradients behind
     with pytest.raises(ValueError, match="requires grad"):
         profiler.measure_in_step_scale(est, graph_module, [p.detach() for p in params] + [values[-1]])
@@ -304,8 +306,14 @@ def test_share_covers_the_largest_factor_and_divides_the_rest(tmp_path):
     share = profiler.local_share(node, 8.0)
     assert share.factor == 4 and share.output_shapes == ((1, 32, 8),)
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({"version": profiler._CACHE_VERSION, "entries": {
-        profiler.profile_key(node, "cpu", 1, share): {"forward_s": 13e-6, "backward_s": 30e-6}}}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "version": profiler._CACHE_VERSION,
+                "entries": {profiler.profile_key(node, "cpu", 1, share): {"forward_s": 13e-6, "backward_s": 30e-6}},
+            }
+        )
+    )
     est = ProfiledEstimator(path, repeats=1)
     # the share (a quarter of the rows) is timed; the remaining factor 2 divides its time above the fixed cost
     fixed = HOST["op_forward_s"] + HOST["op_cold_extra_s"]

@@ -71,8 +71,9 @@ def _stuck_report(ctx, folder: str, world_size: int, timeout_s: float) -> str:
     for _, p in alive:
         p.join(timeout=10)
     finished = [r for r in range(world_size) if r not in stuck]
-    lines = [f"rank(s) {stuck} did not finish within {timeout_s:g} s (finished: {finished or 'none'}); "
-             f"every rank was killed"]  # fmt: skip
+    lines = [
+        f"rank(s) {stuck} did not finish within {timeout_s:g} s (finished: {finished or 'none'}); every rank was killed"
+    ]
     for r in stuck:
         path = Path(folder) / f"rank{r}.stack"  # absent when the rank had not started its interpreter yet
         text = path.read_text().strip().splitlines() if path.exists() else ["(not started)"]
@@ -100,8 +101,9 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 600.0) -> lis
     `RankTimeoutError` naming the ranks still running after `timeout_s` seconds (which are killed).
     """
     with tempfile.TemporaryDirectory() as folder:
-        ctx = mp.start_processes(_entry, args=(world_size, folder, fn, args), nprocs=world_size, join=False,
-                                 start_method="spawn")  # fmt: skip
+        ctx = mp.start_processes(
+            _entry, args=(world_size, folder, fn, args), nprocs=world_size, join=False, start_method="spawn"
+        )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=POLL_S):
             if time.monotonic() > deadline:

@@ -51,8 +51,15 @@ def _runs():
 def _compile(world: int, kind: str, opt: str, seed: int = 0, constraints=None, offload=None):
     args, kwargs = make_batch("llama")
     c, off = CASES[kind] if constraints is None else (constraints, offload)
-    pm = autopar.compile(make_model("llama", seed=seed), f"cpu:{world}", args, kwargs, optimizer=OPTIMIZERS[opt],
-                         constraints=c, offload=off)  # fmt: skip
+    pm = autopar.compile(
+        make_model("llama", seed=seed),
+        f"cpu:{world}",
+        args,
+        kwargs,
+        optimizer=OPTIMIZERS[opt],
+        constraints=c,
+        offload=off,
+    )
     return pm, args, kwargs
 
 
@@ -84,8 +91,13 @@ def _resume(rank: int, world: int, root: str):
         extra = pm.load_checkpoint(path)
         draws = torch.rand(4)
         losses = [pm.train_step(*args, **kwargs) for _ in range(3)]
-        out[(kind, opt)] = {"path": Path(path).name, "extra": extra, "step": pm.num_steps - 3, "draws": draws,
-                            "losses": losses}  # fmt: skip
+        out[(kind, opt)] = {
+            "path": Path(path).name,
+            "extra": extra,
+            "step": pm.num_steps - 3,
+            "draws": draws,
+            "losses": losses,
+        }
     return out
 
 
@@ -138,8 +150,13 @@ def _save_four(rank: int, world: int, root: str):
         pm, args, kwargs = _compile(world, "", opt, constraints=c, offload=off)
         [pm.train_step(*args, **kwargs) for _ in range(3)]
         pm.save_checkpoint(f"{root}/{i}/step3")
-        out.append({"program": str(pm.plan.program), "mesh": dict(pm.plan.mesh),
-                    "losses": [pm.train_step(*args, **kwargs) for _ in range(3)]})  # fmt: skip
+        out.append(
+            {
+                "program": str(pm.plan.program),
+                "mesh": dict(pm.plan.mesh),
+                "losses": [pm.train_step(*args, **kwargs) for _ in range(3)],
+            }
+        )
     return out
 
 
@@ -148,8 +165,13 @@ def _load_two(rank: int, world: int, root: str):
     for i, (_, (c, off), opt) in enumerate(RESHARD):
         pm, args, kwargs = _compile(world, "", opt, seed=7, constraints=c, offload=off)
         pm.load_checkpoint(autopar.latest_checkpoint(f"{root}/{i}"))
-        out.append({"program": str(pm.plan.program), "mesh": dict(pm.plan.mesh),
-                    "losses": [pm.train_step(*args, **kwargs) for _ in range(3)]})  # fmt: skip
+        out.append(
+            {
+                "program": str(pm.plan.program),
+                "mesh": dict(pm.plan.mesh),
+                "losses": [pm.train_step(*args, **kwargs) for _ in range(3)],
+            }
+        )
     return out
 
 

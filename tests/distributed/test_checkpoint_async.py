@@ -65,21 +65,36 @@ def _run(rank: int, world: int, root: str):
         pm.save_checkpoint(ref / "step3")  # the synchronous save the asynchronous one must equal
         with _HeldWrites() as held:
             future = pm.save_checkpoint(run / "step3", keep_last=1, async_save=True)
-            seen = {"future": isinstance(future, Future), "done": future.done(),
-                    "latest": autopar.latest_checkpoint(run), "partial": (run / "step3.partial").is_dir(),
-                    "marker": (run / "step3.partial" / MARKER).exists(), "committed": (run / "step3").exists()}  # fmt: skip
+            seen = {
+                "future": isinstance(future, Future),
+                "done": future.done(),
+                "latest": autopar.latest_checkpoint(run),
+                "partial": (run / "step3.partial").is_dir(),
+                "marker": (run / "step3.partial" / MARKER).exists(),
+                "committed": (run / "step3").exists(),
+            }
             straight += [pm.train_step(*args, **kwargs) for _ in range(2)]  # while the save is held
             held.release()
             path = pm.wait_checkpoint()
-        seen |= {"path": path, "result": future.result(), "timed_out": held.timed_out, "calls": held.calls,
-                 "kept": sorted(p.name for p in run.iterdir()), "wait_again": pm.wait_checkpoint()}  # fmt: skip
+        seen |= {
+            "path": path,
+            "result": future.result(),
+            "timed_out": held.timed_out,
+            "calls": held.calls,
+            "kept": sorted(p.name for p in run.iterdir()),
+            "wait_again": pm.wait_checkpoint(),
+        }
         straight.append(pm.train_step(*args, **kwargs))
         loaded = {}
         for name, path_ in (("async", run / "step3"), ("sync", ref / "step3")):
             fresh, _, _ = _compile(world, kind, opt, seed=7)
             fresh.load_checkpoint(str(path_))
-            loaded[name] = {"state": fresh.state_dict(), "draws": torch.rand(4), "step": fresh.num_steps,
-                            "losses": [fresh.train_step(*args, **kwargs) for _ in range(3)]}  # fmt: skip
+            loaded[name] = {
+                "state": fresh.state_dict(),
+                "draws": torch.rand(4),
+                "step": fresh.num_steps,
+                "losses": [fresh.train_step(*args, **kwargs) for _ in range(3)],
+            }
         out[kind] = {"seen": seen, "straight": straight, "loaded": loaded, "run": str(run)}
     return out
 

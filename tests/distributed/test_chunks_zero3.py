@@ -81,10 +81,15 @@ def _train_zero3(rank: int, world_size: int):
         losses.append(loss.item())
     sched.remove()
     state = store.full_state()
-    return {"counts": counts, "losses": losses, "num_chunks": store.num_chunks,
-            "num_params": len(store.params), "shard_numel": [c.master.numel() for c in store.chunks],
-            "capacity": [c.layout.capacity for c in store.chunks],
-            "state": state if rank == 0 else None}  # fmt: skip
+    return {
+        "counts": counts,
+        "losses": losses,
+        "num_chunks": store.num_chunks,
+        "num_params": len(store.params),
+        "shard_numel": [c.master.numel() for c in store.chunks],
+        "capacity": [c.layout.capacity for c in store.chunks],
+        "state": state if rank == 0 else None,
+    }
 
 
 def _reference() -> dict[str, torch.Tensor]:

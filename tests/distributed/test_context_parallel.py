@@ -48,14 +48,23 @@ def _cases(rank: int, world_size: int, cases):
     for constraints, opt, *family in cases:
         model = make_model(*family or ["llama"])
         args, kwargs = make_batch(*family or ["llama"], batch=4, seq=16)
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=OPTIMIZERS[opt],
-                             constraints=constraints)  # fmt: skip
+        pm = autopar.compile(
+            model, f"cpu:{world_size}", args, kwargs, optimizer=OPTIMIZERS[opt], constraints=constraints
+        )
         evaluated = pm.eval_step(*args, **kwargs)  # forward only, across the cp group
         losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
         state = pm.state_dict()
-        out.append({"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
-                    "program": str(pm.plan.program), "cp": dict(pm.plan.context_parallel), "zero": pm.plan.zero_stage,
-                    "eval": evaluated})  # fmt: skip
+        out.append(
+            {
+                "losses": losses,
+                "state": state if rank == 0 else None,
+                "mesh": dict(pm.plan.mesh),
+                "program": str(pm.plan.program),
+                "cp": dict(pm.plan.context_parallel),
+                "zero": pm.plan.zero_stage,
+                "eval": evaluated,
+            }
+        )
     return out
 
 
@@ -89,8 +98,10 @@ def _check(world_size: int, cases) -> None:
 
 
 # a minute or more each on two cores: all-gather in `make test`, the others with `make test-all`
-@pytest.mark.parametrize("algorithm", ["allgather", pytest.param("ring", marks=pytest.mark.slow),
-                                       pytest.param("alltoall", marks=pytest.mark.slow)])  # fmt: skip
+@pytest.mark.parametrize(
+    "algorithm",
+    ["allgather", pytest.param("ring", marks=pytest.mark.slow), pytest.param("alltoall", marks=pytest.mark.slow)],
+)
 def test_cp2_on_two_ranks_matches_one_process(algorithm):
     _check(2, [({"cp": 2, "cp_attention": algorithm}, "sgd")])
 
@@ -102,23 +113,38 @@ def test_cp2_adamw_on_two_ranks_matches_one_process():
 
 @pytest.mark.slow
 def test_cp2_times_dp2_on_four_ranks_matches_one_process():
-    _check(4, [({"cp": 2, "dp": 2, "tp": 1, "cp_attention": "allgather"}, "sgd"),
-               ({"cp": 2, "dp": 2, "tp": 1, "cp_attention": "alltoall"}, "sgd")])  # fmt: skip
+    _check(
+        4,
+        [
+            ({"cp": 2, "dp": 2, "tp": 1, "cp_attention": "allgather"}, "sgd"),
+            ({"cp": 2, "dp": 2, "tp": 1, "cp_attention": "alltoall"}, "sgd"),
+        ],
+    )
 
 
 @pytest.mark.slow
 def test_cp2_gpt2_and_zero3_on_two_ranks_match_one_process():
     # GPT-2: learned absolute positions, which must be the global ones on every chunk; ZeRO-3 with cp: states
     # sharded over the dp·cp data axis (here the two cp ranks)
-    _check(2, [({"cp": 2, "cp_attention": "ring"}, "sgd", "gpt2"),
-               ({"cp": 2, "cp_attention": "allgather", "zero": 3}, "adamw")])  # fmt: skip
+    _check(
+        2,
+        [
+            ({"cp": 2, "cp_attention": "ring"}, "sgd", "gpt2"),
+            ({"cp": 2, "cp_attention": "allgather", "zero": 3}, "adamw"),
+        ],
+    )
 
 
 @pytest.mark.slow
 def test_cp2_times_tp2_on_four_ranks_matches_one_process():
-    _check(4, [({"cp": 2, "dp": 1, "tp": 2, "cp_attention": "ring", "zero": 0}, "sgd"),
-               ({"cp": 2, "dp": 1, "tp": 2, "cp_attention": "alltoall", "zero": 3}, "sgd"),
-               ({"cp": 2, "dp": 1, "tp": 2, "cp_attention": "allgather"}, "sgd", "gpt2")])  # fmt: skip
+    _check(
+        4,
+        [
+            ({"cp": 2, "dp": 1, "tp": 2, "cp_attention": "ring", "zero": 0}, "sgd"),
+            ({"cp": 2, "dp": 1, "tp": 2, "cp_attention": "alltoall", "zero": 3}, "sgd"),
+            ({"cp": 2, "dp": 1, "tp": 2, "cp_attention": "allgather"}, "sgd", "gpt2"),
+        ],
+    )
 
 
 def _searched_case(rank: int, world_size: int):
@@ -131,8 +157,12 @@ def _searched_case(rank: int, world_size: int):
     pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd, constraints={"tp": 1})
     losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
     state = pm.state_dict()  # a collective: every rank takes part
-    return {"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
-            "search": pm.plan.context_parallel.get("search")}  # fmt: skip
+    return {
+        "losses": losses,
+        "state": state if rank == 0 else None,
+        "mesh": dict(pm.plan.mesh),
+        "search": pm.plan.context_parallel.get("search"),
+    }
 
 
 def test_compile_without_a_cp_pin_searches_the_degree_and_trains():

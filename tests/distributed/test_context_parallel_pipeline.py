@@ -32,9 +32,16 @@ def _run(rank: int, world_size: int, model_name: str, constraints: dict, opt: st
     evaluated = pm.eval_step(*args, **kwargs)
     losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
     state = pm.state_dict()  # a collective: every rank takes part
-    return {"losses": losses, "eval": evaluated, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
-            "program": str(pm.plan.program), "algorithm": pm.plan.context_parallel.get("algorithm"),
-            "schedule": pm.plan.pipeline.get("schedule"), "num_microbatches": pm.plan.num_microbatches}  # fmt: skip
+    return {
+        "losses": losses,
+        "eval": evaluated,
+        "state": state if rank == 0 else None,
+        "mesh": dict(pm.plan.mesh),
+        "program": str(pm.plan.program),
+        "algorithm": pm.plan.context_parallel.get("algorithm"),
+        "schedule": pm.plan.pipeline.get("schedule"),
+        "num_microbatches": pm.plan.num_microbatches,
+    }
 
 
 def _check(model_name: str, constraints: dict, opt: str, *, world: int = 4, layers: int = 2) -> None:
@@ -79,8 +86,19 @@ def test_pp2_cp2_gpt2_tied_embeddings_match_one_process():
 @pytest.mark.slow
 def test_pp2_cp2_interleaved_llama_matches_one_process():
     # four layers: two chunks of one layer on each of the two stage blocks
-    _check("llama", {"pp": 2, "cp": 2, "num_microbatches": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2,
-                     "cp_attention": "ring"}, "sgd", layers=4)  # fmt: skip
+    _check(
+        "llama",
+        {
+            "pp": 2,
+            "cp": 2,
+            "num_microbatches": 2,
+            "schedule": "interleaved_1f1b",
+            "virtual_stages": 2,
+            "cp_attention": "ring",
+        },
+        "sgd",
+        layers=4,
+    )
 
 
 @pytest.mark.slow  # eight ranks on two cores: a minute each
@@ -101,8 +119,12 @@ def _searched(rank: int, world_size: int) -> dict:
     pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd, constraints={"pp": 2, "tp": 1})
     losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
     state = pm.state_dict()
-    return {"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
-            "search": pm.plan.context_parallel.get("search")}  # fmt: skip
+    return {
+        "losses": losses,
+        "state": state if rank == 0 else None,
+        "mesh": dict(pm.plan.mesh),
+        "search": pm.plan.context_parallel.get("search"),
+    }
 
 
 @pytest.mark.slow

@@ -77,8 +77,13 @@ def _run_cases(rank: int, world_size: int):
         out.backward(dout)
         backward = dict(counts)
         results[(algorithm, causal, kv_heads, layout)] = {
-            "out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "forward": forward, "backward": backward
-        }  # fmt: skip
+            "out": out.detach(),
+            "dq": q.grad,
+            "dk": k.grad,
+            "dv": v.grad,
+            "forward": forward,
+            "backward": backward,
+        }
     return results
 
 

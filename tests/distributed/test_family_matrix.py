@@ -56,12 +56,21 @@ LAYOUTS = {"free": {}, "tp2": {"tp": 2}, "zero3": {"dp": 2, "zero": 3}, "pp2": {
 # zero3 took 1 to 4.5 s a family (GPT-2 up to 13 s on a busy machine): T5 (whose relative position bias
 # once failed under ZeRO-3 in DTensor's masked partial sum) and the plain torch.nn model (whose fused qkv
 # output DTensor split over dp, which its view could not unflatten) stay fast, the others are slow
-SLOW = {("mixtral", "free"), ("mixtral", "tp2"), ("mixtral", "pp2"), ("gemma2", "tp2"), ("gemma2", "pp2"),
-        ("t5", "tp2")} | {(f, "zero3") for f in ONE_STACK if f != "torch"}  # fmt: skip
+SLOW = {
+    ("mixtral", "free"),
+    ("mixtral", "tp2"),
+    ("mixtral", "pp2"),
+    ("gemma2", "tp2"),
+    ("gemma2", "pp2"),
+    ("t5", "tp2"),
+} | {(f, "zero3") for f in ONE_STACK if f != "torch"}
 ADAMW = {("llama", "free")}
 
-CASES = [(f, layout) for f in ("gpt2", "llama", "bert", "t5", "bloom", "falcon", "gemma2", "mixtral", "torch")
-         for layout in LAYOUTS]  # fmt: skip
+CASES = [
+    (f, layout)
+    for f in ("gpt2", "llama", "bert", "t5", "bloom", "falcon", "gemma2", "mixtral", "torch")
+    for layout in LAYOUTS
+]
 
 
 def _id(case) -> str:
@@ -83,12 +92,18 @@ def _train(rank: int, world_size: int, cases: list, plans: list[str]) -> dict:
             model = make_family(case[0])
             full = sum(p.numel() for p in model.parameters())
             args, kwargs = family_batch(case[0])
-            pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer_for(case),
-                                 plan=Plan.from_json(plan_json))  # fmt: skip
+            pm = autopar.compile(
+                model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer_for(case), plan=Plan.from_json(plan_json)
+            )
             losses = [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
-            out[case] = {"losses": losses, "state": pm.state_dict(), "program": str(pm.plan.program),
-                         "mesh": dict(pm.plan.mesh), "held": sum(p.numel() for p in pm.parameters()) / full,
-                         "seconds": time.monotonic() - start}  # fmt: skip
+            out[case] = {
+                "losses": losses,
+                "state": pm.state_dict(),
+                "program": str(pm.plan.program),
+                "mesh": dict(pm.plan.mesh),
+                "held": sum(p.numel() for p in pm.parameters()) / full,
+                "seconds": time.monotonic() - start,
+            }
         except Exception:  # reported by the case's test
             out[case] = {"error": traceback.format_exc()}
     return out
@@ -98,8 +113,9 @@ def _run(cases: list) -> dict:
     plans = []
     for family, layout in cases:
         args, kwargs = family_batch(family)
-        plans.append(autopar.plan(make_family(family), f"cpu:{WORLD}", args, kwargs,
-                                  constraints=LAYOUTS[layout]).to_json())  # fmt: skip
+        plans.append(
+            autopar.plan(make_family(family), f"cpu:{WORLD}", args, kwargs, constraints=LAYOUTS[layout]).to_json()
+        )
     ranks = run_distributed(_train, WORLD, cases, plans, timeout_s=900)
     return {case: [r[case] for r in ranks] for case in cases}
 

@@ -20,12 +20,25 @@ RTOL = 1e-6
 
 
 def _torchrun(workdir: Path, torchrun_args=(), script_args=()) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *torchrun_args,
-           str(REPO / "examples" / "finetune_resume.py"), "--workdir", str(workdir), "--steps", "8",
-           *script_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        *torchrun_args,
+        str(REPO / "examples" / "finetune_resume.py"),
+        "--workdir",
+        str(workdir),
+        "--steps",
+        "8",
+        *script_args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-                          timeout=400)  # fmt: skip
+    done = subprocess.run(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO, timeout=400
+    )
     assert done.returncode == 0, done.stdout[-4000:]
     return done.stdout
 

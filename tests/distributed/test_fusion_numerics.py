@@ -58,10 +58,16 @@ def _train(rank: int, world_size: int, name: str, constraints: dict, shard_fused
     fused = {n.name: str(n.target) for n in graph.nodes if str(n.target).startswith("autopar.")}
     interp = getattr(pm, "_interp", None)
     state = pm.state_dict()  # gathers shards: every rank takes part
-    return {"loss": loss, "state": state if rank == 0 else None, "program": str(pm.plan.program),
-            "mesh": dict(pm.plan.mesh), "fusion": pm.plan.fusion, "fused": fused,
-            "strategies": {n: pm.plan.node_strategy.get(n, "") for n in fused},
-            "fallback": sorted(interp.fallback_ops) if interp is not None else []}  # fmt: skip
+    return {
+        "loss": loss,
+        "state": state if rank == 0 else None,
+        "program": str(pm.plan.program),
+        "mesh": dict(pm.plan.mesh),
+        "fusion": pm.plan.fusion,
+        "fused": fused,
+        "strategies": {n: pm.plan.node_strategy.get(n, "") for n in fused},
+        "fallback": sorted(interp.fallback_ops) if interp is not None else [],
+    }
 
 
 def _with_sharded_fused_ops(plan, model, args, kwargs):

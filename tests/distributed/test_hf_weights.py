@@ -59,8 +59,11 @@ def _train_and_save(rank: int, world: int, name: str, layout: dict, src: str, ou
     return {"program": str(pm.plan.program), "read": read, "losses": losses}
 
 
-@pytest.mark.parametrize(("name", "world", "layout", "src_shard", "out_shard"), CASES,
-                         ids=["llama-cpu2", "gpt2-cpu2", "bert-cpu2", "llama-cpu4", "gpt2-cpu4"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "world", "layout", "src_shard", "out_shard"),
+    CASES,
+    ids=["llama-cpu2", "gpt2-cpu2", "bert-cpu2", "llama-cpu4", "gpt2-cpu4"],
+)
 def test_hf_round_trip(tmp_path, name, world, layout, src_shard, out_shard):
     src, out = tmp_path / "src", tmp_path / "out"
     model = make_model(name)

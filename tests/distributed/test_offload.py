@@ -57,9 +57,14 @@ def _reference(case: str) -> tuple[list[float], dict]:
 # "recompute": every layer checkpointed, so each layer's sharded chunks are gathered again for the forward
 # that backward runs.
 # "sync": overlap off, so the chunks are gathered where they are used and reduced where they are issued.
-CASES = (("plain", {"tp": 1}), ("frozen", {"tp": 1, "num_microbatches": 2}), ("tied", {"tp": 1}),
-         ("bf16", {"tp": 1}), ("recompute", {"tp": 1, "recompute": "full"}),
-         ("sync", {"tp": 1, "overlap": False}))  # fmt: skip
+CASES = (
+    ("plain", {"tp": 1}),
+    ("frozen", {"tp": 1, "num_microbatches": 2}),
+    ("tied", {"tp": 1}),
+    ("bf16", {"tp": 1}),
+    ("recompute", {"tp": 1, "recompute": "full"}),
+    ("sync", {"tp": 1, "overlap": False}),
+)
 # bf16 compute (fp32 master weights) against the fp32 reference: bf16 keeps 8 bits of mantissa, so the
 # logits and the loss differ by a few parts in a thousand; 2e-2 is that with margin, and still far
 # below what a missing gradient reduction or a wrong update does to the losses of steps 2 and 3.
@@ -70,20 +75,37 @@ def _train(rank: int, world_size: int, cases):
     out = []
     for case, constraints in cases:
         model, args, kwargs = _setup(case)
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer, memory_budget=BUDGET,
-                             constraints=constraints, precision="bf16" if case == "bf16" else None)  # fmt: skip
+        pm = autopar.compile(
+            model,
+            f"cpu:{world_size}",
+            args,
+            kwargs,
+            optimizer=_optimizer,
+            memory_budget=BUDGET,
+            constraints=constraints,
+            precision="bf16" if case == "bf16" else None,
+        )
         assert pm.plan.program == "offload", pm.plan.program
         losses = [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
         host = [c.index for c in pm.store.chunks if c.device == "host"]
         state = pm.state_dict()  # gathers the shards: every rank calls it
         if case == "recompute":
             assert pm.checkpointed == ["model.layers.0", "model.layers.1"], pm.checkpointed
-        out.append({"losses": losses, "peak": pm.tracker.peak, "acts": pm.tracker.peak_by_kind["activations"], "over": pm.tracker.num_over_budget, "host": host,
-                    "num_chunks": pm.store.num_chunks, "offload": pm.plan.offload, "mb": pm.plan.num_microbatches,
-                    "overlap": (pm.plan.overlap, pm.plan.prefetch_depth, pm.scheduler.prefetch,
-                                pm.scheduler.reduce_window),
-                    "dtypes": {str(c.payload.dtype) + "/" + str(c.master.dtype) for c in pm.store.trainable_chunks()},
-                    "state": state if rank == 0 else None})  # fmt: skip
+        out.append(
+            {
+                "losses": losses,
+                "peak": pm.tracker.peak,
+                "acts": pm.tracker.peak_by_kind["activations"],
+                "over": pm.tracker.num_over_budget,
+                "host": host,
+                "num_chunks": pm.store.num_chunks,
+                "offload": pm.plan.offload,
+                "mb": pm.plan.num_microbatches,
+                "overlap": (pm.plan.overlap, pm.plan.prefetch_depth, pm.scheduler.prefetch, pm.scheduler.reduce_window),
+                "dtypes": {str(c.payload.dtype) + "/" + str(c.master.dtype) for c in pm.store.trainable_chunks()},
+                "state": state if rank == 0 else None,
+            }
+        )
     return out
 
 
@@ -92,8 +114,7 @@ def test_offload_fits_a_budget_below_the_states_and_matches_one_process():
     # one tensor under two names; "bf16": mixed precision (bf16 payloads, fp32 master weights)
     model, args, kwargs = _setup("plain")
     with pytest.raises(InfeasiblePlanError, match="short"):
-        autopar.plan(model, f"cpu:{WORLD}", args, kwargs, memory_budget=BUDGET, offload=False,
-                     constraints={"tp": 1})  # fmt: skip
+        autopar.plan(model, f"cpu:{WORLD}", args, kwargs, memory_budget=BUDGET, offload=False, constraints={"tp": 1})
     results = run_distributed(_train, WORLD, CASES)
     for i, (case, constraints) in enumerate(CASES):
         ref_losses, ref_state = _reference("plain" if case in ("bf16", "recompute", "sync") else case)

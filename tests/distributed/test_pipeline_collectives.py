@@ -41,11 +41,21 @@ def _sgd(params):
 def _gemma2_pp2(rank: int, world_size: int):
     model = make_family("gemma2")
     args, kwargs = family_batch("gemma2")
-    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd,
-                         constraints={"pp": 2, "dp": 1, "tp": 1, "num_microbatches": 2})  # fmt: skip
+    pm = autopar.compile(
+        model,
+        f"cpu:{world_size}",
+        args,
+        kwargs,
+        optimizer=_sgd,
+        constraints={"pp": 2, "dp": 1, "tp": 1, "num_microbatches": 2},
+    )
     losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
-    return {"losses": losses, "program": str(pm.plan.program), "params": list(pm._param_names),
-            "ties": [t[0] for t in pm._tie_groups]}  # fmt: skip
+    return {
+        "losses": losses,
+        "program": str(pm.plan.program),
+        "params": list(pm._param_names),
+        "ties": [t[0] for t in pm._tie_groups],
+    }
 
 
 def test_gemma2_pipeline_does_not_hold_the_asserted_norm_weight_on_stage_0():
@@ -87,8 +97,14 @@ def _detached_model_and_batch():
 
 def _detached_pp2(rank: int, world_size: int):
     model, args = _detached_model_and_batch()
-    pm = autopar.compile(model, f"cpu:{world_size}", args, {}, optimizer=_sgd,
-                         constraints={"pp": 2, "dp": 1, "tp": 1, "num_microbatches": 2})  # fmt: skip
+    pm = autopar.compile(
+        model,
+        f"cpu:{world_size}",
+        args,
+        {},
+        optimizer=_sgd,
+        constraints={"pp": 2, "dp": 1, "tp": 1, "num_microbatches": 2},
+    )
     losses = [pm.train_step(*args) for _ in range(3)]
     return {"losses": losses, "ties": [t[0] for t in pm._tie_groups], "scale": pm._shard["scale"].detach().clone()}
 
@@ -120,8 +136,14 @@ def _rank0_skips_the_tie(rank: int, world_size: int):
     os.environ[TIMEOUT_ENV] = str(TIMEOUT_S)
     model = make_model("gpt2")  # its token embedding, tied to the LM head, is held on both stages
     args, kwargs = make_batch("gpt2")
-    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd,
-                         constraints={"pp": 2, "dp": 1, "tp": 1, "num_microbatches": 2})  # fmt: skip
+    pm = autopar.compile(
+        model,
+        f"cpu:{world_size}",
+        args,
+        kwargs,
+        optimizer=_sgd,
+        constraints={"pp": 2, "dp": 1, "tp": 1, "num_microbatches": 2},
+    )
     if rank == 0:
         pm._sum_tied = lambda: None  # the bug under test: one rank skips a collective
     start = time.monotonic()
@@ -136,8 +158,10 @@ def test_a_rank_that_skips_a_collective_gets_an_autopar_error_within_the_timeout
     assert rank0["error"] is None
     kind, message = rank1["error"]
     assert kind == "LoweringError"
-    assert "waited more than 5 s for the all-reduce tying transformer.wte.weight over the stages of pp ranks [0, 1]" \
-        in message, message  # fmt: skip
+    assert (
+        "waited more than 5 s for the all-reduce tying transformer.wte.weight over the stages of pp ranks [0, 1]"
+        in message
+    ), message
     assert TIMEOUT_ENV in message
     # the timeout plus one step of a tiny model (a second at most on a loaded 2-core machine)
     assert rank1["elapsed"] < TIMEOUT_S + 10
@@ -170,8 +194,14 @@ def _rank0_skips_the_dp_reduction(rank: int, world_size: int):
     os.environ[TIMEOUT_ENV] = str(TIMEOUT_S)
     model = make_model("gpt2")
     args, kwargs = make_batch("gpt2")
-    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd,
-                         constraints={"pp": 2, "dp": 2, "tp": 1, "num_microbatches": 2})  # fmt: skip
+    pm = autopar.compile(
+        model,
+        f"cpu:{world_size}",
+        args,
+        kwargs,
+        optimizer=_sgd,
+        constraints={"pp": 2, "dp": 2, "tp": 1, "num_microbatches": 2},
+    )
     assert pm.plan.overlap  # the reduction launched from the schedule, waited on after it
     if rank == 0:  # the bug under test: stage block 0's first dp rank never reduces
         pm._launch_bucket = lambda b: None
@@ -186,7 +216,9 @@ def test_a_dp_reduction_one_rank_skips_is_named_in_its_peers_error():
     got = run_distributed(_rank0_skips_the_dp_reduction, 4, timeout_s=240)
     kind, message = got[1]["error"]  # rank 1: rank 0's dp peer in stage block 0
     assert kind == "LoweringError"
-    assert (f"waited more than {TIMEOUT_S} s for the all-reduce of the dp-replicated gradients of stage block 0 "
-            "over the data axis") in message, message  # fmt: skip
+    assert (
+        f"waited more than {TIMEOUT_S} s for the all-reduce of the dp-replicated gradients of stage block 0 "
+        "over the data axis"
+    ) in message, message
     # the timeout plus one step of a tiny model on four ranks sharing two cores (a few seconds at most)
     assert got[1]["elapsed"] < TIMEOUT_S + 15

@@ -99,13 +99,21 @@ def _run(rank: int, world_size: int, cases):
     for (name, layers, _), plan_json in cases:
         model = _model(name, layers)
         args, kwargs = _batch(name)
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer_for(name),
-                             plan=Plan.from_json(plan_json))  # fmt: skip
+        pm = autopar.compile(
+            model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer_for(name), plan=Plan.from_json(plan_json)
+        )
         losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
         state = pm.state_dict()
-        out.append({"losses": losses, "state": state if rank == 0 else None, "program": str(pm.plan.program),
-                    "schedule": type(pm.schedule).__name__, "local_stages": [st.sg.index for st in pm.stages],
-                    "boundary": [len(st.sg.received) for st in pm.stages]})  # fmt: skip
+        out.append(
+            {
+                "losses": losses,
+                "state": state if rank == 0 else None,
+                "program": str(pm.plan.program),
+                "schedule": type(pm.schedule).__name__,
+                "local_stages": [st.sg.index for st in pm.stages],
+                "boundary": [len(st.sg.received) for st in pm.stages],
+            }
+        )
     return out
 
 
@@ -117,17 +125,33 @@ SCHEDULE_CLASS = {
 }
 LAYOUTS = [{"pp": 2, "tp": 2, "dp": 1}, {"pp": 2, "dp": 2, "tp": 1}, {"pp": 4, "dp": 1, "tp": 1}]
 CASES = [
-    *[(name, 4, {**layout, "schedule": schedule, "num_microbatches": layout["pp"]})
-      for name in ("llama", "gpt2") for layout in LAYOUTS for schedule in ("gpipe", "1f1b")],
-    ("llama", 4, {"pp": 2, "tp": 2, "dp": 1, "schedule": "interleaved_1f1b", "virtual_stages": 2, "num_microbatches": 2}),
-    ("gpt2", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "interleaved_1f1b", "virtual_stages": 2, "num_microbatches": 2}),
+    *[
+        (name, 4, {**layout, "schedule": schedule, "num_microbatches": layout["pp"]})
+        for name in ("llama", "gpt2")
+        for layout in LAYOUTS
+        for schedule in ("gpipe", "1f1b")
+    ],
+    (
+        "llama",
+        4,
+        {"pp": 2, "tp": 2, "dp": 1, "schedule": "interleaved_1f1b", "virtual_stages": 2, "num_microbatches": 2},
+    ),
+    (
+        "gpt2",
+        4,
+        {"pp": 2, "dp": 2, "tp": 1, "schedule": "interleaved_1f1b", "virtual_stages": 2, "num_microbatches": 2},
+    ),
     # five layers on two stages, states sharded over dp (ZeRO-1) and layers recomputed
-    ("llama", 5, {"pp": 2, "dp": 2, "tp": 1, "zero": 1, "recompute": "full", "schedule": "1f1b", "num_microbatches": 4}),
+    (
+        "llama",
+        5,
+        {"pp": 2, "dp": 2, "tp": 1, "zero": 1, "recompute": "full", "schedule": "1f1b", "num_microbatches": 4},
+    ),
     ("two_stream", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "num_microbatches": 2}),
     ("t5", 4, {"pp": 2, "dp": 2, "tp": 1, "schedule": "1f1b", "num_microbatches": 2}),
     # one layer a stage: the first decoder stage sends on the encoder's output and its zero cross-attention bias
     ("t5", 4, {"pp": 4, "dp": 1, "tp": 1, "schedule": "1f1b", "num_microbatches": 4}),
-]  # fmt: skip
+]
 
 
 def _id(case) -> str:
@@ -169,8 +193,9 @@ def test_pipeline_training_matches_one_process(results, case):
     assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), case
     assert set(got["state"]) == set(ref_state)
     for key, ref in ref_state.items():
-        torch.testing.assert_close(got["state"][key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL,
-                                   msg=lambda m, k=key: f"{_id(case)} {k}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            got["state"][key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL, msg=lambda m, k=key: f"{_id(case)} {k}: {m}"
+        )
         if ref.is_floating_point():
             assert (got["state"][key] - ref).abs().mean().item() <= PARAM_MEAN_ATOL, (key,)
     if name == "two_stream":  # past stage 0 the index and both streams arrive

@@ -106,8 +106,14 @@ def _run(rank: int, world_size: int, plans: dict[str, str]):
     for label, plan_json in plans.items():
         model = make_model("gpt2", num_layers=4)
         args, kwargs = make_batch("gpt2")
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, plan=Plan.from_json(plan_json),
-                             optimizer=lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9))  # fmt: skip
+        pm = autopar.compile(
+            model,
+            f"cpu:{world_size}",
+            args,
+            kwargs,
+            plan=Plan.from_json(plan_json),
+            optimizer=lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+        )
         rec = _Recorder()
         for st in pm._pipe_stages:
             if pm.pp_rank == 0:
@@ -126,12 +132,19 @@ def _run(rank: int, world_size: int, plans: dict[str, str]):
         with backward_marks(lambda _, rec=rec: rec.note("backward")):
             losses.append(pm.train_step(*args, **kwargs))
         rec.on = False
-        out[label] = {"events": rec.events, "counts": rec.counts, "losses": losses, "start": start,
-                      "stage": pm.pp_rank, "sends": [len(st.sg.sends) for st in pm.stages],
-                      "received": [len(st.sg.received) for st in pm.stages],
-                      "split": sorted(pm._step_split), "comm": list(pm.comm_events),
-                      "kinds": [b.kind for b in pm._buckets],
-                      "state": {k: v for k, v in pm.state_dict().items() if rank == 0}}  # fmt: skip
+        out[label] = {
+            "events": rec.events,
+            "counts": rec.counts,
+            "losses": losses,
+            "start": start,
+            "stage": pm.pp_rank,
+            "sends": [len(st.sg.sends) for st in pm.stages],
+            "received": [len(st.sg.received) for st in pm.stages],
+            "split": sorted(pm._step_split),
+            "comm": list(pm.comm_events),
+            "kinds": [b.kind for b in pm._buckets],
+            "state": {k: v for k, v in pm.state_dict().items() if rank == 0},
+        }
         rec.restore()
     return out
 
@@ -148,8 +161,12 @@ def runs():
     assert plan.overlap and plan.mesh == {"pp": 2, "dp": 2, "tp": 1}
     zero1 = autopar.plan(model, "cpu:4", args, kwargs, constraints={**CONSTRAINTS, "zero": 1})
     assert zero1.overlap and all(st["zero_stage"] == 1 for st in zero1.pipeline["stages"])
-    plans = {"on": plan.to_json(), "off": dataclasses.replace(plan, overlap=False).to_json(),
-             "zero1": zero1.to_json(), "zero1-off": dataclasses.replace(zero1, overlap=False).to_json()}  # fmt: skip
+    plans = {
+        "on": plan.to_json(),
+        "off": dataclasses.replace(plan, overlap=False).to_json(),
+        "zero1": zero1.to_json(),
+        "zero1-off": dataclasses.replace(zero1, overlap=False).to_json(),
+    }
     return run_distributed(_run, 4, plans, timeout_s=600)
 
 

@@ -48,8 +48,9 @@ class TensorMemory:
     def __exit__(self, *exc):
         self._profile.__exit__(*exc)
         torch.UntypedStorage.from_file = self._original
-        events = sorted((e.start_ns(), e.nbytes()) for e in self._profile.profiler.kineto_results.events()
-                        if e.name() == "[memory]")  # fmt: skip
+        events = sorted(
+            (e.start_ns(), e.nbytes()) for e in self._profile.profiler.kineto_results.events() if e.name() == "[memory]"
+        )
         self.peak, self.num_allocations, self.mappings_left_out = _peak(events, self.mapped)
 
 
@@ -81,14 +82,24 @@ def _load(rank: int, world: int, name: str, layout: dict, src: str):
     held = sum(p.tensor.numel() * p.tensor.element_size() for p in pm._local_masters().values())
     with TensorMemory() as full:  # the control: the tracker sees a model built whole on the CPU
         whole = make_model(name)
-    out = {"program": str(pm.plan.program), "peak": load.peak, "count": load.num_allocations, "held": held,
-           "mapped": load.mapped, "left_out": load.mappings_left_out, "control": full.peak}  # fmt: skip
+    out = {
+        "program": str(pm.plan.program),
+        "peak": load.peak,
+        "count": load.num_allocations,
+        "held": held,
+        "mapped": load.mapped,
+        "left_out": load.mappings_left_out,
+        "control": full.peak,
+    }
     del whole
     return out
 
 
-CASES = [("llama", {"tp": 2}, "sharded", None), ("llama", {"pp": 2, "num_microbatches": 2}, "pipeline", "60KB"),
-         ("gpt2", {"tp": 2}, "sharded", "60KB")]  # fmt: skip
+CASES = [
+    ("llama", {"tp": 2}, "sharded", None),
+    ("llama", {"pp": 2, "num_microbatches": 2}, "pipeline", "60KB"),
+    ("gpt2", {"tp": 2}, "sharded", "60KB"),
+]
 
 
 @pytest.mark.parametrize(("name", "layout", "program", "src_shard"), CASES, ids=["llama-tp2", "llama-pp2", "gpt2-tp2"])

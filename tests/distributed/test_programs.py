@@ -18,14 +18,22 @@ LR = 1e-2
 STEPS = 2
 # The layouts of each program kind on 2 and 4 ranks (tiny LLaMA, handed in fp32).
 CASES = {
-    2: [("data-parallel", {"dp": 2, "tp": 1}, None), ("sharded", {"tp": 2}, None),
-        ("pipeline", {"pp": 2, "num_microbatches": 2}, None), ("offload", {"tp": 1}, True),
+    2: [
+        ("data-parallel", {"dp": 2, "tp": 1}, None),
+        ("sharded", {"tp": 2}, None),
+        ("pipeline", {"pp": 2, "num_microbatches": 2}, None),
+        ("offload", {"tp": 1}, True),
         # gradients all-reduced in bf16 (pinned) instead of fp32: bucketed, and in from_local's backward
         ("data-parallel", {"dp": 2, "tp": 1, "grad_reduce": "bf16"}, None),
-        ("sharded", {"dp": 2, "tp": 1, "recompute": "full", "grad_reduce": "bf16"}, None)],
-    4: [("data-parallel", {"dp": 4, "tp": 1}, None), ("sharded", {"tp": 2, "dp": 2, "zero": 0}, None),
-        ("pipeline", {"pp": 2, "dp": 2, "num_microbatches": 2}, None), ("offload", {"tp": 1}, True)],
-}  # fmt: skip
+        ("sharded", {"dp": 2, "tp": 1, "recompute": "full", "grad_reduce": "bf16"}, None),
+    ],
+    4: [
+        ("data-parallel", {"dp": 4, "tp": 1}, None),
+        ("sharded", {"tp": 2, "dp": 2, "zero": 0}, None),
+        ("pipeline", {"pp": 2, "dp": 2, "num_microbatches": 2}, None),
+        ("offload", {"tp": 1}, True),
+    ],
+}
 # bf16 keeps 8 bits of mantissa: the reference and the program round differently wherever the order of a
 # sum differs (rows split over ranks, a matmul split over tp, micro-batches accumulated), a few parts in a
 # thousand per op on the loss. 2e-2 is that with margin; a missing reduction or a wrong scale moves the
@@ -73,16 +81,38 @@ def _mixed_cases(rank: int, world_size: int, cases, opt_name: str):
         model = make_model("llama")
         args, kwargs = make_batch("llama")
         make_opt = _sgd if opt_name == "sgd" else _adamw
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=make_opt, constraints=constraints,
-                             offload=offload, precision="bf16")  # fmt: skip
+        pm = autopar.compile(
+            model,
+            f"cpu:{world_size}",
+            args,
+            kwargs,
+            optimizer=make_opt,
+            constraints=constraints,
+            offload=offload,
+            precision="bf16",
+        )
         losses = [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
         masters = [p.dtype for p in pm.parameters()]
-        states = [v.dtype for st in pm.optimizer.state.values() for v in st.values()
-                  if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim] if kind != "offload" else \
-            [c.exp_avg.dtype for c in pm.store.chunks if c.exp_avg is not None]  # fmt: skip
+        states = (
+            [
+                v.dtype
+                for st in pm.optimizer.state.values()
+                for v in st.values()
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.ndim
+            ]
+            if kind != "offload"
+            else [c.exp_avg.dtype for c in pm.store.chunks if c.exp_avg is not None]
+        )
         state = pm.state_dict()
-        out.append({"kind": str(pm.plan.program), "losses": losses, "masters": masters, "states": states,
-                    "state": state if rank == 0 else None})  # fmt: skip
+        out.append(
+            {
+                "kind": str(pm.plan.program),
+                "losses": losses,
+                "masters": masters,
+                "states": states,
+                "state": state if rank == 0 else None,
+            }
+        )
     return out
 
 
@@ -104,8 +134,9 @@ def _check_mixed(world_size: int, opt_name: str, cases=None) -> None:
         assert all(v.dtype == torch.float32 for v in got["state"].values() if v.is_floating_point())
         if opt_name == "sgd":
             for name, ref in ref_params.items():
-                torch.testing.assert_close(got["state"][name], ref, atol=BF16_PARAM_ATOL, rtol=0,
-                                           msg=lambda m, k=name, c=kind: f"{c} {k}: {m}")  # fmt: skip
+                torch.testing.assert_close(
+                    got["state"][name], ref, atol=BF16_PARAM_ATOL, rtol=0, msg=lambda m, k=name, c=kind: f"{c} {k}: {m}"
+                )
 
 
 @pytest.mark.slow
@@ -140,8 +171,9 @@ def test_bf16_pipeline_zero1_once_a_step_matches_mixed_reference(opt_name):
 def _fp16_skip(rank: int, world_size: int, constraints):
     model = make_model("llama")
     args, kwargs = make_batch("llama")
-    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd, constraints=constraints,
-                         precision="fp16")  # fmt: skip
+    pm = autopar.compile(
+        model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd, constraints=constraints, precision="fp16"
+    )
     scale0 = pm.scaler.scale
     before = {k: v.clone() for k, v in pm.state_dict().items()}
     # a parameter holding inf makes its gradient (and the loss) non-finite: the step must be skipped
@@ -164,8 +196,14 @@ def _fp16_skip(rank: int, world_size: int, constraints):
     after_step = pm.state_dict()
     changed = any(not torch.equal(after_step[k], before[k]) for k in before if before[k].is_floating_point())
     unchanged = all(torch.equal(after_skip[k], before[k]) for k in before)
-    return {"scale0": scale0, "scale1": scale1, "skipped": skipped, "unchanged": unchanged, "changed": changed,
-            "loss": loss}  # fmt: skip
+    return {
+        "scale0": scale0,
+        "scale1": scale1,
+        "skipped": skipped,
+        "unchanged": unchanged,
+        "changed": changed,
+        "loss": loss,
+    }
 
 
 @pytest.mark.parametrize("constraints", [{"dp": 2, "tp": 1}, {"tp": 2}])
@@ -186,8 +224,14 @@ def _eval_cases(rank: int, world_size: int, cases):
         loss = pm.eval_step(*args, **kwargs)
         grads = [p.grad for p in pm.parameters() if getattr(p, "grad", None) is not None and p.grad.abs().sum() > 0]
         after = pm.state_dict()
-        out.append({"kind": str(pm.plan.program), "loss": loss, "grads": len(grads),
-                    "same": all(torch.equal(before[k], after[k]) for k in before)})  # fmt: skip
+        out.append(
+            {
+                "kind": str(pm.plan.program),
+                "loss": loss,
+                "grads": len(grads),
+                "same": all(torch.equal(before[k], after[k]) for k in before),
+            }
+        )
     return out
 
 

@@ -55,8 +55,13 @@ def _sequence_parallel_plan() -> autopar.Plan:
         gpu = autopar.plan(meta, "2xA100-80GB", (x,), memory_budget=int(free.predicted.peak_memory_bytes * 0.95), **kw)
         cpu = autopar.plan(_model(), "cpu:2", (_batch(),), **kw)
     assert set(cpu.node_output) == set(gpu.node_output), "both plans name the nodes of one traced graph"
-    return dataclasses.replace(cpu, node_output=gpu.node_output, node_inputs=gpu.node_inputs,
-                               node_strategy=gpu.node_strategy, param_placements=gpu.param_placements)  # fmt: skip
+    return dataclasses.replace(
+        cpu,
+        node_output=gpu.node_output,
+        node_inputs=gpu.node_inputs,
+        node_strategy=gpu.node_strategy,
+        param_placements=gpu.param_placements,
+    )
 
 
 def _train(rank: int, world_size: int, plan_json: str):

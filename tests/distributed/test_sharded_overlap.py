@@ -27,10 +27,15 @@ LOSS_RTOL = 1e-5
 # A wrong reduction (unsummed, or summed twice) moves most elements by ~lr.
 SGD_ATOL, ADAMW_ATOL = 1e-6, 1e-4
 ADAM_EPS = 1e-6
-ZERO = [{"dp": 2, "tp": 1, "zero": 0, "recompute": "full"}, {"dp": 2, "tp": 1, "zero": 1},
-        {"dp": 2, "tp": 1, "zero": 2, "num_microbatches": 2}, {"dp": 2, "tp": 1, "zero": 3},
-        {"dp": 2, "tp": 1, "zero": 0, "recompute": "full", "num_microbatches": 2},
-        {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 2}, {"dp": 2, "tp": 1, "zero": 1, "num_microbatches": 2}]  # fmt: skip
+ZERO = [
+    {"dp": 2, "tp": 1, "zero": 0, "recompute": "full"},
+    {"dp": 2, "tp": 1, "zero": 1},
+    {"dp": 2, "tp": 1, "zero": 2, "num_microbatches": 2},
+    {"dp": 2, "tp": 1, "zero": 3},
+    {"dp": 2, "tp": 1, "zero": 0, "recompute": "full", "num_microbatches": 2},
+    {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 2},
+    {"dp": 2, "tp": 1, "zero": 1, "num_microbatches": 2},
+]
 # the numerics cases' bucket size: 2 or 3 of the tiny LLaMA's fp32 matrices a bucket, so that a step has several
 # buckets of several parameters each, more than the ZeRO-2/3 window of 2 in flight
 NUMERICS_BUCKET_BYTES = 40_000
@@ -55,13 +60,21 @@ def _train(rank: int, world_size: int, cases, opt: str):
     for constraints in cases:
         model = make_model("llama")
         args, kwargs = make_batch("llama")
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer(opt),
-                             constraints=constraints)  # fmt: skip
+        pm = autopar.compile(
+            model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer(opt), constraints=constraints
+        )
         losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
         state = pm.state_dict()  # every rank gathers
-        out.append({"program": str(pm.plan.program), "zero": pm.plan.zero_stage, "overlap": pm.overlap,
-                    "losses": losses, "state": state if rank == 0 else None,
-                    "buckets": sum(b.kind == "reduce_scatter" for b in pm._buckets)})  # fmt: skip
+        out.append(
+            {
+                "program": str(pm.plan.program),
+                "zero": pm.plan.zero_stage,
+                "overlap": pm.overlap,
+                "losses": losses,
+                "state": state if rank == 0 else None,
+                "buckets": sum(b.kind == "reduce_scatter" for b in pm._buckets),
+            }
+        )
     return out
 
 
@@ -77,8 +90,9 @@ def test_overlapped_zero_stages_match_single_process(opt):
         assert constraints["zero"] == 0 or run["buckets"] > 2, run["buckets"]  # more than the window holds
         assert run["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (constraints, run["losses"], ref_losses)
         for key, ref in ref_state.items():
-            torch.testing.assert_close(run["state"][key], ref, atol=atol, rtol=0,
-                                       msg=lambda m, k=key, c=constraints: f"{c} {k}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                run["state"][key], ref, atol=atol, rtol=0, msg=lambda m, k=key, c=constraints: f"{c} {k}: {m}"
+            )
 
 
 def _stepped(constraints, world_size: int):
@@ -184,9 +198,17 @@ def _window(rank: int, world_size: int, cases, bucket_bytes: int):
             pm.train_step(*args, **kwargs)
         finally:
             dist.reduce_scatter_single = real_rs
-        out.append({"events": pm.comm_events, "calls": len(calls), "kept": kept, "filling": filling,
-                    "buckets": sum(b.kind == "reduce_scatter" for b in pm._buckets),
-                    "microbatches": pm.plan.num_microbatches, "zero": pm.plan.zero_stage})  # fmt: skip
+        out.append(
+            {
+                "events": pm.comm_events,
+                "calls": len(calls),
+                "kept": kept,
+                "filling": filling,
+                "buckets": sum(b.kind == "reduce_scatter" for b in pm._buckets),
+                "microbatches": pm.plan.num_microbatches,
+                "zero": pm.plan.zero_stage,
+            }
+        )
     return out
 
 
@@ -273,11 +295,15 @@ def _kept(rank: int, world_size: int, cases):
             dist.all_gather_single = real
         storages = {g.untyped_storage().data_ptr() for g in gathered}
         locals_ = [t._local_tensor if isinstance(t, DTensor) else t for t in kept if isinstance(t, torch.Tensor)]
-        out.append({"gathers": len(gathered), "weights_kept": sum(t.untyped_storage().data_ptr() in storages
-                                                                  for t in locals_),
-                    "handles": sum(type(t).__name__ == "_Released" for t in kept),
-                    "events": [e for e, _ in pm.comm_events], "split": sum(d is not None for d in pm._split_dim)
-                    if pm.overlap else None})  # fmt: skip
+        out.append(
+            {
+                "gathers": len(gathered),
+                "weights_kept": sum(t.untyped_storage().data_ptr() in storages for t in locals_),
+                "handles": sum(type(t).__name__ == "_Released" for t in kept),
+                "events": [e for e, _ in pm.comm_events],
+                "split": sum(d is not None for d in pm._split_dim) if pm.overlap else None,
+            }
+        )
     return out
 
 
@@ -286,9 +312,14 @@ def test_zero3_releases_gathered_weights_after_forward_and_zero12_gather_once_a_
     and the backward gathers the weight again, once per micro-batch for all its saved uses (FSDP's reshard after
     forward; the plan prices two gathers per micro-batch, and no whole weight between them). ZeRO-1 and 2 keep a
     weight gathered for the whole step: one gather per weight per step, whatever the micro-batches, as priced."""
-    cases = [{"dp": 2, "tp": 1, "zero": 3}, {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 2},
-             {"dp": 2, "tp": 1, "zero": 2}, {"dp": 2, "tp": 1, "zero": 2, "num_microbatches": 2},
-             {"dp": 2, "tp": 1, "zero": 1, "num_microbatches": 2}, {"dp": 2, "tp": 1, "zero": 3, "overlap": False}]  # fmt: skip
+    cases = [
+        {"dp": 2, "tp": 1, "zero": 3},
+        {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 2},
+        {"dp": 2, "tp": 1, "zero": 2},
+        {"dp": 2, "tp": 1, "zero": 2, "num_microbatches": 2},
+        {"dp": 2, "tp": 1, "zero": 1, "num_microbatches": 2},
+        {"dp": 2, "tp": 1, "zero": 3, "overlap": False},
+    ]
     z3, z3_two, z2, z2_two, z1_two, z3_sync = run_distributed(_kept, 2, cases)[0]
     split = z3["split"]
     assert split == 21  # the tiny LLaMA: every weight splits over the data axis
@@ -328,8 +359,11 @@ def _gathers(rank: int, world_size: int, cases):
 def _issued(events, layer: int, start: int = 0) -> int:
     """Index of the first gather of layer `layer`'s parameters issued at or after `start` (ahead or on demand)."""
     prefix = f"model.layers.{layer}."
-    return next(k for k, (e, name) in enumerate(events) if k >= start and e in ("gather", "prefetch")
-                and name.startswith(prefix))  # fmt: skip
+    return next(
+        k
+        for k, (e, name) in enumerate(events)
+        if k >= start and e in ("gather", "prefetch") and name.startswith(prefix)
+    )
 
 
 def test_zero3_gathers_the_next_layer_while_the_current_one_computes():
@@ -363,8 +397,9 @@ def test_zero3_overlaps_by_default_holding_only_its_buckets_in_flight():
     model = make_model("llama")
     args, kwargs = make_batch("llama")
     default = autopar.plan(model, "cpu:2", args, kwargs, constraints={"dp": 2, "tp": 1, "zero": 3}, alternatives=False)
-    off = autopar.plan(model, "cpu:2", args, kwargs, constraints={"dp": 2, "tp": 1, "zero": 3, "overlap": False},
-                       alternatives=False)  # fmt: skip
+    off = autopar.plan(
+        model, "cpu:2", args, kwargs, constraints={"dp": 2, "tp": 1, "zero": 3, "overlap": False}, alternatives=False
+    )
     assert default.overlap and default.prefetch_depth == 1 and not off.overlap and off.prefetch_depth == 0
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     # fp32 on CPU, dp = 2: the synchronous plan holds this rank's half of the gradients; the tiny LLaMA is one bucket

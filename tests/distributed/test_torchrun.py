@@ -25,9 +25,26 @@ def test_two_nodes_on_localhost():
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     def launch(node_rank: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-               "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
-               str(REPO / "examples" / "train_llama.py"), "--steps", "2", "--seq-len", "16"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc_per_node",
+            "1",
+            "--node_rank",
+            str(node_rank),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            str(REPO / "examples" / "train_llama.py"),
+            "--steps",
+            "2",
+            "--seq-len",
+            "16",
+        ]
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
 
     procs = [launch(0), launch(1)]

@@ -38,8 +38,9 @@ class ParallelBlock(nn.Module):
         y = self.norm(x)
         mlp = self.down(nn.functional.gelu(self.up(y)))
         q, k, v = (f(y).view(b, s, HEADS, h // HEADS).transpose(1, 2) for f in (self.q, self.k, self.v))
-        attn = self.proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
-                         .reshape(b, s, h))  # fmt: skip
+        attn = self.proj(
+            nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+        )
         return x + mlp + attn
 
 
@@ -76,8 +77,13 @@ def _record(rank: int, world: int, early: bool):
         return run_op(self, n)
 
     ShardedInterpreter._run_op = recorded_op
-    for name in ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
-                 "reduce_scatter_tensor"):  # fmt: skip
+    for name in (
+        "all_reduce",
+        "all_gather_single",
+        "reduce_scatter_single",
+        "all_gather_tensor",
+        "reduce_scatter_tensor",
+    ):
         launch = getattr(funcol, name)
 
         def launched(*a, _launch=launch, _name=name, **k):
@@ -98,8 +104,13 @@ def _record(rank: int, world: int, early: bool):
     args = _batch()
     plan = autopar.plan(_model(), f"cpu:{world}", args, constraints={"tp": 2, "dp": 1})
     # one layout, launched early or not by the plan's overlap (`"overlap": False` waits where a value is read)
-    pm = autopar.compile(_model(), f"cpu:{world}", args, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2),
-                         plan=dataclasses.replace(plan, overlap=early))  # fmt: skip
+    pm = autopar.compile(
+        _model(),
+        f"cpu:{world}",
+        args,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2),
+        plan=dataclasses.replace(plan, overlap=early),
+    )
     losses = []
     for _ in range(2):
         events.clear()

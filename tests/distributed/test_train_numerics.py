@@ -42,8 +42,15 @@ def _train_cases(rank: int, world_size: int, cases):
     for name, constraints, budget in cases:
         model = make_model(name)
         args, kwargs = make_batch(name)
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer,
-                             constraints=constraints, memory_budget=budget)  # fmt: skip
+        pm = autopar.compile(
+            model,
+            f"cpu:{world_size}",
+            args,
+            kwargs,
+            optimizer=_optimizer,
+            constraints=constraints,
+            memory_budget=budget,
+        )
         losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
         state = pm.state_dict()
         local = sum(p.numel() for p in pm.parameters())
@@ -52,15 +59,24 @@ def _train_cases(rank: int, world_size: int, cases):
             and pm.plan.mesh["dp"] > 1
             or any(p != "R" for p in pm.plan.param_placements.values())
         )
-        out.append({"losses": losses, "state": state if rank == 0 else None, "mesh": dict(pm.plan.mesh),
-                    "local_numel": local, "num_microbatches": pm.plan.num_microbatches,
-                    "program": str(pm.plan.program), "zero": pm.plan.zero_stage,
-                    "recompute": getattr(pm.plan, "recompute", "none"),
-                    # checkpointed segments run: once in forward and once more in backward per micro-batch
-                    "segment_calls": getattr(getattr(pm, "_interp", None), "segment_calls", 0),
-                    "micro_batch_size": pm.plan.micro_batch_size, "full_numel": sum(p.numel() for p in model.parameters()),
-                    "sharded": sharded,
-                    "tp_sharded": any(p != "R" for p in pm.plan.param_placements.values())})  # fmt: skip
+        out.append(
+            {
+                "losses": losses,
+                "state": state if rank == 0 else None,
+                "mesh": dict(pm.plan.mesh),
+                "local_numel": local,
+                "num_microbatches": pm.plan.num_microbatches,
+                "program": str(pm.plan.program),
+                "zero": pm.plan.zero_stage,
+                "recompute": getattr(pm.plan, "recompute", "none"),
+                # checkpointed segments run: once in forward and once more in backward per micro-batch
+                "segment_calls": getattr(getattr(pm, "_interp", None), "segment_calls", 0),
+                "micro_batch_size": pm.plan.micro_batch_size,
+                "full_numel": sum(p.numel() for p in model.parameters()),
+                "sharded": sharded,
+                "tp_sharded": any(p != "R" for p in pm.plan.param_placements.values()),
+            }
+        )
     return out
 
 
@@ -91,8 +107,13 @@ def _check(world_size: int, cases) -> None:
                 assert got["tp_sharded"], (name, constraints)
         assert set(got["state"]) == set(ref_state)
         for key, ref in ref_state.items():
-            torch.testing.assert_close(got["state"][key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL,
-                                       msg=lambda m, k=key, n=name, c=constraints: f"{n} {c} {k}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                got["state"][key],
+                ref,
+                atol=PARAM_ATOL,
+                rtol=PARAM_RTOL,
+                msg=lambda m, k=key, n=name, c=constraints: f"{n} {c} {k}: {m}",
+            )
             if ref.is_floating_point():
                 mean_diff = (got["state"][key] - ref).abs().mean().item()
                 assert mean_diff <= PARAM_MEAN_ATOL, (name, constraints, key, mean_diff)

@@ -33,9 +33,17 @@ def _model(name: str) -> torch.nn.Module:
     if name == "bert":
         from transformers import BertConfig, BertForMaskedLM
 
-        cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                         attention_probs_dropout_prob=0.0, attn_implementation="sdpa")  # fmt: skip
+        cfg = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            attn_implementation="sdpa",
+        )
         return BertForMaskedLM(cfg)
     from tests.families import TorchTransformer
 
@@ -60,13 +68,20 @@ def _train(rank: int, world_size: int, names):
     for name in names:
         model = _model(name)
         args, kwargs = _batch(name)
-        pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd,
-                             constraints={"tp": 2, "param_placements": {TABLE[name]: "S(0)"}})  # fmt: skip
+        pm = autopar.compile(
+            model,
+            f"cpu:{world_size}",
+            args,
+            kwargs,
+            optimizer=_sgd,
+            constraints={"tp": 2, "param_placements": {TABLE[name]: "S(0)"}},
+        )
         lookups = {n: pm.plan.node_output[n] for n in pm.plan.node_output if n.startswith("embedding")}
         losses = [pm.train_step(*args, **kwargs) for _ in range(3)]
         state = pm.state_dict()  # a collective: every rank takes part
-        out.append({"losses": losses, "lookups": lookups, "state": state if rank == 0 else None,
-                    "program": pm.plan.program})  # fmt: skip
+        out.append(
+            {"losses": losses, "lookups": lookups, "state": state if rank == 0 else None, "program": pm.plan.program}
+        )
     return out
 
 
@@ -83,5 +98,6 @@ def test_vocabulary_split_embeddings_train_as_on_one_rank():
         assert results[1][i]["losses"] == pytest.approx(got["losses"], rel=1e-6)
         assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), name
         for key, ref in ref_state.items():
-            torch.testing.assert_close(got["state"][key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL,
-                                       msg=lambda m, k=key, n=name: f"{n} {k}: {m}")  # fmt: skip
+            torch.testing.assert_close(
+                got["state"][key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL, msg=lambda m, k=key, n=name: f"{n} {k}: {m}"
+            )

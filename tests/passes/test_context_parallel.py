@@ -134,9 +134,15 @@ def _wide_llama(seq: int, heads: int = 8, kv_heads: int = 4, hidden: int = 1024)
     """A two-layer LLaMA wide enough that its activations, not its masks, set the memory (meta device)."""
     from autopar import presets
 
-    config = presets.load_config("tiny-llama", hidden_size=hidden, intermediate_size=2 * hidden,
-                                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
-                                 max_position_embeddings=seq)  # fmt: skip
+    config = presets.load_config(
+        "tiny-llama",
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=seq,
+    )
     model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
     return model, *presets.example_batch(config, 4, seq, device="meta")
 
@@ -233,8 +239,11 @@ def test_cp_graph_builds_no_chunk_mask():
     args, kwargs = api._cp_traced_batch(model, *make_batch("llama", batch=2, seq=96), 2)
 
     def square(traced):
-        return [n.name for n in traced.graph_module.graph.nodes
-                if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape[-2:]) == (48, 48)]  # fmt: skip
+        return [
+            n.name
+            for n in traced.graph_module.graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape[-2:]) == (48, 48)
+        ]
 
     assert square(api._trace_in_format(model, args, kwargs, "fp32"))  # traced as is, the model builds it
     traced = api._trace_in_format(model, args, kwargs, "fp32", cp=2)
@@ -262,8 +271,7 @@ def test_cp_communication_is_a_term_of_its_own(algorithm):
 
     batch, seq, layers, m = 4, 4096, 2, 2
     model, args, kwargs = _wide_llama(seq)
-    pins = {"cp": 4, "dp": 1, "tp": 1, "num_microbatches": m, "recompute": "none", "zero": 0,
-            "cp_attention": algorithm}  # fmt: skip
+    pins = {"cp": 4, "dp": 1, "tp": 1, "num_microbatches": m, "recompute": "none", "zero": 0, "cp_attention": algorithm}
     plan = _search(model, args, kwargs, pins, memory_budget=float("inf"), fuse_kernels=False)
     traced = api._trace_in_format(model, *api._cp_traced_batch(model, args, kwargs, 4), "bf16", cp=4)
     spec = CPSpec.from_constraints(pins, 4)

@@ -73,8 +73,12 @@ def test_pipeline_stages_together_price_the_cp_plan_s_compute():
     # tp=1), so 1e-6 is rounding.
     m = 2
     piped = _plan("cpu:4", {"pp": 2, "cp": 2, "num_microbatches": m, "cp_attention": "ring"}, seq=64)
-    flat = _plan("cpu:2", {"cp": 2, "tp": 1, "num_microbatches": m, "cp_attention": "ring", "zero": 0}, seq=64,
-                 memory_budget=float("inf"))  # fmt: skip
+    flat = _plan(
+        "cpu:2",
+        {"cp": 2, "tp": 1, "num_microbatches": m, "cp_attention": "ring", "zero": 0},
+        seq=64,
+        memory_budget=float("inf"),
+    )
     assert flat.time_breakdown["comm_cp"] > 0
     total = sum(st["time_per_microbatch_s"] for st in piped.pipeline["stages"]) * m
     flat_total = flat.predicted.compute_s + flat.predicted.reshard_s + flat.time_breakdown["comm_cp"]
@@ -93,8 +97,10 @@ def test_a_stage_waits_for_its_cp_attention_s_exposed_communication():
     # priced lines, printed to a microsecond, hence the 2e-6 s), and the step's cp term is the bottleneck
     # stage's exposed communication over the m micro-batches.
     m = 4
-    plans = {a: _plan("cpu:4", {"pp": 2, "cp": 2, "num_microbatches": m, "cp_attention": a}, seq=256)
-             for a in ("allgather", "ring")}  # fmt: skip
+    plans = {
+        a: _plan("cpu:4", {"pp": 2, "cp": 2, "num_microbatches": m, "cp_attention": a}, seq=256)
+        for a in ("allgather", "ring")
+    }
     ag, ring = plans["allgather"], plans["ring"]
     delta = _exposed_per_layer(ag, "allgather") - _exposed_per_layer(ag, "ring")
     assert abs(delta) > 1e-5  # the two algorithms' exposed parts differ, so the check below can fail
@@ -183,8 +189,10 @@ def test_where_memory_binds_the_pipeline_runs_the_leaner_cp_algorithm():
         got = plan(budget)
         assert got.context_parallel["algorithm"] == "ring", budget
         assert got.predicted.step_time_s == pytest.approx(ring.predicted.step_time_s, rel=1e-9)
-        assert any(line.startswith("allgather: faster per layer, but under the memory budget")
-                   for line in got.context_parallel["priced"])  # fmt: skip
+        assert any(
+            line.startswith("allgather: faster per layer, but under the memory budget")
+            for line in got.context_parallel["priced"]
+        )
 
 
 def test_where_memory_rules_out_configurations_the_pipeline_runs_the_leaner_cp_algorithm():

@@ -49,8 +49,15 @@ def _stack() -> tuple[nn.Module, torch.Tensor]:
 def _plan(model, x, traced, cluster="2xA100-80GB", **pins):
     cluster = autopar.ClusterSpec.parse(cluster) if isinstance(cluster, str) else cluster
     est = _Fixed(cluster.device, DType("bf16"))
-    return autopar.plan(model, cluster, (x,), constraints={"dp": 2, "tp": 1, "zero": 0, "num_microbatches": 1, **pins},
-                        estimator=est, _traced=traced, alternatives=False)  # fmt: skip
+    return autopar.plan(
+        model,
+        cluster,
+        (x,),
+        constraints={"dp": 2, "tp": 1, "zero": 0, "num_microbatches": 1, **pins},
+        estimator=est,
+        _traced=traced,
+        alternatives=False,
+    )
 
 
 def _two_buckets(monkeypatch, model, traced) -> tuple[int, float]:
@@ -138,8 +145,9 @@ def test_overlap_is_not_priced_at_eta_zero_or_with_recompute(monkeypatch):
     monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", 2 * sum(p.numel() for p in model.parameters()) + 1)
     cpu = autopar.plan(model, "cpu:2", (x,), constraints={"dp": 2, "tp": 1, "zero": 0}, alternatives=False)
     assert cpu.cluster.device.overlap_efficiency < 1 and cpu.predicted.grad_sync_hidden_s > 0.0
-    none = autopar.plan(model, _with_eta("cpu:2", 0.0), (x,), constraints={"dp": 2, "tp": 1, "zero": 0},
-                        alternatives=False)  # fmt: skip
+    none = autopar.plan(
+        model, _with_eta("cpu:2", 0.0), (x,), constraints={"dp": 2, "tp": 1, "zero": 0}, alternatives=False
+    )
     assert none.predicted.grad_sync_hidden_s == 0.0
     assert none.predicted.grad_sync_s == pytest.approx(cpu.predicted.grad_sync_s + cpu.predicted.grad_sync_hidden_s)
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
@@ -163,8 +171,10 @@ class _Tiny(_Fixed):
 
 # gathers and reduce-scatters priced on figures of their own, off the link's all-reduce ones, as `bench run` fits
 # them for gloo: the hand formulas below take each collective's time from the link, so they hold either way
-_PER_COLLECTIVE = {"all_gather": {"latency_s": 9e-6, "bandwidth_bytes_per_s": 150e9},
-                   "reduce_scatter": {"latency_s": 14e-6, "bandwidth_bytes_per_s": 60e9}}  # fmt: skip
+_PER_COLLECTIVE = {
+    "all_gather": {"latency_s": 9e-6, "bandwidth_bytes_per_s": 150e9},
+    "reduce_scatter": {"latency_s": 14e-6, "bandwidth_bytes_per_s": 60e9},
+}
 
 
 def _sharded_plan(model, x, traced, estimator, per_collective=None, **pins):
@@ -175,8 +185,16 @@ def _sharded_plan(model, x, traced, estimator, per_collective=None, **pins):
         )
     est = estimator(cluster.device, DType("bf16"))
     constraints = {"dp": 2, "tp": 1, "zero": 1, "num_microbatches": 1, **pins}
-    return autopar.plan(model, cluster, (x,), constraints=constraints, estimator=est, _traced=traced,
-                        alternatives=False, precision="bf16")  # fmt: skip
+    return autopar.plan(
+        model,
+        cluster,
+        (x,),
+        constraints=constraints,
+        estimator=est,
+        _traced=traced,
+        alternatives=False,
+        precision="bf16",
+    )
 
 
 @pytest.mark.parametrize("per_collective", [None, _PER_COLLECTIVE], ids=["ring", "per-collective"])
@@ -207,8 +225,9 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     # overlap off: one reduce-scatter and one gather per parameter, each paying its whole latency
     old = sum(t(rs, g) + t(ag, p) for g, p in zip(grad_bytes, param_bytes, strict=True))
     assert off.predicted.grad_sync_s == pytest.approx(old, rel=1e-6) and off.predicted.grad_sync_hidden_s == 0.0
-    ops = sum(1 for n in traced.exported.graph.nodes
-              if n.op == "call_function" and n.meta["val"].dtype.is_floating_point)  # fmt: skip
+    ops = sum(
+        1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
+    )
     est = estimator(on.cluster.device, DType("bf16"))
     forward, backward = ops * est.forward_time_s(None), ops * est.backward_time_s(None)
     rs_bw = sum(t(rs, g) - t(rs, 1.0) for g in grad_bytes)
@@ -242,8 +261,9 @@ class _Chain(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(64, 256, bias=False), nn.Linear(256, 256, bias=False),
-                                     nn.Linear(256, 64, bias=False)])  # fmt: skip
+        self.layers = nn.ModuleList(
+            [nn.Linear(64, 256, bias=False), nn.Linear(256, 256, bias=False), nn.Linear(256, 64, bias=False)]
+        )
 
     def forward(self, x):
         for layer in self.layers:
@@ -317,8 +337,9 @@ def test_zero2_each_micro_batch_hides_its_own_buckets(monkeypatch, kind):
         return estimate_collective_time(kind, nbytes, 2, link)
 
     rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
-    ops = sum(1 for n in traced.exported.graph.nodes
-              if n.op == "call_function" and n.meta["val"].dtype.is_floating_point)  # fmt: skip
+    ops = sum(
+        1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
+    )
     rs_bw = m * sum(t(rs, g) - t(rs, 1.0) for g in grad_bytes)
     # balanced: the step's backward is a quarter of the reduce-scatters, so hiding them behind the whole backward
     # (not the last micro-batch's alone) and paying the last bucket of each micro-batch give different prices
@@ -363,8 +384,18 @@ def test_offload_chunks_price_what_compute_does_not_hide(estimator, per_collecti
 
     def plan(**pins):
         constraints = {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 1, "recompute": "none", **pins}
-        return autopar.plan(model, cluster, (x,), constraints=constraints, estimator=est, _traced=traced,
-                            alternatives=False, precision="bf16", offload=True, memory_budget=budget)  # fmt: skip
+        return autopar.plan(
+            model,
+            cluster,
+            (x,),
+            constraints=constraints,
+            estimator=est,
+            _traced=traced,
+            alternatives=False,
+            precision="bf16",
+            offload=True,
+            memory_budget=budget,
+        )
 
     on, off = plan(), plan(overlap=False)
     assert (on.program, off.program, on.overlap, off.overlap) == ("offload", "offload", True, False)
@@ -384,8 +415,9 @@ def test_offload_chunks_price_what_compute_does_not_hide(estimator, per_collecti
     fixed = len(chunks) * (t(rs, 0) + 2 * t(ag, 0))
     total = sum(rs_bw) + 2 * sum(ag_bw) + fixed
     assert off.predicted.grad_sync_s == pytest.approx(total, rel=1e-6) and off.predicted.grad_sync_hidden_s == 0.0
-    ops = sum(1 for n in traced.exported.graph.nodes
-              if n.op == "call_function" and n.meta["val"].dtype.is_floating_point)  # fmt: skip
+    ops = sum(
+        1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
+    )
     forward, backward = ops * est.forward_time_s(None), ops * est.backward_time_s(None)
     e_g = max(sum(rs_bw) + sum(ag_bw) - backward, rs_bw[0] + ag_bw[-1])
     e_a = max(sum(ag_bw) - forward, ag_bw[0])

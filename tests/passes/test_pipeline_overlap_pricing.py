@@ -120,8 +120,12 @@ def searched():
     cluster = ClusterSpec.parse("2x8xA100-40GB")
     est = api._estimator(None, cluster, "bf16")
     pins = {"pp": 2, "dp": 8, "tp": 1, "schedule": "1f1b", "num_microbatches": 4, "zero": 0}
-    return {on: search_pipeline(graph, cluster, estimator=est, precision="bf16", batch_size=32,
-                                constraints={**pins, "overlap": on}) for on in (True, False)}  # fmt: skip
+    return {
+        on: search_pipeline(
+            graph, cluster, estimator=est, precision="bf16", batch_size=32, constraints={**pins, "overlap": on}
+        )
+        for on in (True, False)
+    }
 
 
 def test_the_search_prices_its_stages_as_the_formula_says(searched):
@@ -158,8 +162,7 @@ def test_a_zero1_stage_hides_its_reduce_scatter_and_not_its_gathers():
     for gathers, hidden in ((2 * MS, 3 * MS), (4.5 * MS, 0.5 * MS), (0.0, 4 * MS)):
         result = SimpleNamespace(optimizer_s=0.0, step_gather_s=gathers, sync_fixed_s=0.0)
         nothing = SimpleNamespace(optimizer_s=0.0, step_gather_s=0.0, sync_fixed_s=0.0)
-        stages = [_Priced(True, 3 * MS, 1 * MS, result=nothing),
-                  _Priced(True, 3 * MS, 5 * MS, result=result)]  # fmt: skip
+        stages = [_Priced(True, 3 * MS, 1 * MS, result=nothing), _Priced(True, 3 * MS, 5 * MS, result=result)]
         on = step_price(slots, stages, transfers, Overlap(True, 1.0), 1)
         assert on.sync_hidden == pytest.approx((1 * MS, hidden), abs=TOL)
         assert on.step_s == pytest.approx(slots * 3 * MS + 5 * MS - hidden, abs=TOL)
@@ -171,15 +174,28 @@ def zero1_stage():
     from autopar.passes.sharding_solver import Precision, ShardingProgram
 
     model = Stack(256, 2)
-    graph = OpGraph.from_traced(trace_model(model, (torch.zeros(8, 16, dtype=torch.long),), {},
-                                            compute_dtype=torch.bfloat16))  # fmt: skip
+    graph = OpGraph.from_traced(
+        trace_model(model, (torch.zeros(8, 16, dtype=torch.long),), {}, compute_dtype=torch.bfloat16)
+    )
     cluster = ClusterSpec.parse("2xA100-80GB")
     est = api._estimator(None, cluster, "bf16")
     out = {}
     for once in (True, False):
-        prog = ShardingProgram(graph, cluster, 2, 1, estimator=est, precision=Precision.get("bf16"), zero_stage=1,
-                               memory_budget_bytes=float("inf"), batch_dim_size=8, num_microbatches=4,
-                               overlap=False, pipeline_stage=True, step_gathers=once)  # fmt: skip
+        prog = ShardingProgram(
+            graph,
+            cluster,
+            2,
+            1,
+            estimator=est,
+            precision=Precision.get("bf16"),
+            zero_stage=1,
+            memory_budget_bytes=float("inf"),
+            batch_dim_size=8,
+            num_microbatches=4,
+            overlap=False,
+            pipeline_stage=True,
+            step_gathers=once,
+        )
         prog.build()
         out[once] = (prog, prog.solve(stage=1, memory=False))
     return graph, cluster, out
@@ -201,8 +217,11 @@ def test_a_zero1_stage_gathers_and_reduce_scatters_once_a_step(zero1_stage):
         return estimate_collective_time(kind, nbytes, 2, link)
 
     rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
-    sizes = [(info.meta.numel * 2, graph.layer_count.get(name, 1)) for name, info in graph.params.items()
-             if graph.layer_count.get(name, 1)]  # fmt: skip
+    sizes = [
+        (info.meta.numel * 2, graph.layer_count.get(name, 1))
+        for name, info in graph.params.items()
+        if graph.layer_count.get(name, 1)
+    ]
     gathers = sum(n * t(ag, b) for b, n in sizes)
     # a step pays at least one bucket's latency (`sync_floor`)
     once = sum(n * (t(rs, b) - t(rs, 1.0) + t(rs, 1.0) * b / BUCKET_BYTES) for b, n in sizes) + gathers + t(rs, 1.0)
@@ -253,9 +272,20 @@ def test_every_pipeline_stage_pays_the_dtensor_runtime_and_buckets_its_all_reduc
     est = _WithOverhead(cluster.device, DType("bf16"))
     res = {}
     for stage_kind in (True, False):
-        prog = ShardingProgram(graph, cluster, 2, 1, estimator=est, precision=Precision.get("bf16"), zero_stage=0,
-                               memory_budget_bytes=float("inf"), batch_dim_size=8, num_microbatches=4,
-                               overlap=False, pipeline_stage=stage_kind)  # fmt: skip
+        prog = ShardingProgram(
+            graph,
+            cluster,
+            2,
+            1,
+            estimator=est,
+            precision=Precision.get("bf16"),
+            zero_stage=0,
+            memory_budget_bytes=float("inf"),
+            batch_dim_size=8,
+            num_microbatches=4,
+            overlap=False,
+            pipeline_stage=stage_kind,
+        )
         prog.build()
         res[stage_kind] = prog.solve(stage=0, memory=False)
     on, plain = res[True], res[False]
@@ -266,7 +296,10 @@ def test_every_pipeline_stage_pays_the_dtensor_runtime_and_buckets_its_all_reduc
     def t(nbytes):
         return estimate_collective_time(Collective.ALL_REDUCE, nbytes, 2, link)
 
-    grads = [(info.meta.numel * Precision.get("bf16").grad_bytes_at(0), graph.layer_count.get(name, 1))
-             for name, info in graph.params.items() if graph.layer_count.get(name, 1)]  # fmt: skip
+    grads = [
+        (info.meta.numel * Precision.get("bf16").grad_bytes_at(0), graph.layer_count.get(name, 1))
+        for name, info in graph.params.items()
+        if graph.layer_count.get(name, 1)
+    ]
     bucketed = sum(n * (t(b) - t(1.0) + t(1.0) * b / BUCKET_BYTES) for b, n in grads)
     assert on.grad_sync_s == pytest.approx(bucketed + t(1.0), rel=1e-6)

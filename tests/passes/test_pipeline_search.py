@@ -49,8 +49,9 @@ def _stack_graph(hidden: int, num_layers: int, batch: int, seq: int) -> OpGraph:
 
 def _search(graph: OpGraph, cluster: str, batch: int, **kw) -> PipelineSolution:
     spec = ClusterSpec.parse(cluster)
-    return search_pipeline(graph, spec, estimator=api._estimator(None, spec, "bf16"), precision="bf16",
-                           batch_size=batch, **kw)  # fmt: skip
+    return search_pipeline(
+        graph, spec, estimator=api._estimator(None, spec, "bf16"), precision="bf16", batch_size=batch, **kw
+    )
 
 
 # A 4.3B-parameter stack (69 GB of model states) on two nodes of 40 GB A100s joined by HDR InfiniBand:
@@ -73,8 +74,18 @@ def big_solution(big_graph) -> PipelineSolution:
 
 def _program_result(graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, batch: int, m: int = 1):
     est = api._estimator(None, cluster, "bf16")
-    prog = ShardingProgram(graph, cluster, dp, tp, estimator=est, precision=Precision.get("bf16"), zero_stage=None,
-                           memory_budget_bytes=float("inf"), batch_dim_size=batch, num_microbatches=m)  # fmt: skip
+    prog = ShardingProgram(
+        graph,
+        cluster,
+        dp,
+        tp,
+        estimator=est,
+        precision=Precision.get("bf16"),
+        zero_stage=None,
+        memory_budget_bytes=float("inf"),
+        batch_dim_size=batch,
+        num_microbatches=m,
+    )
     prog.build()
     return prog.solve(stage=0, memory=False), len(prog.groups)
 
@@ -124,8 +135,9 @@ def test_pipeline_where_the_model_outgrows_a_node_and_the_network_is_slow(big_so
     assert all(st.peak_memory_bytes <= ClusterSpec.parse(BIG_CLUSTER).device.memory_bytes for st in sol.stages)
     assert sum(st.num_layers for st in sol.stages) == BIG["num_layers"]
     assert sol.stages[0].first and sol.stages[-1].last
-    assert sol.bubble_fraction == pytest.approx(bubble_fraction(sol.schedule, sol.pp, sol.num_microbatches,
-                                                                sol.virtual_stages))  # fmt: skip
+    assert sol.bubble_fraction == pytest.approx(
+        bubble_fraction(sol.schedule, sol.pp, sol.num_microbatches, sol.virtual_stages)
+    )
     assert all(st.sharding is not None for st in sol.stages)
 
 
@@ -191,17 +203,20 @@ def test_schedule_formulas():
     assert bubble_fraction(None, 1, 8) == 0.0
 
 
-@pytest.mark.parametrize("pins, words", [
-    ({"pp": 3}, "does not divide the world size"),
-    ({"pp": 16}, "choose pp <="),
-    ({"schedule": "zigzag"}, "expected one of"),
-    ({"schedule": "gpipe", "virtual_stages": 2}, "needs schedule 'interleaved_1f1b'"),
-    ({"schedule": "interleaved_1f1b", "virtual_stages": 1}, "virtual_stages >= 2"),
-    ({"pp": 4, "virtual_stages": 4}, "lower virtual_stages"),
-    ({"pp": 2, "tp": 0}, "positive integer"),
-    ({"pp": 2, "zero": 3}, "ZeRO-3 is not run with a pipeline"),
-    ({"schedule": "1f1b", "zero": 2}, "ZeRO-2 is not run with a pipeline"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "pins, words",
+    [
+        ({"pp": 3}, "does not divide the world size"),
+        ({"pp": 16}, "choose pp <="),
+        ({"schedule": "zigzag"}, "expected one of"),
+        ({"schedule": "gpipe", "virtual_stages": 2}, "needs schedule 'interleaved_1f1b'"),
+        ({"schedule": "interleaved_1f1b", "virtual_stages": 1}, "virtual_stages >= 2"),
+        ({"pp": 4, "virtual_stages": 4}, "lower virtual_stages"),
+        ({"pp": 2, "tp": 0}, "positive integer"),
+        ({"pp": 2, "zero": 3}, "ZeRO-3 is not run with a pipeline"),
+        ({"schedule": "1f1b", "zero": 2}, "ZeRO-2 is not run with a pipeline"),
+    ],
+)
 def test_bad_constraints_say_what_to_do(pins, words):
     graph = _stack_graph(256, 8, 16, 64)
     with pytest.raises(ConfigError, match=words):

@@ -41,11 +41,14 @@ def _placeholder_values(model, traced, args, kwargs) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("name", "layers", "cuts"), [
-    ("llama", 4, [[(0, 2)], [(2, 4)]]),
-    ("gpt2", 5, [[(0, 1)], [(1, 3)], [(3, 5)]]),  # uneven; the tied embedding is read on the first and last stage
-    ("llama", 4, [[(0, 1)], [(1, 2)], [(2, 3)], [(3, 4)]]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "layers", "cuts"),
+    [
+        ("llama", 4, [[(0, 2)], [(2, 4)]]),
+        ("gpt2", 5, [[(0, 1)], [(1, 3)], [(3, 5)]]),  # uneven; the tied embedding is read on the first and last stage
+        ("llama", 4, [[(0, 1)], [(1, 2)], [(2, 3)], [(3, 4)]]),
+    ],
+)
 def test_stages_in_sequence_give_the_model_loss_and_gradients(name, layers, cuts):
     model, args, kwargs, traced, graph = _traced(name, layers)
     container = next(c for c, _ in graph.node_layer.values() if c is not None)
@@ -80,8 +83,9 @@ def test_an_encoder_decoder_cut_anywhere_gives_the_model_loss_and_gradients(cut)
     graph = OpGraph.from_traced(traced)
     node_layer, container, stacks = stack_layers(graph.node_layer)
     assert stacks == (("encoder.block", 2), ("decoder.block", 2))
-    stages = split_stages(traced.graph_module, node_layer, container, [[(0, cut)], [(cut, 4)]],
-                          param_nodes=set(graph.params))  # fmt: skip
+    stages = split_stages(
+        traced.graph_module, node_layer, container, [[(0, cut)], [(cut, 4)]], param_nodes=set(graph.params)
+    )
     values = _placeholder_values(model, traced, args, kwargs)
     out = stages[0].graph_module(*[values[n] for n in stages[0].placeholders])
     loss = stages[1].graph_module(*out, *[values[n] for n in stages[1].placeholders])
@@ -94,16 +98,20 @@ def test_an_encoder_decoder_cut_anywhere_gives_the_model_loss_and_gradients(cut)
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
     if cut == 3:  # the encoder's output, read by both decoder layers' cross-attention, is carried to stage 1
         nodes = {n.name: n for n in traced.graph_module.graph.nodes}
-        both = [v for v in stages[0].sends if {node_layer.get(u.name) for u in nodes[v].users} >= {(container, 2),
-                                                                                               (container, 3)}]  # fmt: skip
+        both = [
+            v
+            for v in stages[0].sends
+            if {node_layer.get(u.name) for u in nodes[v].users} >= {(container, 2), (container, 3)}
+        ]
         assert both and node_layer.get(both[0], (None, None)) == (None, None)
 
 
 def test_layer_nodes_run_on_their_stage_and_input_only_nodes_are_copied():
     _, _, _, traced, graph = _traced("llama", 4)
     cuts = [[(0, 2)], [(2, 4)]]
-    stage, copies = assign_stages(traced.exported.graph, graph.node_layer, "model.layers", cuts,
-                                  param_nodes=set(graph.params))  # fmt: skip
+    stage, copies = assign_stages(
+        traced.exported.graph, graph.node_layer, "model.layers", cuts, param_nodes=set(graph.params)
+    )
     checks = {n.name for n in traced.exported.graph.nodes if n.target == torch.ops.aten._assert_tensor_metadata.default}
     assert checks and not checks & (set(stage) | set(copies))  # export's dtype checks run on no stage
     for name, (c, idx) in graph.node_layer.items():
@@ -119,11 +127,13 @@ def test_layer_nodes_run_on_their_stage_and_input_only_nodes_are_copied():
 def test_layers_out_of_order_are_refused():
     _, _, _, traced, graph = _traced("llama", 4)
     with pytest.raises(LoweringError, match="order"):
-        split_stages(traced.graph_module, graph.node_layer, "model.layers", [[(2, 4)], [(0, 2)]],
-                     param_nodes=set(graph.params))  # fmt: skip
+        split_stages(
+            traced.graph_module, graph.node_layer, "model.layers", [[(2, 4)], [(0, 2)]], param_nodes=set(graph.params)
+        )
     with pytest.raises(LoweringError, match="no pipeline stage"):
-        split_stages(traced.graph_module, graph.node_layer, "model.layers", [[(0, 1)], [(1, 3)]],
-                     param_nodes=set(graph.params))  # fmt: skip
+        split_stages(
+            traced.graph_module, graph.node_layer, "model.layers", [[(0, 1)], [(1, 3)]], param_nodes=set(graph.params)
+        )
 
 
 def test_a_dtype_check_on_the_final_norm_weight_puts_it_on_no_earlier_stage():
@@ -134,12 +144,17 @@ def test_a_dtype_check_on_the_final_norm_weight_puts_it_on_no_earlier_stage():
     args, kwargs = family_batch("gemma2")
     traced = trace_model(make_family("gemma2"), args, kwargs)
     graph = OpGraph.from_traced(traced)
-    checked = {i.name for n in traced.exported.graph.nodes
-               if n.target == torch.ops.aten._assert_tensor_metadata.default for i in n.all_input_nodes}  # fmt: skip
+    checked = {
+        i.name
+        for n in traced.exported.graph.nodes
+        if n.target == torch.ops.aten._assert_tensor_metadata.default
+        for i in n.all_input_nodes
+    }
     assert "p_model_norm_weight" in checked
     before = len(traced.exported.graph.nodes)
-    stages = split_stages(traced.graph_module, graph.node_layer, "model.layers", [[(0, 1)], [(1, 2)]],
-                          param_nodes=set(graph.params))  # fmt: skip
+    stages = split_stages(
+        traced.graph_module, graph.node_layer, "model.layers", [[(0, 1)], [(1, 2)]], param_nodes=set(graph.params)
+    )
     assert len(traced.exported.graph.nodes) == before  # the traced graph is left as it is
     assert "p_model_norm_weight" not in stages[0].placeholders
     assert "p_model_norm_weight" in stages[1].placeholders

@@ -19,9 +19,13 @@ def _traced_llama():
     traced = trace_model(model, (ids,), {"labels": ids})
     named = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
-    values = placeholder_values(traced, [named[n] for n in traced.param_names],
-                                [buffers[n] for n in traced.buffer_names], traced.exported.constants.get,
-                                flat_inputs(traced, (ids,), {"labels": ids}))  # fmt: skip
+    values = placeholder_values(
+        traced,
+        [named[n] for n in traced.param_names],
+        [buffers[n] for n in traced.buffer_names],
+        traced.exported.constants.get,
+        flat_inputs(traced, (ids,), {"labels": ids}),
+    )
     return traced, values
 
 

@@ -114,8 +114,9 @@ def test_identical_layers_are_solved_once():
     for layers in (2, 8):
         model = tiny_llama(num_layers=layers).to("meta")
         (ids,), kw = make_batch("llama", batch=8, seq=16)
-        plan = autopar.plan(model, "8xA100-80GB", (ids.to("meta"),), {"labels": kw["labels"].to("meta")},
-                            constraints={"tp": 2})  # fmt: skip
+        plan = autopar.plan(
+            model, "8xA100-80GB", (ids.to("meta"),), {"labels": kw["labels"].to("meta")}, constraints={"tp": 2}
+        )
         groups[layers] = plan.stats["decision_groups"]
         assert plan.stats["deduplicated_layers"] == layers - 1
     assert groups[2] == groups[8]
@@ -142,10 +143,17 @@ def test_micro_batches_when_activations_do_not_fit():
     assert plan.predicted.peak_memory_bytes <= plan.cluster.device.memory_bytes
     assert plan.global_batch_size == plan.mesh["dp"] * plan.num_microbatches * plan.micro_batch_size
     with pytest.raises(InfeasiblePlanError, match="needs at least"):
-        autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=128, seq_len=4096,
-                     constraints={"num_microbatches": 1}, offload=False)  # fmt: skip
-    pinned = autopar.plan("llama2-7b", "8xA100-40GB", global_batch_size=128, seq_len=4096,
-                          constraints={"micro_batch_size": 1})  # fmt: skip
+        autopar.plan(
+            "llama2-7b",
+            "8xA100-40GB",
+            global_batch_size=128,
+            seq_len=4096,
+            constraints={"num_microbatches": 1},
+            offload=False,
+        )
+    pinned = autopar.plan(
+        "llama2-7b", "8xA100-40GB", global_batch_size=128, seq_len=4096, constraints={"micro_batch_size": 1}
+    )
     assert pinned.micro_batch_size == 1
     # the free search may pick any micro-batch count, so it is never slower than a pinned one
     # (up to the MIP solver's optimality tolerance: the two programs are solved apart)
@@ -189,8 +197,10 @@ def test_shortened_trace_prices_the_whole_model():
     cluster = autopar.ClusterSpec.parse("2x4xA100-40GB")
     est = AnalyticEstimator(cluster.device, DType("bf16"))
     for budget in (None, 2e7):  # free, and tight enough to need sharded states
-        a, b = (solve_sharding(g, cluster, estimator=est, precision="bf16", batch_size=16,
-                               memory_budget_bytes=budget) for g in (short, full))  # fmt: skip
+        a, b = (
+            solve_sharding(g, cluster, estimator=est, precision="bf16", batch_size=16, memory_budget_bytes=budget)
+            for g in (short, full)
+        )
         assert (a.dp, a.tp, a.zero_stage, a.num_microbatches) == (b.dp, b.tp, b.zero_stage, b.num_microbatches)
         assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-9)
         # memory is read from the stage product u, which HiGHS meets to its integrality tolerance: where overlap
@@ -205,9 +215,17 @@ def _meta_llama(hidden=512, layers=4, batch=8, seq=256):
 
     from autopar.trace import trace_model
 
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=seq, use_cache=False,
-                      attn_implementation="sdpa")  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=seq,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
@@ -224,8 +242,16 @@ def test_choices_follow_the_budget():
     pins = {"tp": 1, "num_microbatches": 1}
 
     def plan(budget=None, offload=None, **more):
-        return autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={**pins, **more}, memory_budget=budget,
-                            offload=offload, _traced=traced)  # fmt: skip
+        return autopar.plan(
+            model,
+            "2xA100-80GB",
+            args,
+            kwargs,
+            constraints={**pins, **more},
+            memory_budget=budget,
+            offload=offload,
+            _traced=traced,
+        )
 
     free = plan()
     # stage 1 where its 1/dp optimizer step pays for the per-parameter collectives
@@ -264,8 +290,9 @@ def test_choices_follow_the_budget():
     msg = str(info.value)
     assert "full activation recompute" in msg and "on the host as far as host memory allows" in msg
     # without the micro-batch pin, gradient accumulation is another way to fit the activations
-    relaxed = autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={"tp": 1}, memory_budget=budget,
-                           _traced=traced)  # fmt: skip
+    relaxed = autopar.plan(
+        model, "2xA100-80GB", args, kwargs, constraints={"tp": 1}, memory_budget=budget, _traced=traced
+    )
     assert relaxed.num_microbatches > 1 or relaxed.recompute != "none" or relaxed.offload
     assert relaxed.predicted.step_time_s <= saving.predicted.step_time_s * (1 + 1e-9)
 
@@ -279,8 +306,9 @@ def test_offload_is_priced_recorded_and_capped_by_host_memory():
     cluster = autopar.ClusterSpec.parse("2xA100-80GB")
 
     def plan(budget=None, offload=None, on=cluster):
-        return autopar.plan(model, on, args, kwargs, constraints=pins, memory_budget=budget, offload=offload,
-                            _traced=traced)  # fmt: skip
+        return autopar.plan(
+            model, on, args, kwargs, constraints=pins, memory_budget=budget, offload=offload, _traced=traced
+        )
 
     device, host = plan(offload=False), plan(offload=True)
     off = host.offload
@@ -315,15 +343,18 @@ def test_offload_is_priced_recorded_and_capped_by_host_memory():
     specs = module_params(model)[0]
 
     def chunk_sync(p) -> tuple[float, int]:
-        numel = offload_chunk_numel([sp.numel for sp in specs], dp=2, budget_bytes=p.offload["device_budget_bytes"],
-                                    compute_itemsize=2)  # fmt: skip
+        numel = offload_chunk_numel(
+            [sp.numel for sp in specs], dp=2, budget_bytes=p.offload["device_budget_bytes"], compute_itemsize=2
+        )
         chunks = pack(specs, numel, multiple=ALIGN_NUMEL * 2)
 
         def each(kind, nbytes):
             return estimate_collective_time(kind, nbytes, 2, cluster.intra_node_link)
 
-        return sum(each(Collective.REDUCE_SCATTER, 4 * c.capacity) + 2 * each(Collective.ALL_GATHER, 2 * c.capacity)
-                   for c in chunks), len(chunks)  # fmt: skip
+        return sum(
+            each(Collective.REDUCE_SCATTER, 4 * c.capacity) + 2 * each(Collective.ALL_GATHER, 2 * c.capacity)
+            for c in chunks
+        ), len(chunks)
 
     sync, _ = chunk_sync(host)
     assert host.predicted.grad_sync_s == pytest.approx(sync, rel=1e-6)
@@ -351,8 +382,10 @@ def test_offload_is_priced_recorded_and_capped_by_host_memory():
 
 def test_pinned_recompute_is_honoured_and_priced():
     model, args, kwargs, traced = _meta_llama(layers=2)
-    plans = {mode: autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={"recompute": mode}, _traced=traced)
-             for mode in ("none", "selective", "full")}  # fmt: skip
+    plans = {
+        mode: autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={"recompute": mode}, _traced=traced)
+        for mode in ("none", "selective", "full")
+    }
     for mode, p in plans.items():
         assert p.recompute == mode
         assert autopar.Plan.from_json(p.to_json()).recompute == mode
@@ -388,8 +421,16 @@ def test_layer_treatments_follow_the_budget():
     pins = {"num_microbatches": 1}
 
     def plan(budget=None, offload=False, **more):
-        return autopar.plan(model, "cpu:1", args, kwargs, constraints={**pins, **more}, memory_budget=budget,
-                            offload=offload, _traced=traced)  # fmt: skip
+        return autopar.plan(
+            model,
+            "cpu:1",
+            args,
+            kwargs,
+            constraints={**pins, **more},
+            memory_budget=budget,
+            offload=offload,
+            _traced=traced,
+        )
 
     keep = plan()
     everything = plan(recompute="full").predicted.peak_memory_bytes
@@ -419,12 +460,27 @@ def test_activation_offload_is_chosen_priced_and_capped():
     model = make_model("llama", num_layers=8)
     args, kwargs = make_batch("llama", seq=32)
     traced = trace_model(model, args, kwargs)
-    keep = autopar.plan(model, "cpu:1", args, kwargs, constraints={"num_microbatches": 1, "recompute": "none"},
-                        offload=False, _traced=traced)  # fmt: skip
+    keep = autopar.plan(
+        model,
+        "cpu:1",
+        args,
+        kwargs,
+        constraints={"num_microbatches": 1, "recompute": "none"},
+        offload=False,
+        _traced=traced,
+    )
     acts = keep.predicted.memory_breakdown["activations"]
     budget = keep.predicted.peak_memory_bytes - 0.5 * acts
-    p = autopar.plan(model, "cpu:1", args, kwargs, constraints={"num_microbatches": 1}, memory_budget=budget,
-                     offload=None, _traced=traced)  # fmt: skip
+    p = autopar.plan(
+        model,
+        "cpu:1",
+        args,
+        kwargs,
+        constraints={"num_microbatches": 1},
+        memory_budget=budget,
+        offload=None,
+        _traced=traced,
+    )
     assert "offload" in p.layer_modes, p.layer_modes
     n = len(p.layer_modes["offload"])
     assert p.activation_offload["layers"] == n and p.activation_offload["bytes_per_device"] > 0
@@ -440,8 +496,16 @@ def test_activation_offload_is_chosen_priced_and_capped():
     assert again.layer_modes == p.layer_modes and again.activation_offload == p.activation_offload
     assert "activations offloaded in" in p.summary()
     # forbidding offload forbids it for activations too
-    q = autopar.plan(model, "cpu:1", args, kwargs, constraints={"num_microbatches": 1}, memory_budget=budget,
-                     offload=False, _traced=traced)  # fmt: skip
+    q = autopar.plan(
+        model,
+        "cpu:1",
+        args,
+        kwargs,
+        constraints={"num_microbatches": 1},
+        memory_budget=budget,
+        offload=False,
+        _traced=traced,
+    )
     assert "offload" not in q.layer_modes and not q.activation_offload
 
 
@@ -456,8 +520,12 @@ def test_report_names_each_layer_treatment():
     model = make_model("llama", num_layers=4)
     args, kwargs = make_batch("llama")
     plan = autopar.plan(model, "cpu:1", args, kwargs, constraints={"recompute": "none"})
-    mixed = dataclasses.replace(plan, recompute="full", layer_modes={"offload": (0, 1), "full": (3,)},
-                                activation_offload={"layers": 2, "bytes_per_device": 2**30, "time_s": 0.002})  # fmt: skip
+    mixed = dataclasses.replace(
+        plan,
+        recompute="full",
+        layer_modes={"offload": (0, 1), "full": (3,)},
+        activation_offload={"layers": 2, "bytes_per_device": 2**30, "time_s": 0.002},
+    )
     report = mixed.explain()
     assert "activations kept on the host in layers 0-1; full recompute in layers 3" in report
     assert "1.00 GiB per device on the host, copies adding 2.00 ms" in report
@@ -469,8 +537,9 @@ def test_offload_plans_are_zero3_as_the_offload_program_runs_them():
     model, args, kwargs, traced = _meta_llama(layers=2)
 
     def plan(**pins):
-        return autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={"tp": 1, **pins}, offload=True,
-                            _traced=traced)  # fmt: skip
+        return autopar.plan(
+            model, "2xA100-80GB", args, kwargs, constraints={"tp": 1, **pins}, offload=True, _traced=traced
+        )
 
     assert plan().zero_stage == 3 and plan().offload["optimizer_fraction"] == 1.0
     with pytest.raises(ConfigError, match="pin zero=3"):
@@ -495,8 +564,9 @@ def test_sharded_runtime_overhead_is_priced_where_the_layout_runs_on_dtensors():
     ops = sum(1 for n in traced.exported.graph.nodes if n.op == "call_function")
 
     def step(est, **pins):
-        return autopar.plan(model, cluster, args, kwargs, constraints={"num_microbatches": 1, **pins}, estimator=est,
-                            _traced=traced).predicted.step_time_s  # fmt: skip
+        return autopar.plan(
+            model, cluster, args, kwargs, constraints={"num_microbatches": 1, **pins}, estimator=est, _traced=traced
+        ).predicted.step_time_s
 
     assert step(priced, tp=2) == pytest.approx(step(plain, tp=2) + 1e-4 * ops, rel=1e-6)
     assert step(priced, dp=2, zero=0) == pytest.approx(step(plain, dp=2, zero=0), rel=1e-9)
@@ -520,8 +590,17 @@ def test_layer_treatments_pay_the_sharded_runtime_on_a_plain_layout():
     ops = sum(1 for n in traced.exported.graph.nodes if n.op == "call_function")
 
     def plan(est, budget=None):
-        return autopar.plan(model, cluster, args, kwargs, constraints={"num_microbatches": 1}, memory_budget=budget,
-                            offload=False, estimator=est, _traced=traced)  # fmt: skip
+        return autopar.plan(
+            model,
+            cluster,
+            args,
+            kwargs,
+            constraints={"num_microbatches": 1},
+            memory_budget=budget,
+            offload=False,
+            estimator=est,
+            _traced=traced,
+        )
 
     plain = AnalyticEstimator(cluster.device, DType("fp32"))
     keep = plan(plain).predicted
@@ -544,14 +623,22 @@ def test_gradient_sync_is_per_parameter_on_the_sharded_runtime_without_overlap_a
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
 
     def plan(**pins):
-        return autopar.plan(model, cluster, args, kwargs, constraints={"num_microbatches": 1, "zero": 0, **pins},
-                            pipeline=False, _traced=traced)  # fmt: skip
+        return autopar.plan(
+            model,
+            cluster,
+            args,
+            kwargs,
+            constraints={"num_microbatches": 1, "zero": 0, **pins},
+            pipeline=False,
+            _traced=traced,
+        )
 
     tp = plan(tp=2, dp=2, overlap=False)
     grads = tp.predicted.memory_breakdown["grads"]  # each rank's gradients, tp shards included
     # two ranks on the data axis: 2(n-1) = 2 latencies and 2(n-1)/n = 1 pass of the bytes per all-reduce
-    assert tp.predicted.grad_sync_s == pytest.approx(trainable * 2 * link.latency_s + grads / link.bandwidth_bytes_per_s,
-                                                     rel=1e-6)  # fmt: skip
+    assert tp.predicted.grad_sync_s == pytest.approx(
+        trainable * 2 * link.latency_s + grads / link.bandwidth_bytes_per_s, rel=1e-6
+    )
     bucketed = plan(tp=2, dp=2)
     whole = bucketed.predicted.grad_sync_s + bucketed.predicted.grad_sync_hidden_s
     # the same bytes once over the link, but a few latencies instead of two per parameter
@@ -565,7 +652,8 @@ def test_gradient_sync_is_per_parameter_on_the_sharded_runtime_without_overlap_a
     # the whole sync: what the step waits for and what overlap hides behind backward
     whole = dp.predicted.grad_sync_s + dp.predicted.grad_sync_hidden_s
     assert whole == pytest.approx(
-        steps * link.latency_s * (1 + grads / bucket) + moved / link.bandwidth_bytes_per_s, rel=1e-4)  # fmt: skip
+        steps * link.latency_s * (1 + grads / bucket) + moved / link.bandwidth_bytes_per_s, rel=1e-4
+    )
     assert tp.predicted.grad_sync_s > 5 * dp.predicted.grad_sync_s  # many small all-reduces against one bucket
 
 

@@ -41,8 +41,19 @@ def plans():
     cluster = autopar.ClusterSpec.parse("2xA100-80GB")
     est = _Split(cluster.device, DType("bf16"))
     pins = {"tp": 2, "dp": 1}
-    out = {on: autopar.plan(model, cluster, args, constraints={**pins, "overlap": on}, estimator=est, _traced=traced,
-                            alternatives=False, precision="bf16") for on in (True, False)}  # fmt: skip
+    out = {
+        on: autopar.plan(
+            model,
+            cluster,
+            args,
+            constraints={**pins, "overlap": on},
+            estimator=est,
+            _traced=traced,
+            alternatives=False,
+            precision="bf16",
+        )
+        for on in (True, False)
+    }
     return traced, out
 
 

@@ -67,12 +67,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("heads_q, heads_kv, seq_q, seq_k, head_dim, q_offset, k_offset, causal", CASES)
-def test_block_forward_and_backward_match_the_definition(heads_q, heads_kv, seq_q, seq_k, head_dim, q_offset,
-                                                         k_offset, causal, device):  # fmt: skip
+def test_block_forward_and_backward_match_the_definition(
+    heads_q, heads_kv, seq_q, seq_k, head_dim, q_offset, k_offset, causal, device
+):
     q, k, v = _inputs(1, heads_q, heads_kv, seq_q, seq_k, head_dim, seed=seq_q * 100 + seq_k)
     scale = 1.0 / math.sqrt(head_dim)
-    out, lse = attention_block_forward(q.to(device), k.to(device), v.to(device), causal=causal, scale=scale,
-                                       q_offset=q_offset, k_offset=k_offset)  # fmt: skip
+    out, lse = attention_block_forward(
+        q.to(device), k.to(device), v.to(device), causal=causal, scale=scale, q_offset=q_offset, k_offset=k_offset
+    )
     ref_out, ref_lse = _reference(q, k, v, q_offset, k_offset, causal, scale)
     _assert_close(out.cpu(), ref_out, "out")
     no_keys = torch.isinf(ref_lse)
@@ -86,8 +88,18 @@ def test_block_forward_and_backward_match_the_definition(heads_q, heads_kv, seq_
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
     ref_out, _ = _reference(qd, kd, vd, q_offset, k_offset, causal, scale)
     ref_grads = torch.autograd.grad(ref_out, (qd, kd, vd), dout.double())
-    grads = attention_block_backward(dout.to(device), q.to(device), k.to(device), v.to(device), out, lse,
-                                     causal=causal, scale=scale, q_offset=q_offset, k_offset=k_offset)  # fmt: skip
+    grads = attention_block_backward(
+        dout.to(device),
+        q.to(device),
+        k.to(device),
+        v.to(device),
+        out,
+        lse,
+        causal=causal,
+        scale=scale,
+        q_offset=q_offset,
+        k_offset=k_offset,
+    )
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
         _assert_close(got.cpu(), want, name)
 
@@ -112,8 +124,15 @@ def test_zigzag_blocks_merge_to_the_whole_attention(device):
         for k_seg in k_segs:
             if blocks.visibility(q_seg, k_seg, causal=True) == blocks.Visibility.HIDDEN:
                 continue
-            found = attention_block_forward(piece(q, q_seg), piece(k, k_seg), piece(v, k_seg), causal=True,
-                                            scale=scale, q_offset=q_seg[0], k_offset=k_seg[0])  # fmt: skip
+            found = attention_block_forward(
+                piece(q, q_seg),
+                piece(k, k_seg),
+                piece(v, k_seg),
+                causal=True,
+                scale=scale,
+                q_offset=q_seg[0],
+                k_offset=k_seg[0],
+            )
             part = blocks.merge(part, found)
         merged[q_seg] = part
 
@@ -133,9 +152,18 @@ def test_zigzag_blocks_merge_to_the_whole_attention(device):
         for k_seg in k_segs:
             if blocks.visibility(q_seg, k_seg, causal=True) == blocks.Visibility.HIDDEN:
                 continue
-            g = attention_block_backward(do_i, piece(q, q_seg), piece(k, k_seg), piece(v, k_seg), out_i.to(q.dtype),
-                                         lse_i, causal=True, scale=scale, q_offset=q_seg[0],
-                                         k_offset=k_seg[0])  # fmt: skip
+            g = attention_block_backward(
+                do_i,
+                piece(q, q_seg),
+                piece(k, k_seg),
+                piece(v, k_seg),
+                out_i.to(q.dtype),
+                lse_i,
+                causal=True,
+                scale=scale,
+                q_offset=q_seg[0],
+                k_offset=k_seg[0],
+            )
             dq[:, :, q_seg[0] : q_seg[0] + chunk] += g[0].cpu()
             dk[:, :, k_seg[0] : k_seg[0] + chunk] += g[1].cpu()
             dv[:, :, k_seg[0] : k_seg[0] + chunk] += g[2].cpu()
@@ -144,8 +172,9 @@ def test_zigzag_blocks_merge_to_the_whole_attention(device):
     _assert_close(dv, ref_dv, "dv")
 
 
-@pytest.mark.parametrize("k_seg", [(0, 20), (40, 20), (30, 20), (70, 20)], ids=["visible", "diagonal", "partial",
-                                                                                 "hidden"])  # fmt: skip
+@pytest.mark.parametrize(
+    "k_seg", [(0, 20), (40, 20), (30, 20), (70, 20)], ids=["visible", "diagonal", "partial", "hidden"]
+)
 def test_context_parallel_blocks_run_on_the_kernel_where_it_applies(k_seg, device, monkeypatch):
     """`context_parallel.blocks` sends a pair to the kernel on CUDA; here the kernel runs interpreted on CPU
     tensors (the dispatch is forced) and must give what the CPU path (PyTorch's flash op) gives for each
@@ -164,8 +193,9 @@ def test_context_parallel_blocks_run_on_the_kernel_where_it_applies(k_seg, devic
         return
     _assert_close(kernel[0].cpu(), cpu[0], "out")
     _assert_close(kernel[1].cpu(), cpu[1], "lse")
-    grads = blocks.block_backward(dout.to(device), *moved, cpu[0].to(device), cpu[1].to(device), q_seg, k_seg, True,
-                                  scale)  # fmt: skip
+    grads = blocks.block_backward(
+        dout.to(device), *moved, cpu[0].to(device), cpu[1].to(device), q_seg, k_seg, True, scale
+    )
     for name, got, want in zip(("dq", "dk", "dv"), grads, cpu_grads, strict=True):
         _assert_close(got.cpu(), want, name)
 
