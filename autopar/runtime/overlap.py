@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autopar import compat
 from autopar.runtime.collectives import issue_reduce_scatter
 
 BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's and the data-parallel program's)
@@ -73,7 +74,7 @@ def split_gather(local: torch.Tensor, dim: int, size: int, group, *, async_op: b
     chunk = -(-size // parts)
     sent = _padded(local, dim, chunk).contiguous()
     out = sent.new_empty((parts * chunk, *sent.shape[1:]))
-    work = dist.all_gather_single(out, sent, group=group, async_op=async_op)
+    work = compat.all_gather_single(out, sent, group=group, async_op=async_op)
 
     def finish() -> torch.Tensor:
         return out[:size].movedim(0, dim).contiguous()

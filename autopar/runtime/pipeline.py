@@ -73,6 +73,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from autopar import compat
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import ConfigError, LoweringError
@@ -228,7 +229,7 @@ class PipelineProgram(Program):
         self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None
     ):
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
-        from torch.distributed.pipelining import PipelineStage
+        from autopar.compat import PipelineStage
 
         info = plan.pipeline
         pp, tp, cp = plan.mesh["pp"], plan.mesh["tp"], plan.mesh.get("cp", 1)
@@ -446,7 +447,7 @@ class PipelineProgram(Program):
         if kind == "param" and self._holding and key in self._step_split:
             shape, tp_pl = self._shapes[key], self._placements[key][1]
             whole = _WholeWeight.apply(self._shard[key], self, key)
-            return DTensor.from_local(
+            return compat.dtensor_from_local(
                 whole,
                 self.mesh,
                 (R, tp_pl),
@@ -462,7 +463,7 @@ class PipelineProgram(Program):
             local = self._shard[key]
             if self.reduce_in_compute and pl[0] == R:  # the dp reduction (from_local's backward) in the compute format
                 local = self.in_compute_format(local)
-            dt = DTensor.from_local(
+            dt = compat.dtensor_from_local(
                 local,
                 self.mesh,
                 pl,

@@ -71,6 +71,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from autopar import compat
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import LoweringError
@@ -435,7 +436,7 @@ class ShardedProgram(Program):
             self._uses[i] += 1
         tp_pl = value.placements[1]
         full = _DeferredGather.apply(value.to_local(), self, i)
-        full = DTensor.from_local(
+        full = compat.dtensor_from_local(
             full,
             self.mesh,
             (R, tp_pl),
@@ -599,7 +600,7 @@ class ShardedProgram(Program):
         grad_pl = (Partial(), pl[1]) if defer and pl[0] == R else pl
         # cast before from_local: its backward (the dp reduction) runs in the compute format; after it, in fp32
         early = self.reduce_in_compute and pl[0] == R
-        dt = DTensor.from_local(
+        dt = compat.dtensor_from_local(
             self.in_compute_format(local) if early else local,
             self.mesh,
             pl,
