@@ -5,22 +5,20 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import re
 import time
 import warnings
 from collections.abc import Callable
 
 import torch
 
-from autopar.cluster import ClusterSpec
+from autopar.checkpoint import hf
+from autopar.cluster import ClusterSpec, parse_bytes
 from autopar.cp_search import cp_degrees, search_cp
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted, ProgramKind
 from autopar.trace import trace_model
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _CONSTRAINT_KEYS = {
     "tp",
     "dp",
@@ -93,16 +91,6 @@ def check_precision(precision) -> None:
         raise ConfigError(
             f"precision={precision!r}: expected one of {', '.join(_PRECISIONS)} (or None: bf16 on GPUs, fp32 on CPUs)"
         )
-
-
-def parse_bytes(value) -> float:
-    """`20e9`, "20GB" (10^9) or "20GiB" (2^30) -> bytes."""
-    if isinstance(value, (int, float)) and value > 0:
-        return float(value)
-    m = _SIZE.match(str(value))
-    if not m or float(m.group(1)) <= 0:
-        raise ConfigError(f"memory size {value!r} not understood: give bytes or a string like '20GB' or '16GiB'")
-    return float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()]
 
 
 def _as_cluster(cluster) -> ClusterSpec:
@@ -1161,8 +1149,6 @@ def compile(
     runtime.ensure_process_group(cluster)
     built = model  # what the program is built from; `model` is what is planned and traced
     if pretrained is not None:
-        from autopar.checkpoint import hf
-
         hf.materialize_buffers(model, pretrained)  # before tracing: lifted constants take the buffers' values
         if hf.is_meta(model):
             model = hf.traceable_stand_in(model)
