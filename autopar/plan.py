@@ -29,6 +29,8 @@ from enum import StrEnum
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import PlanFormatError
+from autopar.explain import render_html, render_markdown
+from autopar.rationale import format_flops_rate, hidden_terms
 
 FORMAT_VERSION = 1
 MESH_AXES = ("pp", "dp", "cp", "tp")
@@ -123,11 +125,6 @@ class StagePlan:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanFormatError(f"corrupt pipeline stage in the plan: {type(e).__name__}: {e}") from e
-
-
-def format_flops_rate(tflops: float) -> str:
-    """A FLOP/s figure given in TFLOP/s, in GFLOP/s below one TFLOP/s (CPU plans would read 0.0 otherwise)."""
-    return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:,.2f} GFLOP/s"
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,8 +420,6 @@ class Plan:
 
     def explain(self, fmt: str = "markdown") -> str:
         """A report of what was chosen and why: Markdown, or a self-contained HTML page (fmt="html")."""
-        from autopar.explain import render_html, render_markdown
-
         if fmt in ("markdown", "md"):
             return render_markdown(self)
         if fmt == "html":
@@ -476,8 +471,6 @@ def _hidden_communication(d: dict) -> dict:
     as predicted.grad_sync_hidden_s."""
     if "hidden_communication" in d:
         return {str(k): float(v) for k, v in d["hidden_communication"].items()}
-    from autopar.rationale import hidden_terms
-
     return hidden_terms(grad_sync_hidden_s=float(d["predicted"].get("grad_sync_hidden_s", 0.0)))
 
 

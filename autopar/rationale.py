@@ -15,11 +15,15 @@ planning (`autopar.plan` stores it in the plan, so a plan read back from JSON re
 - `entry`: one priced layout (or the reason it cannot run) as a JSON-ready dict, with the one line
   that says why it lost to the chosen plan (`loss_reason`), worked out from the two plans' terms.
 - `parse_layout`: the `--compare` syntax, "tp=8,pp=4,zero=1", as constraints.
+- `format_flops_rate`: a FLOP/s figure as the plan's summary and the report write it.
 """
 
 from __future__ import annotations
 
-from autopar.errors import ConfigError
+import dataclasses
+import warnings
+
+from autopar.errors import AutoparError, ConfigError
 
 GIB = 1024**3
 # the terms of one step, in the order the report stacks them
@@ -256,6 +260,11 @@ def _same_layout(a, b) -> bool:
     )
 
 
+def format_flops_rate(tflops: float) -> str:
+    """A FLOP/s figure given in TFLOP/s, in GFLOP/s below one TFLOP/s (CPU plans would read 0.0 otherwise)."""
+    return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:,.2f} GFLOP/s"
+
+
 def _seconds(s: float) -> str:
     return f"{s:,.2f} s" if s >= 1 else f"{s * 1e3:,.2f} ms"
 
@@ -335,8 +344,6 @@ def with_rationale(
     ]
     if adopt and _fastest(rows + mine, chosen) is not chosen:
         chosen = _adopt(chosen, rows, mine, price, say)
-    import dataclasses
-
     return dataclasses.replace(
         chosen,
         baselines=tuple(entry(*r, chosen, kept) for r in rows),
@@ -360,8 +367,6 @@ def _adopt(searched, rows: list[tuple], mine: list[tuple], price, say):
     keeps the search's table of meshes solved (its own is that of one pinned layout) and says what it adopted
     (stats["adopted"]: the alternative's name) in the search's planning statistics.
     """
-    import dataclasses
-
     at = next((i for i, r in enumerate(rows) if r[0] == "megatron" and r[3] is searched), None)
     if at is not None:
         rows[at] = _best_grid_point(searched, price, say, searched=False)
@@ -395,10 +400,6 @@ def _best_grid_point(chosen, price, say, *, searched: bool) -> tuple:
 
 
 def _price_one(name: str, label: str, pins: dict, price, say) -> tuple:
-    import warnings
-
-    from autopar.errors import AutoparError
-
     say(f"pricing alternative {name}: {layout_name(pins)}")
     try:
         with warnings.catch_warnings():
