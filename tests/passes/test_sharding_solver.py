@@ -181,6 +181,7 @@ def test_shortened_trace_prices_the_whole_model():
     # the one the full trace gives, to the last bit of every figure.
     from autopar import api, presets
     from autopar.cost_model import AnalyticEstimator, DType
+    from autopar.flops import step_flops
     from autopar.ir import OpGraph
     from autopar.passes.sharding_solver import solve_sharding
     from autopar.trace import trace_model
@@ -193,7 +194,7 @@ def test_shortened_trace_prices_the_whole_model():
     assert short is not None and short.repeats == {"model.layers": (2, 6)}
     assert short.num_layers == full.num_layers == 6
     assert short.num_parameters() == full.num_parameters() == presets.count_parameters(config)
-    assert api._flops(short, 16 * 64) == pytest.approx(api._flops(full, 16 * 64), rel=1e-12)
+    assert step_flops(short, 16 * 64) == pytest.approx(step_flops(full, 16 * 64), rel=1e-12)
     cluster = autopar.ClusterSpec.parse("2x4xA100-40GB")
     est = AnalyticEstimator(cluster.device, DType("bf16"))
     for budget in (None, 2e7):  # free, and tight enough to need sharded states
