@@ -18,7 +18,7 @@ from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.flops import step_flops
 from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted, ProgramKind
-from autopar.trace import trace_model
+from autopar.tracing import cp_traced_batch, program_trace, trace_in_format, trace_shortened
 
 _CONSTRAINT_KEYS = {
     "tp",
@@ -150,46 +150,6 @@ def _estimator(kind, cluster: ClusterSpec, precision: str):
     if hasattr(kind, "forward_time_s"):
         return kind
     raise ConfigError(f"estimator {kind!r}: expected 'analytic', 'profile' or a ComputeEstimator")
-
-
-# Layers of a preset traced when its layers are all alike: the trace stands for the whole depth
-# (see OpGraph.edge_weight). Two is the fewest that show how one layer feeds the next.
-_SHORT_TRACE_LAYERS = 2
-# Model types whose layers are identical by construction (no per-layer kinds in their configs).
-_UNIFORM_MODEL_TYPES = {"llama", "gpt2", "bert", "mistral", "mixtral", "qwen2", "opt", "gpt_neox", "gptj", "roberta"}
-
-
-def _trace_shortened(module, args, kwargs, say, fuse: bool = False, cp: int = 1) -> OpGraph | None:
-    """Trace a preset with two of its identical layers standing for all of them; None when that is not valid."""
-    from autopar import presets
-
-    config = getattr(module, "config", None)
-    if config is None or config.model_type not in _UNIFORM_MODEL_TYPES:
-        return None
-    depth = int(getattr(config, "num_hidden_layers", 0) or 0)
-    if depth <= _SHORT_TRACE_LAYERS:
-        return None
-    if any(isinstance(v, (list, tuple)) and len(v) == depth for v in config.to_dict().values()):
-        return None  # a per-layer setting: layers may differ
-    dtype = next(module.parameters()).dtype
-    short_config = copy.deepcopy(config)
-    short_config.num_hidden_layers = _SHORT_TRACE_LAYERS
-    short = presets.build_model(short_config, device="meta", dtype=dtype)
-    traced = _cp_graph(trace_model(short, args, kwargs), cp)
-    if fuse:
-        from autopar.passes.fused_ops import fuse_traced
-
-        traced = fuse_traced(traced)
-    probe = OpGraph.from_traced(traced)
-    containers = {c for c, _ in probe.node_layer.values() if c is not None}
-    if len(containers) != 1:
-        return None
-    try:
-        graph = OpGraph.from_traced(traced, layer_repeats={containers.pop(): depth})
-    except ValueError:
-        return None
-    say(f"traced {_SHORT_TRACE_LAYERS} of {depth} identical layers; each stands for {depth / _SHORT_TRACE_LAYERS:g}")
-    return graph
 
 
 def _expand_placements(graph: OpGraph, placements: dict) -> dict:
@@ -351,14 +311,14 @@ class _Jobs:
 
         st, module, args, kwargs = self.st, self.module, self.args, self.kwargs
         if cp > 1:  # traced on the cp ranks' shares stacked on the batch (`context_parallel.inputs`)
-            args, kwargs = _cp_traced_batch(module, args, kwargs, cp)
+            args, kwargs = cp_traced_batch(module, args, kwargs, cp)
         t_start = time.perf_counter()
         st.say(f"tracing {st.name}" + (f" for cp={cp}" if cp > 1 else ""))
         traced, graph = self._traced.get(cp), None
         if traced is None and isinstance(self.model, str):
-            graph = _trace_shortened(module, args, kwargs, st.say, st.fuse, cp)
+            graph = trace_shortened(module, args, kwargs, st.say, st.fuse, cp)
         if graph is None:
-            traced = traced if traced is not None else _trace_in_format(module, args, kwargs, st.precision, cp)
+            traced = traced if traced is not None else trace_in_format(module, args, kwargs, st.precision, cp)
             traced = fuse_traced(traced) if st.fuse else traced
             frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
             graph = OpGraph.from_traced(traced, frozen_params=frozen)
@@ -923,24 +883,6 @@ def _stats(graph: OpGraph, est, t0: float, t_trace: float, solve_time_s: float, 
     }
 
 
-def _trace_in_format(model, args, kwargs, precision: str, cp: int = 1):
-    """The model traced as a plan of `precision` computes it (the one trace call of plan and compile): mixed
-    precision in its compute format, "fp32" in the model's own dtype. For a cp degree above 1 (`args` the cp
-    traced batch) without the model's causal masks (`passes.context_parallel.drop_causal_masks`)."""
-    from autopar.runtime.base import compute_dtype
-
-    return _cp_graph(trace_model(model, args, kwargs, compute_dtype=compute_dtype(precision)), cp)
-
-
-def _cp_graph(traced, cp: int):
-    """`traced` as a cp program runs it: without the causal masks its chunks would build (cp above 1)."""
-    if cp <= 1:
-        return traced
-    from autopar.passes.context_parallel import drop_causal_masks
-
-    return drop_causal_masks(traced)
-
-
 def _dtype_of(precision: str):
     """The format peak FLOP/s are read for: the compute format, fp32 for "fp32"."""
     from autopar.runtime.base import compute_dtype
@@ -973,13 +915,6 @@ def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs) -> int:
             f"lower pp or cp"
         )
     return spec.degree
-
-
-def _cp_traced_batch(model, args, kwargs, cp: int):
-    """The batch a cp plan traces `model` with (`context_parallel.inputs.traced_batch`)."""
-    from autopar.context_parallel.inputs import is_causal_lm, traced_batch
-
-    return traced_batch(args, kwargs, cp, causal_lm=is_causal_lm(model))
 
 
 def compile(
@@ -1044,8 +979,8 @@ def compile(
             # the cp degree is searched as `plan` searches it (one trace per degree); the program traces its own
             plan = _plan(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
         else:
-            planning_trace = _trace_in_format(
-                model, *(_cp_traced_batch(model, args, kwargs, cp) if cp > 1 else (args, kwargs)), precision, cp
+            planning_trace = trace_in_format(
+                model, *(cp_traced_batch(model, args, kwargs, cp) if cp > 1 else (args, kwargs)), precision, cp
             )
             plan = _plan(model, cluster, args, kwargs, _traced=planning_trace, **plan_kwargs)
     batch = _batch_size(args, kwargs)
@@ -1068,7 +1003,7 @@ def compile(
         traced = (
             planning_trace
             if parts == 1 and planning_trace is not None
-            else _program_trace(model, plan, part_args, part_kwargs)
+            else program_trace(model, plan, part_args, part_kwargs)
         )
         plan = _complete_placements(plan, model, cluster, traced, part_args, part_kwargs)
     if pretrained is None:
@@ -1105,19 +1040,6 @@ def _check_given_plan(plan, cluster: ClusterSpec, model: torch.nn.Module) -> Non
             f"parameters but this model ({type(model).__name__}) has {trainable:,}; plan this "
             f"model, or pass the model the plan was made for"
         )
-
-
-def _program_trace(model, plan: Plan, args, kwargs):
-    """The model traced at the program's shape in the plan's compute format, fused when the plan fuses."""
-    cp = plan.mesh.get("cp", 1)
-    if cp > 1:
-        args, kwargs = _cp_traced_batch(model, args, kwargs, cp)
-    traced = _trace_in_format(model, args, kwargs, plan.precision, cp)
-    if plan.fusion.get("enabled"):  # the program runs the graph the plan priced
-        from autopar.passes.fused_ops import fuse_traced
-
-        traced = fuse_traced(traced)
-    return traced
 
 
 def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, kwargs) -> Plan:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopar import api
+from autopar import api, tracing
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
@@ -96,7 +96,7 @@ def test_stage_view_with_every_layer_prices_like_the_whole_graph(shortened):
     if shortened:  # 2 traced layers standing for 4
         module = tiny_llama(num_layers=4).to("meta")
         (ids,), kw = make_batch("llama", batch=16, seq=32)
-        graph = api._trace_shortened(module, (ids.to("meta"),), {"labels": kw["labels"].to("meta")}, lambda m: None)
+        graph = tracing.trace_shortened(module, (ids.to("meta"),), {"labels": kw["labels"].to("meta")}, lambda m: None)
         assert graph is not None and graph.repeats
         batch = 16
     else:

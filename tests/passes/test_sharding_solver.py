@@ -179,7 +179,7 @@ def test_bad_micro_batch_constraints():
 def test_shortened_trace_prices_the_whole_model():
     # A preset with identical layers is traced with two of them standing for all: the plan must be
     # the one the full trace gives, to the last bit of every figure.
-    from autopar import api, presets
+    from autopar import api, presets, tracing
     from autopar.cost_model import AnalyticEstimator, DType
     from autopar.flops import step_flops
     from autopar.ir import OpGraph
@@ -189,7 +189,7 @@ def test_shortened_trace_prices_the_whole_model():
     config = presets.load_config("tiny-llama", num_hidden_layers=6)
     model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
     args, kwargs = presets.example_batch(config, 16, 64, device="meta")
-    short = api._trace_shortened(model, args, kwargs, lambda msg: None)
+    short = tracing.trace_shortened(model, args, kwargs, lambda msg: None)
     full = OpGraph.from_traced(trace_model(model, args, kwargs))
     assert short is not None and short.repeats == {"model.layers": (2, 6)}
     assert short.num_layers == full.num_layers == 6
