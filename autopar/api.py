@@ -14,142 +14,26 @@ import torch
 from autopar.checkpoint import hf
 from autopar.cluster import ClusterSpec, parse_bytes
 from autopar.cp_search import cp_degrees, search_cp
-from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.errors import InfeasiblePlanError
 from autopar.flops import step_flops
+from autopar.input_validation import (
+    as_cluster,
+    batch_size,
+    check_batch_of_plan,
+    check_compile_inputs,
+    check_constraints,
+    check_cp,
+    check_given_plan,
+    check_offload,
+    check_precision,
+    count_tokens,
+    default_precision,
+    resolve_estimator,
+    resolve_model,
+)
 from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted, ProgramKind
 from autopar.tracing import cp_traced_batch, program_trace, trace_in_format, trace_shortened
-
-_CONSTRAINT_KEYS = {
-    "tp",
-    "dp",
-    "zero",
-    "num_microbatches",
-    "micro_batch_size",
-    "pp",
-    "schedule",
-    "virtual_stages",
-    "recompute",
-    "tp_min_split",
-    "param_placements",
-    "grad_reduce",
-    "overlap",
-    "prefetch_depth",
-    "cp",
-    "cp_attention",
-}
-_RECOMPUTE_MODES = ("none", "selective", "full")
-_PRECISIONS = ("bf16", "fp16", "fp32")
-# constraints that pin a count: a positive integer (zero: a stage, 0 to 3); None leaves it to the solver
-_COUNT_KEYS = ("tp", "dp", "pp", "cp", "num_microbatches", "micro_batch_size", "virtual_stages")
-
-
-def check_constraints(constraints) -> dict:
-    """`constraints` as a dict after checking the keys and the kinds of their values (the solvers check the
-    values against the model and the cluster); ConfigError says which key holds what."""
-    if constraints is None:
-        return {}
-    if not isinstance(constraints, dict):
-        raise ConfigError(
-            f"constraints must be a dict such as {{'tp': 2, 'zero': 1}}, got {type(constraints).__name__}"
-        )
-    unknown = set(constraints) - _CONSTRAINT_KEYS
-    if unknown:
-        raise ConfigError(f"unknown constraints {sorted(map(str, unknown))}: supported are {sorted(_CONSTRAINT_KEYS)}")
-    for key in _COUNT_KEYS:
-        v = constraints.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError(
-                f"constraints[{key!r}]={v!r}: expected a positive integer (or None to let the planner choose)"
-            )
-    zero = constraints.get("zero")
-    if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
-        raise ConfigError(f"constraints['zero']={zero!r}: expected 0, 1, 2 or 3")
-    if constraints.get("recompute", "none") not in _RECOMPUTE_MODES:
-        raise ConfigError(
-            f"constraints['recompute']={constraints['recompute']!r}: expected one of {', '.join(_RECOMPUTE_MODES)}"
-        )
-    if "overlap" in constraints and not isinstance(constraints["overlap"], bool):
-        raise ConfigError(f"constraints['overlap']={constraints['overlap']!r}: expected True or False")
-    depth = constraints.get("prefetch_depth")
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise ConfigError(
-            f"constraints['prefetch_depth']={depth!r}: expected a count of layers, 0 (gather each "
-            f"parameter when it is used) or more"
-        )
-    for key in ("grad_reduce", "schedule", "cp_attention"):
-        v = constraints.get(key)
-        if v is not None and not isinstance(v, str):
-            raise ConfigError(f"constraints[{key!r}]={v!r}: expected a name (a string)")
-    split = constraints.get("tp_min_split")
-    if split is not None and (isinstance(split, bool) or not isinstance(split, (int, float))):
-        raise ConfigError(f"constraints['tp_min_split']={split!r}: expected a fraction between 0 and 1")
-    return dict(constraints)
-
-
-def check_precision(precision) -> None:
-    if precision is not None and precision not in _PRECISIONS:
-        raise ConfigError(
-            f"precision={precision!r}: expected one of {', '.join(_PRECISIONS)} (or None: bf16 on GPUs, fp32 on CPUs)"
-        )
-
-
-def _as_cluster(cluster) -> ClusterSpec:
-    """A ClusterSpec, a cluster string ("8xA100-80GB") or the path of a cluster file (.yaml, .yml, .json)."""
-    from pathlib import Path
-
-    from autopar.cluster import load_cluster
-
-    if isinstance(cluster, (ClusterSpec, str, Path)):
-        return load_cluster(cluster)
-    raise ConfigError(
-        f"cluster must be a ClusterSpec, a string like '8xA100-80GB' or a cluster file path, got "
-        f"{type(cluster).__name__}"
-    )
-
-
-def _default_precision(cluster: ClusterSpec) -> str:
-    return "bf16" if cluster.device.kind == "gpu" else "fp32"
-
-
-def _resolve_model(model, precision, example_inputs, example_kwargs, global_batch_size, seq_len):
-    """(module, args, kwargs, name) from a preset name, a config.json path, or a module with inputs."""
-    if isinstance(model, str):
-        from autopar import presets
-
-        if global_batch_size is None or seq_len is None:
-            raise ConfigError(f"planning preset {model!r} needs global_batch_size= and seq_len=")
-        config = presets.load_config(model)
-        dtype = torch.bfloat16 if precision in ("bf16", "fp16") else torch.float32
-        module = presets.build_model(config, device="meta", dtype=dtype)
-        args, kwargs = presets.example_batch(config, global_batch_size, seq_len, device="meta")
-        return module, args, kwargs, model
-    if isinstance(model, torch.nn.Module):
-        if not example_inputs and not example_kwargs:
-            raise ConfigError("planning an nn.Module needs example_inputs= (and example_kwargs=): one global batch")
-        return model, tuple(example_inputs), dict(example_kwargs or {}), type(model).__name__
-    raise ConfigError(f"model must be an nn.Module, a preset name or a config.json path, got {type(model).__name__}")
-
-
-def _batch_size(args, kwargs) -> int:
-    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0:
-            return int(leaf.shape[0])
-    raise ConfigError("the example inputs hold no tensor with a batch dimension")
-
-
-def _estimator(kind, cluster: ClusterSpec, precision: str):
-    from autopar.cost_model import AnalyticEstimator, DType
-
-    if kind in (None, "analytic"):
-        return AnalyticEstimator(cluster.device, DType(precision))
-    if kind == "profile":
-        from autopar.cost_model.profiler import ProfiledEstimator
-
-        return ProfiledEstimator()
-    if hasattr(kind, "forward_time_s"):
-        return kind
-    raise ConfigError(f"estimator {kind!r}: expected 'analytic', 'profile' or a ComputeEstimator")
 
 
 def _expand_placements(graph: OpGraph, placements: dict) -> dict:
@@ -219,24 +103,32 @@ def plan(
         _against: a plan made before (`autopar.compare`): no search, the `compare` layouts are priced next to
             it, and it is never replaced by one of them.
     """
-    cluster = _as_cluster(cluster)
+    cluster = as_cluster(cluster)
     constraints = check_constraints(constraints)
     check_precision(precision)
-    if offload not in (None, True, False):
-        raise ConfigError(f"offload={offload!r}: expected None (the solver decides), True or False")
-    precision = precision or _default_precision(cluster)
+    check_offload(offload)
+    precision = precision or default_precision(cluster)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    module, args, kwargs, name = _resolve_model(
+    module, args, kwargs, name = resolve_model(
         model, precision, example_inputs, example_kwargs, global_batch_size, seq_len
     )
-    cp = _check_cp(constraints, cluster, args, kwargs)
+    cp = check_cp(constraints, cluster, args, kwargs)
     from autopar.passes.fused_ops import default_fusion
 
     fuse = default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels)
     settings = _Settings(
-        name, cluster, _estimator(estimator, cluster, precision), precision, budget, offload, pipeline, fuse, t0, say
+        name,
+        cluster,
+        resolve_estimator(estimator, cluster, precision),
+        precision,
+        budget,
+        offload,
+        pipeline,
+        fuse,
+        t0,
+        say,
     )
     degrees = cp_degrees(constraints, cluster.world_size, args, kwargs) if _traced is None and _against is None else []
     jobs = _Jobs(settings, module, model, args, kwargs, traced=_traced, traced_cp=cp)
@@ -337,7 +229,7 @@ class _Jobs:
             st.budget,
             st.offload,
             st.pipeline,
-            _batch_size(args, kwargs),
+            batch_size(args, kwargs),
             args,
             kwargs,
             fusion,
@@ -362,7 +254,7 @@ def _price_layout(jobs: _Jobs, pins: dict) -> Plan:
     """A layout priced next to the plan (`rationale.with_rationale`): solved on the job of its cp degree, none
     where it pins none (the hand layouts are without cp); a cp it cannot run is the autopar error that says why."""
     st = jobs.st
-    cp = _check_cp(pins, st.cluster, jobs.args, jobs.kwargs)
+    cp = check_cp(pins, st.cluster, jobs.args, jobs.kwargs)
     return _solve(jobs(cp), pins | ({"cp": cp} if cp > 1 else {}), quiet=True)[0]
 
 
@@ -552,7 +444,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
     from autopar.rationale import hidden_terms, sharded_terms
 
     graph, cluster, precision = job.graph, job.cluster, job.precision
-    tokens = _tokens(job.args, job.kwargs)
+    tokens = count_tokens(job.args, job.kwargs)
     cp = job.cp
     model_flops, hw_flops = step_flops(graph, tokens, sol.recompute, sol.layer_modes, cp=cp)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
@@ -692,7 +584,7 @@ def _pipeline_plan(
         key=("none", "selective", "full").index,
         default="none",
     )
-    tokens = _tokens(args, kwargs)
+    tokens = count_tokens(args, kwargs)
     model_flops, hw_flops = step_flops(graph, tokens, recompute, cp=cp)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world, step = cluster.world_size, psol.step_time_s
@@ -890,33 +782,6 @@ def _dtype_of(precision: str):
     return compute_dtype(precision) or torch.float32
 
 
-def _tokens(args, kwargs) -> int:
-    """Tokens per step: the size of the first integer input (input ids), else the batch size."""
-    for leaf in torch.utils._pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, torch.Tensor) and not leaf.dtype.is_floating_point and leaf.ndim >= 1:
-            return int(leaf.numel())
-    return _batch_size(args, kwargs)
-
-
-def _check_cp(constraints: dict, cluster: ClusterSpec, args, kwargs) -> int:
-    """The pinned cp degree (1: none), after checking that the batch and the other settings allow it."""
-    from autopar.context_parallel.inputs import check_cp_inputs
-    from autopar.passes.context_parallel import CPSpec
-
-    spec = CPSpec.from_constraints(constraints, cluster.world_size)
-    if not spec.on:
-        return 1
-    check_cp_inputs(args, kwargs, spec.degree)
-    pp = constraints.get("pp") or 1
-    if cluster.world_size % (pp * spec.degree):
-        raise ConfigError(
-            f"constraints pp={pp} x cp={spec.degree} need a multiple of {pp * spec.degree} devices "
-            f"(each pipeline stage holds whole cp groups), and the cluster has {cluster.world_size}; "
-            f"lower pp or cp"
-        )
-    return spec.degree
-
-
 def compile(
     model: torch.nn.Module,
     cluster,
@@ -949,20 +814,10 @@ def compile(
     """
     from autopar import runtime
 
-    cluster = _as_cluster(cluster)
-    if optimizer is not None and not callable(optimizer):
-        raise ConfigError(
-            f"optimizer must be a callable that takes the parameters and returns a torch.optim "
-            f"optimizer (e.g. lambda params: torch.optim.AdamW(params, lr=1e-3)), got "
-            f"{type(optimizer).__name__}"
-        )
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(
-            f"compile needs the model as an nn.Module, got {type(model).__name__}; plan a preset "
-            f"with autopar.plan and build the module from its config to run it"
-        )
+    cluster = as_cluster(cluster)
+    check_compile_inputs(model, optimizer)
     if plan is not None:
-        _check_given_plan(plan, cluster, model)
+        check_given_plan(plan, cluster, model)
     runtime.ensure_process_group(cluster)
     built = model  # what the program is built from; `model` is what is planned and traced
     if pretrained is not None:
@@ -972,9 +827,9 @@ def compile(
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     planning_trace = None
     if plan is None:
-        precision = plan_kwargs.get("precision") or _default_precision(cluster)
+        precision = plan_kwargs.get("precision") or default_precision(cluster)
         constraints = dict(plan_kwargs.get("constraints") or {})
-        cp = _check_cp(constraints, cluster, args, kwargs)
+        cp = check_cp(constraints, cluster, args, kwargs)
         if len(cp_degrees(constraints, cluster.world_size, args, kwargs)) > 1:
             # the cp degree is searched as `plan` searches it (one trace per degree); the program traces its own
             plan = _plan(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
@@ -983,18 +838,7 @@ def compile(
                 model, *(cp_traced_batch(model, args, kwargs, cp) if cp > 1 else (args, kwargs)), precision, cp
             )
             plan = _plan(model, cluster, args, kwargs, _traced=planning_trace, **plan_kwargs)
-    batch = _batch_size(args, kwargs)
-    if batch != plan.global_batch_size:
-        raise ConfigError(
-            f"the plan is for a global batch of {plan.global_batch_size} but the example inputs hold "
-            f"{batch}; plan with the batch you will train on"
-        )
-    if _tokens(args, kwargs) != plan.tokens_per_step:
-        raise ConfigError(
-            f"the plan is for {plan.tokens_per_step:,} tokens per step but the example inputs hold "
-            f"{_tokens(args, kwargs):,} (another sequence length); plan with the batch you will train "
-            f"on"
-        )
+    check_batch_of_plan(plan, args, kwargs)
     program = runtime.program_class(plan)
     parts = program.trace_parts(plan)
     traced = None
@@ -1017,29 +861,6 @@ def compile(
     pm.expect_inputs(args, kwargs)
     pm.load_pretrained(pretrained)
     return pm
-
-
-def _check_given_plan(plan, cluster: ClusterSpec, model: torch.nn.Module) -> None:
-    """A plan handed to `compile` is a Plan for this cluster's shape and this model's size; ConfigError otherwise."""
-    if not isinstance(plan, Plan):
-        raise ConfigError(
-            f"plan= must be an autopar.Plan, got {type(plan).__name__}; read a plan file with "
-            f"autopar.Plan.from_json(Path(path).read_text())"
-        )
-    ours, theirs = cluster, plan.cluster
-    shape = (ours.num_nodes, ours.devices_per_node, ours.device.name, ours.device.kind)
-    if shape != (theirs.num_nodes, theirs.devices_per_node, theirs.device.name, theirs.device.kind):
-        raise ConfigError(
-            f"the plan is for {theirs.describe()} but compile was given {ours.describe()}; plan again "
-            f"for this cluster, or pass the plan's own cluster (plan.cluster)"
-        )
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if trainable != plan.num_parameters:
-        raise ConfigError(
-            f"the plan is for a model ({plan.model_name}) of {plan.num_parameters:,} trainable "
-            f"parameters but this model ({type(model).__name__}) has {trainable:,}; plan this "
-            f"model, or pass the model the plan was made for"
-        )
 
 
 def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, kwargs) -> Plan:

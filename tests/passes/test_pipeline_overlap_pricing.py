@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from autopar import api
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.devices import LinkSpec
+from autopar.input_validation import resolve_estimator
 from autopar.ir import OpGraph
 from autopar.passes.pipeline_search import (
     BACKWARD_SHARE,
@@ -118,7 +118,7 @@ def searched():
         model = Stack(2048, 4).to(torch.bfloat16)
     graph = OpGraph.from_traced(trace_model(model, (torch.zeros(32, 512, dtype=torch.long, device="meta"),), {}))
     cluster = ClusterSpec.parse("2x8xA100-40GB")
-    est = api._estimator(None, cluster, "bf16")
+    est = resolve_estimator(None, cluster, "bf16")
     pins = {"pp": 2, "dp": 8, "tp": 1, "schedule": "1f1b", "num_microbatches": 4, "zero": 0}
     return {
         on: search_pipeline(
@@ -178,7 +178,7 @@ def zero1_stage():
         trace_model(model, (torch.zeros(8, 16, dtype=torch.long),), {}, compute_dtype=torch.bfloat16)
     )
     cluster = ClusterSpec.parse("2xA100-80GB")
-    est = api._estimator(None, cluster, "bf16")
+    est = resolve_estimator(None, cluster, "bf16")
     out = {}
     for once in (True, False):
         prog = ShardingProgram(

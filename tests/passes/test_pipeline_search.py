@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from autopar import api, tracing
+from autopar import tracing
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.input_validation import resolve_estimator
 from autopar.ir import OpGraph
 from autopar.passes.pipeline_search import (
     PipelineSolution,
@@ -50,7 +51,7 @@ def _stack_graph(hidden: int, num_layers: int, batch: int, seq: int) -> OpGraph:
 def _search(graph: OpGraph, cluster: str, batch: int, **kw) -> PipelineSolution:
     spec = ClusterSpec.parse(cluster)
     return search_pipeline(
-        graph, spec, estimator=api._estimator(None, spec, "bf16"), precision="bf16", batch_size=batch, **kw
+        graph, spec, estimator=resolve_estimator(None, spec, "bf16"), precision="bf16", batch_size=batch, **kw
     )
 
 
@@ -73,7 +74,7 @@ def big_solution(big_graph) -> PipelineSolution:
 
 
 def _program_result(graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, batch: int, m: int = 1):
-    est = api._estimator(None, cluster, "bf16")
+    est = resolve_estimator(None, cluster, "bf16")
     prog = ShardingProgram(
         graph,
         cluster,
