@@ -179,11 +179,12 @@ def test_bad_micro_batch_constraints():
 def test_shortened_trace_prices_the_whole_model():
     # A preset with identical layers is traced with two of them standing for all: the plan must be
     # the one the full trace gives, to the last bit of every figure.
-    from autopar import api, presets, tracing
+    from autopar import presets, tracing
     from autopar.cost_model import AnalyticEstimator, DType
     from autopar.flops import step_flops
     from autopar.ir import OpGraph
     from autopar.passes.sharding_solver import solve_sharding
+    from autopar.plan_build import expand_placements
     from autopar.trace import trace_model
 
     config = presets.load_config("tiny-llama", num_hidden_layers=6)
@@ -208,7 +209,7 @@ def test_shortened_trace_prices_the_whole_model():
         # hides the data axis's bandwidth (GPU meshes), the objective no longer pins u to the last bit (seen: 7e-9
         # relative); a layout priced on other layers or placements differs by whole tensors, 1e-3 and more
         assert a.memory == pytest.approx(b.memory, rel=1e-7)
-        assert api._expand_placements(short, a.param_placements) == b.param_placements
+        assert expand_placements(short, a.param_placements) == b.param_placements
 
 
 def _meta_llama(hidden=512, layers=4, batch=8, seq=256):
