@@ -4,35 +4,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-import time
-import warnings
 from collections.abc import Callable
 
 import torch
 
 from autopar.checkpoint import hf
 from autopar.cluster import ClusterSpec, parse_bytes
-from autopar.cp_search import cp_degrees, search_cp
+from autopar.cp_search import cp_degrees
 from autopar.errors import InfeasiblePlanError
 from autopar.input_validation import (
     as_cluster,
-    batch_size,
     check_batch_of_plan,
     check_compile_inputs,
-    check_constraints,
     check_cp,
     check_given_plan,
-    check_offload,
-    check_precision,
     default_precision,
-    resolve_estimator,
-    resolve_model,
+    read_plan_request,
 )
-from autopar.ir import OpGraph
 from autopar.plan import Plan, ProgramKind
-from autopar.plan_build import Job, assumptions, pipeline_plan, pipeline_runner_up, sharded_plan, sharded_runner_up
-from autopar.tracing import cp_traced_batch, program_trace, trace_in_format, trace_shortened
+from autopar.planning import plan_model
+from autopar.tracing import cp_traced_batch, program_trace, trace_in_format
 
 
 def plan(
@@ -54,7 +45,6 @@ def plan(
     compare=(),
     alternatives: bool | None = None,
     _traced=None,
-    _against: Plan | None = None,
 ) -> Plan:
     """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
 
@@ -86,281 +76,29 @@ def plan(
             "tp=8,pp=4,zero=1" or constraint dicts (`autopar.compare` adds them to a plan afterwards).
         alternatives: price the layouts a user would pick by hand (DDP, ZeRO-3, the best Megatron-style
             tp x pp point, the search's runner-up) for the report's "Why this plan". Default: on, except for
-            the plans `compile` makes for itself (`_traced` given).
-        _traced: the TracedModel of `model` when the caller has one already (compile does); its graph is
-            fused in place when fusion is on.
-        _against: a plan made before (`autopar.compare`): no search, the `compare` layouts are priced next to
-            it, and it is never replaced by one of them.
+            the plans `compile` makes for itself and those of a trace handed in (`_traced`).
+        _traced: the TracedModel of `model` when the caller has one already (tests and benchmarks that plan one
+            trace under many settings); its graph is fused in place when fusion is on.
     """
-    cluster = as_cluster(cluster)
-    constraints = check_constraints(constraints)
-    check_precision(precision)
-    check_offload(offload)
-    precision = precision or default_precision(cluster)
-    budget = parse_bytes(memory_budget) if memory_budget is not None else None
-    say = progress or (lambda msg: None)
-    t0 = time.perf_counter()
-    module, args, kwargs, name = resolve_model(
-        model, precision, example_inputs, example_kwargs, global_batch_size, seq_len
-    )
-    cp = check_cp(constraints, cluster, args, kwargs)
-    from autopar.passes.fused_ops import default_fusion
-
-    fuse = default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels)
-    settings = _Settings(
-        name,
+    request = read_plan_request(
+        model,
         cluster,
-        resolve_estimator(estimator, cluster, precision),
-        precision,
-        budget,
-        offload,
-        pipeline,
-        fuse,
-        t0,
-        say,
+        example_inputs,
+        example_kwargs,
+        global_batch_size=global_batch_size,
+        seq_len=seq_len,
+        constraints=constraints,
+        memory_budget=memory_budget,
+        offload=offload,
+        precision=precision,
+        estimator=estimator,
+        progress=progress,
+        pipeline=pipeline,
+        fuse_kernels=fuse_kernels,
+        compare=compare,
+        alternatives=alternatives,
     )
-    degrees = cp_degrees(constraints, cluster.world_size, args, kwargs) if _traced is None and _against is None else []
-    jobs = Jobs(settings, module, model, args, kwargs, traced=_traced, traced_cp=cp)
-    if len(degrees) > 1:
-        chosen, runner_up, job = search_cp(functools.partial(_plan_at, jobs, constraints), degrees)
-    else:
-        chosen, runner_up, job = _plan_at(jobs, constraints, cp, against=_against)
-    if alternatives is None:
-        alternatives = _traced is None  # compile's own planning builds a program, never a report
-    if alternatives or compare:
-        from autopar.rationale import PINNED, with_rationale
-
-        t_alt = time.perf_counter()
-        chosen = with_rationale(
-            chosen,
-            runner_up,
-            functools.partial(_price_layout, jobs),
-            say=say,
-            baselines=alternatives,
-            compare=compare or (),
-            adopt=not constraints and _against is None,
-            kept=PLANNED_BEFORE if _against is not None else PINNED,
-        )
-        chosen = dataclasses.replace(
-            chosen,
-            stats=chosen.stats
-            | {
-                "alternatives_time_s": round(time.perf_counter() - t_alt, 3),
-                "total_time_s": round(time.perf_counter() - t0, 3),
-            },
-        )
-    config = getattr(module, "config", None)
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-    stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
-    stats["total_time_s"] = round(time.perf_counter() - t0, 3)  # a searched plan may have been priced first
-    return dataclasses.replace(chosen, stats=stats, assumptions=assumptions(settings.est, cluster, budget))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Settings:
-    """What every cp degree a `plan` call prices shares: the model's name, the cluster and the planning knobs."""
-
-    name: str
-    cluster: ClusterSpec
-    est: object
-    precision: str
-    budget: float | None
-    offload: bool | None
-    pipeline: bool | None
-    fuse: bool
-    t0: float
-    say: Callable[[str], None]
-
-
-class Jobs:
-    """The jobs of one `plan` call, one per cp degree (1: none), each traced the first time a degree is priced: by
-    the cp search, and again by the layouts priced next to the plan (a user's "tp=2,cp=4", the hand layouts
-    without cp), so that each layout is solved on the graph its degree runs."""
-
-    def __init__(self, st: _Settings, module, model, args, kwargs, *, traced=None, traced_cp: int = 1):
-        self.st, self.module, self.model, self.args, self.kwargs = st, module, model, args, kwargs
-        self._traced = {traced_cp: traced} if traced is not None else {}
-        self._jobs: dict[int, Job] = {}
-
-    def __call__(self, cp: int) -> Job:
-        if cp not in self._jobs:
-            self._jobs[cp] = self._trace(cp)
-        return self._jobs[cp]
-
-    def _trace(self, cp: int) -> Job:
-        from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
-
-        st, module, args, kwargs = self.st, self.module, self.args, self.kwargs
-        if cp > 1:  # traced on the cp ranks' shares stacked on the batch (`context_parallel.inputs`)
-            args, kwargs = cp_traced_batch(module, args, kwargs, cp)
-        t_start = time.perf_counter()
-        st.say(f"tracing {st.name}" + (f" for cp={cp}" if cp > 1 else ""))
-        traced, graph = self._traced.get(cp), None
-        if traced is None and isinstance(self.model, str):
-            graph = trace_shortened(module, args, kwargs, st.say, st.fuse, cp)
-        if graph is None:
-            traced = traced if traced is not None else trace_in_format(module, args, kwargs, st.precision, cp)
-            traced = fuse_traced(traced) if st.fuse else traced
-            frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
-            graph = OpGraph.from_traced(traced, frozen_params=frozen)
-        t_trace = time.perf_counter() - t_start
-        fusion = fusion_summary(st.fuse, fusion_report(graph.traced), graph.layer_count)
-        st.say(
-            f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} "
-            f"deduplicated)"
-        )
-        return Job(
-            graph,
-            st.name,
-            st.cluster,
-            st.est,
-            st.precision,
-            st.budget,
-            st.offload,
-            st.pipeline,
-            batch_size(args, kwargs),
-            args,
-            kwargs,
-            fusion,
-            st.t0,
-            t_trace,
-            st.say,
-            cp=cp,
-        )
-
-
-def _plan_at(jobs: Jobs, constraints: dict, cp: int, *, against: Plan | None = None):
-    """(plan, runner-up, job) of the model traced for cp degree `cp` (1: none) and solved under `constraints`;
-    with `against` (a plan made before, `autopar.compare`), that plan and no search."""
-    job = jobs(cp)
-    if against is not None:
-        return against, None, job
-    chosen, runner_up = _solve(job, constraints | ({"cp": cp} if cp > 1 else {}))
-    return chosen, runner_up, job
-
-
-def _price_layout(jobs: Jobs, pins: dict) -> Plan:
-    """A layout priced next to the plan (`rationale.with_rationale`): solved on the job of its cp degree, none
-    where it pins none (the hand layouts are without cp); a cp it cannot run is the autopar error that says why."""
-    st = jobs.st
-    cp = check_cp(pins, st.cluster, jobs.args, jobs.kwargs)
-    return _solve(jobs(cp), pins | ({"cp": cp} if cp > 1 else {}), quiet=True)[0]
-
-
-# why a layout `compare` prices faster than the plan did not replace it (`rationale.loss_reason`)
-PLANNED_BEFORE = "which was planned before this layout was priced"
-
-
-def _solve(job: Job, constraints: dict, *, quiet: bool = False):
-    """The fastest plan under `constraints`, and the search's runner-up: a Plan, constraints to price, or None.
-
-    `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan.
-    """
-    from autopar.passes.sharding_solver import solve_sharding
-
-    graph, cluster, est, precision, batch, budget = (
-        job.graph,
-        job.cluster,
-        job.est,
-        job.precision,
-        job.batch,
-        job.budget,
-    )
-    say = (lambda msg: None) if quiet else job.say
-    if _searches_pipeline(job.pipeline, cluster, constraints):
-        from autopar.passes.pipeline_search import search_pipeline
-
-        psol = search_pipeline(
-            graph,
-            cluster,
-            estimator=est,
-            precision=precision,
-            constraints=constraints,
-            memory_budget_bytes=budget,
-            batch_size=batch,
-            progress=say,
-            pricers=job.pricers,
-        )
-        if job.offload and not quiet:
-            warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=3)
-        if psol.pp > 1:
-            pplan = pipeline_plan(job, psol)
-            pplan = dataclasses.replace(
-                pplan,
-                fusion=job.fusion,
-                grad_reduce=constraints.get("grad_reduce") or "fp32",
-                overlap=bool(constraints.get("overlap", True)),
-                prefetch_depth=_prefetch_depth(constraints),
-            )
-            return pplan, pipeline_runner_up(job, psol, pplan)
-        sol = psol.single_stage
-    else:
-        ignored = sorted(k for k in ("schedule", "virtual_stages") if constraints.get(k) is not None)
-        if ignored and not quiet:
-            warnings.warn(
-                f"constraints {ignored} apply to pipeline layouts, and this plan searches none (pp=1); "
-                f"pin pp > 1 or pass pipeline=True to search one",
-                stacklevel=3,
-            )
-        flat = {k: v for k, v in constraints.items() if k not in _PIPELINE_KEYS}
-        sol = solve_sharding(
-            graph,
-            cluster,
-            estimator=est,
-            precision=precision,
-            constraints=flat,
-            memory_budget_bytes=budget,
-            batch_size=batch,
-            progress=say,
-            offload=job.offload,
-        )
-    overlap = bool(constraints.get("overlap", True))
-    chosen = dataclasses.replace(
-        sharded_plan(job, sol),
-        grad_reduce=constraints.get("grad_reduce") or "fp32",
-        overlap=overlap,
-        prefetch_depth=_prefetch_depth(constraints),
-    )
-    if (
-        "overlap" not in constraints
-        and overlap
-        and chosen.program in (ProgramKind.SHARDED, ProgramKind.OFFLOAD)
-        and chosen.zero_stage >= 1
-    ):
-        # the overlapping program holds more than the synchronous one (ZeRO-1: whole fp32 gradients,
-        # `ShardingProgram.overlap_grad_bytes`; ZeRO-2/3: the gradient buckets in flight, `in_flight_grad_bytes`;
-        # from ZeRO-1 the weights gathered ahead): where that memory costs more than the overlap hides (more
-        # micro-batches, recompute, offload), the synchronous program is the faster plan. A plan that offloads runs
-        # the offload program, which overlaps or not as its plan says, and is priced so.
-        try:
-            without = _solve(job, constraints | {"overlap": False}, quiet=True)
-        except InfeasiblePlanError:
-            without = None
-        if without is not None and without[0].predicted.step_time_s < chosen.predicted.step_time_s:
-            return without
-    return chosen, sharded_runner_up(sol)
-
-
-def _prefetch_depth(constraints: dict) -> int:
-    """The plan's prefetch depth: the pinned one, else 1 (0 where overlap is off: gathers stay on demand)."""
-    depth = constraints.get("prefetch_depth")
-    if depth is None:
-        return 1 if constraints.get("overlap", True) else 0
-    return int(depth)
-
-
-_PIPELINE_KEYS = {"pp", "schedule", "virtual_stages"}
-
-
-def _searches_pipeline(pipeline: bool | None, cluster: ClusterSpec, constraints: dict) -> bool:
-    pp = constraints.get("pp")
-    if pp is not None and pp != 1:
-        return True
-    if pp == 1:
-        return False
-    if pipeline is not None:
-        return bool(pipeline)
-    return cluster.device.kind == "gpu" and cluster.num_nodes > 1
+    return plan_model(request, traced=_traced)
 
 
 def compile(
@@ -454,7 +192,6 @@ def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, 
     (`plan.stage_plans`); only where the graph's nodes differ (or a plan file predates them) are they solved
     again on one stage's (dp, tp) block for the micro-batch graph.
     """
-    from autopar.plan import ProgramKind
 
     if plan.program not in (ProgramKind.SHARDED, ProgramKind.PIPELINE):
         return plan
@@ -554,16 +291,16 @@ def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=N
     if model is None or isinstance(model, str):
         kw |= {"global_batch_size": plan.global_batch_size, "seq_len": plan.tokens_per_step // plan.global_batch_size}
     # priced next to `plan` itself, so that each layout's one line says how it compares with this plan
-    priced = _plan(
+    request = read_plan_request(
         model if model is not None else plan.model_name,
         plan.cluster,
         example_inputs,
         example_kwargs,
         alternatives=False,
         compare=list(layouts),
-        _against=plan,
         **kw,
     )
+    priced = plan_model(request, against=plan)
     return dataclasses.replace(plan, comparisons=tuple(plan.comparisons) + tuple(priced.comparisons))
 
 

@@ -9,15 +9,19 @@ this module checks their kinds (a count is a positive integer) and what the call
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from autopar.cluster import ClusterSpec, load_cluster
+from autopar.cluster import ClusterSpec, load_cluster, parse_bytes
 from autopar.context_parallel.inputs import check_cp_inputs
 from autopar.cost_model import AnalyticEstimator, DType, ProfiledEstimator
 from autopar.errors import ConfigError
 from autopar.passes.context_parallel import CPSpec
+from autopar.passes.fused_ops import default_fusion
 from autopar.plan import Plan
 
 CONSTRAINT_KEYS = {
@@ -230,3 +234,87 @@ def check_batch_of_plan(plan: Plan, args, kwargs) -> None:
             f"{count_tokens(args, kwargs):,} (another sequence length); plan with the batch you will train "
             f"on"
         )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanRequest:
+    """One planning call's inputs, checked: the model as it is traced, its batch, and the settings every layout
+    the call prices shares (`read_plan_request` makes one from `plan`'s arguments)."""
+
+    model: object  # what the caller named: an nn.Module, or a preset name (traced shortened where it can be)
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    name: str
+    cluster: ClusterSpec
+    constraints: dict
+    cp: int  # the pinned cp degree (1: none)
+    precision: str
+    estimator: object
+    budget: float | None
+    offload: bool | None
+    pipeline: bool | None
+    fuse: bool
+    compare: tuple | list  # layouts to price next to the plan (`rationale.parse_layout`)
+    alternatives: bool | None
+    say: Callable[[str], None]
+    t0: float  # when planning started: the plan's total planning time counts from here
+
+
+def read_plan_request(
+    model,
+    cluster,
+    example_inputs=(),
+    example_kwargs=None,
+    *,
+    global_batch_size: int | None = None,
+    seq_len: int | None = None,
+    constraints: dict | None = None,
+    memory_budget=None,
+    offload: bool | None = None,
+    precision: str | None = None,
+    estimator=None,
+    progress: Callable[[str], None] | None = None,
+    pipeline: bool | None = None,
+    fuse_kernels: bool | None = None,
+    compare=(),
+    alternatives: bool | None = None,
+) -> PlanRequest:
+    """`autopar.plan`'s arguments (see there) checked and resolved: the cluster, the constraints, the precision
+    (its default by device), the memory budget in bytes, the model and its batch (a preset built on the meta
+    device), the pinned cp degree, the fusion default and the estimator. ConfigError says what is wrong."""
+    cluster = as_cluster(cluster)
+    constraints = check_constraints(constraints)
+    check_precision(precision)
+    check_offload(offload)
+    precision = precision or default_precision(cluster)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    say = progress or _quiet
+    t0 = time.perf_counter()
+    module, args, kwargs, name = resolve_model(
+        model, precision, example_inputs, example_kwargs, global_batch_size, seq_len
+    )
+    return PlanRequest(
+        model=model,
+        module=module,
+        args=args,
+        kwargs=kwargs,
+        name=name,
+        cluster=cluster,
+        constraints=constraints,
+        cp=check_cp(constraints, cluster, args, kwargs),
+        precision=precision,
+        estimator=resolve_estimator(estimator, cluster, precision),
+        budget=budget,
+        offload=offload,
+        pipeline=pipeline,
+        fuse=default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels),
+        compare=compare or (),
+        alternatives=alternatives,
+        say=say,
+        t0=t0,
+    )
+
+
+def _quiet(msg: str) -> None:
+    """The progress callback of a call that asked for none."""

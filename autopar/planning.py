@@ -1,0 +1,271 @@
+"""Planning: one `plan` call's search over cp degrees, pipelines and meshes, and the placements `compile` solves
+again for the graph its program runs.
+
+The inputs arrive checked (`input_validation.PlanRequest`). `plan_model` traces the model once per cp degree it
+prices (`Jobs`: a degree's graph holds each sequence as cp chunks), solves each (`solve`: the pipeline search
+where pipelines are searched, else the sharding solver over meshes; the synchronous program where it beats the
+overlapping one), keeps the fastest (`cp_search.search_cp`), and prices next to it the layouts a user would pick
+by hand and the user's own (`rationale.with_rationale`). `plan_to_compile` is that planning on the one trace the
+program may reuse; `solve_placements` gives a plan the per-node placements of the program's own graph by solving
+again with the plan's layout pinned. Plans are built from solutions in `plan_build`.
+
+Terms: a job is the graph traced for one cp degree with the settings every layout priced on it shares
+(`plan_build.Job`); pins are constraints in `plan`'s dict form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import warnings
+
+from autopar.cluster import ClusterSpec
+from autopar.cp_search import cp_degrees, search_cp
+from autopar.errors import InfeasiblePlanError
+from autopar.input_validation import PlanRequest, batch_size, check_cp
+from autopar.ir import OpGraph
+from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
+from autopar.plan import Plan, ProgramKind
+from autopar.plan_build import Job, assumptions, pipeline_plan, pipeline_runner_up, sharded_plan, sharded_runner_up
+from autopar.rationale import PINNED, with_rationale
+from autopar.tracing import cp_traced_batch, trace_in_format, trace_shortened
+
+
+def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None) -> Plan:
+    """The fastest plan of `request` that fits, with the layouts the request asks priced next to it.
+
+    Args:
+        request: one `plan` call's checked inputs (`input_validation.read_plan_request`).
+        traced: the TracedModel of the request's model when the caller has one (at the pinned cp degree): no cp
+            degree is searched, and its graph is fused in place when fusion is on.
+        against: a plan made before (`autopar.compare`): no search, the request's `compare` layouts are priced
+            next to it, and it is never replaced by one of them.
+    """
+    rq = request
+    searched = traced is None and against is None
+    degrees = cp_degrees(rq.constraints, rq.cluster.world_size, rq.args, rq.kwargs) if searched else []
+    jobs = Jobs(rq, traced=traced)
+    if len(degrees) > 1:
+        chosen, runner_up, _ = search_cp(functools.partial(_plan_at, jobs, rq.constraints), degrees)
+    else:
+        chosen, runner_up, _ = _plan_at(jobs, rq.constraints, rq.cp, against=against)
+    alternatives = rq.alternatives
+    if alternatives is None:
+        alternatives = traced is None  # compile's own planning builds a program, never a report
+    if alternatives or rq.compare:
+        t_alt = time.perf_counter()
+        chosen = with_rationale(
+            chosen,
+            runner_up,
+            functools.partial(_price_layout, jobs),
+            say=rq.say,
+            baselines=alternatives,
+            compare=rq.compare,
+            adopt=not rq.constraints and against is None,
+            kept=PLANNED_BEFORE if against is not None else PINNED,
+        )
+        chosen = dataclasses.replace(
+            chosen,
+            stats=chosen.stats
+            | {
+                "alternatives_time_s": round(time.perf_counter() - t_alt, 3),
+                "total_time_s": round(time.perf_counter() - rq.t0, 3),
+            },
+        )
+    config = getattr(rq.module, "config", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
+    stats["total_time_s"] = round(time.perf_counter() - rq.t0, 3)  # a searched plan may have been priced first
+    return dataclasses.replace(chosen, stats=stats, assumptions=assumptions(rq.estimator, rq.cluster, rq.budget))
+
+
+class Jobs:
+    """The jobs of one `plan` call, one per cp degree (1: none), each traced the first time a degree is priced: by
+    the cp search, and again by the layouts priced next to the plan (a user's "tp=2,cp=4", the hand layouts
+    without cp), so that each layout is solved on the graph its degree runs. A trace handed in stands for the
+    request's pinned degree."""
+
+    def __init__(self, request: PlanRequest, *, traced=None):
+        self.request = request
+        self._traced = {request.cp: traced} if traced is not None else {}
+        self._jobs: dict[int, Job] = {}
+
+    def __call__(self, cp: int) -> Job:
+        if cp not in self._jobs:
+            self._jobs[cp] = self._trace(cp)
+        return self._jobs[cp]
+
+    def _trace(self, cp: int) -> Job:
+        rq = self.request
+        module, args, kwargs = rq.module, rq.args, rq.kwargs
+        if cp > 1:  # traced on the cp ranks' shares stacked on the batch (`context_parallel.inputs`)
+            args, kwargs = cp_traced_batch(module, args, kwargs, cp)
+        t_start = time.perf_counter()
+        rq.say(f"tracing {rq.name}" + (f" for cp={cp}" if cp > 1 else ""))
+        traced, graph = self._traced.get(cp), None
+        if traced is None and isinstance(rq.model, str):
+            graph = trace_shortened(module, args, kwargs, rq.say, rq.fuse, cp)
+        if graph is None:
+            traced = traced if traced is not None else trace_in_format(module, args, kwargs, rq.precision, cp)
+            traced = fuse_traced(traced) if rq.fuse else traced
+            frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
+            graph = OpGraph.from_traced(traced, frozen_params=frozen)
+        t_trace = time.perf_counter() - t_start
+        fusion = fusion_summary(rq.fuse, fusion_report(graph.traced), graph.layer_count)
+        rq.say(
+            f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} "
+            f"deduplicated)"
+        )
+        return Job(
+            graph,
+            rq.name,
+            rq.cluster,
+            rq.estimator,
+            rq.precision,
+            rq.budget,
+            rq.offload,
+            rq.pipeline,
+            batch_size(args, kwargs),
+            args,
+            kwargs,
+            fusion,
+            rq.t0,
+            t_trace,
+            rq.say,
+            cp=cp,
+        )
+
+
+def _plan_at(jobs: Jobs, constraints: dict, cp: int, *, against: Plan | None = None):
+    """(plan, runner-up, job) of the model traced for cp degree `cp` (1: none) and solved under `constraints`;
+    with `against` (a plan made before, `autopar.compare`), that plan and no search."""
+    job = jobs(cp)
+    if against is not None:
+        return against, None, job
+    chosen, runner_up = solve(job, constraints | ({"cp": cp} if cp > 1 else {}))
+    return chosen, runner_up, job
+
+
+def _price_layout(jobs: Jobs, pins: dict) -> Plan:
+    """A layout priced next to the plan (`rationale.with_rationale`): solved on the job of its cp degree, none
+    where it pins none (the hand layouts are without cp); a cp it cannot run is the autopar error that says why."""
+    rq = jobs.request
+    cp = check_cp(pins, rq.cluster, rq.args, rq.kwargs)
+    return solve(jobs(cp), pins | ({"cp": cp} if cp > 1 else {}), quiet=True)[0]
+
+
+# why a layout `compare` prices faster than the plan did not replace it (`rationale.loss_reason`)
+PLANNED_BEFORE = "which was planned before this layout was priced"
+
+
+def solve(job: Job, constraints: dict, *, quiet: bool = False):
+    """The fastest plan under `constraints`, and the search's runner-up: a Plan, constraints to price, or None.
+
+    `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan.
+    """
+    from autopar.passes.sharding_solver import solve_sharding  # PuLP and HiGHS: not for `autopar --help`
+
+    graph, cluster, est, precision, batch, budget = (
+        job.graph,
+        job.cluster,
+        job.est,
+        job.precision,
+        job.batch,
+        job.budget,
+    )
+    say = (lambda msg: None) if quiet else job.say
+    if _searches_pipeline(job.pipeline, cluster, constraints):
+        from autopar.passes.pipeline_search import search_pipeline  # as solve_sharding
+
+        psol = search_pipeline(
+            graph,
+            cluster,
+            estimator=est,
+            precision=precision,
+            constraints=constraints,
+            memory_budget_bytes=budget,
+            batch_size=batch,
+            progress=say,
+            pricers=job.pricers,
+        )
+        if job.offload and not quiet:
+            warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=3)
+        if psol.pp > 1:
+            pplan = pipeline_plan(job, psol)
+            pplan = dataclasses.replace(
+                pplan,
+                fusion=job.fusion,
+                grad_reduce=constraints.get("grad_reduce") or "fp32",
+                overlap=bool(constraints.get("overlap", True)),
+                prefetch_depth=_prefetch_depth(constraints),
+            )
+            return pplan, pipeline_runner_up(job, psol, pplan)
+        sol = psol.single_stage
+    else:
+        ignored = sorted(k for k in ("schedule", "virtual_stages") if constraints.get(k) is not None)
+        if ignored and not quiet:
+            warnings.warn(
+                f"constraints {ignored} apply to pipeline layouts, and this plan searches none (pp=1); "
+                f"pin pp > 1 or pass pipeline=True to search one",
+                stacklevel=3,
+            )
+        flat = {k: v for k, v in constraints.items() if k not in _PIPELINE_KEYS}
+        sol = solve_sharding(
+            graph,
+            cluster,
+            estimator=est,
+            precision=precision,
+            constraints=flat,
+            memory_budget_bytes=budget,
+            batch_size=batch,
+            progress=say,
+            offload=job.offload,
+        )
+    overlap = bool(constraints.get("overlap", True))
+    chosen = dataclasses.replace(
+        sharded_plan(job, sol),
+        grad_reduce=constraints.get("grad_reduce") or "fp32",
+        overlap=overlap,
+        prefetch_depth=_prefetch_depth(constraints),
+    )
+    if (
+        "overlap" not in constraints
+        and overlap
+        and chosen.program in (ProgramKind.SHARDED, ProgramKind.OFFLOAD)
+        and chosen.zero_stage >= 1
+    ):
+        # the overlapping program holds more than the synchronous one (ZeRO-1: whole fp32 gradients,
+        # `ShardingProgram.overlap_grad_bytes`; ZeRO-2/3: the gradient buckets in flight, `in_flight_grad_bytes`;
+        # from ZeRO-1 the weights gathered ahead): where that memory costs more than the overlap hides (more
+        # micro-batches, recompute, offload), the synchronous program is the faster plan. A plan that offloads runs
+        # the offload program, which overlaps or not as its plan says, and is priced so.
+        try:
+            without = solve(job, constraints | {"overlap": False}, quiet=True)
+        except InfeasiblePlanError:
+            without = None
+        if without is not None and without[0].predicted.step_time_s < chosen.predicted.step_time_s:
+            return without
+    return chosen, sharded_runner_up(sol)
+
+
+def _prefetch_depth(constraints: dict) -> int:
+    """The plan's prefetch depth: the pinned one, else 1 (0 where overlap is off: gathers stay on demand)."""
+    depth = constraints.get("prefetch_depth")
+    if depth is None:
+        return 1 if constraints.get("overlap", True) else 0
+    return int(depth)
+
+
+_PIPELINE_KEYS = {"pp", "schedule", "virtual_stages"}
+
+
+def _searches_pipeline(pipeline: bool | None, cluster: ClusterSpec, constraints: dict) -> bool:
+    pp = constraints.get("pp")
+    if pp is not None and pp != 1:
+        return True
+    if pp == 1:
+        return False
+    if pipeline is not None:
+        return bool(pipeline)
+    return cluster.device.kind == "gpu" and cluster.num_nodes > 1
