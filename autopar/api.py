@@ -1,4 +1,11 @@
-"""The public entry points: `plan` (price and choose a layout) and `compile` (build the parallel program)."""
+"""The public verbs: `plan` (price every layout of a model on a cluster and choose one), `compile` (plan, unless
+given a plan, and build the parallel program) and `compare` (price a user's layouts next to a plan).
+
+Each reads its arguments through `input_validation` and hands the work behind it to a module of its own:
+`planning` (the search over cp degrees, pipelines and meshes, and the placements of a program's graph),
+`tracing` (the traces taken), `plan_build` (Plans from the solvers' solutions), `flops` (a step's FLOPs) and
+`runtime` (the programs `compile` builds).
+"""
 
 from __future__ import annotations
 
@@ -9,21 +16,16 @@ from collections.abc import Callable
 import torch
 
 from autopar.checkpoint import hf
-from autopar.cluster import ClusterSpec, parse_bytes
-from autopar.cp_search import cp_degrees
-from autopar.errors import InfeasiblePlanError
 from autopar.input_validation import (
     as_cluster,
     check_batch_of_plan,
     check_compile_inputs,
-    check_cp,
     check_given_plan,
-    default_precision,
     read_plan_request,
 )
-from autopar.plan import Plan, ProgramKind
-from autopar.planning import plan_model
-from autopar.tracing import cp_traced_batch, program_trace, trace_in_format
+from autopar.plan import Plan
+from autopar.planning import plan_model, plan_to_compile, solve_placements
+from autopar.tracing import program_trace
 
 
 def plan(
@@ -131,7 +133,7 @@ def compile(
             first (`autopar.checkpoint.hf.materialize_buffers`), its parameters are made by the program.
         plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, ...).
     """
-    from autopar import runtime
+    from autopar import runtime  # torch.distributed programs and Triton: imported when a program is built
 
     cluster = as_cluster(cluster)
     check_compile_inputs(model, optimizer)
@@ -146,128 +148,25 @@ def compile(
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     planning_trace = None
     if plan is None:
-        precision = plan_kwargs.get("precision") or default_precision(cluster)
-        constraints = dict(plan_kwargs.get("constraints") or {})
-        cp = check_cp(constraints, cluster, args, kwargs)
-        if len(cp_degrees(constraints, cluster.world_size, args, kwargs)) > 1:
-            # the cp degree is searched as `plan` searches it (one trace per degree); the program traces its own
-            plan = _plan(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
-        else:
-            planning_trace = trace_in_format(
-                model, *(cp_traced_batch(model, args, kwargs, cp) if cp > 1 else (args, kwargs)), precision, cp
-            )
-            plan = _plan(model, cluster, args, kwargs, _traced=planning_trace, **plan_kwargs)
+        request = read_plan_request(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
+        plan, planning_trace = plan_to_compile(request)
     check_batch_of_plan(plan, args, kwargs)
     program = runtime.program_class(plan)
     parts = program.trace_parts(plan)
     traced = None
-    if parts is not None:
+    if parts is not None:  # the program runs a graph: the planning trace where it has the program's shape
         part_args, part_kwargs = runtime.micro_batches(args, kwargs, plan.global_batch_size, parts)[0]
-        traced = (
-            planning_trace
-            if parts == 1 and planning_trace is not None
-            else program_trace(model, plan, part_args, part_kwargs)
-        )
-        plan = _complete_placements(plan, model, cluster, traced, part_args, part_kwargs)
-    if pretrained is None:
-        pm = program(model, plan, traced, cluster, optimizer=optimizer)
-        pm.expect_inputs(args, kwargs)
-        return pm
-    if plan.program == "offload" and hf.is_meta(built):  # it copies the whole model: give it parameters to copy
-        built = copy.deepcopy(built)
+        reuse = parts == 1 and planning_trace is not None
+        traced = planning_trace if reuse else program_trace(model, plan, part_args, part_kwargs)
+        plan = solve_placements(plan, model, cluster, traced, part_args, part_kwargs)
+    if pretrained is not None and plan.program == "offload" and hf.is_meta(built):
+        built = copy.deepcopy(built)  # the offload program copies the whole model: give it parameters to copy
         hf.materialize_parameters(built)
     pm = program(built, plan, traced, cluster, optimizer=optimizer)
     pm.expect_inputs(args, kwargs)
-    pm.load_pretrained(pretrained)
+    if pretrained is not None:
+        pm.load_pretrained(pretrained)
     return pm
-
-
-def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, kwargs) -> Plan:
-    """The plan with per-node placements for `traced`, the graph its program runs.
-
-    The data-parallel and offload programs need none. A sharded plan names the nodes of the graph it was
-    planned on; where the program's graph (traced at one micro-batch) has other nodes (a batch of one drops
-    some expands), the placements are solved again on it with the plan's mesh, ZeRO stage and memory pinned:
-    the same program, so the same predictions. A pipeline plan carries its stages' placements
-    (`plan.stage_plans`); only where the graph's nodes differ (or a plan file predates them) are they solved
-    again on one stage's (dp, tp) block for the micro-batch graph.
-    """
-
-    if plan.program not in (ProgramKind.SHARDED, ProgramKind.PIPELINE):
-        return plan
-    fused = bool(plan.fusion.get("enabled", False))
-    names = {n.name for n in traced.exported.graph.nodes}
-    stages = plan.stage_plans
-    if stages and all(st.node_output and all(n in names for n in st.node_output) for st in stages):
-        return plan  # the pipeline runs the placements its stages were priced with
-    if plan.node_output and all(n in names for n in plan.node_output):
-        return plan
-    dp, tp = plan.mesh["dp"], plan.mesh["tp"]
-    # the layout the plan priced: its axes, ZeRO stage, recompute and where every parameter sits on the tensor axis
-    pins = {
-        "dp": dp,
-        "tp": tp,
-        "zero": plan.zero_stage,
-        "num_microbatches": 1,
-        "recompute": plan.recompute,
-        "param_placements": dict(plan.param_placements),
-        "grad_reduce": plan.grad_reduce,
-        "overlap": plan.overlap,
-        "prefetch_depth": plan.prefetch_depth,
-    }
-    if plan.tensor_split:
-        pins["tp_min_split"] = plan.tensor_split["min_fraction"]
-    if plan.mesh.get("cp", 1) > 1:
-        pins |= {"cp": plan.mesh["cp"], "cp_attention": plan.context_parallel["algorithm"]}
-    if plan.program == ProgramKind.PIPELINE:
-        block = cluster.sub_cluster(dp * plan.mesh.get("cp", 1) * tp)  # one stage's devices
-        micro = _plan(
-            model,
-            block,
-            args,
-            kwargs,
-            _traced=traced,
-            constraints=pins | {"pp": 1},
-            memory_budget=float("inf"),
-            precision=plan.precision,
-            offload=False,
-            fuse_kernels=fused,
-        )
-    else:
-        try:
-            micro = _plan(
-                model,
-                cluster,
-                args,
-                kwargs,
-                _traced=traced,
-                constraints=pins,
-                memory_budget=plan.predicted.peak_memory_bytes * 1.01,
-                precision=plan.precision,
-                fuse_kernels=fused,
-            )
-        except InfeasiblePlanError:
-            micro = _plan(
-                model,
-                cluster,
-                args,
-                kwargs,
-                _traced=traced,
-                constraints=pins,
-                precision=plan.precision,
-                memory_budget=float("inf"),
-                fuse_kernels=fused,
-            )
-    return dataclasses.replace(
-        plan,
-        node_output=micro.node_output,
-        node_inputs=micro.node_inputs,
-        node_strategy=micro.node_strategy,
-        param_placements=micro.param_placements,
-    )
-
-
-_plan = plan  # `compile` and `compare` take a `plan=` argument that hides the function
 
 
 def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=None, **plan_kwargs) -> Plan:
@@ -304,4 +203,4 @@ def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=N
     return dataclasses.replace(plan, comparisons=tuple(plan.comparisons) + tuple(priced.comparisons))
 
 
-__all__ = ["plan", "compile", "compare", "parse_bytes"]
+__all__ = ["plan", "compile", "compare"]

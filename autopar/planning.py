@@ -23,7 +23,7 @@ import warnings
 from autopar.cluster import ClusterSpec
 from autopar.cp_search import cp_degrees, search_cp
 from autopar.errors import InfeasiblePlanError
-from autopar.input_validation import PlanRequest, batch_size, check_cp
+from autopar.input_validation import PlanRequest, batch_size, check_cp, resolve_estimator
 from autopar.ir import OpGraph
 from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
 from autopar.plan import Plan, ProgramKind
@@ -269,3 +269,122 @@ def _searches_pipeline(pipeline: bool | None, cluster: ClusterSpec, constraints:
     if pipeline is not None:
         return bool(pipeline)
     return cluster.device.kind == "gpu" and cluster.num_nodes > 1
+
+
+def plan_to_compile(request: PlanRequest) -> tuple[Plan, object | None]:
+    """`compile`'s plan of `request` (the layouts of a report are not priced unless asked), and the planning trace
+    where one trace served it (no cp degree searched), which the program reuses where it runs the same shape."""
+    rq = request
+    if len(cp_degrees(rq.constraints, rq.cluster.world_size, rq.args, rq.kwargs)) > 1:
+        # the cp degree is searched as `plan` searches it (one trace per degree); the program traces its own
+        return plan_model(rq), None
+    args, kwargs = cp_traced_batch(rq.module, rq.args, rq.kwargs, rq.cp) if rq.cp > 1 else (rq.args, rq.kwargs)
+    traced = trace_in_format(rq.module, args, kwargs, rq.precision, rq.cp)
+    return plan_model(rq, traced=traced), traced
+
+
+def solve_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, kwargs) -> Plan:
+    """The plan with per-node placements for `traced`, the graph its program runs.
+
+    The data-parallel and offload programs need none. A sharded plan names the nodes of the graph it was
+    planned on; where the program's graph (traced at one micro-batch) has other nodes (a batch of one drops
+    some expands), the placements are solved again on it with the plan's mesh, ZeRO stage and memory pinned:
+    the same program, so the same predictions. A pipeline plan carries its stages' placements
+    (`plan.stage_plans`); only where the graph's nodes differ (or a plan file predates them) are they solved
+    again on one stage's (dp, tp) block for the micro-batch graph.
+    """
+    if plan.program not in (ProgramKind.SHARDED, ProgramKind.PIPELINE):
+        return plan
+    fused = bool(plan.fusion.get("enabled", False))
+    names = {n.name for n in traced.exported.graph.nodes}
+    stages = plan.stage_plans
+    if stages and all(st.node_output and all(n in names for n in st.node_output) for st in stages):
+        return plan  # the pipeline runs the placements its stages were priced with
+    if plan.node_output and all(n in names for n in plan.node_output):
+        return plan
+    dp, tp = plan.mesh["dp"], plan.mesh["tp"]
+    # the layout the plan priced: its axes, ZeRO stage, recompute and where every parameter sits on the tensor axis
+    pins = {
+        "dp": dp,
+        "tp": tp,
+        "zero": plan.zero_stage,
+        "num_microbatches": 1,
+        "recompute": plan.recompute,
+        "param_placements": dict(plan.param_placements),
+        "grad_reduce": plan.grad_reduce,
+        "overlap": plan.overlap,
+        "prefetch_depth": plan.prefetch_depth,
+    }
+    if plan.tensor_split:
+        pins["tp_min_split"] = plan.tensor_split["min_fraction"]
+    if plan.mesh.get("cp", 1) > 1:
+        pins |= {"cp": plan.mesh["cp"], "cp_attention": plan.context_parallel["algorithm"]}
+    if plan.program == ProgramKind.PIPELINE:
+        block = cluster.sub_cluster(dp * plan.mesh.get("cp", 1) * tp)  # one stage's devices
+        micro = _solved_on(
+            traced,
+            model,
+            block,
+            args,
+            kwargs,
+            pins | {"pp": 1},
+            precision=plan.precision,
+            budget=float("inf"),
+            fuse=fused,
+            offload=False,
+        )
+    else:
+        try:
+            budget = plan.predicted.peak_memory_bytes * 1.01
+            micro = _solved_on(
+                traced, model, cluster, args, kwargs, pins, precision=plan.precision, budget=budget, fuse=fused
+            )
+        except InfeasiblePlanError:
+            micro = _solved_on(
+                traced, model, cluster, args, kwargs, pins, precision=plan.precision, budget=float("inf"), fuse=fused
+            )
+    return dataclasses.replace(
+        plan,
+        node_output=micro.node_output,
+        node_inputs=micro.node_inputs,
+        node_strategy=micro.node_strategy,
+        param_placements=micro.param_placements,
+    )
+
+
+def _solved_on(
+    traced,
+    model,
+    cluster: ClusterSpec,
+    args,
+    kwargs,
+    pins: dict,
+    *,
+    precision: str,
+    budget: float,
+    fuse: bool,
+    offload=None,
+) -> Plan:
+    """The plan of `model` on `traced` under `pins` (a whole layout): what `plan` gives with these settings."""
+    args, kwargs = tuple(args), dict(kwargs or {})
+    request = PlanRequest(
+        model=model,
+        module=model,
+        args=args,
+        kwargs=kwargs,
+        name=type(model).__name__,
+        cluster=cluster,
+        constraints=dict(pins),
+        cp=check_cp(pins, cluster, args, kwargs),
+        precision=precision,
+        estimator=resolve_estimator(None, cluster, precision),
+        budget=budget,
+        offload=offload,
+        pipeline=None,
+        fuse=fuse,
+        compare=(),
+        alternatives=False,
+        say=lambda msg: None,
+        t0=time.perf_counter(),
+    )
+    return plan_model(request, traced=traced)
