@@ -44,8 +44,8 @@ shapes do not split over the tensor axis, e.g. a batch of one row) runs replicat
 `Lowering.replicated`, and the program warns.
 
 Input: the graph (after `program_graph`'s passes), knobs naming the plan's placements and the program's hooks.
-Output: an `fx.GraphModule` of ATen ops on local tensors, `Convert` modules and hook calls; `gm.meta["autopar_lowering"]`
-is the `Lowering` record (regions, fallbacks, collectives emitted).
+Output: an `fx.GraphModule` of ATen ops on local tensors, `Convert` modules and hook calls;
+`gm.meta["autopar_lowering"]` is the `Lowering` record (regions, fallbacks, collectives emitted).
 """
 
 from __future__ import annotations
