@@ -112,6 +112,7 @@ def compile(
     optimizer=None,
     plan: Plan | None = None,
     pretrained=None,
+    compile_mode: str | None = None,
     **plan_kwargs,
 ):
     """Plan (unless `plan` is given) and build the parallel program; call inside torchrun.
@@ -131,6 +132,9 @@ def compile(
         pretrained: a folder of Hugging Face safetensors weights to start from; each rank reads only its slices
             (`Program.load_pretrained`). The model may then be built on the meta device: its buffers get values
             first (`autopar.checkpoint.hf.materialize_buffers`), its parameters are made by the program.
+        compile_mode: hand the graphs the program runs to `torch.compile` in this mode ("default",
+            "reduce-overhead", "max-autotune", ...); None runs them as they are. The offload program, which runs
+            the model eagerly, refuses it.
         plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, ...).
     """
     from autopar import runtime  # torch.distributed programs and Triton: imported when a program is built
@@ -166,6 +170,8 @@ def compile(
     pm.expect_inputs(args, kwargs)
     if pretrained is not None:
         pm.load_pretrained(pretrained)
+    if compile_mode is not None:
+        pm.compile_graphs(compile_mode)
     return pm
 
 

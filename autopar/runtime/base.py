@@ -41,6 +41,15 @@ from autopar.runtime.collectives import collective_timeout
 from autopar.trace import TracedModel
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# what `compile(..., compile_mode=...)` accepts: torch.compile's modes
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compiled(gm, mode: str):
+    """`gm` through `torch.compile` in `mode` (checked against `COMPILE_MODES`)."""
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"compile_mode={mode!r} is not a torch.compile mode; use one of {', '.join(COMPILE_MODES)}")
+    return torch.compile(gm, mode=mode)
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:
@@ -417,6 +426,14 @@ class Program(torch.nn.Module):
                     f"batches of the planned shape and dtype (pad or cut sequences, cast with .to()), "
                     f"or compile again with an example batch of the shape you train on"
                 )
+
+    def compile_graphs(self, mode: str) -> None:
+        """Hand the graphs this program runs to `torch.compile` (`mode` one of `COMPILE_MODES`); programs that run
+        no graph of their own refuse."""
+        raise ConfigError(
+            f"compile_mode={mode!r}: the {self.kind} program runs the model eagerly, with no graph of its own to "
+            f"compile; leave compile_mode unset for this plan"
+        )
 
     def _build_optimizer(self, masters) -> None:
         self.optimizer = self._make_optimizer(list(masters))

@@ -46,7 +46,7 @@ from autopar.passes.program_graph import (
     sum_loss_pass,
 )
 from autopar.plan import Plan, ProgramKind
-from autopar.runtime.base import Program, check_scalar_loss, flat_inputs, placeholder_values, rank_rows
+from autopar.runtime.base import Program, check_scalar_loss, compiled, flat_inputs, placeholder_values, rank_rows
 from autopar.runtime.overlap import BUCKET_BYTES, gradient_order
 from autopar.trace import TracedModel
 
@@ -102,6 +102,8 @@ class DataParallelProgram(Program):
         if self._num_mutated == 0:
             self._gm = fold_constants_pass(self._gm, self._placeholders, constant_placeholders=constant)
         self._eval_gm = None  # built on the first eval_step
+        self._run_gm = self._gm  # what a training step calls (`compile_graphs` swaps in torch.compile's)
+        self._compile_mode: str | None = None
         self._pending: list[int] | None = None  # gradients each bucket still awaits on the last micro-batch
         self._totals_now, self._totals_work, self._divisor = None, None, None
         self._launched: list[int] = []
@@ -244,7 +246,7 @@ class DataParallelProgram(Program):
         local = self._local_micro_batches(micro)
         losses, counts = [], []
         for i, flat in enumerate(local):
-            loss, count = self._run_one(self._gm, flat)
+            loss, count = self._run_one(self._run_gm, flat)
             losses.append(loss.detach())
             counts.append(count)
             if i == len(local) - 1:
@@ -255,6 +257,8 @@ class DataParallelProgram(Program):
     def _evaluate(self, micro: list[tuple]) -> float:
         if self._eval_gm is None:
             self._eval_gm = eval_pass(copy_graph_module(self._gm), None)
+            if self._compile_mode is not None:
+                self._eval_gm = compiled(self._eval_gm, self._compile_mode)
         self._refresh_compute()
         results = [self._run_one(self._eval_gm, flat) for flat in self._local_micro_batches(micro)]
         totals = self._totals([loss for loss, _ in results], [count for _, count in results])
@@ -262,6 +266,12 @@ class DataParallelProgram(Program):
             dist.all_reduce(totals)
         loss_sum, count = totals.tolist()
         return loss_sum / count
+
+    def compile_graphs(self, mode: str) -> None:
+        self._run_gm = compiled(self._gm, mode)
+        self._compile_mode = mode
+        if self._eval_gm is not None:
+            self._eval_gm = compiled(self._eval_gm, mode)
 
     def _totals(self, losses: list[torch.Tensor], counts: list) -> torch.Tensor:
         """[loss sum, label count] of this rank's micro-batches, in fp64 (a count of None stands for 1)."""

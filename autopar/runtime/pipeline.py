@@ -557,6 +557,11 @@ class PipelineProgram(Program):
         self._sum_tied()
         return loss_sum, weight
 
+    def compile_graphs(self, mode: str) -> None:
+        for st in self.stages:
+            st.train_interp.compile(mode)
+            st.eval_interp.compile(mode)
+
     def _scale_gradients(self, weight: float, scale: float) -> None:
         """Divide the gradients (of the loss summed over ranks and micro-batches) by the weight and the loss scale."""
         divisor = (weight if weight > 0 else 1.0) * scale

@@ -90,6 +90,7 @@ from autopar.runtime.base import (
     Program,
     call_spec,
     check_scalar_loss,
+    compiled,
     contiguous_stride,
     flat_inputs,
     placeholder_values,
@@ -168,7 +169,17 @@ class LoweredRun:
     def __call__(self, *values):
         from autopar.passes import lower
 
-        return lower.run_graph(self.gm, *values)
+        return lower.run_graph(self.runs, *values)
+
+    @property
+    def runs(self):
+        """What a step calls: the lowered graph module, or what `torch.compile` made of it (`compile`)."""
+        found = getattr(self, "_compiled", None)
+        return self.gm if found is None else found
+
+    def compile(self, mode: str) -> None:
+        """Run the lowered graph through `torch.compile` in `mode` from now on."""
+        self._compiled = compiled(self.gm, mode)
 
 
 class ShardedProgram(Program):
@@ -234,6 +245,7 @@ class ShardedProgram(Program):
         if self.overlap:
             self._recomputed = {self._index_of[n] for n in self._interp.record.params_in_segments}
         self._eval_interp = None  # built on the first eval_step
+        self._compile_mode: str | None = None
         self._build_optimizer(self.shards)
 
     def _check_plan_matches(self, traced: TracedModel) -> None:
@@ -762,9 +774,17 @@ class ShardedProgram(Program):
             for g in self._gradients():
                 g.div_(divisor)
 
+    def compile_graphs(self, mode: str) -> None:
+        self._interp.compile(mode)
+        self._compile_mode = mode
+        if self._eval_interp is not None:
+            self._eval_interp.compile(mode)
+
     def _evaluate(self, micro: list[tuple]) -> float:
         if self._eval_interp is None:
             self._eval_interp = self._lower(self.traced.graph_module, train=False)
+            if self._compile_mode is not None:
+                self._eval_interp.compile(self._compile_mode)
         loss_sum, total = self._losses(micro, self._eval_interp, backward=False)
         return loss_sum / total
 
