@@ -29,6 +29,7 @@ from enum import StrEnum
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import PlanFormatError
+from autopar.units import GIB
 
 FORMAT_VERSION = 1
 MESH_AXES = ("pp", "dp", "cp", "tp")
@@ -39,7 +40,6 @@ LAYER_TREATMENTS = ("offload", "full", "selective")
 # the ZeRO stages a pipeline stage runs (`runtime.pipeline`): at 2 or 3 every micro-batch would gather and
 # reduce-scatter each weight, waited on where issued
 PIPELINE_ZERO_STAGES = (0, 1)
-GIB = 1024**3
 # wall-clock figures: they differ on every run and say nothing about the plan (`Plan.to_json`)
 WALL_CLOCK_KEYS = frozenset({"trace_time_s", "solve_time_s", "total_time_s", "alternatives_time_s"})
 

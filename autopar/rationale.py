@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from autopar.errors import ConfigError
 
-GIB = 1024**3
 # the terms of one step, in the order the report stacks them
 TERMS = ("compute", "recompute", "comm_tp", "comm_dp", "comm_pp", "comm_cp", "bubble", "offload", "optimizer", "other")
 # the terms that are one mesh axis's communication: exposed in `time_terms`, hidden in `hidden_terms`

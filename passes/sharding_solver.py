@@ -185,13 +185,10 @@ from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomp
 from autopar.passes.sharding_rules import OpStrategy, placement_str
 from autopar.plan import ProgramKind, program_kind
 from autopar.runtime.overlap import WINDOW, gradient_order
+from autopar.units import FP32_BYTES, GIB, PRICED_BUCKET_BYTES
 
 R = Replicate()
-GIB = 1024**3
-# gradient bucket size (DDP's default, the runtime's `overlap.BUCKET_BYTES`): its own name, so that a test can shrink
-# the runtime's buckets without changing what the plan prices
-BUCKET_BYTES = 25 * 2**20
-_FP32_BYTES = 4  # AdamW steps fp32 weights: the parameters in fp32 training, their master copy in mixed precision
+BUCKET_BYTES = PRICED_BUCKET_BYTES  # read at each use: pricing tests shrink it
 FORBIDDEN_S = 1e6  # the price of a conversion the runtime cannot do: no optimum ever pays it
 
 # Ops that keep none of their inputs for the backward pass (the gradient does not need them).
@@ -1115,7 +1112,7 @@ class ShardingProgram:
         if not info.requires_grad:
             return 0.0
         local = self._tp_numel(name, k)
-        return max(local * _FP32_BYTES - self.state_bytes(name, k, stage)[1], 0.0)
+        return max(local * FP32_BYTES - self.state_bytes(name, k, stage)[1], 0.0)
 
     def in_flight_grad_bytes(self, stage: int) -> float:
         """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' at ZeRO-2/3: the buckets of
@@ -1273,7 +1270,7 @@ class ShardingProgram:
         rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
         trainable = [c for c in self.offload_chunks if c.requires_grad]
         totals = (
-            sum(self._chunk_bandwidth(rs, c.capacity * _FP32_BYTES) for c in trainable),
+            sum(self._chunk_bandwidth(rs, c.capacity * FP32_BYTES) for c in trainable),
             self._chunk_latency(rs) * len(trainable),
             sum(self._chunk_bandwidth(ag, c.capacity * self.precision.param_bytes) for c in self.offload_chunks),
             self._chunk_latency(ag) * len(self.offload_chunks),
@@ -1501,7 +1498,7 @@ class ShardingProgram:
             first = next((c for c in self.offload_chunks if c.requires_grad), None)
             if first is None:
                 return 0.0
-            rs = self._chunk_bandwidth(Collective.REDUCE_SCATTER, first.capacity * _FP32_BYTES)
+            rs = self._chunk_bandwidth(Collective.REDUCE_SCATTER, first.capacity * FP32_BYTES)
             if not self.prefetch_depth:  # the backward's gathers are exposed whole (`sharded_sync_parts`)
                 return rs
             return rs + self._chunk_bandwidth(
@@ -1579,7 +1576,7 @@ class ShardingProgram:
         if not info.requires_grad:
             return 0.0
         local = self._tp_numel(name, k) / (self.dp if stage >= 1 else 1)
-        return optimizer_step_time_s(self.estimator, self.cluster.device, 1, local * _FP32_BYTES)
+        return optimizer_step_time_s(self.estimator, self.cluster.device, 1, local * FP32_BYTES)
 
     def offload_prices(self) -> tuple[float, float, float]:
         """(C_o, C_g, C_p): seconds per byte of optimizer state, of gradient and of weights kept on the host."""
@@ -1639,7 +1636,7 @@ class ShardingProgram:
         c_o, c_g, c_p = self.offload_prices()
         self.cost_terms["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else []) + ([c_p * h_p] if c_p else [])
         # the device no longer steps the states on the host (their per-tensor cost is kept: an upper bound)
-        d_o = min(c_o, optimizer_step_time_s(self.estimator, self.cluster.device, 0, _FP32_BYTES / pr.optimizer_bytes))
+        d_o = min(c_o, optimizer_step_time_s(self.estimator, self.cluster.device, 0, FP32_BYTES / pr.optimizer_bytes))
         if d_o:
             self.cost_terms["optimizer"].append(-d_o * h_o)
         self.memory_terms["optimizer"].append(-1.0 * h_o)

@@ -39,6 +39,7 @@ from autopar.errors import ConfigError, LoweringError
 from autopar.plan import Plan, ProgramKind
 from autopar.runtime.collectives import collective_timeout
 from autopar.trace import TracedModel
+from autopar.units import BUCKET_BYTES
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -192,7 +193,7 @@ def contiguous_stride(shape) -> tuple[int, ...]:
 
 
 def sum_in_buckets(
-    grads: list[torch.Tensor], group, bucket_bytes: int = 25 * 2**20, dtype: torch.dtype | None = None
+    grads: list[torch.Tensor], group, bucket_bytes: int = BUCKET_BYTES, dtype: torch.dtype | None = None
 ) -> None:
     """All-reduce (sum) `grads` in place over `group`, packed into flat buckets of one dtype (sent in `dtype`
     when given)."""
@@ -221,7 +222,7 @@ class BucketedReduction:
     sums back into `grads` (which nothing may touch in between)."""
 
     def __init__(
-        self, grads: list[torch.Tensor], group, *, bucket_bytes: int = 25 * 2**20, dtype: torch.dtype | None = None
+        self, grads: list[torch.Tensor], group, *, bucket_bytes: int = BUCKET_BYTES, dtype: torch.dtype | None = None
     ):
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, object]] = []
         bucket: list[torch.Tensor] = []

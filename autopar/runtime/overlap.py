@@ -29,11 +29,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.runtime.collectives import issue_reduce_scatter
+from autopar.units import BUCKET_BYTES as BUCKET_BYTES  # the programs' bucket size: tests rebind it here
+from autopar.units import BUCKETS_IN_FLIGHT
 
-BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's and the data-parallel program's)
-# reduce-scatter buckets in flight at once at ZeRO-2/3 (the sharded program waits for the oldest before it launches
-# another): what bounds the send buffers the plan prices (`ShardingProgram.in_flight_grad_bytes`)
-WINDOW = 2
+WINDOW = BUCKETS_IN_FLIGHT  # reduce-scatter buckets in flight at once at ZeRO-2/3
 
 
 def gradient_order(graph: fx.Graph, params: list[str]) -> list[str]:

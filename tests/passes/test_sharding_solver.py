@@ -14,8 +14,6 @@ from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.trace import trace_model
 from tests.models import MLPBlock, PreNormStack, make_batch, make_model, tiny_llama
 
-GIB = 1024**3
-
 
 class MLPStack(nn.Module):
     def __init__(self, hidden: int = 2048, num_layers: int = 2):
