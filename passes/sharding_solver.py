@@ -736,9 +736,6 @@ class ShardingProgram:
             return meta.nbytes / self.batch_div
         return float(meta.nbytes)
 
-    def _compute_times(self, node: fx.Node, divisor: int) -> float:
-        return sum(self._op_times(node, divisor))
-
     def _op_times(self, node: fx.Node, divisor: int) -> tuple[float, float]:
         """(forward, backward) seconds of one node per step (all micro-batches)."""
         if node.op != "call_function":
