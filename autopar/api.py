@@ -17,6 +17,7 @@ from autopar.cp_search import cp_degrees, search_cp
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.plan import Plan, Predicted, ProgramKind
+from autopar.program_comm import resolved_prefetch_depth
 from autopar.trace import trace_model
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
@@ -669,11 +670,8 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
 
 
 def _prefetch_depth(constraints: dict) -> int:
-    """The plan's prefetch depth: the pinned one, else 1 (0 where overlap is off: gathers stay on demand)."""
-    depth = constraints.get("prefetch_depth")
-    if depth is None:
-        return 1 if constraints.get("overlap", True) else 0
-    return int(depth)
+    """The plan's prefetch depth, by the one rule (`program_comm.resolved_prefetch_depth`)."""
+    return resolved_prefetch_depth(constraints.get("prefetch_depth"), bool(constraints.get("overlap", True)))
 
 
 def _sharded_runner_up(sol) -> dict | None:

@@ -85,7 +85,7 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     rest = sum(res.memory.values()) - uniform_acts
     _, _, solved_s = prog.fixed_activations(choice, res.recompute, res.zero_stage)
     # on a layout that otherwise runs as plain tensors, any treatment moves it to the sharded runtime
-    plain = prog.runs_plain(res.zero_stage)
+    plain = prog.comm(res.zero_stage).runs_plain
     # (and its gradient all-reduces no longer overlap backward)
     runtime_s = prog.leaving_plain_s + res.grad_sync_hidden_s if plain else 0.0
     if res.recompute != "none":

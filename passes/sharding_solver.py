@@ -184,8 +184,8 @@ from autopar.passes.parallelize import launches_early, local_op_targets
 from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
 from autopar.passes.sharding_rules import OpStrategy, placement_str
 from autopar.plan import ProgramKind, program_kind
-from autopar.runtime.overlap import WINDOW, gradient_order
-from autopar.units import FP32_BYTES, GIB, PRICED_BUCKET_BYTES
+from autopar.program_comm import ProgramComm, gradient_order, resolved_prefetch_depth
+from autopar.units import BUCKETS_IN_FLIGHT, FP32_BYTES, GIB, PRICED_BUCKET_BYTES
 
 R = Replicate()
 BUCKET_BYTES = PRICED_BUCKET_BYTES  # read at each use: pricing tests shrink it
@@ -552,7 +552,7 @@ class ShardingProgram:
         pinned_placements: dict | None = None,
         overlap: bool = True,
         cp: CPPricing | None = None,
-        prefetch_depth: int = 1,
+        prefetch_depth: int | None = None,
         pipeline_stage: bool = False,
         step_gathers: bool = False,
         tp_overlap: bool | None = None,
@@ -567,15 +567,16 @@ class ShardingProgram:
         self._step_gather_terms: list = []  # n_g u[g,k,1] A: the step's gathers (`step_gather_time`)
         # the latencies of the bucketed reductions (`bucket_latency_s`, `sync_floor`): in the step, never hidden
         self._sync_fixed_terms: list = []
-        # the sharded program's data-axis collectives with overlap (`add_sharded_overlap_constraint`): gradient
-        # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
-        self.prefetch_depth = prefetch_depth if overlap else 0
         # the data-parallel program launches each gradient bucket's all-reduce from backward (asynchronously):
         # price what the last micro-batch's backward hides, at the device's overlap efficiency eta (on CPU ranks
         # gloo's all-reduce runs on the cores the compute needs, so less hides there); pipeline stages reduce
-        # after their schedule
+        # after their schedule. Where eta = 0 nothing hides: the program is priced as its synchronous one (`comm`)
         self.eta = cluster.device.overlap_efficiency
         self.overlap = overlap and self.eta > 0
+        # the sharded program's data-axis collectives with overlap (`add_sharded_overlap_constraint`): gradient
+        # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
+        self.prefetch_depth = resolved_prefetch_depth(prefetch_depth, self.overlap)
+        self._comms: dict[int, ProgramComm] = {}  # ZeRO stage -> the declaration of the program that runs it
         # the interpreter launches a tensor-axis collective early where its value's consumer is not the next op
         # (`parallelize.launches_early`, with the plan's overlap; a pipeline stage's program says so apart, as its
         # `overlap` speaks of the data axis): the forward collective runs behind the ops in between
@@ -1027,7 +1028,7 @@ class ShardingProgram:
         (`sharded_op_overhead_s`: profiled on CPU ranks, whose steps are dominated by such costs). A plan
         with no tensor axis and no ZeRO sharding runs as plain tensors (the data-parallel program)."""
         total = self.sharded_overhead_s
-        stages = [z for s, z in self.z.items() if not self.runs_plain(s)]
+        stages = [z for s, z in self.z.items() if not self.comm(s).runs_plain]
         if total and stages:
             self.cost_terms["compute"].append(total * pulp.lpSum(stages))
 
@@ -1041,23 +1042,23 @@ class ShardingProgram:
         ops = sum(self.graph.layer_count.get(n.name, 1) for n in self.graph.graph.nodes if n.op == "call_function")
         return per_op * ops * self.mb
 
-    def runs_plain(self, stage: int) -> bool:
-        """Whether a layout at `stage` without recompute runs as plain tensors (the data-parallel program; never a
-        pipeline stage, which runs its graph on DTensors whatever its layout)."""
-        cp = self.cp.degree if self.cp is not None else 1
-        pp = 2 if self.pipeline_stage else 1
-        return program_kind(pp=pp, tp=self.tp, cp=cp, zero_stage=stage) == ProgramKind.DATA_PARALLEL
-
-    def buckets_all_reduce(self, stage: int) -> bool:
-        """Whether the data axis's gradient all-reduce at `stage` goes out in buckets once a step: the data-parallel
-        program's, and a pipeline stage's at ZeRO-0 whatever its tensor and cp axes (the sharded program reduces
-        each gradient on its own)."""
-        return self.runs_plain(stage) or (stage == 0 and self.pipeline_stage)
-
-    def gathers_once_a_step(self, stage: int) -> bool:
-        """Whether `stage` is a pipeline's ZeRO-1 with overlap on a data axis (`step_gathers`): each split weight
-        gathered once a step and kept, its gradients summed and reduce-scattered once, in buckets."""
-        return stage == 1 and self.step_gathers and self.dp > 1
+    def comm(self, stage: int) -> ProgramComm:
+        """The declaration of the program that runs this mesh's layout at ZeRO stage `stage`, as it is priced: the
+        rule of `autopar.plan.program_kind` (a pipeline stage runs the pipeline program whatever its layout), the
+        offload program for ZeRO-3 with offload pinned on a data axis, and overlap off where the device hides
+        nothing behind compute (eta = 0: such a program is priced as its synchronous one). A pipeline stage's
+        overlap is `step_gathers`, its plan's (its program reduces after the schedule, priced by the search)."""
+        found = self._comms.get(stage)
+        if found is None:
+            if stage == 3 and self.offload is True and self.dp > 1:
+                kind = ProgramKind.OFFLOAD
+            else:
+                cp = self.cp.degree if self.cp is not None else 1
+                kind = program_kind(pp=2 if self.pipeline_stage else 1, tp=self.tp, cp=cp, zero_stage=stage)
+            overlap = self.step_gathers if self.pipeline_stage else self.overlap
+            found = ProgramComm(kind, stage, self.dp, overlap, self.prefetch_depth, self.mb)
+            self._comms[stage] = found
+        return found
 
     def _param_groups(self) -> list[str]:
         return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
@@ -1103,7 +1104,7 @@ class ShardingProgram:
         in the compute format. ZeRO-2/3 reduce-scatter every micro-batch's gradients and hold whole ones only
         while their bucket fills (`in_flight_grad_bytes`, per step, not per parameter). Device memory only: the
         offload program (ZeRO-3 chunks) keeps `state_bytes`' gradients."""
-        if stage != 1 or not (self.overlaps_at(stage) or self.gathers_once_a_step(stage)):
+        if not self.comm(stage).accumulates_whole_grads:
             return 0.0
         info = self.graph.params[name]
         if not info.requires_grad:
@@ -1115,18 +1116,19 @@ class ShardingProgram:
         """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' at ZeRO-2/3: the buckets of
         one micro-batch's backward (`runtime.sharded`). A bucket's send buffer (B_j bytes, the compute format) is
         made when its first gradient comes in, backward writing its members' gradients into it (no other whole
-        copy); at its launch the oldest bucket in flight is waited for if W = `overlap.WINDOW` (the runtime's) are,
-        and this rank's piece (B_j / dp) is made; both live until it is waited for. So, buckets numbered in launch order:
+        copy); at its launch the oldest bucket in flight is waited for if W = `units.BUCKETS_IN_FLIGHT` are, and this
+        rank's piece (B_j / dp) is made; both live until it is waited for. So, buckets numbered in launch order:
 
             max_j max( B_j + (1 + 1/dp) (B_{j-1} + ... + B_{j-W}),          bucket j filling
                        (1 + 1/dp) (B_j + B_{j-1} + ... + B_{j-W+1}) )      bucket j launched
 
         The buckets as the runtime makes them (`bucket_bytes`), their parameters whole on the tensor axis: an upper
         bound where the tensor axis splits some."""
-        if stage < 2 or not self.overlaps_at(stage):
+        comm = self.comm(stage)
+        if not (comm.reduces_every_microbatch and comm.overlaps_data_axis):
             return 0.0
         sizes = self.bucket_bytes(stage)
-        w, both = WINDOW, 1.0 + 1.0 / self.dp
+        w, both = BUCKETS_IN_FLIGHT, 1.0 + 1.0 / self.dp
 
         def launched(first: int, last: int) -> float:  # buckets first..last (indices clipped at 0), in flight
             return both * sum(sizes[max(first, 0) : last + 1])
@@ -1156,9 +1158,9 @@ class ShardingProgram:
         # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
         # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
         # the parameters for every micro-batch's forward and backward.
-        if self.buckets_all_reduce(stage):
+        if self.comm(stage).buckets_all_reduce:
             return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
-        if self.overlaps_at(stage):
+        if self.comm(stage).overlaps_data_axis:
             return sum(self.sharded_sync_parts(name, k, stage))
         if stage == 0:  # the sharded runtime reduces each gradient on its own (the backward of its from_local)
             return estimate_collective_time(Collective.ALL_REDUCE, grad_bytes, self.dp, self.dp_link)
@@ -1166,10 +1168,10 @@ class ShardingProgram:
         # DTensor redistribution per parameter, no buckets): every one pays a whole collective's latency. Each
         # micro-batch's forward gathers it and that gather's backward reduce-scatters its gradient, at every stage;
         # stage 3 gathers it again for the backward (its weights are released after the forward).
-        if self.runs_chunks(stage):  # the offload program: its share of the chunks' collectives
+        if self.comm(stage).runs_chunks:  # the offload program: its share of the chunks' collectives
             rs_bw, rs_fix, ag_bw, ag_fix = self.chunk_collectives(local)
             return (rs_bw + rs_fix + 2 * (ag_bw + ag_fix)) * self.mb
-        if self.gathers_once_a_step(stage):  # once a step: the bucketed reduce-scatter, then the weights' gather
+        if self.comm(stage).gathers_once_a_step:  # once a step: the bucketed reduce-scatter, then the weights' gather
             return self._bucketed(Collective.REDUCE_SCATTER, grad_bytes) + self.step_gather_time(name, k, stage)
         rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
         ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
@@ -1179,31 +1181,12 @@ class ShardingProgram:
         """The part of `sync_time` that gathers a ZeRO-1 weight before a pipeline's schedule starts (`step_gathers`):
         one all-gather of its own, waited on where the step's first forward reads it, so no backward hides it."""
         info = self.graph.params[name]
-        if not self.gathers_once_a_step(stage) or not info.requires_grad:
+        if not self.comm(stage).gathers_once_a_step or not info.requires_grad:
             return 0.0
         local = self._tp_numel(name, k)
         return estimate_collective_time(
             Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link
         )
-
-    @property
-    def sharded_overlap(self) -> bool:
-        """Whether the sharded program's data-axis collectives overlap compute here (and are priced so)."""
-        return self.overlap and self.dp > 1
-
-    def overlaps_at(self, stage: int) -> bool:
-        """Whether the sharded program overlaps at ZeRO stage `stage`: every stage it runs, with overlap on. ZeRO-3
-        with offload is run by the offload program, which overlaps as the sharded program does (each chunk's
-        gather prefetched one chunk ahead, its reduce-scatter behind the backward that follows), and is priced
-        the same way, chunks standing for the buckets (see `sharded_sync_parts`)."""
-        return self.sharded_overlap and not self.runs_plain(stage)
-
-    def runs_chunks(self, stage: int) -> bool:
-        """Whether the offload program runs the layout at `stage` (offload pinned, ZeRO-3 on a data axis): its
-        collectives move chunks of many parameters, not one parameter each. Where the solver may offload (offload
-        None), the program is decided with the solution (o of `add_offload_constraint`), and a ZeRO-3 layout is
-        priced as the sharded program runs it, per parameter, whichever runs."""
-        return stage == 3 and self.offload is True and self.dp > 1
 
     def chunk_collectives(self, numel: float) -> tuple[float, float, float, float]:
         """(RS_bw, RS_fix, AG_bw, AG_fix): a parameter of `numel` elements' share (by its elements, of the trainable
@@ -1284,20 +1267,20 @@ class ShardingProgram:
         gathers for the backward (one per micro-batch) share the link with them during backward, so their
         bandwidth part is in G_bw too. A: its forward gathers (stage 1, 2: once; stage 3: each micro-batch's), one
         collective each; with prefetch depth 0 no gather hides (their bandwidth in A_fix). The offload program
-        (`runs_chunks`) makes them per chunk: the parameter's share of `chunk_collectives`, a reduce-scatter and two
-        gathers each micro-batch, split the same way.
+        (`ProgramComm.runs_chunks`) makes them per chunk: the parameter's share of `chunk_collectives`, a
+        reduce-scatter and two gathers each micro-batch, split the same way.
         """
-        local = self._tp_numel(name, k)
-        if self.runs_chunks(stage):  # the offload program: its share of the chunks' collectives, each micro-batch's
+        local, comm = self._tp_numel(name, k), self.comm(stage)
+        if comm.runs_chunks:  # the offload program: its share of the chunks' collectives, each micro-batch's
             rs_bw, rs_fix, ag_bw, ag_fix = (t * self.mb for t in self.chunk_collectives(local))
-            if not self.prefetch_depth:  # backward's gathers wait too
+            if not comm.prefetches_chunk:  # backward's gathers wait too
                 return rs_bw, rs_fix + 2 * (ag_bw + ag_fix), 0.0, 0.0
             return rs_bw + ag_bw, rs_fix + ag_fix, ag_bw, ag_fix
         grad_bytes, param_bytes = local * self.precision.grad_bytes_at(stage), local * self.precision.param_bytes
         kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
         full = estimate_collective_time(kind, grad_bytes, self.dp, self.dp_link)
         latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link)
-        per = self.reductions_per_step(stage)
+        per = comm.reductions_per_step
         g_bw, g_fix = (full - latency) * per, latency * grad_bytes / BUCKET_BYTES * per
         if stage == 0:
             return g_bw, g_fix, 0.0, 0.0
@@ -1305,18 +1288,13 @@ class ShardingProgram:
         one = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
         ag_latency = estimate_collective_time(Collective.ALL_GATHER, 1.0, self.dp, self.dp_link)
         if stage == 3:
-            if self.prefetch_depth:
+            if comm.prefetch_depth:
                 g_bw, g_fix = g_bw + (one - ag_latency) * runs, g_fix + ag_latency * runs
             else:
                 g_fix += one * runs
-        if not self.prefetch_depth:
+        if not comm.prefetch_depth:
             return g_bw, g_fix, 0.0, one * runs
         return g_bw, g_fix, (one - ag_latency) * runs, ag_latency * runs
-
-    def reductions_per_step(self, stage: int) -> int:
-        """How many times a step reduces each gradient in the overlapping sharded program: once (stages 0, 1: the
-        last micro-batch's backward), or once per micro-batch (stages 2, 3)."""
-        return self.mb if stage >= 2 else 1
 
     def _bucketed(self, kind: Collective, nbytes: float) -> float:
         """A parameter's share of bucketed collectives: its bytes at full bandwidth, latency pro rata.
@@ -1339,9 +1317,9 @@ class ShardingProgram:
         info = self.graph.params[name]
         if self.dp == 1 or not info.requires_grad:
             return 0.0
-        if self.buckets_all_reduce(stage):
+        if self.comm(stage).buckets_all_reduce:
             kind = Collective.ALL_REDUCE
-        elif self.gathers_once_a_step(stage):
+        elif self.comm(stage).gathers_once_a_step:
             kind = Collective.REDUCE_SCATTER
         else:
             return 0.0
@@ -1353,9 +1331,9 @@ class ShardingProgram:
         stage 1; the sharded runtime pays per parameter)."""
         if self.dp == 1:
             return 0.0
-        if self.buckets_all_reduce(stage):
+        if self.comm(stage).buckets_all_reduce:
             return estimate_collective_time(Collective.ALL_REDUCE, 1.0, self.dp, self.dp_link)
-        if self.gathers_once_a_step(stage):
+        if self.comm(stage).gathers_once_a_step:
             return estimate_collective_time(Collective.REDUCE_SCATTER, 1.0, self.dp, self.dp_link)
         return 0.0
 
@@ -1365,7 +1343,7 @@ class ShardingProgram:
         moves it onto the sharded runtime: the per-op DTensor cost (`sharded_overhead_s`), and one
         all-reduce per parameter's gradient where the data-parallel program sends buckets (a pipeline stage sends
         buckets on either runtime)."""
-        if not self.runs_plain(0):
+        if not self.comm(0).runs_plain:
             return 0.0
         extra = 0.0
         if self.dp > 1 and not self.pipeline_stage:
@@ -1399,14 +1377,14 @@ class ShardingProgram:
                         self.prob += u >= self.x[name][k], f"zero_product_lo_{name}_{k}_{s}"
                     self.prob += u <= self.x[name][k], f"zero_product_x_{name}_{k}_{s}"
                     t = self.sync_time(name, k, s)
-                    if t and self.overlaps_at(s):
+                    if t and self.comm(s).overlaps_data_axis:
                         g_bw, g_fix, a_bw, a_fix = self.sharded_sync_parts(name, k, s)
-                        grads[self.reductions_per_step(s)].append(grp.count * g_bw * u)
+                        grads[self.comm(s).reductions_per_step].append(grp.count * g_bw * u)
                         gathers += [grp.count * a_bw * u] if a_bw else []
                         self.cost_terms["grad_sync"].append(grp.count * (g_fix + a_fix) * u)
                     elif t:
                         fixed = self.bucket_latency_s(name, k, s)  # a bucketed reduction's latency never hides
-                        if self.overlap and self.runs_plain(s):
+                        if self.comm(s).overlaps_all_reduce:
                             plain.append(grp.count * (t - fixed) * u)
                             self.cost_terms["grad_sync"].append(grp.count * fixed * u)
                         else:
@@ -1425,7 +1403,7 @@ class ShardingProgram:
                 self._sync_fixed_terms.append(self.sync_floor(s) * zs)
         if plain:
             self.add_overlap_constraint(plain)
-        if any(self.overlaps_at(s) for s in self.z):
+        if any(self.comm(s).overlaps_data_axis for s in self.z):
             self.add_sharded_overlap_constraint(grads, gathers)
 
     def hiding(self, compute: list):
@@ -1443,8 +1421,9 @@ class ShardingProgram:
 
         summed over the sharded stages s (one z[s] is 1), eta the device's overlap efficiency (`hiding`; hidden =
         eta min(communication, compute), as in `add_overlap_constraint`). A step reduces each gradient r times
-        (`reductions_per_step`): once at stages 0 and 1, from the last micro-batch's backward (B / m hides them),
-        once per micro-batch at stages 2 and 3, each micro-batch's backward hiding its own buckets (r B / m = B);
+        (`ProgramComm.reductions_per_step`): once at stages 0 and 1, from the last micro-batch's backward (B / m
+        hides them), once per micro-batch at stages 2 and 3, each micro-batch's backward hiding its own buckets (r B
+        / m = B);
         one E_g per r, over the stages that reduce r times (the other's terms are 0 where its stages are not
         chosen). Exposed = what the communication needs beyond the compute it hides behind (the backward of the
         layers after each bucket; F: the forward of the layers before each gather, every micro-batch's), never less
@@ -1456,9 +1435,9 @@ class ShardingProgram:
         of `sharded_sync_parts`) and one bucket's latency per reducing backward are in the objective as they are:
         they never hide.
         """
-        sharded = [s for s in self.z if self.overlaps_at(s)]
+        sharded = [s for s in self.z if self.comm(s).overlaps_data_axis]
         for r, terms in sorted(grads.items()):
-            stages = [s for s in sharded if self.reductions_per_step(s) == r]
+            stages = [s for s in sharded if self.comm(s).reductions_per_step == r]
             if not stages:
                 continue
             suffix = "" if r == 1 else "_per_microbatch"
@@ -1472,10 +1451,10 @@ class ShardingProgram:
             self.cost_terms["grad_sync"].append(e_g)
             self.sharded_hidden.append((terms, e_g))
         for s in sharded:
-            if self.runs_chunks(s):  # one latency per chunk, in G_fix already
+            if self.comm(s).runs_chunks:  # one latency per chunk, in G_fix already
                 continue
             kind = Collective.ALL_REDUCE if s == 0 else Collective.REDUCE_SCATTER
-            latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * self.reductions_per_step(s)
+            latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * self.comm(s).reductions_per_step
             self.cost_terms["grad_sync"].append(latency * self.z[s])
         if gathers:
             e_a = self.prob.add_variable("exposed_sharded_gathers", 0)
@@ -1491,12 +1470,12 @@ class ShardingProgram:
         """T_last,g of `add_sharded_overlap_constraint`: the bandwidth part of the bucket issued when backward ends.
         In the offload program, the first trainable chunk's reduce-scatter, and also the gather that starts its
         backward (of the last chunk), which no compute precedes: with one chunk nothing hides."""
-        if self.runs_chunks(stage):
+        if self.comm(stage).runs_chunks:
             first = next((c for c in self.offload_chunks if c.requires_grad), None)
             if first is None:
                 return 0.0
             rs = self._chunk_bandwidth(Collective.REDUCE_SCATTER, first.capacity * FP32_BYTES)
-            if not self.prefetch_depth:  # the backward's gathers are exposed whole (`sharded_sync_parts`)
+            if not self.comm(stage).prefetches_chunk:  # the backward's gathers are exposed whole (`sharded_sync_parts`)
                 return rs
             return rs + self._chunk_bandwidth(
                 Collective.ALL_GATHER, self.offload_chunks[-1].capacity * self.precision.param_bytes
@@ -1507,7 +1486,7 @@ class ShardingProgram:
         """T_first,a of `add_sharded_overlap_constraint`: the bandwidth part of each micro-batch's first gather (the
         first trainable parameter the graph reads, whole on the tensor axis; in the offload program, the first
         chunk)."""
-        if self.runs_chunks(stage):
+        if self.comm(stage).runs_chunks:
             nbytes = self.offload_chunks[0].capacity * self.precision.param_bytes if self.offload_chunks else 0.0
             return self._chunk_bandwidth(Collective.ALL_GATHER, nbytes) * self.mb
         names = [n for n in self._param_groups() if self.graph.params[n].requires_grad]
@@ -1521,9 +1500,9 @@ class ShardingProgram:
         """Gathered weights in flight ahead of their use (stages >= 1 with prefetch): `prefetch_depth` times the
         largest layer's weights, whole (an upper bound where the tensor axis splits some); in the offload program,
         which prefetches one chunk ahead whatever the depth, the largest chunk's payload (none with one chunk)."""
-        if not (self.prefetch_depth and any(s >= 1 and self.overlaps_at(s) for s in self.z)):
+        if not (self.prefetch_depth and any(s >= 1 and self.comm(s).overlaps_data_axis for s in self.z)):
             return 0.0
-        if all(self.runs_chunks(s) for s in self.z):
+        if all(self.comm(s).runs_chunks for s in self.z):
             chunks = self.offload_chunks
             return max(c.capacity for c in chunks) * self.precision.param_bytes if len(chunks) > 1 else 0.0
         layers: dict = defaultdict(float)
@@ -1543,7 +1522,7 @@ class ShardingProgram:
         launched when backward ends and is exposed whole (T_last: the bandwidth part of one all-reduce of
         min(BUCKET_BYTES, all gradient bytes)). The buckets' latencies (`bucket_latency_s`, `sync_floor`) are in
         the objective as they are: they never hide."""
-        s = next(s for s in self.z if self.runs_plain(s))
+        s = next(s for s in self.z if self.comm(s).runs_plain)
         e = self.prob.add_variable("exposed_sync", 0)
         backward = pulp.lpSum(self._bwd_terms) * (self.eta / self.mb)
         self.prob += e >= pulp.lpSum(plain) - backward, "overlap_exposed_sync"
@@ -1766,7 +1745,9 @@ class ShardingProgram:
             movable += grp.count * min(b[1] + b[2] for b in per)
             opt += grp.count * min(b[2] for b in per)
         # every allowed stage gathers its weights, ahead of use with prefetch (`prefetch_bytes`)
-        ahead = self.prefetch_bytes() if stages and all(s >= 1 and self.overlaps_at(s) for s in stages) else 0.0
+        ahead = (
+            self.prefetch_bytes() if stages and all(s >= 1 and self.comm(s).overlaps_data_axis for s in stages) else 0.0
+        )
         if self.offload is False or self.dp > 1 and 3 not in stages:
             # the gradient buckets in flight of every allowed stage (`in_flight_grad_bytes`; none where offload may
             # run the stage-3 layouts as the offload program)
@@ -1814,7 +1795,9 @@ class ShardingProgram:
             self.transient = self.transient_bytes()
             ahead = self.prefetch_bytes()
             if ahead:
-                self.memory_terms["prefetch"] = [ahead * z for s, z in self.z.items() if s >= 1 and self.overlaps_at(s)]
+                self.memory_terms["prefetch"] = [
+                    ahead * z for s, z in self.z.items() if s >= 1 and self.comm(s).overlaps_data_axis
+                ]
         self._use_mode(recompute or self.recompute_choices[0])
 
     def regathered(self, recompute: str) -> list[str]:
@@ -1833,9 +1816,7 @@ class ShardingProgram:
     def regather_s(self, name: str, k: int, stage: int) -> float:
         """Seconds a step spends gathering parameter group `name` (strategy k) again in its recomputed forwards
         at ZeRO stage `stage` (one all-gather per micro-batch and layer; 0 where the stage does not)."""
-        if stage not in (1, 2) or self.overlaps_at(stage) or self.runs_plain(stage):
-            return 0.0
-        if self.gathers_once_a_step(stage):  # weights gathered once a step and kept: recompute reads them
+        if not self.comm(stage).gathers_at_each_use:  # else gathered once (a step, or ahead) and kept
             return 0.0
         local = self._tp_numel(name, k)
         ag = estimate_collective_time(Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link)
@@ -1953,7 +1934,7 @@ class ShardingProgram:
             rows["memory_peak"] = total <= self.budget
         base = [t for key, terms in self.cost_terms.items() if key != "recompute" for t in terms]
         extra = self.add_recompute_cost(recompute) if recompute != "none" else []
-        if extra and 0 in self.z and self.runs_plain(0) and self.leaving_plain_s:
+        if extra and 0 in self.z and self.comm(0).runs_plain and self.leaving_plain_s:
             extra.append(self.leaving_plain_s * self.z[0])  # recompute runs on the sharded runtime
         if extra and self._exposed is not None:  # which does not overlap its gradient reductions with backward
             extra.append(pulp.lpSum(self.sync_report["total"]) - self._exposed)
@@ -2290,7 +2271,7 @@ def solve_sharding(
             tensor_split=TensorSplit.from_constraints(constraints, tp),
             pinned_placements=pins,
             overlap=bool(constraints.get("overlap", True)),
-            prefetch_depth=_prefetch_depth(constraints),
+            prefetch_depth=constraints.get("prefetch_depth"),
         )
         make = factory(cp=pricing)
         if tp == 1 and any(v != "R" for v in pins.values()):
@@ -2412,12 +2393,6 @@ def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
     return pinned
 
 
-def _prefetch_depth(constraints: dict) -> int:
-    """The prefetch depth the sharded program runs with: the pinned one, else 1."""
-    depth = constraints.get("prefetch_depth")
-    return 1 if depth is None else int(depth)
-
-
 def _program_factory(
     graph,
     cluster,
@@ -2435,7 +2410,7 @@ def _program_factory(
     pinned_placements=None,
     overlap: bool = True,
     cp: CPPricing | None = None,
-    prefetch_depth: int = 1,
+    prefetch_depth: int | None = None,
 ):
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(
@@ -2736,16 +2711,16 @@ def layer_ops_report(
         ops = list(found.get(name, ()))
         if kind == NodeKind.PARAM and prog.dp > 1:
             t = prog.sync_time(name, k, stage)
-            if t and prog.overlaps_at(stage):
+            if t and prog.comm(stage).overlaps_data_axis:
                 t = sum(prog.sharded_sync_parts(name, k, stage))  # as the overlapping sharded program runs them
             if t:
                 local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
                 words = (
                     "all_reduce of the gradient (bucketed)"
-                    if prog.buckets_all_reduce(stage)
+                    if prog.comm(stage).buckets_all_reduce
                     else _STEP_GATHER_WORDS
-                    if prog.gathers_once_a_step(stage)
-                    else (_OVERLAP_SYNC_WORDS if prog.overlaps_at(stage) else _SYNC_WORDS)[stage]
+                    if prog.comm(stage).gathers_once_a_step
+                    else (_OVERLAP_SYNC_WORDS if prog.comm(stage).overlaps_data_axis else _SYNC_WORDS)[stage]
                 )
                 ops.append(
                     {
