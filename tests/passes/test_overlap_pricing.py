@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import autopar
+from autopar import units
 from autopar.cost_model import AnalyticEstimator, DType
 from autopar.cost_model.comm import Collective, estimate_collective_time
 from autopar.passes import sharding_solver
@@ -65,7 +66,7 @@ def _two_buckets(monkeypatch, model, traced) -> tuple[int, float]:
     (every floating-point op takes BWD_S)."""
     grad_bytes = 4 * sum(p.numel() for p in model.parameters())  # fp32 reduction of every gradient
     bucket = grad_bytes // 2 + 1
-    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    monkeypatch.setattr(units, "PRICED_BUCKET_BYTES", bucket)
     ops = sum(
         1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
     )
@@ -142,7 +143,7 @@ def test_overlap_is_not_priced_at_eta_zero_or_with_recompute(monkeypatch):
     on the sharded program (it reduces each gradient in its from_local's backward): neither hides anything;
     the cpu preset's eta does hide some (of two buckets: with one, it is the last, which nothing hides)."""
     model, x = _stack()
-    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", 2 * sum(p.numel() for p in model.parameters()) + 1)
+    monkeypatch.setattr(units, "PRICED_BUCKET_BYTES", 2 * sum(p.numel() for p in model.parameters()) + 1)
     cpu = autopar.plan(model, "cpu:2", (x,), constraints={"dp": 2, "tp": 1, "zero": 0}, alternatives=False)
     assert cpu.cluster.device.overlap_efficiency < 1 and cpu.predicted.grad_sync_hidden_s > 0.0
     none = autopar.plan(
@@ -211,7 +212,7 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     grad_bytes = [p.numel() * prec.grad_bytes_at(1) for p in params]
     param_bytes = [p.numel() * prec.param_bytes for p in params]
     bucket = sum(grad_bytes) // 2 + 1  # two buckets
-    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    monkeypatch.setattr(units, "PRICED_BUCKET_BYTES", bucket)
     off = _sharded_plan(model, x, traced, estimator, per_collective, overlap=False)
     on = _sharded_plan(model, x, traced, estimator, per_collective)
     assert (off.program, on.program, on.zero_stage, on.prefetch_depth) == ("sharded", "sharded", 1, 1)
@@ -284,7 +285,7 @@ def test_zero23_memory_counts_the_buckets_in_flight(monkeypatch, stage):
     last, middle, first = (p.numel() * 2 for p in reversed(list(model.parameters())))  # bf16 bytes, backward order
 
     def extra(bucket_bytes):
-        monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket_bytes)
+        monkeypatch.setattr(units, "PRICED_BUCKET_BYTES", bucket_bytes)
         on, off = (_sharded_plan(model, x, traced, _Fixed, zero=stage, overlap=o) for o in (True, False))
         assert on.overlap and not off.overlap
         return on.predicted.memory_breakdown["grads"] - off.predicted.memory_breakdown["grads"]
@@ -329,7 +330,7 @@ def test_zero2_each_micro_batch_hides_its_own_buckets(monkeypatch, kind):
     grad_bytes = [p.numel() * prec.grad_bytes_at(2) for p in params]
     param_bytes = [p.numel() * prec.param_bytes for p in params]
     bucket = sum(grad_bytes) // 2 + 1  # two buckets
-    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    monkeypatch.setattr(units, "PRICED_BUCKET_BYTES", bucket)
     m = 2
     link = autopar.ClusterSpec.parse("2xA100-80GB").link_for_axis(2, 1)
 

@@ -1,0 +1,2839 @@
+r"""Intra-op sharding as one integer program per 2-D device mesh (dp x tp).
+
+The mesh has a data axis `dp` (outer) and a tensor axis `tp` (inner, so it stays inside a node
+while it fits). Activations are split on their batch dimension over `dp`; on `tp` every op picks
+one strategy from `sharding_rules`. Parameters pick a placement on `tp`, and one ZeRO stage for
+the whole model decides what is sharded over `dp`. One activation recompute mode r for the whole
+model (`passes.recompute`: none, selective = attention internals, full = whole layers) decides
+which activations are kept and which forwards run twice. Every factorisation dp * tp = world size
+is solved, and the cheapest feasible one wins.
+
+Sets:
+    G          decision groups: a parameter, an input, or an op with the followers merged into it
+               (views and unary ops whose placement follows from their producer's);
+               identical layers share the groups of the first layer
+    K_g        strategies of group g;  n_g  how many nodes of the model group g stands for
+    E          edges (producer group a, consumer group c, argument i), with multiplicity n_e
+    W          parameter groups;  Z = {0, 1, 2, 3}  ZeRO stages
+    r          the recompute mode (a parameter of the program, like m below);  R_r  the nodes it
+               recomputes;  S_r  its segments (a layer, or a layer's attention internals)
+
+Variables:
+    x[g,k] in {0,1}      group g runs strategy k
+    y[e,k,l] in [0,1]    edge e joins producer strategy k with consumer strategy l
+    z[s] in {0,1}        ZeRO stage s is used
+    u[w,k,s] in [0,1]    parameter w has placement k under stage s (u = x[w,k] * z[s])
+    h_o, h_g >= 0        bytes of optimizer states (fp32 master weights and moments) and of gradients
+                         this device keeps on the host (ZeRO-Offload; a fraction of each, as
+                         DeepSpeed's Twin-Flow splits them); both 0 when offload is forbidden
+    h_p >= 0             bytes of 16-bit (or fp32) weights on the host: those of the chunks whose
+                         optimizer states are there (the offload program keeps no device copy of
+                         them between uses), so h_p = B_param h_o / B_opt
+
+Objective (predicted step time, seconds; the plain layout's gradient sync overlaps backward, E below; other
+communication is not overlapped with compute):
+    min  sum_g n_g sum_k x[g,k] (T_fwd[g,k] + T_bwd[g,k])                       compute
+       + sum_e n_e sum_{k,l} y[e,k,l] (Rf[e,k,l] + Rb[e,k,l])                   resharding
+       + sum_w n_w sum_{k,s} u[w,k,s] Sync[w,k,s]                               gradient sync over dp
+                                                                                 (but the plain layout's)
+       + E                                                                      exposed sync of the plain
+                                                                                 layout (stage 0, no tp)
+       + C_o h_o + C_g h_g + C_p h_p                                            host offload
+       + D sum_{s: tp > 1 or s >= 1} z[s]                                       sharded-runtime overhead
+       + sum_w n_w sum_{k,s} u[w,k,s] Opt[w,k,s] - D_o h_o                      optimizer step
+       + sum_g n_g sum_{m in g, m in R_r} sum_k x[g,k] T_fwd[m,k]               recomputed forwards
+       + sum_{e into R_r} n_e sum_{k,l} y[e,k,l] Rf[e,k,l]                      and their resharding
+
+    T_*   roofline (or profiled) time of the op's share of work: work / (dp * divisor_k)
+    Rf    time to bring the producer's output placement to the placement argument i needs
+    Rb    time to bring the gradient the consumer returns to the producer's layout
+    E     what the step waits for of the plain layout's bucketed all-reduces, launched from the last
+          micro-batch's backward (B its backward seconds, eta the device's overlap_efficiency, 1 on GPUs,
+          measured for gloo on CPU, where communication competes with compute for the cores):
+          E >= sum Sync_bw - eta B / m,  E >= (1 - eta) sum Sync_bw,  E >= T_last (the bandwidth part of the last
+          bucket, launched when backward ends);  hidden = sum Sync_bw - E = eta min(sum Sync_bw, B / m) while the
+          last bucket fits behind; Sync_bw is Sync less the buckets' latencies (`bucket_latency_s`, `sync_floor`),
+          which are in the step whole: no compute hides a collective's fixed cost. With equal buckets the serial
+          link's per-bucket price, max_k (sum_{j >= k} T_j - eta H_k) (H_k the backward left when bucket k goes
+          out), is these rows; it is approximated in one respect: the backward before the first bucket fills
+          counts as hiding (less than one bucket's share of B, small but for models of a few buckets).
+          With overlap off (constraints={"overlap": False}) E is not used and the sync is paid whole
+    Sync  all-reduce of the local gradient over dp in buckets (stage 0), reduce-scatter + all-gather
+          of the parameters (stages 1, 2), and one more all-gather for the backward (stage 3), one
+          collective per parameter and micro-batch (the sharded runtime without overlap redistributes
+          each on its own in every micro-batch's forward). With overlap
+          (eta > 0), the sharded runtime's part is priced by `add_sharded_overlap_constraint` instead:
+          gradients in buckets issued from backward (r = 1 reduction per step at stages 0, 1, from the
+          last micro-batch's backward; r = m at stages 2, 3, from every micro-batch's), gathers issued
+          `prefetch_depth` layers ahead; only what the backward (gradients) or the forward (gathers)
+          cannot hide, and every collective's fixed latency, is in the step:
+              E_g >= sum G_bw - eta B r/m, E_g >= (1 - eta) sum G_bw, E_g >= r T_last;
+              E_a >= sum A_bw - eta F, E_a >= (1 - eta) sum A_bw, E_a >= T_first;  + sum G_fix + A_fix
+    C_o   per byte of optimizer state on the host, its parameter's share of: the gradient down and the
+          updated 16-bit (or fp32) weight up the host link, and the CPU AdamW update:
+          ((B_grad + B_param) / host_bw + 1 / cpu_adamw_rate) / B_opt
+    C_g   per byte of gradient on the host: with m micro-batches every micro-batch's gradient goes down
+          (accumulated on the host) instead of the last one only: (m - 1) / host_bw
+    D     host seconds the sharded runtime adds to every op of the step by running it on DTensors
+          (the estimator's `sharded_op_overhead_s` x ops x m; profiled CPU ranks only), paid by every
+          layout but the plain data-parallel one (no tensor axis, stage 0)
+    C_p   per byte of weights on the host: they come up for every gather, forward and backward of each
+          micro-batch, instead of once after the step: (2m - 1) / host_bw
+    Opt   the optimizer step over w's local shard on the device: the estimator's optimizer_step_time_s
+          (or the analytic AdamW estimate) of one tensor of its fp32 weights, local on tp, and 1/dp of
+          them from stage 1 (each rank updates its shard of every parameter)
+    D_o   per byte of optimizer state on the host, the device step it no longer runs (capped at C_o:
+          offloading stays a memory measure, never a way to a faster step)
+
+Constraints:
+    one strategy:   sum_k x[g,k] = 1                                     for all g
+    edge marginals: sum_l y[e,k,l] = x[a,k],  sum_k y[e,k,l] = x[c,l]    for all e
+    one stage:      sum_s z[s] = 1   (z[s] = 1 for a pinned stage)
+    product:        u[w,k,s] >= x[w,k] + z[s] - 1,  u <= x[w,k],  u <= z[s]
+    memory (peak, at the turn from forward to backward, where every saved activation is live):
+        sum_w n_w sum_{k,s} u[w,k,s] M_state[w,k,s]  - h_o - h_g - h_p
+      + sum_g n_g sum_k x[g,k] M_saved[g,k,r]  + M_recompute  + M_transient   <=  budget
+    offload (unless forbidden; "=" instead of "<=" in the first two when everything is pinned to the host):
+        h_o <= sum_w n_w sum_{k,s} u[w,k,s] M_opt[w,k,s],   h_g <= sum_w n_w sum_{k,s} u[w,k,s] M_grad[w,k,s]
+        B_opt h_g = B_grad h_o           (a gradient lives on the host with its optimizer states)
+        h_o + h_g <= host memory / devices per node
+        h_o <= (host memory / devices per node) z[3] when dp > 1 (the offload program runs ZeRO-3 chunks)
+    recomputed segment (r != none):
+        M_recompute >= sum_{m in S, m kept at none, dropped at r} x[g(m),k] M_value[m,k]   for all S in S_r
+    tensor split (tp > 1; M the layer matmul weights with a dim divisible by tp, N_w their elements):
+        sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w     f = tp_min_split, 1 unless the
+                                                                                  user says less
+
+    M_state   parameter, gradient and optimizer bytes of w's local shard under stage s; with the sharded
+              program's overlap, plus its whole fp32 gradient at stage 1 (`overlap_grad_bytes`), and the
+              memory rows gain sum_{s >= 2} z[s] M_buckets: the gradient buckets in flight at stages 2
+              and 3 (`in_flight_grad_bytes`), and the weights gathered ahead of use (`prefetch_bytes`)
+    M_saved   bytes of the group's outputs kept for backward under r, split over dp and, where
+              the output is sharded, over tp. A value is kept when a consumer outside R_r saves
+              it, or when it enters a segment from outside (the checkpoint keeps its inputs);
+              values made and used inside one segment are dropped. Under full recompute a layer
+              keeps its input only (Korthikanti et al.'s 2sbh per layer, plus shared masks)
+    M_recompute  the values the first segment recomputed in backward holds again: the largest
+              segment's (identical layers share one expression, so it is usually one row)
+
+Micro-batches (gradient accumulation): with m micro-batches per data-parallel rank every op and
+every resharding runs m times on 1/(dp*m) of the batch, activations and working memory shrink by
+m, gradients are all-reduced once (stages 0, 1) or reduce-scattered per micro-batch (2, 3) and
+ZeRO-3 gathers parameters for each micro-batch's forward and backward. m is a parameter of the
+program, not a variable: each mesh is solved at the fewest micro-batches whose memory lower bound
+(every choice at its leanest) fits, and at more while that makes the step faster.
+
+The recompute mode is a parameter too: its terms (the objective's recompute part, M_saved(r) and
+the M_recompute rows) are built the first time a program is solved with r, and swapped in.
+
+How the programs are solved: the step time never falls as m or recompute grows, nor as the ZeRO
+stage grows past 1 (for the same placements); stage 1 can beat stage 0, its optimizer step being 1/dp
+of it. So the program at the fewest micro-batches that fit under the leanest allowed mode and no
+recompute, solved without the memory row at the lowest stage and at the lowest stage from 1 (the
+faster of the two), is a lower bound
+L(dp, tp) of everything its mesh can reach. Meshes are visited in order of L; a mesh whose L is not
+below the best plan found is not solved further; a mesh whose memory-free optimum fits is done
+(recompute is never considered where memory does not bind). Otherwise each recompute mode, none
+first, searches its own micro-batch counts (the fewest that fit under it first, more while that
+helps), skipped when the best plan found reaches its bound L + sum_g n_g min_k sum_{m in R_r}
+T_fwd[m,k] (or its own memory-free optimum at its fewest micro-batches); within a mode each stage
+is solved with z fixed (presolve then removes the product rows, which HiGHS solves much faster than
+the joint program), stopping at a stage that reaches the mode's bound.
+
+A tensor axis that splits no weight is data parallelism run on DTensors, which the dp mesh of the same size
+runs better. So a tensor axis, pinned or searched, splits every layer matmul weight (attention, MLP, experts)
+unless `tp_min_split` lowers the fraction, and a mesh with no such weight it can split is dropped; pinned and
+searched axes follow one rule, so `compile`, which plans again with the plan's tp pinned, builds what was
+priced. What stays replicated, and why, is in the solution.
+
+Offload only adds time (the host link and the CPU step are not overlapped with compute), so a program
+keeps states on the host only where memory requires it; it enters the lower bounds above as the
+states it can move (capped by host memory), which lets fewer micro-batches and lower stages fit.
+Only meshes without a tensor axis (tp = 1) offload, as the offload program runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import sys
+import time
+import warnings
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pulp
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar import units
+from autopar.cluster import ClusterSpec
+from autopar.cost_model.comm import Collective, estimate_collective_time
+from autopar.cost_model.compute import optimizer_step_time_s
+from autopar.cost_model.devices import LinkSpec
+from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
+from autopar.memory.layout import ALIGN_NUMEL, ParamSpec, offload_chunk_numel, pack
+from autopar.passes import sharding_rules as rules
+from autopar.passes.activation_plan import layer_indices, mix_layer_modes
+from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, is_attention, price_cp_attention
+from autopar.passes.parallelize import launches_early, local_op_targets
+from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
+from autopar.passes.sharding_rules import OpStrategy, placement_str
+from autopar.plan import ProgramKind, program_kind
+from autopar.program_comm import ProgramComm, gradient_order, resolved_prefetch_depth
+from autopar.units import BUCKETS_IN_FLIGHT, FP32_BYTES, GIB
+
+R = Replicate()
+FORBIDDEN_S = 1e6  # the price of a conversion the runtime cannot do: no optimum ever pays it
+
+# Ops that keep none of their inputs for the backward pass (the gradient does not need them).
+_NO_SAVE = {
+    "aten.add.Tensor",
+    "aten.sub.Tensor",
+    "aten.neg.default",
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten.transpose.int",
+    "aten.permute.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.expand.default",
+    "aten.slice.Tensor",
+    "aten.select.int",
+    "aten.split.Tensor",
+    "aten.cat.default",
+    "aten.clone.default",
+    "aten.contiguous.default",
+    "aten.alias.default",
+    "aten.to.dtype",
+    "aten.to.dtype_layout",
+    "aten._to_copy.default",
+    "aten._assert_tensor_metadata.default",
+    "aten.t.default",
+    "<built-in function getitem>",
+    "aten.detach.default",
+    "aten.dropout.default",
+    "aten.add.Scalar",
+    "aten.sub.Scalar",
+    "aten.mul.Scalar",
+    "aten.div.Scalar",
+    "aten.to.device",
+    "aten._unsafe_view.default",
+}
+_VIEW_OPS = {
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten.transpose.int",
+    "aten.permute.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.expand.default",
+    "aten.slice.Tensor",
+    "aten.select.int",
+    "aten.split.Tensor",
+    "aten.alias.default",
+    "aten.t.default",
+    "<built-in function getitem>",
+    "aten._assert_tensor_metadata.default",
+    "aten.detach.default",
+    "aten._unsafe_view.default",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """Bytes per parameter of each model state (AdamW), as the programs hold them.
+
+    `grad_bytes` is a ZeRO-0 gradient: held and all-reduced in `grad_reduce`'s format (mixed precision:
+    fp32 by default, the compute format when pinned). Gradients of parameters sharded over the data axis
+    (ZeRO >= 1) are reduce-scattered in the compute format, the transpose of their compute-format gathers
+    (`grad_bytes_at`).
+    """
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    grad_reduce: str = "fp32"
+
+    @classmethod
+    def get(cls, name: str, grad_reduce: str | None = None) -> Precision:
+        reduce = grad_reduce or "fp32"
+        if name in ("bf16", "fp16"):
+            if reduce not in ("fp32", name):
+                raise ConfigError(
+                    f"grad_reduce={reduce!r} with precision {name!r}: gradients are reduced in 'fp32' "
+                    f"(the default) or in the compute format {name!r}"
+                )
+            # compute-format weights, fp32 master weights and two fp32 moments (ZeRO paper: 2 + 2 + 12), and
+            # gradients in the format they are reduced in
+            return cls(name, 2, 4 if reduce == "fp32" else 2, 12, reduce)
+        if name == "fp32":
+            if reduce != "fp32":
+                raise ConfigError(f"grad_reduce={reduce!r} with precision 'fp32': fp32 training reduces in 'fp32'")
+            return cls(name, 4, 4, 8, reduce)
+        raise ConfigError(f"unknown precision {name!r}: expected 'bf16', 'fp16' or 'fp32'")
+
+    def grad_bytes_at(self, stage: int) -> int:
+        """Bytes of one gradient element as held and reduced at ZeRO stage `stage`."""
+        return self.grad_bytes if stage == 0 else self.param_bytes
+
+
+@dataclass
+class Group:
+    """A decision group: a leader node and the followers whose placement derives from it."""
+
+    leader: str
+    strategies: list[OpStrategy]
+    count: int
+    members: list[str] = field(default_factory=list)
+    # per member node: per strategy k, output placement / required argument placements / argument gradients
+    out: dict[str, list[Placement]] = field(default_factory=dict)
+    need: dict[str, list[tuple[Placement, ...]]] = field(default_factory=dict)
+    grads: dict[str, list[tuple[Placement, ...]]] = field(default_factory=dict)
+    divisor: dict[str, list[int]] = field(default_factory=dict)
+    extra_s: list[float] = field(default_factory=list)
+    # per follower: per strategy k, the forward part of extra_s (a gather before it), which recompute repeats
+    follow_fwd_s: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class MeshResult:
+    """The optimum of one mesh's program (or why it has none)."""
+
+    dp: int
+    tp: int
+    feasible: bool
+    step_time_s: float
+    compute_s: float
+    reshard_s: float
+    grad_sync_s: float
+    zero_stage: int
+    memory: dict[str, float]
+    solve_time_s: float
+    reason: str = ""
+    optimizer_s: float = 0.0  # the optimizer step on the device (Opt less D_o h_o)
+    num_microbatches: int = 1
+    recompute: str = "none"
+    # host offload: bytes on the host per device, fractions of the states, seconds it adds (empty: none)
+    offload: dict = field(default_factory=dict)
+    # per-layer treatment (`passes.activation_plan`): "offload"/"full"/"selective" -> how many layers
+    # (empty: `recompute` applies to every layer); the offloaded activations' host bytes and seconds
+    layer_modes: dict = field(default_factory=dict)
+    activation_offload: dict = field(default_factory=dict)
+    recompute_s: float = 0.0  # the part of compute_s that runs forwards again (and what leaving plain tensors adds)
+    grad_sync_hidden_s: float = 0.0  # gradient all-reduce time hidden behind backward (grad_sync_s is what is not)
+    cp_comm_s: float = 0.0  # cp attention's communication its compute does not hide (not in compute_s)
+    cp_comm_hidden_s: float = 0.0  # and what it hides (not in the step)
+    step_gather_s: float = 0.0  # the part of grad_sync_s that gathers weights before a pipeline's schedule starts
+    sync_fixed_s: float = 0.0  # the part of grad_sync_s that is bucketed reductions' latency (never hidden)
+    reshard_hidden_s: float = 0.0  # tensor-axis collectives launched early, hidden behind the ops before their use
+
+
+@dataclass(frozen=True)
+class ShardingSolution:
+    """The chosen layout: mesh, ZeRO stage and per-node placements on the tensor axis."""
+
+    dp: int
+    tp: int
+    num_microbatches: int
+    zero_stage: int
+    step_time_s: float
+    compute_s: float
+    reshard_s: float
+    grad_sync_s: float
+    memory: dict[str, float]
+    node_output: dict[str, str]
+    node_inputs: dict[str, tuple[str, ...]]
+    node_strategy: dict[str, str]
+    param_placements: dict[str, str]
+    candidates: tuple[MeshResult, ...]
+    unruled_ops: tuple[str, ...]
+    num_groups: int
+    solve_time_s: float
+    recompute: str = "none"
+    offload: dict = field(default_factory=dict)
+    optimizer_s: float = 0.0
+    layer_modes: dict = field(default_factory=dict)  # treatment -> layer indices (empty: uniform `recompute`)
+    activation_offload: dict = field(default_factory=dict)
+    recompute_s: float = 0.0  # the part of compute_s spent running forwards again
+    grad_sync_hidden_s: float = 0.0  # gradient all-reduce time hidden behind backward (grad_sync_s is what is not)
+    cp_comm_s: float = 0.0  # cp attention's communication its compute does not hide (not in compute_s)
+    cp_comm_hidden_s: float = 0.0  # and what it hides (not in the step)
+    reshard_hidden_s: float = 0.0  # tensor-axis collectives launched early, hidden behind the ops before their use
+    # tp > 1: what the tensor axis splits and which parameters stay whole, and why (`tensor_split_report`)
+    tensor_split: dict = field(default_factory=dict)
+    # per deduplicated layer (and what runs outside the layers): its ops, placements and collectives
+    # (`layer_ops_report`)
+    layer_ops: tuple = ()
+    # a cp plan: "degree", "algorithm" and "priced" (one line per algorithm, `CPPricing.lines`); empty without
+    cp: dict = field(default_factory=dict)
+
+
+_ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _analysis(graph: OpGraph) -> dict:
+    """Mesh-independent facts about `graph` (per view of it), computed once and shared by every mesh's program."""
+    found = _ANALYSES.get(graph.graph)
+    if found is None:
+        found = _ANALYSES[graph.graph] = {}
+    return found.setdefault(graph.view, {})
+
+
+def batch_split_nodes(graph: OpGraph, batch: int) -> frozenset[str]:
+    """Nodes whose values are split over the data axis: those computed from the batch inputs.
+
+    A value derived from a batch-split value stays split while it still holds at least one
+    element per sample (views that flatten batch and sequence into tokens included); a loss
+    reduced to a scalar does not. A value the graph makes from no input at all (a causal mask
+    expanded to the batch) with the batch as its leading dimension is split too: it is the same
+    on every rank, so each rank keeps its rows (the rewrite does the same).
+    """
+    cache = _analysis(graph)
+    if ("batch_split", batch) in cache:
+        return cache[("batch_split", batch)]
+    split: set[str] = set()
+    made: set[str] = set()  # computed from no placeholder
+    for node in graph.graph.nodes:
+        args = tensor_args(node)
+        if node.op == "call_function" and all(a.name in made for a in args):
+            made.add(node.name)
+        meta = output_meta(node)
+        if meta is None or not meta.shape or meta.numel % batch:
+            continue
+        if graph.kinds.get(node.name) == NodeKind.INPUT:
+            if meta.shape[0] == batch:
+                split.add(node.name)
+        elif node.op == "call_function" and any(a.name in split for a in args):
+            split.add(node.name)
+        elif node.name in made and len(meta.shape) >= 2 and meta.shape[0] == batch:
+            split.add(node.name)
+    out = cache[("batch_split", batch)] = frozenset(split)
+    return out
+
+
+# Matrix products and the argument holding the weight (None: whichever argument a parameter reaches)
+_MATMUL_WEIGHT_ARG = {
+    "aten.linear.default": 1,
+    "aten.addmm.default": 2,
+    "aten.mm.default": 1,
+    "aten.bmm.default": None,
+    "aten.matmul.default": None,
+}
+# Ops a weight passes through on its way to a matmul: views, casts, and the selection of experts
+_WEIGHT_PATH_OPS = _VIEW_OPS | {
+    "aten.index.Tensor",
+    "aten._to_copy.default",
+    "aten.to.dtype",
+    "aten.to.dtype_layout",
+    "aten.clone.default",
+    "aten.contiguous.default",
+    "aten.chunk.default",
+    "aten.narrow.default",
+    "aten.numpy_T.default",
+}
+
+
+def matmul_weights(graph: OpGraph) -> frozenset[str]:
+    """Parameter nodes (representatives) that are the weight of a matrix product: attention and MLP projections,
+    experts (reached through their selection by index), the LM head. Embedding tables are not: a lookup is no
+    product."""
+    cache = _analysis(graph)
+    if "matmul_weights" in cache:
+        return cache["matmul_weights"]
+    found: set[str] = set()
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or str(node.target) not in _MATMUL_WEIGHT_ARG:
+            continue
+        args = tensor_args(node)
+        idx = _MATMUL_WEIGHT_ARG[str(node.target)]
+        for a in args if idx is None else args[idx : idx + 1]:
+            while a.op == "call_function" and str(a.target) in _WEIGHT_PATH_OPS and tensor_args(a):
+                a = tensor_args(a)[0]
+            if graph.kinds.get(a.name) == NodeKind.PARAM:
+                found.add(graph.representative[a.name])
+    out = cache["matmul_weights"] = frozenset(found)
+    return out
+
+
+def layer_matmul_weights(graph: OpGraph) -> frozenset[str]:
+    """The matmul weights a pinned tensor axis must split: those of the repeated layers (all of them in a model
+    without layers). The LM head is left to the solver: splitting it pays only where the vocabulary is large."""
+    weights = matmul_weights(graph)
+    inside = frozenset(w for w in weights if graph.params[w].layer[0] is not None)
+    return inside or weights
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSplit:
+    """What a tensor axis must split: at least `min_fraction` of the layer matmul weights' elements."""
+
+    min_fraction: float = 0.0
+
+    @classmethod
+    def from_constraints(cls, constraints: dict, tp: int) -> TensorSplit:
+        """The rule for a tensor axis of size `tp` under the user's `constraints` (validated here): every layer
+        matmul weight by default, pinned or searched alike (so that `compile`, which plans again with the
+        plan's tp pinned, builds what was priced), or the fraction `tp_min_split` says."""
+        f = constraints.get("tp_min_split")
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
+            raise ConfigError(
+                f"constraints['tp_min_split']={f!r}: expected a fraction between 0 and 1 (0 lets the "
+                f"tensor axis split nothing, 1 splits every layer matmul weight)"
+            )
+        if tp == 1:
+            return cls()
+        return cls(1.0 if f is None else float(f))
+
+
+def redistribute_kind(src: Placement, dst: Placement) -> Collective | None:
+    """The collective that turns placement `src` into `dst` on the tensor axis; None when none is needed (the
+    same placement, or a slice of a replicated value); ValueError for a conversion the runtime cannot do."""
+    if src == dst:
+        return None
+    if dst.is_replicate():
+        return Collective.ALL_REDUCE if src.is_partial() else Collective.ALL_GATHER
+    if isinstance(dst, Shard):
+        if src.is_replicate():
+            return None  # each rank keeps its slice
+        return Collective.REDUCE_SCATTER if src.is_partial() else Collective.ALL_TO_ALL
+    # Nothing turns a value into a Partial one at run time (DTensor keeps that for its own
+    # ops), so a consumer that wants Partial inputs can only follow a Partial producer.
+    raise ValueError(f"no collective turns {src} into {dst}")
+
+
+def redistribute_time(src: Placement, dst: Placement, nbytes: float, tp: int, link: LinkSpec) -> float:
+    """Time to turn a tensor of `nbytes` (full size) from placement `src` into `dst` on the tensor axis."""
+    if tp == 1:
+        return 0.0
+    try:
+        kind = redistribute_kind(src, dst)
+    except ValueError:
+        return FORBIDDEN_S
+    return 0.0 if kind is None else estimate_collective_time(kind, nbytes, tp, link)
+
+
+def grad_layout(p: Placement) -> Placement:
+    """The layout a producer needs its output's gradient in (the gradient of a Partial value is replicated)."""
+    return R if p.is_partial() else p
+
+
+def factorizations(world_size: int) -> list[tuple[int, int]]:
+    """Every (dp, tp) with dp * tp == world_size, tp ascending."""
+    return [(world_size // t, t) for t in range(1, world_size + 1) if world_size % t == 0]
+
+
+class ShardingProgram:
+    """The integer program of one (dp, tp) mesh; see the module docstring for the math."""
+
+    def __init__(
+        self,
+        graph: OpGraph,
+        cluster: ClusterSpec,
+        dp: int,
+        tp: int,
+        *,
+        estimator,
+        precision: Precision,
+        zero_stage: int | None,
+        memory_budget_bytes: float,
+        batch_dim_size: int,
+        num_microbatches: int = 1,
+        activation_copies: float = 1.0,
+        recompute: str | None = None,
+        offload: bool | None = False,
+        tensor_split: TensorSplit = TensorSplit(),
+        pinned_placements: dict | None = None,
+        overlap: bool = True,
+        cp: CPPricing | None = None,
+        prefetch_depth: int | None = None,
+        pipeline_stage: bool = False,
+        step_gathers: bool = False,
+        tp_overlap: bool | None = None,
+    ):
+        self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
+        # priced as the pipeline program runs a stage (`runtime.pipeline`): its dp-replicated gradients summed over
+        # the data axis once a step, in buckets, whatever its tensor and cp axes
+        self.pipeline_stage = pipeline_stage
+        # and ZeRO-1 as such a stage runs it with overlap: each split weight gathered once a step before the
+        # schedule, its fp32 gradient summed over the micro-batches and reduce-scattered once, in buckets
+        self.step_gathers = pipeline_stage and step_gathers
+        self._step_gather_terms: list = []  # n_g u[g,k,1] A: the step's gathers (`step_gather_time`)
+        # the latencies of the bucketed reductions (`bucket_latency_s`, `sync_floor`): in the step, never hidden
+        self._sync_fixed_terms: list = []
+        # the data-parallel program launches each gradient bucket's all-reduce from backward (asynchronously):
+        # price what the last micro-batch's backward hides, at the device's overlap efficiency eta (on CPU ranks
+        # gloo's all-reduce runs on the cores the compute needs, so less hides there); pipeline stages reduce
+        # after their schedule. Where eta = 0 nothing hides: the program is priced as its synchronous one (`comm`)
+        self.eta = cluster.device.overlap_efficiency
+        self.overlap = overlap and self.eta > 0
+        # the sharded program's data-axis collectives with overlap (`add_sharded_overlap_constraint`): gradient
+        # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
+        self.prefetch_depth = resolved_prefetch_depth(prefetch_depth, self.overlap)
+        self._comms: dict[int, ProgramComm] = {}  # ZeRO stage -> the declaration of the program that runs it
+        self.bucket_size = units.PRICED_BUCKET_BYTES  # a gradient bucket as priced (read here: tests shrink it)
+        # the interpreter launches a tensor-axis collective early where its value's consumer is not the next op
+        # (`parallelize.launches_early`, with the plan's overlap; a pipeline stage's program says so apart, as its
+        # `overlap` speaks of the data axis): the forward collective runs behind the ops in between
+        self.tp_overlap = (overlap if tp_overlap is None else tp_overlap) and self.eta > 0 and tp > 1
+        self._tp_hidden_terms: list = []  # what those collectives hide (`_early_window`), per edge choice
+        self._bwd_terms: list = []  # n_g x[g,k] T_bwd: backward seconds per step
+        self._fwd_terms: list = []  # n_g x[g,k] T_fwd: forward seconds per step
+        # the sharded program's hideable communication and the exposed part the objective pays, per family
+        self.sharded_hidden: list[tuple[list, pulp.LpVariable]] = []
+        self._cp_hidden_terms: list = []  # cp attention's communication its compute hides (`_cp_comm_s`)
+        self._offloading = False  # offload pinned: the ZeRO-3 layouts run as the offload program
+        self._offload_runs: pulp.LpVariable | None = None  # offload allowed: whether the offload program runs
+        self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
+        self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
+        self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
+        self._cp_costs: dict = {}  # (attention node, head divisor) -> CPAttentionCost
+        self.tensor_split = tensor_split
+        self.pinned_placements = dict(pinned_placements or {})  # parameter name -> placement string on tp
+        # False: states stay on the device; None: the program places them; True: all optimizer states
+        # and gradients on the host
+        self.offload = offload
+        self.h: dict[str, pulp.LpVariable] = {}
+        self.mb = num_microbatches
+        # micro-batches whose saved activations are alive at once (1 here; a pipeline schedule keeps more)
+        self.activation_copies = activation_copies
+        if batch_dim_size % (dp * num_microbatches):
+            raise ConfigError(
+                f"the global batch of {batch_dim_size} does not split into dp={dp} x {num_microbatches} micro-batches"
+            )
+        self.estimator, self.precision = estimator, precision
+        self.zero_choices = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
+        if dp == 1 and zero_stage is None:
+            # one rank shards nothing, so stages 2 and 3 are stage 1; stage 1 still differs from 0 where the
+            # precision holds its gradients leaner (mixed precision: the compute format, not fp32), as the pipeline
+            # search's stages and a pinned stage price it
+            self.zero_choices = [0, 1] if precision.grad_bytes_at(1) < precision.grad_bytes_at(0) else [0]
+        self.budget = memory_budget_bytes
+        self.batch = batch_dim_size
+        # recompute modes to consider, the cheapest first; a pinned mode is the only one
+        self.recompute_choices = recompute_choices(graph, recompute)
+        self.batch_split = batch_split_nodes(graph, batch_dim_size)
+        self.batch_div = dp * num_microbatches  # how many pieces a batch-split value is cut into
+        self.tp_link = cluster.link_for_axis(tp, 1)
+        self.dp_link = cluster.link_for_axis(dp, tp)
+        self.groups: dict[str, Group] = {}
+        self.group_of: dict[str, str] = {}
+        self.prob = pulp.LpProblem(f"sharding_dp{dp}_tp{tp}_mb{num_microbatches}", pulp.LpMinimize)
+        self.x: dict[str, list[pulp.LpVariable]] = {}
+        self.z: dict[int, pulp.LpVariable] = {}
+        self.u: dict[tuple[str, int, int], pulp.LpVariable] = {}
+        self.cost_terms: dict[str, list] = defaultdict(list)
+        self.memory_terms: dict[str, list] = defaultdict(list)
+        self.last_choice: dict[str, int] = {}  # strategy index per group of the last solution
+        # the parts that depend on the recompute mode, built when a mode is first solved
+        self._fwd_s: dict[str, dict[str, list[float]]] = defaultdict(dict)  # group -> member -> n_g * F[k]
+        self._edge_fwd: list[tuple[str, float, pulp.LpVariable]] = []  # (consumer, n_e * Rf, y or x)
+        self._modes: dict[str, _ModeTerms] = {}
+        self._mode: str | None = None
+        self._act_bounds: dict[str, tuple[float, float]] = {}
+        self.transient: float | None = None
+        self._build_groups()
+
+    # ------------------------------------------------------------------ groups and their strategies
+
+    def _rep(self, name: str) -> str:
+        return self.graph.representative[name]
+
+    def _build_groups(self) -> None:
+        g = self.graph
+        for node in g.graph.nodes:
+            if g.representative[node.name] != node.name or node.op == "output":
+                continue
+            kind = g.kinds[node.name]
+            if kind == NodeKind.PARAM:
+                self._new_group(node, self._param_strategies(node))
+            elif kind == NodeKind.INPUT:
+                self._new_group(node, self._input_strategies(node))
+            elif kind in (NodeKind.BUFFER, NodeKind.CONSTANT):
+                self._new_group(node, [OpStrategy((), R)])
+            elif rules.is_follower(node) and self._can_merge(node):
+                self._merge_follower(node)
+            else:
+                self._new_group(node, rules.strategies_for(node, self.tp))
+
+    def _param_strategies(self, node: fx.Node) -> list[OpStrategy]:
+        meta = output_meta(node)
+        out = [OpStrategy((), R)]
+        if self.tp > 1:
+            out += [OpStrategy((), Shard(d)) for d, s in enumerate(meta.shape) if s % self.tp == 0]
+        return out
+
+    def _input_strategies(self, node: fx.Node) -> list[OpStrategy]:
+        meta = output_meta(node)
+        out = [OpStrategy((), R)]
+        if self.tp > 1 and meta is not None and meta.shape and (meta.shape[0] // self.batch_div) % self.tp == 0:
+            out.append(OpStrategy((), Shard(0)))
+        return out
+
+    def _new_group(self, node: fx.Node, strategies: list[OpStrategy]) -> None:
+        grp = Group(node.name, strategies, self.graph.layer_count[node.name])
+        grp.extra_s = [0.0] * len(strategies)
+        self._add_member(
+            grp,
+            node,
+            [s.output for s in strategies],
+            [s.inputs for s in strategies],
+            [s.grad_placements() for s in strategies],
+            [s.divisor for s in strategies],
+        )
+        self.groups[node.name] = grp
+
+    def _add_member(self, grp, node, out, need, grads, divisor) -> None:
+        grp.members.append(node.name)
+        grp.out[node.name], grp.need[node.name] = out, need
+        grp.grads[node.name], grp.divisor[node.name] = grads, divisor
+        self.group_of[node.name] = grp.leader
+
+    def _can_merge(self, node: fx.Node) -> bool:
+        (arg,) = tensor_args(node)
+        src = self._rep(arg.name)
+        return (
+            src == arg.name
+            and src in self.group_of
+            and self.graph.layer_count[src] == self.graph.layer_count[node.name]
+            and self.graph.kinds[src] == NodeKind.COMPUTE
+        )
+
+    def _merge_follower(self, node: fx.Node) -> None:
+        (arg,) = tensor_args(node)
+        grp = self.groups[self.group_of[arg.name]]
+        nbytes = self._act_bytes(arg)
+        out, need, grads, div = [], [], [], []
+        for k, src in enumerate(grp.out[arg.name]):
+            o = rules.follow(node, src, self.tp)
+            if o is None:  # the follower cannot keep this layout: gather first, then run replicated
+                gather = redistribute_time(src, R, nbytes, self.tp, self.tp_link) * grp.count * self.mb
+                grp.extra_s[k] += gather
+                grp.follow_fwd_s.setdefault(node.name, [0.0] * len(grp.strategies))[k] += gather
+                o, src = R, R
+            out.append(o)
+            need.append((src,))
+            grads.append((grad_layout(src),))
+            div.append(self.tp if isinstance(o, Shard) else 1)
+        self._add_member(grp, node, out, need, grads, div)
+
+    # ---------------------------------------------------------------------------------- sizes
+
+    def _act_bytes(self, node: fx.Node) -> float:
+        """Full bytes of a value on one dp rank for one micro-batch (activations are split over dp and
+        micro-batches; parameters are not)."""
+        meta = output_meta(node)
+        if meta is None:
+            return 0.0
+        kind = self.graph.kinds.get(node.name)
+        if kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.CONSTANT):
+            return float(meta.nbytes)
+        if node.name in self.batch_split:
+            return meta.nbytes / self.batch_div
+        return float(meta.nbytes)
+
+    def _op_times(self, node: fx.Node, divisor: int) -> tuple[float, float]:
+        """(forward, backward) seconds of one node per step (all micro-batches)."""
+        if node.op != "call_function":
+            return 0.0, 0.0
+        # every op runs once per micro-batch, on 1 / (dp * micro-batches) of the batch when it carries it
+        meta = output_meta(node)
+        if self.cp is not None and is_attention(node):  # a rank's queries against the whole sequence
+            fwd, bwd = self.cp.times(node, self.batch // self.batch_div, divisor)
+            return self.mb * fwd, self.mb * bwd
+        d = (self.batch_div if self._carries_batch(node) else 1) * divisor
+        fwd = self.estimator.forward_time_s(node, d)
+        bwd = self.estimator.backward_time_s(node, d) if meta is not None and meta.dtype.is_floating_point else 0.0
+        return self.mb * fwd, self.mb * bwd
+
+    def _carries_batch(self, node: fx.Node) -> bool:
+        return node.name in self.batch_split or any(a.name in self.batch_split for a in tensor_args(node))
+
+    def _saved_for_backward(self, recompute: str = "none") -> set[str]:
+        """Producers (view chains resolved to their base) whose output is kept for backward under `recompute`.
+
+        A value is kept when a consumer that is not recomputed saves it, or when it enters a recomputed
+        segment from outside (the checkpoint keeps its inputs, whatever the ops inside save). A value
+        made and used inside one segment is dropped: the backward makes it again.
+        """
+        cache = _analysis(self.graph)
+        if ("saved", recompute) in cache:
+            return cache[("saved", recompute)]
+        segment = recomputed_nodes(self.graph.graph, recompute)
+        saved = set()
+        for node in self.graph.graph.nodes:
+            if node.op != "call_function":
+                continue
+            seg = segment.get(node.name)
+            if seg is None and str(node.target) in _NO_SAVE:
+                continue
+            for a in tensor_args(node):
+                a = _storage_base(a)
+                if seg is not None and segment.get(a.name) == seg:
+                    continue
+                if self.graph.kinds.get(a.name) in (NodeKind.COMPUTE, NodeKind.INPUT):
+                    meta = output_meta(a)
+                    if meta is not None and meta.dtype.is_floating_point or a.op == "placeholder":
+                        saved.add(a.name)
+        cache[("saved", recompute)] = saved
+        return saved
+
+    # --------------------------------------------------------------------------------- the program
+
+    def build(self) -> None:
+        """Create the variables and every constraint family."""
+        for name, grp in self.groups.items():
+            self.x[name] = [self.prob.add_variable(f"x_{name}_{k}", cat="Binary") for k in range(len(grp.strategies))]
+        for s in self.zero_choices:
+            self.z[s] = self.prob.add_variable(f"z_{s}", cat="Binary")
+        self.add_one_strategy_constraint()
+        self.add_one_stage_constraint()
+        self.add_compute_cost()
+        self.add_edge_constraint()
+        self.add_stage_product_constraint()
+        self.add_sharded_runtime_cost()
+        self.add_offload_constraint()
+        self.add_tensor_split_constraint()
+        self.add_pinned_placement_constraint()
+        self.add_memory_constraint()
+
+    def splittable_weights(self) -> list[str]:
+        """The layer matmul weights (representatives) with a placement split on the tensor axis."""
+        if self.tp == 1:
+            return []
+        return [
+            w
+            for w in sorted(layer_matmul_weights(self.graph))
+            if w in self.groups and any(isinstance(s.output, Shard) for s in self.groups[w].strategies)
+        ]
+
+    def cannot_split(self) -> bool:
+        """Whether the tensor-split rule asks for a split this mesh has no weight to make."""
+        return self.tp > 1 and self.tensor_split.min_fraction > 0 and not self.splittable_weights()
+
+    def add_tensor_split_constraint(self) -> None:
+        """sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w  (f = tp_min_split)."""
+        f, weights = self.tensor_split.min_fraction, self.splittable_weights()
+        if not weights or f <= 0:
+            return
+        size = {w: self.groups[w].count * self.graph.params[w].meta.numel for w in weights}
+        total = sum(size.values())
+        split = [
+            size[w] / total * self.x[w][k]
+            for w in weights
+            for k, s in enumerate(self.groups[w].strategies)
+            if isinstance(s.output, Shard)
+        ]
+        # fractions of the total keep the coefficients near 1; the slack absorbs their rounding at f = 1
+        self.prob += pulp.lpSum(split) >= f - 1e-9, "tp_min_split"
+
+    def pinned_strategies(self) -> dict[str, int]:
+        """Parameter group -> the strategy its pinned placement (`param_placements`) names; ConfigError when a pin
+        names no parameter, a placement it cannot take, or two placements for one set of identical layers."""
+        if not self.pinned_placements:
+            return {}
+        names = {}
+        for node_name, info in self.graph.params.items():
+            for fqn in self.graph.expand_param_name(info.name, info.layer):
+                names[fqn] = self.graph.representative[node_name]
+        out: dict[str, int] = {}
+        for fqn, text in self.pinned_placements.items():
+            if fqn not in names:
+                raise ConfigError(f"constraints['param_placements'] names {fqn!r}, which is no parameter of the model")
+            grp = self.groups[names[fqn]]
+            ks = [k for k, st in enumerate(grp.strategies) if rules.placement_str(st.output) == text]
+            if not ks:
+                shape = self.graph.params[names[fqn]].meta.shape
+                raise ConfigError(
+                    f"constraints['param_placements'][{fqn!r}]={text!r}: a parameter of shape {shape} "
+                    f"takes one of {[rules.placement_str(st.output) for st in grp.strategies]} "
+                    f"on a tensor axis of {self.tp}"
+                )
+            if out.get(names[fqn], ks[0]) != ks[0]:
+                raise ConfigError(
+                    f"constraints['param_placements'] pins identical layers' {fqn!r} two ways; "
+                    f"identical layers share one placement"
+                )
+            out[names[fqn]] = ks[0]
+        return out
+
+    def add_pinned_placement_constraint(self) -> None:
+        """x[w,k] = 1 for the placement k pinned for parameter w."""
+        for name, k in self.pinned_strategies().items():
+            self.prob += self.x[name][k] == 1, f"pinned_placement_{name}"
+
+    def add_one_strategy_constraint(self) -> None:
+        """sum_k x[g,k] = 1 for every group g."""
+        for name, xs in self.x.items():
+            self.prob += pulp.lpSum(xs) == 1, f"one_strategy_{name}"
+
+    def add_one_stage_constraint(self) -> None:
+        """sum_s z[s] = 1: one ZeRO stage for the whole model."""
+        self.prob += pulp.lpSum(self.z.values()) == 1, "one_zero_stage"
+
+    def add_compute_cost(self) -> None:
+        """Objective term sum_g n_g sum_k x[g,k] (T_fwd + T_bwd), plus resharding inside merged groups."""
+        for name, grp in self.groups.items():
+            for k in range(len(grp.strategies)):
+                t = back = comm = hid = 0.0
+                for m in grp.members:
+                    fwd, bwd = self._op_times(self.graph.node(m), grp.divisor[m][k])
+                    t += fwd + bwd
+                    back += bwd
+                    exposed, hidden = self._cp_comm_s(m, grp.divisor[m][k])
+                    comm, hid = comm + exposed, hid + hidden
+                    self._fwd_s[name].setdefault(m, [0.0] * len(grp.strategies))[k] = grp.count * fwd
+                # cp attention's exposed communication is a term of its own (the cp axis's), not compute
+                self.cost_terms["compute"].append(grp.count * (t - comm) * self.x[name][k])
+                if comm:
+                    self.cost_terms["cp_comm"].append(grp.count * comm * self.x[name][k])
+                if hid:
+                    self._cp_hidden_terms.append(grp.count * hid * self.x[name][k])
+                if back:
+                    self._bwd_terms.append(grp.count * back * self.x[name][k])
+                if t - back:
+                    self._fwd_terms.append(grp.count * (t - back) * self.x[name][k])
+                if grp.extra_s[k]:
+                    self.cost_terms["reshard"].append(grp.extra_s[k] * self.x[name][k])
+
+    def _cp_comm_s(self, name: str, divisor: int) -> tuple[float, float]:
+        """(exposed, hidden) seconds per step of a cp attention node's communication, heads split by `divisor`: what
+        its algorithm's compute does not hide (in its op time, `_op_times`) and what it does (not in the step)."""
+        if self.cp is None or not is_attention(self.graph.node(name)):
+            return 0.0, 0.0
+        c = self._cp_cost(name, divisor)
+        return self.mb * c.exposed_comm_s, self.mb * max(c.comm_s - c.exposed_comm_s, 0.0)
+
+    def _edges(self):
+        """(producer group, producer node, consumer group, consumer node, argument index) -> multiplicity.
+
+        The grouping of nodes does not depend on the mesh, so the edges are found once per graph.
+        """
+        cache = _analysis(self.graph)
+        if "edges" in cache and cache["edges"][0] == self.group_of:
+            return cache["edges"][1]
+        edges: dict[tuple[str, str, str, str, int], float] = defaultdict(float)
+        for node in self.graph.graph.nodes:
+            if node.op != "call_function":
+                continue
+            c = self._rep(node.name)
+            if c not in self.group_of:
+                continue
+            for i, a in enumerate(tensor_args(node)):
+                p = self._rep(a.name)
+                if p not in self.group_of:
+                    continue
+                gp, gc = self.group_of[p], self.group_of[c]
+                if gp == gc and self.groups[gc].leader != c and i == 0 and rules.is_follower(self.graph.node(c)):
+                    continue  # a follower's own input: priced when it was merged
+                edges[(gp, p, gc, c, i)] += self.graph.edge_weight(a.name, node.name)
+        cache["edges"] = (dict(self.group_of), edges)
+        return edges
+
+    def add_edge_constraint(self) -> None:
+        """y marginals sum_l y[e,k,m] = x[a,k], sum_k y[e,k,m] = x[c,m]; objective n_e * (Rf + Rb - H) * y, H the
+        part of Rf a collective launched early hides behind the ops before its consumer (`_early_window`):
+        H = eta min(Rf - Rf_fix, W), the collective's latency (Rf_fix) never hidden."""
+        for idx, ((gp, p, gc, c, i), mult) in enumerate(self._edges().items()):
+            gpr, gcr = self.groups[gp], self.groups[gc]
+            nbytes = self._act_bytes(self.graph.node(p))
+            window = self._early_window(p, c) if self.tp_overlap else 0.0
+            cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
+            fwd_cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]  # what a recompute of c repeats
+            hidden = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
+            for k, src in enumerate(gpr.out[p]):
+                for m in range(len(gcr.strategies)):
+                    need, grad = gcr.need[c][m][i], gcr.grads[c][m][i]
+                    fwd = redistribute_time(src, need, nbytes, self.tp, self.tp_link)
+                    bwd = redistribute_time(grad, grad_layout(src), nbytes, self.tp, self.tp_link)
+                    hid = 0.0
+                    if window and fwd:
+                        fix = redistribute_time(src, need, 1.0, self.tp, self.tp_link)
+                        hid = self.eta * min(max(fwd - fix, 0.0), window)
+                    cost[k][m] = mult * self.mb * (fwd + bwd - hid)
+                    fwd_cost[k][m] = mult * self.mb * fwd
+                    hidden[k][m] = mult * self.mb * hid
+            if not any(v for row in cost + hidden for v in row):
+                continue
+            if gp == gc:  # both ends in one group: the strategy index is shared
+                self.cost_terms["reshard"] += [cost[k][k] * self.x[gp][k] for k in range(len(cost)) if cost[k][k]]
+                self._tp_hidden_terms += [hidden[k][k] * self.x[gp][k] for k in range(len(cost)) if hidden[k][k]]
+                self._edge_fwd += [
+                    (c, fwd_cost[k][k], self.x[gp][k], ((gp, k),)) for k in range(len(cost)) if fwd_cost[k][k]
+                ]
+                continue
+            if len(gpr.strategies) == 1 or len(gcr.strategies) == 1:
+                for k, row in enumerate(cost):
+                    for m, v in enumerate(row):
+                        var = self.x[gc][m] if len(gpr.strategies) == 1 else self.x[gp][k]
+                        if v:
+                            self.cost_terms["reshard"].append(v * var)
+                        if hidden[k][m]:
+                            self._tp_hidden_terms.append(hidden[k][m] * var)
+                        if fwd_cost[k][m]:
+                            self._edge_fwd.append((c, fwd_cost[k][m], var, ((gp, k), (gc, m))))
+                continue
+            y = [
+                [self.prob.add_variable(f"y_{idx}_{k}_{m}", 0, 1) for m in range(len(gcr.strategies))]
+                for k in range(len(gpr.strategies))
+            ]
+            for k in range(len(gpr.strategies)):
+                self.prob += pulp.lpSum(y[k]) == self.x[gp][k], f"edge_src_{idx}_{k}"
+            for m in range(len(gcr.strategies)):
+                self.prob += (
+                    pulp.lpSum(y[k][m] for k in range(len(gpr.strategies))) == self.x[gc][m],
+                    f"edge_dst_{idx}_{m}",
+                )
+            self.cost_terms["reshard"] += [
+                cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if cost[k][m]
+            ]
+            self._tp_hidden_terms += [
+                hidden[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if hidden[k][m]
+            ]
+            self._edge_fwd += [
+                (c, fwd_cost[k][m], y[k][m], ((gp, k), (gc, m)))
+                for k in range(len(cost))
+                for m in range(len(cost[0]))
+                if fwd_cost[k][m]
+            ]
+
+    def _early_window(self, p: str, c: str) -> float:
+        """W: forward seconds of one micro-batch between node `p` and `c`, its only consumer, when the interpreter
+        launches the collective of `p`'s value where it is made (`parallelize.launches_early`): the ops in between,
+        each at its cheapest strategy (a lower bound of what the plan runs there); 0 where it does not."""
+        cache = _analysis(self.graph)
+        if "order" not in cache:
+            nodes = list(self.graph.graph.nodes)
+            cache["order"] = ({n: i for i, n in enumerate(nodes)}, nodes, local_op_targets())
+        order, nodes, local = cache["order"]
+        node = self.graph.node(p)
+        user = next(iter(node.users)) if len(node.users) == 1 else None
+        if user is None or user.name != c or not launches_early(node, order, local):
+            return 0.0
+        total = 0.0
+        for n in nodes[order[node] + 1 : order[user]]:
+            grp = self.groups.get(self.group_of.get(n.name, ""))
+            if grp is not None and n.name in grp.divisor:
+                total += min(self._op_times(n, d)[0] for d in grp.divisor[n.name]) / self.mb
+        return total
+
+    def add_sharded_runtime_cost(self) -> None:
+        """D (sum_s z[s], or sum_{s >= 1} z[s] on a mesh without a tensor axis): the host time the sharded
+        runtime adds to every op by running it on DTensors, where the estimator knows it
+        (`sharded_op_overhead_s`: profiled on CPU ranks, whose steps are dominated by such costs). A plan
+        with no tensor axis and no ZeRO sharding runs as plain tensors (the data-parallel program)."""
+        total = self.sharded_overhead_s
+        stages = [z for s, z in self.z.items() if not self.comm(s).runs_plain]
+        if total and stages:
+            self.cost_terms["compute"].append(total * pulp.lpSum(stages))
+
+    @functools.cached_property
+    def sharded_overhead_s(self) -> float:
+        """D: seconds per step the sharded runtime adds over plain tensors (0 where the estimator does not say)."""
+        per_op = getattr(self.estimator, "sharded_op_overhead_s", None)
+        per_op = per_op() if per_op is not None else 0.0
+        if not per_op:
+            return 0.0
+        ops = sum(self.graph.layer_count.get(n.name, 1) for n in self.graph.graph.nodes if n.op == "call_function")
+        return per_op * ops * self.mb
+
+    def comm(self, stage: int) -> ProgramComm:
+        """The declaration of the program that runs this mesh's layout at ZeRO stage `stage`, as it is priced: the
+        rule of `autopar.plan.program_kind` (a pipeline stage runs the pipeline program whatever its layout), the
+        offload program for ZeRO-3 with offload pinned on a data axis, and overlap off where the device hides
+        nothing behind compute (eta = 0: such a program is priced as its synchronous one). A pipeline stage's
+        overlap is `step_gathers`, its plan's (its program reduces after the schedule, priced by the search)."""
+        found = self._comms.get(stage)
+        if found is None:
+            if stage == 3 and self.offload is True and self.dp > 1:
+                kind = ProgramKind.OFFLOAD
+            else:
+                cp = self.cp.degree if self.cp is not None else 1
+                kind = program_kind(pp=2 if self.pipeline_stage else 1, tp=self.tp, cp=cp, zero_stage=stage)
+            overlap = self.step_gathers if self.pipeline_stage else self.overlap
+            found = ProgramComm(kind, stage, self.dp, overlap, self.prefetch_depth, self.mb)
+            self._comms[stage] = found
+        return found
+
+    def _param_groups(self) -> list[str]:
+        return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
+
+    def _tp_numel(self, name: str, k: int) -> float:
+        """Elements of parameter `name` on one rank of the tensor axis under its strategy k (whole, or 1/tp)."""
+        pl = self.groups[name].strategies[k].output
+        return self.graph.params[name].meta.numel / (self.tp if isinstance(pl, Shard) else 1)
+
+    def state_bytes(self, name: str, k: int, stage: int) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes of one parameter's local shard under `stage`."""
+        info = self.graph.params[name]
+        local = self._tp_numel(name, k)
+        pr = self.precision
+        params = local * pr.param_bytes / (self.dp if stage >= 3 else 1)
+        if not info.requires_grad:
+            return params, 0.0, 0.0
+        grads = local * pr.grad_bytes_at(stage) / (self.dp if stage >= 2 else 1)
+        opt = local * pr.optimizer_bytes / (self.dp if stage >= 1 else 1)
+        return params, grads, opt
+
+    def _add_overlap_grads(self) -> None:
+        """Memory rows gain what the overlapping sharded program holds beyond `state_bytes`: `overlap_grad_bytes`
+        of the layout (ZeRO-1) and `in_flight_grad_bytes` of the stage (ZeRO-2/3), unless the offload program runs
+        the layout (offload pinned, or o of `add_offload_constraint` where the solver may offload: it runs at ZeRO-3,
+        and its gradient staging buffers, a chunk each, stand in for the buckets; the runtime sizes its chunks so
+        that the ones in flight take a small share of the budget, and they are not counted here)."""
+        for (name, k, s), u in self.u.items():
+            extra = self.groups[name].count * self.overlap_grad_bytes(name, k, s)
+            if extra and not (self._offloading and s == 3):
+                self.memory_terms["grads"].append(extra * u)
+        for s, z in self.z.items():
+            buffers = self.in_flight_grad_bytes(s)
+            if buffers and not (self._offloading and s == 3):
+                self.memory_terms["grads"].append(buffers * z)
+                if s == 3 and self._offload_runs is not None:  # z[3] - o: the sharded program runs the layout
+                    self.memory_terms["grads"].append(-buffers * self._offload_runs)
+
+    def overlap_grad_bytes(self, name: str, k: int, stage: int) -> float:
+        """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' at ZeRO-1: it accumulates each
+        split parameter's whole gradient in its master's format (fp32) on every rank until the last micro-batch's
+        buckets reduce-scatter it (`runtime.sharded`), where `state_bytes` counts the gradient as reduce-scattered
+        in the compute format. ZeRO-2/3 reduce-scatter every micro-batch's gradients and hold whole ones only
+        while their bucket fills (`in_flight_grad_bytes`, per step, not per parameter). Device memory only: the
+        offload program (ZeRO-3 chunks) keeps `state_bytes`' gradients."""
+        if not self.comm(stage).accumulates_whole_grads:
+            return 0.0
+        info = self.graph.params[name]
+        if not info.requires_grad:
+            return 0.0
+        local = self._tp_numel(name, k)
+        return max(local * FP32_BYTES - self.state_bytes(name, k, stage)[1], 0.0)
+
+    def in_flight_grad_bytes(self, stage: int) -> float:
+        """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' at ZeRO-2/3: the buckets of
+        one micro-batch's backward (`runtime.sharded`). A bucket's send buffer (B_j bytes, the compute format) is
+        made when its first gradient comes in, backward writing its members' gradients into it (no other whole
+        copy); at its launch the oldest bucket in flight is waited for if W = `units.BUCKETS_IN_FLIGHT` are, and this
+        rank's piece (B_j / dp) is made; both live until it is waited for. So, buckets numbered in launch order:
+
+            max_j max( B_j + (1 + 1/dp) (B_{j-1} + ... + B_{j-W}),          bucket j filling
+                       (1 + 1/dp) (B_j + B_{j-1} + ... + B_{j-W+1}) )      bucket j launched
+
+        The buckets as the runtime makes them (`bucket_bytes`), their parameters whole on the tensor axis: an upper
+        bound where the tensor axis splits some."""
+        comm = self.comm(stage)
+        if not (comm.reduces_every_microbatch and comm.overlaps_data_axis):
+            return 0.0
+        sizes = self.bucket_bytes(stage)
+        w, both = BUCKETS_IN_FLIGHT, 1.0 + 1.0 / self.dp
+
+        def launched(first: int, last: int) -> float:  # buckets first..last (indices clipped at 0), in flight
+            return both * sum(sizes[max(first, 0) : last + 1])
+
+        return max((max(b + launched(j - w, j - 1), launched(j - w + 1, j)) for j, b in enumerate(sizes)), default=0.0)
+
+    def bucket_bytes(self, stage: int) -> list[float]:
+        """The gradient buckets of the sharded program with overlap, in launch order, as bytes in the format they are
+        reduced in at `stage`: trainable parameters whole, in the order backward completes their gradients
+        (`gradient_order`), a bucket closed once it holds BUCKET_BYTES (so it may exceed them by its last member)."""
+        trainable = {info.node_name: info for info in self.graph.params.values() if info.requires_grad}
+        sizes: list[float] = []
+        for name in gradient_order(self.graph.graph, list(trainable)):
+            info = trainable[name]
+            if not sizes or sizes[-1] >= self.bucket_size:
+                sizes.append(0.0)
+            sizes[-1] += info.meta.numel * self.precision.grad_bytes_at(stage)
+        return sizes
+
+    def sync_time(self, name: str, k: int, stage: int) -> float:
+        """Gradient synchronisation (and ZeRO parameter gathers) of one parameter over the data axis."""
+        info = self.graph.params[name]
+        if self.dp == 1 or not info.requires_grad:
+            return 0.0
+        local = self._tp_numel(name, k)
+        grad_bytes, param_bytes = local * self.precision.grad_bytes_at(stage), local * self.precision.param_bytes
+        # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
+        # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
+        # the parameters for every micro-batch's forward and backward.
+        if self.comm(stage).buckets_all_reduce:
+            return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
+        if self.comm(stage).overlaps_data_axis:
+            return sum(self.sharded_sync_parts(name, k, stage))
+        if stage == 0:  # the sharded runtime reduces each gradient on its own (the backward of its from_local)
+            return estimate_collective_time(Collective.ALL_REDUCE, grad_bytes, self.dp, self.dp_link)
+        # From stage 1 the sharded runtime without overlap gathers and reduce-scatters each parameter on its own (one
+        # DTensor redistribution per parameter, no buckets): every one pays a whole collective's latency. Each
+        # micro-batch's forward gathers it and that gather's backward reduce-scatters its gradient, at every stage;
+        # stage 3 gathers it again for the backward (its weights are released after the forward).
+        if self.comm(stage).runs_chunks:  # the offload program: its share of the chunks' collectives
+            rs_bw, rs_fix, ag_bw, ag_fix = self.chunk_collectives(local)
+            return (rs_bw + rs_fix + 2 * (ag_bw + ag_fix)) * self.mb
+        if self.comm(stage).gathers_once_a_step:  # once a step: the bucketed reduce-scatter, then the weights' gather
+            return self._bucketed(Collective.REDUCE_SCATTER, grad_bytes) + self.step_gather_time(name, k, stage)
+        rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
+        ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
+        return rs * self.mb + ag * (2 * self.mb if stage == 3 else self.mb)
+
+    def step_gather_time(self, name: str, k: int, stage: int) -> float:
+        """The part of `sync_time` that gathers a ZeRO-1 weight before a pipeline's schedule starts (`step_gathers`):
+        one all-gather of its own, waited on where the step's first forward reads it, so no backward hides it."""
+        info = self.graph.params[name]
+        if not self.comm(stage).gathers_once_a_step or not info.requires_grad:
+            return 0.0
+        local = self._tp_numel(name, k)
+        return estimate_collective_time(
+            Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link
+        )
+
+    def chunk_collectives(self, numel: float) -> tuple[float, float, float, float]:
+        """(RS_bw, RS_fix, AG_bw, AG_fix): a parameter of `numel` elements' share (by its elements, of the trainable
+        ones) of one reduce-scatter of every trainable chunk's gradients (fp32 staging, as the offload program
+        reduces them) and one all-gather of every chunk's payload (the compute format), frozen chunks included,
+        each split into bandwidth and latency (`_chunk_totals`)."""
+        totals, trainable = self._chunk_totals
+        return tuple(t * numel / trainable for t in totals) if trainable else (0.0, 0.0, 0.0, 0.0)
+
+    def _model_param_specs(self) -> list[ParamSpec]:
+        """The model's parameters in the order it uses them, as the offload program packs them: a deduplicated
+        layer's parameters (a run of them with the same layer and multiplicity) repeated as often as it occurs,
+        where its copies were."""
+        specs: list[ParamSpec] = []
+        run: list = []
+        key = None
+
+        def flush() -> None:
+            for r in range(key[1] if run else 0):
+                specs.extend(
+                    ParamSpec(f"{i.name}#{r}", tuple(i.meta.shape), requires_grad=i.requires_grad) for i in run
+                )
+
+        for node, info in self.graph.params.items():
+            count = self.graph.layer_count.get(node, 1)
+            if not count:  # a copy of a deduplicated layer: its representative stands for it
+                continue
+            if (info.layer, count) != key:
+                flush()
+                run, key = [], (info.layer, count)
+            run.append(info)
+        flush()
+        return specs
+
+    @functools.cached_property
+    def offload_chunks(self) -> tuple:
+        """The chunks (`ChunkLayout`s) the offload program packs the model into on this data axis, in its order:
+        `offload_chunk_numel` under the memory budget, `pack`."""
+        specs = self._model_param_specs()
+        budget = self.budget if math.isfinite(self.budget) else self.cluster.device.memory_bytes
+        numel = offload_chunk_numel(
+            [sp.numel for sp in specs],
+            dp=self.dp,
+            budget_bytes=budget,
+            compute_itemsize=int(self.precision.param_bytes),
+        )
+        return pack(specs, numel, multiple=ALIGN_NUMEL * self.dp)
+
+    def _chunk_bandwidth(self, kind: Collective, nbytes: float) -> float:
+        """The bandwidth part of one chunk's collective of `nbytes` (its latency apart)."""
+        return estimate_collective_time(kind, nbytes, self.dp, self.dp_link) - self._chunk_latency(kind)
+
+    def _chunk_latency(self, kind: Collective) -> float:
+        return estimate_collective_time(kind, 0.0, self.dp, self.dp_link)
+
+    @functools.cached_property
+    def _chunk_totals(self) -> tuple[tuple[float, float, float, float], int]:
+        """((RS_bw, RS_fix, AG_bw, AG_fix), trainable elements) over `offload_chunks`: a reduce-scatter of each
+        trainable chunk's fp32 gradient staging and a gather of each chunk's payload (the compute format), the
+        fixed part one latency per chunk."""
+        rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
+        trainable = [c for c in self.offload_chunks if c.requires_grad]
+        totals = (
+            sum(self._chunk_bandwidth(rs, c.capacity * FP32_BYTES) for c in trainable),
+            self._chunk_latency(rs) * len(trainable),
+            sum(self._chunk_bandwidth(ag, c.capacity * self.precision.param_bytes) for c in self.offload_chunks),
+            self._chunk_latency(ag) * len(self.offload_chunks),
+        )
+        return totals, sum(sp.numel for sp in self._model_param_specs() if sp.requires_grad)
+
+    def sharded_sync_parts(self, name: str, k: int, stage: int) -> tuple[float, float, float, float]:
+        """(G_bw, G_fix, A_bw, A_fix): one parameter's data-axis collectives in the sharded program with overlap,
+        split into what compute can hide (bandwidth) and what it cannot (a collective's fixed latency).
+
+        G: its gradient in buckets of BUCKET_BYTES: all-reduce at stage 0 and reduce-scatter at stage 1 once per
+        step (the last micro-batch's backward issues them), reduce-scatter at stages 2 and 3 once per micro-batch
+        (every backward issues them); its share of a bucket's latency is pro rata, as in `_bucketed`; stage 3's
+        gathers for the backward (one per micro-batch) share the link with them during backward, so their
+        bandwidth part is in G_bw too. A: its forward gathers (stage 1, 2: once; stage 3: each micro-batch's), one
+        collective each; with prefetch depth 0 no gather hides (their bandwidth in A_fix). The offload program
+        (`ProgramComm.runs_chunks`) makes them per chunk: the parameter's share of `chunk_collectives`, a
+        reduce-scatter and two gathers each micro-batch, split the same way.
+        """
+        local, comm = self._tp_numel(name, k), self.comm(stage)
+        if comm.runs_chunks:  # the offload program: its share of the chunks' collectives, each micro-batch's
+            rs_bw, rs_fix, ag_bw, ag_fix = (t * self.mb for t in self.chunk_collectives(local))
+            if not comm.prefetches_chunk:  # backward's gathers wait too
+                return rs_bw, rs_fix + 2 * (ag_bw + ag_fix), 0.0, 0.0
+            return rs_bw + ag_bw, rs_fix + ag_fix, ag_bw, ag_fix
+        grad_bytes, param_bytes = local * self.precision.grad_bytes_at(stage), local * self.precision.param_bytes
+        kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
+        full = estimate_collective_time(kind, grad_bytes, self.dp, self.dp_link)
+        latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link)
+        per = comm.reductions_per_step
+        g_bw, g_fix = (full - latency) * per, latency * grad_bytes / self.bucket_size * per
+        if stage == 0:
+            return g_bw, g_fix, 0.0, 0.0
+        runs = self.mb if stage == 3 else 1  # forward gathers; stage 3 gathers as many again for the backward
+        one = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
+        ag_latency = estimate_collective_time(Collective.ALL_GATHER, 1.0, self.dp, self.dp_link)
+        if stage == 3:
+            if comm.prefetch_depth:
+                g_bw, g_fix = g_bw + (one - ag_latency) * runs, g_fix + ag_latency * runs
+            else:
+                g_fix += one * runs
+        if not comm.prefetch_depth:
+            return g_bw, g_fix, 0.0, one * runs
+        return g_bw, g_fix, (one - ag_latency) * runs, ag_latency * runs
+
+    def _bucketed(self, kind: Collective, nbytes: float) -> float:
+        """A parameter's share of bucketed collectives: its bytes at full bandwidth, latency pro rata.
+
+        Gradients travel in buckets of BUCKET_BYTES (as DDP and FSDP send them), so a small tensor
+        pays a fraction of one collective's latency, not a whole one; `sync_floor` adds the
+        latency of the one bucket every step pays at least.
+        """
+        full = estimate_collective_time(kind, nbytes, self.dp, self.dp_link)
+        return full - estimate_collective_time(kind, 1.0, self.dp, self.dp_link) + self._latency_share(kind, nbytes)
+
+    def _latency_share(self, kind: Collective, nbytes: float) -> float:
+        """`nbytes`' pro-rata share of the latency of the bucket (BUCKET_BYTES) they travel in."""
+        return estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * nbytes / self.bucket_size
+
+    def bucket_latency_s(self, name: str, k: int, stage: int) -> float:
+        """The latency part of `sync_time` where gradients go out in buckets (`_bucketed`: the parameter's share of
+        its bucket's latency); 0 elsewhere (the sharded program's collectives price theirs in
+        `sharded_sync_parts`). Overlap never hides it: a collective's fixed cost is paid whatever runs beside it."""
+        info = self.graph.params[name]
+        if self.dp == 1 or not info.requires_grad:
+            return 0.0
+        if self.comm(stage).buckets_all_reduce:
+            kind = Collective.ALL_REDUCE
+        elif self.comm(stage).gathers_once_a_step:
+            kind = Collective.REDUCE_SCATTER
+        else:
+            return 0.0
+        return self._latency_share(kind, self._tp_numel(name, k) * self.precision.grad_bytes_at(stage))
+
+    def sync_floor(self, stage: int) -> float:
+        """Latency of the one bucket that a step with any gradient pays (the data-parallel program, at stage 0
+        without a tensor axis; a pipeline stage's all-reduce at stage 0 and its once-a-step reduce-scatter at
+        stage 1; the sharded runtime pays per parameter)."""
+        if self.dp == 1:
+            return 0.0
+        if self.comm(stage).buckets_all_reduce:
+            return estimate_collective_time(Collective.ALL_REDUCE, 1.0, self.dp, self.dp_link)
+        if self.comm(stage).gathers_once_a_step:
+            return estimate_collective_time(Collective.REDUCE_SCATTER, 1.0, self.dp, self.dp_link)
+        return 0.0
+
+    @functools.cached_property
+    def leaving_plain_s(self) -> float:
+        """Seconds per step a plain layout (no tensor axis, ZeRO-0) pays when recompute or a layer treatment
+        moves it onto the sharded runtime: the per-op DTensor cost (`sharded_overhead_s`), and one
+        all-reduce per parameter's gradient where the data-parallel program sends buckets (a pipeline stage sends
+        buckets on either runtime)."""
+        if not self.comm(0).runs_plain:
+            return 0.0
+        extra = 0.0
+        if self.dp > 1 and not self.pipeline_stage:
+            for name in self._param_groups():
+                info = self.graph.params[name]
+                if info.requires_grad:
+                    nbytes = info.meta.numel * self.precision.grad_bytes_at(0)
+                    whole = estimate_collective_time(Collective.ALL_REDUCE, nbytes, self.dp, self.dp_link)
+                    extra += self.groups[name].count * (whole - self._bucketed(Collective.ALL_REDUCE, nbytes))
+            extra = max(extra - self.sync_floor(0), 0.0)
+        return self.sharded_overhead_s + extra
+
+    def add_stage_product_constraint(self) -> None:
+        """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u (the plain layout's
+        part through `add_overlap_constraint`)."""
+        plain = []  # the sync terms of the plain layout, when its all-reduces overlap backward
+        # the sharded program's hideable parts (`sharded_sync_parts`); gradients by how often a step reduces them (one
+        # list where m = 1)
+        grads: dict[int, list] = {1: [], self.mb: []}
+        gathers = []
+        for name in self._param_groups():
+            grp = self.groups[name]
+            for k in range(len(grp.strategies)):
+                for s, zs in self.z.items():
+                    u = self.prob.add_variable(f"u_{name}_{k}_{s}", 0, 1)
+                    self.u[(name, k, s)] = u
+                    if len(self.z) > 1:
+                        self.prob += u >= self.x[name][k] + zs - 1, f"zero_product_lo_{name}_{k}_{s}"
+                        self.prob += u <= zs, f"zero_product_hi_{name}_{k}_{s}"
+                    else:
+                        self.prob += u >= self.x[name][k], f"zero_product_lo_{name}_{k}_{s}"
+                    self.prob += u <= self.x[name][k], f"zero_product_x_{name}_{k}_{s}"
+                    t = self.sync_time(name, k, s)
+                    if t and self.comm(s).overlaps_data_axis:
+                        g_bw, g_fix, a_bw, a_fix = self.sharded_sync_parts(name, k, s)
+                        grads[self.comm(s).reductions_per_step].append(grp.count * g_bw * u)
+                        gathers += [grp.count * a_bw * u] if a_bw else []
+                        self.cost_terms["grad_sync"].append(grp.count * (g_fix + a_fix) * u)
+                    elif t:
+                        fixed = self.bucket_latency_s(name, k, s)  # a bucketed reduction's latency never hides
+                        if self.comm(s).overlaps_all_reduce:
+                            plain.append(grp.count * (t - fixed) * u)
+                            self.cost_terms["grad_sync"].append(grp.count * fixed * u)
+                        else:
+                            self.cost_terms["grad_sync"].append(grp.count * t * u)
+                        if fixed:
+                            self._sync_fixed_terms.append(grp.count * fixed * u)
+                        gather = self.step_gather_time(name, k, s)
+                        if gather:
+                            self._step_gather_terms.append(grp.count * gather * u)
+                    t = self.optimizer_time(name, k, s)
+                    if t:
+                        self.cost_terms["optimizer"].append(grp.count * t * u)
+        for s, zs in self.z.items():
+            if self.sync_floor(s):
+                self.cost_terms["grad_sync"].append(self.sync_floor(s) * zs)
+                self._sync_fixed_terms.append(self.sync_floor(s) * zs)
+        if plain:
+            self.add_overlap_constraint(plain)
+        if any(self.comm(s).overlaps_data_axis for s in self.z):
+            self.add_sharded_overlap_constraint(grads, gathers)
+
+    def hiding(self, compute: list):
+        """The compute time communication can hide behind: the compute terms' sum (one helper, so that a device's
+        overlap efficiency can scale every hidden part in one place)."""
+        return pulp.lpSum(compute) * getattr(self.cluster.device, "overlap_efficiency", 1.0)
+
+    def add_sharded_overlap_constraint(self, grads: dict[int, list], gathers: list) -> None:
+        """The sharded program with overlap; objective E_g + E_a + fixed costs instead of sum(Sync):
+
+            E_g >= sum G_bw - eta B r / m,  E_g >= (1 - eta) sum G_bw,  E_g >= r T_last,g z[s]   (gradient buckets
+                                                                            behind the backwards that issue them)
+            E_a >= sum A_bw - eta F,      E_a >= (1 - eta) sum A_bw,  E_a >= T_first,a z[s]  (gathers ahead of use
+                                                                            behind the forward, depth > 0)
+
+        summed over the sharded stages s (one z[s] is 1), eta the device's overlap efficiency (`hiding`; hidden =
+        eta min(communication, compute), as in `add_overlap_constraint`). A step reduces each gradient r times
+        (`ProgramComm.reductions_per_step`): once at stages 0 and 1, from the last micro-batch's backward (B / m
+        hides them), once per micro-batch at stages 2 and 3, each micro-batch's backward hiding its own buckets (r B
+        / m = B);
+        one E_g per r, over the stages that reduce r times (the other's terms are 0 where its stages are not
+        chosen). Exposed = what the communication needs beyond the compute it hides behind (the backward of the
+        layers after each bucket; F: the forward of the layers before each gather, every micro-batch's), never less
+        than the collectives nothing hides: the last bucket of each reducing backward, issued when it ends (T_last,g:
+        the bandwidth part of one bucket of min(BUCKET_BYTES, all gradient bytes); the offload program's chunks in
+        `last_bucket_bw_s`), and each micro-batch's first
+        gather, which no layer precedes (T_first,a: the first parameter's, m times; stage 3's backward gathers are in
+        G_bw: they share the backward's link with the buckets). The fixed latency of every collective (G_fix, A_fix
+        of `sharded_sync_parts`) and one bucket's latency per reducing backward are in the objective as they are:
+        they never hide.
+        """
+        sharded = [s for s in self.z if self.comm(s).overlaps_data_axis]
+        for r, terms in sorted(grads.items()):
+            stages = [s for s in sharded if self.comm(s).reductions_per_step == r]
+            if not stages:
+                continue
+            suffix = "" if r == 1 else "_per_microbatch"
+            e_g = self.prob.add_variable(f"exposed_sharded_grads{suffix}", 0)
+            hides = self.hiding(self._bwd_terms) * (r / self.mb)
+            self.prob += e_g >= pulp.lpSum(terms) - hides, f"sharded_exposed_grads{suffix}"
+            last = pulp.lpSum(r * self.last_bucket_bw_s(s) * self.z[s] for s in stages)
+            self.prob += e_g >= last, f"sharded_last_bucket{suffix}"
+            if self.eta < 1:  # at most the share eta of the communication hides, however long the compute
+                self.prob += e_g >= pulp.lpSum(terms) * (1.0 - self.eta), f"sharded_grads_efficiency{suffix}"
+            self.cost_terms["grad_sync"].append(e_g)
+            self.sharded_hidden.append((terms, e_g))
+        for s in sharded:
+            if self.comm(s).runs_chunks:  # one latency per chunk, in G_fix already
+                continue
+            kind = Collective.ALL_REDUCE if s == 0 else Collective.REDUCE_SCATTER
+            latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * self.comm(s).reductions_per_step
+            self.cost_terms["grad_sync"].append(latency * self.z[s])
+        if gathers:
+            e_a = self.prob.add_variable("exposed_sharded_gathers", 0)
+            self.prob += e_a >= pulp.lpSum(gathers) - self.hiding(self._fwd_terms), "sharded_exposed_gathers"
+            first = pulp.lpSum(self.first_gather_bw_s(s) * self.z[s] for s in sharded if s >= 1)
+            self.prob += e_a >= first, "sharded_first_gather"
+            if self.eta < 1:
+                self.prob += e_a >= pulp.lpSum(gathers) * (1.0 - self.eta), "sharded_gathers_efficiency"
+            self.cost_terms["grad_sync"].append(e_a)
+            self.sharded_hidden.append((gathers, e_a))
+
+    def last_bucket_bw_s(self, stage: int) -> float:
+        """T_last,g of `add_sharded_overlap_constraint`: the bandwidth part of the bucket issued when backward ends.
+        In the offload program, the first trainable chunk's reduce-scatter, and also the gather that starts its
+        backward (of the last chunk), which no compute precedes: with one chunk nothing hides."""
+        if self.comm(stage).runs_chunks:
+            first = next((c for c in self.offload_chunks if c.requires_grad), None)
+            if first is None:
+                return 0.0
+            rs = self._chunk_bandwidth(Collective.REDUCE_SCATTER, first.capacity * FP32_BYTES)
+            if not self.comm(stage).prefetches_chunk:  # the backward's gathers are exposed whole (`sharded_sync_parts`)
+                return rs
+            return rs + self._chunk_bandwidth(
+                Collective.ALL_GATHER, self.offload_chunks[-1].capacity * self.precision.param_bytes
+            )
+        return self.last_bucket_s(stage)
+
+    def first_gather_bw_s(self, stage: int) -> float:
+        """T_first,a of `add_sharded_overlap_constraint`: the bandwidth part of each micro-batch's first gather (the
+        first trainable parameter the graph reads, whole on the tensor axis; in the offload program, the first
+        chunk)."""
+        if self.comm(stage).runs_chunks:
+            nbytes = self.offload_chunks[0].capacity * self.precision.param_bytes if self.offload_chunks else 0.0
+            return self._chunk_bandwidth(Collective.ALL_GATHER, nbytes) * self.mb
+        names = [n for n in self._param_groups() if self.graph.params[n].requires_grad]
+        if not names:
+            return 0.0
+        nbytes = self.graph.params[names[0]].meta.numel * self.precision.param_bytes
+        one = estimate_collective_time(Collective.ALL_GATHER, nbytes, self.dp, self.dp_link)
+        return max(one - estimate_collective_time(Collective.ALL_GATHER, 1.0, self.dp, self.dp_link), 0.0) * self.mb
+
+    def prefetch_bytes(self) -> float:
+        """Gathered weights in flight ahead of their use (stages >= 1 with prefetch): `prefetch_depth` times the
+        largest layer's weights, whole (an upper bound where the tensor axis splits some); in the offload program,
+        which prefetches one chunk ahead whatever the depth, the largest chunk's payload (none with one chunk)."""
+        if not (self.prefetch_depth and any(s >= 1 and self.comm(s).overlaps_data_axis for s in self.z)):
+            return 0.0
+        if all(self.comm(s).runs_chunks for s in self.z):
+            chunks = self.offload_chunks
+            return max(c.capacity for c in chunks) * self.precision.param_bytes if len(chunks) > 1 else 0.0
+        layers: dict = defaultdict(float)
+        for info in self.graph.params.values():
+            if info.requires_grad:
+                layers[info.layer if info.layer[1] is not None else info.name] += info.meta.numel
+        return self.prefetch_depth * max(layers.values(), default=0.0) * self.precision.param_bytes
+
+    def add_overlap_constraint(self, plain: list) -> None:
+        """E >= sum(plain) - eta B / m, E >= (1 - eta) sum(plain), E >= T_last z[s], E >= 0; objective E instead
+        of sum(plain).
+
+        The data-parallel program's all-reduces (sum(plain): every bucket's bandwidth time) run while the last
+        micro-batch's backward (B / m, B the step's backward) goes on. Of that, the share eta
+        (`DeviceSpec.overlap_efficiency`) hides: hidden = eta min(sum(plain), B / m), and the first two rows are
+        exposed = sum(plain) - hidden. The last bucket (the first parameters, whose gradients come last) is
+        launched when backward ends and is exposed whole (T_last: the bandwidth part of one all-reduce of
+        min(BUCKET_BYTES, all gradient bytes)). The buckets' latencies (`bucket_latency_s`, `sync_floor`) are in
+        the objective as they are: they never hide."""
+        s = next(s for s in self.z if self.comm(s).runs_plain)
+        e = self.prob.add_variable("exposed_sync", 0)
+        backward = pulp.lpSum(self._bwd_terms) * (self.eta / self.mb)
+        self.prob += e >= pulp.lpSum(plain) - backward, "overlap_exposed_sync"
+        if self.eta < 1:
+            self.prob += e >= pulp.lpSum(plain) * (1.0 - self.eta), "overlap_efficiency"
+        self.prob += e >= self.last_bucket_s() * self.z[s], "overlap_last_bucket"
+        self.cost_terms["grad_sync"].append(e)
+        self.sync_report["total"] = plain
+        self._exposed = e
+
+    def last_bucket_s(self, stage: int = 0) -> float:
+        """T_last: the bandwidth part of the reduction of the bucket launched when backward ends (see
+        `add_overlap_constraint`), an all-reduce at ZeRO stage 0 and a reduce-scatter above (its latency is in
+        the step with every bucket's)."""
+        total = sum(
+            self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
+            for n in self._param_groups()
+            if self.graph.params[n].requires_grad
+        )
+        kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
+        one = estimate_collective_time(kind, min(self.bucket_size, total), self.dp, self.dp_link)
+        return max(one - estimate_collective_time(kind, 1.0, self.dp, self.dp_link), 0.0)
+
+    def optimizer_time(self, name: str, k: int, stage: int) -> float:
+        """Opt[w,k,s]: the device's optimizer step over one parameter's local shard (its fp32 weights)."""
+        info = self.graph.params[name]
+        if not info.requires_grad:
+            return 0.0
+        local = self._tp_numel(name, k) / (self.dp if stage >= 1 else 1)
+        return optimizer_step_time_s(self.estimator, self.cluster.device, 1, local * FP32_BYTES)
+
+    def offload_prices(self) -> tuple[float, float, float]:
+        """(C_o, C_g, C_p): seconds per byte of optimizer state, of gradient and of weights kept on the host."""
+        pr, link = self.precision, self.cluster.host_link
+        per_param = (pr.grad_bytes_at(3) + pr.param_bytes) / link.bandwidth_bytes_per_s
+        per_param += 1.0 / self.cluster.device.host_adamw_params_per_s
+        # weights on the host come up for every gather (forward and backward of each micro-batch), not once
+        c_p = (2 * self.mb - 1) / link.bandwidth_bytes_per_s
+        return per_param / pr.optimizer_bytes, (self.mb - 1) / link.bandwidth_bytes_per_s, c_p
+
+    def host_capacity(self) -> float:
+        """Host bytes one device may use: its share of its node's host memory."""
+        return self.cluster.host_memory_bytes_per_device
+
+    def add_offload_constraint(self) -> None:
+        """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g = B_grad h_o,
+        B_opt h_p = B_param h_o, h_o + h_g <= host memory per device; objective C_o h_o + C_g h_g + C_p h_p;
+        memory rows lose h_o + h_g + h_p.
+
+        h_p: the weights of the chunks whose optimizer states are on the host. The offload program keeps
+        no device copy of them between uses (each gather brings the shard up from the host's master
+        weights), so they leave the device with their states, and pay the host link at every gather."""
+        if self.offload is False:
+            return
+        opt, grad = [], []
+        for (name, k, s), u in self.u.items():
+            _, g, o = self.state_bytes(name, k, s)
+            count = self.groups[name].count
+            opt += [count * o * u] if o else []
+            grad += [count * g * u] if g else []
+        h_o = self.h["optimizer"] = self.prob.add_variable("offload_optimizer_bytes", 0)
+        h_g = self.h["grads"] = self.prob.add_variable("offload_grad_bytes", 0)
+        h_p = self.h["params"] = self.prob.add_variable("offload_param_bytes", 0)
+        if self.offload is True:
+            self.prob += h_o == pulp.lpSum(opt), "offload_optimizer_all"
+            self.prob += h_g == pulp.lpSum(grad), "offload_grads_all"
+        else:
+            self.prob += h_o <= pulp.lpSum(opt), "offload_optimizer_at_most_all"
+            self.prob += h_g <= pulp.lpSum(grad), "offload_grads_at_most_all"
+        pr = self.precision
+        # the offload program adds each micro-batch's gradient of a host chunk into its host buffer
+        self.prob += pr.optimizer_bytes * h_g == pr.grad_bytes_at(3) * h_o, "offload_grads_with_their_optimizer_states"
+        self.prob += pr.optimizer_bytes * h_p == pr.param_bytes * h_o, "offload_weights_with_their_optimizer_states"
+        self.prob += h_o + h_g <= self.host_capacity(), "host_memory"
+        self._offloading = self.offload is True  # the offload program runs, holding no gradient buckets
+        if self.dp > 1:  # the offload program runs its chunks as ZeRO-3: only a stage-3 layout offloads
+            if 3 in self.z:
+                self.prob += h_o <= self.host_capacity() * self.z[3], "offload_runs_zero3"
+                if not self._offloading and self.in_flight_grad_bytes(3):
+                    # o = 1 where anything is on the host: the offload program runs, holding no gradient buckets in
+                    # flight (`_add_overlap_grads`)
+                    o = self._offload_runs = self.prob.add_variable("offload_program_runs", cat="Binary")
+                    self.prob += h_o <= self.host_capacity() * o, "offload_program_runs_if_offloading"
+                    self.prob += o <= self.z[3], "offload_program_runs_zero3"
+            else:
+                h_o.upBound = 0
+        c_o, c_g, c_p = self.offload_prices()
+        self.cost_terms["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else []) + ([c_p * h_p] if c_p else [])
+        # the device no longer steps the states on the host (their per-tensor cost is kept: an upper bound)
+        d_o = min(c_o, optimizer_step_time_s(self.estimator, self.cluster.device, 0, FP32_BYTES / pr.optimizer_bytes))
+        if d_o:
+            self.cost_terms["optimizer"].append(-d_o * h_o)
+        self.memory_terms["optimizer"].append(-1.0 * h_o)
+        self.memory_terms["grads"].append(-1.0 * h_g)
+        self.memory_terms["params"].append(-1.0 * h_p)
+
+    def _offload_result(self, mem: dict[str, float], offload_s: float) -> dict:
+        """What the last solution keeps on the host: bytes per device and node, fractions, time."""
+        if not self.h:
+            return {}
+        h_o, h_g, h_p = (pulp.value(self.h[k]) or 0.0 for k in ("optimizer", "grads", "params"))
+        if h_o <= 0.5:
+            return {}
+        host = h_o + h_g
+        return {
+            "optimizer_fraction": min(1.0, h_o / max(mem.get("optimizer", 0.0) + h_o, 1.0)),
+            "grad_fraction": min(1.0, h_g / max(mem.get("grads", 0.0) + h_g, 1.0)),
+            "param_fraction": min(1.0, h_p / max(mem.get("params", 0.0) + h_p, 1.0)),
+            "optimizer_bytes_per_device": h_o,
+            "grad_bytes_per_device": h_g,
+            "param_bytes_per_device": h_p,
+            "host_bytes_per_device": host,
+            "host_bytes_per_node": host * self.cluster.devices_per_node,
+            "host_capacity_bytes_per_device": self.host_capacity(),
+            "time_s": offload_s,
+            "device_budget_bytes": self.budget,
+        }
+
+    def transient_bytes(self) -> float:
+        """Working memory of the largest op: its output plus its gradient, unsharded on tp (an upper bound).
+
+        Views (an expanded mask, a transposed weight) own no storage and are left out.
+        """
+        cache = _analysis(self.graph)
+        if "storage_nodes" not in cache:  # representatives only: a deduplicated node has its representative's shape
+            cache["storage_nodes"] = [
+                n
+                for n in self.graph.graph.nodes
+                if n.op == "call_function" and self.graph.layer_count[n.name] and str(n.target) not in _VIEW_OPS
+            ]
+        largest = max((2 * self._act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
+        if self.cp is None:
+            return largest
+        # cp attention's buffers while it runs (upper bound: heads not split on tp)
+        attention = [n.name for n in cache["storage_nodes"] if is_attention(n)]
+        return max([largest] + [self._cp_cost(n, 1).peak_extra_bytes for n in attention])
+
+    def saved_bytes(self, name: str, k: int, recompute: str = "none") -> float:
+        """Bytes group `name` keeps for backward under strategy k and `recompute`, on one device, for one micro-batch.
+
+        A cp attention member adds what its algorithm keeps besides its inputs and output (the gathered K/V of
+        all-gather, the head-split copies of all-to-all), unless `recompute` runs it again in backward.
+        """
+        grp, saved = self.groups[name], self._saved_for_backward(recompute)
+        total = sum(self._member_bytes(grp, m, k) for m in grp.members if m in saved)
+        if self.cp is not None:
+            again = recomputed_nodes(self.graph.graph, recompute) if recompute != "none" else {}
+            total += sum(
+                self._cp_cost(m, grp.divisor[m][k]).saved_bytes
+                for m in grp.members
+                if m not in again and is_attention(self.graph.node(m))
+            )
+        return total
+
+    def _cp_cost(self, name: str, divisor: int):
+        """The cp attention price of attention node `name` on this mesh, per micro-batch, heads split by `divisor`."""
+        key = (name, divisor)
+        if key not in self._cp_costs:
+            self._cp_costs[key] = self.cp.cost(self.graph.node(name), self.batch // self.batch_div, divisor)
+        return self._cp_costs[key]
+
+    def _member_bytes(self, grp: Group, member: str, k: int) -> float:
+        pl = grp.out[member][k]
+        return self._act_bytes(self.graph.node(member)) / (self.tp if isinstance(pl, Shard) else 1)
+
+    def _recomputed_saves(self, recompute: str) -> list[list[tuple[str, str]]]:
+        """Per distinct segment: the (group, member) values it makes again in backward, once per micro-batch.
+
+        Those kept with no recompute that `recompute` drops; segments of identical layers share their
+        representatives' groups and appear once.
+        """
+        if recompute == "none":
+            return []
+        dropped = self._saved_for_backward("none") - self._saved_for_backward(recompute)
+        out, seen = [], set()
+        for seg in recompute_segments(self.graph.graph, recompute):
+            reps = tuple(
+                sorted(
+                    {
+                        self._rep(n)
+                        for n in seg
+                        if self._rep(n) in dropped
+                        and self._rep(n) in self.group_of
+                        and self.graph.layer_count[self._rep(n)]
+                    }
+                )
+            )
+            if reps and reps not in seen:
+                seen.add(reps)
+                out.append([(self.group_of[r], r) for r in reps])
+        return out
+
+    def memory_lower_bound(self, recompute: str | None = None) -> dict[str, float]:
+        """Per-device bytes below which no layout of this program can go, without solving it.
+
+        Every parameter at its leanest placement and ZeRO stage, every group at its leanest
+        strategy, each chosen on its own, under the leanest allowed recompute mode (or `recompute`):
+        a true lower bound of the program's memory term. The recomputed segment's values
+        (M_recompute) count as working memory ("transient").
+        """
+        states = self._states_lower_bound(self.zero_choices)
+        modes = self.recompute_choices if recompute is None else [recompute]
+        acts, extra = min((self._activations_lower_bound(m) for m in modes), key=sum)
+        return {"states": states, "activations": acts, "transient": self.transient_bytes() + extra}
+
+    def leanest_recompute(self) -> str:
+        """The allowed recompute mode with the smallest activation lower bound."""
+        return min(self.recompute_choices, key=lambda m: sum(self._activations_lower_bound(m)))
+
+    def _states_lower_bound(self, stages) -> float:
+        """Device bytes of the states at their leanest: without offload each parameter's least total; with
+        it, the least weights, gradients and optimizer states less what the host can take (gradients and
+        optimizer states up to its capacity) and the weights that leave with those optimizer states."""
+        states, weights, movable, opt = 0.0, 0.0, 0.0, 0.0
+        for name in self._param_groups():
+            grp = self.groups[name]
+            per = [self.state_bytes(name, k, s) for k in range(len(grp.strategies)) for s in stages]
+            states += grp.count * min(sum(b) for b in per)
+            weights += grp.count * min(b[0] for b in per)
+            movable += grp.count * min(b[1] + b[2] for b in per)
+            opt += grp.count * min(b[2] for b in per)
+        # every allowed stage gathers its weights, ahead of use with prefetch (`prefetch_bytes`)
+        ahead = (
+            self.prefetch_bytes() if stages and all(s >= 1 and self.comm(s).overlaps_data_axis for s in stages) else 0.0
+        )
+        if self.offload is False or self.dp > 1 and 3 not in stages:
+            # the gradient buckets in flight of every allowed stage (`in_flight_grad_bytes`; none where offload may
+            # run the stage-3 layouts as the offload program)
+            return states + ahead + min((self.in_flight_grad_bytes(s) for s in stages), default=0.0)
+        host = self.host_capacity()
+        leaving = min(movable, host) + self.precision.param_bytes / self.precision.optimizer_bytes * min(opt, host)
+        return min(states, max(0.0, weights + movable - leaving)) + ahead
+
+    def _activations_lower_bound(self, recompute: str) -> tuple[float, float]:
+        """(saved activations, recomputed segment) at their leanest under `recompute`."""
+        cache = self._act_bounds
+        if recompute not in cache:
+            acts = self.activation_copies * sum(
+                grp.count * min(self.saved_bytes(name, k, recompute) for k in range(len(grp.strategies)))
+                for name, grp in self.groups.items()
+            )
+            peak = max(
+                (
+                    sum(
+                        min(self._member_bytes(self.groups[g], m, k) for k in range(len(self.groups[g].strategies)))
+                        for g, m in seg
+                    )
+                    for seg in self._recomputed_saves(recompute)
+                ),
+                default=0.0,
+            )
+            cache[recompute] = (acts, peak)
+        return cache[recompute]
+
+    def add_memory_constraint(self, recompute: str | None = None) -> None:
+        """sum n_w u M_state + sum n_g x M_saved(r) + M_recompute(r) + M_transient <= budget.
+
+        The peak is at the turn from forward to backward. Under recompute mode r, M_saved(r) keeps only
+        what enters each recomputed segment, and the first segment the backward recomputes holds its
+        values again: M_recompute(r) >= sum_{(g,m) in S} x[g,k] M_value[m,k] for every segment S.
+        """
+        if self.transient is None:
+            for (name, k, s), u in self.u.items():
+                count = self.groups[name].count
+                p, g, o = self.state_bytes(name, k, s)
+                self.memory_terms["params"].append(count * p * u)
+                self.memory_terms["grads"].append(count * g * u)
+                self.memory_terms["optimizer"].append(count * o * u)
+            self._add_overlap_grads()
+            self.transient = self.transient_bytes()
+            ahead = self.prefetch_bytes()
+            if ahead:
+                self.memory_terms["prefetch"] = [
+                    ahead * z for s, z in self.z.items() if s >= 1 and self.comm(s).overlaps_data_axis
+                ]
+        self._use_mode(recompute or self.recompute_choices[0])
+
+    def regathered(self, recompute: str) -> list[str]:
+        """The parameter groups whose weights recompute mode r gathers over the data axis again: those its
+        recomputed nodes read, at ZeRO-1/2 in the sharded program without overlap, which gathers a weight at
+        each use (its overlapping program holds each gathered weight for the step; ZeRO-3's recompute takes the
+        place of the backward's gather, which `sync_time` prices)."""
+        if recompute == "none" or self.dp == 1:
+            return []
+        rec = recomputed_nodes(self.graph.graph, recompute)
+        read = {
+            a.name for n in self.graph.graph.nodes if n.name in rec for a in n.all_input_nodes if a.op == "placeholder"
+        }
+        return [g for g in self._param_groups() if g in read and self.graph.params[g].requires_grad]
+
+    def regather_s(self, name: str, k: int, stage: int) -> float:
+        """Seconds a step spends gathering parameter group `name` (strategy k) again in its recomputed forwards
+        at ZeRO stage `stage` (one all-gather per micro-batch and layer; 0 where the stage does not)."""
+        if not self.comm(stage).gathers_at_each_use:  # else gathered once (a step, or ahead) and kept
+            return 0.0
+        local = self._tp_numel(name, k)
+        ag = estimate_collective_time(Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link)
+        return self.groups[name].count * ag * self.mb
+
+    def add_recompute_cost(self, recompute: str) -> list:
+        """Objective terms of recompute mode r: the forward of every recomputed node and the resharding
+        its arguments need, once more: sum_{g, m in R} n_g sum_k x[g,k] F[m,k] + sum_{e into R} n_e y Rf, and the
+        weights it gathers again (`regathered`): sum_{w read in R} sum_{k, s} regather_s(w, k, s) u[w,k,s]."""
+        rec = recomputed_nodes(self.graph.graph, recompute)
+        terms = [
+            self.regather_s(w, k, st) * u
+            for w in self.regathered(recompute)
+            for (name, k, st), u in self.u.items()
+            if name == w and self.regather_s(w, k, st)
+        ]
+        for name, members in self._fwd_s.items():
+            grp = self.groups[name]
+            for m, fwd in members.items():
+                if m not in rec:
+                    continue
+                gather = grp.follow_fwd_s.get(m)
+                for k, t in enumerate(fwd):
+                    t += gather[k] if gather else 0.0
+                    if t:
+                        terms.append(t * self.x[name][k])
+        terms += [coef * var for c, coef, var, _ in self._edge_fwd if c in rec]
+        return terms
+
+    # ------------------------------------------------------- activations of one chosen layout, per mode
+
+    def fixed_activations(
+        self, choice: dict[str, int], recompute: str, stage: int | None = None
+    ) -> tuple[float, float, float]:
+        """(saved activation bytes, recomputed-segment peak bytes, recompute seconds) of the layout `choice`
+        (strategy per group) at ZeRO stage `stage` (None: the weights' gathers left out) under recompute mode r:
+        the program's M_saved(r), M_recompute(r) and recompute objective terms evaluated at that layout, without
+        solving."""
+        acts = self.activation_copies * sum(
+            grp.count * self.saved_bytes(name, choice[name], recompute) for name, grp in self.groups.items()
+        )
+        peak = max(
+            (
+                sum(self._member_bytes(self.groups[g], m, choice[g]) for g, m in seg)
+                for seg in self._recomputed_saves(recompute)
+            ),
+            default=0.0,
+        )
+        if recompute == "none":
+            return acts, peak, 0.0
+        rec = recomputed_nodes(self.graph.graph, recompute)
+        seconds = 0.0
+        for name, members in self._fwd_s.items():
+            gather = self.groups[name].follow_fwd_s
+            for m, fwd in members.items():
+                if m in rec:
+                    seconds += fwd[choice[name]] + (gather[m][choice[name]] if gather.get(m) else 0.0)
+        seconds += sum(coef for c, coef, _, cond in self._edge_fwd if c in rec and all(choice[g] == k for g, k in cond))
+        if stage is not None:
+            seconds += sum(self.regather_s(w, choice[w], stage) for w in self.regathered(recompute))
+        return acts, peak, seconds
+
+    def fixed_layer_activations(self, choice: dict[str, int]) -> tuple[float, float]:
+        """(bytes the repeated layers keep for backward, seconds of their forward), all layers together, for
+        the layout `choice` with nothing recomputed: what offloading their activations moves and overlaps."""
+        saved, nbytes, seconds = self._saved_for_backward("none"), 0.0, 0.0
+        for name, grp in self.groups.items():
+            k = choice[name]
+            for m in grp.members:
+                if self.graph.node_layer.get(m, (None, None))[0] is None:
+                    continue
+                if m in saved:
+                    nbytes += grp.count * self._member_bytes(grp, m, k)
+                seconds += self._fwd_s.get(name, {}).get(m, [0.0] * (k + 1))[k]
+        return self.activation_copies * nbytes, seconds
+
+    def recompute_time_lower_bound(self, recompute: str) -> float:
+        """Seconds recompute mode r adds at least: every recomputed group at its cheapest forward."""
+        rec = recomputed_nodes(self.graph.graph, recompute)
+        total = 0.0
+        for name, members in self._fwd_s.items():
+            per_k = [
+                sum(fwd[k] for m, fwd in members.items() if m in rec) for k in range(len(self.groups[name].strategies))
+            ]
+            total += min(per_k, default=0.0)
+        return total
+
+    def _mode_terms(self, recompute: str) -> _ModeTerms:
+        if recompute in self._modes:
+            return self._modes[recompute]
+        acts = []
+        for name, grp in self.groups.items():
+            for k in range(len(grp.strategies)):
+                b = self.saved_bytes(name, k, recompute) * self.activation_copies
+                if b:
+                    acts.append(grp.count * b * self.x[name][k])
+        rows, peak = {}, []
+        segs = [
+            pulp.lpSum(
+                self._member_bytes(self.groups[g], m, k) * self.x[g][k]
+                for g, m in seg
+                for k in range(len(self.groups[g].strategies))
+            )
+            for seg in self._recomputed_saves(recompute)
+        ]
+        if len(segs) == 1:
+            peak = [segs[0]]
+        elif segs:  # the largest segment: one variable above each
+            w = self.prob.add_variable(f"recompute_peak_{recompute}", 0)
+            rows = {f"recompute_peak_{recompute}_{i}": w >= e for i, e in enumerate(segs)}
+            peak = [w]
+        states = [t for key in ("params", "grads", "optimizer", "prefetch") for t in self.memory_terms.get(key, ())]
+        total = pulp.lpSum(states + acts + peak) + self.transient
+        if math.isfinite(self.budget):
+            rows["memory_peak"] = total <= self.budget
+        base = [t for key, terms in self.cost_terms.items() if key != "recompute" for t in terms]
+        extra = self.add_recompute_cost(recompute) if recompute != "none" else []
+        if extra and 0 in self.z and self.comm(0).runs_plain and self.leaving_plain_s:
+            extra.append(self.leaving_plain_s * self.z[0])  # recompute runs on the sharded runtime
+        if extra and self._exposed is not None:  # which does not overlap its gradient reductions with backward
+            extra.append(pulp.lpSum(self.sync_report["total"]) - self._exposed)
+        self._modes[recompute] = _ModeTerms(pulp.lpSum(base + extra), extra, acts, peak, rows)
+        return self._modes[recompute]
+
+    def _use_mode(self, recompute: str) -> None:
+        """Make the objective and the memory rows those of recompute mode `recompute`."""
+        if recompute == self._mode:
+            return
+        if self._mode is not None:
+            for name in self._modes[self._mode].rows:
+                self.prob.constraints.pop(name, None)
+        terms = self._mode_terms(recompute)
+        self.prob.setObjective(terms.objective)
+        for name, row in terms.rows.items():
+            self.prob.addConstraint(row, name)
+        self.memory_terms["activations"] = terms.activations
+        self.memory_terms["recompute"] = terms.peak
+        self.cost_terms["recompute"] = terms.extra
+        self._mode = recompute
+
+    # ---------------------------------------------------------------------------------- solving
+
+    def solve(
+        self, time_limit_s: float = 60.0, *, stage: int | None = None, memory: bool = True, recompute: str | None = None
+    ) -> MeshResult:
+        """Solve the program, optionally with the ZeRO stage fixed and without the memory constraint.
+
+        Fixing the stage turns the stage product into constants that presolve removes; HiGHS solves
+        the four fixed programs faster than the joint one. Without the memory constraint the optimum
+        is a lower bound of the step time for this mesh and any more micro-batches or higher stage.
+        `recompute` picks the mode (default: the first allowed, "none" unless pinned).
+        """
+        mode = recompute or self.recompute_choices[0]
+        self._use_mode(mode)
+        for s, z in self.z.items():
+            z.lowBound, z.upBound = (0, 1) if stage is None else ((1, 1) if s == stage else (0, 0))
+        mem_con = None if memory else self.prob.constraints.pop("memory_peak", None)
+        t0 = time.perf_counter()
+        try:
+            _quiet_solve(self.prob, time_limit_s)
+        finally:
+            if mem_con is not None:
+                self.prob.constraints["memory_peak"] = mem_con
+        dt = time.perf_counter() - t0
+        status = pulp.LpStatus[self.prob.status]
+        if status != "Optimal":
+            return MeshResult(
+                self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, dt, f"solver status {status}", self.mb, mode
+            )
+        val = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.cost_terms.items()}
+        mem = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.memory_terms.items()}
+        mem["transient"] = self.transient
+        if not mem.get("recompute"):
+            mem.pop("recompute", None)
+        if not mem.get("prefetch"):
+            mem.pop("prefetch", None)
+        chosen_stage = next(s for s, z in self.z.items() if (pulp.value(z) or 0) > 0.5)
+        step = sum(val.values())
+        hidden = 0.0
+        if self._exposed is not None and mode == "none":
+            whole = sum(pulp.value(t) or 0.0 for t in self.sync_report["total"])
+            hidden = max(whole - (pulp.value(self._exposed) or 0.0), 0.0)
+        for terms, exposed in self.sharded_hidden:  # the sharded program overlaps under every recompute mode
+            hidden += max(sum(pulp.value(t) or 0.0 for t in terms) - (pulp.value(exposed) or 0.0), 0.0)
+        self.last_choice = self.chosen()
+        # recomputed forwards are compute; resharding they repeat is counted with them
+        return MeshResult(
+            self.dp,
+            self.tp,
+            True,
+            step,
+            val.get("compute", 0.0) + val.get("recompute", 0.0),
+            val.get("reshard", 0.0),
+            val.get("grad_sync", 0.0),
+            chosen_stage,
+            mem,
+            dt,
+            num_microbatches=self.mb,
+            recompute=mode,
+            offload=self._offload_result(mem, val.get("offload", 0.0)),
+            optimizer_s=val.get("optimizer", 0.0),
+            recompute_s=val.get("recompute", 0.0),
+            grad_sync_hidden_s=hidden,
+            cp_comm_s=val.get("cp_comm", 0.0),
+            cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in self._cp_hidden_terms),
+            step_gather_s=sum(pulp.value(t) or 0.0 for t in self._step_gather_terms),
+            sync_fixed_s=sum(pulp.value(t) or 0.0 for t in self._sync_fixed_terms),
+            reshard_hidden_s=sum(pulp.value(t) or 0.0 for t in self._tp_hidden_terms),
+        )
+
+    def solve_free(self, recompute: str | None = None) -> MeshResult:
+        """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
+        faster (its optimizer step is 1/dp; higher stages only add communication)."""
+        low = self.zero_choices[0]
+        if self.offload is True and self.dp > 1 and 3 in self.zero_choices:
+            low = 3  # every state on the host: only the ZeRO-3 layout the offload program runs can hold that
+        best, choice = self.solve(stage=low, memory=False, recompute=recompute), self.last_choice
+        sharded = next((s for s in self.zero_choices if s >= 1), None)
+        if self.dp > 1 and low == 0 and sharded is not None:
+            res = self.solve(stage=sharded, memory=False, recompute=recompute)
+            if res.feasible and (not best.feasible or res.step_time_s < best.step_time_s):
+                best, choice = res, self.last_choice
+        self.last_choice = choice
+        return best
+
+    def chosen(self) -> dict[str, int]:
+        return {g: max(range(len(xs)), key=lambda k: pulp.value(xs[k]) or 0.0) for g, xs in self.x.items()}
+
+    def solve_best(self, lower_bound_s: float = 0.0, *, recompute: str | None = None) -> MeshResult:
+        """The optimum over the allowed recompute modes and ZeRO stages, each solved with both fixed.
+
+        `lower_bound_s` is a step time nothing on this mesh can beat (the memory-free optimum at the
+        lowest stage, no recompute). A mode adds at least `recompute_time_lower_bound` to it: a mode
+        whose bound the best plan found already reaches is not solved, nor a (mode, stage) whose
+        memory lower bound exceeds the budget; a stage that reaches its mode's bound ends that mode.
+        """
+        best, best_choice = None, None
+        modes = self.recompute_choices if recompute is None else [recompute]
+        for mode in modes:
+            bound = lower_bound_s + (self.recompute_time_lower_bound(mode) if mode != "none" else 0.0)
+            if best is not None and best.step_time_s <= bound * (1 + 1e-9):
+                continue
+            acts = sum(self._activations_lower_bound(mode)) + self.transient_bytes()
+            for s in self.zero_choices:
+                if self._states_lower_bound([s]) + acts > self.budget:
+                    continue
+                res = self.solve(stage=s, recompute=mode)
+                if res.feasible and (best is None or res.step_time_s < best.step_time_s):
+                    best, best_choice = res, self.last_choice
+                    if res.step_time_s <= bound * (1 + 1e-9):
+                        break
+        if best is None:
+            return MeshResult(self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, 0.0, "no stage fits", self.mb)
+        self.last_choice = best_choice
+        return best
+
+
+@dataclass
+class _ModeTerms:
+    """What one recompute mode puts into a program: its objective, terms and rows."""
+
+    objective: pulp.LpAffineExpression
+    extra: list
+    activations: list
+    peak: list
+    rows: dict[str, pulp.LpConstraint]
+
+
+def _storage_base(a: fx.Node) -> fx.Node:
+    """The node whose storage a value lives in: views resolved to their base.
+
+    Reshaping an expanded tensor (the repeat of grouped key/value heads) copies it, so that
+    reshape owns its storage.
+    """
+    while a.op == "call_function" and str(a.target) in _VIEW_OPS and tensor_args(a):
+        src = tensor_args(a)[0]
+        if str(a.target) == "aten.reshape.default" and str(src.target) == "aten.expand.default":
+            before, after = output_meta(tensor_args(src)[0]) if tensor_args(src) else None, output_meta(src)
+            if before is not None and after is not None and after.numel > before.numel:
+                break
+        a = src
+    return a
+
+
+def recompute_choices(graph: OpGraph, pinned: str | None) -> list[str]:
+    """The recompute modes a program considers, cheapest first: the pinned one, or every mode that has segments."""
+    if pinned is not None:
+        if pinned not in RECOMPUTE_MODES:
+            raise ConfigError(f"recompute={pinned!r}: expected one of {', '.join(RECOMPUTE_MODES)}")
+        return [pinned]
+    return ["none"] + [m for m in ("selective", "full") if recompute_segments(graph.graph, m)]
+
+
+def _quiet_solve(prob: pulp.LpProblem, time_limit_s: float) -> None:
+    """Solve without the banner HiGHS writes straight to the process's stdout when it starts."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            prob.solve(_solver(time_limit_s))
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _solver(time_limit_s: float):
+    highs = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
+    if highs.available():
+        return highs
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+
+
+def solver_name() -> str:
+    return "HiGHS" if pulp.HiGHS(msg=False).available() else "CBC"
+
+
+def _pinned(constraints: dict, world_size: int, batch: int) -> list[tuple[int, int]]:
+    meshes = factorizations(world_size)
+    tp, dp = constraints.get("tp"), constraints.get("dp")
+    for key, v in (("tp", tp), ("dp", dp)):
+        if v is not None and (not isinstance(v, int) or v < 1 or world_size % v):
+            raise ConfigError(
+                f"constraints[{key!r}]={v!r} does not divide the world size {world_size}; "
+                f"choose one of {[t for _, t in meshes]}"
+            )
+    meshes = [(d, t) for d, t in meshes if (tp is None or t == tp) and (dp is None or d == dp)]
+    if not meshes:
+        raise ConfigError(f"constraints tp={tp}, dp={dp} do not multiply to the world size {world_size}")
+    for key in ("num_microbatches", "micro_batch_size"):
+        v = constraints.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"constraints[{key!r}]={v!r}: expected a positive integer")
+    ok = [(d, t) for d, t in meshes if batch % d == 0]
+    if not ok:
+        raise ConfigError(
+            f"the global batch of {batch} does not divide over the data axis "
+            f"(dp={meshes[0][0]}); use a batch size that is a multiple of it"
+        )
+    split = [(d, t) for d, t in ok if _microbatch_choices(batch // d, constraints)]
+    if not split:
+        what = {k: constraints[k] for k in ("num_microbatches", "micro_batch_size") if k in constraints}
+        raise ConfigError(
+            f"the global batch of {batch} does not split into {what} on any data axis size "
+            f"{sorted({d for d, _ in ok})}; the samples per data-parallel rank must be a multiple "
+            f"of the micro-batch size (and of the micro-batch count)"
+        )
+    return split
+
+
+def solve_sharding(
+    graph: OpGraph,
+    cluster: ClusterSpec,
+    *,
+    estimator,
+    precision: str = "fp32",
+    constraints: dict | None = None,
+    memory_budget_bytes: float | None = None,
+    batch_size: int,
+    progress=None,
+    offload: bool | None = False,
+) -> ShardingSolution:
+    """Solve every allowed (dp, tp) mesh and return the fastest feasible layout.
+
+    Args:
+        graph: the traced model.
+        cluster: the devices and links.
+        estimator: a ComputeEstimator (analytic roofline or profiled).
+        precision: "bf16"/"fp16" (mixed precision AdamW) or "fp32".
+        constraints: optional pins: "tp", "dp", "zero" (0-3), "num_microbatches" (gradient accumulation
+            steps per data-parallel rank), "micro_batch_size" (samples per micro-batch per rank) or
+            "recompute" ("none", "selective", "full"), "tp_min_split" (the fraction of the layer matmul
+            weights' elements a tensor axis must split: default 1; 0 opts out).
+        memory_budget_bytes: per-device cap; defaults to the device memory.
+        batch_size: the global batch (dim 0 of the inputs), split over dp.
+        progress: optional callable(str) told about each mesh as it is solved.
+        offload: False keeps every state on the device; None lets each program put optimizer states and
+            gradients on the host where memory requires it; True puts all of them there. Only meshes without
+            a tensor axis (tp=1) offload: that is what the offload program runs.
+    Raises:
+        InfeasiblePlanError: no mesh fits, with the memory the best layout needs.
+    """
+    constraints = dict(constraints or {})
+    zero = constraints.get("zero")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise ConfigError(f"constraints['zero']={zero!r}: expected 0, 1, 2 or 3")
+    budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
+    if offload is True and constraints.get("tp", 1) != 1:
+        raise ConfigError(
+            f"offload=True with constraints['tp']={constraints['tp']}: host offload runs on meshes "
+            f"without a tensor axis; pin tp=1 or leave offload to the solver (offload=None)"
+        )
+    if offload is True and zero is not None and zero < 3 and cluster.world_size > 1 and constraints.get("dp", 2) > 1:
+        raise ConfigError(
+            f"offload=True with constraints['zero']={zero}: the offload program runs the states as "
+            f"ZeRO-3 chunks over the data axis; pin zero=3 or leave the stage to the solver"
+        )
+    prec = Precision.get(precision, constraints.get("grad_reduce"))
+    pins = constraints.get("param_placements") or {}
+    if not isinstance(pins, dict) or not all(isinstance(v, str) for v in pins.values()):
+        raise ConfigError(
+            f"constraints['param_placements']={pins!r}: expected a mapping of parameter names to "
+            f"placements on the tensor axis, such as {{'lm_head.weight': 'S(0)'}}"
+        )
+    recompute = _pinned_recompute(graph, constraints.get("recompute"))
+    cp = CPSpec.from_constraints(constraints, cluster.world_size)
+    attention = check_cp_graph(graph.graph, cp) if cp.on else []
+    if cp.on and constraints.get("dp") is not None:
+        constraints["dp"] = constraints["dp"] * cp.degree  # the data axis: dp·cp ranks
+    rules.UNRULED_OPS.clear()
+    t0 = time.perf_counter()
+    results, bounds, candidates = [], [], []
+    for dp, tp in _pinned(constraints, cluster.world_size, batch_size):
+        if dp % cp.degree:
+            continue
+        pricing = None
+        if cp.on:
+            m0 = (_microbatch_choices(batch_size // dp, constraints) or [1])[0]
+            pricing = price_cp_attention(
+                attention, cluster, cp, data=dp, tp=tp, num_microbatches=m0, precision=precision
+            )
+        if offload is True and tp > 1:
+            results.append(
+                MeshResult(
+                    dp,
+                    tp,
+                    False,
+                    math.inf,
+                    0,
+                    0,
+                    0,
+                    -1,
+                    {},
+                    0.0,
+                    "offload=True: host offload runs on meshes without a tensor axis",
+                )
+            )
+            continue
+        factory = functools.partial(
+            _program_factory,
+            graph,
+            cluster,
+            dp,
+            tp,
+            estimator=estimator,
+            precision=prec,
+            zero_stage=zero,
+            budget=budget,
+            batch_size=batch_size,
+            recompute=recompute,
+            offload=offload if tp == 1 else False,
+            tensor_split=TensorSplit.from_constraints(constraints, tp),
+            pinned_placements=pins,
+            overlap=bool(constraints.get("overlap", True)),
+            prefetch_depth=constraints.get("prefetch_depth"),
+        )
+        make = factory(cp=pricing)
+        if tp == 1 and any(v != "R" for v in pins.values()):
+            results.append(
+                MeshResult(
+                    dp,
+                    tp,
+                    False,
+                    math.inf,
+                    0,
+                    0,
+                    0,
+                    -1,
+                    {},
+                    0.0,
+                    "param_placements splits parameters, and this mesh has no tensor axis",
+                )
+            )
+            continue
+        fits = None
+        for alg in pricing.ranked if pricing is not None else (None,):
+            if alg is not None and alg != pricing.algorithm:  # the faster ones did not fit
+                faster = ", ".join(str(a) for a in pricing.ranked[: pricing.ranked.index(alg)])
+                pricing = pricing.with_algorithm(
+                    alg,
+                    f"{faster}: faster, but does not fit the memory budget "
+                    f"on dp={dp // cp.degree} cp={cp.degree} tp={tp}",
+                )
+                make = factory(cp=pricing)
+            for m in _microbatch_choices(batch_size // dp, constraints):
+                prog = make(m)
+                if prog.cannot_split():
+                    break
+                bound = prog.memory_lower_bound()
+                bounds.append((sum(bound.values()), _mesh_words(dp, tp, cp.degree), m, bound, prog.leanest_recompute()))
+                if sum(bound.values()) <= budget:
+                    fits = prog
+                    break
+            if fits is not None or prog.cannot_split():
+                break
+        if fits is None and prog.cannot_split():
+            results.append(
+                MeshResult(
+                    dp,
+                    tp,
+                    False,
+                    math.inf,
+                    0,
+                    0,
+                    0,
+                    -1,
+                    {},
+                    0.0,
+                    f"the tensor axis would split no matmul weight (none has a dimension divisible "
+                    f"by tp={tp}): that is data parallelism, which dp={dp * tp} runs",
+                )
+            )
+            continue
+        if fits is None:
+            results.append(
+                MeshResult(
+                    dp, tp, False, math.inf, 0, 0, 0, -1, {}, 0.0, "does not fit even with micro-batches of one sample"
+                )
+            )
+            continue
+        fits.build()
+        free = fits.solve_free()
+        candidates.append((free, fits, make))
+    # Meshes in the order of their memory-free optimum (a lower bound of anything they can reach):
+    # once the best plan found is faster than a mesh's bound, that mesh cannot win and is not solved.
+    candidates.sort(key=lambda c: c[0].step_time_s)
+    best, best_prog = None, None
+    for free, prog, make in candidates:
+        if best is not None and free.step_time_s >= best.step_time_s:
+            results.append(
+                dataclasses.replace(
+                    free,
+                    feasible=False,
+                    reason=f"cannot beat the chosen plan: at least "
+                    f"{free.step_time_s * 1e3:.2f} ms even without a memory limit",
+                )
+            )
+            continue
+        res, res_prog = _solve_mesh(
+            free,
+            prog,
+            make,
+            batch_size,
+            constraints,
+            progress,
+            beat_s=best.step_time_s if best is not None else math.inf,
+        )
+        results.append(res)
+        if res.feasible and (best is None or res.step_time_s < best.step_time_s):
+            best, best_prog = res, res_prog
+    if best is None:
+        raise InfeasiblePlanError(_infeasible_message(bounds, budget, offload))
+    unruled = tuple(sorted(rules.UNRULED_OPS))
+    if unruled and best.tp > 1:
+        warnings.warn(
+            f"no sharding rule for {', '.join(unruled)}: these ops run replicated on the tensor axis", stacklevel=2
+        )
+    return _solution(best_prog, best, tuple(results), unruled, time.perf_counter() - t0)
+
+
+def _pinned_recompute(graph: OpGraph, pinned) -> str | None:
+    """The pinned recompute mode, checked; a mode with nothing to recompute in this graph warns and is "none"."""
+    if pinned is None:
+        return None
+    if pinned not in RECOMPUTE_MODES:
+        raise ConfigError(f"constraints['recompute']={pinned!r}: expected one of {', '.join(RECOMPUTE_MODES)}")
+    if pinned != "none" and not recompute_segments(graph.graph, pinned):
+        warnings.warn(
+            f"recompute={pinned!r}: the model has no repeated layers (attention blocks) to recompute; "
+            f"planning without recompute",
+            stacklevel=3,
+        )
+        return "none"
+    return pinned
+
+
+def _program_factory(
+    graph,
+    cluster,
+    dp,
+    tp,
+    *,
+    estimator,
+    precision,
+    zero_stage,
+    budget,
+    batch_size,
+    recompute=None,
+    offload=False,
+    tensor_split: TensorSplit = TensorSplit(),
+    pinned_placements=None,
+    overlap: bool = True,
+    cp: CPPricing | None = None,
+    prefetch_depth: int | None = None,
+):
+    def make(m: int) -> ShardingProgram:
+        return ShardingProgram(
+            graph,
+            cluster,
+            dp,
+            tp,
+            estimator=estimator,
+            precision=precision,
+            zero_stage=zero_stage,
+            memory_budget_bytes=budget,
+            batch_dim_size=batch_size,
+            num_microbatches=m,
+            recompute=recompute,
+            offload=offload,
+            tensor_split=tensor_split,
+            pinned_placements=pinned_placements,
+            overlap=overlap,
+            cp=cp,
+            prefetch_depth=prefetch_depth,
+        )
+
+    return make
+
+
+def _solve_mesh(
+    free: MeshResult,
+    prog: ShardingProgram,
+    make,
+    batch_size: int,
+    constraints: dict,
+    progress,
+    beat_s: float = math.inf,
+):
+    """The best layout of one mesh: per recompute mode, fewest micro-batches that fit first, more while that helps.
+
+    `free` is the memory-free optimum at the fewest micro-batches without recompute: when it fits,
+    nothing on this mesh is faster (more micro-batches, higher ZeRO stages and recompute never cost
+    less), so it is the answer. Otherwise the modes are searched cheapest first, each over its own
+    micro-batch counts (more micro-batches can make recompute unnecessary, so the step time is not
+    monotone across modes); a mode whose time bound (`free` plus its least recompute time) the best
+    plan found already reaches, on this mesh or `beat_s` on another, is skipped. Where a mode needs
+    more micro-batches than `free` has, its own memory-free optimum there tightens its bound first.
+    """
+    say = progress or (lambda msg: None)
+    if free.feasible and sum(free.memory.values()) <= prog.budget:
+        say(f"mesh dp={prog.dp} tp={prog.tp} micro-batches={prog.mb}: {free.step_time_s * 1e3:.2f} ms")
+        return free, prog  # prog.last_choice holds the memory-free solution
+    programs = {prog.mb: prog}
+    counts = [c for c in _microbatch_choices(batch_size // prog.dp, constraints) if c >= prog.mb]
+    best, last = None, None  # best: (result, program, choice)
+    lower = free.step_time_s
+    for mode in prog.recompute_choices:
+        bound = lower + (prog.recompute_time_lower_bound(mode) if mode != "none" else 0.0)
+        target = min(beat_s, best[0].step_time_s if best is not None else math.inf)
+        if target <= bound * (1 + 1e-9):
+            continue
+        mode_best = None
+        for m in counts:
+            if m not in programs:
+                programs[m] = make(m)
+            p = programs[m]
+            if sum(p.memory_lower_bound(mode).values()) > p.budget:
+                continue  # this mode needs more micro-batches
+            if not p.x:
+                p.build()
+            if mode_best is None and m != prog.mb:  # the mode's own memory-free optimum: a tighter bound
+                tight = p.solve_free(recompute=mode)
+                if tight.feasible:
+                    bound = max(bound, tight.step_time_s)
+                if target <= bound * (1 + 1e-9):
+                    break
+            res = last = mix_layer_modes(p, p.solve_best(bound if mode == "none" else lower, recompute=mode))
+            say(
+                f"mesh dp={p.dp} tp={p.tp} micro-batches={m}, {mode} recompute: "
+                + (f"{res.step_time_s * 1e3:.2f} ms" if res.feasible else "infeasible")
+            )
+            if mode_best is not None and (not res.feasible or res.step_time_s >= mode_best[0].step_time_s):
+                break  # more micro-batches only pay more latency once the states have stopped shrinking
+            if res.feasible:
+                mode_best = (res, p, p.last_choice)
+                if res.step_time_s <= bound * (1 + 1e-9):
+                    break  # as fast as this mode can be
+        if mode_best is not None and (best is None or mode_best[0].step_time_s < best[0].step_time_s):
+            best = mode_best
+    if best is None:
+        if last is None and beat_s < math.inf:
+            return dataclasses.replace(
+                free,
+                feasible=False,
+                reason=f"cannot beat the chosen plan: at least "
+                f"{lower * 1e3:.2f} ms with the micro-batches memory needs",
+            ), None
+        return last or dataclasses.replace(free, feasible=False, reason="no micro-batch count fits"), None
+    res, p, choice = best
+    p.last_choice = choice
+    return res, p
+
+
+def _microbatch_choices(per_rank: int, constraints: dict) -> list[int]:
+    """Micro-batch counts to try on a data-parallel rank holding `per_rank` samples, fewest first."""
+    m, b = constraints.get("num_microbatches"), constraints.get("micro_batch_size")
+    if m is not None:
+        return [m] if per_rank % m == 0 else []
+    if b is not None:
+        return [per_rank // b] if per_rank % b == 0 else []
+    return [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+
+
+def _solution(prog: ShardingProgram, best: MeshResult, results, unruled, dt) -> ShardingSolution:
+    chosen = prog.last_choice
+    out, ins, strat, params = {}, {}, {}, {}
+    graph = prog.graph
+    for node in graph.graph.nodes:
+        rep = graph.representative[node.name]
+        if rep not in prog.group_of:
+            continue
+        gname = prog.group_of[rep]
+        grp, k = prog.groups[gname], chosen[gname]
+        out[node.name] = placement_str(grp.out[rep][k])
+        ins[node.name] = tuple(placement_str(p) for p in grp.need[rep][k])
+        strat[node.name] = grp.strategies[k].name if gname == rep else "follows " + gname
+        if node.name in graph.params:
+            params[graph.params[node.name].name] = out[node.name]
+    return ShardingSolution(
+        best.dp,
+        best.tp,
+        best.num_microbatches,
+        best.zero_stage,
+        best.step_time_s,
+        best.compute_s,
+        best.reshard_s,
+        best.grad_sync_s,
+        best.memory,
+        out,
+        ins,
+        strat,
+        params,
+        results,
+        unruled,
+        len(prog.groups),
+        dt,
+        recompute=best.recompute,
+        offload=best.offload,
+        layer_modes=layer_indices(best.layer_modes, graph) if best.layer_modes else {},
+        activation_offload=best.activation_offload,
+        optimizer_s=best.optimizer_s,
+        recompute_s=best.recompute_s,
+        grad_sync_hidden_s=best.grad_sync_hidden_s,
+        cp_comm_s=best.cp_comm_s,
+        cp_comm_hidden_s=best.cp_comm_hidden_s,
+        reshard_hidden_s=best.reshard_hidden_s,
+        tensor_split=tensor_split_report(prog, chosen),
+        layer_ops=layer_ops_report(prog, chosen, best.zero_stage, exposed_fraction(best)),
+        cp=cp_report(prog.cp),
+    )
+
+
+def cp_report(pricing: CPPricing | None) -> dict:
+    """The plan's record of its cp axis: degree, algorithm, and each algorithm's price or why it cannot run."""
+    if pricing is None:
+        return {}
+    return {
+        "degree": pricing.degree,
+        "algorithm": str(pricing.algorithm),
+        "layout": "zigzag",
+        "priced": list(pricing.lines),
+    }
+
+
+def tensor_split_report(prog: ShardingProgram, chosen: dict[str, int]) -> dict:
+    """What the tensor axis of `prog`'s layout `chosen` splits: the fraction of all parameter elements and of the
+    layer matmul weights', the rule it was held to, and every parameter kept whole (under each name of the model)
+    with the reason. Empty without a tensor axis."""
+    if prog.tp == 1:
+        return {}
+    graph, rule = prog.graph, prog.tensor_split
+    layer, matmul = layer_matmul_weights(graph), matmul_weights(graph)
+    total = split = layer_total = layer_split = 0
+    replicated = {}
+    members = defaultdict(list)  # representative -> every parameter node it stands for (identical layers)
+    for node_name in graph.params:
+        members[graph.representative[node_name]].append(graph.params[node_name])
+    for name in prog._param_groups():
+        grp, info = prog.groups[name], graph.params[name]
+        size = grp.count * info.meta.numel
+        whole = not isinstance(grp.strategies[chosen[name]].output, Shard)
+        total += size
+        split += 0 if whole else size
+        if name in layer:
+            layer_total += size
+            layer_split += 0 if whole else size
+        if whole:
+            reason = _kept_whole_reason(prog, name, name in layer, name in matmul)
+            for member in members[name]:
+                for fqn in graph.expand_param_name(member.name, member.layer):
+                    replicated[fqn] = reason
+    return {
+        "split_fraction": split / total if total else 0.0,
+        "layer_matmul_split_fraction": layer_split / layer_total if layer_total else 0.0,
+        "min_fraction": rule.min_fraction,
+        "replicated": dict(sorted(replicated.items())),
+    }
+
+
+# what the data axis runs for one parameter's gradient (and, sharded, its weights) at each ZeRO stage
+_SYNC_WORDS = {
+    0: "all_reduce of the gradient",
+    1: "reduce_scatter of the gradient, all_gather of the weights",
+    2: "reduce_scatter of the gradient per micro-batch, all_gather of the weights",
+    3: "reduce_scatter of the gradient per micro-batch, all_gather of the weights per forward and backward",
+}
+# the sharded program with overlap: gradient buckets from backward (stages 0, 1: the last micro-batch's; 2, 3: every
+# micro-batch's), gathers issued ahead of use
+_OVERLAP_SYNC_WORDS = {
+    0: "all_reduce of the gradient (bucketed, from backward)",
+    1: "reduce_scatter of the gradient (bucketed, from backward), all_gather of the weights",
+    2: "reduce_scatter of the gradient per micro-batch (bucketed, from backward), all_gather of the weights",
+    3: "reduce_scatter of the gradient per micro-batch (bucketed, from backward), all_gather of "
+    "the weights per forward and backward",
+}
+
+# a ZeRO-1 pipeline stage with overlap (`ShardingProgram.step_gathers`)
+_STEP_GATHER_WORDS = "reduce_scatter of the gradient (bucketed, once a step), all_gather of the weights (once a step)"
+
+
+def exposed_fraction(res: MeshResult) -> float:
+    """The share of the data axis's sync that the step waits for: E / sum(Sync) of `add_overlap_constraint` at the
+    optimum `res` (its grad_sync_s is E, its grad_sync_hidden_s the rest), 1 where nothing is hidden."""
+    whole = res.grad_sync_s + res.grad_sync_hidden_s
+    return res.grad_sync_s / whole if res.grad_sync_hidden_s > 0 and whole > 0 else 1.0
+
+
+def layer_ops_report(
+    prog: ShardingProgram, chosen: dict[str, int], stage: int, exposed: float = 1.0
+) -> tuple[dict, ...]:
+    """Per deduplicated layer of `prog`'s layout `chosen` (and one entry for what runs outside the layers):
+    its parameters and ops with their placements on the tensor axis, and the collectives the layout inserts,
+    as the program priced them.
+
+    An entry is {"layer": container ("" outside the layers), "num_layers": layers it stands for, "ops": [...]};
+    an op is {"node", "op", "strategy", "inputs", "output", "collectives"}; a collective is {"kind", "axis",
+    "pass" ("forward", "backward" or "step"), "arg", "from", "bytes" (the full tensor on one data-parallel rank
+    for one micro-batch), "time_s" (one run), "per_step" (runs per step: layers x micro-batches)}. Followers
+    (views, elementwise ops that keep their producer's layout) without a collective are left out.
+
+    `exposed` (`exposed_fraction`): where overlap hides part of the data axis's sync, each parameter's dp
+    collective also carries "exposed_s", the part of one run the step waits for. The program prices the overlap
+    for the step as a whole (E of `add_overlap_constraint`), not per bucket, so the exposed time is apportioned
+    pro rata to each parameter's sync time: exposed_s = time_s x E / sum(Sync). The one bucket latency a step
+    pays (`sync_floor`; on the sharded program with overlap, one latency per step) is in no row; its exposed
+    share is the rest of E. With the sharded program's overlap a row's time is its `sharded_sync_parts` summed.
+    """
+    graph, tp_link = prog.graph, prog.tp_link
+    found: dict[str, list] = defaultdict(list)  # consumer -> its collectives
+
+    def source(name: str) -> str:  # a parameter by its name in the model, anything else by its node
+        return graph.params[name].name if name in graph.params else name
+
+    for (gp, p, gc, c, i), mult in prog._edges().items():
+        src = prog.groups[gp].out[p][chosen[gp]]
+        need, grad = prog.groups[gc].need[c][chosen[gc]][i], prog.groups[gc].grads[c][chosen[gc]][i]
+        nbytes = prog._act_bytes(graph.node(p))
+        for when, a, b in (("forward", src, need), ("backward", grad, grad_layout(src))):
+            t = redistribute_time(a, b, nbytes, prog.tp, tp_link)
+            if t:
+                found[c].append(
+                    _collective(redistribute_kind(a, b), "tp", when, i, source(p), a, b, nbytes, t, mult * prog.mb)
+                )
+    for grp in prog.groups.values():
+        for member, gathers in grp.follow_fwd_s.items():
+            if gathers[chosen[grp.leader]]:
+                (arg,) = tensor_args(graph.node(member))
+                src, nbytes = grp.out[arg.name][chosen[grp.leader]], prog._act_bytes(arg)
+                t = redistribute_time(src, R, nbytes, prog.tp, tp_link)
+                found[member].append(
+                    _collective(
+                        redistribute_kind(src, R),
+                        "tp",
+                        "forward",
+                        0,
+                        source(arg.name),
+                        src,
+                        R,
+                        nbytes,
+                        t,
+                        grp.count * prog.mb,
+                    )
+                )
+    entries: dict[str, dict] = {}
+    for node in graph.graph.nodes:
+        name = node.name
+        if graph.representative.get(name) != name or name not in prog.group_of or not graph.layer_count.get(name):
+            continue
+        gname = prog.group_of[name]
+        grp, k = prog.groups[gname], chosen[gname]
+        kind = graph.kinds.get(name)
+        ops = list(found.get(name, ()))
+        if kind == NodeKind.PARAM and prog.dp > 1:
+            t = prog.sync_time(name, k, stage)
+            if t and prog.comm(stage).overlaps_data_axis:
+                t = sum(prog.sharded_sync_parts(name, k, stage))  # as the overlapping sharded program runs them
+            if t:
+                local = graph.params[name].meta.numel / (prog.tp if isinstance(grp.out[name][k], Shard) else 1)
+                words = (
+                    "all_reduce of the gradient (bucketed)"
+                    if prog.comm(stage).buckets_all_reduce
+                    else _STEP_GATHER_WORDS
+                    if prog.comm(stage).gathers_once_a_step
+                    else (_OVERLAP_SYNC_WORDS if prog.comm(stage).overlaps_data_axis else _SYNC_WORDS)[stage]
+                )
+                ops.append(
+                    {
+                        "kind": words,
+                        "axis": "dp",
+                        "pass": "step",
+                        "arg": None,
+                        "from": source(name),
+                        "bytes": local * prog.precision.grad_bytes,
+                        "time_s": t,
+                        "per_step": grp.count,
+                    }
+                    | ({"exposed_s": t * exposed} if exposed < 1.0 else {})
+                )
+        if kind not in (NodeKind.PARAM, NodeKind.COMPUTE) or (gname != name and not ops):
+            continue
+        container = graph.node_layer.get(name, (None, None))[0] or ""
+        entry = entries.setdefault(container, {"layer": container, "num_layers": 0, "ops": []})
+        entry["num_layers"] = max(entry["num_layers"], graph.layer_count[name] if container else 1)
+        entry["ops"].append(
+            {
+                "node": graph.params[name].name if kind == NodeKind.PARAM else name,
+                "op": "parameter" if kind == NodeKind.PARAM else _short_target(node),
+                "strategy": grp.strategies[k].name if gname == name else "follows " + gname,
+                "inputs": [placement_str(pl) for pl in grp.need[name][k]],
+                "output": placement_str(grp.out[name][k]),
+                "collectives": ops,
+            }
+        )
+    return tuple(sorted(entries.values(), key=lambda e: e["layer"] == ""))
+
+
+def _collective(
+    kind: Collective,
+    axis: str,
+    when: str,
+    arg: int,
+    source: str,
+    a: Placement,
+    b: Placement,
+    nbytes: float,
+    time_s: float,
+    per_step: float,
+) -> dict:
+    return {
+        "kind": str(kind),
+        "axis": axis,
+        "pass": when,
+        "arg": arg,
+        "from": source,
+        "placements": f"{placement_str(a)} -> {placement_str(b)}",
+        "bytes": float(nbytes),
+        "time_s": time_s,
+        "per_step": per_step,
+    }
+
+
+def _short_target(node: fx.Node) -> str:
+    """aten.mm.default -> mm, aten.add.Tensor -> add.Tensor."""
+    text = str(node.target).removeprefix("aten.")
+    return text.removesuffix(".default")
+
+
+def _kept_whole_reason(prog: ShardingProgram, name: str, in_layer: bool, is_matmul: bool) -> str:
+    """Why parameter `name` stays whole on the tensor axis, in words for the report."""
+    if not any(isinstance(s.output, Shard) for s in prog.groups[name].strategies):
+        return f"no dimension divisible by tp={prog.tp}"
+    if in_layer:
+        return f"splitting it prices dearer and tp_min_split={prog.tensor_split.min_fraction:g} allows it whole"
+    if is_matmul:
+        return "matmul outside the layers (LM head): splitting it prices dearer"
+    if len(prog.graph.params[name].meta.shape) == 1:
+        return "a vector (norm weight or bias): splitting it prices dearer"
+    return "not a matmul weight (embedding or table): splitting it prices dearer"
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in GiB, or MiB below one GiB (so small budgets do not read as 0.00 GiB)."""
+    if n >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _mesh_words(data: int, tp: int, cp: int) -> str:
+    """'dp=2 cp=2 tp=1' for a data axis of `data` ranks (dp·cp of them) as a user pins the mesh."""
+    return f"dp={data // cp} cp={cp} tp={tp}" if cp > 1 else f"dp={data} tp={tp}"
+
+
+def _infeasible_message(bounds, budget, offload=False) -> str:
+    """Say how much memory the leanest layout needs per device, next to the budget.
+
+    `bounds` holds (bytes, mesh words, micro-batches, parts, recompute mode) of every program considered;
+    the figure is each program's lower bound (every choice at its leanest), so "at least" is exact.
+    """
+    if not bounds:
+        return "no layout satisfies the constraints"
+    total, mesh, m, parts, mode = min(bounds, key=lambda b: b[0])
+    if total <= budget:  # memory is not what stops it
+        return (
+            f"no layout satisfies the constraints, though memory would allow one (at least "
+            f"{format_bytes(total)} of {format_bytes(budget)} per device at {mesh}); loosen the pins"
+        )
+    recompute = "no activation recompute" if mode == "none" else f"{mode} activation recompute"
+    if offload is False:
+        recompute += ", nothing offloaded to the host (offload=False)"
+    else:
+        recompute += ", optimizer states and gradients on the host as far as host memory allows"
+    return (
+        f"the model needs at least {format_bytes(total)} per device (model states "
+        f"{format_bytes(parts['states'])}, activations {format_bytes(parts['activations'])}, working memory "
+        f"{format_bytes(parts['transient'])}, at {mesh} with {m} micro-batch(es), states sharded "
+        f"as far as allowed and {recompute}), but the budget is {format_bytes(budget)} per device: "
+        f"{format_bytes(total - budget)} short; raise memory_budget, use more devices or a smaller batch"
+        + ("" if offload is not False else ", or allow host offload (offload=None)")
+    )
