@@ -161,7 +161,6 @@ import os
 import sys
 import time
 import warnings
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -183,6 +182,19 @@ from autopar.passes.activation_plan import layer_indices, mix_layer_modes
 from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, is_attention, price_cp_attention
 from autopar.passes.parallelize import launches_early, local_op_targets
 from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
+from autopar.passes.sharding.graph import (
+    ANY_SPLIT,
+    VIEW_OPS,
+    TensorSplit,
+    analysis,
+    batch_split_nodes,
+    layer_matmul_weights,
+    matmul_weights,
+    recompute_choices,
+    saved_for_backward,
+)
+from autopar.passes.sharding.precision import Precision
+from autopar.passes.sharding.solution import MeshResult, ShardingSolution
 from autopar.passes.sharding_rules import OpStrategy, placement_str
 from autopar.plan import ProgramKind, program_kind
 from autopar.program_comm import ProgramComm, gradient_order, resolved_prefetch_depth
@@ -190,98 +202,6 @@ from autopar.units import BUCKETS_IN_FLIGHT, FP32_BYTES, GIB
 
 R = Replicate()
 FORBIDDEN_S = 1e6  # the price of a conversion the runtime cannot do: no optimum ever pays it
-
-# Ops that keep none of their inputs for the backward pass (the gradient does not need them).
-_NO_SAVE = {
-    "aten.add.Tensor",
-    "aten.sub.Tensor",
-    "aten.neg.default",
-    "aten.view.default",
-    "aten.reshape.default",
-    "aten.transpose.int",
-    "aten.permute.default",
-    "aten.unsqueeze.default",
-    "aten.squeeze.dim",
-    "aten.expand.default",
-    "aten.slice.Tensor",
-    "aten.select.int",
-    "aten.split.Tensor",
-    "aten.cat.default",
-    "aten.clone.default",
-    "aten.contiguous.default",
-    "aten.alias.default",
-    "aten.to.dtype",
-    "aten.to.dtype_layout",
-    "aten._to_copy.default",
-    "aten._assert_tensor_metadata.default",
-    "aten.t.default",
-    "<built-in function getitem>",
-    "aten.detach.default",
-    "aten.dropout.default",
-    "aten.add.Scalar",
-    "aten.sub.Scalar",
-    "aten.mul.Scalar",
-    "aten.div.Scalar",
-    "aten.to.device",
-    "aten._unsafe_view.default",
-}
-_VIEW_OPS = {
-    "aten.view.default",
-    "aten.reshape.default",
-    "aten.transpose.int",
-    "aten.permute.default",
-    "aten.unsqueeze.default",
-    "aten.squeeze.dim",
-    "aten.expand.default",
-    "aten.slice.Tensor",
-    "aten.select.int",
-    "aten.split.Tensor",
-    "aten.alias.default",
-    "aten.t.default",
-    "<built-in function getitem>",
-    "aten._assert_tensor_metadata.default",
-    "aten.detach.default",
-    "aten._unsafe_view.default",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Precision:
-    """Bytes per parameter of each model state (AdamW), as the programs hold them.
-
-    `grad_bytes` is a ZeRO-0 gradient: held and all-reduced in `grad_reduce`'s format (mixed precision:
-    fp32 by default, the compute format when pinned). Gradients of parameters sharded over the data axis
-    (ZeRO >= 1) are reduce-scattered in the compute format, the transpose of their compute-format gathers
-    (`grad_bytes_at`).
-    """
-
-    name: str
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    grad_reduce: str = "fp32"
-
-    @classmethod
-    def get(cls, name: str, grad_reduce: str | None = None) -> Precision:
-        reduce = grad_reduce or "fp32"
-        if name in ("bf16", "fp16"):
-            if reduce not in ("fp32", name):
-                raise ConfigError(
-                    f"grad_reduce={reduce!r} with precision {name!r}: gradients are reduced in 'fp32' "
-                    f"(the default) or in the compute format {name!r}"
-                )
-            # compute-format weights, fp32 master weights and two fp32 moments (ZeRO paper: 2 + 2 + 12), and
-            # gradients in the format they are reduced in
-            return cls(name, 2, 4 if reduce == "fp32" else 2, 12, reduce)
-        if name == "fp32":
-            if reduce != "fp32":
-                raise ConfigError(f"grad_reduce={reduce!r} with precision 'fp32': fp32 training reduces in 'fp32'")
-            return cls(name, 4, 4, 8, reduce)
-        raise ConfigError(f"unknown precision {name!r}: expected 'bf16', 'fp16' or 'fp32'")
-
-    def grad_bytes_at(self, stage: int) -> int:
-        """Bytes of one gradient element as held and reduced at ZeRO stage `stage`."""
-        return self.grad_bytes if stage == 0 else self.param_bytes
 
 
 @dataclass
@@ -300,196 +220,6 @@ class Group:
     extra_s: list[float] = field(default_factory=list)
     # per follower: per strategy k, the forward part of extra_s (a gather before it), which recompute repeats
     follow_fwd_s: dict[str, list[float]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class MeshResult:
-    """The optimum of one mesh's program (or why it has none)."""
-
-    dp: int
-    tp: int
-    feasible: bool
-    step_time_s: float
-    compute_s: float
-    reshard_s: float
-    grad_sync_s: float
-    zero_stage: int
-    memory: dict[str, float]
-    solve_time_s: float
-    reason: str = ""
-    optimizer_s: float = 0.0  # the optimizer step on the device (Opt less D_o h_o)
-    num_microbatches: int = 1
-    recompute: str = "none"
-    # host offload: bytes on the host per device, fractions of the states, seconds it adds (empty: none)
-    offload: dict = field(default_factory=dict)
-    # per-layer treatment (`passes.activation_plan`): "offload"/"full"/"selective" -> how many layers
-    # (empty: `recompute` applies to every layer); the offloaded activations' host bytes and seconds
-    layer_modes: dict = field(default_factory=dict)
-    activation_offload: dict = field(default_factory=dict)
-    recompute_s: float = 0.0  # the part of compute_s that runs forwards again (and what leaving plain tensors adds)
-    grad_sync_hidden_s: float = 0.0  # gradient all-reduce time hidden behind backward (grad_sync_s is what is not)
-    cp_comm_s: float = 0.0  # cp attention's communication its compute does not hide (not in compute_s)
-    cp_comm_hidden_s: float = 0.0  # and what it hides (not in the step)
-    step_gather_s: float = 0.0  # the part of grad_sync_s that gathers weights before a pipeline's schedule starts
-    sync_fixed_s: float = 0.0  # the part of grad_sync_s that is bucketed reductions' latency (never hidden)
-    reshard_hidden_s: float = 0.0  # tensor-axis collectives launched early, hidden behind the ops before their use
-
-
-@dataclass(frozen=True)
-class ShardingSolution:
-    """The chosen layout: mesh, ZeRO stage and per-node placements on the tensor axis."""
-
-    dp: int
-    tp: int
-    num_microbatches: int
-    zero_stage: int
-    step_time_s: float
-    compute_s: float
-    reshard_s: float
-    grad_sync_s: float
-    memory: dict[str, float]
-    node_output: dict[str, str]
-    node_inputs: dict[str, tuple[str, ...]]
-    node_strategy: dict[str, str]
-    param_placements: dict[str, str]
-    candidates: tuple[MeshResult, ...]
-    unruled_ops: tuple[str, ...]
-    num_groups: int
-    solve_time_s: float
-    recompute: str = "none"
-    offload: dict = field(default_factory=dict)
-    optimizer_s: float = 0.0
-    layer_modes: dict = field(default_factory=dict)  # treatment -> layer indices (empty: uniform `recompute`)
-    activation_offload: dict = field(default_factory=dict)
-    recompute_s: float = 0.0  # the part of compute_s spent running forwards again
-    grad_sync_hidden_s: float = 0.0  # gradient all-reduce time hidden behind backward (grad_sync_s is what is not)
-    cp_comm_s: float = 0.0  # cp attention's communication its compute does not hide (not in compute_s)
-    cp_comm_hidden_s: float = 0.0  # and what it hides (not in the step)
-    reshard_hidden_s: float = 0.0  # tensor-axis collectives launched early, hidden behind the ops before their use
-    # tp > 1: what the tensor axis splits and which parameters stay whole, and why (`tensor_split_report`)
-    tensor_split: dict = field(default_factory=dict)
-    # per deduplicated layer (and what runs outside the layers): its ops, placements and collectives
-    # (`layer_ops_report`)
-    layer_ops: tuple = ()
-    # a cp plan: "degree", "algorithm" and "priced" (one line per algorithm, `CPPricing.lines`); empty without
-    cp: dict = field(default_factory=dict)
-
-
-_ANALYSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _analysis(graph: OpGraph) -> dict:
-    """Mesh-independent facts about `graph` (per view of it), computed once and shared by every mesh's program."""
-    found = _ANALYSES.get(graph.graph)
-    if found is None:
-        found = _ANALYSES[graph.graph] = {}
-    return found.setdefault(graph.view, {})
-
-
-def batch_split_nodes(graph: OpGraph, batch: int) -> frozenset[str]:
-    """Nodes whose values are split over the data axis: those computed from the batch inputs.
-
-    A value derived from a batch-split value stays split while it still holds at least one
-    element per sample (views that flatten batch and sequence into tokens included); a loss
-    reduced to a scalar does not. A value the graph makes from no input at all (a causal mask
-    expanded to the batch) with the batch as its leading dimension is split too: it is the same
-    on every rank, so each rank keeps its rows (the rewrite does the same).
-    """
-    cache = _analysis(graph)
-    if ("batch_split", batch) in cache:
-        return cache[("batch_split", batch)]
-    split: set[str] = set()
-    made: set[str] = set()  # computed from no placeholder
-    for node in graph.graph.nodes:
-        args = tensor_args(node)
-        if node.op == "call_function" and all(a.name in made for a in args):
-            made.add(node.name)
-        meta = output_meta(node)
-        if meta is None or not meta.shape or meta.numel % batch:
-            continue
-        if graph.kinds.get(node.name) == NodeKind.INPUT:
-            if meta.shape[0] == batch:
-                split.add(node.name)
-        elif node.op == "call_function" and any(a.name in split for a in args):
-            split.add(node.name)
-        elif node.name in made and len(meta.shape) >= 2 and meta.shape[0] == batch:
-            split.add(node.name)
-    out = cache[("batch_split", batch)] = frozenset(split)
-    return out
-
-
-# Matrix products and the argument holding the weight (None: whichever argument a parameter reaches)
-_MATMUL_WEIGHT_ARG = {
-    "aten.linear.default": 1,
-    "aten.addmm.default": 2,
-    "aten.mm.default": 1,
-    "aten.bmm.default": None,
-    "aten.matmul.default": None,
-}
-# Ops a weight passes through on its way to a matmul: views, casts, and the selection of experts
-_WEIGHT_PATH_OPS = _VIEW_OPS | {
-    "aten.index.Tensor",
-    "aten._to_copy.default",
-    "aten.to.dtype",
-    "aten.to.dtype_layout",
-    "aten.clone.default",
-    "aten.contiguous.default",
-    "aten.chunk.default",
-    "aten.narrow.default",
-    "aten.numpy_T.default",
-}
-
-
-def matmul_weights(graph: OpGraph) -> frozenset[str]:
-    """Parameter nodes (representatives) that are the weight of a matrix product: attention and MLP projections,
-    experts (reached through their selection by index), the LM head. Embedding tables are not: a lookup is no
-    product."""
-    cache = _analysis(graph)
-    if "matmul_weights" in cache:
-        return cache["matmul_weights"]
-    found: set[str] = set()
-    for node in graph.graph.nodes:
-        if node.op != "call_function" or str(node.target) not in _MATMUL_WEIGHT_ARG:
-            continue
-        args = tensor_args(node)
-        idx = _MATMUL_WEIGHT_ARG[str(node.target)]
-        for a in args if idx is None else args[idx : idx + 1]:
-            while a.op == "call_function" and str(a.target) in _WEIGHT_PATH_OPS and tensor_args(a):
-                a = tensor_args(a)[0]
-            if graph.kinds.get(a.name) == NodeKind.PARAM:
-                found.add(graph.representative[a.name])
-    out = cache["matmul_weights"] = frozenset(found)
-    return out
-
-
-def layer_matmul_weights(graph: OpGraph) -> frozenset[str]:
-    """The matmul weights a pinned tensor axis must split: those of the repeated layers (all of them in a model
-    without layers). The LM head is left to the solver: splitting it pays only where the vocabulary is large."""
-    weights = matmul_weights(graph)
-    inside = frozenset(w for w in weights if graph.params[w].layer[0] is not None)
-    return inside or weights
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSplit:
-    """What a tensor axis must split: at least `min_fraction` of the layer matmul weights' elements."""
-
-    min_fraction: float = 0.0
-
-    @classmethod
-    def from_constraints(cls, constraints: dict, tp: int) -> TensorSplit:
-        """The rule for a tensor axis of size `tp` under the user's `constraints` (validated here): every layer
-        matmul weight by default, pinned or searched alike (so that `compile`, which plans again with the
-        plan's tp pinned, builds what was priced), or the fraction `tp_min_split` says."""
-        f = constraints.get("tp_min_split")
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1):
-            raise ConfigError(
-                f"constraints['tp_min_split']={f!r}: expected a fraction between 0 and 1 (0 lets the "
-                f"tensor axis split nothing, 1 splits every layer matmul weight)"
-            )
-        if tp == 1:
-            return cls()
-        return cls(1.0 if f is None else float(f))
 
 
 def redistribute_kind(src: Placement, dst: Placement) -> Collective | None:
@@ -548,7 +278,7 @@ class ShardingProgram:
         activation_copies: float = 1.0,
         recompute: str | None = None,
         offload: bool | None = False,
-        tensor_split: TensorSplit = TensorSplit(),
+        tensor_split: TensorSplit = ANY_SPLIT,
         pinned_placements: dict | None = None,
         overlap: bool = True,
         cp: CPPricing | None = None,
@@ -755,35 +485,6 @@ class ShardingProgram:
     def _carries_batch(self, node: fx.Node) -> bool:
         return node.name in self.batch_split or any(a.name in self.batch_split for a in tensor_args(node))
 
-    def _saved_for_backward(self, recompute: str = "none") -> set[str]:
-        """Producers (view chains resolved to their base) whose output is kept for backward under `recompute`.
-
-        A value is kept when a consumer that is not recomputed saves it, or when it enters a recomputed
-        segment from outside (the checkpoint keeps its inputs, whatever the ops inside save). A value
-        made and used inside one segment is dropped: the backward makes it again.
-        """
-        cache = _analysis(self.graph)
-        if ("saved", recompute) in cache:
-            return cache[("saved", recompute)]
-        segment = recomputed_nodes(self.graph.graph, recompute)
-        saved = set()
-        for node in self.graph.graph.nodes:
-            if node.op != "call_function":
-                continue
-            seg = segment.get(node.name)
-            if seg is None and str(node.target) in _NO_SAVE:
-                continue
-            for a in tensor_args(node):
-                a = _storage_base(a)
-                if seg is not None and segment.get(a.name) == seg:
-                    continue
-                if self.graph.kinds.get(a.name) in (NodeKind.COMPUTE, NodeKind.INPUT):
-                    meta = output_meta(a)
-                    if meta is not None and meta.dtype.is_floating_point or a.op == "placeholder":
-                        saved.add(a.name)
-        cache[("saved", recompute)] = saved
-        return saved
-
     # --------------------------------------------------------------------------------- the program
 
     def build(self) -> None:
@@ -915,7 +616,7 @@ class ShardingProgram:
 
         The grouping of nodes does not depend on the mesh, so the edges are found once per graph.
         """
-        cache = _analysis(self.graph)
+        cache = analysis(self.graph)
         if "edges" in cache and cache["edges"][0] == self.group_of:
             return cache["edges"][1]
         edges: dict[tuple[str, str, str, str, int], float] = defaultdict(float)
@@ -1007,7 +708,7 @@ class ShardingProgram:
         """W: forward seconds of one micro-batch between node `p` and `c`, its only consumer, when the interpreter
         launches the collective of `p`'s value where it is made (`parallelize.launches_early`): the ops in between,
         each at its cheapest strategy (a lower bound of what the plan runs there); 0 where it does not."""
-        cache = _analysis(self.graph)
+        cache = analysis(self.graph)
         if "order" not in cache:
             nodes = list(self.graph.graph.nodes)
             cache["order"] = ({n: i for i, n in enumerate(nodes)}, nodes, local_op_targets())
@@ -1647,12 +1348,12 @@ class ShardingProgram:
 
         Views (an expanded mask, a transposed weight) own no storage and are left out.
         """
-        cache = _analysis(self.graph)
+        cache = analysis(self.graph)
         if "storage_nodes" not in cache:  # representatives only: a deduplicated node has its representative's shape
             cache["storage_nodes"] = [
                 n
                 for n in self.graph.graph.nodes
-                if n.op == "call_function" and self.graph.layer_count[n.name] and str(n.target) not in _VIEW_OPS
+                if n.op == "call_function" and self.graph.layer_count[n.name] and str(n.target) not in VIEW_OPS
             ]
         largest = max((2 * self._act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
         if self.cp is None:
@@ -1667,7 +1368,7 @@ class ShardingProgram:
         A cp attention member adds what its algorithm keeps besides its inputs and output (the gathered K/V of
         all-gather, the head-split copies of all-to-all), unless `recompute` runs it again in backward.
         """
-        grp, saved = self.groups[name], self._saved_for_backward(recompute)
+        grp, saved = self.groups[name], saved_for_backward(self.graph, recompute)
         total = sum(self._member_bytes(grp, m, k) for m in grp.members if m in saved)
         if self.cp is not None:
             again = recomputed_nodes(self.graph.graph, recompute) if recompute != "none" else {}
@@ -1697,7 +1398,7 @@ class ShardingProgram:
         """
         if recompute == "none":
             return []
-        dropped = self._saved_for_backward("none") - self._saved_for_backward(recompute)
+        dropped = saved_for_backward(self.graph, "none") - saved_for_backward(self.graph, recompute)
         out, seen = [], set()
         for seg in recompute_segments(self.graph.graph, recompute):
             reps = tuple(
@@ -1883,7 +1584,7 @@ class ShardingProgram:
     def fixed_layer_activations(self, choice: dict[str, int]) -> tuple[float, float]:
         """(bytes the repeated layers keep for backward, seconds of their forward), all layers together, for
         the layout `choice` with nothing recomputed: what offloading their activations moves and overlaps."""
-        saved, nbytes, seconds = self._saved_for_backward("none"), 0.0, 0.0
+        saved, nbytes, seconds = saved_for_backward(self.graph, "none"), 0.0, 0.0
         for name, grp in self.groups.items():
             k = choice[name]
             for m in grp.members:
@@ -2084,31 +1785,6 @@ class _ModeTerms:
     activations: list
     peak: list
     rows: dict[str, pulp.LpConstraint]
-
-
-def _storage_base(a: fx.Node) -> fx.Node:
-    """The node whose storage a value lives in: views resolved to their base.
-
-    Reshaping an expanded tensor (the repeat of grouped key/value heads) copies it, so that
-    reshape owns its storage.
-    """
-    while a.op == "call_function" and str(a.target) in _VIEW_OPS and tensor_args(a):
-        src = tensor_args(a)[0]
-        if str(a.target) == "aten.reshape.default" and str(src.target) == "aten.expand.default":
-            before, after = output_meta(tensor_args(src)[0]) if tensor_args(src) else None, output_meta(src)
-            if before is not None and after is not None and after.numel > before.numel:
-                break
-        a = src
-    return a
-
-
-def recompute_choices(graph: OpGraph, pinned: str | None) -> list[str]:
-    """The recompute modes a program considers, cheapest first: the pinned one, or every mode that has segments."""
-    if pinned is not None:
-        if pinned not in RECOMPUTE_MODES:
-            raise ConfigError(f"recompute={pinned!r}: expected one of {', '.join(RECOMPUTE_MODES)}")
-        return [pinned]
-    return ["none"] + [m for m in ("selective", "full") if recompute_segments(graph.graph, m)]
 
 
 def _quiet_solve(prob: pulp.LpProblem, time_limit_s: float) -> None:
@@ -2407,7 +2083,7 @@ def _program_factory(
     batch_size,
     recompute=None,
     offload=False,
-    tensor_split: TensorSplit = TensorSplit(),
+    tensor_split: TensorSplit = ANY_SPLIT,
     pinned_placements=None,
     overlap: bool = True,
     cp: CPPricing | None = None,
