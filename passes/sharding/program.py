@@ -160,59 +160,35 @@ import os
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pulp
-import torch.fx as fx
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.placement_types import Placement
 
 from autopar import units
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.comm import Collective, estimate_collective_time
 from autopar.cost_model.compute import optimizer_step_time_s
 from autopar.errors import ConfigError
-from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
+from autopar.ir import OpGraph
 from autopar.memory.layout import ALIGN_NUMEL, ParamSpec, offload_chunk_numel, pack
-from autopar.passes import sharding_rules as rules
 from autopar.passes.context_parallel import CPPricing, is_attention
-from autopar.passes.parallelize import launches_early, local_op_targets
 from autopar.passes.recompute import recompute_segments, recomputed_nodes
 from autopar.passes.sharding.graph import (
     ANY_SPLIT,
     VIEW_OPS,
     TensorSplit,
     analysis,
-    batch_split_nodes,
-    layer_matmul_weights,
     recompute_choices,
     saved_for_backward,
 )
+from autopar.passes.sharding.groups import MeshGroups
 from autopar.passes.sharding.precision import Precision
-from autopar.passes.sharding.reshard import R, grad_layout, redistribute_time
+from autopar.passes.sharding.reshard import grad_layout, redistribute_time
 from autopar.passes.sharding.solution import MeshResult
-from autopar.passes.sharding_rules import OpStrategy
 from autopar.plan import ProgramKind, program_kind
 from autopar.program_comm import ProgramComm, gradient_order, resolved_prefetch_depth
 from autopar.units import BUCKETS_IN_FLIGHT, FP32_BYTES
-
-
-@dataclass
-class Group:
-    """A decision group: a leader node and the followers whose placement derives from it."""
-
-    leader: str
-    strategies: list[OpStrategy]
-    count: int
-    members: list[str] = field(default_factory=list)
-    # per member node: per strategy k, output placement / required argument placements / argument gradients
-    out: dict[str, list[Placement]] = field(default_factory=dict)
-    need: dict[str, list[tuple[Placement, ...]]] = field(default_factory=dict)
-    grads: dict[str, list[tuple[Placement, ...]]] = field(default_factory=dict)
-    divisor: dict[str, list[int]] = field(default_factory=dict)
-    extra_s: list[float] = field(default_factory=list)
-    # per follower: per strategy k, the forward part of extra_s (a gather before it), which recompute repeats
-    follow_fwd_s: dict[str, list[float]] = field(default_factory=dict)
 
 
 class ShardingProgram:
@@ -279,7 +255,6 @@ class ShardingProgram:
         self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
         self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
         self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
-        self._cp_costs: dict = {}  # (attention node, head divisor) -> CPAttentionCost
         self.tensor_split = tensor_split
         self.pinned_placements = dict(pinned_placements or {})  # parameter name -> placement string on tp
         # False: states stay on the device; None: the program places them; True: all optimizer states
@@ -304,12 +279,8 @@ class ShardingProgram:
         self.batch = batch_dim_size
         # recompute modes to consider, the cheapest first; a pinned mode is the only one
         self.recompute_choices = recompute_choices(graph, recompute)
-        self.batch_split = batch_split_nodes(graph, batch_dim_size)
-        self.batch_div = dp * num_microbatches  # how many pieces a batch-split value is cut into
         self.tp_link = cluster.link_for_axis(tp, 1)
         self.dp_link = cluster.link_for_axis(dp, tp)
-        self.groups: dict[str, Group] = {}
-        self.group_of: dict[str, str] = {}
         self.prob = pulp.LpProblem(f"sharding_dp{dp}_tp{tp}_mb{num_microbatches}", pulp.LpMinimize)
         self.x: dict[str, list[pulp.LpVariable]] = {}
         self.z: dict[int, pulp.LpVariable] = {}
@@ -324,122 +295,17 @@ class ShardingProgram:
         self._mode: str | None = None
         self._act_bounds: dict[str, tuple[float, float]] = {}
         self.transient: float | None = None
-        self._build_groups()
-
-    # ------------------------------------------------------------------ groups and their strategies
-
-    def _rep(self, name: str) -> str:
-        return self.graph.representative[name]
-
-    def _build_groups(self) -> None:
-        g = self.graph
-        for node in g.graph.nodes:
-            if g.representative[node.name] != node.name or node.op == "output":
-                continue
-            kind = g.kinds[node.name]
-            if kind == NodeKind.PARAM:
-                self._new_group(node, self._param_strategies(node))
-            elif kind == NodeKind.INPUT:
-                self._new_group(node, self._input_strategies(node))
-            elif kind in (NodeKind.BUFFER, NodeKind.CONSTANT):
-                self._new_group(node, [OpStrategy((), R)])
-            elif rules.is_follower(node) and self._can_merge(node):
-                self._merge_follower(node)
-            else:
-                self._new_group(node, rules.strategies_for(node, self.tp))
-
-    def _param_strategies(self, node: fx.Node) -> list[OpStrategy]:
-        meta = output_meta(node)
-        out = [OpStrategy((), R)]
-        if self.tp > 1:
-            out += [OpStrategy((), Shard(d)) for d, s in enumerate(meta.shape) if s % self.tp == 0]
-        return out
-
-    def _input_strategies(self, node: fx.Node) -> list[OpStrategy]:
-        meta = output_meta(node)
-        out = [OpStrategy((), R)]
-        if self.tp > 1 and meta is not None and meta.shape and (meta.shape[0] // self.batch_div) % self.tp == 0:
-            out.append(OpStrategy((), Shard(0)))
-        return out
-
-    def _new_group(self, node: fx.Node, strategies: list[OpStrategy]) -> None:
-        grp = Group(node.name, strategies, self.graph.layer_count[node.name])
-        grp.extra_s = [0.0] * len(strategies)
-        self._add_member(
-            grp,
-            node,
-            [s.output for s in strategies],
-            [s.inputs for s in strategies],
-            [s.grad_placements() for s in strategies],
-            [s.divisor for s in strategies],
+        self.mesh_groups = MeshGroups(
+            graph,
+            tp=tp,
+            tp_link=self.tp_link,
+            data_ranks=dp,
+            batch=batch_dim_size,
+            num_microbatches=num_microbatches,
+            estimator=estimator,
+            cp=cp,
         )
-        self.groups[node.name] = grp
-
-    def _add_member(self, grp, node, out, need, grads, divisor) -> None:
-        grp.members.append(node.name)
-        grp.out[node.name], grp.need[node.name] = out, need
-        grp.grads[node.name], grp.divisor[node.name] = grads, divisor
-        self.group_of[node.name] = grp.leader
-
-    def _can_merge(self, node: fx.Node) -> bool:
-        (arg,) = tensor_args(node)
-        src = self._rep(arg.name)
-        return (
-            src == arg.name
-            and src in self.group_of
-            and self.graph.layer_count[src] == self.graph.layer_count[node.name]
-            and self.graph.kinds[src] == NodeKind.COMPUTE
-        )
-
-    def _merge_follower(self, node: fx.Node) -> None:
-        (arg,) = tensor_args(node)
-        grp = self.groups[self.group_of[arg.name]]
-        nbytes = self._act_bytes(arg)
-        out, need, grads, div = [], [], [], []
-        for k, src in enumerate(grp.out[arg.name]):
-            o = rules.follow(node, src, self.tp)
-            if o is None:  # the follower cannot keep this layout: gather first, then run replicated
-                gather = redistribute_time(src, R, nbytes, self.tp, self.tp_link) * grp.count * self.mb
-                grp.extra_s[k] += gather
-                grp.follow_fwd_s.setdefault(node.name, [0.0] * len(grp.strategies))[k] += gather
-                o, src = R, R
-            out.append(o)
-            need.append((src,))
-            grads.append((grad_layout(src),))
-            div.append(self.tp if isinstance(o, Shard) else 1)
-        self._add_member(grp, node, out, need, grads, div)
-
-    # ---------------------------------------------------------------------------------- sizes
-
-    def _act_bytes(self, node: fx.Node) -> float:
-        """Full bytes of a value on one dp rank for one micro-batch (activations are split over dp and
-        micro-batches; parameters are not)."""
-        meta = output_meta(node)
-        if meta is None:
-            return 0.0
-        kind = self.graph.kinds.get(node.name)
-        if kind in (NodeKind.PARAM, NodeKind.BUFFER, NodeKind.CONSTANT):
-            return float(meta.nbytes)
-        if node.name in self.batch_split:
-            return meta.nbytes / self.batch_div
-        return float(meta.nbytes)
-
-    def _op_times(self, node: fx.Node, divisor: int) -> tuple[float, float]:
-        """(forward, backward) seconds of one node per step (all micro-batches)."""
-        if node.op != "call_function":
-            return 0.0, 0.0
-        # every op runs once per micro-batch, on 1 / (dp * micro-batches) of the batch when it carries it
-        meta = output_meta(node)
-        if self.cp is not None and is_attention(node):  # a rank's queries against the whole sequence
-            fwd, bwd = self.cp.times(node, self.batch // self.batch_div, divisor)
-            return self.mb * fwd, self.mb * bwd
-        d = (self.batch_div if self._carries_batch(node) else 1) * divisor
-        fwd = self.estimator.forward_time_s(node, d)
-        bwd = self.estimator.backward_time_s(node, d) if meta is not None and meta.dtype.is_floating_point else 0.0
-        return self.mb * fwd, self.mb * bwd
-
-    def _carries_batch(self, node: fx.Node) -> bool:
-        return node.name in self.batch_split or any(a.name in self.batch_split for a in tensor_args(node))
+        self.groups, self.group_of = self.mesh_groups.groups, self.mesh_groups.group_of
 
     # --------------------------------------------------------------------------------- the program
 
@@ -460,23 +326,13 @@ class ShardingProgram:
         self.add_pinned_placement_constraint()
         self.add_memory_constraint()
 
-    def splittable_weights(self) -> list[str]:
-        """The layer matmul weights (representatives) with a placement split on the tensor axis."""
-        if self.tp == 1:
-            return []
-        return [
-            w
-            for w in sorted(layer_matmul_weights(self.graph))
-            if w in self.groups and any(isinstance(s.output, Shard) for s in self.groups[w].strategies)
-        ]
-
     def cannot_split(self) -> bool:
         """Whether the tensor-split rule asks for a split this mesh has no weight to make."""
-        return self.tp > 1 and self.tensor_split.min_fraction > 0 and not self.splittable_weights()
+        return self.tp > 1 and self.tensor_split.min_fraction > 0 and not self.mesh_groups.splittable_weights()
 
     def add_tensor_split_constraint(self) -> None:
         """sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w  (f = tp_min_split)."""
-        f, weights = self.tensor_split.min_fraction, self.splittable_weights()
+        f, weights = self.tensor_split.min_fraction, self.mesh_groups.splittable_weights()
         if not weights or f <= 0:
             return
         size = {w: self.groups[w].count * self.graph.params[w].meta.numel for w in weights}
@@ -490,39 +346,9 @@ class ShardingProgram:
         # fractions of the total keep the coefficients near 1; the slack absorbs their rounding at f = 1
         self.prob += pulp.lpSum(split) >= f - 1e-9, "tp_min_split"
 
-    def pinned_strategies(self) -> dict[str, int]:
-        """Parameter group -> the strategy its pinned placement (`param_placements`) names; ConfigError when a pin
-        names no parameter, a placement it cannot take, or two placements for one set of identical layers."""
-        if not self.pinned_placements:
-            return {}
-        names = {}
-        for node_name, info in self.graph.params.items():
-            for fqn in self.graph.expand_param_name(info.name, info.layer):
-                names[fqn] = self.graph.representative[node_name]
-        out: dict[str, int] = {}
-        for fqn, text in self.pinned_placements.items():
-            if fqn not in names:
-                raise ConfigError(f"constraints['param_placements'] names {fqn!r}, which is no parameter of the model")
-            grp = self.groups[names[fqn]]
-            ks = [k for k, st in enumerate(grp.strategies) if rules.placement_str(st.output) == text]
-            if not ks:
-                shape = self.graph.params[names[fqn]].meta.shape
-                raise ConfigError(
-                    f"constraints['param_placements'][{fqn!r}]={text!r}: a parameter of shape {shape} "
-                    f"takes one of {[rules.placement_str(st.output) for st in grp.strategies]} "
-                    f"on a tensor axis of {self.tp}"
-                )
-            if out.get(names[fqn], ks[0]) != ks[0]:
-                raise ConfigError(
-                    f"constraints['param_placements'] pins identical layers' {fqn!r} two ways; "
-                    f"identical layers share one placement"
-                )
-            out[names[fqn]] = ks[0]
-        return out
-
     def add_pinned_placement_constraint(self) -> None:
         """x[w,k] = 1 for the placement k pinned for parameter w."""
-        for name, k in self.pinned_strategies().items():
+        for name, k in self.mesh_groups.pinned_strategies(self.pinned_placements).items():
             self.prob += self.x[name][k] == 1, f"pinned_placement_{name}"
 
     def add_one_strategy_constraint(self) -> None:
@@ -540,10 +366,10 @@ class ShardingProgram:
             for k in range(len(grp.strategies)):
                 t = back = comm = hid = 0.0
                 for m in grp.members:
-                    fwd, bwd = self._op_times(self.graph.node(m), grp.divisor[m][k])
+                    fwd, bwd = self.mesh_groups.op_times(self.graph.node(m), grp.divisor[m][k])
                     t += fwd + bwd
                     back += bwd
-                    exposed, hidden = self._cp_comm_s(m, grp.divisor[m][k])
+                    exposed, hidden = self.mesh_groups.cp_comm_s(m, grp.divisor[m][k])
                     comm, hid = comm + exposed, hid + hidden
                     self._fwd_s[name].setdefault(m, [0.0] * len(grp.strategies))[k] = grp.count * fwd
                 # cp attention's exposed communication is a term of its own (the cp axis's), not compute
@@ -559,48 +385,14 @@ class ShardingProgram:
                 if grp.extra_s[k]:
                     self.cost_terms["reshard"].append(grp.extra_s[k] * self.x[name][k])
 
-    def _cp_comm_s(self, name: str, divisor: int) -> tuple[float, float]:
-        """(exposed, hidden) seconds per step of a cp attention node's communication, heads split by `divisor`: what
-        its algorithm's compute does not hide (in its op time, `_op_times`) and what it does (not in the step)."""
-        if self.cp is None or not is_attention(self.graph.node(name)):
-            return 0.0, 0.0
-        c = self._cp_cost(name, divisor)
-        return self.mb * c.exposed_comm_s, self.mb * max(c.comm_s - c.exposed_comm_s, 0.0)
-
-    def _edges(self):
-        """(producer group, producer node, consumer group, consumer node, argument index) -> multiplicity.
-
-        The grouping of nodes does not depend on the mesh, so the edges are found once per graph.
-        """
-        cache = analysis(self.graph)
-        if "edges" in cache and cache["edges"][0] == self.group_of:
-            return cache["edges"][1]
-        edges: dict[tuple[str, str, str, str, int], float] = defaultdict(float)
-        for node in self.graph.graph.nodes:
-            if node.op != "call_function":
-                continue
-            c = self._rep(node.name)
-            if c not in self.group_of:
-                continue
-            for i, a in enumerate(tensor_args(node)):
-                p = self._rep(a.name)
-                if p not in self.group_of:
-                    continue
-                gp, gc = self.group_of[p], self.group_of[c]
-                if gp == gc and self.groups[gc].leader != c and i == 0 and rules.is_follower(self.graph.node(c)):
-                    continue  # a follower's own input: priced when it was merged
-                edges[(gp, p, gc, c, i)] += self.graph.edge_weight(a.name, node.name)
-        cache["edges"] = (dict(self.group_of), edges)
-        return edges
-
     def add_edge_constraint(self) -> None:
         """y marginals sum_l y[e,k,m] = x[a,k], sum_k y[e,k,m] = x[c,m]; objective n_e * (Rf + Rb - H) * y, H the
         part of Rf a collective launched early hides behind the ops before its consumer (`_early_window`):
         H = eta min(Rf - Rf_fix, W), the collective's latency (Rf_fix) never hidden."""
-        for idx, ((gp, p, gc, c, i), mult) in enumerate(self._edges().items()):
+        for idx, ((gp, p, gc, c, i), mult) in enumerate(self.mesh_groups.edges().items()):
             gpr, gcr = self.groups[gp], self.groups[gc]
-            nbytes = self._act_bytes(self.graph.node(p))
-            window = self._early_window(p, c) if self.tp_overlap else 0.0
+            nbytes = self.mesh_groups.act_bytes(self.graph.node(p))
+            window = self.mesh_groups.early_window(p, c) if self.tp_overlap else 0.0
             cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
             fwd_cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]  # what a recompute of c repeats
             hidden = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
@@ -660,26 +452,6 @@ class ShardingProgram:
                 if fwd_cost[k][m]
             ]
 
-    def _early_window(self, p: str, c: str) -> float:
-        """W: forward seconds of one micro-batch between node `p` and `c`, its only consumer, when the interpreter
-        launches the collective of `p`'s value where it is made (`parallelize.launches_early`): the ops in between,
-        each at its cheapest strategy (a lower bound of what the plan runs there); 0 where it does not."""
-        cache = analysis(self.graph)
-        if "order" not in cache:
-            nodes = list(self.graph.graph.nodes)
-            cache["order"] = ({n: i for i, n in enumerate(nodes)}, nodes, local_op_targets())
-        order, nodes, local = cache["order"]
-        node = self.graph.node(p)
-        user = next(iter(node.users)) if len(node.users) == 1 else None
-        if user is None or user.name != c or not launches_early(node, order, local):
-            return 0.0
-        total = 0.0
-        for n in nodes[order[node] + 1 : order[user]]:
-            grp = self.groups.get(self.group_of.get(n.name, ""))
-            if grp is not None and n.name in grp.divisor:
-                total += min(self._op_times(n, d)[0] for d in grp.divisor[n.name]) / self.mb
-        return total
-
     def add_sharded_runtime_cost(self) -> None:
         """D (sum_s z[s], or sum_{s >= 1} z[s] on a mesh without a tensor axis): the host time the sharded
         runtime adds to every op by running it on DTensors, where the estimator knows it
@@ -718,18 +490,10 @@ class ShardingProgram:
             self._comms[stage] = found
         return found
 
-    def _param_groups(self) -> list[str]:
-        return [n for n in self.groups if self.graph.kinds[n] == NodeKind.PARAM]
-
-    def _tp_numel(self, name: str, k: int) -> float:
-        """Elements of parameter `name` on one rank of the tensor axis under its strategy k (whole, or 1/tp)."""
-        pl = self.groups[name].strategies[k].output
-        return self.graph.params[name].meta.numel / (self.tp if isinstance(pl, Shard) else 1)
-
     def state_bytes(self, name: str, k: int, stage: int) -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes of one parameter's local shard under `stage`."""
         info = self.graph.params[name]
-        local = self._tp_numel(name, k)
+        local = self.mesh_groups.tp_numel(name, k)
         pr = self.precision
         params = local * pr.param_bytes / (self.dp if stage >= 3 else 1)
         if not info.requires_grad:
@@ -767,7 +531,7 @@ class ShardingProgram:
         info = self.graph.params[name]
         if not info.requires_grad:
             return 0.0
-        local = self._tp_numel(name, k)
+        local = self.mesh_groups.tp_numel(name, k)
         return max(local * FP32_BYTES - self.state_bytes(name, k, stage)[1], 0.0)
 
     def in_flight_grad_bytes(self, stage: int) -> float:
@@ -811,7 +575,7 @@ class ShardingProgram:
         info = self.graph.params[name]
         if self.dp == 1 or not info.requires_grad:
             return 0.0
-        local = self._tp_numel(name, k)
+        local = self.mesh_groups.tp_numel(name, k)
         grad_bytes, param_bytes = local * self.precision.grad_bytes_at(stage), local * self.precision.param_bytes
         # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
         # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
@@ -841,7 +605,7 @@ class ShardingProgram:
         info = self.graph.params[name]
         if not self.comm(stage).gathers_once_a_step or not info.requires_grad:
             return 0.0
-        local = self._tp_numel(name, k)
+        local = self.mesh_groups.tp_numel(name, k)
         return estimate_collective_time(
             Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link
         )
@@ -928,7 +692,7 @@ class ShardingProgram:
         (`ProgramComm.runs_chunks`) makes them per chunk: the parameter's share of `chunk_collectives`, a
         reduce-scatter and two gathers each micro-batch, split the same way.
         """
-        local, comm = self._tp_numel(name, k), self.comm(stage)
+        local, comm = self.mesh_groups.tp_numel(name, k), self.comm(stage)
         if comm.runs_chunks:  # the offload program: its share of the chunks' collectives, each micro-batch's
             rs_bw, rs_fix, ag_bw, ag_fix = (t * self.mb for t in self.chunk_collectives(local))
             if not comm.prefetches_chunk:  # backward's gathers wait too
@@ -981,7 +745,7 @@ class ShardingProgram:
             kind = Collective.REDUCE_SCATTER
         else:
             return 0.0
-        return self._latency_share(kind, self._tp_numel(name, k) * self.precision.grad_bytes_at(stage))
+        return self._latency_share(kind, self.mesh_groups.tp_numel(name, k) * self.precision.grad_bytes_at(stage))
 
     def sync_floor(self, stage: int) -> float:
         """Latency of the one bucket that a step with any gradient pays (the data-parallel program, at stage 0
@@ -1005,7 +769,7 @@ class ShardingProgram:
             return 0.0
         extra = 0.0
         if self.dp > 1 and not self.pipeline_stage:
-            for name in self._param_groups():
+            for name in self.mesh_groups.param_groups():
                 info = self.graph.params[name]
                 if info.requires_grad:
                     nbytes = info.meta.numel * self.precision.grad_bytes_at(0)
@@ -1022,7 +786,7 @@ class ShardingProgram:
         # list where m = 1)
         grads: dict[int, list] = {1: [], self.mb: []}
         gathers = []
-        for name in self._param_groups():
+        for name in self.mesh_groups.param_groups():
             grp = self.groups[name]
             for k in range(len(grp.strategies)):
                 for s, zs in self.z.items():
@@ -1147,7 +911,7 @@ class ShardingProgram:
         if self.comm(stage).runs_chunks:
             nbytes = self.offload_chunks[0].capacity * self.precision.param_bytes if self.offload_chunks else 0.0
             return self._chunk_bandwidth(Collective.ALL_GATHER, nbytes) * self.mb
-        names = [n for n in self._param_groups() if self.graph.params[n].requires_grad]
+        names = [n for n in self.mesh_groups.param_groups() if self.graph.params[n].requires_grad]
         if not names:
             return 0.0
         nbytes = self.graph.params[names[0]].meta.numel * self.precision.param_bytes
@@ -1197,7 +961,7 @@ class ShardingProgram:
         the step with every bucket's)."""
         total = sum(
             self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
-            for n in self._param_groups()
+            for n in self.mesh_groups.param_groups()
             if self.graph.params[n].requires_grad
         )
         kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
@@ -1209,7 +973,7 @@ class ShardingProgram:
         info = self.graph.params[name]
         if not info.requires_grad:
             return 0.0
-        local = self._tp_numel(name, k) / (self.dp if stage >= 1 else 1)
+        local = self.mesh_groups.tp_numel(name, k) / (self.dp if stage >= 1 else 1)
         return optimizer_step_time_s(self.estimator, self.cluster.device, 1, local * FP32_BYTES)
 
     def offload_prices(self) -> tuple[float, float, float]:
@@ -1311,12 +1075,12 @@ class ShardingProgram:
                 for n in self.graph.graph.nodes
                 if n.op == "call_function" and self.graph.layer_count[n.name] and str(n.target) not in VIEW_OPS
             ]
-        largest = max((2 * self._act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
+        largest = max((2 * self.mesh_groups.act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
         if self.cp is None:
             return largest
         # cp attention's buffers while it runs (upper bound: heads not split on tp)
         attention = [n.name for n in cache["storage_nodes"] if is_attention(n)]
-        return max([largest] + [self._cp_cost(n, 1).peak_extra_bytes for n in attention])
+        return max([largest] + [self.mesh_groups.cp_cost(n, 1).peak_extra_bytes for n in attention])
 
     def saved_bytes(self, name: str, k: int, recompute: str = "none") -> float:
         """Bytes group `name` keeps for backward under strategy k and `recompute`, on one device, for one micro-batch.
@@ -1325,26 +1089,15 @@ class ShardingProgram:
         all-gather, the head-split copies of all-to-all), unless `recompute` runs it again in backward.
         """
         grp, saved = self.groups[name], saved_for_backward(self.graph, recompute)
-        total = sum(self._member_bytes(grp, m, k) for m in grp.members if m in saved)
+        total = sum(self.mesh_groups.member_bytes(grp, m, k) for m in grp.members if m in saved)
         if self.cp is not None:
             again = recomputed_nodes(self.graph.graph, recompute) if recompute != "none" else {}
             total += sum(
-                self._cp_cost(m, grp.divisor[m][k]).saved_bytes
+                self.mesh_groups.cp_cost(m, grp.divisor[m][k]).saved_bytes
                 for m in grp.members
                 if m not in again and is_attention(self.graph.node(m))
             )
         return total
-
-    def _cp_cost(self, name: str, divisor: int):
-        """The cp attention price of attention node `name` on this mesh, per micro-batch, heads split by `divisor`."""
-        key = (name, divisor)
-        if key not in self._cp_costs:
-            self._cp_costs[key] = self.cp.cost(self.graph.node(name), self.batch // self.batch_div, divisor)
-        return self._cp_costs[key]
-
-    def _member_bytes(self, grp: Group, member: str, k: int) -> float:
-        pl = grp.out[member][k]
-        return self._act_bytes(self.graph.node(member)) / (self.tp if isinstance(pl, Shard) else 1)
 
     def _recomputed_saves(self, recompute: str) -> list[list[tuple[str, str]]]:
         """Per distinct segment: the (group, member) values it makes again in backward, once per micro-batch.
@@ -1360,11 +1113,11 @@ class ShardingProgram:
             reps = tuple(
                 sorted(
                     {
-                        self._rep(n)
+                        self.mesh_groups.rep(n)
                         for n in seg
-                        if self._rep(n) in dropped
-                        and self._rep(n) in self.group_of
-                        and self.graph.layer_count[self._rep(n)]
+                        if self.mesh_groups.rep(n) in dropped
+                        and self.mesh_groups.rep(n) in self.group_of
+                        and self.graph.layer_count[self.mesh_groups.rep(n)]
                     }
                 )
             )
@@ -1395,7 +1148,7 @@ class ShardingProgram:
         it, the least weights, gradients and optimizer states less what the host can take (gradients and
         optimizer states up to its capacity) and the weights that leave with those optimizer states."""
         states, weights, movable, opt = 0.0, 0.0, 0.0, 0.0
-        for name in self._param_groups():
+        for name in self.mesh_groups.param_groups():
             grp = self.groups[name]
             per = [self.state_bytes(name, k, s) for k in range(len(grp.strategies)) for s in stages]
             states += grp.count * min(sum(b) for b in per)
@@ -1425,7 +1178,10 @@ class ShardingProgram:
             peak = max(
                 (
                     sum(
-                        min(self._member_bytes(self.groups[g], m, k) for k in range(len(self.groups[g].strategies)))
+                        min(
+                            self.mesh_groups.member_bytes(self.groups[g], m, k)
+                            for k in range(len(self.groups[g].strategies))
+                        )
                         for g, m in seg
                     )
                     for seg in self._recomputed_saves(recompute)
@@ -1469,14 +1225,14 @@ class ShardingProgram:
         read = {
             a.name for n in self.graph.graph.nodes if n.name in rec for a in n.all_input_nodes if a.op == "placeholder"
         }
-        return [g for g in self._param_groups() if g in read and self.graph.params[g].requires_grad]
+        return [g for g in self.mesh_groups.param_groups() if g in read and self.graph.params[g].requires_grad]
 
     def regather_s(self, name: str, k: int, stage: int) -> float:
         """Seconds a step spends gathering parameter group `name` (strategy k) again in its recomputed forwards
         at ZeRO stage `stage` (one all-gather per micro-batch and layer; 0 where the stage does not)."""
         if not self.comm(stage).gathers_at_each_use:  # else gathered once (a step, or ahead) and kept
             return 0.0
-        local = self._tp_numel(name, k)
+        local = self.mesh_groups.tp_numel(name, k)
         ag = estimate_collective_time(Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link)
         return self.groups[name].count * ag * self.mb
 
@@ -1518,7 +1274,7 @@ class ShardingProgram:
         )
         peak = max(
             (
-                sum(self._member_bytes(self.groups[g], m, choice[g]) for g, m in seg)
+                sum(self.mesh_groups.member_bytes(self.groups[g], m, choice[g]) for g, m in seg)
                 for seg in self._recomputed_saves(recompute)
             ),
             default=0.0,
@@ -1547,7 +1303,7 @@ class ShardingProgram:
                 if self.graph.node_layer.get(m, (None, None))[0] is None:
                     continue
                 if m in saved:
-                    nbytes += grp.count * self._member_bytes(grp, m, k)
+                    nbytes += grp.count * self.mesh_groups.member_bytes(grp, m, k)
                 seconds += self._fwd_s.get(name, {}).get(m, [0.0] * (k + 1))[k]
         return self.activation_copies * nbytes, seconds
 
@@ -1574,7 +1330,7 @@ class ShardingProgram:
         rows, peak = {}, []
         segs = [
             pulp.lpSum(
-                self._member_bytes(self.groups[g], m, k) * self.x[g][k]
+                self.mesh_groups.member_bytes(self.groups[g], m, k) * self.x[g][k]
                 for g, m in seg
                 for k in range(len(self.groups[g].strategies))
             )

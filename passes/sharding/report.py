@@ -49,7 +49,7 @@ def tensor_split_report(prog: ShardingProgram, chosen: dict[str, int]) -> dict:
     members = defaultdict(list)  # representative -> every parameter node it stands for (identical layers)
     for node_name in graph.params:
         members[graph.representative[node_name]].append(graph.params[node_name])
-    for name in prog._param_groups():
+    for name in prog.mesh_groups.param_groups():
         grp, info = prog.groups[name], graph.params[name]
         size = grp.count * info.meta.numel
         whole = not isinstance(grp.strategies[chosen[name]].output, Shard)
@@ -164,10 +164,10 @@ def _tensor_axis_collectives(prog: ShardingProgram, chosen: dict[str, int]) -> d
     backward redistribution, and the gather before a follower that cannot keep its producer's layout."""
     graph, tp_link = prog.graph, prog.tp_link
     found: dict[str, list] = defaultdict(list)
-    for (gp, p, gc, c, i), mult in prog._edges().items():
+    for (gp, p, gc, c, i), mult in prog.mesh_groups.edges().items():
         src = prog.groups[gp].out[p][chosen[gp]]
         need, grad = prog.groups[gc].need[c][chosen[gc]][i], prog.groups[gc].grads[c][chosen[gc]][i]
-        nbytes = prog._act_bytes(graph.node(p))
+        nbytes = prog.mesh_groups.act_bytes(graph.node(p))
         for when, a, b in (("forward", src, need), ("backward", grad, grad_layout(src))):
             t = redistribute_time(a, b, nbytes, prog.tp, tp_link)
             if t:
@@ -180,7 +180,7 @@ def _tensor_axis_collectives(prog: ShardingProgram, chosen: dict[str, int]) -> d
         for member, gathers in grp.follow_fwd_s.items():
             if gathers[chosen[grp.leader]]:
                 (arg,) = tensor_args(graph.node(member))
-                src, nbytes = grp.out[arg.name][chosen[grp.leader]], prog._act_bytes(arg)
+                src, nbytes = grp.out[arg.name][chosen[grp.leader]], prog.mesh_groups.act_bytes(arg)
                 t = redistribute_time(src, R, nbytes, prog.tp, tp_link)
                 kind, per_step = redistribute_kind(src, R), grp.count * prog.mb
                 found[member].append(

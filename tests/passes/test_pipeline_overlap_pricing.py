@@ -248,7 +248,7 @@ def test_a_stage_recomputing_at_zero1_gathers_no_weight_again_once_a_step(zero1_
     # per micro-batch, a recomputed forward gathers its weights again; gathered once a step, it reads the kept ones
     _, _, out = zero1_stage
     (once, _), (every, _) = out[True], out[False]
-    weight = next(n for n in once._param_groups() if once.graph.params[n].requires_grad)
+    weight = next(n for n in once.mesh_groups.param_groups() if once.graph.params[n].requires_grad)
     assert every.regather_s(weight, 0, 1) > 0
     assert once.regather_s(weight, 0, 1) == 0.0
 
