@@ -167,11 +167,9 @@ from torch.distributed.tensor import Shard
 
 from autopar import units
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.comm import Collective, estimate_collective_time
 from autopar.cost_model.compute import optimizer_step_time_s
 from autopar.errors import ConfigError
 from autopar.ir import OpGraph
-from autopar.memory.layout import ALIGN_NUMEL, ParamSpec, offload_chunk_numel, pack
 from autopar.passes.context_parallel import CPPricing, is_attention
 from autopar.passes.recompute import recompute_segments, recomputed_nodes
 from autopar.passes.sharding.graph import (
@@ -183,12 +181,15 @@ from autopar.passes.sharding.graph import (
     saved_for_backward,
 )
 from autopar.passes.sharding.groups import MeshGroups
+from autopar.passes.sharding.memory import StateMemory
+from autopar.passes.sharding.offload import ChunkPricing, model_param_specs, offload_prices, offload_result
 from autopar.passes.sharding.precision import Precision
 from autopar.passes.sharding.reshard import grad_layout, redistribute_time
 from autopar.passes.sharding.solution import MeshResult
+from autopar.passes.sharding.sync import SyncPricing
 from autopar.plan import ProgramKind, program_kind
 from autopar.program_comm import ProgramComm, gradient_order, resolved_prefetch_depth
-from autopar.units import BUCKETS_IN_FLIGHT, FP32_BYTES
+from autopar.units import FP32_BYTES
 
 
 class ShardingProgram:
@@ -239,7 +240,6 @@ class ShardingProgram:
         # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
         self.prefetch_depth = resolved_prefetch_depth(prefetch_depth, self.overlap)
         self._comms: dict[int, ProgramComm] = {}  # ZeRO stage -> the declaration of the program that runs it
-        self.bucket_size = units.PRICED_BUCKET_BYTES  # a gradient bucket as priced (read here: tests shrink it)
         # the interpreter launches a tensor-axis collective early where its value's consumer is not the next op
         # (`parallelize.launches_early`, with the plan's overlap; a pipeline stage's program says so apart, as its
         # `overlap` speaks of the data axis): the forward collective runs behind the ops in between
@@ -306,6 +306,12 @@ class ShardingProgram:
             cp=cp,
         )
         self.groups, self.group_of = self.mesh_groups.groups, self.mesh_groups.group_of
+        self.state_memory = StateMemory(precision, dp, units.PRICED_BUCKET_BYTES)
+        chunks = None
+        if offload is True and dp > 1:  # the offload program may run the layout: its chunks' prices
+            budget = self.budget if math.isfinite(self.budget) else cluster.device.memory_bytes
+            chunks = ChunkPricing(tuple(model_param_specs(graph)), dp, self.dp_link, precision, budget)
+        self.sync = SyncPricing(dp, self.dp_link, precision, units.PRICED_BUCKET_BYTES, chunks)
 
     # --------------------------------------------------------------------------------- the program
 
@@ -491,16 +497,9 @@ class ShardingProgram:
         return found
 
     def state_bytes(self, name: str, k: int, stage: int) -> tuple[float, float, float]:
-        """(parameter, gradient, optimizer) bytes of one parameter's local shard under `stage`."""
-        info = self.graph.params[name]
-        local = self.mesh_groups.tp_numel(name, k)
-        pr = self.precision
-        params = local * pr.param_bytes / (self.dp if stage >= 3 else 1)
-        if not info.requires_grad:
-            return params, 0.0, 0.0
-        grads = local * pr.grad_bytes_at(stage) / (self.dp if stage >= 2 else 1)
-        opt = local * pr.optimizer_bytes / (self.dp if stage >= 1 else 1)
-        return params, grads, opt
+        """M_state[w,k,s]: (parameter, gradient, optimizer) bytes of one parameter's local shard under `stage`."""
+        numel, trainable = self.mesh_groups.tp_numel(name, k), self.graph.params[name].requires_grad
+        return self.state_memory.state_bytes(numel, stage, trainable)
 
     def _add_overlap_grads(self) -> None:
         """Memory rows gain what the overlapping sharded program holds beyond `state_bytes`: `overlap_grad_bytes`
@@ -520,244 +519,49 @@ class ShardingProgram:
                     self.memory_terms["grads"].append(-buffers * self._offload_runs)
 
     def overlap_grad_bytes(self, name: str, k: int, stage: int) -> float:
-        """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' at ZeRO-1: it accumulates each
-        split parameter's whole gradient in its master's format (fp32) on every rank until the last micro-batch's
-        buckets reduce-scatter it (`runtime.sharded`), where `state_bytes` counts the gradient as reduce-scattered
-        in the compute format. ZeRO-2/3 reduce-scatter every micro-batch's gradients and hold whole ones only
-        while their bucket fills (`in_flight_grad_bytes`, per step, not per parameter). Device memory only: the
-        offload program (ZeRO-3 chunks) keeps `state_bytes`' gradients."""
-        if not self.comm(stage).accumulates_whole_grads:
-            return 0.0
-        info = self.graph.params[name]
-        if not info.requires_grad:
-            return 0.0
-        local = self.mesh_groups.tp_numel(name, k)
-        return max(local * FP32_BYTES - self.state_bytes(name, k, stage)[1], 0.0)
+        """The whole fp32 gradient a ZeRO-1 layout that reduces once a step holds (`StateMemory.overlap_grad_bytes`)."""
+        numel, trainable = self.mesh_groups.tp_numel(name, k), self.graph.params[name].requires_grad
+        return self.state_memory.overlap_grad_bytes(self.comm(stage), numel, trainable)
 
     def in_flight_grad_bytes(self, stage: int) -> float:
-        """Gradient bytes the overlapping sharded program holds beyond `state_bytes`' at ZeRO-2/3: the buckets of
-        one micro-batch's backward (`runtime.sharded`). A bucket's send buffer (B_j bytes, the compute format) is
-        made when its first gradient comes in, backward writing its members' gradients into it (no other whole
-        copy); at its launch the oldest bucket in flight is waited for if W = `units.BUCKETS_IN_FLIGHT` are, and this
-        rank's piece (B_j / dp) is made; both live until it is waited for. So, buckets numbered in launch order:
+        """The gradient buckets ZeRO-2/3 with overlap hold in flight (`StateMemory.in_flight_grad_bytes`): the
+        buckets as the runtime makes them, their parameters whole on the tensor axis (an upper bound where the tensor
+        axis splits some)."""
+        sizes = self.state_memory.bucket_sizes(self._gradient_numels, stage)
+        return self.state_memory.in_flight_grad_bytes(self.comm(stage), sizes)
 
-            max_j max( B_j + (1 + 1/dp) (B_{j-1} + ... + B_{j-W}),          bucket j filling
-                       (1 + 1/dp) (B_j + B_{j-1} + ... + B_{j-W+1}) )      bucket j launched
-
-        The buckets as the runtime makes them (`bucket_bytes`), their parameters whole on the tensor axis: an upper
-        bound where the tensor axis splits some."""
-        comm = self.comm(stage)
-        if not (comm.reduces_every_microbatch and comm.overlaps_data_axis):
-            return 0.0
-        sizes = self.bucket_bytes(stage)
-        w, both = BUCKETS_IN_FLIGHT, 1.0 + 1.0 / self.dp
-
-        def launched(first: int, last: int) -> float:  # buckets first..last (indices clipped at 0), in flight
-            return both * sum(sizes[max(first, 0) : last + 1])
-
-        return max((max(b + launched(j - w, j - 1), launched(j - w + 1, j)) for j, b in enumerate(sizes)), default=0.0)
-
-    def bucket_bytes(self, stage: int) -> list[float]:
-        """The gradient buckets of the sharded program with overlap, in launch order, as bytes in the format they are
-        reduced in at `stage`: trainable parameters whole, in the order backward completes their gradients
-        (`gradient_order`), a bucket closed once it holds BUCKET_BYTES (so it may exceed them by its last member)."""
+    @functools.cached_property
+    def _gradient_numels(self) -> list[float]:
+        """Elements of every trainable parameter of the model, in the order backward completes their gradients."""
         trainable = {info.node_name: info for info in self.graph.params.values() if info.requires_grad}
-        sizes: list[float] = []
-        for name in gradient_order(self.graph.graph, list(trainable)):
-            info = trainable[name]
-            if not sizes or sizes[-1] >= self.bucket_size:
-                sizes.append(0.0)
-            sizes[-1] += info.meta.numel * self.precision.grad_bytes_at(stage)
-        return sizes
+        return [trainable[name].meta.numel for name in gradient_order(self.graph.graph, list(trainable))]
 
     def sync_time(self, name: str, k: int, stage: int) -> float:
-        """Gradient synchronisation (and ZeRO parameter gathers) of one parameter over the data axis."""
-        info = self.graph.params[name]
-        if self.dp == 1 or not info.requires_grad:
+        """Sync[w,k,s]: gradient synchronisation (and ZeRO weight gathers) of one parameter over the data axis
+        (`SyncPricing.sync_time`)."""
+        if not self.graph.params[name].requires_grad:
             return 0.0
-        local = self.mesh_groups.tp_numel(name, k)
-        grad_bytes, param_bytes = local * self.precision.grad_bytes_at(stage), local * self.precision.param_bytes
-        # Gradients accumulate over micro-batches and are reduced once, unless they are sharded
-        # (stages 2, 3): then every micro-batch's gradient is reduce-scattered; stage 3 also gathers
-        # the parameters for every micro-batch's forward and backward.
-        if self.comm(stage).buckets_all_reduce:
-            return self._bucketed(Collective.ALL_REDUCE, grad_bytes)
-        if self.comm(stage).overlaps_data_axis:
-            return sum(self.sharded_sync_parts(name, k, stage))
-        if stage == 0:  # the sharded runtime reduces each gradient on its own (the backward of its from_local)
-            return estimate_collective_time(Collective.ALL_REDUCE, grad_bytes, self.dp, self.dp_link)
-        # From stage 1 the sharded runtime without overlap gathers and reduce-scatters each parameter on its own (one
-        # DTensor redistribution per parameter, no buckets): every one pays a whole collective's latency. Each
-        # micro-batch's forward gathers it and that gather's backward reduce-scatters its gradient, at every stage;
-        # stage 3 gathers it again for the backward (its weights are released after the forward).
-        if self.comm(stage).runs_chunks:  # the offload program: its share of the chunks' collectives
-            rs_bw, rs_fix, ag_bw, ag_fix = self.chunk_collectives(local)
-            return (rs_bw + rs_fix + 2 * (ag_bw + ag_fix)) * self.mb
-        if self.comm(stage).gathers_once_a_step:  # once a step: the bucketed reduce-scatter, then the weights' gather
-            return self._bucketed(Collective.REDUCE_SCATTER, grad_bytes) + self.step_gather_time(name, k, stage)
-        rs = estimate_collective_time(Collective.REDUCE_SCATTER, grad_bytes, self.dp, self.dp_link)
-        ag = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
-        return rs * self.mb + ag * (2 * self.mb if stage == 3 else self.mb)
+        return self.sync.sync_time(self.comm(stage), self.mesh_groups.tp_numel(name, k))
 
     def step_gather_time(self, name: str, k: int, stage: int) -> float:
-        """The part of `sync_time` that gathers a ZeRO-1 weight before a pipeline's schedule starts (`step_gathers`):
-        one all-gather of its own, waited on where the step's first forward reads it, so no backward hides it."""
-        info = self.graph.params[name]
-        if not self.comm(stage).gathers_once_a_step or not info.requires_grad:
+        """The part of `sync_time` that gathers a pipeline's ZeRO-1 weight before its schedule starts."""
+        if not self.graph.params[name].requires_grad:
             return 0.0
-        local = self.mesh_groups.tp_numel(name, k)
-        return estimate_collective_time(
-            Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link
-        )
-
-    def chunk_collectives(self, numel: float) -> tuple[float, float, float, float]:
-        """(RS_bw, RS_fix, AG_bw, AG_fix): a parameter of `numel` elements' share (by its elements, of the trainable
-        ones) of one reduce-scatter of every trainable chunk's gradients (fp32 staging, as the offload program
-        reduces them) and one all-gather of every chunk's payload (the compute format), frozen chunks included,
-        each split into bandwidth and latency (`_chunk_totals`)."""
-        totals, trainable = self._chunk_totals
-        return tuple(t * numel / trainable for t in totals) if trainable else (0.0, 0.0, 0.0, 0.0)
-
-    def _model_param_specs(self) -> list[ParamSpec]:
-        """The model's parameters in the order it uses them, as the offload program packs them: a deduplicated
-        layer's parameters (a run of them with the same layer and multiplicity) repeated as often as it occurs,
-        where its copies were."""
-        specs: list[ParamSpec] = []
-        run: list = []
-        key = None
-
-        def flush() -> None:
-            for r in range(key[1] if run else 0):
-                specs.extend(
-                    ParamSpec(f"{i.name}#{r}", tuple(i.meta.shape), requires_grad=i.requires_grad) for i in run
-                )
-
-        for node, info in self.graph.params.items():
-            count = self.graph.layer_count.get(node, 1)
-            if not count:  # a copy of a deduplicated layer: its representative stands for it
-                continue
-            if (info.layer, count) != key:
-                flush()
-                run, key = [], (info.layer, count)
-            run.append(info)
-        flush()
-        return specs
-
-    @functools.cached_property
-    def offload_chunks(self) -> tuple:
-        """The chunks (`ChunkLayout`s) the offload program packs the model into on this data axis, in its order:
-        `offload_chunk_numel` under the memory budget, `pack`."""
-        specs = self._model_param_specs()
-        budget = self.budget if math.isfinite(self.budget) else self.cluster.device.memory_bytes
-        numel = offload_chunk_numel(
-            [sp.numel for sp in specs],
-            dp=self.dp,
-            budget_bytes=budget,
-            compute_itemsize=int(self.precision.param_bytes),
-        )
-        return pack(specs, numel, multiple=ALIGN_NUMEL * self.dp)
-
-    def _chunk_bandwidth(self, kind: Collective, nbytes: float) -> float:
-        """The bandwidth part of one chunk's collective of `nbytes` (its latency apart)."""
-        return estimate_collective_time(kind, nbytes, self.dp, self.dp_link) - self._chunk_latency(kind)
-
-    def _chunk_latency(self, kind: Collective) -> float:
-        return estimate_collective_time(kind, 0.0, self.dp, self.dp_link)
-
-    @functools.cached_property
-    def _chunk_totals(self) -> tuple[tuple[float, float, float, float], int]:
-        """((RS_bw, RS_fix, AG_bw, AG_fix), trainable elements) over `offload_chunks`: a reduce-scatter of each
-        trainable chunk's fp32 gradient staging and a gather of each chunk's payload (the compute format), the
-        fixed part one latency per chunk."""
-        rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
-        trainable = [c for c in self.offload_chunks if c.requires_grad]
-        totals = (
-            sum(self._chunk_bandwidth(rs, c.capacity * FP32_BYTES) for c in trainable),
-            self._chunk_latency(rs) * len(trainable),
-            sum(self._chunk_bandwidth(ag, c.capacity * self.precision.param_bytes) for c in self.offload_chunks),
-            self._chunk_latency(ag) * len(self.offload_chunks),
-        )
-        return totals, sum(sp.numel for sp in self._model_param_specs() if sp.requires_grad)
+        return self.sync.step_gather_time(self.comm(stage), self.mesh_groups.tp_numel(name, k))
 
     def sharded_sync_parts(self, name: str, k: int, stage: int) -> tuple[float, float, float, float]:
-        """(G_bw, G_fix, A_bw, A_fix): one parameter's data-axis collectives in the sharded program with overlap,
-        split into what compute can hide (bandwidth) and what it cannot (a collective's fixed latency).
-
-        G: its gradient in buckets of BUCKET_BYTES: all-reduce at stage 0 and reduce-scatter at stage 1 once per
-        step (the last micro-batch's backward issues them), reduce-scatter at stages 2 and 3 once per micro-batch
-        (every backward issues them); its share of a bucket's latency is pro rata, as in `_bucketed`; stage 3's
-        gathers for the backward (one per micro-batch) share the link with them during backward, so their
-        bandwidth part is in G_bw too. A: its forward gathers (stage 1, 2: once; stage 3: each micro-batch's), one
-        collective each; with prefetch depth 0 no gather hides (their bandwidth in A_fix). The offload program
-        (`ProgramComm.runs_chunks`) makes them per chunk: the parameter's share of `chunk_collectives`, a
-        reduce-scatter and two gathers each micro-batch, split the same way.
-        """
-        local, comm = self.mesh_groups.tp_numel(name, k), self.comm(stage)
-        if comm.runs_chunks:  # the offload program: its share of the chunks' collectives, each micro-batch's
-            rs_bw, rs_fix, ag_bw, ag_fix = (t * self.mb for t in self.chunk_collectives(local))
-            if not comm.prefetches_chunk:  # backward's gathers wait too
-                return rs_bw, rs_fix + 2 * (ag_bw + ag_fix), 0.0, 0.0
-            return rs_bw + ag_bw, rs_fix + ag_fix, ag_bw, ag_fix
-        grad_bytes, param_bytes = local * self.precision.grad_bytes_at(stage), local * self.precision.param_bytes
-        kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
-        full = estimate_collective_time(kind, grad_bytes, self.dp, self.dp_link)
-        latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link)
-        per = comm.reductions_per_step
-        g_bw, g_fix = (full - latency) * per, latency * grad_bytes / self.bucket_size * per
-        if stage == 0:
-            return g_bw, g_fix, 0.0, 0.0
-        runs = self.mb if stage == 3 else 1  # forward gathers; stage 3 gathers as many again for the backward
-        one = estimate_collective_time(Collective.ALL_GATHER, param_bytes, self.dp, self.dp_link)
-        ag_latency = estimate_collective_time(Collective.ALL_GATHER, 1.0, self.dp, self.dp_link)
-        if stage == 3:
-            if comm.prefetch_depth:
-                g_bw, g_fix = g_bw + (one - ag_latency) * runs, g_fix + ag_latency * runs
-            else:
-                g_fix += one * runs
-        if not comm.prefetch_depth:
-            return g_bw, g_fix, 0.0, one * runs
-        return g_bw, g_fix, (one - ag_latency) * runs, ag_latency * runs
-
-    def _bucketed(self, kind: Collective, nbytes: float) -> float:
-        """A parameter's share of bucketed collectives: its bytes at full bandwidth, latency pro rata.
-
-        Gradients travel in buckets of BUCKET_BYTES (as DDP and FSDP send them), so a small tensor
-        pays a fraction of one collective's latency, not a whole one; `sync_floor` adds the
-        latency of the one bucket every step pays at least.
-        """
-        full = estimate_collective_time(kind, nbytes, self.dp, self.dp_link)
-        return full - estimate_collective_time(kind, 1.0, self.dp, self.dp_link) + self._latency_share(kind, nbytes)
-
-    def _latency_share(self, kind: Collective, nbytes: float) -> float:
-        """`nbytes`' pro-rata share of the latency of the bucket (BUCKET_BYTES) they travel in."""
-        return estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * nbytes / self.bucket_size
+        """(G_bw, G_fix, A_bw, A_fix) of one parameter in the sharded program with overlap (`SyncPricing.sharded_parts`)."""
+        return self.sync.sharded_parts(self.comm(stage), self.mesh_groups.tp_numel(name, k))
 
     def bucket_latency_s(self, name: str, k: int, stage: int) -> float:
-        """The latency part of `sync_time` where gradients go out in buckets (`_bucketed`: the parameter's share of
-        its bucket's latency); 0 elsewhere (the sharded program's collectives price theirs in
-        `sharded_sync_parts`). Overlap never hides it: a collective's fixed cost is paid whatever runs beside it."""
-        info = self.graph.params[name]
-        if self.dp == 1 or not info.requires_grad:
+        """The latency part of `sync_time` where gradients go out in buckets once a step (`SyncPricing`)."""
+        if not self.graph.params[name].requires_grad:
             return 0.0
-        if self.comm(stage).buckets_all_reduce:
-            kind = Collective.ALL_REDUCE
-        elif self.comm(stage).gathers_once_a_step:
-            kind = Collective.REDUCE_SCATTER
-        else:
-            return 0.0
-        return self._latency_share(kind, self.mesh_groups.tp_numel(name, k) * self.precision.grad_bytes_at(stage))
+        return self.sync.bucket_latency_s(self.comm(stage), self.mesh_groups.tp_numel(name, k))
 
     def sync_floor(self, stage: int) -> float:
-        """Latency of the one bucket that a step with any gradient pays (the data-parallel program, at stage 0
-        without a tensor axis; a pipeline stage's all-reduce at stage 0 and its once-a-step reduce-scatter at
-        stage 1; the sharded runtime pays per parameter)."""
-        if self.dp == 1:
-            return 0.0
-        if self.comm(stage).buckets_all_reduce:
-            return estimate_collective_time(Collective.ALL_REDUCE, 1.0, self.dp, self.dp_link)
-        if self.comm(stage).gathers_once_a_step:
-            return estimate_collective_time(Collective.REDUCE_SCATTER, 1.0, self.dp, self.dp_link)
-        return 0.0
+        """Latency of the one bucket a step with any gradient pays (`SyncPricing.floor`)."""
+        return self.sync.floor(self.comm(stage))
 
     @functools.cached_property
     def leaving_plain_s(self) -> float:
@@ -773,8 +577,7 @@ class ShardingProgram:
                 info = self.graph.params[name]
                 if info.requires_grad:
                     nbytes = info.meta.numel * self.precision.grad_bytes_at(0)
-                    whole = estimate_collective_time(Collective.ALL_REDUCE, nbytes, self.dp, self.dp_link)
-                    extra += self.groups[name].count * (whole - self._bucketed(Collective.ALL_REDUCE, nbytes))
+                    extra += self.groups[name].count * self.sync.unbucketed_extra_s(nbytes)
             extra = max(extra - self.sync_floor(0), 0.0)
         return self.sharded_overhead_s + extra
 
@@ -875,9 +678,7 @@ class ShardingProgram:
         for s in sharded:
             if self.comm(s).runs_chunks:  # one latency per chunk, in G_fix already
                 continue
-            kind = Collective.ALL_REDUCE if s == 0 else Collective.REDUCE_SCATTER
-            latency = estimate_collective_time(kind, 1.0, self.dp, self.dp_link) * self.comm(s).reductions_per_step
-            self.cost_terms["grad_sync"].append(latency * self.z[s])
+            self.cost_terms["grad_sync"].append(self.sync.reduction_latency(self.comm(s)) * self.z[s])
         if gathers:
             e_a = self.prob.add_variable("exposed_sharded_gathers", 0)
             self.prob += e_a >= pulp.lpSum(gathers) - self.hiding(self._fwd_terms), "sharded_exposed_gathers"
@@ -889,34 +690,15 @@ class ShardingProgram:
             self.sharded_hidden.append((gathers, e_a))
 
     def last_bucket_bw_s(self, stage: int) -> float:
-        """T_last,g of `add_sharded_overlap_constraint`: the bandwidth part of the bucket issued when backward ends.
-        In the offload program, the first trainable chunk's reduce-scatter, and also the gather that starts its
-        backward (of the last chunk), which no compute precedes: with one chunk nothing hides."""
-        if self.comm(stage).runs_chunks:
-            first = next((c for c in self.offload_chunks if c.requires_grad), None)
-            if first is None:
-                return 0.0
-            rs = self._chunk_bandwidth(Collective.REDUCE_SCATTER, first.capacity * FP32_BYTES)
-            if not self.comm(stage).prefetches_chunk:  # the backward's gathers are exposed whole (`sharded_sync_parts`)
-                return rs
-            return rs + self._chunk_bandwidth(
-                Collective.ALL_GATHER, self.offload_chunks[-1].capacity * self.precision.param_bytes
-            )
-        return self.last_bucket_s(stage)
+        """T_last,g of `add_sharded_overlap_constraint` (`SyncPricing.last_bucket_bw_s`)."""
+        return self.sync.last_bucket_bw_s(self.comm(stage), self._grad_bytes(stage))
 
     def first_gather_bw_s(self, stage: int) -> float:
-        """T_first,a of `add_sharded_overlap_constraint`: the bandwidth part of each micro-batch's first gather (the
-        first trainable parameter the graph reads, whole on the tensor axis; in the offload program, the first
-        chunk)."""
-        if self.comm(stage).runs_chunks:
-            nbytes = self.offload_chunks[0].capacity * self.precision.param_bytes if self.offload_chunks else 0.0
-            return self._chunk_bandwidth(Collective.ALL_GATHER, nbytes) * self.mb
+        """T_first,a of `add_sharded_overlap_constraint` (`SyncPricing.first_gather_bw_s`): of the first trainable
+        parameter the graph reads."""
         names = [n for n in self.mesh_groups.param_groups() if self.graph.params[n].requires_grad]
-        if not names:
-            return 0.0
-        nbytes = self.graph.params[names[0]].meta.numel * self.precision.param_bytes
-        one = estimate_collective_time(Collective.ALL_GATHER, nbytes, self.dp, self.dp_link)
-        return max(one - estimate_collective_time(Collective.ALL_GATHER, 1.0, self.dp, self.dp_link), 0.0) * self.mb
+        numel = self.graph.params[names[0]].meta.numel if names else 0
+        return self.sync.first_gather_bw_s(self.comm(stage), numel)
 
     def prefetch_bytes(self) -> float:
         """Gathered weights in flight ahead of their use (stages >= 1 with prefetch): `prefetch_depth` times the
@@ -925,13 +707,12 @@ class ShardingProgram:
         if not (self.prefetch_depth and any(s >= 1 and self.comm(s).overlaps_data_axis for s in self.z)):
             return 0.0
         if all(self.comm(s).runs_chunks for s in self.z):
-            chunks = self.offload_chunks
-            return max(c.capacity for c in chunks) * self.precision.param_bytes if len(chunks) > 1 else 0.0
+            return self.sync.chunks.prefetch_bytes()
         layers: dict = defaultdict(float)
         for info in self.graph.params.values():
             if info.requires_grad:
                 layers[info.layer if info.layer[1] is not None else info.name] += info.meta.numel
-        return self.prefetch_depth * max(layers.values(), default=0.0) * self.precision.param_bytes
+        return self.state_memory.prefetch_bytes(self.prefetch_depth, list(layers.values()))
 
     def add_overlap_constraint(self, plain: list) -> None:
         """E >= sum(plain) - eta B / m, E >= (1 - eta) sum(plain), E >= T_last z[s], E >= 0; objective E instead
@@ -956,17 +737,16 @@ class ShardingProgram:
         self._exposed = e
 
     def last_bucket_s(self, stage: int = 0) -> float:
-        """T_last: the bandwidth part of the reduction of the bucket launched when backward ends (see
-        `add_overlap_constraint`), an all-reduce at ZeRO stage 0 and a reduce-scatter above (its latency is in
-        the step with every bucket's)."""
-        total = sum(
+        """T_last of `add_overlap_constraint` (`SyncPricing.last_bucket_s`)."""
+        return self.sync.last_bucket_s(stage, self._grad_bytes(stage))
+
+    def _grad_bytes(self, stage: int) -> float:
+        """The step's gradient bytes at `stage`, every trainable parameter whole."""
+        return sum(
             self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
             for n in self.mesh_groups.param_groups()
             if self.graph.params[n].requires_grad
         )
-        kind = Collective.ALL_REDUCE if stage == 0 else Collective.REDUCE_SCATTER
-        one = estimate_collective_time(kind, min(self.bucket_size, total), self.dp, self.dp_link)
-        return max(one - estimate_collective_time(kind, 1.0, self.dp, self.dp_link), 0.0)
 
     def optimizer_time(self, name: str, k: int, stage: int) -> float:
         """Opt[w,k,s]: the device's optimizer step over one parameter's local shard (its fp32 weights)."""
@@ -975,15 +755,6 @@ class ShardingProgram:
             return 0.0
         local = self.mesh_groups.tp_numel(name, k) / (self.dp if stage >= 1 else 1)
         return optimizer_step_time_s(self.estimator, self.cluster.device, 1, local * FP32_BYTES)
-
-    def offload_prices(self) -> tuple[float, float, float]:
-        """(C_o, C_g, C_p): seconds per byte of optimizer state, of gradient and of weights kept on the host."""
-        pr, link = self.precision, self.cluster.host_link
-        per_param = (pr.grad_bytes_at(3) + pr.param_bytes) / link.bandwidth_bytes_per_s
-        per_param += 1.0 / self.cluster.device.host_adamw_params_per_s
-        # weights on the host come up for every gather (forward and backward of each micro-batch), not once
-        c_p = (2 * self.mb - 1) / link.bandwidth_bytes_per_s
-        return per_param / pr.optimizer_bytes, (self.mb - 1) / link.bandwidth_bytes_per_s, c_p
 
     def host_capacity(self) -> float:
         """Host bytes one device may use: its share of its node's host memory."""
@@ -1031,7 +802,8 @@ class ShardingProgram:
                     self.prob += o <= self.z[3], "offload_program_runs_zero3"
             else:
                 h_o.upBound = 0
-        c_o, c_g, c_p = self.offload_prices()
+        host_rate = self.cluster.device.host_adamw_params_per_s
+        c_o, c_g, c_p = offload_prices(self.precision, self.cluster.host_link, host_rate, self.mb)
         self.cost_terms["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else []) + ([c_p * h_p] if c_p else [])
         # the device no longer steps the states on the host (their per-tensor cost is kept: an upper bound)
         d_o = min(c_o, optimizer_step_time_s(self.estimator, self.cluster.device, 0, FP32_BYTES / pr.optimizer_bytes))
@@ -1042,26 +814,18 @@ class ShardingProgram:
         self.memory_terms["params"].append(-1.0 * h_p)
 
     def _offload_result(self, mem: dict[str, float], offload_s: float) -> dict:
-        """What the last solution keeps on the host: bytes per device and node, fractions, time."""
+        """What the last solution keeps on the host (`offload_result`)."""
         if not self.h:
             return {}
-        h_o, h_g, h_p = (pulp.value(self.h[k]) or 0.0 for k in ("optimizer", "grads", "params"))
-        if h_o <= 0.5:
-            return {}
-        host = h_o + h_g
-        return {
-            "optimizer_fraction": min(1.0, h_o / max(mem.get("optimizer", 0.0) + h_o, 1.0)),
-            "grad_fraction": min(1.0, h_g / max(mem.get("grads", 0.0) + h_g, 1.0)),
-            "param_fraction": min(1.0, h_p / max(mem.get("params", 0.0) + h_p, 1.0)),
-            "optimizer_bytes_per_device": h_o,
-            "grad_bytes_per_device": h_g,
-            "param_bytes_per_device": h_p,
-            "host_bytes_per_device": host,
-            "host_bytes_per_node": host * self.cluster.devices_per_node,
-            "host_capacity_bytes_per_device": self.host_capacity(),
-            "time_s": offload_s,
-            "device_budget_bytes": self.budget,
-        }
+        host = tuple(pulp.value(self.h[k]) or 0.0 for k in ("optimizer", "grads", "params"))
+        return offload_result(
+            host,
+            mem,
+            offload_s,
+            host_capacity=self.host_capacity(),
+            devices_per_node=self.cluster.devices_per_node,
+            budget=self.budget,
+        )
 
     def transient_bytes(self) -> float:
         """Working memory of the largest op: its output plus its gradient, unsharded on tp (an upper bound).
@@ -1228,13 +992,9 @@ class ShardingProgram:
         return [g for g in self.mesh_groups.param_groups() if g in read and self.graph.params[g].requires_grad]
 
     def regather_s(self, name: str, k: int, stage: int) -> float:
-        """Seconds a step spends gathering parameter group `name` (strategy k) again in its recomputed forwards
-        at ZeRO stage `stage` (one all-gather per micro-batch and layer; 0 where the stage does not)."""
-        if not self.comm(stage).gathers_at_each_use:  # else gathered once (a step, or ahead) and kept
-            return 0.0
-        local = self.mesh_groups.tp_numel(name, k)
-        ag = estimate_collective_time(Collective.ALL_GATHER, local * self.precision.param_bytes, self.dp, self.dp_link)
-        return self.groups[name].count * ag * self.mb
+        """Seconds a step spends gathering parameter group `name` (strategy k) again in its recomputed forwards at
+        ZeRO stage `stage` (`SyncPricing.regather_s`)."""
+        return self.sync.regather_s(self.comm(stage), self.mesh_groups.tp_numel(name, k), self.groups[name].count)
 
     def add_recompute_cost(self, recompute: str) -> list:
         """Objective terms of recompute mode r: the forward of every recomputed node and the resharding
