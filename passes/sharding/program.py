@@ -170,18 +170,14 @@ from autopar.cluster import ClusterSpec
 from autopar.cost_model.compute import optimizer_step_time_s
 from autopar.errors import ConfigError
 from autopar.ir import OpGraph
-from autopar.passes.context_parallel import CPPricing, is_attention
-from autopar.passes.recompute import recompute_segments, recomputed_nodes
+from autopar.passes.context_parallel import CPPricing
 from autopar.passes.sharding.graph import (
     ANY_SPLIT,
-    VIEW_OPS,
     TensorSplit,
-    analysis,
     recompute_choices,
-    saved_for_backward,
 )
 from autopar.passes.sharding.groups import MeshGroups
-from autopar.passes.sharding.memory import StateMemory
+from autopar.passes.sharding.memory import ActivationMemory, RecomputeTerms, StateMemory
 from autopar.passes.sharding.offload import ChunkPricing, model_param_specs, offload_prices, offload_result
 from autopar.passes.sharding.precision import Precision
 from autopar.passes.sharding.reshard import grad_layout, redistribute_time
@@ -289,11 +285,8 @@ class ShardingProgram:
         self.memory_terms: dict[str, list] = defaultdict(list)
         self.last_choice: dict[str, int] = {}  # strategy index per group of the last solution
         # the parts that depend on the recompute mode, built when a mode is first solved
-        self._fwd_s: dict[str, dict[str, list[float]]] = defaultdict(dict)  # group -> member -> n_g * F[k]
-        self._edge_fwd: list[tuple[str, float, pulp.LpVariable]] = []  # (consumer, n_e * Rf, y or x)
         self._modes: dict[str, _ModeTerms] = {}
         self._mode: str | None = None
-        self._act_bounds: dict[str, tuple[float, float]] = {}
         self.transient: float | None = None
         self.mesh_groups = MeshGroups(
             graph,
@@ -307,6 +300,8 @@ class ShardingProgram:
         )
         self.groups, self.group_of = self.mesh_groups.groups, self.mesh_groups.group_of
         self.state_memory = StateMemory(precision, dp, units.PRICED_BUCKET_BYTES)
+        self.activations = ActivationMemory(self.mesh_groups, activation_copies)
+        self.recompute_terms = RecomputeTerms(self.mesh_groups)
         chunks = None
         if offload is True and dp > 1:  # the offload program may run the layout: its chunks' prices
             budget = self.budget if math.isfinite(self.budget) else cluster.device.memory_bytes
@@ -377,7 +372,7 @@ class ShardingProgram:
                     back += bwd
                     exposed, hidden = self.mesh_groups.cp_comm_s(m, grp.divisor[m][k])
                     comm, hid = comm + exposed, hid + hidden
-                    self._fwd_s[name].setdefault(m, [0.0] * len(grp.strategies))[k] = grp.count * fwd
+                    self.recompute_terms.forward_s[name].setdefault(m, [0.0] * len(grp.strategies))[k] = grp.count * fwd
                 # cp attention's exposed communication is a term of its own (the cp axis's), not compute
                 self.cost_terms["compute"].append(grp.count * (t - comm) * self.x[name][k])
                 if comm:
@@ -419,7 +414,7 @@ class ShardingProgram:
             if gp == gc:  # both ends in one group: the strategy index is shared
                 self.cost_terms["reshard"] += [cost[k][k] * self.x[gp][k] for k in range(len(cost)) if cost[k][k]]
                 self._tp_hidden_terms += [hidden[k][k] * self.x[gp][k] for k in range(len(cost)) if hidden[k][k]]
-                self._edge_fwd += [
+                self.recompute_terms.edge_forward += [
                     (c, fwd_cost[k][k], self.x[gp][k], ((gp, k),)) for k in range(len(cost)) if fwd_cost[k][k]
                 ]
                 continue
@@ -432,7 +427,7 @@ class ShardingProgram:
                         if hidden[k][m]:
                             self._tp_hidden_terms.append(hidden[k][m] * var)
                         if fwd_cost[k][m]:
-                            self._edge_fwd.append((c, fwd_cost[k][m], var, ((gp, k), (gc, m))))
+                            self.recompute_terms.edge_forward.append((c, fwd_cost[k][m], var, ((gp, k), (gc, m))))
                 continue
             y = [
                 [self.prob.add_variable(f"y_{idx}_{k}_{m}", 0, 1) for m in range(len(gcr.strategies))]
@@ -451,7 +446,7 @@ class ShardingProgram:
             self._tp_hidden_terms += [
                 hidden[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if hidden[k][m]
             ]
-            self._edge_fwd += [
+            self.recompute_terms.edge_forward += [
                 (c, fwd_cost[k][m], y[k][m], ((gp, k), (gc, m)))
                 for k in range(len(cost))
                 for m in range(len(cost[0]))
@@ -827,69 +822,6 @@ class ShardingProgram:
             budget=self.budget,
         )
 
-    def transient_bytes(self) -> float:
-        """Working memory of the largest op: its output plus its gradient, unsharded on tp (an upper bound).
-
-        Views (an expanded mask, a transposed weight) own no storage and are left out.
-        """
-        cache = analysis(self.graph)
-        if "storage_nodes" not in cache:  # representatives only: a deduplicated node has its representative's shape
-            cache["storage_nodes"] = [
-                n
-                for n in self.graph.graph.nodes
-                if n.op == "call_function" and self.graph.layer_count[n.name] and str(n.target) not in VIEW_OPS
-            ]
-        largest = max((2 * self.mesh_groups.act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
-        if self.cp is None:
-            return largest
-        # cp attention's buffers while it runs (upper bound: heads not split on tp)
-        attention = [n.name for n in cache["storage_nodes"] if is_attention(n)]
-        return max([largest] + [self.mesh_groups.cp_cost(n, 1).peak_extra_bytes for n in attention])
-
-    def saved_bytes(self, name: str, k: int, recompute: str = "none") -> float:
-        """Bytes group `name` keeps for backward under strategy k and `recompute`, on one device, for one micro-batch.
-
-        A cp attention member adds what its algorithm keeps besides its inputs and output (the gathered K/V of
-        all-gather, the head-split copies of all-to-all), unless `recompute` runs it again in backward.
-        """
-        grp, saved = self.groups[name], saved_for_backward(self.graph, recompute)
-        total = sum(self.mesh_groups.member_bytes(grp, m, k) for m in grp.members if m in saved)
-        if self.cp is not None:
-            again = recomputed_nodes(self.graph.graph, recompute) if recompute != "none" else {}
-            total += sum(
-                self.mesh_groups.cp_cost(m, grp.divisor[m][k]).saved_bytes
-                for m in grp.members
-                if m not in again and is_attention(self.graph.node(m))
-            )
-        return total
-
-    def _recomputed_saves(self, recompute: str) -> list[list[tuple[str, str]]]:
-        """Per distinct segment: the (group, member) values it makes again in backward, once per micro-batch.
-
-        Those kept with no recompute that `recompute` drops; segments of identical layers share their
-        representatives' groups and appear once.
-        """
-        if recompute == "none":
-            return []
-        dropped = saved_for_backward(self.graph, "none") - saved_for_backward(self.graph, recompute)
-        out, seen = [], set()
-        for seg in recompute_segments(self.graph.graph, recompute):
-            reps = tuple(
-                sorted(
-                    {
-                        self.mesh_groups.rep(n)
-                        for n in seg
-                        if self.mesh_groups.rep(n) in dropped
-                        and self.mesh_groups.rep(n) in self.group_of
-                        and self.graph.layer_count[self.mesh_groups.rep(n)]
-                    }
-                )
-            )
-            if reps and reps not in seen:
-                seen.add(reps)
-                out.append([(self.group_of[r], r) for r in reps])
-        return out
-
     def memory_lower_bound(self, recompute: str | None = None) -> dict[str, float]:
         """Per-device bytes below which no layout of this program can go, without solving it.
 
@@ -900,12 +832,12 @@ class ShardingProgram:
         """
         states = self._states_lower_bound(self.zero_choices)
         modes = self.recompute_choices if recompute is None else [recompute]
-        acts, extra = min((self._activations_lower_bound(m) for m in modes), key=sum)
-        return {"states": states, "activations": acts, "transient": self.transient_bytes() + extra}
+        acts, extra = min((self.activations.lower_bound(m) for m in modes), key=sum)
+        return {"states": states, "activations": acts, "transient": self.activations.transient_bytes() + extra}
 
     def leanest_recompute(self) -> str:
         """The allowed recompute mode with the smallest activation lower bound."""
-        return min(self.recompute_choices, key=lambda m: sum(self._activations_lower_bound(m)))
+        return min(self.recompute_choices, key=lambda m: sum(self.activations.lower_bound(m)))
 
     def _states_lower_bound(self, stages) -> float:
         """Device bytes of the states at their leanest: without offload each parameter's least total; with
@@ -931,30 +863,6 @@ class ShardingProgram:
         leaving = min(movable, host) + self.precision.param_bytes / self.precision.optimizer_bytes * min(opt, host)
         return min(states, max(0.0, weights + movable - leaving)) + ahead
 
-    def _activations_lower_bound(self, recompute: str) -> tuple[float, float]:
-        """(saved activations, recomputed segment) at their leanest under `recompute`."""
-        cache = self._act_bounds
-        if recompute not in cache:
-            acts = self.activation_copies * sum(
-                grp.count * min(self.saved_bytes(name, k, recompute) for k in range(len(grp.strategies)))
-                for name, grp in self.groups.items()
-            )
-            peak = max(
-                (
-                    sum(
-                        min(
-                            self.mesh_groups.member_bytes(self.groups[g], m, k)
-                            for k in range(len(self.groups[g].strategies))
-                        )
-                        for g, m in seg
-                    )
-                    for seg in self._recomputed_saves(recompute)
-                ),
-                default=0.0,
-            )
-            cache[recompute] = (acts, peak)
-        return cache[recompute]
-
     def add_memory_constraint(self, recompute: str | None = None) -> None:
         """sum n_w u M_state + sum n_g x M_saved(r) + M_recompute(r) + M_transient <= budget.
 
@@ -970,7 +878,7 @@ class ShardingProgram:
                 self.memory_terms["grads"].append(count * g * u)
                 self.memory_terms["optimizer"].append(count * o * u)
             self._add_overlap_grads()
-            self.transient = self.transient_bytes()
+            self.transient = self.activations.transient_bytes()
             ahead = self.prefetch_bytes()
             if ahead:
                 self.memory_terms["prefetch"] = [
@@ -978,47 +886,23 @@ class ShardingProgram:
                 ]
         self._use_mode(recompute or self.recompute_choices[0])
 
-    def regathered(self, recompute: str) -> list[str]:
-        """The parameter groups whose weights recompute mode r gathers over the data axis again: those its
-        recomputed nodes read, at ZeRO-1/2 in the sharded program without overlap, which gathers a weight at
-        each use (its overlapping program holds each gathered weight for the step; ZeRO-3's recompute takes the
-        place of the backward's gather, which `sync_time` prices)."""
-        if recompute == "none" or self.dp == 1:
-            return []
-        rec = recomputed_nodes(self.graph.graph, recompute)
-        read = {
-            a.name for n in self.graph.graph.nodes if n.name in rec for a in n.all_input_nodes if a.op == "placeholder"
-        }
-        return [g for g in self.mesh_groups.param_groups() if g in read and self.graph.params[g].requires_grad]
-
     def regather_s(self, name: str, k: int, stage: int) -> float:
         """Seconds a step spends gathering parameter group `name` (strategy k) again in its recomputed forwards at
         ZeRO stage `stage` (`SyncPricing.regather_s`)."""
         return self.sync.regather_s(self.comm(stage), self.mesh_groups.tp_numel(name, k), self.groups[name].count)
 
     def add_recompute_cost(self, recompute: str) -> list:
-        """Objective terms of recompute mode r: the forward of every recomputed node and the resharding
-        its arguments need, once more: sum_{g, m in R} n_g sum_k x[g,k] F[m,k] + sum_{e into R} n_e y Rf, and the
-        weights it gathers again (`regathered`): sum_{w read in R} sum_{k, s} regather_s(w, k, s) u[w,k,s]."""
-        rec = recomputed_nodes(self.graph.graph, recompute)
+        """Objective terms of recompute mode r: the forward of every recomputed node and the resharding its
+        arguments need, once more (`RecomputeTerms.forward_terms`): sum_{g, m in R} n_g sum_k x[g,k] F[m,k] +
+        sum_{e into R} n_e y Rf, and the weights it gathers again (`RecomputeTerms.regathered`): sum_{w read in R}
+        sum_{k, s} regather_s(w, k, s) u[w,k,s]."""
         terms = [
             self.regather_s(w, k, st) * u
-            for w in self.regathered(recompute)
+            for w in self.recompute_terms.regathered(recompute)
             for (name, k, st), u in self.u.items()
             if name == w and self.regather_s(w, k, st)
         ]
-        for name, members in self._fwd_s.items():
-            grp = self.groups[name]
-            for m, fwd in members.items():
-                if m not in rec:
-                    continue
-                gather = grp.follow_fwd_s.get(m)
-                for k, t in enumerate(fwd):
-                    t += gather[k] if gather else 0.0
-                    if t:
-                        terms.append(t * self.x[name][k])
-        terms += [coef * var for c, coef, var, _ in self._edge_fwd if c in rec]
-        return terms
+        return terms + self.recompute_terms.forward_terms(recompute, self.x)
 
     # ------------------------------------------------------- activations of one chosen layout, per mode
 
@@ -1029,54 +913,22 @@ class ShardingProgram:
         (strategy per group) at ZeRO stage `stage` (None: the weights' gathers left out) under recompute mode r:
         the program's M_saved(r), M_recompute(r) and recompute objective terms evaluated at that layout, without
         solving."""
-        acts = self.activation_copies * sum(
-            grp.count * self.saved_bytes(name, choice[name], recompute) for name, grp in self.groups.items()
-        )
-        peak = max(
-            (
-                sum(self.mesh_groups.member_bytes(self.groups[g], m, choice[g]) for g, m in seg)
-                for seg in self._recomputed_saves(recompute)
-            ),
-            default=0.0,
-        )
+        acts, peak = self.activations.fixed(choice, recompute)
         if recompute == "none":
             return acts, peak, 0.0
-        rec = recomputed_nodes(self.graph.graph, recompute)
-        seconds = 0.0
-        for name, members in self._fwd_s.items():
-            gather = self.groups[name].follow_fwd_s
-            for m, fwd in members.items():
-                if m in rec:
-                    seconds += fwd[choice[name]] + (gather[m][choice[name]] if gather.get(m) else 0.0)
-        seconds += sum(coef for c, coef, _, cond in self._edge_fwd if c in rec and all(choice[g] == k for g, k in cond))
+        seconds = self.recompute_terms.fixed_forward_s(choice, recompute)
         if stage is not None:
-            seconds += sum(self.regather_s(w, choice[w], stage) for w in self.regathered(recompute))
+            seconds += sum(self.regather_s(w, choice[w], stage) for w in self.recompute_terms.regathered(recompute))
         return acts, peak, seconds
 
     def fixed_layer_activations(self, choice: dict[str, int]) -> tuple[float, float]:
         """(bytes the repeated layers keep for backward, seconds of their forward), all layers together, for
         the layout `choice` with nothing recomputed: what offloading their activations moves and overlaps."""
-        saved, nbytes, seconds = saved_for_backward(self.graph, "none"), 0.0, 0.0
-        for name, grp in self.groups.items():
-            k = choice[name]
-            for m in grp.members:
-                if self.graph.node_layer.get(m, (None, None))[0] is None:
-                    continue
-                if m in saved:
-                    nbytes += grp.count * self.mesh_groups.member_bytes(grp, m, k)
-                seconds += self._fwd_s.get(name, {}).get(m, [0.0] * (k + 1))[k]
-        return self.activation_copies * nbytes, seconds
+        return self.activations.layer_saved_bytes(choice), self.recompute_terms.layer_forward_s(choice)
 
     def recompute_time_lower_bound(self, recompute: str) -> float:
-        """Seconds recompute mode r adds at least: every recomputed group at its cheapest forward."""
-        rec = recomputed_nodes(self.graph.graph, recompute)
-        total = 0.0
-        for name, members in self._fwd_s.items():
-            per_k = [
-                sum(fwd[k] for m, fwd in members.items() if m in rec) for k in range(len(self.groups[name].strategies))
-            ]
-            total += min(per_k, default=0.0)
-        return total
+        """Seconds recompute mode r adds at least (`RecomputeTerms.lower_bound`)."""
+        return self.recompute_terms.lower_bound(recompute)
 
     def _mode_terms(self, recompute: str) -> _ModeTerms:
         if recompute in self._modes:
@@ -1084,7 +936,7 @@ class ShardingProgram:
         acts = []
         for name, grp in self.groups.items():
             for k in range(len(grp.strategies)):
-                b = self.saved_bytes(name, k, recompute) * self.activation_copies
+                b = self.activations.saved_bytes(name, k, recompute) * self.activation_copies
                 if b:
                     acts.append(grp.count * b * self.x[name][k])
         rows, peak = {}, []
@@ -1094,7 +946,7 @@ class ShardingProgram:
                 for g, m in seg
                 for k in range(len(self.groups[g].strategies))
             )
-            for seg in self._recomputed_saves(recompute)
+            for seg in self.activations.recomputed_saves(recompute)
         ]
         if len(segs) == 1:
             peak = [segs[0]]
@@ -1233,7 +1085,7 @@ class ShardingProgram:
             bound = lower_bound_s + (self.recompute_time_lower_bound(mode) if mode != "none" else 0.0)
             if best is not None and best.step_time_s <= bound * (1 + 1e-9):
                 continue
-            acts = sum(self._activations_lower_bound(mode)) + self.transient_bytes()
+            acts = sum(self.activations.lower_bound(mode)) + self.activations.transient_bytes()
             for s in self.zero_choices:
                 if self._states_lower_bound([s]) + acts > self.budget:
                     continue
