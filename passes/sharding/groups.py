@@ -231,6 +231,33 @@ class MeshGroups:
         cache["edges"] = (dict(self.group_of), edges)
         return edges
 
+    def edge_prices(self, edge: tuple, mult: float, eta: float) -> tuple[list, list, list]:
+        """(cost, forward, hidden): per producer strategy k and consumer strategy m, the seconds per step edge
+        `edge` (producer group, producer, consumer group, consumer, argument) of multiplicity `mult` adds,
+        n_e (Rf + Rb - H); the forward resharding a recompute of the consumer repeats, n_e Rf; and H, what a
+        collective launched early hides behind the ops before its consumer at overlap efficiency `eta` (0: none is
+        launched early): H = eta min(Rf - Rf_fix, W) (`early_window`), its latency (Rf_fix) never hidden."""
+        gp, p, gc, c, i = edge
+        gpr, gcr = self.groups[gp], self.groups[gc]
+        nbytes = self.act_bytes(self.graph.node(p))
+        window = self.early_window(p, c) if eta else 0.0
+        cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
+        fwd_cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
+        hidden = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
+        for k, src in enumerate(gpr.out[p]):
+            for m in range(len(gcr.strategies)):
+                need, grad = gcr.need[c][m][i], gcr.grads[c][m][i]
+                fwd = redistribute_time(src, need, nbytes, self.tp, self.tp_link)
+                bwd = redistribute_time(grad, grad_layout(src), nbytes, self.tp, self.tp_link)
+                hid = 0.0
+                if window and fwd:
+                    fix = redistribute_time(src, need, 1.0, self.tp, self.tp_link)
+                    hid = eta * min(max(fwd - fix, 0.0), window)
+                cost[k][m] = mult * self.mb * (fwd + bwd - hid)
+                fwd_cost[k][m] = mult * self.mb * fwd
+                hidden[k][m] = mult * self.mb * hid
+        return cost, fwd_cost, hidden
+
     def early_window(self, p: str, c: str) -> float:
         """W: forward seconds of one micro-batch between node `p` and `c`, its only consumer, when the interpreter
         launches the collective of `p`'s value where it is made (`parallelize.launches_early`): the ops in between,

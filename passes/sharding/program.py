@@ -154,7 +154,6 @@ Only meshes without a tensor axis (tp = 1) offload, as the offload program runs 
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import sys
@@ -165,7 +164,6 @@ from dataclasses import dataclass
 import pulp
 from torch.distributed.tensor import Shard
 
-from autopar import units
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.compute import optimizer_step_time_s
 from autopar.errors import ConfigError
@@ -177,14 +175,12 @@ from autopar.passes.sharding.graph import (
     recompute_choices,
 )
 from autopar.passes.sharding.groups import MeshGroups
-from autopar.passes.sharding.memory import ActivationMemory, RecomputeTerms, StateMemory
-from autopar.passes.sharding.offload import ChunkPricing, model_param_specs, offload_prices, offload_result
+from autopar.passes.sharding.memory import ActivationMemory, RecomputeTerms
+from autopar.passes.sharding.offload import offload_prices, offload_result
 from autopar.passes.sharding.precision import Precision
-from autopar.passes.sharding.reshard import grad_layout, redistribute_time
+from autopar.passes.sharding.prices import MeshPrices
 from autopar.passes.sharding.solution import MeshResult
-from autopar.passes.sharding.sync import SyncPricing
-from autopar.plan import ProgramKind, program_kind
-from autopar.program_comm import ProgramComm, gradient_order, resolved_prefetch_depth
+from autopar.program_comm import ProgramComm, resolved_prefetch_depth
 from autopar.units import FP32_BYTES
 
 
@@ -235,7 +231,6 @@ class ShardingProgram:
         # the sharded program's data-axis collectives with overlap (`add_sharded_overlap_constraint`): gradient
         # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
         self.prefetch_depth = resolved_prefetch_depth(prefetch_depth, self.overlap)
-        self._comms: dict[int, ProgramComm] = {}  # ZeRO stage -> the declaration of the program that runs it
         # the interpreter launches a tensor-axis collective early where its value's consumer is not the next op
         # (`parallelize.launches_early`, with the plan's overlap; a pipeline stage's program says so apart, as its
         # `overlap` speaks of the data axis): the forward collective runs behind the ops in between
@@ -276,7 +271,6 @@ class ShardingProgram:
         # recompute modes to consider, the cheapest first; a pinned mode is the only one
         self.recompute_choices = recompute_choices(graph, recompute)
         self.tp_link = cluster.link_for_axis(tp, 1)
-        self.dp_link = cluster.link_for_axis(dp, tp)
         self.prob = pulp.LpProblem(f"sharding_dp{dp}_tp{tp}_mb{num_microbatches}", pulp.LpMinimize)
         self.x: dict[str, list[pulp.LpVariable]] = {}
         self.z: dict[int, pulp.LpVariable] = {}
@@ -299,14 +293,54 @@ class ShardingProgram:
             cp=cp,
         )
         self.groups, self.group_of = self.mesh_groups.groups, self.mesh_groups.group_of
-        self.state_memory = StateMemory(precision, dp, units.PRICED_BUCKET_BYTES)
         self.activations = ActivationMemory(self.mesh_groups, activation_copies)
         self.recompute_terms = RecomputeTerms(self.mesh_groups)
-        chunks = None
-        if offload is True and dp > 1:  # the offload program may run the layout: its chunks' prices
-            budget = self.budget if math.isfinite(self.budget) else cluster.device.memory_bytes
-            chunks = ChunkPricing(tuple(model_param_specs(graph)), dp, self.dp_link, precision, budget)
-        self.sync = SyncPricing(dp, self.dp_link, precision, units.PRICED_BUCKET_BYTES, chunks)
+        self.prices = MeshPrices(
+            self.mesh_groups,
+            cluster,
+            dp=dp,
+            tp=tp,
+            estimator=estimator,
+            precision=precision,
+            budget=memory_budget_bytes,
+            overlap=self.overlap,
+            prefetch_depth=self.prefetch_depth,
+            offload=offload,
+            pipeline_stage=pipeline_stage,
+            step_gathers=self.step_gathers,
+            cp=cp.degree if cp is not None else 1,
+        )
+
+    # ------------------------------------------------------------ the mesh's prices, for the searches that read them
+
+    def comm(self, stage: int) -> ProgramComm:
+        """The declaration of the program that runs the layout at ZeRO stage `stage` (`MeshPrices.comm`)."""
+        return self.prices.comm(stage)
+
+    def sync_time(self, name: str, k: int, stage: int) -> float:
+        """Sync[w,k,s] (`MeshPrices.sync_time`)."""
+        return self.prices.sync_time(name, k, stage)
+
+    def state_bytes(self, name: str, k: int, stage: int) -> tuple[float, float, float]:
+        """M_state[w,k,s] (`MeshPrices.state_bytes`)."""
+        return self.prices.state_bytes(name, k, stage)
+
+    def optimizer_time(self, name: str, k: int, stage: int) -> float:
+        """Opt[w,k,s] (`MeshPrices.optimizer_time`)."""
+        return self.prices.optimizer_time(name, k, stage)
+
+    def last_bucket_s(self, stage: int = 0) -> float:
+        """T_last (`MeshPrices.last_bucket_s`)."""
+        return self.prices.last_bucket_s(stage)
+
+    def host_capacity(self) -> float:
+        """Host bytes one device may use (`MeshPrices.host_capacity`)."""
+        return self.prices.host_capacity()
+
+    @property
+    def leaving_plain_s(self) -> float:
+        """What a plain layout pays when it leaves plain tensors (`MeshPrices.leaving_plain_s`)."""
+        return self.prices.leaving_plain_s
 
     # --------------------------------------------------------------------------------- the program
 
@@ -390,25 +424,10 @@ class ShardingProgram:
         """y marginals sum_l y[e,k,m] = x[a,k], sum_k y[e,k,m] = x[c,m]; objective n_e * (Rf + Rb - H) * y, H the
         part of Rf a collective launched early hides behind the ops before its consumer (`_early_window`):
         H = eta min(Rf - Rf_fix, W), the collective's latency (Rf_fix) never hidden."""
-        for idx, ((gp, p, gc, c, i), mult) in enumerate(self.mesh_groups.edges().items()):
+        for idx, (edge, mult) in enumerate(self.mesh_groups.edges().items()):
+            gp, _, gc, c, _ = edge
             gpr, gcr = self.groups[gp], self.groups[gc]
-            nbytes = self.mesh_groups.act_bytes(self.graph.node(p))
-            window = self.mesh_groups.early_window(p, c) if self.tp_overlap else 0.0
-            cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
-            fwd_cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]  # what a recompute of c repeats
-            hidden = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
-            for k, src in enumerate(gpr.out[p]):
-                for m in range(len(gcr.strategies)):
-                    need, grad = gcr.need[c][m][i], gcr.grads[c][m][i]
-                    fwd = redistribute_time(src, need, nbytes, self.tp, self.tp_link)
-                    bwd = redistribute_time(grad, grad_layout(src), nbytes, self.tp, self.tp_link)
-                    hid = 0.0
-                    if window and fwd:
-                        fix = redistribute_time(src, need, 1.0, self.tp, self.tp_link)
-                        hid = self.eta * min(max(fwd - fix, 0.0), window)
-                    cost[k][m] = mult * self.mb * (fwd + bwd - hid)
-                    fwd_cost[k][m] = mult * self.mb * fwd
-                    hidden[k][m] = mult * self.mb * hid
+            cost, fwd_cost, hidden = self.mesh_groups.edge_prices(edge, mult, self.eta if self.tp_overlap else 0.0)
             if not any(v for row in cost + hidden for v in row):
                 continue
             if gp == gc:  # both ends in one group: the strategy index is shared
@@ -458,43 +477,10 @@ class ShardingProgram:
         runtime adds to every op by running it on DTensors, where the estimator knows it
         (`sharded_op_overhead_s`: profiled on CPU ranks, whose steps are dominated by such costs). A plan
         with no tensor axis and no ZeRO sharding runs as plain tensors (the data-parallel program)."""
-        total = self.sharded_overhead_s
-        stages = [z for s, z in self.z.items() if not self.comm(s).runs_plain]
+        total = self.prices.sharded_overhead_s
+        stages = [z for s, z in self.z.items() if not self.prices.comm(s).runs_plain]
         if total and stages:
             self.cost_terms["compute"].append(total * pulp.lpSum(stages))
-
-    @functools.cached_property
-    def sharded_overhead_s(self) -> float:
-        """D: seconds per step the sharded runtime adds over plain tensors (0 where the estimator does not say)."""
-        per_op = getattr(self.estimator, "sharded_op_overhead_s", None)
-        per_op = per_op() if per_op is not None else 0.0
-        if not per_op:
-            return 0.0
-        ops = sum(self.graph.layer_count.get(n.name, 1) for n in self.graph.graph.nodes if n.op == "call_function")
-        return per_op * ops * self.mb
-
-    def comm(self, stage: int) -> ProgramComm:
-        """The declaration of the program that runs this mesh's layout at ZeRO stage `stage`, as it is priced: the
-        rule of `autopar.plan.program_kind` (a pipeline stage runs the pipeline program whatever its layout), the
-        offload program for ZeRO-3 with offload pinned on a data axis, and overlap off where the device hides
-        nothing behind compute (eta = 0: such a program is priced as its synchronous one). A pipeline stage's
-        overlap is `step_gathers`, its plan's (its program reduces after the schedule, priced by the search)."""
-        found = self._comms.get(stage)
-        if found is None:
-            if stage == 3 and self.offload is True and self.dp > 1:
-                kind = ProgramKind.OFFLOAD
-            else:
-                cp = self.cp.degree if self.cp is not None else 1
-                kind = program_kind(pp=2 if self.pipeline_stage else 1, tp=self.tp, cp=cp, zero_stage=stage)
-            overlap = self.step_gathers if self.pipeline_stage else self.overlap
-            found = ProgramComm(kind, stage, self.dp, overlap, self.prefetch_depth, self.mb)
-            self._comms[stage] = found
-        return found
-
-    def state_bytes(self, name: str, k: int, stage: int) -> tuple[float, float, float]:
-        """M_state[w,k,s]: (parameter, gradient, optimizer) bytes of one parameter's local shard under `stage`."""
-        numel, trainable = self.mesh_groups.tp_numel(name, k), self.graph.params[name].requires_grad
-        return self.state_memory.state_bytes(numel, stage, trainable)
 
     def _add_overlap_grads(self) -> None:
         """Memory rows gain what the overlapping sharded program holds beyond `state_bytes`: `overlap_grad_bytes`
@@ -503,78 +489,15 @@ class ShardingProgram:
         and its gradient staging buffers, a chunk each, stand in for the buckets; the runtime sizes its chunks so
         that the ones in flight take a small share of the budget, and they are not counted here)."""
         for (name, k, s), u in self.u.items():
-            extra = self.groups[name].count * self.overlap_grad_bytes(name, k, s)
+            extra = self.groups[name].count * self.prices.overlap_grad_bytes(name, k, s)
             if extra and not (self._offloading and s == 3):
                 self.memory_terms["grads"].append(extra * u)
         for s, z in self.z.items():
-            buffers = self.in_flight_grad_bytes(s)
+            buffers = self.prices.in_flight_grad_bytes(s)
             if buffers and not (self._offloading and s == 3):
                 self.memory_terms["grads"].append(buffers * z)
                 if s == 3 and self._offload_runs is not None:  # z[3] - o: the sharded program runs the layout
                     self.memory_terms["grads"].append(-buffers * self._offload_runs)
-
-    def overlap_grad_bytes(self, name: str, k: int, stage: int) -> float:
-        """The whole fp32 gradient a ZeRO-1 layout that reduces once a step holds (`StateMemory.overlap_grad_bytes`)."""
-        numel, trainable = self.mesh_groups.tp_numel(name, k), self.graph.params[name].requires_grad
-        return self.state_memory.overlap_grad_bytes(self.comm(stage), numel, trainable)
-
-    def in_flight_grad_bytes(self, stage: int) -> float:
-        """The gradient buckets ZeRO-2/3 with overlap hold in flight (`StateMemory.in_flight_grad_bytes`): the
-        buckets as the runtime makes them, their parameters whole on the tensor axis (an upper bound where the tensor
-        axis splits some)."""
-        sizes = self.state_memory.bucket_sizes(self._gradient_numels, stage)
-        return self.state_memory.in_flight_grad_bytes(self.comm(stage), sizes)
-
-    @functools.cached_property
-    def _gradient_numels(self) -> list[float]:
-        """Elements of every trainable parameter of the model, in the order backward completes their gradients."""
-        trainable = {info.node_name: info for info in self.graph.params.values() if info.requires_grad}
-        return [trainable[name].meta.numel for name in gradient_order(self.graph.graph, list(trainable))]
-
-    def sync_time(self, name: str, k: int, stage: int) -> float:
-        """Sync[w,k,s]: gradient synchronisation (and ZeRO weight gathers) of one parameter over the data axis
-        (`SyncPricing.sync_time`)."""
-        if not self.graph.params[name].requires_grad:
-            return 0.0
-        return self.sync.sync_time(self.comm(stage), self.mesh_groups.tp_numel(name, k))
-
-    def step_gather_time(self, name: str, k: int, stage: int) -> float:
-        """The part of `sync_time` that gathers a pipeline's ZeRO-1 weight before its schedule starts."""
-        if not self.graph.params[name].requires_grad:
-            return 0.0
-        return self.sync.step_gather_time(self.comm(stage), self.mesh_groups.tp_numel(name, k))
-
-    def sharded_sync_parts(self, name: str, k: int, stage: int) -> tuple[float, float, float, float]:
-        """(G_bw, G_fix, A_bw, A_fix) of one parameter in the sharded program with overlap (`SyncPricing.sharded_parts`)."""
-        return self.sync.sharded_parts(self.comm(stage), self.mesh_groups.tp_numel(name, k))
-
-    def bucket_latency_s(self, name: str, k: int, stage: int) -> float:
-        """The latency part of `sync_time` where gradients go out in buckets once a step (`SyncPricing`)."""
-        if not self.graph.params[name].requires_grad:
-            return 0.0
-        return self.sync.bucket_latency_s(self.comm(stage), self.mesh_groups.tp_numel(name, k))
-
-    def sync_floor(self, stage: int) -> float:
-        """Latency of the one bucket a step with any gradient pays (`SyncPricing.floor`)."""
-        return self.sync.floor(self.comm(stage))
-
-    @functools.cached_property
-    def leaving_plain_s(self) -> float:
-        """Seconds per step a plain layout (no tensor axis, ZeRO-0) pays when recompute or a layer treatment
-        moves it onto the sharded runtime: the per-op DTensor cost (`sharded_overhead_s`), and one
-        all-reduce per parameter's gradient where the data-parallel program sends buckets (a pipeline stage sends
-        buckets on either runtime)."""
-        if not self.comm(0).runs_plain:
-            return 0.0
-        extra = 0.0
-        if self.dp > 1 and not self.pipeline_stage:
-            for name in self.mesh_groups.param_groups():
-                info = self.graph.params[name]
-                if info.requires_grad:
-                    nbytes = info.meta.numel * self.precision.grad_bytes_at(0)
-                    extra += self.groups[name].count * self.sync.unbucketed_extra_s(nbytes)
-            extra = max(extra - self.sync_floor(0), 0.0)
-        return self.sharded_overhead_s + extra
 
     def add_stage_product_constraint(self) -> None:
         """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u (the plain layout's
@@ -596,34 +519,34 @@ class ShardingProgram:
                     else:
                         self.prob += u >= self.x[name][k], f"zero_product_lo_{name}_{k}_{s}"
                     self.prob += u <= self.x[name][k], f"zero_product_x_{name}_{k}_{s}"
-                    t = self.sync_time(name, k, s)
-                    if t and self.comm(s).overlaps_data_axis:
-                        g_bw, g_fix, a_bw, a_fix = self.sharded_sync_parts(name, k, s)
-                        grads[self.comm(s).reductions_per_step].append(grp.count * g_bw * u)
+                    t = self.prices.sync_time(name, k, s)
+                    if t and self.prices.comm(s).overlaps_data_axis:
+                        g_bw, g_fix, a_bw, a_fix = self.prices.sharded_sync_parts(name, k, s)
+                        grads[self.prices.comm(s).reductions_per_step].append(grp.count * g_bw * u)
                         gathers += [grp.count * a_bw * u] if a_bw else []
                         self.cost_terms["grad_sync"].append(grp.count * (g_fix + a_fix) * u)
                     elif t:
-                        fixed = self.bucket_latency_s(name, k, s)  # a bucketed reduction's latency never hides
-                        if self.comm(s).overlaps_all_reduce:
+                        fixed = self.prices.bucket_latency_s(name, k, s)  # a bucketed reduction's latency never hides
+                        if self.prices.comm(s).overlaps_all_reduce:
                             plain.append(grp.count * (t - fixed) * u)
                             self.cost_terms["grad_sync"].append(grp.count * fixed * u)
                         else:
                             self.cost_terms["grad_sync"].append(grp.count * t * u)
                         if fixed:
                             self._sync_fixed_terms.append(grp.count * fixed * u)
-                        gather = self.step_gather_time(name, k, s)
+                        gather = self.prices.step_gather_time(name, k, s)
                         if gather:
                             self._step_gather_terms.append(grp.count * gather * u)
-                    t = self.optimizer_time(name, k, s)
+                    t = self.prices.optimizer_time(name, k, s)
                     if t:
                         self.cost_terms["optimizer"].append(grp.count * t * u)
         for s, zs in self.z.items():
-            if self.sync_floor(s):
-                self.cost_terms["grad_sync"].append(self.sync_floor(s) * zs)
-                self._sync_fixed_terms.append(self.sync_floor(s) * zs)
+            if self.prices.sync_floor(s):
+                self.cost_terms["grad_sync"].append(self.prices.sync_floor(s) * zs)
+                self._sync_fixed_terms.append(self.prices.sync_floor(s) * zs)
         if plain:
             self.add_overlap_constraint(plain)
-        if any(self.comm(s).overlaps_data_axis for s in self.z):
+        if any(self.prices.comm(s).overlaps_data_axis for s in self.z):
             self.add_sharded_overlap_constraint(grads, gathers)
 
     def hiding(self, compute: list):
@@ -655,59 +578,34 @@ class ShardingProgram:
         of `sharded_sync_parts`) and one bucket's latency per reducing backward are in the objective as they are:
         they never hide.
         """
-        sharded = [s for s in self.z if self.comm(s).overlaps_data_axis]
+        sharded = [s for s in self.z if self.prices.comm(s).overlaps_data_axis]
         for r, terms in sorted(grads.items()):
-            stages = [s for s in sharded if self.comm(s).reductions_per_step == r]
+            stages = [s for s in sharded if self.prices.comm(s).reductions_per_step == r]
             if not stages:
                 continue
             suffix = "" if r == 1 else "_per_microbatch"
             e_g = self.prob.add_variable(f"exposed_sharded_grads{suffix}", 0)
             hides = self.hiding(self._bwd_terms) * (r / self.mb)
             self.prob += e_g >= pulp.lpSum(terms) - hides, f"sharded_exposed_grads{suffix}"
-            last = pulp.lpSum(r * self.last_bucket_bw_s(s) * self.z[s] for s in stages)
+            last = pulp.lpSum(r * self.prices.last_bucket_bw_s(s) * self.z[s] for s in stages)
             self.prob += e_g >= last, f"sharded_last_bucket{suffix}"
             if self.eta < 1:  # at most the share eta of the communication hides, however long the compute
                 self.prob += e_g >= pulp.lpSum(terms) * (1.0 - self.eta), f"sharded_grads_efficiency{suffix}"
             self.cost_terms["grad_sync"].append(e_g)
             self.sharded_hidden.append((terms, e_g))
         for s in sharded:
-            if self.comm(s).runs_chunks:  # one latency per chunk, in G_fix already
+            if self.prices.comm(s).runs_chunks:  # one latency per chunk, in G_fix already
                 continue
-            self.cost_terms["grad_sync"].append(self.sync.reduction_latency(self.comm(s)) * self.z[s])
+            self.cost_terms["grad_sync"].append(self.prices.sync.reduction_latency(self.prices.comm(s)) * self.z[s])
         if gathers:
             e_a = self.prob.add_variable("exposed_sharded_gathers", 0)
             self.prob += e_a >= pulp.lpSum(gathers) - self.hiding(self._fwd_terms), "sharded_exposed_gathers"
-            first = pulp.lpSum(self.first_gather_bw_s(s) * self.z[s] for s in sharded if s >= 1)
+            first = pulp.lpSum(self.prices.first_gather_bw_s(s) * self.z[s] for s in sharded if s >= 1)
             self.prob += e_a >= first, "sharded_first_gather"
             if self.eta < 1:
                 self.prob += e_a >= pulp.lpSum(gathers) * (1.0 - self.eta), "sharded_gathers_efficiency"
             self.cost_terms["grad_sync"].append(e_a)
             self.sharded_hidden.append((gathers, e_a))
-
-    def last_bucket_bw_s(self, stage: int) -> float:
-        """T_last,g of `add_sharded_overlap_constraint` (`SyncPricing.last_bucket_bw_s`)."""
-        return self.sync.last_bucket_bw_s(self.comm(stage), self._grad_bytes(stage))
-
-    def first_gather_bw_s(self, stage: int) -> float:
-        """T_first,a of `add_sharded_overlap_constraint` (`SyncPricing.first_gather_bw_s`): of the first trainable
-        parameter the graph reads."""
-        names = [n for n in self.mesh_groups.param_groups() if self.graph.params[n].requires_grad]
-        numel = self.graph.params[names[0]].meta.numel if names else 0
-        return self.sync.first_gather_bw_s(self.comm(stage), numel)
-
-    def prefetch_bytes(self) -> float:
-        """Gathered weights in flight ahead of their use (stages >= 1 with prefetch): `prefetch_depth` times the
-        largest layer's weights, whole (an upper bound where the tensor axis splits some); in the offload program,
-        which prefetches one chunk ahead whatever the depth, the largest chunk's payload (none with one chunk)."""
-        if not (self.prefetch_depth and any(s >= 1 and self.comm(s).overlaps_data_axis for s in self.z)):
-            return 0.0
-        if all(self.comm(s).runs_chunks for s in self.z):
-            return self.sync.chunks.prefetch_bytes()
-        layers: dict = defaultdict(float)
-        for info in self.graph.params.values():
-            if info.requires_grad:
-                layers[info.layer if info.layer[1] is not None else info.name] += info.meta.numel
-        return self.state_memory.prefetch_bytes(self.prefetch_depth, list(layers.values()))
 
     def add_overlap_constraint(self, plain: list) -> None:
         """E >= sum(plain) - eta B / m, E >= (1 - eta) sum(plain), E >= T_last z[s], E >= 0; objective E instead
@@ -720,40 +618,16 @@ class ShardingProgram:
         launched when backward ends and is exposed whole (T_last: the bandwidth part of one all-reduce of
         min(BUCKET_BYTES, all gradient bytes)). The buckets' latencies (`bucket_latency_s`, `sync_floor`) are in
         the objective as they are: they never hide."""
-        s = next(s for s in self.z if self.comm(s).runs_plain)
+        s = next(s for s in self.z if self.prices.comm(s).runs_plain)
         e = self.prob.add_variable("exposed_sync", 0)
         backward = pulp.lpSum(self._bwd_terms) * (self.eta / self.mb)
         self.prob += e >= pulp.lpSum(plain) - backward, "overlap_exposed_sync"
         if self.eta < 1:
             self.prob += e >= pulp.lpSum(plain) * (1.0 - self.eta), "overlap_efficiency"
-        self.prob += e >= self.last_bucket_s() * self.z[s], "overlap_last_bucket"
+        self.prob += e >= self.prices.last_bucket_s() * self.z[s], "overlap_last_bucket"
         self.cost_terms["grad_sync"].append(e)
         self.sync_report["total"] = plain
         self._exposed = e
-
-    def last_bucket_s(self, stage: int = 0) -> float:
-        """T_last of `add_overlap_constraint` (`SyncPricing.last_bucket_s`)."""
-        return self.sync.last_bucket_s(stage, self._grad_bytes(stage))
-
-    def _grad_bytes(self, stage: int) -> float:
-        """The step's gradient bytes at `stage`, every trainable parameter whole."""
-        return sum(
-            self.groups[n].count * self.graph.params[n].meta.numel * self.precision.grad_bytes_at(stage)
-            for n in self.mesh_groups.param_groups()
-            if self.graph.params[n].requires_grad
-        )
-
-    def optimizer_time(self, name: str, k: int, stage: int) -> float:
-        """Opt[w,k,s]: the device's optimizer step over one parameter's local shard (its fp32 weights)."""
-        info = self.graph.params[name]
-        if not info.requires_grad:
-            return 0.0
-        local = self.mesh_groups.tp_numel(name, k) / (self.dp if stage >= 1 else 1)
-        return optimizer_step_time_s(self.estimator, self.cluster.device, 1, local * FP32_BYTES)
-
-    def host_capacity(self) -> float:
-        """Host bytes one device may use: its share of its node's host memory."""
-        return self.cluster.host_memory_bytes_per_device
 
     def add_offload_constraint(self) -> None:
         """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g = B_grad h_o,
@@ -767,7 +641,7 @@ class ShardingProgram:
             return
         opt, grad = [], []
         for (name, k, s), u in self.u.items():
-            _, g, o = self.state_bytes(name, k, s)
+            _, g, o = self.prices.state_bytes(name, k, s)
             count = self.groups[name].count
             opt += [count * o * u] if o else []
             grad += [count * g * u] if g else []
@@ -784,16 +658,16 @@ class ShardingProgram:
         # the offload program adds each micro-batch's gradient of a host chunk into its host buffer
         self.prob += pr.optimizer_bytes * h_g == pr.grad_bytes_at(3) * h_o, "offload_grads_with_their_optimizer_states"
         self.prob += pr.optimizer_bytes * h_p == pr.param_bytes * h_o, "offload_weights_with_their_optimizer_states"
-        self.prob += h_o + h_g <= self.host_capacity(), "host_memory"
+        self.prob += h_o + h_g <= self.prices.host_capacity(), "host_memory"
         self._offloading = self.offload is True  # the offload program runs, holding no gradient buckets
         if self.dp > 1:  # the offload program runs its chunks as ZeRO-3: only a stage-3 layout offloads
             if 3 in self.z:
-                self.prob += h_o <= self.host_capacity() * self.z[3], "offload_runs_zero3"
-                if not self._offloading and self.in_flight_grad_bytes(3):
+                self.prob += h_o <= self.prices.host_capacity() * self.z[3], "offload_runs_zero3"
+                if not self._offloading and self.prices.in_flight_grad_bytes(3):
                     # o = 1 where anything is on the host: the offload program runs, holding no gradient buckets in
                     # flight (`_add_overlap_grads`)
                     o = self._offload_runs = self.prob.add_variable("offload_program_runs", cat="Binary")
-                    self.prob += h_o <= self.host_capacity() * o, "offload_program_runs_if_offloading"
+                    self.prob += h_o <= self.prices.host_capacity() * o, "offload_program_runs_if_offloading"
                     self.prob += o <= self.z[3], "offload_program_runs_zero3"
             else:
                 h_o.upBound = 0
@@ -817,7 +691,7 @@ class ShardingProgram:
             host,
             mem,
             offload_s,
-            host_capacity=self.host_capacity(),
+            host_capacity=self.prices.host_capacity(),
             devices_per_node=self.cluster.devices_per_node,
             budget=self.budget,
         )
@@ -830,7 +704,7 @@ class ShardingProgram:
         a true lower bound of the program's memory term. The recomputed segment's values
         (M_recompute) count as working memory ("transient").
         """
-        states = self._states_lower_bound(self.zero_choices)
+        states = self.prices.states_lower_bound(self.zero_choices, self.z)
         modes = self.recompute_choices if recompute is None else [recompute]
         acts, extra = min((self.activations.lower_bound(m) for m in modes), key=sum)
         return {"states": states, "activations": acts, "transient": self.activations.transient_bytes() + extra}
@@ -838,30 +712,6 @@ class ShardingProgram:
     def leanest_recompute(self) -> str:
         """The allowed recompute mode with the smallest activation lower bound."""
         return min(self.recompute_choices, key=lambda m: sum(self.activations.lower_bound(m)))
-
-    def _states_lower_bound(self, stages) -> float:
-        """Device bytes of the states at their leanest: without offload each parameter's least total; with
-        it, the least weights, gradients and optimizer states less what the host can take (gradients and
-        optimizer states up to its capacity) and the weights that leave with those optimizer states."""
-        states, weights, movable, opt = 0.0, 0.0, 0.0, 0.0
-        for name in self.mesh_groups.param_groups():
-            grp = self.groups[name]
-            per = [self.state_bytes(name, k, s) for k in range(len(grp.strategies)) for s in stages]
-            states += grp.count * min(sum(b) for b in per)
-            weights += grp.count * min(b[0] for b in per)
-            movable += grp.count * min(b[1] + b[2] for b in per)
-            opt += grp.count * min(b[2] for b in per)
-        # every allowed stage gathers its weights, ahead of use with prefetch (`prefetch_bytes`)
-        ahead = (
-            self.prefetch_bytes() if stages and all(s >= 1 and self.comm(s).overlaps_data_axis for s in stages) else 0.0
-        )
-        if self.offload is False or self.dp > 1 and 3 not in stages:
-            # the gradient buckets in flight of every allowed stage (`in_flight_grad_bytes`; none where offload may
-            # run the stage-3 layouts as the offload program)
-            return states + ahead + min((self.in_flight_grad_bytes(s) for s in stages), default=0.0)
-        host = self.host_capacity()
-        leaving = min(movable, host) + self.precision.param_bytes / self.precision.optimizer_bytes * min(opt, host)
-        return min(states, max(0.0, weights + movable - leaving)) + ahead
 
     def add_memory_constraint(self, recompute: str | None = None) -> None:
         """sum n_w u M_state + sum n_g x M_saved(r) + M_recompute(r) + M_transient <= budget.
@@ -873,23 +723,18 @@ class ShardingProgram:
         if self.transient is None:
             for (name, k, s), u in self.u.items():
                 count = self.groups[name].count
-                p, g, o = self.state_bytes(name, k, s)
+                p, g, o = self.prices.state_bytes(name, k, s)
                 self.memory_terms["params"].append(count * p * u)
                 self.memory_terms["grads"].append(count * g * u)
                 self.memory_terms["optimizer"].append(count * o * u)
             self._add_overlap_grads()
             self.transient = self.activations.transient_bytes()
-            ahead = self.prefetch_bytes()
+            ahead = self.prices.prefetch_bytes(self.z)
             if ahead:
                 self.memory_terms["prefetch"] = [
-                    ahead * z for s, z in self.z.items() if s >= 1 and self.comm(s).overlaps_data_axis
+                    ahead * z for s, z in self.z.items() if s >= 1 and self.prices.comm(s).overlaps_data_axis
                 ]
         self._use_mode(recompute or self.recompute_choices[0])
-
-    def regather_s(self, name: str, k: int, stage: int) -> float:
-        """Seconds a step spends gathering parameter group `name` (strategy k) again in its recomputed forwards at
-        ZeRO stage `stage` (`SyncPricing.regather_s`)."""
-        return self.sync.regather_s(self.comm(stage), self.mesh_groups.tp_numel(name, k), self.groups[name].count)
 
     def add_recompute_cost(self, recompute: str) -> list:
         """Objective terms of recompute mode r: the forward of every recomputed node and the resharding its
@@ -897,10 +742,10 @@ class ShardingProgram:
         sum_{e into R} n_e y Rf, and the weights it gathers again (`RecomputeTerms.regathered`): sum_{w read in R}
         sum_{k, s} regather_s(w, k, s) u[w,k,s]."""
         terms = [
-            self.regather_s(w, k, st) * u
+            self.prices.regather_s(w, k, st) * u
             for w in self.recompute_terms.regathered(recompute)
             for (name, k, st), u in self.u.items()
-            if name == w and self.regather_s(w, k, st)
+            if name == w and self.prices.regather_s(w, k, st)
         ]
         return terms + self.recompute_terms.forward_terms(recompute, self.x)
 
@@ -918,7 +763,9 @@ class ShardingProgram:
             return acts, peak, 0.0
         seconds = self.recompute_terms.fixed_forward_s(choice, recompute)
         if stage is not None:
-            seconds += sum(self.regather_s(w, choice[w], stage) for w in self.recompute_terms.regathered(recompute))
+            seconds += sum(
+                self.prices.regather_s(w, choice[w], stage) for w in self.recompute_terms.regathered(recompute)
+            )
         return acts, peak, seconds
 
     def fixed_layer_activations(self, choice: dict[str, int]) -> tuple[float, float]:
@@ -960,8 +807,8 @@ class ShardingProgram:
             rows["memory_peak"] = total <= self.budget
         base = [t for key, terms in self.cost_terms.items() if key != "recompute" for t in terms]
         extra = self.add_recompute_cost(recompute) if recompute != "none" else []
-        if extra and 0 in self.z and self.comm(0).runs_plain and self.leaving_plain_s:
-            extra.append(self.leaving_plain_s * self.z[0])  # recompute runs on the sharded runtime
+        if extra and 0 in self.z and self.prices.comm(0).runs_plain and self.prices.leaving_plain_s:
+            extra.append(self.prices.leaving_plain_s * self.z[0])  # recompute runs on the sharded runtime
         if extra and self._exposed is not None:  # which does not overlap its gradient reductions with backward
             extra.append(pulp.lpSum(self.sync_report["total"]) - self._exposed)
         self._modes[recompute] = _ModeTerms(pulp.lpSum(base + extra), extra, acts, peak, rows)
@@ -1012,46 +859,8 @@ class ShardingProgram:
             return MeshResult(
                 self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, dt, f"solver status {status}", self.mb, mode
             )
-        val = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.cost_terms.items()}
-        mem = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in self.memory_terms.items()}
-        mem["transient"] = self.transient
-        if not mem.get("recompute"):
-            mem.pop("recompute", None)
-        if not mem.get("prefetch"):
-            mem.pop("prefetch", None)
-        chosen_stage = next(s for s, z in self.z.items() if (pulp.value(z) or 0) > 0.5)
-        step = sum(val.values())
-        hidden = 0.0
-        if self._exposed is not None and mode == "none":
-            whole = sum(pulp.value(t) or 0.0 for t in self.sync_report["total"])
-            hidden = max(whole - (pulp.value(self._exposed) or 0.0), 0.0)
-        for terms, exposed in self.sharded_hidden:  # the sharded program overlaps under every recompute mode
-            hidden += max(sum(pulp.value(t) or 0.0 for t in terms) - (pulp.value(exposed) or 0.0), 0.0)
         self.last_choice = self.chosen()
-        # recomputed forwards are compute; resharding they repeat is counted with them
-        return MeshResult(
-            self.dp,
-            self.tp,
-            True,
-            step,
-            val.get("compute", 0.0) + val.get("recompute", 0.0),
-            val.get("reshard", 0.0),
-            val.get("grad_sync", 0.0),
-            chosen_stage,
-            mem,
-            dt,
-            num_microbatches=self.mb,
-            recompute=mode,
-            offload=self._offload_result(mem, val.get("offload", 0.0)),
-            optimizer_s=val.get("optimizer", 0.0),
-            recompute_s=val.get("recompute", 0.0),
-            grad_sync_hidden_s=hidden,
-            cp_comm_s=val.get("cp_comm", 0.0),
-            cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in self._cp_hidden_terms),
-            step_gather_s=sum(pulp.value(t) or 0.0 for t in self._step_gather_terms),
-            sync_fixed_s=sum(pulp.value(t) or 0.0 for t in self._sync_fixed_terms),
-            reshard_hidden_s=sum(pulp.value(t) or 0.0 for t in self._tp_hidden_terms),
-        )
+        return _read_result(self, mode, dt)
 
     def solve_free(self, recompute: str | None = None) -> MeshResult:
         """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
@@ -1087,7 +896,7 @@ class ShardingProgram:
                 continue
             acts = sum(self.activations.lower_bound(mode)) + self.activations.transient_bytes()
             for s in self.zero_choices:
-                if self._states_lower_bound([s]) + acts > self.budget:
+                if self.prices.states_lower_bound([s], self.z) + acts > self.budget:
                     continue
                 res = self.solve(stage=s, recompute=mode)
                 if res.feasible and (best is None or res.step_time_s < best.step_time_s):
@@ -1109,6 +918,50 @@ class _ModeTerms:
     activations: list
     peak: list
     rows: dict[str, pulp.LpConstraint]
+
+
+def _read_result(prog: ShardingProgram, mode: str, dt: float) -> MeshResult:
+    """The optimum `prog` holds after a solve under recompute mode `mode` that took `dt` seconds: its step time by
+    term, its memory by state, and the parts the plan reports apart (what overlap hides, the latencies)."""
+    val = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in prog.cost_terms.items()}
+    mem = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in prog.memory_terms.items()}
+    mem["transient"] = prog.transient
+    if not mem.get("recompute"):
+        mem.pop("recompute", None)
+    if not mem.get("prefetch"):
+        mem.pop("prefetch", None)
+    chosen_stage = next(s for s, z in prog.z.items() if (pulp.value(z) or 0) > 0.5)
+    step = sum(val.values())
+    hidden = 0.0
+    if prog._exposed is not None and mode == "none":
+        whole = sum(pulp.value(t) or 0.0 for t in prog.sync_report["total"])
+        hidden = max(whole - (pulp.value(prog._exposed) or 0.0), 0.0)
+    for terms, exposed in prog.sharded_hidden:  # the sharded program overlaps under every recompute mode
+        hidden += max(sum(pulp.value(t) or 0.0 for t in terms) - (pulp.value(exposed) or 0.0), 0.0)
+    # recomputed forwards are compute; resharding they repeat is counted with them
+    return MeshResult(
+        prog.dp,
+        prog.tp,
+        True,
+        step,
+        val.get("compute", 0.0) + val.get("recompute", 0.0),
+        val.get("reshard", 0.0),
+        val.get("grad_sync", 0.0),
+        chosen_stage,
+        mem,
+        dt,
+        num_microbatches=prog.mb,
+        recompute=mode,
+        offload=prog._offload_result(mem, val.get("offload", 0.0)),
+        optimizer_s=val.get("optimizer", 0.0),
+        recompute_s=val.get("recompute", 0.0),
+        grad_sync_hidden_s=hidden,
+        cp_comm_s=val.get("cp_comm", 0.0),
+        cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in prog._cp_hidden_terms),
+        step_gather_s=sum(pulp.value(t) or 0.0 for t in prog._step_gather_terms),
+        sync_fixed_s=sum(pulp.value(t) or 0.0 for t in prog._sync_fixed_terms),
+        reshard_hidden_s=sum(pulp.value(t) or 0.0 for t in prog._tp_hidden_terms),
+    )
 
 
 def _quiet_solve(prob: pulp.LpProblem, time_limit_s: float) -> None:

@@ -195,7 +195,7 @@ def _data_axis_collectives(prog: ShardingProgram, name: str, k: int, stage: int,
     t = prog.sync_time(name, k, stage)
     comm = prog.comm(stage)
     if t and comm.overlaps_data_axis:
-        t = sum(prog.sharded_sync_parts(name, k, stage))  # as the overlapping sharded program runs them
+        t = sum(prog.prices.sharded_sync_parts(name, k, stage))  # as the overlapping sharded program runs them
     if not t:
         return []
     out = prog.groups[name].out[name][k]

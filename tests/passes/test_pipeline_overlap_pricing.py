@@ -249,8 +249,8 @@ def test_a_stage_recomputing_at_zero1_gathers_no_weight_again_once_a_step(zero1_
     _, _, out = zero1_stage
     (once, _), (every, _) = out[True], out[False]
     weight = next(n for n in once.mesh_groups.param_groups() if once.graph.params[n].requires_grad)
-    assert every.regather_s(weight, 0, 1) > 0
-    assert once.regather_s(weight, 0, 1) == 0.0
+    assert every.prices.regather_s(weight, 0, 1) > 0
+    assert once.prices.regather_s(weight, 0, 1) == 0.0
 
 
 def test_every_pipeline_stage_pays_the_dtensor_runtime_and_buckets_its_all_reduce(zero1_stage):
