@@ -8,3 +8,4 @@ from autopar.passes.sharding.reshard import *  # noqa: F403
 from autopar.passes.sharding.search import *  # noqa: F403
 from autopar.passes.sharding.search import _microbatch_choices, _solution  # noqa: F401
 from autopar.passes.sharding.solution import *  # noqa: F403
+from autopar.passes.sharding.solver import *  # noqa: F403

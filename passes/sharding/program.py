@@ -1,165 +1,128 @@
 r"""Intra-op sharding as one integer program per 2-D device mesh (dp x tp).
 
-The mesh has a data axis `dp` (outer) and a tensor axis `tp` (inner, so it stays inside a node
-while it fits). Activations are split on their batch dimension over `dp`; on `tp` every op picks
-one strategy from `sharding_rules`. Parameters pick a placement on `tp`, and one ZeRO stage for
-the whole model decides what is sharded over `dp`. One activation recompute mode r for the whole
-model (`passes.recompute`: none, selective = attention internals, full = whole layers) decides
-which activations are kept and which forwards run twice. Every factorisation dp * tp = world size
-is solved, and the cheapest feasible one wins.
+The mesh has a data axis `dp` (outer) and a tensor axis `tp` (inner, so it stays inside a node while it fits).
+Activations are split on their batch dimension over `dp`; on `tp` every op picks one strategy from `sharding_rules`.
+Parameters pick a placement on `tp`, and one ZeRO stage for the whole model decides what is sharded over `dp`. One
+activation recompute mode r for the whole model (`passes.recompute`: none, selective = attention internals, full =
+whole layers) decides which activations are kept and which forwards run twice. `search.solve_sharding` solves every
+factorisation dp * tp = world size and keeps the cheapest feasible one.
 
 Sets:
-    G          decision groups: a parameter, an input, or an op with the followers merged into it
-               (views and unary ops whose placement follows from their producer's);
-               identical layers share the groups of the first layer
+    G          decision groups: a parameter, an input, or an op with the followers merged into it (views and unary
+               ops whose placement follows from their producer's); identical layers share the groups of the first
+               layer (`groups.MeshGroups`)
     K_g        strategies of group g;  n_g  how many nodes of the model group g stands for
     E          edges (producer group a, consumer group c, argument i), with multiplicity n_e
-    W          parameter groups;  Z = {0, 1, 2, 3}  ZeRO stages
-    r          the recompute mode (a parameter of the program, like m below);  R_r  the nodes it
-               recomputes;  S_r  its segments (a layer, or a layer's attention internals)
+    W          parameter groups;  Z = {0, 1, 2, 3}  ZeRO stages, each run by one program (`ProgramComm`)
+    r          the recompute mode (a parameter of the program, like m below);  R_r  the nodes it recomputes;
+               S_r  its segments (a layer, or a layer's attention internals)
 
 Variables:
     x[g,k] in {0,1}      group g runs strategy k
     y[e,k,l] in [0,1]    edge e joins producer strategy k with consumer strategy l
     z[s] in {0,1}        ZeRO stage s is used
     u[w,k,s] in [0,1]    parameter w has placement k under stage s (u = x[w,k] * z[s])
-    h_o, h_g >= 0        bytes of optimizer states (fp32 master weights and moments) and of gradients
-                         this device keeps on the host (ZeRO-Offload; a fraction of each, as
-                         DeepSpeed's Twin-Flow splits them); both 0 when offload is forbidden
-    h_p >= 0             bytes of 16-bit (or fp32) weights on the host: those of the chunks whose
-                         optimizer states are there (the offload program keeps no device copy of
-                         them between uses), so h_p = B_param h_o / B_opt
+    h_o, h_g >= 0        bytes of optimizer states (fp32 master weights and moments) and of gradients this device
+                         keeps on the host (ZeRO-Offload; a fraction of each, as DeepSpeed's Twin-Flow splits
+                         them); both 0 when offload is forbidden
+    h_p >= 0             bytes of 16-bit (or fp32) weights on the host: those of the chunks whose optimizer states
+                         are there (the offload program keeps no device copy of them between uses)
+    E, E_g, E_a >= 0     the communication the step waits for where a program overlaps it (rows below)
 
-Objective (predicted step time, seconds; the plain layout's gradient sync overlaps backward, E below; other
-communication is not overlapped with compute):
-    min  sum_g n_g sum_k x[g,k] (T_fwd[g,k] + T_bwd[g,k])                       compute
-       + sum_e n_e sum_{k,l} y[e,k,l] (Rf[e,k,l] + Rb[e,k,l])                   resharding
-       + sum_w n_w sum_{k,s} u[w,k,s] Sync[w,k,s]                               gradient sync over dp
-                                                                                 (but the plain layout's)
-       + E                                                                      exposed sync of the plain
-                                                                                 layout (stage 0, no tp)
-       + C_o h_o + C_g h_g + C_p h_p                                            host offload
-       + D sum_{s: tp > 1 or s >= 1} z[s]                                       sharded-runtime overhead
-       + sum_w n_w sum_{k,s} u[w,k,s] Opt[w,k,s] - D_o h_o                      optimizer step
-       + sum_g n_g sum_{m in g, m in R_r} sum_k x[g,k] T_fwd[m,k]               recomputed forwards
-       + sum_{e into R_r} n_e sum_{k,l} y[e,k,l] Rf[e,k,l]                      and their resharding
+Objective (predicted step time, seconds):
+    min  sum_g n_g sum_k x[g,k] (T_fwd[g,k] + T_bwd[g,k])               compute
+         -> Implemented in: add_compute_cost()
+       + sum_e n_e sum_{k,l} y[e,k,l] (Rf[e,k,l] + Rb[e,k,l] - H[e,k,l])  resharding, less what launching a
+         -> Implemented in: add_edge_constraint()                          collective early hides
+       + sum_w n_w sum_{k,s} u[w,k,s] Sync[w,k,s]                       data-axis sync, where nothing overlaps it
+         -> Implemented in: add_stage_product_constraint()
+       + E + E_g + E_a + latencies                                      where the program overlaps it
+         -> Implemented in: add_overlap_constraint(), add_sharded_overlap_constraint()
+       + C_o h_o + C_g h_g + C_p h_p                                    host offload
+         -> Implemented in: add_offload_constraint()
+       + D sum_{s: the sharded runtime runs stage s} z[s]               the sharded runtime's per-op cost
+         -> Implemented in: add_sharded_runtime_cost()
+       + sum_w n_w sum_{k,s} u[w,k,s] Opt[w,k,s] - D_o h_o              optimizer step
+         -> Implemented in: add_stage_product_constraint(), add_offload_constraint()
+       + sum_g n_g sum_{m in g, m in R_r} sum_k x[g,k] T_fwd[m,k]       recomputed forwards, their resharding and
+       + sum_{e into R_r} n_e sum_{k,l} y[e,k,l] Rf[e,k,l]              the weights they gather again
+         -> Implemented in: add_recompute_cost()
 
-    T_*   roofline (or profiled) time of the op's share of work: work / (dp * divisor_k)
-    Rf    time to bring the producer's output placement to the placement argument i needs
-    Rb    time to bring the gradient the consumer returns to the producer's layout
-    E     what the step waits for of the plain layout's bucketed all-reduces, launched from the last
-          micro-batch's backward (B its backward seconds, eta the device's overlap_efficiency, 1 on GPUs,
-          measured for gloo on CPU, where communication competes with compute for the cores):
-          E >= sum Sync_bw - eta B / m,  E >= (1 - eta) sum Sync_bw,  E >= T_last (the bandwidth part of the last
-          bucket, launched when backward ends);  hidden = sum Sync_bw - E = eta min(sum Sync_bw, B / m) while the
-          last bucket fits behind; Sync_bw is Sync less the buckets' latencies (`bucket_latency_s`, `sync_floor`),
-          which are in the step whole: no compute hides a collective's fixed cost. With equal buckets the serial
-          link's per-bucket price, max_k (sum_{j >= k} T_j - eta H_k) (H_k the backward left when bucket k goes
-          out), is these rows; it is approximated in one respect: the backward before the first bucket fills
-          counts as hiding (less than one bucket's share of B, small but for models of a few buckets).
-          With overlap off (constraints={"overlap": False}) E is not used and the sync is paid whole
-    Sync  all-reduce of the local gradient over dp in buckets (stage 0), reduce-scatter + all-gather
-          of the parameters (stages 1, 2), and one more all-gather for the backward (stage 3), one
-          collective per parameter and micro-batch (the sharded runtime without overlap redistributes
-          each on its own in every micro-batch's forward). With overlap
-          (eta > 0), the sharded runtime's part is priced by `add_sharded_overlap_constraint` instead:
-          gradients in buckets issued from backward (r = 1 reduction per step at stages 0, 1, from the
-          last micro-batch's backward; r = m at stages 2, 3, from every micro-batch's), gathers issued
-          `prefetch_depth` layers ahead; only what the backward (gradients) or the forward (gathers)
-          cannot hide, and every collective's fixed latency, is in the step:
-              E_g >= sum G_bw - eta B r/m, E_g >= (1 - eta) sum G_bw, E_g >= r T_last;
-              E_a >= sum A_bw - eta F, E_a >= (1 - eta) sum A_bw, E_a >= T_first;  + sum G_fix + A_fix
-    C_o   per byte of optimizer state on the host, its parameter's share of: the gradient down and the
-          updated 16-bit (or fp32) weight up the host link, and the CPU AdamW update:
-          ((B_grad + B_param) / host_bw + 1 / cpu_adamw_rate) / B_opt
-    C_g   per byte of gradient on the host: with m micro-batches every micro-batch's gradient goes down
-          (accumulated on the host) instead of the last one only: (m - 1) / host_bw
-    D     host seconds the sharded runtime adds to every op of the step by running it on DTensors
-          (the estimator's `sharded_op_overhead_s` x ops x m; profiled CPU ranks only), paid by every
-          layout but the plain data-parallel one (no tensor axis, stage 0)
-    C_p   per byte of weights on the host: they come up for every gather, forward and backward of each
-          micro-batch, instead of once after the step: (2m - 1) / host_bw
-    Opt   the optimizer step over w's local shard on the device: the estimator's optimizer_step_time_s
-          (or the analytic AdamW estimate) of one tensor of its fp32 weights, local on tp, and 1/dp of
-          them from stage 1 (each rank updates its shard of every parameter)
-    D_o   per byte of optimizer state on the host, the device step it no longer runs (capped at C_o:
-          offloading stays a memory measure, never a way to a faster step)
+    T_*   roofline (or profiled) time of the op's share of work: work / (dp * divisor_k)  (`MeshGroups.op_times`)
+    Rf    time to bring the producer's output placement to the placement argument i needs; Rb the gradient back
+          to the producer's layout; H = eta min(Rf - Rf_fix, W) where the collective is launched early, W the
+          forward of the ops before its consumer  (`reshard`, `MeshGroups.edge_prices`)
+    Sync  one parameter's gradient sync and ZeRO gathers over dp, as the stage's program sends them
+          (`sync.SyncPricing`); Opt its optimizer step, D the sharded runtime's per-op host time (`prices`)
+    C_o, C_g, C_p   seconds per byte of optimizer state, gradient and weights on the host (`offload`); D_o the
+          device step the host's states no longer run, capped at C_o (offloading stays a memory measure)
 
 Constraints:
     one strategy:   sum_k x[g,k] = 1                                     for all g
+        -> Implemented in: add_one_strategy_constraint()
     edge marginals: sum_l y[e,k,l] = x[a,k],  sum_k y[e,k,l] = x[c,l]    for all e
+        -> Implemented in: add_edge_constraint()
     one stage:      sum_s z[s] = 1   (z[s] = 1 for a pinned stage)
+        -> Implemented in: add_one_stage_constraint()
     product:        u[w,k,s] >= x[w,k] + z[s] - 1,  u <= x[w,k],  u <= z[s]
+        -> Implemented in: add_stage_product_constraint()
+    plain overlap (the data-parallel program's bucketed all-reduces, launched from the last micro-batch's backward,
+    B the step's backward, eta the device's overlap efficiency, Sync_bw Sync less the buckets' latencies):
+        E >= sum Sync_bw - eta B / m,   E >= (1 - eta) sum Sync_bw,   E >= T_last
+        -> Implemented in: add_overlap_constraint()
+    sharded overlap (gradient buckets from backward, r reductions a step; gathers `prefetch_depth` layers ahead, F
+    the step's forward; G_fix, A_fix the collectives' latencies, never hidden):
+        E_g >= sum G_bw - eta B r / m,  E_g >= (1 - eta) sum G_bw,  E_g >= r T_last,g
+        E_a >= sum A_bw - eta F,        E_a >= (1 - eta) sum A_bw,  E_a >= T_first,a
+        -> Implemented in: add_sharded_overlap_constraint()
     memory (peak, at the turn from forward to backward, where every saved activation is live):
-        sum_w n_w sum_{k,s} u[w,k,s] M_state[w,k,s]  - h_o - h_g - h_p
-      + sum_g n_g sum_k x[g,k] M_saved[g,k,r]  + M_recompute  + M_transient   <=  budget
-    offload (unless forbidden; "=" instead of "<=" in the first two when everything is pinned to the host):
-        h_o <= sum_w n_w sum_{k,s} u[w,k,s] M_opt[w,k,s],   h_g <= sum_w n_w sum_{k,s} u[w,k,s] M_grad[w,k,s]
-        B_opt h_g = B_grad h_o           (a gradient lives on the host with its optimizer states)
-        h_o + h_g <= host memory / devices per node
-        h_o <= (host memory / devices per node) z[3] when dp > 1 (the offload program runs ZeRO-3 chunks)
+        sum_w n_w sum_{k,s} u[w,k,s] M_state[w,k,s] + sum_s z[s] M_comm[s] - h_o - h_g - h_p
+      + sum_g n_g sum_k x[g,k] M_saved[g,k,r] + M_recompute + M_transient  <=  budget
+        -> Implemented in: add_memory_constraint()
     recomputed segment (r != none):
         M_recompute >= sum_{m in S, m kept at none, dropped at r} x[g(m),k] M_value[m,k]   for all S in S_r
+        -> Implemented in: add_memory_constraint() (the mode's rows, `_mode_terms`)
+    offload (unless forbidden; "=" instead of "<=" in the first two when everything is pinned to the host):
+        h_o <= sum_w n_w sum_{k,s} u[w,k,s] M_opt[w,k,s],   h_g <= sum_w n_w sum_{k,s} u[w,k,s] M_grad[w,k,s]
+        B_opt h_g = B_grad h_o,  B_opt h_p = B_param h_o   (a gradient and a weight live with their states)
+        h_o + h_g <= host memory / devices per node
+        h_o <= (host memory / devices per node) z[3] when dp > 1 (the offload program runs ZeRO-3 chunks)
+        -> Implemented in: add_offload_constraint()
     tensor split (tp > 1; M the layer matmul weights with a dim divisible by tp, N_w their elements):
-        sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w     f = tp_min_split, 1 unless the
-                                                                                  user says less
+        sum_{w in M} n_w N_w sum_{k: split} x[w,k] >= f sum_{w in M} n_w N_w     f = tp_min_split, 1 by default
+        -> Implemented in: add_tensor_split_constraint()
+    pinned placement: x[w,k] = 1 for the placement k the user pins for parameter w
+        -> Implemented in: add_pinned_placement_constraint()
 
-    M_state   parameter, gradient and optimizer bytes of w's local shard under stage s; with the sharded
-              program's overlap, plus its whole fp32 gradient at stage 1 (`overlap_grad_bytes`), and the
-              memory rows gain sum_{s >= 2} z[s] M_buckets: the gradient buckets in flight at stages 2
-              and 3 (`in_flight_grad_bytes`), and the weights gathered ahead of use (`prefetch_bytes`)
-    M_saved   bytes of the group's outputs kept for backward under r, split over dp and, where
-              the output is sharded, over tp. A value is kept when a consumer outside R_r saves
-              it, or when it enters a segment from outside (the checkpoint keeps its inputs);
-              values made and used inside one segment are dropped. Under full recompute a layer
-              keeps its input only (Korthikanti et al.'s 2sbh per layer, plus shared masks)
-    M_recompute  the values the first segment recomputed in backward holds again: the largest
-              segment's (identical layers share one expression, so it is usually one row)
+    M_state, M_comm   state bytes of w's local shard under stage s, and what the stage's program holds besides:
+              ZeRO-1's whole fp32 gradients, ZeRO-2/3's buckets in flight, weights gathered ahead (`memory.StateMemory`)
+    M_saved, M_recompute, M_transient   activations kept for backward under r, the recomputed segment's values, the
+              largest op's working memory (`memory.ActivationMemory`)
 
-Micro-batches (gradient accumulation): with m micro-batches per data-parallel rank every op and
-every resharding runs m times on 1/(dp*m) of the batch, activations and working memory shrink by
-m, gradients are all-reduced once (stages 0, 1) or reduce-scattered per micro-batch (2, 3) and
-ZeRO-3 gathers parameters for each micro-batch's forward and backward. m is a parameter of the
-program, not a variable: each mesh is solved at the fewest micro-batches whose memory lower bound
-(every choice at its leanest) fits, and at more while that makes the step faster.
+Micro-batches (gradient accumulation): with m micro-batches per data-parallel rank every op and every resharding
+runs m times on 1/(dp*m) of the batch, activations and working memory shrink by m, gradients are reduced once
+(stages 0, 1) or reduce-scattered per micro-batch (2, 3) and ZeRO-3 gathers parameters for each micro-batch's
+forward and backward. m is a parameter of the program, not a variable: `search` solves each mesh at the fewest
+micro-batches whose memory lower bound fits, and at more while that makes the step faster. The recompute mode is a
+parameter too: its terms (the objective's recompute part, M_saved(r) and the M_recompute rows) are built the first
+time a program is solved with r, and swapped in.
 
-The recompute mode is a parameter too: its terms (the objective's recompute part, M_saved(r) and
-the M_recompute rows) are built the first time a program is solved with r, and swapped in.
+A tensor axis that splits no weight is data parallelism run on DTensors, which the dp mesh of the same size runs
+better. So a tensor axis, pinned or searched, splits every layer matmul weight (attention, MLP, experts) unless
+`tp_min_split` lowers the fraction, and a mesh with no such weight it can split is dropped; pinned and searched axes
+follow one rule, so `compile`, which plans again with the plan's tp pinned, builds what was priced.
 
-How the programs are solved: the step time never falls as m or recompute grows, nor as the ZeRO
-stage grows past 1 (for the same placements); stage 1 can beat stage 0, its optimizer step being 1/dp
-of it. So the program at the fewest micro-batches that fit under the leanest allowed mode and no
-recompute, solved without the memory row at the lowest stage and at the lowest stage from 1 (the
-faster of the two), is a lower bound
-L(dp, tp) of everything its mesh can reach. Meshes are visited in order of L; a mesh whose L is not
-below the best plan found is not solved further; a mesh whose memory-free optimum fits is done
-(recompute is never considered where memory does not bind). Otherwise each recompute mode, none
-first, searches its own micro-batch counts (the fewest that fit under it first, more while that
-helps), skipped when the best plan found reaches its bound L + sum_g n_g min_k sum_{m in R_r}
-T_fwd[m,k] (or its own memory-free optimum at its fewest micro-batches); within a mode each stage
-is solved with z fixed (presolve then removes the product rows, which HiGHS solves much faster than
-the joint program), stopping at a stage that reaches the mode's bound.
-
-A tensor axis that splits no weight is data parallelism run on DTensors, which the dp mesh of the same size
-runs better. So a tensor axis, pinned or searched, splits every layer matmul weight (attention, MLP, experts)
-unless `tp_min_split` lowers the fraction, and a mesh with no such weight it can split is dropped; pinned and
-searched axes follow one rule, so `compile`, which plans again with the plan's tp pinned, builds what was
-priced. What stays replicated, and why, is in the solution.
-
-Offload only adds time (the host link and the CPU step are not overlapped with compute), so a program
-keeps states on the host only where memory requires it; it enters the lower bounds above as the
-states it can move (capped by host memory), which lets fewer micro-batches and lower stages fit.
-Only meshes without a tensor axis (tp = 1) offload, as the offload program runs them.
+Offload only adds time (the host link and the CPU step are not overlapped with compute), so a program keeps states
+on the host only where memory requires it; it enters the lower bounds as the states it can move (capped by host
+memory), which lets fewer micro-batches and lower stages fit. Only meshes without a tensor axis (tp = 1) offload, as
+the offload program runs them.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
-import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulp
 from torch.distributed.tensor import Shard
@@ -176,12 +139,32 @@ from autopar.passes.sharding.graph import (
 )
 from autopar.passes.sharding.groups import MeshGroups
 from autopar.passes.sharding.memory import ActivationMemory, RecomputeTerms
-from autopar.passes.sharding.offload import offload_prices, offload_result
+from autopar.passes.sharding.offload import offload_prices
 from autopar.passes.sharding.precision import Precision
 from autopar.passes.sharding.prices import MeshPrices
 from autopar.passes.sharding.solution import MeshResult
+from autopar.passes.sharding.solver import solve, solve_best, solve_free
 from autopar.program_comm import ProgramComm, resolved_prefetch_depth
 from autopar.units import FP32_BYTES
+
+
+@dataclass
+class ProgramTerms:
+    """The terms a built program collects, by what reads them."""
+
+    cost: dict[str, list] = field(default_factory=lambda: defaultdict(list))  # objective terms by family
+    memory: dict[str, list] = field(default_factory=lambda: defaultdict(list))  # memory-row terms by state
+    backward: list = field(default_factory=list)  # n_g x[g,k] T_bwd: backward seconds per step
+    forward: list = field(default_factory=list)  # n_g x[g,k] T_fwd: forward seconds per step
+    # the latencies of the bucketed reductions (`bucket_latency_s`, `sync_floor`): in the step, never hidden
+    sync_fixed: list = field(default_factory=list)
+    step_gathers: list = field(default_factory=list)  # n_g u[g,k,1] A: a pipeline's ZeRO-1 gathers, once a step
+    tp_hidden: list = field(default_factory=list)  # what tensor-axis collectives launched early hide, per edge
+    cp_hidden: list = field(default_factory=list)  # cp attention's communication its compute hides
+    # the sharded program's hideable communication and the exposed part the objective pays, per family
+    sharded_hidden: list[tuple[list, pulp.LpVariable]] = field(default_factory=list)
+    plain_sync: list = field(default_factory=list)  # the plain layout's whole sync, what overlap hides from
+    exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
 
 
 class ShardingProgram:
@@ -212,62 +195,43 @@ class ShardingProgram:
         step_gathers: bool = False,
         tp_overlap: bool | None = None,
     ):
-        self.graph, self.cluster, self.dp, self.tp = graph, cluster, dp, tp
-        # priced as the pipeline program runs a stage (`runtime.pipeline`): its dp-replicated gradients summed over
-        # the data axis once a step, in buckets, whatever its tensor and cp axes
-        self.pipeline_stage = pipeline_stage
-        # and ZeRO-1 as such a stage runs it with overlap: each split weight gathered once a step before the
-        # schedule, its fp32 gradient summed over the micro-batches and reduce-scattered once, in buckets
-        self.step_gathers = pipeline_stage and step_gathers
-        self._step_gather_terms: list = []  # n_g u[g,k,1] A: the step's gathers (`step_gather_time`)
-        # the latencies of the bucketed reductions (`bucket_latency_s`, `sync_floor`): in the step, never hidden
-        self._sync_fixed_terms: list = []
-        # the data-parallel program launches each gradient bucket's all-reduce from backward (asynchronously):
-        # price what the last micro-batch's backward hides, at the device's overlap efficiency eta (on CPU ranks
-        # gloo's all-reduce runs on the cores the compute needs, so less hides there); pipeline stages reduce
-        # after their schedule. Where eta = 0 nothing hides: the program is priced as its synchronous one (`comm`)
+        if batch_dim_size % (dp * num_microbatches):
+            raise ConfigError(
+                f"the global batch of {batch_dim_size} does not split into dp={dp} x {num_microbatches} micro-batches"
+            )
+        self.graph, self.cluster, self.dp, self.tp, self.mb = graph, cluster, dp, tp, num_microbatches
+        self.estimator, self.precision, self.budget, self.batch = (
+            estimator,
+            precision,
+            memory_budget_bytes,
+            batch_dim_size,
+        )
+        self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
+        # priced as a pipeline's stage (`runtime.pipeline`), whose ZeRO-1 with overlap gathers weights once a step
+        self.pipeline_stage, self.step_gathers = pipeline_stage, pipeline_stage and step_gathers
+        # the device's overlap efficiency: where it is 0 nothing hides, and a program is priced as its synchronous one
         self.eta = cluster.device.overlap_efficiency
-        self.overlap = overlap and self.eta > 0
-        # the sharded program's data-axis collectives with overlap (`add_sharded_overlap_constraint`): gradient
-        # buckets issued from backward, and (depth > 0) split parameters gathered that many layers ahead
+        self.overlap = overlap and self.eta > 0  # the data axis's collectives overlap compute (`comm`)
         self.prefetch_depth = resolved_prefetch_depth(prefetch_depth, self.overlap)
         # the interpreter launches a tensor-axis collective early where its value's consumer is not the next op
         # (`parallelize.launches_early`, with the plan's overlap; a pipeline stage's program says so apart, as its
         # `overlap` speaks of the data axis): the forward collective runs behind the ops in between
         self.tp_overlap = (overlap if tp_overlap is None else tp_overlap) and self.eta > 0 and tp > 1
-        self._tp_hidden_terms: list = []  # what those collectives hide (`_early_window`), per edge choice
-        self._bwd_terms: list = []  # n_g x[g,k] T_bwd: backward seconds per step
-        self._fwd_terms: list = []  # n_g x[g,k] T_fwd: forward seconds per step
-        # the sharded program's hideable communication and the exposed part the objective pays, per family
-        self.sharded_hidden: list[tuple[list, pulp.LpVariable]] = []
-        self._cp_hidden_terms: list = []  # cp attention's communication its compute hides (`_cp_comm_s`)
-        self._offloading = False  # offload pinned: the ZeRO-3 layouts run as the offload program
-        self._offload_runs: pulp.LpVariable | None = None  # offload allowed: whether the offload program runs
-        self.sync_report: dict[str, list] = {}  # "total": the plain layout's whole sync (what overlap hides from)
-        self._exposed: pulp.LpVariable | None = None  # E of `add_overlap_constraint`
-        self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
         self.tensor_split = tensor_split
         self.pinned_placements = dict(pinned_placements or {})  # parameter name -> placement string on tp
-        # False: states stay on the device; None: the program places them; True: all optimizer states
-        # and gradients on the host
+        # False: states stay on the device; None: the program places them; True: all optimizer states and gradients
+        # on the host
         self.offload = offload
-        self.h: dict[str, pulp.LpVariable] = {}
-        self.mb = num_microbatches
+        self._offloading = False  # offload pinned: the ZeRO-3 layouts run as the offload program
+        self._offload_runs: pulp.LpVariable | None = None  # offload allowed: whether the offload program runs
         # micro-batches whose saved activations are alive at once (1 here; a pipeline schedule keeps more)
         self.activation_copies = activation_copies
-        if batch_dim_size % (dp * num_microbatches):
-            raise ConfigError(
-                f"the global batch of {batch_dim_size} does not split into dp={dp} x {num_microbatches} micro-batches"
-            )
-        self.estimator, self.precision = estimator, precision
         self.zero_choices = [zero_stage] if zero_stage is not None else [0, 1, 2, 3]
         if dp == 1 and zero_stage is None:
             # one rank shards nothing, so stages 2 and 3 are stage 1; stage 1 still differs from 0 where the
             # precision holds its gradients leaner (mixed precision: the compute format, not fp32), as the pipeline
             # search's stages and a pinned stage price it
             self.zero_choices = [0, 1] if precision.grad_bytes_at(1) < precision.grad_bytes_at(0) else [0]
-        self.budget = memory_budget_bytes
-        self.batch = batch_dim_size
         # recompute modes to consider, the cheapest first; a pinned mode is the only one
         self.recompute_choices = recompute_choices(graph, recompute)
         self.tp_link = cluster.link_for_axis(tp, 1)
@@ -275,8 +239,8 @@ class ShardingProgram:
         self.x: dict[str, list[pulp.LpVariable]] = {}
         self.z: dict[int, pulp.LpVariable] = {}
         self.u: dict[tuple[str, int, int], pulp.LpVariable] = {}
-        self.cost_terms: dict[str, list] = defaultdict(list)
-        self.memory_terms: dict[str, list] = defaultdict(list)
+        self.h: dict[str, pulp.LpVariable] = {}
+        self.terms = ProgramTerms()
         self.last_choice: dict[str, int] = {}  # strategy index per group of the last solution
         # the parts that depend on the recompute mode, built when a mode is first solved
         self._modes: dict[str, _ModeTerms] = {}
@@ -408,21 +372,21 @@ class ShardingProgram:
                     comm, hid = comm + exposed, hid + hidden
                     self.recompute_terms.forward_s[name].setdefault(m, [0.0] * len(grp.strategies))[k] = grp.count * fwd
                 # cp attention's exposed communication is a term of its own (the cp axis's), not compute
-                self.cost_terms["compute"].append(grp.count * (t - comm) * self.x[name][k])
+                self.terms.cost["compute"].append(grp.count * (t - comm) * self.x[name][k])
                 if comm:
-                    self.cost_terms["cp_comm"].append(grp.count * comm * self.x[name][k])
+                    self.terms.cost["cp_comm"].append(grp.count * comm * self.x[name][k])
                 if hid:
-                    self._cp_hidden_terms.append(grp.count * hid * self.x[name][k])
+                    self.terms.cp_hidden.append(grp.count * hid * self.x[name][k])
                 if back:
-                    self._bwd_terms.append(grp.count * back * self.x[name][k])
+                    self.terms.backward.append(grp.count * back * self.x[name][k])
                 if t - back:
-                    self._fwd_terms.append(grp.count * (t - back) * self.x[name][k])
+                    self.terms.forward.append(grp.count * (t - back) * self.x[name][k])
                 if grp.extra_s[k]:
-                    self.cost_terms["reshard"].append(grp.extra_s[k] * self.x[name][k])
+                    self.terms.cost["reshard"].append(grp.extra_s[k] * self.x[name][k])
 
     def add_edge_constraint(self) -> None:
         """y marginals sum_l y[e,k,m] = x[a,k], sum_k y[e,k,m] = x[c,m]; objective n_e * (Rf + Rb - H) * y, H the
-        part of Rf a collective launched early hides behind the ops before its consumer (`_early_window`):
+        part of Rf a collective launched early hides behind the ops before its consumer (`MeshGroups.early_window`):
         H = eta min(Rf - Rf_fix, W), the collective's latency (Rf_fix) never hidden."""
         for idx, (edge, mult) in enumerate(self.mesh_groups.edges().items()):
             gp, _, gc, c, _ = edge
@@ -431,8 +395,8 @@ class ShardingProgram:
             if not any(v for row in cost + hidden for v in row):
                 continue
             if gp == gc:  # both ends in one group: the strategy index is shared
-                self.cost_terms["reshard"] += [cost[k][k] * self.x[gp][k] for k in range(len(cost)) if cost[k][k]]
-                self._tp_hidden_terms += [hidden[k][k] * self.x[gp][k] for k in range(len(cost)) if hidden[k][k]]
+                self.terms.cost["reshard"] += [cost[k][k] * self.x[gp][k] for k in range(len(cost)) if cost[k][k]]
+                self.terms.tp_hidden += [hidden[k][k] * self.x[gp][k] for k in range(len(cost)) if hidden[k][k]]
                 self.recompute_terms.edge_forward += [
                     (c, fwd_cost[k][k], self.x[gp][k], ((gp, k),)) for k in range(len(cost)) if fwd_cost[k][k]
                 ]
@@ -442,9 +406,9 @@ class ShardingProgram:
                     for m, v in enumerate(row):
                         var = self.x[gc][m] if len(gpr.strategies) == 1 else self.x[gp][k]
                         if v:
-                            self.cost_terms["reshard"].append(v * var)
+                            self.terms.cost["reshard"].append(v * var)
                         if hidden[k][m]:
-                            self._tp_hidden_terms.append(hidden[k][m] * var)
+                            self.terms.tp_hidden.append(hidden[k][m] * var)
                         if fwd_cost[k][m]:
                             self.recompute_terms.edge_forward.append((c, fwd_cost[k][m], var, ((gp, k), (gc, m))))
                 continue
@@ -459,10 +423,10 @@ class ShardingProgram:
                     pulp.lpSum(y[k][m] for k in range(len(gpr.strategies))) == self.x[gc][m],
                     f"edge_dst_{idx}_{m}",
                 )
-            self.cost_terms["reshard"] += [
+            self.terms.cost["reshard"] += [
                 cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if cost[k][m]
             ]
-            self._tp_hidden_terms += [
+            self.terms.tp_hidden += [
                 hidden[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if hidden[k][m]
             ]
             self.recompute_terms.edge_forward += [
@@ -480,7 +444,7 @@ class ShardingProgram:
         total = self.prices.sharded_overhead_s
         stages = [z for s, z in self.z.items() if not self.prices.comm(s).runs_plain]
         if total and stages:
-            self.cost_terms["compute"].append(total * pulp.lpSum(stages))
+            self.terms.cost["compute"].append(total * pulp.lpSum(stages))
 
     def _add_overlap_grads(self) -> None:
         """Memory rows gain what the overlapping sharded program holds beyond `state_bytes`: `overlap_grad_bytes`
@@ -491,20 +455,20 @@ class ShardingProgram:
         for (name, k, s), u in self.u.items():
             extra = self.groups[name].count * self.prices.overlap_grad_bytes(name, k, s)
             if extra and not (self._offloading and s == 3):
-                self.memory_terms["grads"].append(extra * u)
+                self.terms.memory["grads"].append(extra * u)
         for s, z in self.z.items():
             buffers = self.prices.in_flight_grad_bytes(s)
             if buffers and not (self._offloading and s == 3):
-                self.memory_terms["grads"].append(buffers * z)
+                self.terms.memory["grads"].append(buffers * z)
                 if s == 3 and self._offload_runs is not None:  # z[3] - o: the sharded program runs the layout
-                    self.memory_terms["grads"].append(-buffers * self._offload_runs)
+                    self.terms.memory["grads"].append(-buffers * self._offload_runs)
 
     def add_stage_product_constraint(self) -> None:
         """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u (the plain layout's
         part through `add_overlap_constraint`)."""
         plain = []  # the sync terms of the plain layout, when its all-reduces overlap backward
-        # the sharded program's hideable parts (`sharded_sync_parts`); gradients by how often a step reduces them (one
-        # list where m = 1)
+        # the sharded program's hideable parts (`SyncPricing.sharded_parts`); gradients by how often a step reduces
+        # them (one list where m = 1)
         grads: dict[int, list] = {1: [], self.mb: []}
         gathers = []
         for name in self.mesh_groups.param_groups():
@@ -524,26 +488,26 @@ class ShardingProgram:
                         g_bw, g_fix, a_bw, a_fix = self.prices.sharded_sync_parts(name, k, s)
                         grads[self.prices.comm(s).reductions_per_step].append(grp.count * g_bw * u)
                         gathers += [grp.count * a_bw * u] if a_bw else []
-                        self.cost_terms["grad_sync"].append(grp.count * (g_fix + a_fix) * u)
+                        self.terms.cost["grad_sync"].append(grp.count * (g_fix + a_fix) * u)
                     elif t:
                         fixed = self.prices.bucket_latency_s(name, k, s)  # a bucketed reduction's latency never hides
                         if self.prices.comm(s).overlaps_all_reduce:
                             plain.append(grp.count * (t - fixed) * u)
-                            self.cost_terms["grad_sync"].append(grp.count * fixed * u)
+                            self.terms.cost["grad_sync"].append(grp.count * fixed * u)
                         else:
-                            self.cost_terms["grad_sync"].append(grp.count * t * u)
+                            self.terms.cost["grad_sync"].append(grp.count * t * u)
                         if fixed:
-                            self._sync_fixed_terms.append(grp.count * fixed * u)
+                            self.terms.sync_fixed.append(grp.count * fixed * u)
                         gather = self.prices.step_gather_time(name, k, s)
                         if gather:
-                            self._step_gather_terms.append(grp.count * gather * u)
+                            self.terms.step_gathers.append(grp.count * gather * u)
                     t = self.prices.optimizer_time(name, k, s)
                     if t:
-                        self.cost_terms["optimizer"].append(grp.count * t * u)
+                        self.terms.cost["optimizer"].append(grp.count * t * u)
         for s, zs in self.z.items():
             if self.prices.sync_floor(s):
-                self.cost_terms["grad_sync"].append(self.prices.sync_floor(s) * zs)
-                self._sync_fixed_terms.append(self.prices.sync_floor(s) * zs)
+                self.terms.cost["grad_sync"].append(self.prices.sync_floor(s) * zs)
+                self.terms.sync_fixed.append(self.prices.sync_floor(s) * zs)
         if plain:
             self.add_overlap_constraint(plain)
         if any(self.prices.comm(s).overlaps_data_axis for s in self.z):
@@ -565,18 +529,16 @@ class ShardingProgram:
         summed over the sharded stages s (one z[s] is 1), eta the device's overlap efficiency (`hiding`; hidden =
         eta min(communication, compute), as in `add_overlap_constraint`). A step reduces each gradient r times
         (`ProgramComm.reductions_per_step`): once at stages 0 and 1, from the last micro-batch's backward (B / m
-        hides them), once per micro-batch at stages 2 and 3, each micro-batch's backward hiding its own buckets (r B
-        / m = B);
-        one E_g per r, over the stages that reduce r times (the other's terms are 0 where its stages are not
-        chosen). Exposed = what the communication needs beyond the compute it hides behind (the backward of the
-        layers after each bucket; F: the forward of the layers before each gather, every micro-batch's), never less
-        than the collectives nothing hides: the last bucket of each reducing backward, issued when it ends (T_last,g:
-        the bandwidth part of one bucket of min(BUCKET_BYTES, all gradient bytes); the offload program's chunks in
-        `last_bucket_bw_s`), and each micro-batch's first
-        gather, which no layer precedes (T_first,a: the first parameter's, m times; stage 3's backward gathers are in
-        G_bw: they share the backward's link with the buckets). The fixed latency of every collective (G_fix, A_fix
-        of `sharded_sync_parts`) and one bucket's latency per reducing backward are in the objective as they are:
-        they never hide.
+        hides them), once per micro-batch at stages 2 and 3, each micro-batch's backward hiding its own buckets
+        (r B / m = B); one E_g per r, over the stages that reduce r times (the other's terms are 0 where its stages
+        are not chosen). Exposed = what the communication needs beyond the compute it hides behind (the backward of
+        the layers after each bucket; F: the forward of the layers before each gather, every micro-batch's), never
+        less than the collectives nothing hides: the last bucket of each reducing backward, issued when it ends
+        (T_last,g, `SyncPricing.last_bucket_bw_s`; the offload program's chunks in `ChunkPricing`), and each
+        micro-batch's first gather, which no layer precedes (T_first,a, `SyncPricing.first_gather_bw_s`; stage 3's
+        backward gathers are in G_bw: they share the backward's link with the buckets). The fixed latency of every
+        collective (G_fix, A_fix of `SyncPricing.sharded_parts`) and one bucket's latency per reducing backward are
+        in the objective as they are: they never hide.
         """
         sharded = [s for s in self.z if self.prices.comm(s).overlaps_data_axis]
         for r, terms in sorted(grads.items()):
@@ -585,27 +547,27 @@ class ShardingProgram:
                 continue
             suffix = "" if r == 1 else "_per_microbatch"
             e_g = self.prob.add_variable(f"exposed_sharded_grads{suffix}", 0)
-            hides = self.hiding(self._bwd_terms) * (r / self.mb)
+            hides = self.hiding(self.terms.backward) * (r / self.mb)
             self.prob += e_g >= pulp.lpSum(terms) - hides, f"sharded_exposed_grads{suffix}"
             last = pulp.lpSum(r * self.prices.last_bucket_bw_s(s) * self.z[s] for s in stages)
             self.prob += e_g >= last, f"sharded_last_bucket{suffix}"
             if self.eta < 1:  # at most the share eta of the communication hides, however long the compute
                 self.prob += e_g >= pulp.lpSum(terms) * (1.0 - self.eta), f"sharded_grads_efficiency{suffix}"
-            self.cost_terms["grad_sync"].append(e_g)
-            self.sharded_hidden.append((terms, e_g))
+            self.terms.cost["grad_sync"].append(e_g)
+            self.terms.sharded_hidden.append((terms, e_g))
         for s in sharded:
             if self.prices.comm(s).runs_chunks:  # one latency per chunk, in G_fix already
                 continue
-            self.cost_terms["grad_sync"].append(self.prices.sync.reduction_latency(self.prices.comm(s)) * self.z[s])
+            self.terms.cost["grad_sync"].append(self.prices.sync.reduction_latency(self.prices.comm(s)) * self.z[s])
         if gathers:
             e_a = self.prob.add_variable("exposed_sharded_gathers", 0)
-            self.prob += e_a >= pulp.lpSum(gathers) - self.hiding(self._fwd_terms), "sharded_exposed_gathers"
+            self.prob += e_a >= pulp.lpSum(gathers) - self.hiding(self.terms.forward), "sharded_exposed_gathers"
             first = pulp.lpSum(self.prices.first_gather_bw_s(s) * self.z[s] for s in sharded if s >= 1)
             self.prob += e_a >= first, "sharded_first_gather"
             if self.eta < 1:
                 self.prob += e_a >= pulp.lpSum(gathers) * (1.0 - self.eta), "sharded_gathers_efficiency"
-            self.cost_terms["grad_sync"].append(e_a)
-            self.sharded_hidden.append((gathers, e_a))
+            self.terms.cost["grad_sync"].append(e_a)
+            self.terms.sharded_hidden.append((gathers, e_a))
 
     def add_overlap_constraint(self, plain: list) -> None:
         """E >= sum(plain) - eta B / m, E >= (1 - eta) sum(plain), E >= T_last z[s], E >= 0; objective E instead
@@ -616,18 +578,23 @@ class ShardingProgram:
         (`DeviceSpec.overlap_efficiency`) hides: hidden = eta min(sum(plain), B / m), and the first two rows are
         exposed = sum(plain) - hidden. The last bucket (the first parameters, whose gradients come last) is
         launched when backward ends and is exposed whole (T_last: the bandwidth part of one all-reduce of
-        min(BUCKET_BYTES, all gradient bytes)). The buckets' latencies (`bucket_latency_s`, `sync_floor`) are in
-        the objective as they are: they never hide."""
+        min(bucket, all gradient bytes)). The buckets' latencies (`bucket_latency_s`, `sync_floor`) are in the
+        objective as they are: they never hide. eta is 1 on GPUs and measured for gloo on CPU, where communication
+        competes with compute for the cores. With equal buckets the serial link's per-bucket price, max_k (sum_{j >=
+        k} T_j - eta H_k) (H_k the backward left when bucket k goes out), is these rows; it is approximated in one
+        respect: the backward before the first bucket fills counts as hiding (less than one bucket's share of B,
+        small but for models of a few buckets). With overlap off (constraints={"overlap": False}) E is not used and
+        the sync is paid whole."""
         s = next(s for s in self.z if self.prices.comm(s).runs_plain)
         e = self.prob.add_variable("exposed_sync", 0)
-        backward = pulp.lpSum(self._bwd_terms) * (self.eta / self.mb)
+        backward = pulp.lpSum(self.terms.backward) * (self.eta / self.mb)
         self.prob += e >= pulp.lpSum(plain) - backward, "overlap_exposed_sync"
         if self.eta < 1:
             self.prob += e >= pulp.lpSum(plain) * (1.0 - self.eta), "overlap_efficiency"
         self.prob += e >= self.prices.last_bucket_s() * self.z[s], "overlap_last_bucket"
-        self.cost_terms["grad_sync"].append(e)
-        self.sync_report["total"] = plain
-        self._exposed = e
+        self.terms.cost["grad_sync"].append(e)
+        self.terms.plain_sync = plain
+        self.terms.exposed = e
 
     def add_offload_constraint(self) -> None:
         """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g = B_grad h_o,
@@ -673,28 +640,14 @@ class ShardingProgram:
                 h_o.upBound = 0
         host_rate = self.cluster.device.host_adamw_params_per_s
         c_o, c_g, c_p = offload_prices(self.precision, self.cluster.host_link, host_rate, self.mb)
-        self.cost_terms["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else []) + ([c_p * h_p] if c_p else [])
+        self.terms.cost["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else []) + ([c_p * h_p] if c_p else [])
         # the device no longer steps the states on the host (their per-tensor cost is kept: an upper bound)
         d_o = min(c_o, optimizer_step_time_s(self.estimator, self.cluster.device, 0, FP32_BYTES / pr.optimizer_bytes))
         if d_o:
-            self.cost_terms["optimizer"].append(-d_o * h_o)
-        self.memory_terms["optimizer"].append(-1.0 * h_o)
-        self.memory_terms["grads"].append(-1.0 * h_g)
-        self.memory_terms["params"].append(-1.0 * h_p)
-
-    def _offload_result(self, mem: dict[str, float], offload_s: float) -> dict:
-        """What the last solution keeps on the host (`offload_result`)."""
-        if not self.h:
-            return {}
-        host = tuple(pulp.value(self.h[k]) or 0.0 for k in ("optimizer", "grads", "params"))
-        return offload_result(
-            host,
-            mem,
-            offload_s,
-            host_capacity=self.prices.host_capacity(),
-            devices_per_node=self.cluster.devices_per_node,
-            budget=self.budget,
-        )
+            self.terms.cost["optimizer"].append(-d_o * h_o)
+        self.terms.memory["optimizer"].append(-1.0 * h_o)
+        self.terms.memory["grads"].append(-1.0 * h_g)
+        self.terms.memory["params"].append(-1.0 * h_p)
 
     def memory_lower_bound(self, recompute: str | None = None) -> dict[str, float]:
         """Per-device bytes below which no layout of this program can go, without solving it.
@@ -724,17 +677,17 @@ class ShardingProgram:
             for (name, k, s), u in self.u.items():
                 count = self.groups[name].count
                 p, g, o = self.prices.state_bytes(name, k, s)
-                self.memory_terms["params"].append(count * p * u)
-                self.memory_terms["grads"].append(count * g * u)
-                self.memory_terms["optimizer"].append(count * o * u)
+                self.terms.memory["params"].append(count * p * u)
+                self.terms.memory["grads"].append(count * g * u)
+                self.terms.memory["optimizer"].append(count * o * u)
             self._add_overlap_grads()
             self.transient = self.activations.transient_bytes()
             ahead = self.prices.prefetch_bytes(self.z)
             if ahead:
-                self.memory_terms["prefetch"] = [
+                self.terms.memory["prefetch"] = [
                     ahead * z for s, z in self.z.items() if s >= 1 and self.prices.comm(s).overlaps_data_axis
                 ]
-        self._use_mode(recompute or self.recompute_choices[0])
+        self.use_mode(recompute or self.recompute_choices[0])
 
     def add_recompute_cost(self, recompute: str) -> list:
         """Objective terms of recompute mode r: the forward of every recomputed node and the resharding its
@@ -801,20 +754,20 @@ class ShardingProgram:
             w = self.prob.add_variable(f"recompute_peak_{recompute}", 0)
             rows = {f"recompute_peak_{recompute}_{i}": w >= e for i, e in enumerate(segs)}
             peak = [w]
-        states = [t for key in ("params", "grads", "optimizer", "prefetch") for t in self.memory_terms.get(key, ())]
+        states = [t for key in ("params", "grads", "optimizer", "prefetch") for t in self.terms.memory.get(key, ())]
         total = pulp.lpSum(states + acts + peak) + self.transient
         if math.isfinite(self.budget):
             rows["memory_peak"] = total <= self.budget
-        base = [t for key, terms in self.cost_terms.items() if key != "recompute" for t in terms]
+        base = [t for key, terms in self.terms.cost.items() if key != "recompute" for t in terms]
         extra = self.add_recompute_cost(recompute) if recompute != "none" else []
         if extra and 0 in self.z and self.prices.comm(0).runs_plain and self.prices.leaving_plain_s:
             extra.append(self.prices.leaving_plain_s * self.z[0])  # recompute runs on the sharded runtime
-        if extra and self._exposed is not None:  # which does not overlap its gradient reductions with backward
-            extra.append(pulp.lpSum(self.sync_report["total"]) - self._exposed)
+        if extra and self.terms.exposed is not None:  # which does not overlap its gradient reductions with backward
+            extra.append(pulp.lpSum(self.terms.plain_sync) - self.terms.exposed)
         self._modes[recompute] = _ModeTerms(pulp.lpSum(base + extra), extra, acts, peak, rows)
         return self._modes[recompute]
 
-    def _use_mode(self, recompute: str) -> None:
+    def use_mode(self, recompute: str) -> None:
         """Make the objective and the memory rows those of recompute mode `recompute`."""
         if recompute == self._mode:
             return
@@ -825,9 +778,9 @@ class ShardingProgram:
         self.prob.setObjective(terms.objective)
         for name, row in terms.rows.items():
             self.prob.addConstraint(row, name)
-        self.memory_terms["activations"] = terms.activations
-        self.memory_terms["recompute"] = terms.peak
-        self.cost_terms["recompute"] = terms.extra
+        self.terms.memory["activations"] = terms.activations
+        self.terms.memory["recompute"] = terms.peak
+        self.terms.cost["recompute"] = terms.extra
         self._mode = recompute
 
     # ---------------------------------------------------------------------------------- solving
@@ -835,78 +788,19 @@ class ShardingProgram:
     def solve(
         self, time_limit_s: float = 60.0, *, stage: int | None = None, memory: bool = True, recompute: str | None = None
     ) -> MeshResult:
-        """Solve the program, optionally with the ZeRO stage fixed and without the memory constraint.
-
-        Fixing the stage turns the stage product into constants that presolve removes; HiGHS solves
-        the four fixed programs faster than the joint one. Without the memory constraint the optimum
-        is a lower bound of the step time for this mesh and any more micro-batches or higher stage.
-        `recompute` picks the mode (default: the first allowed, "none" unless pinned).
-        """
-        mode = recompute or self.recompute_choices[0]
-        self._use_mode(mode)
-        for s, z in self.z.items():
-            z.lowBound, z.upBound = (0, 1) if stage is None else ((1, 1) if s == stage else (0, 0))
-        mem_con = None if memory else self.prob.constraints.pop("memory_peak", None)
-        t0 = time.perf_counter()
-        try:
-            _quiet_solve(self.prob, time_limit_s)
-        finally:
-            if mem_con is not None:
-                self.prob.constraints["memory_peak"] = mem_con
-        dt = time.perf_counter() - t0
-        status = pulp.LpStatus[self.prob.status]
-        if status != "Optimal":
-            return MeshResult(
-                self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, dt, f"solver status {status}", self.mb, mode
-            )
-        self.last_choice = self.chosen()
-        return _read_result(self, mode, dt)
+        """Solve the program, optionally with the ZeRO stage fixed and without the memory row (`solver.solve`)."""
+        return solve(self, time_limit_s, stage=stage, memory=memory, recompute=recompute)
 
     def solve_free(self, recompute: str | None = None) -> MeshResult:
-        """The memory-free optimum over the allowed ZeRO stages: the lowest stage, or the lowest from 1 when
-        faster (its optimizer step is 1/dp; higher stages only add communication)."""
-        low = self.zero_choices[0]
-        if self.offload is True and self.dp > 1 and 3 in self.zero_choices:
-            low = 3  # every state on the host: only the ZeRO-3 layout the offload program runs can hold that
-        best, choice = self.solve(stage=low, memory=False, recompute=recompute), self.last_choice
-        sharded = next((s for s in self.zero_choices if s >= 1), None)
-        if self.dp > 1 and low == 0 and sharded is not None:
-            res = self.solve(stage=sharded, memory=False, recompute=recompute)
-            if res.feasible and (not best.feasible or res.step_time_s < best.step_time_s):
-                best, choice = res, self.last_choice
-        self.last_choice = choice
-        return best
+        """The memory-free optimum over the allowed ZeRO stages (`solver.solve_free`)."""
+        return solve_free(self, recompute)
 
     def chosen(self) -> dict[str, int]:
         return {g: max(range(len(xs)), key=lambda k: pulp.value(xs[k]) or 0.0) for g, xs in self.x.items()}
 
     def solve_best(self, lower_bound_s: float = 0.0, *, recompute: str | None = None) -> MeshResult:
-        """The optimum over the allowed recompute modes and ZeRO stages, each solved with both fixed.
-
-        `lower_bound_s` is a step time nothing on this mesh can beat (the memory-free optimum at the
-        lowest stage, no recompute). A mode adds at least `recompute_time_lower_bound` to it: a mode
-        whose bound the best plan found already reaches is not solved, nor a (mode, stage) whose
-        memory lower bound exceeds the budget; a stage that reaches its mode's bound ends that mode.
-        """
-        best, best_choice = None, None
-        modes = self.recompute_choices if recompute is None else [recompute]
-        for mode in modes:
-            bound = lower_bound_s + (self.recompute_time_lower_bound(mode) if mode != "none" else 0.0)
-            if best is not None and best.step_time_s <= bound * (1 + 1e-9):
-                continue
-            acts = sum(self.activations.lower_bound(mode)) + self.activations.transient_bytes()
-            for s in self.zero_choices:
-                if self.prices.states_lower_bound([s], self.z) + acts > self.budget:
-                    continue
-                res = self.solve(stage=s, recompute=mode)
-                if res.feasible and (best is None or res.step_time_s < best.step_time_s):
-                    best, best_choice = res, self.last_choice
-                    if res.step_time_s <= bound * (1 + 1e-9):
-                        break
-        if best is None:
-            return MeshResult(self.dp, self.tp, False, math.inf, 0, 0, 0, -1, {}, 0.0, "no stage fits", self.mb)
-        self.last_choice = best_choice
-        return best
+        """The optimum over the allowed recompute modes and ZeRO stages (`solver.solve_best`)."""
+        return solve_best(self, lower_bound_s, recompute=recompute)
 
 
 @dataclass
@@ -918,71 +812,3 @@ class _ModeTerms:
     activations: list
     peak: list
     rows: dict[str, pulp.LpConstraint]
-
-
-def _read_result(prog: ShardingProgram, mode: str, dt: float) -> MeshResult:
-    """The optimum `prog` holds after a solve under recompute mode `mode` that took `dt` seconds: its step time by
-    term, its memory by state, and the parts the plan reports apart (what overlap hides, the latencies)."""
-    val = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in prog.cost_terms.items()}
-    mem = {k: sum(pulp.value(t) or 0.0 for t in v) for k, v in prog.memory_terms.items()}
-    mem["transient"] = prog.transient
-    if not mem.get("recompute"):
-        mem.pop("recompute", None)
-    if not mem.get("prefetch"):
-        mem.pop("prefetch", None)
-    chosen_stage = next(s for s, z in prog.z.items() if (pulp.value(z) or 0) > 0.5)
-    step = sum(val.values())
-    hidden = 0.0
-    if prog._exposed is not None and mode == "none":
-        whole = sum(pulp.value(t) or 0.0 for t in prog.sync_report["total"])
-        hidden = max(whole - (pulp.value(prog._exposed) or 0.0), 0.0)
-    for terms, exposed in prog.sharded_hidden:  # the sharded program overlaps under every recompute mode
-        hidden += max(sum(pulp.value(t) or 0.0 for t in terms) - (pulp.value(exposed) or 0.0), 0.0)
-    # recomputed forwards are compute; resharding they repeat is counted with them
-    return MeshResult(
-        prog.dp,
-        prog.tp,
-        True,
-        step,
-        val.get("compute", 0.0) + val.get("recompute", 0.0),
-        val.get("reshard", 0.0),
-        val.get("grad_sync", 0.0),
-        chosen_stage,
-        mem,
-        dt,
-        num_microbatches=prog.mb,
-        recompute=mode,
-        offload=prog._offload_result(mem, val.get("offload", 0.0)),
-        optimizer_s=val.get("optimizer", 0.0),
-        recompute_s=val.get("recompute", 0.0),
-        grad_sync_hidden_s=hidden,
-        cp_comm_s=val.get("cp_comm", 0.0),
-        cp_comm_hidden_s=sum(pulp.value(t) or 0.0 for t in prog._cp_hidden_terms),
-        step_gather_s=sum(pulp.value(t) or 0.0 for t in prog._step_gather_terms),
-        sync_fixed_s=sum(pulp.value(t) or 0.0 for t in prog._sync_fixed_terms),
-        reshard_hidden_s=sum(pulp.value(t) or 0.0 for t in prog._tp_hidden_terms),
-    )
-
-
-def _quiet_solve(prob: pulp.LpProblem, time_limit_s: float) -> None:
-    """Solve without the banner HiGHS writes straight to the process's stdout when it starts."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            prob.solve(_solver(time_limit_s))
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _solver(time_limit_s: float):
-    highs = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
-    if highs.available():
-        return highs
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
-
-
-def solver_name() -> str:
-    return "HiGHS" if pulp.HiGHS(msg=False).available() else "CBC"
