@@ -571,7 +571,7 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
 
     `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan.
     """
-    from autopar.passes.sharding_solver import solve_sharding
+    from autopar.passes.sharding.search import solve_sharding
 
     graph, cluster, est, precision, batch, budget = (
         job.graph,
@@ -1035,7 +1035,7 @@ def _predicted(
 
 def _stats(graph: OpGraph, est, t0: float, t_trace: float, solve_time_s: float, **extra) -> dict:
     """How planning went: times, solver, graph size, layers."""
-    from autopar.passes.sharding_solver import solver_name
+    from autopar.passes.sharding.solver import solver_name
 
     return {
         "trace_time_s": round(t_trace, 3),

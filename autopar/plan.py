@@ -213,7 +213,7 @@ class Plan:
     # gathers them, asynchronously (0: each gathered when an op reads it); written for such plans only
     prefetch_depth: int = 1
     # per deduplicated layer (and one entry for what runs outside the layers), as the solver priced it
-    # (`passes.sharding_solver.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
+    # (`passes.sharding.report.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
     # it; empty without a pipeline) and "ops": each op's placements and the collectives inserted for it
     # (kind, mesh axis, pass, bytes, seconds per run, runs per step; a dp collective whose sync overlap partly hides
     # also its exposed seconds per run, "exposed_s")

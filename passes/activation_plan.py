@@ -1,6 +1,6 @@
 """Per-layer activation treatment: how many repeated layers keep, recompute or offload their activations.
 
-The sharding program (`passes.sharding_solver`) chooses one recompute mode for the whole model,
+The sharding program (`passes.sharding`) chooses one recompute mode for the whole model,
 because a per-layer mode times a per-layer strategy is a product of decisions the integer program
 would have to linearise for every group. Once a layout is chosen, though, each layer's share of the
 memory and time of every treatment is a constant, and the layers of a transformer are alike, so the

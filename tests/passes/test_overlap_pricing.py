@@ -14,7 +14,7 @@ import autopar
 from autopar import units
 from autopar.cost_model import AnalyticEstimator, DType
 from autopar.cost_model.comm import Collective, estimate_collective_time
-from autopar.passes import sharding_solver
+from autopar.passes.sharding.precision import Precision
 from autopar.trace import trace_model
 from tests.models import MLPBlock
 
@@ -208,7 +208,7 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     model, x = _stack()
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
     params = list(model.parameters())
-    prec = sharding_solver.Precision.get("bf16")
+    prec = Precision.get("bf16")
     grad_bytes = [p.numel() * prec.grad_bytes_at(1) for p in params]
     param_bytes = [p.numel() * prec.param_bytes for p in params]
     bucket = sum(grad_bytes) // 2 + 1  # two buckets
@@ -298,10 +298,10 @@ def test_zero23_memory_counts_the_buckets_in_flight(monkeypatch, stage):
     two = last + middle
     assert extra(two) == pytest.approx(max(1.5 * two, first + 1.5 * two, 1.5 * (two + first)), rel=1e-12)
     assert extra(two) == pytest.approx(1.5 * (two + first), rel=1e-12)
-    # the formulas above take the runtime's window (the solver prices with it) as two buckets
+    # the formulas above take the window of buckets in flight, which the runtime runs and the solver prices, as two
     from autopar.runtime import overlap
 
-    assert overlap.WINDOW == 2
+    assert units.BUCKETS_IN_FLIGHT == overlap.WINDOW == 2
 
 
 def _balanced(backward_s: float):
@@ -326,7 +326,7 @@ def test_zero2_each_micro_batch_hides_its_own_buckets(monkeypatch, kind):
     model, x = _stack()
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
     params = list(model.parameters())
-    prec = sharding_solver.Precision.get("bf16")
+    prec = Precision.get("bf16")
     grad_bytes = [p.numel() * prec.grad_bytes_at(2) for p in params]
     param_bytes = [p.numel() * prec.param_bytes for p in params]
     bucket = sum(grad_bytes) // 2 + 1  # two buckets

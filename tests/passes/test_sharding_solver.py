@@ -180,7 +180,7 @@ def test_shortened_trace_prices_the_whole_model():
     from autopar import api, presets
     from autopar.cost_model import AnalyticEstimator, DType
     from autopar.ir import OpGraph
-    from autopar.passes.sharding_solver import solve_sharding
+    from autopar.passes.sharding.search import solve_sharding
     from autopar.trace import trace_model
 
     config = presets.load_config("tiny-llama", num_hidden_layers=6)
