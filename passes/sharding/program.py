@@ -168,7 +168,12 @@ class ProgramTerms:
 
 
 class ShardingProgram:
-    """The integer program of one (dp, tp) mesh; see the module docstring for the math."""
+    """The integer program of one (dp, tp) mesh at m micro-batches; see the module docstring for the math.
+
+    Its own are the variables, the constraint families and the objective of each recompute mode; what they price it
+    composes: `mesh_groups` (groups, edges, compute), `prices` (coefficients by group, strategy and ZeRO stage, each
+    stage's `ProgramComm`), `activations` and `recompute_terms` (memory and time under each recompute mode).
+    """
 
     def __init__(
         self,
@@ -667,7 +672,7 @@ class ShardingProgram:
         return min(self.recompute_choices, key=lambda m: sum(self.activations.lower_bound(m)))
 
     def add_memory_constraint(self, recompute: str | None = None) -> None:
-        """sum n_w u M_state + sum n_g x M_saved(r) + M_recompute(r) + M_transient <= budget.
+        """sum n_w u M_state + sum_s z[s] M_comm[s] + sum n_g x M_saved(r) + M_recompute(r) + M_transient <= budget.
 
         The peak is at the turn from forward to backward. Under recompute mode r, M_saved(r) keeps only
         what enters each recomputed segment, and the first segment the backward recomputes holds its
