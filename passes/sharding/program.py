@@ -251,33 +251,38 @@ class ShardingProgram:
         self._modes: dict[str, _ModeTerms] = {}
         self._mode: str | None = None
         self.transient: float | None = None
+        self._compose(activation_copies)
+
+    def _compose(self, activation_copies: float) -> None:
+        """Make the parts the program prices with: its groups, its prices, its activations and recompute terms."""
+        cp = self.cp.degree if self.cp is not None else 1
         self.mesh_groups = MeshGroups(
-            graph,
-            tp=tp,
+            self.graph,
+            tp=self.tp,
             tp_link=self.tp_link,
-            data_ranks=dp,
-            batch=batch_dim_size,
-            num_microbatches=num_microbatches,
-            estimator=estimator,
-            cp=cp,
+            data_ranks=self.dp,
+            batch=self.batch,
+            num_microbatches=self.mb,
+            estimator=self.estimator,
+            cp=self.cp,
         )
         self.groups, self.group_of = self.mesh_groups.groups, self.mesh_groups.group_of
         self.activations = ActivationMemory(self.mesh_groups, activation_copies)
         self.recompute_terms = RecomputeTerms(self.mesh_groups)
         self.prices = MeshPrices(
             self.mesh_groups,
-            cluster,
-            dp=dp,
-            tp=tp,
-            estimator=estimator,
-            precision=precision,
-            budget=memory_budget_bytes,
+            self.cluster,
+            dp=self.dp,
+            tp=self.tp,
+            estimator=self.estimator,
+            precision=self.precision,
+            budget=self.budget,
             overlap=self.overlap,
             prefetch_depth=self.prefetch_depth,
-            offload=offload,
-            pipeline_stage=pipeline_stage,
+            offload=self.offload,
+            pipeline_stage=self.pipeline_stage,
             step_gathers=self.step_gathers,
-            cp=cp.degree if cp is not None else 1,
+            cp=cp,
         )
 
     # ------------------------------------------------------------ the mesh's prices, for the searches that read them
