@@ -31,6 +31,7 @@ from autopar.cluster import ClusterSpec
 from autopar.errors import PlanFormatError
 from autopar.explain import render_html, render_markdown
 from autopar.rationale import format_flops_rate, hidden_terms
+from autopar.units import GIB
 
 FORMAT_VERSION = 1
 MESH_AXES = ("pp", "dp", "cp", "tp")
@@ -41,7 +42,6 @@ LAYER_TREATMENTS = ("offload", "full", "selective")
 # the ZeRO stages a pipeline stage runs (`runtime.pipeline`): at 2 or 3 every micro-batch would gather and
 # reduce-scatter each weight, waited on where issued
 PIPELINE_ZERO_STAGES = (0, 1)
-GIB = 1024**3
 # wall-clock figures: they differ on every run and say nothing about the plan (`Plan.to_json`)
 WALL_CLOCK_KEYS = frozenset({"trace_time_s", "solve_time_s", "total_time_s", "alternatives_time_s"})
 
@@ -210,7 +210,7 @@ class Plan:
     # gathers them, asynchronously (0: each gathered when an op reads it); written for such plans only
     prefetch_depth: int = 1
     # per deduplicated layer (and one entry for what runs outside the layers), as the solver priced it
-    # (`passes.sharding_solver.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
+    # (`passes.sharding.report.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
     # it; empty without a pipeline) and "ops": each op's placements and the collectives inserted for it
     # (kind, mesh axis, pass, bytes, seconds per run, runs per step; a dp collective whose sync overlap partly hides
     # also its exposed seconds per run, "exposed_s")

@@ -399,7 +399,7 @@ def _predicted(
 
 def _stats(graph: OpGraph, est, t0: float, t_trace: float, solve_time_s: float, **extra) -> dict:
     """How planning went: times, solver, graph size, layers."""
-    from autopar.passes.sharding_solver import solver_name  # PuLP and HiGHS: not for `autopar --help`
+    from autopar.passes.sharding.solver import solver_name  # PuLP and HiGHS: not for `autopar --help`
 
     return {
         "trace_time_s": round(t_trace, 3),

@@ -28,6 +28,7 @@ from autopar.ir import OpGraph
 from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
 from autopar.plan import Plan, ProgramKind
 from autopar.plan_build import Job, assumptions, pipeline_plan, pipeline_runner_up, sharded_plan, sharded_runner_up
+from autopar.program_comm import resolved_prefetch_depth
 from autopar.rationale import PINNED, with_rationale
 from autopar.tracing import cp_traced_batch, trace_in_format, trace_shortened
 
@@ -164,7 +165,7 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False):
 
     `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan.
     """
-    from autopar.passes.sharding_solver import solve_sharding  # PuLP and HiGHS: not for `autopar --help`
+    from autopar.passes.sharding.search import solve_sharding  # PuLP and HiGHS: not for `autopar --help`
 
     graph, cluster, est, precision, batch, budget = (
         job.graph,
@@ -250,11 +251,8 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False):
 
 
 def _prefetch_depth(constraints: dict) -> int:
-    """The plan's prefetch depth: the pinned one, else 1 (0 where overlap is off: gathers stay on demand)."""
-    depth = constraints.get("prefetch_depth")
-    if depth is None:
-        return 1 if constraints.get("overlap", True) else 0
-    return int(depth)
+    """The plan's prefetch depth, by the one rule (`program_comm.resolved_prefetch_depth`)."""
+    return resolved_prefetch_depth(constraints.get("prefetch_depth"), bool(constraints.get("overlap", True)))
 
 
 _PIPELINE_KEYS = {"pp", "schedule", "virtual_stages"}

@@ -118,17 +118,14 @@ from autopar.cost_model.comm import Collective, estimate_collective_time
 from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
-from autopar.passes import sharding_solver as ss
 from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, price_cp_attention
 from autopar.passes.pipeline_split import STACKS, assign_stages, stack_layers
-from autopar.passes.sharding_solver import (
-    MeshResult,
-    Precision,
-    ShardingProgram,
-    ShardingSolution,
-    TensorSplit,
-    format_bytes,
-)
+from autopar.passes.sharding import search as ss
+from autopar.passes.sharding.graph import TensorSplit
+from autopar.passes.sharding.precision import Precision
+from autopar.passes.sharding.program import ShardingProgram
+from autopar.passes.sharding.report import format_bytes
+from autopar.passes.sharding.solution import MeshResult, ShardingSolution
 from autopar.plan import PIPELINE_ZERO_STAGES
 
 ESTIMATE_SLACK = 0.02  # how far an estimate may sit above the exact price before a configuration is skipped

@@ -171,7 +171,8 @@ def test_a_zero1_stage_hides_its_reduce_scatter_and_not_its_gathers():
 @pytest.fixture(scope="module")
 def zero1_stage():
     """One pipeline stage's program: the Stack's two layers on dp=2 at ZeRO-1, four micro-batches, bf16."""
-    from autopar.passes.sharding_solver import Precision, ShardingProgram
+    from autopar.passes.sharding.precision import Precision
+    from autopar.passes.sharding.program import ShardingProgram
 
     model = Stack(256, 2)
     graph = OpGraph.from_traced(
@@ -208,7 +209,7 @@ def test_a_zero1_stage_gathers_and_reduce_scatters_once_a_step(zero1_stage):
     The step's memory holds each weight's whole fp32 gradient sum (4 bytes an element) where the synchronous
     stage counts the bf16 gradient (2)."""
     from autopar.cost_model.comm import Collective, estimate_collective_time
-    from autopar.runtime.overlap import BUCKET_BYTES
+    from autopar.units import PRICED_BUCKET_BYTES as BUCKET_BYTES
 
     graph, cluster, out = zero1_stage
     link = cluster.link_for_axis(2, 1)
@@ -237,7 +238,7 @@ def test_a_zero1_stage_gathers_and_reduce_scatters_once_a_step(zero1_stage):
     assert on.memory["grads"] - off.memory["grads"] == pytest.approx(2 * elements, rel=1e-9)
     # L_s: the bucket filled last is one reduce-scatter of min(BUCKET_BYTES, the stage's gradient bytes), less its
     # latency (in the fixed part above)
-    from autopar.passes.sharding_solver import Precision
+    from autopar.passes.sharding.precision import Precision
 
     grad_bytes = elements * Precision.get("bf16").grad_bytes_at(1)
     last = t(rs, min(BUCKET_BYTES, grad_bytes)) - t(rs, 1.0)
@@ -248,9 +249,9 @@ def test_a_stage_recomputing_at_zero1_gathers_no_weight_again_once_a_step(zero1_
     # per micro-batch, a recomputed forward gathers its weights again; gathered once a step, it reads the kept ones
     _, _, out = zero1_stage
     (once, _), (every, _) = out[True], out[False]
-    weight = next(n for n in once._param_groups() if once.graph.params[n].requires_grad)
-    assert every.regather_s(weight, 0, 1) > 0
-    assert once.regather_s(weight, 0, 1) == 0.0
+    weight = next(n for n in once.mesh_groups.param_groups() if once.graph.params[n].requires_grad)
+    assert every.prices.regather_s(weight, 0, 1) > 0
+    assert once.prices.regather_s(weight, 0, 1) == 0.0
 
 
 def test_every_pipeline_stage_pays_the_dtensor_runtime_and_buckets_its_all_reduce(zero1_stage):
@@ -259,8 +260,9 @@ def test_every_pipeline_stage_pays_the_dtensor_runtime_and_buckets_its_all_reduc
     a step (one bucket's latency at least), as the data-parallel program's are."""
     from autopar.cost_model import AnalyticEstimator, DType
     from autopar.cost_model.comm import Collective, estimate_collective_time
-    from autopar.passes.sharding_solver import Precision, ShardingProgram
-    from autopar.runtime.overlap import BUCKET_BYTES
+    from autopar.passes.sharding.precision import Precision
+    from autopar.passes.sharding.program import ShardingProgram
+    from autopar.units import PRICED_BUCKET_BYTES as BUCKET_BYTES
 
     graph, cluster, _ = zero1_stage
     per_op = 1e-5

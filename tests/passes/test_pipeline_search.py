@@ -20,7 +20,8 @@ from autopar.passes.pipeline_search import (
     search_pipeline,
     stage_view,
 )
-from autopar.passes.sharding_solver import Precision, ShardingProgram
+from autopar.passes.sharding.precision import Precision
+from autopar.passes.sharding.program import ShardingProgram
 from autopar.trace import trace_model
 from tests.models import MLPBlock, make_batch, tiny_llama
 
