@@ -582,7 +582,7 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
     )
     say = (lambda msg: None) if quiet else job.say
     if _searches_pipeline(job.pipeline, cluster, constraints):
-        from autopar.passes.pipeline_search import search_pipeline
+        from autopar.passes.pipeline import search_pipeline
 
         psol = search_pipeline(
             graph,

@@ -13,7 +13,7 @@ from autopar import api
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.devices import LinkSpec
 from autopar.ir import OpGraph
-from autopar.passes.pipeline_search import (
+from autopar.passes.pipeline.search import (
     BACKWARD_SHARE,
     Overlap,
     Schedule,

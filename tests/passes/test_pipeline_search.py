@@ -10,7 +10,7 @@ from autopar import api
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
-from autopar.passes.pipeline_search import (
+from autopar.passes.pipeline.search import (
     PipelineSolution,
     Schedule,
     activation_copies,
@@ -292,7 +292,7 @@ def test_two_stacks_past_the_budget_say_how_much_memory_they_need():
 
 def test_a_boundary_is_priced_from_the_values_that_cross_it():
     from autopar.ir import OpGraph
-    from autopar.passes.pipeline_search import crossing_bytes, stack_structure
+    from autopar.passes.pipeline.search import crossing_bytes, stack_structure
     from autopar.passes.pipeline_split import stack_layers
     from autopar.trace import trace_model
 

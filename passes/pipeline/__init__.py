@@ -1,0 +1,8 @@
+"""The pipeline search: cut the layers into stages, give each stage a sub-mesh, choose micro-batches and a schedule.
+
+`search_pipeline` is the entry point; it returns a `PipelineSolution`.
+"""
+
+from autopar.passes.pipeline.search import PipelineSolution, Schedule, StagePlan, search_pipeline
+
+__all__ = ["PipelineSolution", "Schedule", "StagePlan", "search_pipeline"]
