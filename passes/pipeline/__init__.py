@@ -3,6 +3,7 @@
 `search_pipeline` is the entry point; it returns a `PipelineSolution`.
 """
 
-from autopar.passes.pipeline.search import PipelineSolution, Schedule, StagePlan, search_pipeline
+from autopar.passes.pipeline.schedules import Schedule
+from autopar.passes.pipeline.search import PipelineSolution, StagePlan, search_pipeline
 
 __all__ = ["PipelineSolution", "Schedule", "StagePlan", "search_pipeline"]

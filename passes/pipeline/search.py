@@ -21,10 +21,7 @@ Identical layers share one set of decision groups, so a stage of any k_s is one 
 The intra-op program (`ShardingProgram`) prices it on its sub-mesh at m micro-batches:
     t_s   compute and resharding of one micro-batch (forward and backward), on one device
     S_s   gradient synchronisation over the stage's dp axis (and ZeRO gathers), once per step
-    a_s   micro-batches whose activations the schedule keeps alive on the stage at once:
-              GPipe        a_s = m
-              1F1B         a_s = min(p - s, m)
-              interleaved  a_s = min((v - 1) p + 2 (p - 1 - s) + 1, m v) / v     (Megatron-LM)
+    a_s   micro-batches whose activations the schedule keeps alive on the stage at once (`schedules`)
     memory  states + a_s x activations of one micro-batch + working memory <= budget
     c_s   point-to-point transfers of one micro-batch: the boundary activation forward to the next
           stage and its gradient back to the previous one (v of each with interleaving), each device
@@ -61,10 +58,7 @@ Step time, with the overlap the pipeline program runs (`plan.overlap`, on by def
   w_s = BACKWARD_SHARE s t_s / v; the step of a cut is priced with the stages' own t_j. The estimate, before any
   stage program is solved, takes L_s = 0 (it may err low, as an estimate should).
 
-Schedules. 1F1B needs m >= p (as torch.distributed.pipelining's Schedule1F1B does) and keeps
-fewer activations than GPipe at the same bubble, so GPipe is searched only where 1F1B cannot run
-(m < p) or when it is pinned. Interleaving needs m to be a multiple of p and every chunk to hold a
-layer (k_s >= v).
+Schedules: which are tried for a (p, m), the activations each keeps and its bubble (`schedules`).
 
 Search. For every p dividing W (2 <= p <= L), sub-mesh dp x tp (tp within a node unless pinned),
 micro-batch size b (ascending) and schedule:
@@ -110,7 +104,6 @@ import heapq
 import math
 import time
 from dataclasses import dataclass
-from enum import StrEnum
 
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel import CPAlgorithm
@@ -120,6 +113,14 @@ from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
 from autopar.passes import sharding_solver as ss
 from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, price_cp_attention
+from autopar.passes.pipeline.schedules import (
+    Schedule,
+    activation_copies,
+    bubble_fraction,
+    schedule_choices,
+    schedule_slots,
+    stage_layer_ranges,
+)
 from autopar.passes.pipeline_split import STACKS, assign_stages, stack_layers
 from autopar.passes.sharding_solver import (
     MeshResult,
@@ -135,37 +136,7 @@ ESTIMATE_SLACK = 0.02  # how far an estimate may sit above the exact price befor
 MICRO_BATCH_STOP = 0.10  # see _Search._micro_batches
 # of a micro-batch's forward and backward, the backward's share: it runs two matmuls for each of the forward's
 BACKWARD_SHARE = 2 / 3
-MAX_VIRTUAL_STAGES = 8  # searched unless pinned: more chunks pay more transfers than the bubble they save
 PIPELINE_CONSTRAINT_KEYS = frozenset({"pp", "schedule", "virtual_stages"})
-
-
-class Schedule(StrEnum):
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED_1F1B = "interleaved_1f1b"
-
-
-def activation_copies(schedule: Schedule, pp: int, stage: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Micro-batches whose activations stage `stage` keeps at once (the module docstring's a_s)."""
-    m, p, v = num_microbatches, pp, virtual_stages
-    if schedule == Schedule.GPIPE:
-        return float(m)
-    if schedule == Schedule.ONE_F_ONE_B:
-        return float(min(p - stage, m))
-    return min((v - 1) * p + 2 * (p - 1 - stage) + 1, m * v) / v
-
-
-def bubble_fraction(schedule: Schedule | None, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle share of the pipeline relative to its busy time: (p-1)/m, or (p-1)/(v m) interleaved."""
-    if schedule is None or pp == 1:
-        return 0.0
-    v = virtual_stages if schedule == Schedule.INTERLEAVED_1F1B else 1
-    return (pp - 1) / (v * num_microbatches)
-
-
-def _slots(schedule: Schedule, pp: int, m: int, v: int) -> float:
-    """Micro-batch slots of the slowest stage that a step lasts: m plus the bubble."""
-    return m + (pp - 1) / (v if schedule == Schedule.INTERLEAVED_1F1B else 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -943,20 +914,6 @@ def _check_constraints(constraints: dict, world: int, num_layers: int) -> dict:
     return c
 
 
-def _schedules(c: dict, pp: int, m: int, num_layers: int) -> list[tuple[Schedule, int]]:
-    """(schedule, v) pairs to try for pp stages and m micro-batches (see the module docstring)."""
-    pinned, pinned_v = c.get("schedule"), c.get("virtual_stages")
-    out = []
-    if pinned == Schedule.GPIPE or (pinned is None and m < pp and pinned_v in (None, 1)):
-        out.append((Schedule.GPIPE, 1))
-    if pinned in (None, Schedule.ONE_F_ONE_B) and m >= pp and pinned_v in (None, 1):
-        out.append((Schedule.ONE_F_ONE_B, 1))
-    if pinned in (None, Schedule.INTERLEAVED_1F1B) and m % pp == 0 and pinned_v != 1:
-        vs = [pinned_v] if pinned_v else range(2, min(num_layers // pp, MAX_VIRTUAL_STAGES) + 1)
-        out += [(Schedule.INTERLEAVED_1F1B, v) for v in vs if pp * v <= num_layers]
-    return out
-
-
 def _meshes(c: dict, cluster: ClusterSpec, pp: int, batch: int, cp: int = 1) -> list[tuple[int, int]]:
     """Sub-meshes (dp, tp) of world/pp devices: tp inside a node unless pinned, dp dividing the batch. With a cp
     axis dp is the data axis, dp·cp ranks (a pinned "dp" counts dp alone), and must hold the cp group."""
@@ -1052,7 +1009,7 @@ class _Search:
         """
         out, best = [], math.inf
         for m in reversed(ss._microbatch_choices(self.B // dp, self.c)):
-            tried = [_Config(pp, dp, tp, m, s, v) for s, v in _schedules(self.c, pp, m, self.L)]
+            tried = [_Config(pp, dp, tp, m, s, v) for s, v in schedule_choices(self.c, pp, m, self.L)]
             self.num_configurations += len(tried)
             fits = [(est[0], cfg, est[1]) for cfg in tried if (est := self.estimate(cfg)) is not None]
             out += fits
@@ -1069,7 +1026,7 @@ class _Search:
         """T under the affine stage costs of `_Floors` (see the module docstring), and its cut."""
         b = self.micro_batch(cfg)
         transfers = _stage_transfers(self.cluster, self.structure, cfg.pp, cfg.tp, b, cfg.schedule, cfg.v)
-        slots = _slots(cfg.schedule, cfg.pp, cfg.m, cfg.v)
+        slots = schedule_slots(cfg.schedule, cfg.pp, cfg.m, cfg.v)
         mid = self.pricer.floors(False, False, cfg.dp, cfg.tp, b)
         ends = {s: self.pricer.floors(s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, b) for s in (0, cfg.pp - 1)}
         leanest = [math.inf]
@@ -1126,7 +1083,7 @@ class _Search:
         """The exact T of `cfg` at its best cut (starting from `guess`), with the stages' prices."""
         b = self.micro_batch(cfg)
         transfers = _stage_transfers(self.cluster, self.structure, cfg.pp, cfg.tp, b, cfg.schedule, cfg.v)
-        slots = _slots(cfg.schedule, cfg.pp, cfg.m, cfg.v)
+        slots = schedule_slots(cfg.schedule, cfg.pp, cfg.m, cfg.v)
 
         def priced(s: int, k: int) -> _Priced:
             return self.pricer.price(k, s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, cfg.m, self.priced_copies(cfg, s))
@@ -1250,7 +1207,7 @@ class _StackSearch(_Search):
 
     def _partition(self, cfg: _Config):
         p, L = cfg.pp, self.L
-        slots = _slots(cfg.schedule, p, cfg.m, cfg.v)
+        slots = schedule_slots(cfg.schedule, p, cfg.m, cfg.v)
 
         def priced(s: int, a: int, e: int) -> _Priced:
             return self.pricer.price((a, e), s == 0, s == p - 1, cfg.dp, cfg.tp, cfg.m, self.priced_copies(cfg, s))
@@ -1503,25 +1460,12 @@ def _single_solution(sol: ShardingSolution, graph: OpGraph, batch: int, records,
     )
 
 
-def _layer_ranges(alloc: list[int], cfg: _Config) -> list[tuple[tuple[int, int], ...]]:
-    """The layers each stage runs: consecutive blocks, or v chunks per device in the order d, d + p, ..."""
-    if cfg.schedule != Schedule.INTERLEAVED_1F1B:
-        starts = [sum(alloc[:s]) for s in range(len(alloc))]
-        return [((a, a + k),) for a, k in zip(starts, alloc, strict=True)]
-    sizes = {(d, j): alloc[d] // cfg.v + (j < alloc[d] % cfg.v) for d in range(cfg.pp) for j in range(cfg.v)}
-    ranges: list[list[tuple[int, int]]] = [[] for _ in range(cfg.pp)]
-    start = 0
-    for j in range(cfg.v):
-        for d in range(cfg.pp):
-            ranges[d].append((start, start + sizes[(d, j)]))
-            start += sizes[(d, j)]
-    return [tuple(r) for r in ranges]
-
-
 def _pipeline_solution(best, search: _Search, single, records, dt) -> PipelineSolution:
     step, cfg, alloc, priced, transfers, price = best
     stages = []
-    for s, (k, p, rng) in enumerate(zip(alloc, priced, _layer_ranges(alloc, cfg), strict=True)):
+    for s, (k, p, rng) in enumerate(
+        zip(alloc, priced, stage_layer_ranges(alloc, cfg.schedule, cfg.pp, cfg.v), strict=True)
+    ):
         copies = search.copies(cfg, s)
         sharding = ss._solution(p.program, p.result, (), (), p.result.solve_time_s) if p.program else None
         opt = p.result.optimizer_s if p.result is not None else 0.0

@@ -10,11 +10,9 @@ from autopar import api
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
+from autopar.passes.pipeline.schedules import Schedule, activation_copies, bubble_fraction
 from autopar.passes.pipeline.search import (
     PipelineSolution,
-    Schedule,
-    activation_copies,
-    bubble_fraction,
     layer_structure,
     search_pipeline,
     stage_view,
