@@ -10,13 +10,9 @@ from autopar import api
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
+from autopar.passes.pipeline.layers import layer_structure, stage_view
 from autopar.passes.pipeline.schedules import Schedule, activation_copies, bubble_fraction
-from autopar.passes.pipeline.search import (
-    PipelineSolution,
-    layer_structure,
-    search_pipeline,
-    stage_view,
-)
+from autopar.passes.pipeline.search import PipelineSolution, search_pipeline
 from autopar.passes.sharding_solver import Precision, ShardingProgram
 from autopar.trace import trace_model
 from tests.models import MLPBlock, make_batch, tiny_llama
@@ -290,7 +286,7 @@ def test_two_stacks_past_the_budget_say_how_much_memory_they_need():
 
 def test_a_boundary_is_priced_from_the_values_that_cross_it():
     from autopar.ir import OpGraph
-    from autopar.passes.pipeline.search import crossing_bytes, stack_structure
+    from autopar.passes.pipeline.layers import crossing_bytes, stack_structure
     from autopar.passes.pipeline_split import stack_layers
     from autopar.trace import trace_model
 
