@@ -76,7 +76,7 @@ micro-batch size b (ascending) and schedule:
      (slots x (t_s + c_s) + S_s) grows least (optimal for a bottleneck with costs nondecreasing in
      k_s). Each (k, first, last, sub-mesh, m, a_s) is solved once and cached; middle stages are
      priced at the copies of the fullest of them (stage 1), so one program serves them all.
-Pipelines use ZeRO stages 0 and 1 only, unless a stage is pinned (see `_StagePricer`).
+Pipelines use ZeRO stages 0 and 1 only, or the pinned one of them (see `stage_cost`).
 
 Several stacks. An encoder-decoder model (T5) has two stacks whose layers are not alike (the first of
 each stack computes the position bias, decoder layers cross-attend): `stack_structure` numbers their
@@ -99,27 +99,21 @@ c_s sends this rank's rows, b sequences of seq/cp tokens: the boundary bytes per
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import time
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
-from autopar.context_parallel import CPAlgorithm
 from autopar.cost_model.comm import Collective, estimate_collective_time
 from autopar.cost_model.devices import LinkSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
-from autopar.ir import NodeKind, OpGraph
+from autopar.ir import OpGraph
 from autopar.passes import sharding_solver as ss
-from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, price_cp_attention
 from autopar.passes.pipeline.layers import (
     LayerStructure,
-    crossing_bytes,
     layer_structure,
-    range_view,
     stack_structure,
-    stage_view,
     why_no_layer_run,
 )
 from autopar.passes.pipeline.schedules import (
@@ -130,13 +124,10 @@ from autopar.passes.pipeline.schedules import (
     schedule_slots,
     stage_layer_ranges,
 )
-from autopar.passes.pipeline_split import stack_layers
+from autopar.passes.pipeline.stage_cost import PricedStage, StackPricer, StagePricer
 from autopar.passes.sharding_solver import (
-    MeshResult,
     Precision,
-    ShardingProgram,
     ShardingSolution,
-    TensorSplit,
     format_bytes,
 )
 from autopar.plan import PIPELINE_ZERO_STAGES
@@ -253,261 +244,6 @@ class PipelineSolution:
 
 
 # ------------------------------------------------------------------------------------ stage pricing
-
-
-@dataclass(frozen=True, slots=True)
-class _Priced:
-    """A stage program's optimum at one (layers, first, last, sub-mesh, micro-batches, activation copies)."""
-
-    feasible: bool
-    t_mb: float = math.inf  # compute, resharding and exposed cp attention communication of one micro-batch
-    sync: float = 0.0  # once per step: gradient synchronisation and the optimizer step
-    zero: int = -1
-    memory: tuple[tuple[str, float], ...] = ()  # as solved, activations at `copies`
-    copies: float = 1.0
-    result: MeshResult | None = None
-    program: ShardingProgram | None = None
-    bound: bool = False  # solved within the memory budget: the memory-free optimum did not fit
-    last_bucket_s: float = 0.0  # L_s: the bandwidth part of the reduction of the bucket its last backward fills last
-
-    def grad_sync(self) -> float:
-        """G_s: the gradient synchronisation the later backwards may hide (sync less the optimizer step, less
-        a ZeRO-1 stage's gathers before the schedule, and less the buckets' latencies: nothing hides those)."""
-        if self.result is None:
-            return self.sync
-        return self.sync - self.result.optimizer_s - self.result.step_gather_s - self.result.sync_fixed_s
-
-    def memory_at(self, copies: float) -> dict[str, float]:
-        mem = dict(self.memory)
-        if "activations" in mem:
-            mem["activations"] *= copies / self.copies
-        return mem
-
-
-@dataclass(frozen=True, slots=True)
-class _Floors:
-    """Bounds of a one-layer stage view that the estimates scale by the layer count.
-
-    Per (kind, tp, b): for each allowed recompute mode, activations of one micro-batch at their leanest and
-    working memory (a mode that saves less keeps more working memory: its recomputed segment, which the layer
-    count does not scale, so no one mode is the leanest at every size and copy count); the time of one
-    micro-batch on tp devices without a data axis; per (kind, dp, tp): for each ZeRO stage the leanest states
-    and the least gradient sync (at one micro-batch).
-    """
-
-    acts: dict[str, float]
-    transient: dict[str, float]
-    recompute_s: dict[str, float]
-    t_mb: float
-    states: dict[int, float]
-    sync: dict[int, float]
-
-
-class _StagePricer:
-    """Builds and solves stage programs, each (view, sub-mesh, micro-batches, copies) once."""
-
-    def __init__(
-        self,
-        graph: OpGraph,
-        structure: LayerStructure,
-        cluster: ClusterSpec,
-        *,
-        estimator,
-        precision: Precision,
-        zero: int | None,
-        budget: float,
-        batch: int,
-        recompute: str | None = None,
-        constraints: dict | None = None,
-    ):
-        self.graph, self.structure, self.cluster = graph, structure, cluster
-        # a cp axis (pinned): the data axis of a sub-mesh is dp·cp ranks and attention is priced across the group
-        self.cp = CPSpec.from_constraints(dict(constraints or {}), cluster.world_size)
-        self._attention = check_cp_graph(graph.graph, self.cp) if self.cp.on else []
-        self._cp_pricing: dict[tuple, CPPricing] = {}
-        # an algorithm every stage runs instead of each sub-mesh's fastest (`_cp_fallback`, where memory binds);
-        # the solved stages below are keyed by the algorithm they run (`cp_run`)
-        self.cp_algorithm: CPAlgorithm | None = None
-        self.constraints = dict(constraints or {})  # the pins the tensor-split rule reads (tp, tp_min_split)
-        self.recompute = recompute  # a pinned activation recompute mode, or None to choose per stage
-        self.estimator, self.precision, self.budget, self.batch = estimator, precision, budget, batch
-        # ZeRO-2/3 reduce-scatter gradients and gather parameters once per micro-batch, which a pipeline
-        # repeats m times; as in Megatron-LM and DeepSpeed, pipelines shard optimizer states at most (ZeRO-1)
-        self.zero_choices = [zero] if zero is not None else list(PIPELINE_ZERO_STAGES)
-        # with overlap (the plan's default) a ZeRO-1 stage gathers its weights and reduce-scatters their gradients
-        # once a step (`runtime.pipeline`); without, wherever a micro-batch reads them
-        # (and the interpreter launches tensor-axis collectives early, `ShardingProgram.tp_overlap`)
-        self.overlap_on = bool(self.constraints.get("overlap", True))
-        self._views: dict[tuple, OpGraph] = {}
-        self._free: dict[tuple, _Priced] = {}
-        self._bound: dict[tuple, _Priced] = {}
-        self._act_floor: dict[tuple, tuple[dict[str, float], dict[str, float], dict[str, float], float]] = {}
-        self._state_floor: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
-        self.num_programs = 0
-
-    def view(self, k: int, first: bool, last: bool) -> OpGraph:
-        key = (k, first, last)
-        if key not in self._views:
-            self._views[key] = stage_view(self.graph, self.structure, k, first=first, last=last)
-        return self._views[key]
-
-    def cp_pricing(self, dp: int, tp: int, m: int) -> CPPricing | None:
-        """How a stage on a (dp·cp, tp) sub-mesh at m micro-batches runs cp attention (None without cp): the
-        pinned algorithm, else `cp_algorithm` where set, else the fastest that applies."""
-        if not self.cp.on:
-            return None
-        key = (dp, tp, m)
-        if key not in self._cp_pricing:
-            self._cp_pricing[key] = price_cp_attention(
-                self._attention,
-                self.cluster,
-                self.cp,
-                data=dp,
-                tp=tp,
-                num_microbatches=m,
-                precision=self.precision.name,
-            )
-        pricing, alg = self._cp_pricing[key], self.cp_algorithm
-        if alg is None or alg == pricing.algorithm or alg not in pricing.ranked:
-            return pricing
-        faster = ", ".join(str(a) for a in pricing.ranked[: pricing.ranked.index(alg)])
-        return pricing.with_algorithm(
-            alg, f"{faster}: faster per layer, but under the memory budget the fastest pipeline layout runs {alg}"
-        )
-
-    def leaner_cp_algorithms(self) -> list[CPAlgorithm]:
-        """The algorithms worth a search of their own when memory binds: those no other algorithm beats in both
-        kept K/V and working memory, on a (cp, 1) sub-mesh. Their memory order holds on every sub-mesh (each
-        figure scales with the tokens and heads a rank holds), their time order does not (latencies, and a ring
-        step's max of compute and transfer), so which one is fastest is left to each search. In practice ring
-        (nothing kept, the smallest blocks in flight) is the one."""
-        ref = self.cp_pricing(self.cp.degree, 1, 1)
-        node = self._attention[0]
-        figures = {
-            a: (c.saved_bytes, c.peak_extra_bytes) for a in ref.ranked for c in (ref.cost(node, 1, algorithm=a),)
-        }
-
-        def dominated(mine: tuple[float, float]) -> bool:
-            return any(f != mine and all(x <= y for x, y in zip(f, mine, strict=True)) for f in figures.values())
-
-        return [a for a, f in figures.items() if not dominated(f)]
-
-    def cp_run(self, dp: int, tp: int, m: int) -> CPAlgorithm | None:
-        """The algorithm a stage on this sub-mesh runs (None without cp): what its solved programs are keyed by, so
-        that a search that forces an algorithm reuses the stages where it is the fastest anyway."""
-        pricing = self.cp_pricing(dp, tp, m)
-        return pricing.algorithm if pricing is not None else None
-
-    def runs_cp_algorithm(self, tp: int) -> bool:
-        """Whether a sub-mesh of tensor degree tp can run `cp_algorithm` (all-to-all needs the heads a tensor rank
-        holds to divide by cp; nothing else limits an algorithm)."""
-        return self.cp_algorithm is None or self.cp_algorithm in self.cp_pricing(self.cp.degree, tp, 1).ranked
-
-    def program(self, k, first, last, dp, tp, m, copies=1.0) -> ShardingProgram:
-        prog = ShardingProgram(
-            self.view(k, first, last),
-            self.cluster,
-            dp,
-            tp,
-            estimator=self.estimator,
-            precision=self.precision,
-            zero_stage=None,
-            memory_budget_bytes=self.budget,
-            batch_dim_size=self.batch,
-            num_microbatches=m,
-            activation_copies=copies,
-            recompute=self.recompute,
-            tensor_split=TensorSplit.from_constraints(self.constraints, tp),
-            overlap=False,  # a stage reduces its gradients after the schedule
-            pipeline_stage=True,
-            step_gathers=self.overlap_on,
-            tp_overlap=self.overlap_on,
-            cp=self.cp_pricing(dp, tp, m),
-        )
-        if dp > 1:
-            prog.zero_choices = list(self.zero_choices)
-        return prog
-
-    def free(self, k: int, first: bool, last: bool, dp: int, tp: int, m: int) -> _Priced:
-        """The memory-free optimum at the lowest allowed ZeRO stage: the fastest this stage can be."""
-        key = (k, first, last, dp, tp, m, self.cp_run(dp, tp, m))
-        if key not in self._free:
-            prog = self.program(k, first, last, dp, tp, m)
-            if prog.cannot_split():  # a tensor axis with no weight to split is data parallelism
-                self._free[key] = _Priced(False)
-                return self._free[key]
-            prog.build()
-            self.num_programs += 1
-            self._free[key] = self._record(prog, prog.solve(stage=prog.zero_choices[0], memory=False), 1.0)
-        return self._free[key]
-
-    def price(self, k: int, first: bool, last: bool, dp: int, tp: int, m: int, copies: float) -> _Priced:
-        """The stage's optimum within the memory budget with `copies` micro-batches of activations alive."""
-        free = self.free(k, first, last, dp, tp, m)
-        if not free.feasible or sum(free.memory_at(copies).values()) <= self.budget:
-            return free
-        key = (k, first, last, dp, tp, m, round(copies, 6), self.cp_run(dp, tp, m))
-        if key not in self._bound:
-            prog = self.program(k, first, last, dp, tp, m, copies)
-            if sum(prog.memory_lower_bound().values()) > self.budget:
-                self._bound[key] = _Priced(False)
-            else:
-                prog.build()
-                self.num_programs += 1
-                self._bound[key] = dataclasses.replace(
-                    self._record(prog, prog.solve_best(free.result.step_time_s), copies), bound=True
-                )
-        return self._bound[key]
-
-    def floors(self, first: bool, last: bool, dp: int, tp: int, b: int) -> _Floors:
-        """The one-layer bounds of a stage kind (see `_Floors`)."""
-        akey, skey = (first, last, tp, b, self.cp_run(1, tp, self.batch // b)), (first, last, dp, tp)
-        if akey not in self._act_floor:
-            prog = self.program(1, first, last, 1, tp, self.batch // b)
-            bounds = {mode: prog.memory_lower_bound(mode) for mode in prog.recompute_choices}
-            free = self.free(1, first, last, 1, tp, self.batch // b)
-            # solved, so it knows each group's forward time (per step: divided by its micro-batches)
-            built = free.program
-            rec = {m: built.recompute_time_lower_bound(m) / built.mb if built is not None else 0.0 for m in bounds}
-            self._act_floor[akey] = (
-                {m: bd["activations"] for m, bd in bounds.items()},
-                {m: bd["transient"] for m, bd in bounds.items()},
-                rec,
-                free.t_mb,
-            )
-        if skey not in self._state_floor:
-            prog = self.program(1, first, last, dp, tp, 1)
-            states, sync = {}, {}
-            for z in prog.zero_choices:
-                states[z], sync[z] = 0.0, 0.0
-                for name, grp in prog.groups.items():
-                    if prog.graph.kinds[name] != NodeKind.PARAM or not grp.count:
-                        continue
-                    ks = range(len(grp.strategies))
-                    states[z] += grp.count * min(sum(prog.state_bytes(name, j, z)) for j in ks)
-                    sync[z] += grp.count * min(prog.sync_time(name, j, z) + prog.optimizer_time(name, j, z) for j in ks)
-            self._state_floor[skey] = (states, sync)
-        return _Floors(*self._act_floor[akey], *self._state_floor[skey])
-
-    @staticmethod
-    def _record(prog: ShardingProgram, res: MeshResult, copies: float) -> _Priced:
-        if not res.feasible:
-            return _Priced(False, result=res)
-        # cp attention's exposed communication is a term of its own in the stage program (not in compute_s), but
-        # the stage waits for it every micro-batch as for its compute
-        t_mb = (res.compute_s + res.reshard_s + res.cp_comm_s) / prog.mb
-        last = prog.last_bucket_s(res.zero_stage) if prog.dp > 1 else 0.0
-        return _Priced(
-            True,
-            t_mb,
-            res.grad_sync_s + res.optimizer_s,
-            res.zero_stage,
-            tuple(res.memory.items()),
-            copies,
-            res,
-            prog,
-            last_bucket_s=last,
-        )
 
 
 # ------------------------------------------------------------------------------ transfers between stages
@@ -640,7 +376,9 @@ class StepPrice:
     sync_hidden: tuple[float, ...]
 
 
-def step_price(slots: float, stages: list[_Priced], transfers: list[Transfer], overlap: Overlap, v: int) -> StepPrice:
+def step_price(
+    slots: float, stages: list[PricedStage], transfers: list[Transfer], overlap: Overlap, v: int
+) -> StepPrice:
     """T = slots max_s (t_s + e_s) + max_s (E_s + O_s) (the module docstring)."""
     exposed = [overlap.transfer_exposed(c, p.t_mb) for p, c in zip(stages, transfers, strict=True)]
     windows = sync_windows([p.t_mb for p in stages], v)
@@ -785,7 +523,7 @@ def _allocate(cost, start: list[int], total: int) -> list[int] | None:
 class _Search:
     """The search of `search_pipeline` over the configurations with more than one stage."""
 
-    def __init__(self, pricer: _StagePricer, constraints: dict, say):
+    def __init__(self, pricer: StagePricer, constraints: dict, say):
         self.pricer, self.c, self.say = pricer, constraints, say
         self.cluster, self.structure = pricer.cluster, pricer.structure
         self.L, self.B, self.budget = pricer.structure.num_layers, pricer.batch, pricer.budget
@@ -846,7 +584,7 @@ class _Search:
         return out
 
     def estimate(self, cfg: _Config) -> tuple[float, list[int]] | None:
-        """T under the affine stage costs of `_Floors` (see the module docstring), and its cut."""
+        """T under the affine stage costs of `StageFloors` (see the module docstring), and its cut."""
         b = self.micro_batch(cfg)
         transfers = _stage_transfers(self.cluster, self.structure, cfg.pp, cfg.tp, b, cfg.schedule, cfg.v)
         slots = schedule_slots(cfg.schedule, cfg.pp, cfg.m, cfg.v)
@@ -891,7 +629,7 @@ class _Search:
         """w_s of stage s priced alone (the cut search): the stages before it taken as long as it."""
         return s * backward_time(t_mb, cfg.v)
 
-    def stage_cost(self, cfg: _Config, s: int, p: _Priced, transfer: Transfer, slots: float) -> float:
+    def stage_cost(self, cfg: _Config, s: int, p: PricedStage, transfer: Transfer, slots: float) -> float:
         """What stage s adds to the step priced alone: slots (t_s + e_s) + E_s + O_s."""
         if not p.feasible:
             return math.inf
@@ -908,7 +646,7 @@ class _Search:
         transfers = _stage_transfers(self.cluster, self.structure, cfg.pp, cfg.tp, b, cfg.schedule, cfg.v)
         slots = schedule_slots(cfg.schedule, cfg.pp, cfg.m, cfg.v)
 
-        def priced(s: int, k: int) -> _Priced:
+        def priced(s: int, k: int) -> PricedStage:
             return self.pricer.price(k, s == 0, s == cfg.pp - 1, cfg.dp, cfg.tp, cfg.m, self.priced_copies(cfg, s))
 
         def cost(s: int, k: int) -> float:
@@ -962,26 +700,6 @@ class _Search:
         return records, best
 
 
-class _StackPricer(_StagePricer):
-    """A `_StagePricer` whose stage key is a layer range (a, b) of several stacks' sequence, not a count."""
-
-    def __init__(self, graph: OpGraph, structure: LayerStructure, cluster: ClusterSpec, **kw):
-        super().__init__(graph, structure, cluster, **kw)
-        self.flat = stack_layers(graph.node_layer)[0]
-        self._crossing: dict[int, float] = {}
-
-    def view(self, k, first: bool, last: bool) -> OpGraph:
-        if k not in self._views:
-            self._views[k] = range_view(self.graph, self.flat, self.structure.num_layers, *k)
-        return self._views[k]
-
-    def crossing(self, cut: int) -> float:
-        """Bytes per sample crossing the boundary before layer `cut`."""
-        if cut not in self._crossing:
-            self._crossing[cut] = crossing_bytes(self.graph, self.flat, self.structure.num_layers, cut, self.batch)
-        return self._crossing[cut]
-
-
 class _StackSearch(_Search):
     """The search over several stacks of unlike layers: every stage range priced exactly, cut by a bottleneck
     partition (dynamic programming over (stage, last layer), O(p L^2) range prices), without interleaving.
@@ -990,7 +708,7 @@ class _StackSearch(_Search):
     layer), and each boundary's transfer is priced from the values that cross it.
     """
 
-    def __init__(self, pricer: _StackPricer, constraints: dict, say):
+    def __init__(self, pricer: StackPricer, constraints: dict, say):
         super().__init__(pricer, constraints, say)
         self._exact: dict[_Config, tuple | None] = {}
 
@@ -1032,7 +750,7 @@ class _StackSearch(_Search):
         p, L = cfg.pp, self.L
         slots = schedule_slots(cfg.schedule, p, cfg.m, cfg.v)
 
-        def priced(s: int, a: int, e: int) -> _Priced:
+        def priced(s: int, a: int, e: int) -> PricedStage:
             return self.pricer.price((a, e), s == 0, s == p - 1, cfg.dp, cfg.tp, cfg.m, self.priced_copies(cfg, s))
 
         def cost(s: int, a: int, e: int) -> float:
@@ -1079,7 +797,7 @@ def _record_key(record: dict) -> tuple:
     )
 
 
-def _cp_fallback(pricer: _StagePricer, c: dict, say, records: list[dict], best: tuple | None, search: _Search):
+def _cp_fallback(pricer: StagePricer, c: dict, say, records: list[dict], best: tuple | None, search: _Search):
     """The search again with every stage on one cp attention algorithm, for each algorithm, the fastest layout
     kept. The first search runs each sub-mesh's fastest algorithm; where memory binds, one that holds less (ring
     keeps no gathered K/V, all-gather keeps them, all-to-all its head-split copies) may need less recompute or
@@ -1188,7 +906,7 @@ def search_pipeline(
         key = (c.get("zero"), c.get("recompute"), c.get("tp_min_split"), c.get("grad_reduce"), budget)
         pricer = (pricers or {}).get(key)
         if pricer is None:
-            pricer_cls = _StackPricer if structure.stacks else _StagePricer
+            pricer_cls = StackPricer if structure.stacks else StagePricer
             pricer = pricer_cls(
                 graph,
                 structure,

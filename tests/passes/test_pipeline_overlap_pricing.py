@@ -18,7 +18,6 @@ from autopar.passes.pipeline.search import (
     BACKWARD_SHARE,
     Overlap,
     Transfer,
-    _Priced,
     _transfer_s,
     hidden_part,
     overlap_efficiency,
@@ -26,6 +25,7 @@ from autopar.passes.pipeline.search import (
     step_price,
     sync_windows,
 )
+from autopar.passes.pipeline.stage_cost import PricedStage
 from autopar.trace import trace_model
 from tests.passes.test_pipeline_search import Stack
 
@@ -67,8 +67,8 @@ def test_sync_windows_are_the_backwards_of_the_stages_before():
     assert BACKWARD_SHARE == pytest.approx(2 / 3)
 
 
-def _stage(t_mb: float, sync: float, last: float = 0.0) -> _Priced:
-    return _Priced(True, t_mb, sync, last_bucket_s=last)  # no optimizer step: S_s = G_s
+def _stage(t_mb: float, sync: float, last: float = 0.0) -> PricedStage:
+    return PricedStage(True, t_mb, sync, last_bucket_s=last)  # no optimizer step: S_s = G_s
 
 
 def test_a_sync_hides_behind_its_own_backward_all_but_its_last_bucket():
@@ -161,7 +161,7 @@ def test_a_zero1_stage_hides_its_reduce_scatter_and_not_its_gathers():
     for gathers, hidden in ((2 * MS, 3 * MS), (4.5 * MS, 0.5 * MS), (0.0, 4 * MS)):
         result = SimpleNamespace(optimizer_s=0.0, step_gather_s=gathers, sync_fixed_s=0.0)
         nothing = SimpleNamespace(optimizer_s=0.0, step_gather_s=0.0, sync_fixed_s=0.0)
-        stages = [_Priced(True, 3 * MS, 1 * MS, result=nothing), _Priced(True, 3 * MS, 5 * MS, result=result)]
+        stages = [PricedStage(True, 3 * MS, 1 * MS, result=nothing), PricedStage(True, 3 * MS, 5 * MS, result=result)]
         on = step_price(slots, stages, transfers, Overlap(True, 1.0), 1)
         assert on.sync_hidden == pytest.approx((1 * MS, hidden), abs=TOL)
         assert on.step_s == pytest.approx(slots * 3 * MS + 5 * MS - hidden, abs=TOL)
