@@ -14,18 +14,18 @@ from autopar.cluster import ClusterSpec
 from autopar.cost_model.devices import LinkSpec
 from autopar.ir import OpGraph
 from autopar.passes.pipeline.schedules import Schedule, schedule_slots
-from autopar.passes.pipeline.search import (
+from autopar.passes.pipeline.search import search_pipeline
+from autopar.passes.pipeline.stage_cost import PricedStage
+from autopar.passes.pipeline.step_cost import (
     BACKWARD_SHARE,
     Overlap,
     Transfer,
-    _transfer_s,
     hidden_part,
     overlap_efficiency,
-    search_pipeline,
     step_price,
     sync_windows,
+    transfer_time,
 )
-from autopar.passes.pipeline.stage_cost import PricedStage
 from autopar.trace import trace_model
 from tests.passes.test_pipeline_search import Stack
 
@@ -46,7 +46,7 @@ def test_a_transfer_hides_its_bandwidth_time_behind_one_micro_batch_and_never_it
 def test_a_transfer_splits_into_the_wire_and_its_latency():
     link = LinkSpec("test", bandwidth_bytes_per_s=1e9, latency_s=1e-5)
     cluster = ClusterSpec.parse("8xA100-80GB")
-    t = _transfer_s(cluster, bytes_per_sample=1e6, link=link, b=2, tp=1)
+    t = transfer_time(cluster, bytes_per_sample=1e6, link=link, b=2, tp=1)
     # alpha-beta: one step of 10 us, then 2 MB at 1 GB/s
     assert t.total_s == pytest.approx(1e-5 + 2e-3, abs=TOL)
     assert t.fixed_s == pytest.approx(1e-5, abs=TOL)
