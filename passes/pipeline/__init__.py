@@ -4,6 +4,7 @@
 """
 
 from autopar.passes.pipeline.schedules import Schedule
-from autopar.passes.pipeline.search import PipelineSolution, StagePlan, search_pipeline
+from autopar.passes.pipeline.search import search_pipeline
+from autopar.passes.pipeline.solution import PipelineSolution, StagePlan
 
 __all__ = ["PipelineSolution", "Schedule", "StagePlan", "search_pipeline"]

@@ -12,7 +12,8 @@ from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.passes.pipeline.layers import layer_structure, stage_view
 from autopar.passes.pipeline.schedules import Schedule, activation_copies, bubble_fraction
-from autopar.passes.pipeline.search import PipelineSolution, search_pipeline
+from autopar.passes.pipeline.search import search_pipeline
+from autopar.passes.pipeline.solution import PipelineSolution
 from autopar.passes.sharding_solver import Precision, ShardingProgram
 from autopar.trace import trace_model
 from tests.models import MLPBlock, make_batch, tiny_llama
