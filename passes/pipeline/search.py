@@ -85,8 +85,8 @@ from autopar.passes import sharding_solver as ss
 from autopar.passes.pipeline.layers import (
     layer_structure,
     stack_structure,
-    why_no_layer_run,
 )
+from autopar.passes.pipeline.pins import PIPELINE_CONSTRAINT_KEYS, check_pins, divisors, wants_pipeline
 from autopar.passes.pipeline.schedules import (
     Schedule,
     activation_copies,
@@ -116,7 +116,6 @@ from autopar.plan import PIPELINE_ZERO_STAGES
 
 ESTIMATE_SLACK = 0.02  # how far an estimate may sit above the exact price before a configuration is skipped
 MICRO_BATCH_STOP = 0.10  # see _Search._micro_batches
-PIPELINE_CONSTRAINT_KEYS = frozenset({"pp", "schedule", "virtual_stages"})
 
 
 # ----------------------------------------------------------------------------------------- the search
@@ -140,74 +139,12 @@ class _Config:
         return f"pp={self.pp} {data} tp={self.tp} micro-batches={self.m} {sched}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _is_count(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-def _wants_pipeline(c: dict) -> bool:
-    """Whether the pins ask for pipeline stages (pp above 1, a schedule, or virtual stages)."""
-    return (c.get("pp") or 0) > 1 or c.get("schedule") is not None or (c.get("virtual_stages") or 1) > 1
-
-
-def _check_constraints(constraints: dict, world: int, num_layers: int) -> dict:
-    """Validate the pins this search reads; ConfigError says what to change."""
-    c = dict(constraints)
-    for key in ("pp", "tp", "dp", "num_microbatches", "micro_batch_size", "virtual_stages"):
-        if key in c and c[key] is not None and not _is_count(c[key]):
-            raise ConfigError(f"constraints[{key!r}]={c[key]!r}: expected a positive integer")
-    pp = c.get("pp")
-    if pp is not None and world % pp:
-        raise ConfigError(
-            f"constraints['pp']={pp} does not divide the world size {world}; choose one of {_divisors(world)}"
-        )
-    if pp is not None and pp > max(num_layers, 1):
-        raise ConfigError(
-            f"constraints['pp']={pp}: the model has {num_layers} layer(s) to cut and every stage needs "
-            f"at least one; choose pp <= {max(num_layers, 1)}"
-        )
-    if c.get("zero") not in (None, 0, 1, 2, 3):
-        raise ConfigError(f"constraints['zero']={c['zero']!r}: expected 0, 1, 2 or 3")
-    if c.get("zero") not in (None, *PIPELINE_ZERO_STAGES) and _wants_pipeline(c):
-        raise ConfigError(
-            f"constraints: ZeRO-{c['zero']} is not run with a pipeline (a stage would gather every split "
-            f"weight and reduce-scatter its gradient once per micro-batch, each collective waited on "
-            f"where it is issued); with pp pin zero 0 or 1 (ZeRO-1 gathers each weight once a step, "
-            f"behind compute), or drop pp, schedule and virtual_stages for ZeRO-{c['zero']}"
-        )
-    sched = c.get("schedule")
-    if sched is not None:
-        try:
-            c["schedule"] = Schedule(sched)
-        except ValueError:
-            raise ConfigError(
-                f"constraints['schedule']={sched!r}: expected one of {', '.join(repr(s.value) for s in Schedule)}"
-            ) from None
-    v = c.get("virtual_stages")
-    if v is not None and v > 1 and c.get("schedule") not in (None, Schedule.INTERLEAVED_1F1B):
-        raise ConfigError(
-            f"constraints['virtual_stages']={v} needs schedule 'interleaved_1f1b', not "
-            f"{c['schedule'].value!r}; drop one of the two"
-        )
-    if v == 1 and c.get("schedule") == Schedule.INTERLEAVED_1F1B:
-        raise ConfigError("constraints: the interleaved schedule needs virtual_stages >= 2 (with 1 it is '1f1b')")
-    if v is not None and v > 1 and pp is not None and pp * v > num_layers:
-        raise ConfigError(
-            f"constraints: pp={pp} x virtual_stages={v} chunks need at least {pp * v} layers, the "
-            f"model has {num_layers}; lower virtual_stages"
-        )
-    return c
-
-
 def _meshes(c: dict, cluster: ClusterSpec, pp: int, batch: int, cp: int = 1) -> list[tuple[int, int]]:
     """Sub-meshes (dp, tp) of world/pp devices: tp inside a node unless pinned, dp dividing the batch. With a cp
     axis dp is the data axis, dp·cp ranks (a pinned "dp" counts dp alone), and must hold the cp group."""
     n = cluster.world_size // pp
     out = []
-    for tp in _divisors(n):
+    for tp in divisors(n):
         dp = n // tp
         if c.get("tp") is not None and tp != c["tp"] or c.get("dp") is not None and dp != c["dp"] * cp:
             continue
@@ -278,9 +215,7 @@ class _Search:
 
     def configurations(self) -> list[tuple[float, _Config, list[int]]]:
         """(estimate, configuration, cut) of every allowed configuration where some cut fits the floors."""
-        pps = (
-            [self.c["pp"]] if self.c.get("pp") else [p for p in _divisors(self.cluster.world_size) if 2 <= p <= self.L]
-        )
+        pps = [self.c["pp"]] if self.c.get("pp") else [p for p in divisors(self.cluster.world_size) if 2 <= p <= self.L]
         out = []
         for pp in pps:
             for dp, tp in _meshes(self.c, self.cluster, pp, self.B, self.pricer.cp.degree):
@@ -591,26 +526,12 @@ def search_pipeline(
     """
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
-    world = cluster.world_size
     structure = layer_structure(graph, batch_size) or stack_structure(graph, batch_size)
     num_layers = structure.num_layers if structure is not None else 1
-    pinned_pp = (constraints or {}).get("pp")
-    if structure is None and isinstance(pinned_pp, int) and pinned_pp > 1:
-        raise ConfigError(f"constraints['pp']={pinned_pp}: {why_no_layer_run(graph)}; drop 'pp'")
-    c = _check_constraints(dict(constraints or {}), world, num_layers)
-    if (
-        structure is not None
-        and structure.stacks
-        and (c.get("schedule") == Schedule.INTERLEAVED_1F1B or (c.get("virtual_stages") or 1) > 1)
-    ):
-        names = " and ".join(path for path, _ in structure.stacks)
-        raise ConfigError(
-            f"constraints: interleaved schedules are not searched over several stacks of layers "
-            f"({names}); pin schedule '1f1b' or 'gpipe', or drop the pin"
-        )
+    c = check_pins(constraints, graph, structure, cluster.world_size)
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     single, single_error = None, None
-    wants_pipeline = _wants_pipeline(c)
+    stages_pinned = wants_pipeline(c)
     if c.get("pp") in (None, 1):
         flat = {k: v for k, v in c.items() if k not in PIPELINE_CONSTRAINT_KEYS}
         try:
@@ -662,7 +583,7 @@ def search_pipeline(
         search.num_programs = pricer.num_programs - programs_before
     else:
         pricer = search = None
-    single_ok = single is not None and not wants_pipeline
+    single_ok = single is not None and not stages_pinned
     if best is None or (single_ok and single.step_time_s <= best[0]):
         if single_ok:
             return _single_solution(single, graph, batch_size, records, search, time.perf_counter() - t0)
