@@ -18,13 +18,14 @@ Terms:
 `search_pipeline` runs these steps, each in the module named:
   1. the layers to cut (`layers`) and the pins checked (`pins`);
   2. the plan without a pipeline (p = 1), from `solve_sharding` where the pins allow one: it competes with the
-     best pipeline;
-  3. the stage pricer (`stage_cost`), kept in `pricers` for later searches of the same graph, and the search over
-     the configurations and their cuts (`layout_search`, which prices a step with `step_cost` and reads the
-     schedules' figures from `schedules`);
+     best pipeline (-> _plan_without_pipeline());
+  3. the stage pricer (`stage_cost`), kept in `pricers` for later searches of the same graph (-> _stage_pricer()),
+     and the search over the configurations and their cuts (`layout_search`, which prices a step with `step_cost`
+     and reads the schedules' figures from `schedules`; -> _search_layouts());
   4. with a cp axis, where memory binds, the search again with every stage on each cp attention algorithm that
-     holds less (`_cp_fallback`);
-  5. the answer as a `PipelineSolution` (`solution`), or the error that says why nothing fits.
+     holds less (-> _cp_fallback());
+  5. the answer as a `PipelineSolution` (`solution`; -> _single_solution(), _pipeline_solution()), or the error
+     that says why nothing fits (-> _raise_none_fits()).
 
 A cp axis (constraints "cp" > 1, the graph traced for cp: each sequence is cp rows of seq/cp tokens, B counts
 those rows). A stage's sub-mesh is then dp·cp x tp, its data axis the dp·cp ranks (a pinned "dp" counts dp
@@ -43,10 +44,7 @@ from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.passes import sharding_solver as ss
-from autopar.passes.pipeline.layers import (
-    layer_structure,
-    stack_structure,
-)
+from autopar.passes.pipeline.layers import LayerStructure, layer_structure, stack_structure
 from autopar.passes.pipeline.layout_search import LayoutSearch, StackLayoutSearch
 from autopar.passes.pipeline.pins import PIPELINE_CONSTRAINT_KEYS, check_pins, wants_pipeline
 from autopar.passes.pipeline.schedules import (
@@ -61,45 +59,6 @@ from autopar.passes.sharding_solver import (
     format_bytes,
 )
 from autopar.plan import PIPELINE_ZERO_STAGES
-
-
-def _record_key(record: dict) -> tuple:
-    """A priced configuration's identity in the search records: its layout and the cp algorithm it ran."""
-    return tuple(
-        record.get(k) for k in ("pp", "dp", "tp", "num_microbatches", "schedule", "virtual_stages", "cp_attention")
-    )
-
-
-def _cp_fallback(pricer: StagePricer, c: dict, say, records: list[dict], best: tuple | None, search: LayoutSearch):
-    """The search again with every stage on one cp attention algorithm, for each algorithm, the fastest layout
-    kept. The first search runs each sub-mesh's fastest algorithm; where memory binds, one that holds less (ring
-    keeps no gathered K/V, all-gather keeps them, all-to-all its head-split copies) may need less recompute or
-    fewer micro-batches and so win, or fit where nothing else does. Each search skips the configurations whose
-    estimate cannot beat the best so far, and reuses the stages priced before where the algorithm is the fastest
-    anyway (the stage-range search of several stacks prices exactly, so it estimates nothing).
-
-    Returns the records of every search, the best layout (None if none fits) and the search it came from (or,
-    with none, the one whose leanest layout needs least, for the error message)."""
-    found = search
-    try:
-        for alg in pricer.leaner_cp_algorithms():
-            pricer.cp_algorithm = alg
-            again = type(search)(pricer, c, say)
-            say(f"pipeline: every stage on {alg} cp attention")
-            more, got = again.run(best[0] if best is not None else math.inf)
-            seen = {_record_key(r) for r in records}
-            records = records + [r for r in more if _record_key(r) not in seen]
-            if got is not None and (best is None or got[0] < best[0]):
-                best, found = got, again
-            if (
-                best is None
-                and again.least_memory is not None
-                and (found.least_memory is None or again.least_memory[0] < found.least_memory[0])
-            ):
-                found = again
-    finally:
-        pricer.cp_algorithm = None  # the pricer serves later searches (`pricers`) with the fastest algorithms
-    return records, best, found
 
 
 def search_pipeline(
@@ -142,64 +101,136 @@ def search_pipeline(
     c = check_pins(constraints, graph, structure, cluster.world_size)
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     single, single_error = None, None
-    stages_pinned = wants_pipeline(c)
     if c.get("pp") in (None, 1):
-        flat = {k: v for k, v in c.items() if k not in PIPELINE_CONSTRAINT_KEYS}
-        try:
-            single = ss.solve_sharding(
-                graph,
-                cluster,
-                estimator=estimator,
-                precision=precision,
-                constraints=flat,
-                memory_budget_bytes=budget,
-                batch_size=batch_size,
-                progress=say,
-            )
-            say(f"no pipeline: {single.step_time_s * 1e3:.2f} ms")
-        except (InfeasiblePlanError, ConfigError) as e:
-            single_error = e
-    records, best = [], None
+        single, single_error = _plan_without_pipeline(graph, cluster, c, estimator, precision, budget, batch_size, say)
+    records, best, search = [], None, None
     pipeline_zero = c.get("zero") in (None, *PIPELINE_ZERO_STAGES)
     if structure is not None and c.get("pp") != 1 and num_layers >= 2 and pipeline_zero:
-        key = (c.get("zero"), c.get("recompute"), c.get("tp_min_split"), c.get("grad_reduce"), budget)
-        pricer = (pricers or {}).get(key)
-        if pricer is None:
-            pricer_cls = StackPricer if structure.stacks else StagePricer
-            pricer = pricer_cls(
-                graph,
-                structure,
-                cluster,
-                estimator=estimator,
-                precision=Precision.get(precision, c.get("grad_reduce")),
-                zero=c.get("zero"),
-                budget=budget,
-                batch=batch_size,
-                recompute=c.get("recompute"),
-                constraints=c,
-            )
-            if pricers is not None:
-                pricers[key] = pricer
-        programs_before = pricer.num_programs
-        search = (StackLayoutSearch if structure.stacks else LayoutSearch)(pricer, c, say)
-        records, best = search.run()
-        # where memory binds (nothing fits, a configuration fits no cut, or a stage of the best is priced within the
-        # budget), a cp algorithm that holds less may win
-        if (
-            pricer.cp.on
-            and pricer.cp.algorithm is None
-            and (best is None or search.dropped or any(p.bound for p in best[3]))
-        ):
-            records, best, search = _cp_fallback(pricer, c, say, records, best, search)
-        search.num_programs = pricer.num_programs - programs_before
-    else:
-        pricer = search = None
-    single_ok = single is not None and not stages_pinned
+        pricer = _stage_pricer(graph, structure, cluster, c, estimator, precision, budget, batch_size, pricers)
+        records, best, search = _search_layouts(pricer, c, say)
+    single_ok = single is not None and not wants_pipeline(c)
     if best is None or (single_ok and single.step_time_s <= best[0]):
         if single_ok:
             return _single_solution(single, graph, batch_size, records, search, time.perf_counter() - t0)
         _raise_none_fits(c, search, single_error, budget)
     return _pipeline_solution(best, search, single, records, time.perf_counter() - t0)
+
+
+def _plan_without_pipeline(
+    graph: OpGraph, cluster: ClusterSpec, c: dict, estimator, precision: str, budget: float, batch_size: int, say
+) -> tuple[ShardingSolution | None, Exception | None]:
+    """The best plan without stages (`solve_sharding` under the pins less the pipeline's), or why there is none."""
+    flat = {k: v for k, v in c.items() if k not in PIPELINE_CONSTRAINT_KEYS}
+    try:
+        single = ss.solve_sharding(
+            graph,
+            cluster,
+            estimator=estimator,
+            precision=precision,
+            constraints=flat,
+            memory_budget_bytes=budget,
+            batch_size=batch_size,
+            progress=say,
+        )
+    except (InfeasiblePlanError, ConfigError) as e:
+        return None, e
+    say(f"no pipeline: {single.step_time_s * 1e3:.2f} ms")
+    return single, None
+
+
+def _stage_pricer(
+    graph: OpGraph,
+    structure: LayerStructure,
+    cluster: ClusterSpec,
+    c: dict,
+    estimator,
+    precision: str,
+    budget: float,
+    batch_size: int,
+    pricers: dict | None,
+) -> StagePricer:
+    """The stage pricer for these pins: the one `pricers` kept from an earlier search, else a new one, kept there.
+
+    Only the pins a stage program depends on (ZeRO stage, recompute, tp_min_split, grad_reduce, the budget) tell
+    the kept pricers apart.
+    """
+    key = (c.get("zero"), c.get("recompute"), c.get("tp_min_split"), c.get("grad_reduce"), budget)
+    pricer = (pricers or {}).get(key)
+    if pricer is None:
+        pricer_cls = StackPricer if structure.stacks else StagePricer
+        pricer = pricer_cls(
+            graph,
+            structure,
+            cluster,
+            estimator=estimator,
+            precision=Precision.get(precision, c.get("grad_reduce")),
+            zero=c.get("zero"),
+            budget=budget,
+            batch=batch_size,
+            recompute=c.get("recompute"),
+            constraints=c,
+        )
+        if pricers is not None:
+            pricers[key] = pricer
+    return pricer
+
+
+def _search_layouts(pricer: StagePricer, c: dict, say) -> tuple[list[dict], tuple | None, LayoutSearch]:
+    """The records of the configurations priced, the best (None if none fits) and the search it came from.
+
+    With a cp axis, where memory binds (nothing fits, a configuration fits no cut, or a stage of the best is
+    priced within the budget), a cp algorithm that holds less may win: the search runs again (`_cp_fallback`).
+    """
+    programs_before = pricer.num_programs
+    search = (StackLayoutSearch if pricer.structure.stacks else LayoutSearch)(pricer, c, say)
+    records, best = search.run()
+    if (
+        pricer.cp.on
+        and pricer.cp.algorithm is None
+        and (best is None or search.dropped or any(p.bound for p in best[3]))
+    ):
+        records, best, search = _cp_fallback(pricer, c, say, records, best, search)
+    search.num_programs = pricer.num_programs - programs_before
+    return records, best, search
+
+
+def _record_key(record: dict) -> tuple:
+    """A priced configuration's identity in the search records: its layout and the cp algorithm it ran."""
+    return tuple(
+        record.get(k) for k in ("pp", "dp", "tp", "num_microbatches", "schedule", "virtual_stages", "cp_attention")
+    )
+
+
+def _cp_fallback(pricer: StagePricer, c: dict, say, records: list[dict], best: tuple | None, search: LayoutSearch):
+    """The search again with every stage on one cp attention algorithm, for each algorithm, the fastest layout
+    kept. The first search runs each sub-mesh's fastest algorithm; where memory binds, one that holds less (ring
+    keeps no gathered K/V, all-gather keeps them, all-to-all its head-split copies) may need less recompute or
+    fewer micro-batches and so win, or fit where nothing else does. Each search skips the configurations whose
+    estimate cannot beat the best so far, and reuses the stages priced before where the algorithm is the fastest
+    anyway (the stage-range search of several stacks prices exactly, so it estimates nothing).
+
+    Returns the records of every search, the best layout (None if none fits) and the search it came from (or,
+    with none, the one whose leanest layout needs least, for the error message)."""
+    found = search
+    try:
+        for alg in pricer.leaner_cp_algorithms():
+            pricer.cp_algorithm = alg
+            again = type(search)(pricer, c, say)
+            say(f"pipeline: every stage on {alg} cp attention")
+            more, got = again.run(best[0] if best is not None else math.inf)
+            seen = {_record_key(r) for r in records}
+            records = records + [r for r in more if _record_key(r) not in seen]
+            if got is not None and (best is None or got[0] < best[0]):
+                best, found = got, again
+            if (
+                best is None
+                and again.least_memory is not None
+                and (found.least_memory is None or again.least_memory[0] < found.least_memory[0])
+            ):
+                found = again
+    finally:
+        pricer.cp_algorithm = None  # the pricer serves later searches (`pricers`) with the fastest algorithms
+    return records, best, found
 
 
 def _raise_none_fits(c: dict, search: LayoutSearch | None, single_error: Exception | None, budget: float):
