@@ -35,7 +35,8 @@ programming over (stage, last layer), O(p L^2) range prices, with the estimate e
 boundary's transfer priced from the values that cross it. Interleaving is not searched over several stacks.
 
 Where no cut of a configuration fits, the search keeps the least memory the fullest stage of a balanced cut
-needs, for the error that says so (`least_memory`).
+needs, for the error that says so (`least_memory`); where the floors fit but no cut does once priced exactly, the
+configuration (`no_cut`), whose stage short of memory the error then names (-> LayoutSearch.short_of_memory()).
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ class LayoutSearch:
         self.num_programs = 0  # stage programs this search solved (its pricer may hold others' too)
         self.least_memory: tuple[float, Configuration] | None = None
         self.dropped = False  # whether some configuration fit no cut at the memory floors (memory bound the search)
+        # configurations that fit the memory floors but no cut of which fits once priced exactly, for the error
+        self.no_cut: list[Configuration] = []
 
     def kmin(self, cfg: Configuration) -> int:
         return cfg.v if cfg.schedule == Schedule.INTERLEAVED_1F1B else 1
@@ -296,6 +299,7 @@ class LayoutSearch:
                 | ({"cp_attention": str(alg)} if (alg := self.pricer.cp_run(cfg.dp, cfg.tp, cfg.m)) else {})
             )
             if got is None:
+                self.no_cut.append(cfg)
                 continue
             self.say(
                 f"pipeline {cfg.describe(self.pricer.cp.degree)}: {got[0] * 1e3:.2f} ms "
@@ -304,6 +308,48 @@ class LayoutSearch:
             if best is None or got[0] < best[0]:
                 best = (got[0], cfg, *got[1:])
         return records, best
+
+    # ------------------------------------------------------------------------------- when nothing fits
+
+    def balanced_stage(self, cfg: Configuration, s: int) -> tuple[int, int]:
+        """(stage key, layers) of stage s in a balanced cut of `cfg`, at its fullest: ceil(L / p) layers."""
+        k = math.ceil(self.L / cfg.pp)
+        return k, k
+
+    def short_of_memory(self, cfg: Configuration) -> ShortStage | None:
+        """The first stage of a balanced cut of `cfg` that no layout fits within the budget, for the error message;
+        None where each fits, or one has no layout at all (a tensor axis with nothing to split: not memory)."""
+        for s in range(cfg.pp):
+            (key, layers), first, last = self.balanced_stage(cfg, s), s == 0, s == cfg.pp - 1
+            copies = self.priced_copies(cfg, s)
+            if self.pricer.price(key, first, last, cfg.dp, cfg.tp, cfg.m, copies).feasible:
+                continue
+            fastest = self.pricer.free(key, first, last, cfg.dp, cfg.tp, cfg.m)
+            if not fastest.feasible:
+                return None
+            bound = self.pricer.program(key, first, last, cfg.dp, cfg.tp, cfg.m, copies).memory_lower_bound()
+            return ShortStage(cfg, s, layers, copies, bound, fastest.memory_at(copies))
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ShortStage:
+    """A stage that holds more than the memory budget in every layout its program allows.
+
+    Attributes:
+        cfg: the configuration; stage: its index; layers: the layers it runs (a balanced cut's fullest).
+        copies: micro-batches whose activations it keeps alive (a_s, as priced).
+        bound: its program's memory lower bound by part (states, activations, transient): each part at its
+            leanest on its own, which no one layout need reach.
+        fastest: its fastest layout's memory by part (the memory-free optimum at `copies`).
+    """
+
+    cfg: Configuration
+    stage: int
+    layers: int
+    copies: float
+    bound: dict[str, float]
+    fastest: dict[str, float]
 
 
 class StackLayoutSearch(LayoutSearch):
@@ -338,6 +384,11 @@ class StackLayoutSearch(LayoutSearch):
         if cfg not in self._exact:
             self._exact[cfg] = self._partition(cfg)
         return self._exact[cfg]
+
+    def balanced_stage(self, cfg: Configuration, s: int) -> tuple[tuple[int, int], int]:
+        """(layer range, layers) of stage s in a balanced cut of `cfg`."""
+        a, e = round(s * self.L / cfg.pp), round((s + 1) * self.L / cfg.pp)
+        return (a, e), e - a
 
     def _note_least_memory(self, cfg: Configuration) -> None:
         """Remember the least memory the fullest stage of a balanced cut needs, for the error message."""

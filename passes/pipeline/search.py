@@ -45,7 +45,7 @@ from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.passes import sharding_solver as ss
 from autopar.passes.pipeline.layers import LayerStructure, layer_structure, stack_structure
-from autopar.passes.pipeline.layout_search import LayoutSearch, StackLayoutSearch
+from autopar.passes.pipeline.layout_search import LayoutSearch, ShortStage, StackLayoutSearch
 from autopar.passes.pipeline.pins import PIPELINE_CONSTRAINT_KEYS, check_pins, wants_pipeline
 from autopar.passes.pipeline.schedules import (
     bubble_fraction,
@@ -234,9 +234,14 @@ def _cp_fallback(pricer: StagePricer, c: dict, say, records: list[dict], best: t
 
 
 def _raise_none_fits(c: dict, search: LayoutSearch | None, single_error: Exception | None, budget: float):
+    """Raise the error that says why no layout is the answer: the pins (no configuration to price), the plan
+    without a pipeline's own error, or memory (with the figures of the configuration closest to fitting)."""
     if search is None or search.least_memory is None:
         if single_error is not None:
             raise single_error
+        short = _closest_short_of_memory(search)
+        if short is not None:
+            raise ConfigError(_short_of_memory_message(search, short, budget))
         raise ConfigError(
             f"no pipeline layout satisfies the constraints {c}: the sub-mesh dp x tp must make "
             f"world size / pp devices, the global batch must divide over dp and the samples of a "
@@ -245,9 +250,44 @@ def _raise_none_fits(c: dict, search: LayoutSearch | None, single_error: Excepti
         )
     need, cfg = search.least_memory
     raise InfeasiblePlanError(
-        f"no pipeline layout fits: the leanest ({cfg.describe(search.pricer.cp.degree)}, micro-batch size {search.micro_batch(cfg)}) needs "
-        f"at least {format_bytes(need)} per device on its fullest stage with balanced cuts, but the budget is "
-        f"{format_bytes(budget)}; raise memory_budget, use more devices or a smaller batch or sequence"
+        f"no pipeline layout fits: the leanest ({cfg.describe(search.pricer.cp.degree)}, micro-batch size "
+        f"{search.micro_batch(cfg)}) needs at least {format_bytes(need)} per device on its fullest stage with "
+        f"balanced cuts, but the budget is {format_bytes(budget)}; raise memory_budget, use more devices or a "
+        f"smaller batch or sequence"
+    )
+
+
+def _closest_short_of_memory(search: LayoutSearch | None) -> ShortStage | None:
+    """Of the configurations that fit the floors but no cut of which fits, the stage short of memory whose lower
+    bound is least (the configuration closest to fitting); None where memory is not what stopped them."""
+    if search is None:
+        return None
+    shorts = [short for cfg in search.no_cut if (short := search.short_of_memory(cfg)) is not None]
+    return min(shorts, key=lambda short: sum(short.bound.values()), default=None)
+
+
+def _short_of_memory_message(search: LayoutSearch, short: ShortStage, budget: float) -> str:
+    """What stops every configuration the pins leave: a stage that holds more than the budget in every layout."""
+    cfg = short.cfg
+    parts = (
+        f"model states {format_bytes(short.bound['states'])}, activations {format_bytes(short.bound['activations'])}, "
+        f"working memory {format_bytes(short.bound['transient'])}"
+    )
+    need = sum(short.bound.values())
+    if need > budget:
+        why = f"needs at least {format_bytes(need)} per device ({parts}), {format_bytes(need - budget)} over it"
+    else:  # the program's lower bound takes each part at its leanest on its own, which no one layout reaches here
+        why = (
+            f"holds more than the budget in every layout: its fastest layout needs "
+            f"{format_bytes(sum(short.fastest.values()))} per device, and no layout takes every part at its leanest "
+            f"at once ({parts}: {format_bytes(need)})"
+        )
+    return (
+        f"no pipeline layout fits the memory budget of {format_bytes(budget)} per device: none of the "
+        f"{len(search.no_cut)} configuration(s) priced has a cut whose stages all fit. The closest is "
+        f"{cfg.describe(search.pricer.cp.degree)} (micro-batch size {search.micro_batch(cfg)}), whose stage "
+        f"{short.stage}, with {short.layers} of the {search.L} layers and the activations of {short.copies:g} "
+        f"micro-batch(es) alive, {why}; raise memory_budget, use more devices or a smaller batch or sequence"
     )
 
 

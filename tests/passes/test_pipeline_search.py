@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -229,6 +231,25 @@ def test_no_layout_fits():
     graph = _stack_graph(1024, 4, 16, 256)
     with pytest.raises(InfeasiblePlanError, match="budget"):
         _search(graph, "2x8xA100-80GB", 16, memory_budget_bytes=2**20)
+
+
+def test_a_pinned_pipeline_short_of_memory_says_memory_is_the_cause():
+    """Pins whose configurations fit the memory floors, but no cut of which fits once its stages are solved: the
+    error names memory (the budget, the stage short of it and its figures), not the pins."""
+    graph = _stack_graph(1024, 4, 16, 256)
+    pins = {"pp": 2, "dp": 8, "tp": 1, "num_microbatches": 2}
+    # the stage's parts at their leanest, each on its own, take 104.95 MiB and fit; no layout of the stage reaches
+    # them all at once (seen: the pinned layout fits from about 135 MiB), so 120 MiB sits inside that gap
+    budget = 120 * 2**20
+    with pytest.raises(ConfigError) as info:
+        _search(graph, "2x8xA100-80GB", 16, constraints=pins, memory_budget_bytes=budget)
+    msg = str(info.value)
+    assert "loosen the pins" not in msg
+    assert msg.startswith("no pipeline layout fits the memory budget of 120.00 MiB per device")
+    assert "pp=2 dp=8 tp=1 micro-batches=2" in msg and "whose stage 0, with 2 of the 4 layers" in msg
+    fastest = float(re.search(r"its fastest layout needs ([\d.]+) MiB", msg).group(1))
+    leanest = float(re.search(r"at once \(model states .*: ([\d.]+) MiB\)", msg).group(1))
+    assert leanest * 2**20 <= budget < fastest * 2**20
 
 
 def test_stages_pay_their_optimizer_step():
