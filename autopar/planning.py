@@ -177,7 +177,7 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False):
     )
     say = (lambda msg: None) if quiet else job.say
     if _searches_pipeline(job.pipeline, cluster, constraints):
-        from autopar.passes.pipeline_search import search_pipeline  # as solve_sharding
+        from autopar.passes.pipeline import search_pipeline  # as solve_sharding
 
         psol = search_pipeline(
             graph,

@@ -88,7 +88,7 @@ def hidden_terms(
     program's, priced by `ShardingProgram.add_overlap_constraint`; the sharded program's gradient buckets and its
     ZeRO gathers issued ahead of use, `ShardingProgram.add_sharded_overlap_constraint`; a pipeline's, the sync of
     the stage that ends the step hidden behind its own last backward and the backwards still running,
-    `passes.pipeline_search`). The
+    `passes.pipeline`). The
     pipeline axis: the part of the stage transfers of a step that runs behind the stage's compute
     (`transfer_hidden_s`). The cp axis: what cp attention's compute hides of its communication (a ring's hops
     behind the blocks they feed, `cp_hidden_s`). The tensor axis: the collectives the interpreter launches where

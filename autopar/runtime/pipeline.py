@@ -46,7 +46,7 @@ whole weights and whole fp32 gradients held for the step. With overlap off, torc
 transfer waited on where it is posted), the same buckets go out after the whole schedule, and a split weight is
 gathered wherever a micro-batch reads it (its gradient reduce-scattered by that gather's backward). Stages run
 ZeRO 0 or 1 only: at 2 or 3 every micro-batch would gather and reduce-scatter each weight, waited on where issued,
-so plans (`Plan`) and pins (`passes.pipeline_search`) with stages at ZeRO-2/3 are refused.
+so plans (`Plan`) and pins (`passes.pipeline`) with stages at ZeRO-2/3 are refused.
 
 A cp axis (mesh pp x dp x cp x tp, tp innermost, then cp): the stage graphs are cut from the graph traced for cp
 (`autopar.context_parallel.inputs.traced_batch`, the causal masks dropped), in which each sequence's zig-zag
