@@ -350,6 +350,7 @@ def plan(
     fuse_kernels: bool | None = None,
     compare=(),
     alternatives: bool | None = None,
+    max_grad_norm: float | None = None,
     _traced=None,
     _against: Plan | None = None,
 ) -> Plan:
@@ -384,6 +385,8 @@ def plan(
         alternatives: price the layouts a user would pick by hand (DDP, ZeRO-3, the best Megatron-style
             tp x pp point, the search's runner-up) for the report's "Why this plan". Default: on, except for
             the plans `compile` makes for itself (`_traced` given).
+        max_grad_norm: the global gradient norm the program will clip to (`compile`'s; a plan given to `compile`
+            brings its own).
         _traced: the TracedModel of `model` when the caller has one already (compile does); its graph is
             fused in place when fusion is on.
         _against: a plan made before (`autopar.compare`): no search, the `compare` layouts are priced next to
@@ -392,6 +395,9 @@ def plan(
     cluster = _as_cluster(cluster)
     constraints = check_constraints(constraints)
     check_precision(precision)
+    from autopar.runtime.step_guard import check_guard_options
+
+    check_guard_options(max_grad_norm, "raise")
     if offload not in (None, True, False):
         raise ConfigError(f"offload={offload!r}: expected None (the solver decides), True or False")
     precision = precision or _default_precision(cluster)
@@ -442,7 +448,9 @@ def plan(
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
     stats["total_time_s"] = round(time.perf_counter() - t0, 3)  # a searched plan may have been priced first
-    return dataclasses.replace(chosen, stats=stats, assumptions=_assumptions(settings.est, cluster, budget))
+    return dataclasses.replace(
+        chosen, stats=stats, assumptions=_assumptions(settings.est, cluster, budget), max_grad_norm=max_grad_norm
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1140,9 +1148,14 @@ def compile(
         pretrained: a folder of Hugging Face safetensors weights to start from; each rank reads only its slices
             (`Program.load_pretrained`). The model may then be built on the meta device: its buffers get values
             first (`autopar.checkpoint.hf.materialize_buffers`), its parameters are made by the program.
-        plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, ...).
+        plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, max_grad_norm=, ...), but for the
+            training loop's options (`autopar.loop`): on_nonfinite=, local_batch=, loss_fn=, loss_reduction=,
+            loss_inputs=, loss_tokens=.
     """
     from autopar import runtime
+    from autopar.loop import LoopOptions
+
+    loop = LoopOptions.take(plan_kwargs, model)
 
     cluster = _as_cluster(cluster)
     if optimizer is not None and not callable(optimizer):
@@ -1159,6 +1172,7 @@ def compile(
     if plan is not None:
         _check_given_plan(plan, cluster, model)
     runtime.ensure_process_group(cluster)
+    model, example_kwargs = loop.traced(model, dict(example_kwargs or {}))
     built = model  # what the program is built from; `model` is what is planned and traced
     if pretrained is not None:
         from autopar.checkpoint import hf
@@ -1206,12 +1220,14 @@ def compile(
     if pretrained is None:
         pm = program(model, plan, traced, cluster, optimizer=optimizer)
         pm.expect_inputs(args, kwargs)
+        loop.apply(pm, plan)
         return pm
     if plan.program == "offload" and hf.is_meta(built):  # it copies the whole model: give it parameters to copy
         built = copy.deepcopy(built)
         hf.materialize_parameters(built)
     pm = program(built, plan, traced, cluster, optimizer=optimizer)
     pm.expect_inputs(args, kwargs)
+    loop.apply(pm, plan)
     pm.load_pretrained(pretrained)
     return pm
 

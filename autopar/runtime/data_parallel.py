@@ -308,6 +308,12 @@ class DataParallelProgram(Program):
                 else:
                     master.grad.copy_(copy.grad)
 
+    def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
+        return [(g, self.dp) for g in self._gradients()]  # every rank holds every reduced gradient
+
+    def _loss_shards(self) -> int:
+        return self.dp * self.plan.num_microbatches  # each rank runs plain tensors on its rows
+
     def forward(self, *args, **kwargs):
         """Run the model on any batch with this program's parameters (every rank computes the whole batch)."""
         names = self.traced.param_names

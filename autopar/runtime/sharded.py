@@ -657,15 +657,18 @@ class ShardedProgram(Program):
             loss = self._run(mb_args, mb_kwargs, interp)[0]
             check_scalar_loss(loss)
             loss = loss.redistribute(self.mesh, (R, R))
-            counts = interp.loss_counts
-            w = counts[0] if len(micro) > 1 and len(counts) == 1 else 1.0
+            # the labels a mean cross-entropy kept: the step's weight (`Program.train_step`); a user's loss is
+            # global already (`autopar.loss`). One micro-batch's gradients need no weighting.
+            counts = interp.loss_counts if self.loss_spec is None else []
+            w = counts[0] if len(counts) == 1 else 1.0
+            w_back = w if len(micro) > 1 else 1.0
             if backward:
                 last = j == len(micro) - 1
                 if arm is not None:
                     arm(last)
                 self._in_backward = True
                 try:
-                    self.scaled(loss * w if w != 1.0 else loss).backward()
+                    self.scaled(loss * w_back if w_back != 1.0 else loss).backward()
                 finally:
                     self._in_backward = False
                 if finish is not None:
@@ -700,6 +703,14 @@ class ShardedProgram(Program):
                     dtype=self.compute_dtype if self.reduce_in_compute else None,
                 )
         return loss_sum, total
+
+    def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
+        tp = self.plan.mesh["tp"]
+        return [
+            (p.grad, (self.data_ranks if pl[0] == R else 1) * (tp if pl[1] == R else 1))
+            for p, pl in zip(self.shards, self._placements, strict=True)
+            if p.grad is not None
+        ]
 
     def _evaluate(self, micro: list[tuple]) -> float:
         if self._eval_interp is None:
