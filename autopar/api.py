@@ -1217,16 +1217,17 @@ def compile(
             else _program_trace(model, plan, part_args, part_kwargs)
         )
         plan = _complete_placements(plan, model, cluster, traced, part_args, part_kwargs)
+    tracer = _length_tracer(model, plan, traced)
     if pretrained is None:
         pm = program(model, plan, traced, cluster, optimizer=optimizer)
-        pm.expect_inputs(args, kwargs)
+        pm.expect_inputs(args, kwargs, tracer=tracer)
         loop.apply(pm, plan)
         return pm
     if plan.program == "offload" and hf.is_meta(built):  # it copies the whole model: give it parameters to copy
         built = copy.deepcopy(built)
         hf.materialize_parameters(built)
     pm = program(built, plan, traced, cluster, optimizer=optimizer)
-    pm.expect_inputs(args, kwargs)
+    pm.expect_inputs(args, kwargs, tracer=tracer)
     loop.apply(pm, plan)
     pm.load_pretrained(pretrained)
     return pm
@@ -1266,6 +1267,16 @@ def _program_trace(model, plan: Plan, args, kwargs):
 
         traced = fuse_traced(traced)
     return traced
+
+
+def _length_tracer(model, plan: Plan, traced):
+    """What a program traces the model with at a shorter sequence length (`autopar.runtime.shapes`): `_program_trace`
+    over a copy of the model without its weights; None for a program that traces nothing."""
+    if traced is None:
+        return None
+    from autopar.runtime.shapes import fake_copy
+
+    return functools.partial(_program_trace, fake_copy(model), plan)
 
 
 def _complete_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, kwargs) -> Plan:

@@ -40,6 +40,7 @@ from autopar.data import BatchFeed, PlanSampler, local_batch_size
 from autopar.errors import ConfigError, LoweringError
 from autopar.plan import Plan, ProgramKind
 from autopar.runtime.collectives import collective_timeout
+from autopar.runtime.shapes import Lengths, planned_length, shorter_length
 from autopar.runtime.step_guard import StepGuard, StepStats
 from autopar.trace import TracedModel
 
@@ -310,6 +311,11 @@ class Program(torch.nn.Module):
     """
 
     kind: ClassVar[ProgramKind]
+    # the attributes that depend on the trace, kept per sequence length (`autopar.runtime.shapes`, `_bind_trace`);
+    # none for a program that runs the model eagerly
+    _per_length: ClassVar[tuple[str, ...]] = ()
+    # why the program runs the planned sequence length only (None: it runs every shorter one)
+    _planned_length_only: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -350,6 +356,7 @@ class Program(torch.nn.Module):
         # a list (a test sets one): (event, what) of the program's data-axis collectives, in the order they happen
         self.comm_events: list | None = None
         self._input_signature: dict | None = None  # set by `expect_inputs`
+        self.lengths = Lengths(None)  # the sequence lengths run (`autopar.runtime.shapes`), from `expect_inputs`
         # the training loop around the graph (`configure_loop`): clipping and the non-finite policy, how batches
         # come in, the user's loss; what the last train_step did
         self.guard, self.feed, self.loss_spec = StepGuard(), BatchFeed(plan, self.device_type), None
@@ -396,16 +403,39 @@ class Program(torch.nn.Module):
 
     # ------------------------------------------------------------------------------------ step
 
-    def expect_inputs(self, args, kwargs) -> None:
+    def expect_inputs(self, args, kwargs, *, tracer: Callable | None = None) -> None:
         """Remember the inputs the program was planned and built for (`compile` calls it with its example
-        batch); `train_step` and `eval_step` then refuse others."""
+        batch); `train_step` and `eval_step` then refuse others, but for shorter sequences, which `tracer(args,
+        kwargs)` traces (`autopar.runtime.shapes`)."""
         self._input_signature = input_signature(args, kwargs)
+        self.lengths = Lengths(planned_length(args, kwargs), tracer)
 
-    def check_inputs(self, args, kwargs, where: str = "train_step") -> None:
-        """ConfigError naming the first input whose structure, shape or dtype differs from the planned ones."""
-        if self._input_signature is None:
+    def _at_length(self, length: int | None, args, kwargs) -> None:
+        """Run batches of sequences of `length` from now on (traced the first time: `autopar.runtime.shapes`)."""
+        if length is None or length == self.lengths.current:
             return
+        if self._planned_length_only is not None:
+            raise ConfigError(
+                f"the batch holds sequences of {length} tokens but the {self.kind} program runs the planned "
+                f"{self.lengths.planned} only ({self._planned_length_only}); pad the batch to {self.lengths.planned} "
+                f"tokens (labels -100, attention_mask 0 where padded), or plan without a pipeline"
+            )
+        parts = self.trace_parts(self.plan) or 1
+        self.lengths.use(self, length, lambda: micro_batches(args, kwargs, self.plan.global_batch_size, parts)[0])
+
+    def _bind_trace(self, traced) -> None:
+        """Run the model as `traced`, a trace at another sequence length (programs with `_per_length`)."""
+        raise NotImplementedError
+
+    def check_inputs(self, args, kwargs, where: str = "train_step") -> int | None:
+        """ConfigError naming the first input whose structure, shape or dtype differs from the planned ones, but
+        for sequences shorter than planned: returns the batch's sequence length (None: the batch has none)."""
+        if self._input_signature is None:
+            return None
         expected, got = self._input_signature, input_signature(args, kwargs)
+        length = shorter_length(expected, got, self.lengths.planned, where)
+        if length is not None:
+            return length
         if set(got) != set(expected):
             raise ConfigError(
                 f"{where} was given the inputs ({_names(got)}) but the program was compiled for "
@@ -424,6 +454,7 @@ class Program(torch.nn.Module):
                     f"batches of the planned shape and dtype (pad or cut sequences, cast with .to()), "
                     f"or compile again with an example batch of the shape you train on"
                 )
+        return self.lengths.planned
 
     def _build_optimizer(self, masters) -> None:
         self.optimizer = self._make_optimizer(list(masters))
@@ -448,7 +479,7 @@ class Program(torch.nn.Module):
         over the whole batch.
         """
         args, kwargs, tokens, loss_weight = self._step_batch(args, kwargs, check=True)
-        self.check_inputs(args, kwargs)
+        self._at_length(self.check_inputs(args, kwargs), args, kwargs)
         micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches)
         self._zero_grads()
         loss_sum, weight = self._forward_backward(micro)
@@ -549,7 +580,7 @@ class Program(torch.nn.Module):
         """The loss of a global batch (every rank passes the same batch) with dropout off, computing no gradient
         and touching no optimizer state; every rank returns it."""
         args, kwargs, _, _ = self._step_batch(args, kwargs, check=False)
-        self.check_inputs(args, kwargs, "eval_step")
+        self._at_length(self.check_inputs(args, kwargs, "eval_step"), args, kwargs)
         micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches)
         with torch.no_grad():
             return self._evaluate(micro)

@@ -226,6 +226,7 @@ class PipelineProgram(Program):
     """
 
     kind = ProgramKind.PIPELINE
+    _planned_length_only = "its stages' send and receive buffers are shaped for it when they are built"
 
     def __init__(
         self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None

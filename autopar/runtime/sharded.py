@@ -177,10 +177,6 @@ class ShardedProgram(Program):
         self._shapes = [tuple(named[n].shape) for n in self._param_names]
         self._buffers = [buffers[n].detach().to(self.device_type) for n in traced.buffer_names]
         self._run_buffers = [self.in_compute_format(b) for b in self._buffers]
-        self._constants = {
-            k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
-            for k, v in traced.exported.constants.items()
-        }
         placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
         params = frozenset(n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param")
         knobs = dict(
@@ -204,23 +200,51 @@ class ShardedProgram(Program):
         self._setup_release()
         if self.overlap:
             self._setup_overlap(placeholders, traced.placeholder_kinds)
+        self._eval_knobs = knobs
+        self._bind_trace(traced)
+        self._build_optimizer(self.shards)
+
+    # what depends on the trace: kept per sequence length (`autopar.runtime.shapes`)
+    _per_length = ("traced", "_interp", "_eval_interp", "_eval_knobs", "_constants")
+
+    def _bind_trace(self, traced: TracedModel) -> None:
+        """Run the model as `traced` (the planned length, or another: `autopar.runtime.shapes`), bound to the plan's
+        placements by the rewrite; the parameters, buckets and prefetch groups are the program's and stay."""
+        self._check_plan_matches(traced)
+        placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
+        params = [n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param"]
+        if params != list(self._index_of):
+            raise LoweringError(
+                "the model traced at this sequence length has other parameter inputs than at the planned one; "
+                "compile with an example batch of this length"
+            )
+        self.traced = traced
+        self._constants = {
+            k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
+            for k, v in traced.exported.constants.items()
+        }
+        self._eval_knobs = dict(self._eval_knobs, params=frozenset(params))
         gather = self._gather if self.overlap else self._gather_plain if self._release else None
         self._interp = shard_pass(
-            traced.graph_module, None, recompute=plan.recompute, layer_modes=plan.layer_modes, gather=gather, **knobs
+            traced.graph_module,
+            None,
+            recompute=self.plan.recompute,
+            layer_modes=self.plan.layer_modes,
+            gather=gather,
+            **self._eval_knobs,
         )
         if self.overlap:
             self._note_segments(self._interp)
-        self._eval_knobs = knobs
         self._eval_interp = None  # built on the first eval_step
-        self._build_optimizer(self.shards)
 
     def _check_plan_matches(self, traced: TracedModel) -> None:
         names = {n.name for n in traced.exported.graph.nodes}
         missing = [n for n in self.plan.node_output if n not in names]
         if missing:
             raise LoweringError(
-                f"the plan does not belong to this model: {len(missing)} of its nodes "
-                f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again"
+                f"the plan does not belong to this graph: {len(missing)} of its nodes "
+                f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again (at this sequence "
+                f"length, if it is not the planned one)"
             )
 
     # -------------------------------------------------------------------------------- gathered weights
