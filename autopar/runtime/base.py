@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autopar.checkpoint.peft import export_info as peft_export_info
 from autopar.cluster import ClusterSpec
 from autopar.data import BatchFeed, PlanSampler, local_batch_size
 from autopar.errors import ConfigError, LoweringError
@@ -362,6 +363,7 @@ class Program(torch.nn.Module):
         self.guard, self.feed, self.loss_spec = StepGuard(), BatchFeed(plan, self.device_type), None
         self.last_step: StepStats | None = None
         self.hf_config = getattr(model, "config", None)
+        self.peft = peft_export_info(model)  # a PEFT model: what saving its adapters needs
         self.hf_class_name = type(model).__name__  # the `architectures` a Hugging Face config names
         self.generation_config = getattr(model, "generation_config", None)  # transformers sets it on generators only
 
@@ -642,12 +644,15 @@ class Program(torch.nn.Module):
 
         return training.load(self, path)
 
-    def save_pretrained(self, path, *, max_shard_size="2GB") -> None:
+    def save_pretrained(self, path, *, max_shard_size="2GB", merged: bool = False) -> None:
         """Write the weights as Hugging Face safetensors (sharded with an index above `max_shard_size`, each file
-        written by one rank) with the model's config. Every rank calls it. See `autopar.checkpoint.hf`."""
+        written by one rank) with the model's config. Every rank calls it. See `autopar.checkpoint.hf`.
+
+        A PEFT model writes its adapters as PEFT does (`PeftModel.from_pretrained` reads them), or with `merged`
+        the base model with the adapters merged in (`autopar.checkpoint.peft`)."""
         from autopar.checkpoint import hf
 
-        hf.save_pretrained(self, path, max_shard_size=max_shard_size)
+        hf.save_pretrained(self, path, max_shard_size=max_shard_size, merged=merged)
 
     def load_pretrained(self, path) -> None:
         """Read Hugging Face safetensors weights into the masters, each rank only the slices it holds."""
