@@ -385,8 +385,8 @@ def plan(
         alternatives: price the layouts a user would pick by hand (DDP, ZeRO-3, the best Megatron-style
             tp x pp point, the search's runner-up) for the report's "Why this plan". Default: on, except for
             the plans `compile` makes for itself (`_traced` given).
-        max_grad_norm: the global gradient norm the program will clip to (`compile`'s; a plan given to `compile`
-            brings its own).
+        max_grad_norm: the global gradient norm the program will clip to (`compile`'s, which a plan given to it
+            brings): priced as its passes over the gradients (`autopar.cost_model.step_guard`).
         _traced: the TracedModel of `model` when the caller has one already (compile does); its graph is
             fused in place when fusion is on.
         _against: a plan made before (`autopar.compare`): no search, the `compare` layouts are priced next to
@@ -414,6 +414,7 @@ def plan(
     settings = _Settings(
         name, cluster, _estimator(estimator, cluster, precision), precision, budget, offload, pipeline, fuse, t0, say
     )
+    settings = dataclasses.replace(settings, clip=max_grad_norm is not None)
     degrees = cp_degrees(constraints, cluster.world_size, args, kwargs) if _traced is None and _against is None else []
     jobs = _Jobs(settings, module, model, args, kwargs, traced=_traced, traced_cp=cp)
     if len(degrees) > 1:
@@ -467,6 +468,7 @@ class _Settings:
     fuse: bool
     t0: float
     say: Callable[[str], None]
+    clip: bool = False  # max_grad_norm given: the step guard's clipping pass is priced
 
 
 class _Jobs:
@@ -523,6 +525,7 @@ class _Jobs:
             t_trace,
             st.say,
             cp=cp,
+            clip=st.clip,
         )
 
 
@@ -571,6 +574,7 @@ class _Job:
     # `pricers`): a layout the search priced is read back, not solved again
     pricers: dict = dataclasses.field(default_factory=dict)
     cp: int = 1  # the pinned cp degree: `batch` counts cp rows per sequence, the data axis dp·cp ranks
+    clip: bool = False  # the step guard clips (`cost_model.step_guard`)
 
 
 def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
@@ -619,6 +623,7 @@ def _solve(job: _Job, constraints: dict, *, quiet: bool = False):
                 job.t_trace,
                 est,
                 cp=job.cp,
+                clip=job.clip,
             )
             pplan = dataclasses.replace(
                 pplan,
@@ -735,7 +740,8 @@ def _sharded_plan(job: _Job, sol) -> Plan:
     model_flops, hw_flops = _flops(graph, tokens, sol.recompute, sol.layer_modes, cp=cp)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world = cluster.world_size
-    step = sol.step_time_s
+    guard = _step_guard_s(cluster, sol.memory, precision, job.clip)
+    step = sol.step_time_s + guard
     offload_s = sol.offload.get("time_s", 0.0) + sol.activation_offload.get("time_s", 0.0)
     predicted = _predicted(
         step,
@@ -750,7 +756,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         grad_sync_s=sol.grad_sync_s,
         grad_sync_hidden_s=sol.grad_sync_hidden_s,
         offload_s=offload_s,
-        optimizer_s=sol.optimizer_s,
+        optimizer_s=sol.optimizer_s + guard,
     )
     alternatives = tuple(
         {
@@ -781,7 +787,7 @@ def _sharded_plan(job: _Job, sol) -> Plan:
         reshard_s=sol.reshard_s,
         grad_sync_s=sol.grad_sync_s,
         offload_s=offload_s,
-        optimizer_s=sol.optimizer_s,
+        optimizer_s=sol.optimizer_s + guard,
         cp_comm_s=sol.cp_comm_s,
     )
     return Plan(
@@ -859,7 +865,7 @@ def _searches_pipeline(pipeline: bool | None, cluster: ClusterSpec, constraints:
 
 
 def _pipeline_plan(
-    psol, graph: OpGraph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est, cp: int = 1
+    psol, graph: OpGraph, name, cluster, precision, batch, args, kwargs, t0, t_trace, est, cp: int = 1, clip=False
 ) -> Plan:
     """The Plan of a pipeline layout: mesh pp x dp x tp (pp x dp x cp x tp with a cp axis: the search's data axis
     is dp·cp ranks and its batch cp rows per sequence), per-stage figures in `plan.pipeline`."""
@@ -873,10 +879,11 @@ def _pipeline_plan(
     tokens = _tokens(args, kwargs)
     model_flops, hw_flops = _flops(graph, tokens, recompute, cp=cp)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
-    world, step = cluster.world_size, psol.step_time_s
+    guard = max(_step_guard_s(cluster, st.memory, precision, clip) for st in psol.stages)
+    world, step = cluster.world_size, psol.step_time_s + guard
     # the step ends with the stage whose exposed sync and optimizer step take longest
     tail = max(psol.stages, key=lambda st: st.grad_sync_exposed_s + st.optimizer_s)
-    sync, opt = tail.grad_sync_exposed_s, tail.optimizer_s
+    sync, opt = tail.grad_sync_exposed_s, tail.optimizer_s + guard
     # compute: the pipelined forward and backward, bubble and transfers included
     predicted = _predicted(
         step,
@@ -1004,6 +1011,18 @@ def _pipeline_plan(
         hidden_communication=hidden,
         layer_ops=layer_ops,
     )
+
+
+def _step_guard_s(cluster: ClusterSpec, memory: dict, precision: str, clip: bool) -> float:
+    """The step guard's passes over a device's gradients and its all-reduce (`cost_model.step_guard`), added to every
+    layout a plan prices, so the plan, its baselines and comparisons carry it alike. The gradients it reads are those
+    of the masters the device's optimizer steps (fp32, one per element of its optimizer states on the device; not
+    the whole gradients ZeRO-1 holds in the backward)."""
+    from autopar.cost_model.step_guard import estimate_step_guard_time_s
+    from autopar.passes.sharding_solver import Precision
+
+    masters = memory.get("optimizer", 0.0) / Precision.get(precision).optimizer_bytes
+    return estimate_step_guard_time_s(cluster, 4.0 * masters, clip=clip)
 
 
 def _per_dp(candidate: dict, cp: int) -> dict:
@@ -1385,6 +1404,7 @@ def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=N
         "precision": plan.precision,
         "fuse_kernels": bool(plan.fusion.get("enabled", False)),
         "memory_budget": plan.assumptions.get("memory_budget_bytes"),
+        "max_grad_norm": plan.max_grad_norm,
     } | plan_kwargs
     if model is None or isinstance(model, str):
         kw |= {"global_batch_size": plan.global_batch_size, "seq_len": plan.tokens_per_step // plan.global_batch_size}

@@ -49,6 +49,7 @@ def _plan_cmd(args) -> int:
         estimator=args.estimator,
         progress=progress,
         compare=args.compare or (),
+        max_grad_norm=args.max_grad_norm,
         **switches,
     )
     if progress is not None:
@@ -168,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan with autopar's Triton ops for attention, norms and loss (default: on GPU clusters)",
     )
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"])
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        metavar="NORM",
+        help="price clipping the gradients to this global norm (the program's max_grad_norm; e.g. 1.0)",
+    )
     p.add_argument("--estimator", choices=["analytic", "profile"], default="analytic")
     p.add_argument("--json", help="write the plan as JSON to this file")
     p.add_argument("--report", help="write the report to this file (.md or .html)")
