@@ -14,7 +14,7 @@ from tests.models import make_batch, make_model
 pytestmark = pytest.mark.distributed
 
 LR = 1e-2
-# SGD with momentum: the programs and one process differ by summation order only (seen below 1e-7); rows
+# SGD with momentum: the programs and one process differ by summation order only (rounding only); rows
 # trained twice or never move most elements by about lr * |g|, above 1e-4
 PARAM_ATOL = 1e-6
 

@@ -14,10 +14,10 @@ from tests.models import make_batch, make_model
 pytestmark = pytest.mark.distributed
 
 LR = 1e-2
-# fp32: the loss is the same sums in another order (ranks, micro-batches); seen below 2e-7 relative. A mean of
-# per-rank means with this padding is 9e-3 off.
+# fp32: the loss is the same sums in another order (ranks, micro-batches); seen up to 1.3e-7 relative. The mean of
+# the two data-parallel ranks' means with this padding is 2.4e-3 off.
 LOSS_RTOL = 1e-6
-PARAM_ATOL = 1e-6  # SGD with momentum, two steps: rounding only (seen below 1e-7)
+PARAM_ATOL = 1e-6  # SGD with momentum, two steps: rounding only (seen up to 6e-8)
 
 
 def token_mean(outputs, batch):
@@ -124,4 +124,4 @@ def test_a_token_mean_loss_fn_is_global_on_every_program():
     model = make_model("llama")
     with torch.no_grad():
         halves = [token_mean(model(args[0][s]), {"labels": kwargs["labels"][s]}) for s in (slice(0, 4), slice(4, 8))]
-    assert abs(float(sum(halves)) / 2 - refs["mean"][0][0]) > 1e-3
+    assert abs(float(sum(halves)) / 2 - refs["mean"][0][0]) > 1e-3 * refs["mean"][0][0]

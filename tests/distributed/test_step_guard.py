@@ -17,10 +17,10 @@ LR = 1e-2
 MAX_NORM = 0.5  # below the tiny models' gradient norms (about 1.5 to 3): every step is clipped
 STEPS = 2
 # The norm is one fp32 gradient per element summed in another order (shards, ranks, micro-batches): its
-# relative difference is a few float32 epsilons (seen: up to 3e-7); a missed or doubly counted replica moves
-# it by a factor sqrt(2) or more.
+# relative difference is about a float32 epsilon (seen: up to 6e-8 on 2 ranks); a missed or doubly counted
+# replica moves it by a factor sqrt(2) or more.
 NORM_RTOL = 1e-6
-# SGD with momentum after two clipped steps: the updates differ by rounding only (seen below 1e-7); a wrong
+# SGD with momentum after two clipped steps: the updates differ by rounding only (seen up to 4e-9); a wrong
 # clip coefficient moves every element by about lr * |g| * the coefficient's error, above 1e-5.
 PARAM_ATOL = 1e-6
 # The layouts of each program kind (tiny LLaMA; GPT-2 for weights tied across pipeline stages).
