@@ -124,7 +124,7 @@ def _bench_cmd(args) -> int:
         )
         picks = {}
     run_suite(args.suite, args.out, quick=args.quick, cluster=args.cluster, show_progress=not args.quiet, **picks)
-    plot = "" if args.suite in ("soak", "checkpoint") else f" and {args.suite}.png"
+    plot = "" if args.suite in ("soak", "checkpoint", "lengths") else f" and {args.suite}.png"
     print(f"[autopar] wrote {args.suite}.json, {args.suite}.md{plot} to {args.out}", file=sys.stderr)
     return 0
 
@@ -198,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark suites: plans (predicted, vs baselines), compile (planning time), "
         "run (measured on CPU ranks, vs DDP/FSDP2/TP), calibrate (predicted vs Megatron-LM's published step times), "
         "soak (300 steps with checkpoints: memory, loadability, retention), checkpoint (save/load time of ~100M "
-        "parameters vs torch.save)",
+        "parameters vs torch.save), lengths (step time at half the planned sequence length)",
     )
-    b.add_argument("suite", choices=["plans", "compile", "run", "calibrate", "soak", "checkpoint"])
+    b.add_argument("suite", choices=["plans", "compile", "run", "calibrate", "soak", "checkpoint", "lengths"])
     b.add_argument(
         "--out",
         help="folder for the JSON, Markdown and PNG results (default bench-results; out/calibrate for calibrate)",
