@@ -16,12 +16,13 @@ program kind, layout and precision:
      is sqrt(sum_r q_r), what `torch.nn.utils.clip_grad_norm_` computes on one process;
    - whether this rank found a non-finite gradient;
    - this rank's share of the step's tokens (`last_step.tokens`).
-3. Non-finite loss or gradients: under fp16 a non-finite gradient with a finite loss is a loss-scale
-   overflow: the scaler halves the scale and the step is skipped and counted, as torch.amp does. Any other
-   non-finite loss or gradient (every precision) follows `on_nonfinite`: "raise" (the default) raises
-   `NonFiniteError` naming the step, after dropping the gradients: no update is applied, the step count
-   stays at the last applied step, so nothing checkpointed afterwards comes from it; "skip" drops the
-   gradients, counts the step in `skipped_steps` and returns.
+3. Non-finite loss or gradients follow `on_nonfinite`: "raise" (the default) raises `NonFiniteError` naming
+   the step, after dropping the gradients: no update is applied and the step count stays at the last applied
+   step, so nothing checkpointed afterwards comes from it; "skip" drops the gradients, counts the step in
+   `skipped_steps` and returns. Under fp16 a non-finite step is first the loss scaler's: it halves the scale
+   and the step is skipped and counted, as torch.amp's GradScaler does (an fp16 overflow, in the backward or
+   the forward, is what the scale is for); "raise" raises once the scale falls below `MIN_LOSS_SCALE`, where
+   halving it further would only hide a loss or gradient that stays non-finite.
 4. Clips: with `max_grad_norm` the gradients are multiplied by min(1, max_grad_norm / (norm + 1e-6)), the
    coefficient `clip_grad_norm_` uses.
 5. Steps the optimizer and records `StepStats` (`Program.last_step`).
@@ -43,6 +44,7 @@ from autopar.runtime.collectives import waiting_for
 
 ON_NONFINITE = ("raise", "skip")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+MIN_LOSS_SCALE = 1.0  # below it, an fp16 step that is still non-finite raises (on_nonfinite="raise")
 NORM_PIECE = 2**12
 
 
@@ -155,12 +157,13 @@ class StepGuard:
         return loss
 
     def _nonfinite(self, program, step: int, loss, norm, tokens, calls, *, loss_finite: bool) -> float:
-        """Drop the step's gradients; an fp16 overflow or `on_nonfinite="skip"` counts a skipped step, else
-        NonFiniteError."""
+        """Drop the step's gradients; an fp16 overflow (the scale still at MIN_LOSS_SCALE or above after halving)
+        or `on_nonfinite="skip"` counts a skipped step, else NonFiniteError."""
         program._discard_gradients()
-        overflow = program.scaler is not None and loss_finite
+        overflow = False
         if program.scaler is not None:
             program.scaler.update(True)
+            overflow = program.scaler.scale >= MIN_LOSS_SCALE
         if overflow or self.on_nonfinite == "skip":
             self.skipped_steps += 1
             program.num_steps = step
@@ -168,9 +171,10 @@ class StepGuard:
                 step, loss, norm, int(round(tokens)), True, self.skipped_steps, accumulated=calls
             )
             return loss
-        what = "loss" if not loss_finite else "gradients"
+        what = "the loss is" if not loss_finite else "the gradients are"
+        fp16 = f", still after halving the fp16 loss scale down to {program.scaler.scale:g}" if program.scaler else ""
         raise NonFiniteError(
-            f"step {step}: the {what} are not finite (loss {loss}, gradient norm {norm}); no update was applied "
+            f"step {step}: {what} not finite (loss {loss}, gradient norm {norm}{fp16}); no update was applied "
             f"and the step was not counted (the program stays at step {program.num_steps}). Lower the learning "
             f"rate, clip (max_grad_norm=1.0), check the batch, or compile with on_nonfinite='skip' to skip such "
             f"steps",

@@ -38,3 +38,14 @@ def test_a_plan_prices_clipping_and_records_it():
     assert plain.max_grad_norm is None and clipped.max_grad_norm == 1.0
     assert autopar.Plan.from_json(clipped.to_json()).max_grad_norm == 1.0
     assert "max_grad_norm" not in plain.to_json()  # plans without clipping keep their text
+
+
+def test_the_cli_prices_and_records_max_grad_norm(tmp_path):
+    import json
+
+    from autopar.cli import main
+
+    out = tmp_path / "plan.json"
+    flags = ["plan", "--model", "tiny-llama", "--global-batch-size", "8", "--seq-len", "32", "--quiet"]
+    assert main([*flags, "--cluster", "cpu:2", "--max-grad-norm", "1.0", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["max_grad_norm"] == 1.0

@@ -288,3 +288,52 @@ def test_accumulating_two_calls_is_one_step_over_their_rows():
                 rtol=0,
                 msg=lambda m, k=key, c=kind: f"{c} {k}: {m}",
             )
+
+
+def _fp16_runs(rank: int, world_size: int, cases):
+    out = []
+    args, kwargs = make_batch("llama")
+    for _, constraints in cases:
+        pm = autopar.compile(
+            make_model("llama"),
+            f"cpu:{world_size}",
+            args,
+            kwargs,
+            optimizer=_sgd,
+            constraints=constraints,
+            precision="fp16",
+            max_grad_norm=MAX_NORM,
+        )
+        # the scale starts at 2^16: a step whose fp16 gradients overflow is skipped (counted) until one goes through
+        for _ in range(24):
+            pm.train_step(*args, **kwargs)
+            if not pm.last_step.skipped:
+                break
+        applied = pm.last_step
+        # a scale already at its floor: a step still non-finite raises instead of halving it further
+        pm.scaler.scale = 1.0
+        undo = _poison(pm, float("inf"))
+        try:
+            pm.train_step(*args, **kwargs)
+            raised = None
+        except autopar.NonFiniteError as e:
+            raised = (e.step, str(e))
+        undo()
+        out.append({"kind": str(pm.plan.program), "applied": applied, "raised": raised})
+    return out
+
+
+def test_fp16_clips_the_unscaled_norm_and_raises_once_the_scale_is_exhausted():
+    cases = [("data-parallel", {"dp": 2, "tp": 1}), ("sharded", {"tp": 2})]
+    runs = run_distributed(_fp16_runs, 2, cases)
+    ref_norm = _reference("llama", _sgd, 1)[0][0]  # skipped steps leave the weights as they were
+    for i, (kind, constraints) in enumerate(cases):
+        for r in range(2):
+            got = runs[r][i]
+            assert got["kind"] == kind, (kind, constraints)
+            applied = got["applied"]
+            assert not applied.skipped and applied.clipped
+            # fp16 gradients against fp32 ones: about 1e-3 apart; a norm left scaled would be 2^k times larger
+            assert applied.grad_norm == pytest.approx(ref_norm, rel=2e-2), (kind, applied)
+            step, message = got["raised"]
+            assert step == applied.step + 1 and "loss scale down to 0.5" in message, message
