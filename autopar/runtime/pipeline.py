@@ -44,13 +44,13 @@ split over dp by ZeRO-1 (`zero_stage` 1 on every stage that reads it) is gathere
 them go out (asynchronously, in the order the stages read them) before the schedule starts, and each is waited on
 where a forward first reads it; every micro-batch then computes on the whole weight (in the compute format), and its
 gradient (this rank's partial sum over dp) accumulates in fp32 over the micro-batches; the reduce-scatter of those
-sums goes out bucket by bucket in the same way (its buckets apart from the all-reduced ones). That is ZeRO-1 as the
-plan prices it for a pipeline stage (`ShardingProgram.step_gathers`): one gather and one reduce-scatter a step,
-whole weights and whole fp32 gradients held for the step. With overlap off, torch's own schedules run (each transfer
-waited on where it is posted), the same buckets go out after the whole schedule, and a split weight is gathered
-wherever a micro-batch reads it (its gradient reduce-scattered by that gather's backward). Stages run ZeRO 0 or 1
-only: at 2 or 3 every micro-batch would gather and reduce-scatter each weight, waited on where issued, so plans
-(`Plan`) and pins (`passes.pipeline_search`) with stages at ZeRO-2/3 are refused.
+sums goes out bucket by bucket in the same way (its buckets apart from the all-reduced ones). That is ZeRO-1 as
+the plan prices it for a pipeline stage (`ShardingProgram.step_gathers`): one gather and one reduce-scatter a step,
+whole weights and whole fp32 gradients held for the step. With overlap off, torch's own schedules run (each
+transfer waited on where it is posted), the same buckets go out after the whole schedule, and a split weight is
+gathered wherever a micro-batch reads it (its gradient reduce-scattered by that gather's backward). Stages run
+ZeRO 0 or 1 only: at 2 or 3 every micro-batch would gather and reduce-scatter each weight, waited on where issued,
+so plans (`Plan`) and pins (`passes.pipeline`) with stages at ZeRO-2/3 are refused.
 
 A cp axis (mesh pp x dp x cp x tp, tp innermost, then cp): the stage graphs are cut from the graph traced for cp
 (`autopar.context_parallel.inputs.traced_batch`, the causal masks dropped, one rank's rows of it), in which each
@@ -87,6 +87,7 @@ from autopar.passes.pipeline_split import StageGraph, split_stages, stack_layers
 from autopar.passes.program_graph import copy_graph_module, eval_pass, sum_loss_pass
 from autopar.passes.sharding_rules import parse_placement, placement_str
 from autopar.plan import Plan, ProgramKind, StagePlan
+from autopar.program_comm import ProgramComm, gradient_order
 from autopar.runtime import overlap, pipeline_schedule
 from autopar.runtime.base import (
     Program,
@@ -180,6 +181,7 @@ class PipelineProgram(Program):
     """
 
     kind = ProgramKind.PIPELINE
+    _planned_length_only = "its stages' send and receive buffers are shaped for it when they are built"
 
     @classmethod
     def trace_parts(cls, plan: Plan) -> int:
@@ -197,6 +199,7 @@ class PipelineProgram(Program):
         # the data axis: dp·cp ranks (with a cp axis each sequence is cp rows of the traced batch)
         dp = plan.mesh["dp"] * cp
         self.pp, self.dp, self.tp, self.cp = pp, dp, tp, cp
+        self.comm = ProgramComm.of_plan(plan, self.kind)  # what it does over the data axis (and how it is priced)
         self.num_microbatches = plan.num_microbatches
         self.micro_rows = plan.global_batch_size // plan.num_microbatches  # rows of one micro-batch
         self.micro_batch = self.micro_rows * cp // dp  # rows of the traced graph: this rank's share
@@ -276,7 +279,7 @@ class PipelineProgram(Program):
             tp_pl = parse_placement(plan.param_placements.get(fqn, "R"))
             pl = (dp_placement(tuple(p.shape), dp, stage >= 1, tp_pl), tp_pl)
             self._placements[fqn] = pl
-            if stage == 1 and pl[0] != R and plan.overlap:
+            if self.comm.at_stage(stage).gathers_once_a_step and pl[0] != R:
                 self._step_split.add(fqn)
             shards[fqn] = torch.nn.Parameter(local_shard(self.master(p), self.mesh, pl), requires_grad=p.requires_grad)
         self.shards = torch.nn.ParameterDict({k.replace(".", "/"): v for k, v in shards.items()})
@@ -472,7 +475,7 @@ class PipelineProgram(Program):
             hooks=self,
             replicated_outputs=tuple(range(len(outputs))),
             recompute=recompute,
-            launch_early=self.plan.overlap,
+            launch_early=self.comm.launches_early,
             **self.cp_knobs,
         )
         return LoweredRun(lowered, None, counted=last and gm.meta["autopar_loss_count"])
@@ -561,6 +564,9 @@ class PipelineProgram(Program):
         for st in self.stages:
             st.train_interp.compile(mode)
             st.eval_interp.compile(mode)
+
+    def _loss_shards(self) -> int:
+        return self.dp * self.num_microbatches  # each rank's last stage runs its rows on local tensors
 
     def _scale_gradients(self, weight: float, scale: float) -> None:
         """Divide the gradients (of the loss summed over ranks and micro-batches) by the weight and the loss scale."""
@@ -653,13 +659,13 @@ class PipelineProgram(Program):
 
     def _backward_order(self) -> list[str]:
         """This rank's parameters in about the order the step's backward completes their gradients: its stages
-        latest in the pipeline first (their last backward runs first), each stage's by `overlap.gradient_order`;
+        latest in the pipeline first (their last backward runs first), each stage's by `gradient_order`;
         a parameter several of its stages read where the earliest of them puts it (its gradient is complete last
         there)."""
         order = []
         for st in sorted(self.stages, key=lambda st: -st.sg.index):
             names = [n for n in st.sg.placeholders if self._kind[n][0] == "param"]
-            order += [self._kind[n][1] for n in overlap.gradient_order(st.sg.graph_module.graph, names)]
+            order += [self._kind[n][1] for n in gradient_order(st.sg.graph_module.graph, names)]
         last = {key: i for i, key in enumerate(order)}
         return [key for i, key in enumerate(order) if last[key] == i]
 
@@ -761,6 +767,15 @@ class PipelineProgram(Program):
         for names, group, devices in self._tie_groups:
             with waiting_for(f"the all-reduce tying {', '.join(names)} over the stages of pp ranks {list(devices)}"):
                 sum_in_buckets(self._grads_of(names), group)
+
+    def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
+        stages = {name: len(devices) for names, _, devices in self._tie_groups for name in names}
+        out = []
+        for key in self._param_names:
+            grad, pl = self._shard[key].grad, self._placements[key]
+            if grad is not None:
+                out.append((grad, (self.dp if pl[0] == R else 1) * (self.tp if pl[1] == R else 1) * stages.get(key, 1)))
+        return out
 
     def _evaluate(self, micro: list[tuple]) -> float:
         loss_sum, weight = self._run_schedule(micro, backward=False)

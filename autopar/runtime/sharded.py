@@ -85,6 +85,7 @@ from autopar.passes.program_graph import copy_graph_module, drop_assertions_pass
 from autopar.passes.recompute import offloaded_nodes
 from autopar.passes.sharding_rules import parse_placement, placement_str
 from autopar.plan import Plan, ProgramKind
+from autopar.program_comm import ProgramComm, gradient_order
 from autopar.runtime import overlap
 from autopar.runtime.base import (
     Program,
@@ -227,34 +228,56 @@ class ShardedProgram(Program):
         self._split_dim = [pl[0].dim if isinstance(pl[0], Shard) else None for pl in self._placements]
         self._buffer_values = [buffers[n].detach().to(self.device_type) for n in traced.buffer_names]
         self._run_buffers = [self.in_compute_format(b) for b in self._buffer_values]
-        self._constants = {
-            k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
-            for k, v in traced.exported.constants.items()
-        }
+        self.comm = ProgramComm.of_plan(plan, self.kind)  # what it does over the data axis (and how it is priced)
         placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
         names = [p for p, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param"]
         self._index_of = {name: i for i, name in enumerate(names)}
         # gradient reductions issued from backward, in buckets (see the module docstring)
-        self.overlap = plan.overlap and self.data_ranks > 1
+        self.overlap = self.comm.overlaps_data_axis
         self._in_backward = False
         self._param_ptrs: set[int] = set()  # storages activation offload keeps where they are
         self._setup_release()
         if self.overlap:
             self._setup_overlap(placeholders, traced.placeholder_kinds)
-        self._interp = self._lower(traced.graph_module, train=True)
-        if self.overlap:
-            self._recomputed = {self._index_of[n] for n in self._interp.record.params_in_segments}
-        self._eval_interp = None  # built on the first eval_step
-        self._compile_mode: str | None = None
+        self._compile_mode: str | None = None  # `compile_graphs`
+        self._bind_trace(traced)
         self._build_optimizer(self.shards)
+
+    # what depends on the trace: kept per sequence length (`autopar.runtime.shapes`)
+    _per_length = ("traced", "_interp", "_eval_interp", "_constants", "_counted", "_recomputed")
+
+    def _bind_trace(self, traced: TracedModel) -> None:
+        """Run the model as `traced` (the planned length, or another: `autopar.runtime.shapes`), lowered to local ops
+        and collectives with the plan's placements; the parameters, buckets and prefetch groups are the program's
+        and stay."""
+        self._check_plan_matches(traced)
+        placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
+        params = [n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param"]
+        if params != list(self._index_of):
+            raise LoweringError(
+                "the model traced at this sequence length has other parameter inputs than at the planned one; "
+                "compile with an example batch of this length"
+            )
+        self.traced = traced
+        self._constants = {
+            k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
+            for k, v in traced.exported.constants.items()
+        }
+        self._interp = self._lower(traced.graph_module, train=True)
+        if self._compile_mode is not None:
+            self._interp.compile(self._compile_mode)
+        # split parameters read inside a recompute segment: gathered again in backward
+        self._recomputed = {self._index_of[n] for n in self._interp.record.params_in_segments}
+        self._eval_interp = None  # built on the first eval_step
 
     def _check_plan_matches(self, traced: TracedModel) -> None:
         names = {n.name for n in traced.exported.graph.nodes}
         missing = [n for n in self.plan.node_output if n not in names]
         if missing:
             raise LoweringError(
-                f"the plan does not belong to this model: {len(missing)} of its nodes "
-                f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again"
+                f"the plan does not belong to this graph: {len(missing)} of its nodes "
+                f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again (at this sequence "
+                f"length, if it is not the planned one)"
             )
 
     # ---------------------------------------------------------------------------------------------- lowering
@@ -291,7 +314,7 @@ class ShardedProgram(Program):
             recompute=plan.recompute if train else "none",
             layer_modes=plan.layer_modes if train else None,
             activation_offload=offload,
-            launch_early=plan.overlap,
+            launch_early=self.comm.launches_early,
             **cp_knobs,
         )
         run = LoweredRun(lowered, offload, counted=self._counted)
@@ -338,9 +361,8 @@ class ShardedProgram(Program):
     def _setup_release(self) -> None:
         """ZeRO-3 frees each weight it gathers once the forward has used it, and gathers it again for the backward
         (see the module docstring); ZeRO-1 and 2, with overlap, keep each gathered weight for the step."""
-        split = self.data_ranks > 1 and self.plan.zero_stage >= 1
-        self._release = split and self.plan.zero_stage >= 3
-        self._hold = split and self.plan.zero_stage < 3 and self.overlap
+        self._release = self.comm.releases_gathered_weights
+        self._hold = self.comm.holds_gathered_weights
         self._held: dict[int, torch.Tensor] = {}  # ZeRO-1/2: parameter index -> its whole weight, for the step
         # ZeRO-3: address of a gathered weight's storage -> (a weak reference to the weight, parameter index)
         self._gathered_by: dict[int, tuple[weakref.ref, int]] = {}
@@ -415,12 +437,12 @@ class ShardedProgram(Program):
 
     def _setup_overlap(self, placeholders: list[str], kinds) -> None:
         """Buckets over the trainable parameters in the order backward completes their gradients
-        (`overlap.gradient_order`), hooks on the replicated ones, and the per-step state."""
+        (`gradient_order`), hooks on the replicated ones, and the per-step state."""
         n = len(self._param_names)
         names = [p for p, kind in zip(placeholders, kinds, strict=True) if kind == "param"]
         order = [
             self._index_of[p]
-            for p in overlap.gradient_order(self.traced.graph_module.graph, names)
+            for p in gradient_order(self.traced.graph_module.graph, names)
             if self.shards[self._index_of[p]].requires_grad
         ]
         sizes = []
@@ -435,7 +457,7 @@ class ShardedProgram(Program):
         self._buckets = overlap.make_buckets(sizes, overlap.BUCKET_BYTES)
         for bucket in self._buckets:
             bucket.members = [order[j] for j in bucket.members]
-        self._per_micro = self.plan.zero_stage >= 2  # reduce-scatter buckets from every micro-batch's backward
+        self._per_micro = self.comm.reduces_every_microbatch  # reduce-scatter buckets from every micro-batch's backward
         if self._per_micro:  # gradients go straight into their bucket's send buffer: its members' whole shapes
             whole = {}
             for i in order:
@@ -461,7 +483,7 @@ class ShardedProgram(Program):
         """Groups of split trainable parameters by layer, in the order the graph first reads them."""
         import re
 
-        self.prefetch_depth = self.plan.prefetch_depth
+        self.prefetch_depth = self.comm.prefetch_depth
         self._prefetched: dict[int, tuple] = {}
         self._sources: list[torch.Tensor | None] = [None] * len(self._param_names)  # this step's local pieces
         graph = self.traced.graph_module.graph
@@ -477,7 +499,6 @@ class ShardedProgram(Program):
             groups.setdefault(found.group(1) if found else self._param_names[i], []).append(i)
         self._groups = list(groups.values())
         self._group_of = {i: g for g, members in enumerate(self._groups) for i in members}
-        self._recomputed: set[int] = set()  # read inside a recompute segment: gathered again in backward
         self._ahead_done: set[int] = set()  # groups whose backward gathers have issued the previous groups'
 
     def _prefetch_after(self, i: int) -> None:
@@ -779,6 +800,17 @@ class ShardedProgram(Program):
         self._compile_mode = mode
         if self._eval_interp is not None:
             self._eval_interp.compile(mode)
+
+    def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
+        tp = self.plan.mesh["tp"]
+        return [
+            (p.grad, (self.data_ranks if pl[0] == R else 1) * (tp if pl[1] == R else 1))
+            for p, pl in zip(self.shards, self._placements, strict=True)
+            if p.grad is not None
+        ]
+
+    def _loss_shards(self) -> int:
+        return self.data_ranks * self.plan.num_microbatches  # each rank runs its rows on local tensors
 
     def _evaluate(self, micro: list[tuple]) -> float:
         if self._eval_interp is None:
