@@ -15,8 +15,8 @@ from collections import Counter
 
 from autopar.rationale import COMM_TERMS, TERM_LABELS, TERMS, format_flops_rate, layout_words
 from autopar.report_charts import bars_svg, bars_text, gantt_svg, gantt_text, schedule_order, simulate
+from autopar.units import GIB
 
-GIB = 1024**3
 _RECOMPUTE_WORDS = {
     "none": "none (every layer keeps its activations for backward)",
     "selective": "selective (attention internals run again in backward)",

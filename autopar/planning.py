@@ -28,6 +28,7 @@ from autopar.ir import OpGraph
 from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
 from autopar.plan import Plan, ProgramKind
 from autopar.plan_build import Job, assumptions, pipeline_plan, pipeline_runner_up, sharded_plan, sharded_runner_up
+from autopar.program_comm import resolved_prefetch_depth
 from autopar.rationale import PINNED, with_rationale
 from autopar.tracing import cp_traced_batch, trace_in_format, trace_shortened
 
@@ -77,7 +78,12 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
     stats["total_time_s"] = round(time.perf_counter() - rq.t0, 3)  # a searched plan may have been priced first
-    return dataclasses.replace(chosen, stats=stats, assumptions=assumptions(rq.estimator, rq.cluster, rq.budget))
+    return dataclasses.replace(
+        chosen,
+        stats=stats,
+        assumptions=assumptions(rq.estimator, rq.cluster, rq.budget),
+        max_grad_norm=rq.max_grad_norm,
+    )
 
 
 class Jobs:
@@ -134,6 +140,7 @@ class Jobs:
             t_trace,
             rq.say,
             cp=cp,
+            clip=rq.max_grad_norm is not None,
         )
 
 
@@ -164,7 +171,7 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False):
 
     `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan.
     """
-    from autopar.passes.sharding_solver import solve_sharding  # PuLP and HiGHS: not for `autopar --help`
+    from autopar.passes.sharding.search import solve_sharding  # PuLP and HiGHS: not for `autopar --help`
 
     graph, cluster, est, precision, batch, budget = (
         job.graph,
@@ -176,7 +183,7 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False):
     )
     say = (lambda msg: None) if quiet else job.say
     if _searches_pipeline(job.pipeline, cluster, constraints):
-        from autopar.passes.pipeline_search import search_pipeline  # as solve_sharding
+        from autopar.passes.pipeline import search_pipeline  # as solve_sharding
 
         psol = search_pipeline(
             graph,
@@ -250,11 +257,8 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False):
 
 
 def _prefetch_depth(constraints: dict) -> int:
-    """The plan's prefetch depth: the pinned one, else 1 (0 where overlap is off: gathers stay on demand)."""
-    depth = constraints.get("prefetch_depth")
-    if depth is None:
-        return 1 if constraints.get("overlap", True) else 0
-    return int(depth)
+    """The plan's prefetch depth, by the one rule (`program_comm.resolved_prefetch_depth`)."""
+    return resolved_prefetch_depth(constraints.get("prefetch_depth"), bool(constraints.get("overlap", True)))
 
 
 _PIPELINE_KEYS = {"pp", "schedule", "virtual_stages"}

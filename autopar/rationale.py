@@ -25,7 +25,6 @@ import warnings
 
 from autopar.errors import AutoparError, ConfigError
 
-GIB = 1024**3
 # the terms of one step, in the order the report stacks them
 TERMS = ("compute", "recompute", "comm_tp", "comm_dp", "comm_pp", "comm_cp", "bubble", "offload", "optimizer", "other")
 # the terms that are one mesh axis's communication: exposed in `time_terms`, hidden in `hidden_terms`
@@ -89,11 +88,11 @@ def hidden_terms(
     program's, priced by `ShardingProgram.add_overlap_constraint`; the sharded program's gradient buckets and its
     ZeRO gathers issued ahead of use, `ShardingProgram.add_sharded_overlap_constraint`; a pipeline's, the sync of
     the stage that ends the step hidden behind its own last backward and the backwards still running,
-    `passes.pipeline_search`). The
+    `passes.pipeline`). The
     pipeline axis: the part of the stage transfers of a step that runs behind the stage's compute
     (`transfer_hidden_s`). The cp axis: what cp attention's compute hides of its communication (a ring's hops
     behind the blocks they feed, `cp_hidden_s`). The tensor axis: the collectives the interpreter launches where
-    their value is made, behind the ops before its first use (`tp_hidden_s`, `ShardingProgram._early_window`).
+    their value is made, behind the ops before its first use (`tp_hidden_s`, `MeshGroups.early_window`).
     Axes that hide nothing are left out, so a plan without overlap has none.
     """
     terms = {

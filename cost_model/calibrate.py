@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar import compat
+from autopar.units import BUCKET_BYTES
 
 _COLLECTIVE_SIZES_BYTES = tuple(4 * 4**k for k in range(0, 13))  # 4 B .. 64 MiB
 _FIT_MIN_BYTES = 1 << 20
@@ -637,7 +638,7 @@ def paired_overlap_efficiency(samples: Mapping[str, list[float]]) -> float:
     return statistics.median(overlap_efficiency(*turn) for turn in turns)
 
 
-OVERLAP_PROBE_BYTES = 25 << 20  # one gradient bucket (`runtime.overlap.BUCKET_BYTES`), what backward overlaps
+OVERLAP_PROBE_BYTES = BUCKET_BYTES  # one gradient bucket, what backward overlaps
 # one repetition's eta is noisy (0 to 0.4 on 2 shared cores); over 21 the median moves by about 0.1 run to run
 OVERLAP_PROBE_REPEATS = 21
 

@@ -37,6 +37,7 @@ FIRST_EXAMPLE = {
     "docs/programs.md": "run",
     "docs/solver.md": "run",
     "docs/testing.md": "shell",
+    "docs/training-loop.md": "compiles only: it trains under torchrun (examples/finetune.py runs it all)",
 }
 README_MAX_LINES = 100  # the front door: what autopar is, the two commands, an example, what to read next
 # the top-level entries of the tree: a path in a page that starts with one of them must exist

@@ -79,8 +79,8 @@ def test_reports_price_nothing(plans, monkeypatch):
         raise AssertionError("the report priced something")
 
     import autopar.cost_model.compute as compute
-    import autopar.passes.pipeline_search as ps
-    import autopar.passes.sharding_solver as ss
+    import autopar.passes.pipeline as ps
+    import autopar.passes.sharding.search as ss
 
     monkeypatch.setattr(ss, "solve_sharding", boom)
     monkeypatch.setattr(ps, "search_pipeline", boom)

@@ -14,8 +14,6 @@ from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.trace import trace_model
 from tests.models import MLPBlock, PreNormStack, make_batch, make_model, tiny_llama
 
-GIB = 1024**3
-
 
 class MLPStack(nn.Module):
     def __init__(self, hidden: int = 2048, num_layers: int = 2):
@@ -183,7 +181,7 @@ def test_shortened_trace_prices_the_whole_model():
     from autopar.cost_model import AnalyticEstimator, DType
     from autopar.flops import step_flops
     from autopar.ir import OpGraph
-    from autopar.passes.sharding_solver import solve_sharding
+    from autopar.passes.sharding.search import solve_sharding
     from autopar.plan_build import expand_placements
     from autopar.trace import trace_model
 
