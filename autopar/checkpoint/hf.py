@@ -73,11 +73,12 @@ def save_pretrained(program, path, *, max_shard_size="2GB") -> None:
 
     path = Path(path)
     max_bytes = _bytes(max_shard_size)
-    masters = program._local_masters()
-    buffers = {n: b for n, b in program._named_buffers().items() if n in program._persistent_buffers}
-    shapes = {n: program._master_shapes[n] for n in program._master_names}
+    names = program.checkpoint_names
+    masters = program.checkpoint_masters()
+    buffers = program.checkpoint_buffers()
+    shapes = {n: names.shapes[n] for n in names.masters}
     shapes |= {n: tuple(b.shape) for n, b in buffers.items()}
-    dtypes = {n: program._state_dtypes[n] for n in shapes}
+    dtypes = {n: names.dtypes[n] for n in shapes}
     sizes = {n: math.prod(shapes[n]) * dtypes[n].itemsize for n in shapes}
     files = shard_files(sizes, max_bytes)
     names = file_names(len(files))
@@ -120,7 +121,8 @@ def config_to_write(program):
         return None
     config = copy.deepcopy(config)
     config.architectures = [program.hf_class_name]
-    floating = [d for n in program._master_names if (d := program._state_dtypes[n]).is_floating_point]
+    names = program.checkpoint_names
+    floating = [d for n in names.masters if (d := names.dtypes[n]).is_floating_point]
     if floating:  # as transformers' `model.dtype`: the first floating parameter's
         config.dtype = str(floating[0]).removeprefix("torch.")
     return config
@@ -203,10 +205,11 @@ def _name_in_files(canonical: str, names_of: dict[str, list[str]], files: Weight
 def check_files(program, files: WeightFiles) -> dict[str, str]:
     """canonical master name -> the key holding it in the files; raises on a missing, unexpected or misshapen
     tensor."""
+    model = program.checkpoint_names
     names_of: dict[str, list[str]] = {}
-    for name, first in program._first_names.items():
+    for name, first in model.first_names.items():
         names_of.setdefault(first, []).append(name)
-    known = set(program._first_names) | set(program._persistent_buffers)
+    known = set(model.first_names) | set(model.persistent_buffers)
     unexpected = sorted(k for k in files.tensors if k not in known)
     if unexpected:
         k = unexpected[0]
@@ -215,18 +218,18 @@ def check_files(program, files: WeightFiles) -> dict[str, str]:
             f"{unexpected[:3]}: these weights are of another model"
         )
     keys = {}
-    for name in program._master_names:
+    for name in model.masters:
         key = _name_in_files(name, names_of, files)
         if key is None:
             raise ConfigError(
-                f"the weights in {files.path} lack {name!r} (shape {program._master_shapes[name]}): "
+                f"the weights in {files.path} lack {name!r} (shape {model.shapes[name]}): "
                 f"they are of another model, or the files are incomplete"
             )
         shape = files.tensors[key][1]
-        if tuple(shape) != tuple(program._master_shapes[name]):
+        if tuple(shape) != tuple(model.shapes[name]):
             raise ConfigError(
                 f"{key!r} in {files.file_of(key)} has shape {tuple(shape)} but the model's "
-                f"{name!r} has {tuple(program._master_shapes[name])}"
+                f"{name!r} has {tuple(model.shapes[name])}"
             )
         keys[name] = key
     return keys
@@ -254,7 +257,7 @@ def load_pretrained(program, path) -> int:
 
     files = WeightFiles(path)
     keys = check_files(program, files)
-    masters = program._local_masters()
+    masters = program.checkpoint_masters()
     by_file: dict[Path, list[str]] = {}
     for name in masters:
         by_file.setdefault(files.file_of(keys[name]), []).append(name)
@@ -272,7 +275,7 @@ def load_pretrained(program, path) -> int:
             raise
         except Exception as e:  # safetensors' own errors carry no common base class
             raise ConfigError(f"reading {file}: {type(e).__name__}: {e}") from e
-    program._after_checkpoint_load()
+    program.after_checkpoint_load()
     program.pretrained_bytes_read = read
     barrier()
     return read

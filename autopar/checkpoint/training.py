@@ -38,6 +38,7 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,8 @@ from autopar.errors import ConfigError
 MARKER = "autopar_checkpoint.json"
 FORMAT = "autopar-checkpoint"
 VERSION = 1
+_pending: WeakKeyDictionary = WeakKeyDictionary()  # program -> the Future of its save in flight
+_groups: WeakKeyDictionary = WeakKeyDictionary()  # program -> its background writes' process group
 
 
 def latest_checkpoint(root) -> str | None:
@@ -154,8 +157,7 @@ def buffer_entries(program) -> dict[str, torch.Tensor]:
     """`buffer.<name>` -> the program's persistent buffers (running statistics and the like: state a step may
     change); every rank holds them whole, so DCP writes each once. Non-persistent buffers (rotary tables) are
     derived from the config and are not saved, as `state_dict` leaves them out."""
-    buffers = program._named_buffers()
-    return {f"buffer.{n}": buffers[n] for n in program._persistent_buffers if n in buffers}
+    return {f"buffer.{n}": b for n, b in program.checkpoint_buffers().items()}
 
 
 def _for_save(entries: dict) -> dict:
@@ -230,18 +232,15 @@ def save(program, path, *, extra: dict | None = None, keep_last: int | None = No
     committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-checkpoint")
     future = committer.submit(_commit_after, upload, path, marker, keep_last, group)
     committer.shutdown(wait=False)
-    program._pending_checkpoint = future
+    _pending[program] = future
     return future
 
 
 def wait_checkpoint(program) -> str | None:
     """Wait for `program`'s asynchronous save in flight, if any, to be written and committed; returns its path
     (None: none was in flight). Raises what the save raised (every rank does). Every rank must call it."""
-    future = getattr(program, "_pending_checkpoint", None)
-    if future is None:
-        return None
-    program._pending_checkpoint = None
-    return future.result()
+    future = _pending.pop(program, None)
+    return None if future is None else future.result()
 
 
 def _pickled_extra(extra) -> bytes:
@@ -258,11 +257,11 @@ def _pickled_extra(extra) -> bytes:
 
 def _state(program, extra_bytes: bytes) -> dict:
     """The DCP state dict of `program` now (collective: flat pieces travel to the rank that writes them)."""
-    masters, optim = program._local_masters(), program._local_optimizer_state()
+    masters, optim = program.checkpoint_masters(), program.checkpoint_optimizer_state()
     state = _for_save(tensor_entries(masters, optim)) | buffer_entries(program)
     # objects go as pickled bytes: DCP would flatten a dict into keys of its own
     if rank() == 0:  # one copy of what every rank shares; every rank reads it back
-        state["autopar.meta"] = pickle.dumps(program._checkpoint_meta())
+        state["autopar.meta"] = pickle.dumps(program.checkpoint_meta())
         state["autopar.extra"] = extra_bytes
     state[f"autopar.rng.rank{rank()}"] = pickle.dumps(rng_state())
     return state
@@ -274,9 +273,9 @@ def _checkpoint_group(program):
     Created on the first asynchronous save (every rank calls it then), kept by the program."""
     if world() == 1:
         return None
-    group = getattr(program, "_checkpoint_process_group", None)
+    group = _groups.get(program)
     if group is None:
-        group = program._checkpoint_process_group = dist.new_group(backend="gloo")
+        group = _groups[program] = dist.new_group(backend="gloo")
     return group
 
 
@@ -363,10 +362,10 @@ def load(program, path) -> dict:
     # a checkpoint saved before the first optimizer step holds no optimizer states: the program starts afresh too
     fresh = not any(key.startswith("optim.") for key in metadata)
     if not fresh:
-        program._ensure_optimizer_state()
-    entries = tensor_entries(program._local_masters(), {} if fresh else program._local_optimizer_state())
+        program.prepare_optimizer_state()
+    entries = tensor_entries(program.checkpoint_masters(), {} if fresh else program.checkpoint_optimizer_state())
     _check_against(entries, metadata, path)
-    check_model_names(program._master_names, metadata, path)
+    check_model_names(program.checkpoint_names.masters, metadata, path)
     state, flat = {}, {}
     for key, v in entries.items():
         if isinstance(v, Piece) and v.flat is not None:
@@ -402,11 +401,11 @@ def load(program, path) -> dict:
         buffer.copy_(state[key])
     meta, extra = _unpickled(state, "autopar.meta", path), _unpickled(state, "autopar.extra", path)
     if fresh:
-        program._reset_optimizer_state()
-    program._restore_checkpoint_meta(meta)
+        program.reset_optimizer_state()
+    program.restore_checkpoint_meta(meta)
     if rng_key in metadata:  # a rank the saving run did not have keeps its own generators
         set_rng_state(_unpickled(state, rng_key, path))
-    program._after_checkpoint_load()
+    program.after_checkpoint_load()
     barrier()
     return extra
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopar.checkpoint.pieces import Piece
 from autopar.cluster import ClusterSpec
 from autopar.passes.program_graph import (
     copy_graph_module,
@@ -321,9 +322,7 @@ class DataParallelProgram(Program):
     def _full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().cpu() for n, p in zip(self.traced.param_names, self.params, strict=True)}
 
-    def _local_masters(self) -> dict:
-        from autopar.checkpoint.pieces import Piece
-
+    def checkpoint_masters(self) -> dict:
         return {
             n: Piece(p.detach(), tuple(p.shape), offsets=(0,) * p.ndim, param=p)
             for n, p in zip(self.traced.param_names, self.params, strict=True)
@@ -332,7 +331,7 @@ class DataParallelProgram(Program):
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers_list, strict=True))
 
-    def _after_checkpoint_load(self) -> None:
+    def after_checkpoint_load(self) -> None:
         """The graph's buffer inputs are the buffers just read (in the compute format under mixed precision)."""
         slots = [i for i, kind in enumerate(self.traced.placeholder_kinds) if kind == "buffer"]
         for i, b in zip(slots, self._buffers_list, strict=True):

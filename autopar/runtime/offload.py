@@ -43,6 +43,7 @@ import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from autopar.checkpoint import chunks
 from autopar.cluster import ClusterSpec
 from autopar.errors import LoweringError
 from autopar.memory import ChunkAdamW, ChunkScheduler, ChunkStore, MemoryTracker, pack
@@ -337,25 +338,17 @@ class OffloadProgram(Program):
         return dict(self.module.named_buffers(remove_duplicate=False))
 
     # the chunks' shards cut parameters anywhere: their pieces are flat ranges (autopar.checkpoint.chunks)
-    def _local_masters(self) -> dict:
-        from autopar.checkpoint.chunks import chunk_pieces
+    def checkpoint_masters(self) -> dict:
+        return chunks.chunk_pieces(self.store, "master")
 
-        return chunk_pieces(self.store, "master")
+    def checkpoint_optimizer_state(self) -> dict[str, dict]:
+        return chunks.chunk_optimizer_state(self.store, self.optimizer)
 
-    def _local_optimizer_state(self) -> dict[str, dict]:
-        from autopar.checkpoint.chunks import chunk_optimizer_state
-
-        return chunk_optimizer_state(self.store, self.optimizer)
-
-    def _ensure_optimizer_state(self) -> None:
+    def prepare_optimizer_state(self) -> None:
         pass  # the chunks' moments exist from the start
 
-    def _reset_optimizer_state(self) -> None:
-        from autopar.checkpoint.chunks import reset_optimizer_state
+    def reset_optimizer_state(self) -> None:
+        chunks.reset_optimizer_state(self.store, self.optimizer)
 
-        reset_optimizer_state(self.store, self.optimizer)
-
-    def _after_checkpoint_load(self) -> None:
-        from autopar.checkpoint.chunks import after_load
-
-        after_load(self.store, self.optimizer)
+    def after_checkpoint_load(self) -> None:
+        chunks.after_load(self.store, self.optimizer)

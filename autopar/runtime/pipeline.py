@@ -73,6 +73,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from autopar.checkpoint.pieces import contiguous_stride, dtensor_piece
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import ConfigError, LoweringError
@@ -86,7 +87,6 @@ from autopar.runtime import overlap, pipeline_schedule
 from autopar.runtime.base import (
     Program,
     check_scalar_loss,
-    contiguous_stride,
     flat_inputs,
     rank_rows,
     sum_in_buckets,
@@ -788,12 +788,10 @@ class PipelineProgram(Program):
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return self._buffers
 
-    def _after_checkpoint_load(self) -> None:
+    def after_checkpoint_load(self) -> None:
         self._run_buffers = {k: self.in_compute_format(b) for k, b in self._buffers.items()}  # buffers just read
 
-    def _local_masters(self) -> dict:
-        from autopar.checkpoint.pieces import dtensor_piece
-
+    def checkpoint_masters(self) -> dict:
         return {
             n: dtensor_piece(
                 self._shard[n].detach(), self._shapes[n], self.mesh, self._placements[n], param=self._shard[n]

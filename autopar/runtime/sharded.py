@@ -71,6 +71,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from autopar.checkpoint.pieces import contiguous_stride, dtensor_piece
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import LoweringError
@@ -83,7 +84,6 @@ from autopar.runtime.base import (
     Program,
     call_spec,
     check_scalar_loss,
-    contiguous_stride,
     flat_inputs,
     placeholder_values,
     rank_rows,
@@ -730,12 +730,10 @@ class ShardedProgram(Program):
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers, strict=True))
 
-    def _after_checkpoint_load(self) -> None:
+    def after_checkpoint_load(self) -> None:
         self._run_buffers = [self.in_compute_format(b) for b in self._buffers]  # buffers just read
 
-    def _local_masters(self) -> dict:
-        from autopar.checkpoint.pieces import dtensor_piece
-
+    def checkpoint_masters(self) -> dict:
         return {
             n: dtensor_piece(p.detach(), shape, self.mesh, pl, param=p)
             for n, p, pl, shape in zip(self._param_names, self.shards, self._placements, self._shapes, strict=True)
