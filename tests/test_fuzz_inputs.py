@@ -271,10 +271,15 @@ def saved(tmp_path_factory):
     return pm, root / "good"
 
 
-_MARKER_KEYS = st.sampled_from(["format", "version", "step", "world_size", "program", "mesh", "model", "time", "x"])
+_MARKER_KEYS = st.sampled_from(
+    ["format", "version", "step", "run", "world_size", "program", "mesh", "model", "time", "x"]
+)
 MARKERS = st.one_of(
     st.dictionaries(_MARKER_KEYS, JSON, max_size=5),
-    st.fixed_dictionaries({"format": st.just("autopar-checkpoint"), "version": st.just(1) | JSON, "step": JSON}),
+    st.fixed_dictionaries(
+        {"format": st.just("autopar-checkpoint"), "version": st.just(2) | JSON, "step": JSON},
+        optional={"run": st.just("r") | JSON, "time": st.just(1.0) | JSON},
+    ),
     JSON,
 )
 
