@@ -68,13 +68,7 @@ def _plan_cmd(args) -> int:
 def _explain_cmd(args) -> int:
     from autopar.plan import Plan
 
-    try:
-        text = Path(args.plan).read_text()
-    except OSError as e:
-        from autopar.errors import ConfigError
-
-        raise ConfigError(f"cannot read plan file {args.plan}: {e.strerror}") from e
-    plan = Plan.from_json(text)
+    plan = Plan.from_file(args.plan)
     if args.html:
         Path(args.html).write_text(plan.explain("html"))
         print(f"[autopar] wrote {args.html}", file=sys.stderr)
