@@ -52,6 +52,7 @@ from autopar.memory.layout import ALIGN_NUMEL, offload_chunk_numel
 from autopar.memory.store import module_params
 from autopar.plan import Plan, ProgramKind
 from autopar.runtime.base import COMPUTE_DTYPES, Program, check_scalar_loss, rank_rows
+from autopar.runtime.collectives import new_group, waiting_for
 from autopar.trace import TracedModel
 
 _CROSS_ENTROPY_ARGS = (
@@ -174,6 +175,9 @@ def _offloaded(offload: ActivationOffload, run, *args, **kwargs):
         return run(*args, **kwargs)
 
 
+_CHUNK_WORDS = "a chunk's all-gather of its weights or reduce-scatter of its gradients over the data axis"
+
+
 def host_chunks(layouts, fraction: float) -> set[int]:
     """The first trainable chunks whose elements reach `fraction` of all trainable elements (rounded up)."""
     trainable = [lay for lay in layouts if lay.requires_grad]
@@ -228,7 +232,7 @@ class OffloadProgram(Program):
             pack(specs, chunk_numel, multiple=ALIGN_NUMEL * dp), plan.offload.get("optimizer_fraction", 0.0)
         )
         self.tracker = MemoryTracker(budget_bytes=int(budget))
-        group = dist.group.WORLD if dp > 1 else None
+        group = new_group(list(range(dp))) if dp > 1 else None  # dp x 1: every rank, waits bounded
         self.store = ChunkStore(
             specs,
             chunk_numel=chunk_numel,
@@ -280,14 +284,16 @@ class OffloadProgram(Program):
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for mb_args, mb_kwargs in micro:
             local_args, local_kwargs = self._local((mb_args, mb_kwargs))
-            with _SumCrossEntropy() as ce, self.activations:
-                loss = _loss_of(self.module(*local_args, **local_kwargs))
-            if backward:
-                self.scaled(loss).backward()
+            with waiting_for(_CHUNK_WORDS):
+                with _SumCrossEntropy() as ce, self.activations:
+                    loss = _loss_of(self.module(*local_args, **local_kwargs))
+                if backward:
+                    self.scaled(loss).backward()
             totals[0] += loss.detach().double()
             totals[1] += ce.count.double() if ce.count is not None else 1.0
         if self.dp > 1:
-            dist.all_reduce(totals)
+            with waiting_for("the all-reduce of the loss and label count over the data axis"):
+                dist.all_reduce(totals, group=self.store.group)
         loss_sum, count = totals.tolist()
         return loss_sum, count
 
@@ -303,14 +309,16 @@ class OffloadProgram(Program):
         return [c.grad for c in self.store.chunks if c.grad is not None]
 
     def _found_inf(self) -> bool:
-        self.store.finish_grads()  # idempotent: the step finds nothing left to reduce
+        with waiting_for(_CHUNK_WORDS):
+            self.store.finish_grads()  # idempotent: the step finds nothing left to reduce
         found = super()._found_inf()
         if found:  # the step is skipped: its gradients must not carry into the next one
             self.store.zero_grad()
         return found
 
     def _optimizer_step(self) -> None:
-        self.optimizer.step(grad_scale=self._grad_scale)
+        with waiting_for(_CHUNK_WORDS):
+            self.optimizer.step(grad_scale=self._grad_scale)
 
     def _evaluate(self, micro: list[tuple]) -> float:
         was_training = self.module.training
@@ -332,7 +340,8 @@ class OffloadProgram(Program):
         return iter([chunk.master for chunk in self.store.chunks])
 
     def _full_parameters(self) -> dict[str, torch.Tensor]:
-        return self.store.full_state()
+        with waiting_for("the all-gathers of the chunks' masters for state_dict"):
+            return self.store.full_state()
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(self.module.named_buffers(remove_duplicate=False))

@@ -774,7 +774,8 @@ class PipelineProgram(Program):
                 shape=torch.Size(shape),
                 stride=contiguous_stride(shape),
             )
-            full = dt.full_tensor().cpu()
+            with waiting_for(f"the all-gather of {fqn}'s shards within its stage for state_dict"):
+                full = dt.full_tensor().cpu()
             if self.mesh.get_local_rank("dp") == 0 and self.mesh.get_local_rank("tp") == 0:
                 mine[fqn] = full
         gathered: list = [None] * dist.get_world_size()

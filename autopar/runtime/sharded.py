@@ -677,7 +677,8 @@ class ShardedProgram(Program):
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
         if self.overlap:
             self._uses = [0] * len(self.shards)  # a forward run outside a step leaves counts no backward took back
-            self._drop_prefetched()
+            with waiting_for("a parameter's all-gather prefetched by a forward run outside a step"):
+                self._drop_prefetched()
             self._forget_gathers()
             with (
                 waiting_for("a collective of the sharded forward or backward, or a gradient bucket's reduction"),
@@ -705,7 +706,8 @@ class ShardedProgram(Program):
         if self._eval_interp is None:
             gm = eval_pass(copy_graph_module(self.traced.graph_module), None)
             self._eval_interp = shard_pass(gm, None, **self._eval_knobs)
-        loss_sum, total = self._weighted_losses(micro, self._eval_interp, backward=False)
+        with waiting_for("a collective of the sharded eval forward on the (dp, tp) mesh"):
+            loss_sum, total = self._weighted_losses(micro, self._eval_interp, backward=False)
         return loss_sum / total
 
     # ---------------------------------------------------------------------------------- states
@@ -725,7 +727,8 @@ class ShardedProgram(Program):
         return dt.full_tensor()
 
     def _full_parameters(self) -> dict[str, torch.Tensor]:
-        return {fqn: self.full_parameter(fqn).cpu() for fqn in self._param_names}
+        with waiting_for("the all-gathers of every parameter's shards for state_dict"):
+            return {fqn: self.full_parameter(fqn).cpu() for fqn in self._param_names}
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers, strict=True))
