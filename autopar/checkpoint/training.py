@@ -186,9 +186,11 @@ def wait_checkpoint(program) -> str | None:
     return None if future is None else future.result()
 
 
-def pending_saves() -> list[Future]:
-    """The asynchronous saves in flight in this process."""
-    return [f for f in list(_pending.values()) if f is not None]
+def forget(program) -> None:
+    """Drop what this module keeps for `program` (its save in flight, waited for first by the caller, and its
+    background writes' process group)."""
+    _pending.pop(program, None)
+    _groups.pop(program, None)
 
 
 def _state(program, meta: dict, encoded: tuple) -> dict:

@@ -40,6 +40,7 @@ from autopar.checkpoint.protocol import ModelNames
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, LoweringError
 from autopar.plan import Plan, ProgramKind
+from autopar.runtime import exits
 from autopar.runtime.collectives import collective_timeout, waiting_for
 from autopar.trace import TracedModel
 
@@ -339,6 +340,7 @@ class Program(torch.nn.Module):
         self.hf_config = getattr(model, "config", None)
         self.hf_class_name = type(model).__name__  # the `architectures` a Hugging Face config names
         self.generation_config = getattr(model, "generation_config", None)  # transformers sets it on generators only
+        exits.track(self)  # closed at interpreter exit (autopar.runtime.exits)
 
     @classmethod
     def runs(cls, plan: Plan) -> bool:
@@ -540,6 +542,26 @@ class Program(torch.nn.Module):
     def load_pretrained(self, path) -> None:
         """Read Hugging Face safetensors weights into the masters, each rank only the slices it holds."""
         hf.load_pretrained(self, path)
+
+    # ---------------------------------------------------------------------------------- exits
+
+    def release_pending_work(self) -> None:
+        """Wait for every collective this program still has in flight between calls (a kind that prefetches says
+        which); the program runs on after it."""
+
+    def close(self) -> None:
+        """Release what this program holds of torch.distributed: wait for its asynchronous save and its
+        collectives in flight, then drop its state (groups, meshes, schedules, buffers), so that no collective of it
+        is left in a backend's threads when the process group is destroyed or the interpreter exits
+        (`autopar.runtime.exits`). The program cannot run after; every live program is closed at exit."""
+        if "plan" not in vars(self):
+            return  # closed already
+        try:
+            training.wait_checkpoint(self)
+        finally:
+            self.release_pending_work()
+            training.forget(self)
+            vars(self).clear()
 
     # ------------------------------------------------- the checkpoint protocol (autopar.checkpoint.protocol)
 

@@ -316,6 +316,12 @@ class OffloadProgram(Program):
             self.store.zero_grad()
         return found
 
+    def release_pending_work(self) -> None:
+        with waiting_for(_CHUNK_WORDS):
+            for chunk in self.store.chunks:
+                self.store.wait(chunk)  # a gather issued ahead
+                self.store.finish_reduce(chunk)  # a reduce-scatter in flight
+
     def _optimizer_step(self) -> None:
         with waiting_for(_CHUNK_WORDS):
             self.optimizer.step(grad_scale=self._grad_scale)

@@ -416,6 +416,8 @@ class ShardedProgram(Program):
 
     def _drop_prefetched(self) -> None:
         """Wait for gathers issued ahead that nothing used (a forward that stopped early) and forget them."""
+        if not getattr(self, "_prefetched", None):  # a program without split parameters prefetches nothing
+            return
         for work, _ in self._prefetched.values():
             work.wait()
         self._prefetched.clear()
@@ -708,7 +710,12 @@ class ShardedProgram(Program):
             self._eval_interp = shard_pass(gm, None, **self._eval_knobs)
         with waiting_for("a collective of the sharded eval forward on the (dp, tp) mesh"):
             loss_sum, total = self._weighted_losses(micro, self._eval_interp, backward=False)
+            self._drop_prefetched()  # gathers issued ahead for layers after the last: none is left in flight
         return loss_sum / total
+
+    def release_pending_work(self) -> None:
+        with waiting_for("a parameter's all-gather prefetched by a forward run outside a step"):
+            self._drop_prefetched()
 
     # ---------------------------------------------------------------------------------- states
 
