@@ -262,3 +262,14 @@ def test_extra_round_trips_data_and_tensors(saved, folder):
     assert back["n"] == 1 and back["x"] == 0.5 and back["s"] == "a" and back["none"] is None and back["flag"] is True
     assert back["seq"][0] == 1 and back["seq"][1][0] == 2 and torch.equal(back["seq"][1][1], torch.ones(2))
     assert back["nan"] != back["nan"]  # NaN comes back as NaN
+
+
+def test_a_failed_load_into_a_fresh_program_leaves_its_optimizer_without_states(saved, folder):
+    """Reading a checkpoint with optimizer states first creates the program's (a step at lr 0); a load that then
+    fails takes them away again, as the program had none."""
+    args = (torch.randn(4, 8, 16),)
+    fresh = autopar.compile(_Stack(), "cpu:1", args, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    raw = bytearray(b"{not json")
+    path = _rewritten(saved, folder, {"autopar.meta": torch.frombuffer(raw, dtype=torch.uint8).clone()})
+    _refused(fresh, path, "damaged plain data")
+    assert not fresh.optimizer.state and fresh.num_steps == 0
