@@ -320,21 +320,26 @@ def load(program, path) -> dict:
     had_states = bool(program.checkpoint_optimizer_state())
     if not fresh:
         program.prepare_optimizer_state()
-    try:
-        plan = _read_plan(program, metadata, fresh, path)
-    except ConfigError as e:
-        plan, problem = None, (type(e).__name__, str(e))
-    backup = {}
-    if plan is not None:
-        backup = {k: v.detach().to("cpu", copy=True) for k, v in plan["in_place"].items()}
-        problem = _read(plan, path, index)
-    problems = agree(problem)
-    if problems:
+    backup: dict = {}
+
+    def undo(problems) -> None:  # put back what was changed, then raise on every rank
         for key, saved in backup.items():
             plan["in_place"][key].copy_(saved)
         if not had_states and not fresh:
             program.reset_optimizer_state()
         _agreed(problems, f"load_checkpoint({path})", "the program is as it was")
+
+    try:
+        plan = _read_plan(program, metadata, fresh, path)
+    except ConfigError as e:
+        plan, problem = None, (type(e).__name__, str(e))
+    problems = agree(problem)  # every rank reads (a collective) or none does
+    if problems:
+        undo(problems)
+    backup = {k: v.detach().to("cpu", copy=True) for k, v in plan["in_place"].items()}
+    problems = agree(_read(plan, path, index))
+    if problems:
+        undo(problems)
     _apply(program, plan, fresh)
     barrier()
     return plan["extra"]
