@@ -1,8 +1,8 @@
 """Fuzzing what a user hands autopar: cluster strings and files, constraints, plan files (real plan files,
 mutated) and checkpoint metadata. Every input either works or raises an `autopar.AutoparError`; nothing else
 may escape (a KeyError, a TypeError from deep inside, an OverflowError, a hang). Every file reader (plan, cluster,
-safetensors header, checkpoint marker) is fed the shapes that blow readers up (size, depth, huge counts, YAML
-aliases) under a time and memory bound per case (`bounded`).
+safetensors header, checkpoint marker, DCP's index) is fed the shapes that blow readers up (size, depth, huge
+counts, YAML aliases) under a time and memory bound per case (`bounded`).
 
 Examples are bounded so that the file runs in seconds; the deadline is off because the examples that plan or
 load a checkpoint take a few hundred milliseconds on a loaded two-core machine.
@@ -11,6 +11,7 @@ load a checkpoint take a few hundred milliseconds on a loaded two-core machine.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import time
 import tracemalloc
@@ -471,3 +472,50 @@ def test_checkpoint_markers_of_any_depth_or_size_are_skipped_within_bounds(tmp_p
     (root / "ckpt" / MARKER).write_text(json.dumps(marker).replace('"NEST"', "[" * depth + "1" + "]" * depth))
     assert bounded(latest_checkpoint, root) is None
     assert bounded(marker_problem, root / "ckpt") is not None
+
+
+def _nested_list_pickle(depth: int) -> bytes:
+    """Pickle opcodes of a list nested `depth` deep (written by hand: pickle.dumps recurses, the reader does not)."""
+    return b"]" * depth + b"a" * (depth - 1)
+
+
+_INDEX_MUTATIONS = ["size", "chunk offsets", "chunk sizes", "chunk count", "entry count", "storage", "nesting"]
+
+
+@SLOW_FUZZ
+@given(st.sampled_from(_INDEX_MUTATIONS), HUGE, st.sampled_from([0, 1, 2, 2**10, 2**16]), st.integers(0, 3))
+def test_checkpoint_indexes_with_huge_counts_are_read_or_refused_within_bounds(
+    saved, tmp_path_factory, how, n, count, i
+):
+    """DCP's index `.metadata` of a real checkpoint with a count set huge (a shape, a chunk's place, a count of
+    chunks or entries made of shared references: a small file naming millions of things), or nested deep: read
+    and loaded, or refused, within the case's bounds. (Counts stop at 2**16: past that, unpickling a million
+    distinct keys is the time of reading a file that size, not a count the reader could refuse sooner.)"""
+    from autopar.checkpoint.reader import INDEX, read_index
+
+    pm, good = saved
+    index = read_index(good)
+    key = sorted(k for k in index.state_dict_metadata if k.startswith(("model.", "autopar.extra")))[i]
+    entry = index.state_dict_metadata[key]
+    if how == "size":
+        entry.size = torch.Size([n % 2**62] * (1 + count % 3)) if isinstance(n, int) and n >= 0 else [n]
+    elif how in ("chunk offsets", "chunk sizes"):
+        field = "offsets" if how == "chunk offsets" else "sizes"
+        setattr(entry.chunks[0], field, torch.Size([n % 2**62] * len(entry.size)) if isinstance(n, int) else [n])
+    elif how == "chunk count":
+        entry.chunks = entry.chunks * count  # one object referred to `count` times: a few bytes each
+    elif how == "entry count":
+        index.state_dict_metadata.update({f"{key}.copy{j}": entry for j in range(count)})
+    elif how == "storage":
+        info = next(iter(index.storage_data.values()))
+        info.offset, info.length = (n, n) if isinstance(n, int) else (0, n)
+    else:
+        index.planner_data = "NEST"
+    raw = pickle.dumps(index, protocol=2)  # no frames: the nested list below replaces bytes of the text
+    if how == "nesting":
+        raw = raw.replace(b"X\x04\x00\x00\x00NEST", _nested_list_pickle(1 + count % 100_000))
+    copy = tmp_path_factory.mktemp("index") / "ckpt"
+    shutil.copytree(good, copy)
+    (copy / INDEX).write_bytes(raw)
+    bounded(read_index, copy)
+    assert bounded(pm.load_checkpoint, copy) in (None, {"step": 1})

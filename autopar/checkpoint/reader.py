@@ -11,7 +11,8 @@ torch.distributed.checkpoint (torch 2.13) reads three things from a checkpoint f
 `CheckpointReader` replaces the first: `read_index` refuses a file over `INDEX_LIMIT_BYTES`, unpickles with an
 `Unpickler` whose `find_class` admits only the classes DCP's index is made of (its metadata dataclasses, torch's
 `Size`, dtypes and layouts, a path) and no persistent ids, then checks the shape of what it got (types, counts,
-file names inside the folder) within `INDEX_LIMIT_ENTRIES` entries. It refuses byte items (autopar checkpoints
+file names inside the folder) within `INDEX_LIMIT_ENTRIES` entries: no record is referred to twice (a pickle's
+shared references would make a small file name millions of chunks) and a tensor's chunks hold at most its elements. It refuses byte items (autopar checkpoints
 hold none: plain data travels as JSON in tensors, `autopar.checkpoint.data`), and `TensorsOnlyPlanner` refuses
 them too. Each refusal is an `UnsafeCheckpointError` naming the file.
 """
@@ -123,6 +124,8 @@ def _index_problem(md) -> str | None:
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         return "no table of entries and files"
     budget = [INDEX_LIMIT_ENTRIES]
+    if len(entries) > INDEX_LIMIT_ENTRIES or len({id(v) for v in entries.values()}) != len(entries):
+        return "entries that are one record referred to many times (DCP writes a record per entry)"
     for key, item in entries.items():
         problem = _entry_problem(key, item, budget)
         if problem:
@@ -160,6 +163,9 @@ def _entry_problem(key, item, budget: list[int]) -> str | None:
     budget[0] -= len(chunks)
     if budget[0] < 0:
         return f"more than {INDEX_LIMIT_ENTRIES} entries"
+    if len({id(c) for c in chunks}) != len(chunks):
+        return f"the entry {key!r} has one chunk listed many times (DCP writes a record per chunk)"
+    volume = _volume(size)
     for c in chunks:
         if type(c) is not ChunkStorageMetadata or not _is_shape(c.offsets) or not _is_shape(c.sizes):
             return f"the entry {key!r} has a chunk without offsets and sizes"
@@ -167,7 +173,17 @@ def _entry_problem(key, item, budget: list[int]) -> str | None:
             return f"the entry {key!r} has a chunk of another rank than the tensor"
         if any(o + s > n for o, s, n in zip(c.offsets, c.sizes, size, strict=True)):
             return f"the entry {key!r} has a chunk reaching past the tensor"
+        volume -= _volume(c.sizes)
+        if volume < 0:  # DCP's chunks of a tensor do not overlap: each element is read once
+            return f"the entry {key!r} has chunks that hold more elements than the tensor"
     return None
+
+
+def _volume(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _is_shape(value) -> bool:
