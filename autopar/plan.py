@@ -30,6 +30,9 @@ from enum import StrEnum
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import PlanFormatError
+from autopar.explain import render_html, render_markdown
+from autopar.rationale import format_flops_rate, hidden_terms
+from autopar.units import GIB
 
 FORMAT_VERSION = 1
 # what a plan file may hold, checked before it is parsed or turned into a Plan: a real plan of a 175B model on
@@ -46,7 +49,6 @@ LAYER_TREATMENTS = ("offload", "full", "selective")
 # the ZeRO stages a pipeline stage runs (`runtime.pipeline`): at 2 or 3 every micro-batch would gather and
 # reduce-scatter each weight, waited on where issued
 PIPELINE_ZERO_STAGES = (0, 1)
-GIB = 1024**3
 # wall-clock figures: they differ on every run and say nothing about the plan (`Plan.to_json`)
 WALL_CLOCK_KEYS = frozenset({"trace_time_s", "solve_time_s", "total_time_s", "alternatives_time_s"})
 
@@ -146,11 +148,6 @@ class StagePlan:
             )
 
 
-def format_flops_rate(tflops: float) -> str:
-    """A FLOP/s figure given in TFLOP/s, in GFLOP/s below one TFLOP/s (CPU plans would read 0.0 otherwise)."""
-    return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:,.2f} GFLOP/s"
-
-
 @dataclass(frozen=True, slots=True)
 class Predicted:
     """What the cost model predicts for one training step (per device where it says so)."""
@@ -234,7 +231,7 @@ class Plan:
     # gathers them, asynchronously (0: each gathered when an op reads it); written for such plans only
     prefetch_depth: int = 1
     # per deduplicated layer (and one entry for what runs outside the layers), as the solver priced it
-    # (`passes.sharding_solver.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
+    # (`passes.sharding.report.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
     # it; empty without a pipeline) and "ops": each op's placements and the collectives inserted for it
     # (kind, mesh axis, pass, bytes, seconds per run, runs per step; a dp collective whose sync overlap partly hides
     # also its exposed seconds per run, "exposed_s")
@@ -242,6 +239,8 @@ class Plan:
     # a cp axis: "degree", "algorithm" its attention runs, "layout" ("zigzag"), and "priced": one line per
     # algorithm with its price or why it cannot run (`passes.context_parallel`); empty without a cp axis
     context_parallel: dict = field(default_factory=dict)
+    # the global gradient norm the program clips to (`autopar.runtime.step_guard`), priced; None: no clipping
+    max_grad_norm: float | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -284,6 +283,8 @@ class Plan:
             raise PlanFormatError(f"plan precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanFormatError(f"plan zero_stage {self.zero_stage!r} is not 0, 1, 2 or 3")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise PlanFormatError(f"plan max_grad_norm {self.max_grad_norm!r} is not a positive number")
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
             raise PlanFormatError(f"plan prefetch_depth {self.prefetch_depth!r} is not a count of layers (0 or more)")
         for name in ("global_batch_size", "num_microbatches", "tokens_per_step"):
@@ -343,6 +344,7 @@ class Plan:
             "grad_reduce": self.grad_reduce,
             "overlap": self.overlap,
             **({"prefetch_depth": self.prefetch_depth} if self.zero_stage >= 1 else {}),  # ZeRO-0 plans unchanged
+            **({"max_grad_norm": self.max_grad_norm} if self.max_grad_norm is not None else {}),
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
             "num_parameters": self.num_parameters,
@@ -415,6 +417,7 @@ class Plan:
                 grad_reduce=str(d.get("grad_reduce", "fp32")),
                 overlap=bool(d.get("overlap", True)),
                 prefetch_depth=int(d.get("prefetch_depth", 1)),
+                max_grad_norm=float(d["max_grad_norm"]) if d.get("max_grad_norm") is not None else None,
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
                 num_parameters=int(d["num_parameters"]),
@@ -464,8 +467,6 @@ class Plan:
     def explain(self, fmt: str = "markdown") -> str:
         """A report of what was chosen and why: Markdown, or a self-contained HTML page (fmt="html").
         PlanFormatError when the plan's report records (free-form, as read from a file) cannot be rendered."""
-        from autopar.explain import render_html, render_markdown
-
         if fmt not in ("markdown", "md", "html"):
             raise ValueError(f"unknown report format {fmt!r}: expected 'markdown' or 'html'")
         with _rendering("report"):
@@ -521,8 +522,6 @@ def _hidden_communication(d: dict) -> dict:
     as predicted.grad_sync_hidden_s."""
     if "hidden_communication" in d:
         return {str(k): float(v) for k, v in d["hidden_communication"].items()}
-    from autopar.rationale import hidden_terms
-
     return hidden_terms(grad_sync_hidden_s=float(d["predicted"].get("grad_sync_hidden_s", 0.0)))
 
 

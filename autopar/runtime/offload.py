@@ -51,6 +51,7 @@ from autopar.memory.activations import ActivationOffload, ActivationTracker
 from autopar.memory.layout import ALIGN_NUMEL, offload_chunk_numel
 from autopar.memory.store import module_params
 from autopar.plan import Plan, ProgramKind
+from autopar.program_comm import ProgramComm
 from autopar.runtime.base import COMPUTE_DTYPES, Program, check_scalar_loss, rank_rows
 from autopar.runtime.collectives import new_group, waiting_for
 from autopar.trace import TracedModel
@@ -70,13 +71,14 @@ _CROSS_ENTROPY_ARGS = (
 class _SumCrossEntropy(TorchFunctionMode):
     """Turns the first mean cross-entropy a forward computes into its sum and counts the labels it kept."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
         super().__init__()
         self.count: torch.Tensor | None = None
+        self.enabled = enabled  # off under a user's loss (`autopar.loss`), which is global already
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is F.cross_entropy and self.count is None:
+        if func is F.cross_entropy and self.count is None and self.enabled:
             bound = dict(zip(_CROSS_ENTROPY_ARGS, args, strict=False)) | kwargs
             target = bound.get("target")
             plain = all(bound.get(k) is None for k in ("weight", "size_average", "reduce"))
@@ -219,6 +221,7 @@ class OffloadProgram(Program):
                 f"plan with constraints={{'tp': 1}} or offload=False"
             )
         self.dp, self.rank = dp, dist.get_rank()
+        self.comm = ProgramComm.of_plan(plan, self.kind)
         self.device = self.device_type
         module = copy.deepcopy(model).to(self.device)
         specs, aliases, values = module_params(module)
@@ -250,8 +253,8 @@ class OffloadProgram(Program):
         self.scheduler = ChunkScheduler(
             self.store,
             module,
-            prefetch=plan.overlap and plan.prefetch_depth > 0,
-            reduce_window=1 if plan.overlap else 0,
+            prefetch=self.comm.prefetches_chunk,
+            reduce_window=self.comm.chunk_reductions_in_flight,
         )
         # the tensors autograd keeps for backward, on the same tracker as the chunks
         self.activations = ActivationTracker(self.tracker, self.device)
@@ -285,7 +288,7 @@ class OffloadProgram(Program):
         for mb_args, mb_kwargs in micro:
             local_args, local_kwargs = self._local((mb_args, mb_kwargs))
             with waiting_for(_CHUNK_WORDS):
-                with _SumCrossEntropy() as ce, self.activations:
+                with _SumCrossEntropy(enabled=self.loss_spec is None) as ce, self.activations:
                     loss = _loss_of(self.module(*local_args, **local_kwargs))
                 if backward:
                     self.scaled(loss).backward()
@@ -308,13 +311,22 @@ class OffloadProgram(Program):
     def _gradients(self) -> list[torch.Tensor]:
         return [c.grad for c in self.store.chunks if c.grad is not None]
 
-    def _found_inf(self) -> bool:
+    def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
         with waiting_for(_CHUNK_WORDS):
             self.store.finish_grads()  # idempotent: the step finds nothing left to reduce
-        found = super()._found_inf()
-        if found:  # the step is skipped: its gradients must not carry into the next one
-            self.store.zero_grad()
-        return found
+        return [(g, 1) for g in self._gradients()]  # this rank's shard of each chunk (the whole chunk on one rank)
+
+    def _gradient_divisor(self) -> float:
+        return self._grad_scale  # ChunkAdamW divides the gradients in its own pass
+
+    def _scale_gradients_by(self, factor: float) -> None:
+        self._grad_scale /= factor
+
+    def _discard_gradients(self) -> None:
+        self.store.zero_grad()  # a skipped step's gradients must not carry into the next one
+
+    def _loss_shards(self) -> int:
+        return self.dp * self.plan.num_microbatches  # each rank runs plain tensors on its rows
 
     def release_pending_work(self) -> None:
         with waiting_for(_CHUNK_WORDS):

@@ -251,8 +251,8 @@ def test_eval_step_of_every_program_is_the_models_eval_loss():
 
 
 def _count_traces(rank: int, world_size: int, cases):
-    import autopar.api
     import autopar.trace
+    import autopar.tracing
 
     calls = []
     real = autopar.trace.trace_model
@@ -261,7 +261,7 @@ def _count_traces(rank: int, world_size: int, cases):
         calls.append(1)
         return real(*a, **k)
 
-    autopar.api.trace_model = counting
+    autopar.tracing.trace_model = counting
     out = []
     try:
         for constraints in cases:
@@ -273,7 +273,7 @@ def _count_traces(rank: int, world_size: int, cases):
             staged = bool(pm.plan.stage_plans) and all(st.node_output for st in pm.plan.stage_plans)
             out.append((str(pm.plan.program), len(calls), staged and not pm.plan.node_output))
     finally:
-        autopar.api.trace_model = real
+        autopar.tracing.trace_model = real
     return out
 
 
@@ -324,14 +324,16 @@ def _bucket_reductions_before(events: list, gradient: str) -> int:
 def test_data_parallel_buckets_are_reduced_while_backward_runs():
     """Buckets are issued before the first layer's gradients exist, and every bucket by the time the embedding's
     gradient (the last of backward) is in: the program's hook on it, registered before the test's, launches the
-    last bucket; one all-reduce per bucket and one of the loss sum and label count (first, before the last backward). With
+    last bucket; one all-reduce per bucket, one of the loss sum and label count (first, before the last backward) and
+    the step guard's (last, after the buckets: `runtime.step_guard`). With
     overlap off (the contrast that makes the order mean something) no bucket goes out before backward ends."""
     on, off = run_distributed(_overlap_order, 2)[0], run_distributed(_overlap_order, 2, False)[0]
     for got in on, off:
         kinds = [kind for kind, _ in got["events"]]
         assert got["buckets"] > 2
-        assert kinds.count("all_reduce") == got["buckets"] + 1
+        assert kinds.count("all_reduce") == got["buckets"] + 2
         assert got["events"][0] == ("all_reduce", 2)  # the totals
+        assert got["events"][-1] == ("all_reduce", 3)  # the step guard's: norm, non-finite flag, tokens
     assert _bucket_reductions_before(on["events"], "embedding grad") == on["buckets"], on["events"]
     # buckets of the layers after the first went out while the first layer's backward was still to run
     assert 0 < _bucket_reductions_before(on["events"], "first layer grad") < on["buckets"], on["events"]
