@@ -56,6 +56,8 @@ lint: $(STAMP)
 	test -x $(VENV)/bin/ruff || $(PY) -m pip install -q 'ruff>=0.6'
 	$(VENV)/bin/ruff check autopar passes cost_model triton_kernels tests examples
 	$(VENV)/bin/ruff format --check autopar passes cost_model triton_kernels tests examples
+	# the layers (base -> cost model -> plans -> passes -> programs -> planning -> api/cli/bench), on the source
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -71,12 +71,28 @@ def _plan_json(tmp_path, capsys, *flags, cluster="cpu:2"):
 
 
 def test_choices_are_those_the_api_accepts():
-    from autopar import input_validation
-    from autopar.cli import RECOMPUTE_MODES, SCHEDULES
+    from autopar.constraints import RECOMPUTE_MODES, SCHEDULES
+    from autopar.passes import recompute
     from autopar.passes.pipeline import Schedule
 
     assert SCHEDULES == tuple(s.value for s in Schedule)
-    assert RECOMPUTE_MODES == input_validation.RECOMPUTE_MODES
+    assert RECOMPUTE_MODES == recompute.RECOMPUTE_MODES
+
+
+def test_plan_flags_are_the_constraint_fields(capsys):
+    """`autopar plan --help` offers a flag for each field of Constraints marked for the command line, and only
+    those become constraints."""
+    import dataclasses
+
+    from autopar.cli import main
+    from autopar.constraints import Constraints, cli_flags
+
+    offered = {f.name for f in dataclasses.fields(Constraints) if f.metadata["flag"]}
+    assert {kw["dest"] for _, kw in cli_flags()} == offered
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    shown = capsys.readouterr().out
+    assert all(f"--{name.replace('_', '-')}" in shown for name in offered)
 
 
 @pytest.mark.parametrize(

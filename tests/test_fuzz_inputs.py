@@ -27,9 +27,9 @@ from torch import nn
 import autopar
 from autopar.checkpoint.training import MARKER
 from autopar.cluster import ClusterSpec
+from autopar.constraints import KEYS as CONSTRAINT_KEYS
 from autopar.cost_model.devices import DEVICE_PRESETS
 from autopar.errors import AutoparError
-from autopar.input_validation import CONSTRAINT_KEYS
 from tests.models import MLPBlock
 
 GOLDEN = Path(__file__).parent / "golden" / "plans"
