@@ -69,6 +69,7 @@ def _check(model_name: str, constraints: dict, opt: str, *, world: int = 4, laye
         assert rel <= rtol, (name, rel)
 
 
+@pytest.mark.slow
 def test_pp2_cp2_1f1b_llama_matches_one_process():
     _check("llama", {"pp": 2, "cp": 2, "num_microbatches": 2, "cp_attention": "allgather"}, "sgd")
 

@@ -115,6 +115,7 @@ LLAMA_OPS = {"flash_attention": 2, "rms_norm": 5, "linear_cross_entropy": 1}
 GPT2_OPS = {"flash_attention": 2, "layer_norm": 5, "linear_cross_entropy": 1}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name, ops", [("llama", LLAMA_OPS), ("gpt2", GPT2_OPS)])
 def test_fused_model_trains_like_the_original_on_one_process(name, ops, one_rank_group):
     got = _train(0, 1, name, {})  # the DTensor program runs the fused ops in the two-rank test below

@@ -212,6 +212,7 @@ def _rank0_skips_the_dp_reduction(rank: int, world_size: int):
     return {"error": error, "elapsed": elapsed}
 
 
+@pytest.mark.slow
 def test_a_dp_reduction_one_rank_skips_is_named_in_its_peers_error():
     got = run_distributed(_rank0_skips_the_dp_reduction, 4, timeout_s=240)
     kind, message = got[1]["error"]  # rank 1: rank 0's dp peer in stage block 0
