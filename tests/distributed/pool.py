@@ -40,9 +40,10 @@ import torch
 START_TIMEOUT_S = 300.0  # spawning and joining the group: the slowest is eight ranks on two loaded cores
 POLL_S = 0.2  # how often the test process looks at the ranks' liveness while it waits
 ORPHAN_CHECK_S = 5.0  # how often an idle rank checks that the test process still lives
-# worlds kept alive at once (the most recently used sizes): an idle rank holds about 500 MB, and under pytest-xdist
-# (`make test`: two workers) each worker keeps its own
-KEEP = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+# worlds kept alive at once (the most recently used sizes): two, as most files use 2 ranks and some 4, and a file that
+# runs both would otherwise respawn a world (5 s of CPU a rank) at each switch. An idle rank holds about 500 MB
+# resident; under pytest-xdist (`make test`: two workers) each worker keeps its own, so about 6 GB at most
+KEEP = 2
 # modules whose attributes a task must put back as it found them: every attribute of autopar's modules and of the
 # classes they define (a constant set for a test is a patch too), the functions of torch.distributed's
 WATCHED = {"autopar": lambda value: True, "torch.distributed": callable}
