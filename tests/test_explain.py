@@ -305,6 +305,8 @@ def test_gantt_schedule_runs_every_microbatch_once(schedule, v):
         assert max(s.end for s in slots) == pytest.approx((m + pp - 1) * 3.0)
 
 
+# `make test-all`: the CLI runs in a subprocess in test_cli; this one checks where its progress lines go
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_cli_progress_goes_to_stderr_never_into_stdout_or_json(tmp_path):
     import json
