@@ -10,6 +10,8 @@
   every rank's resident set at each checkpoint, retention checked.
 - `checkpoint` (`autopar.bench.checkpoints`): save and load time of a ~100M-parameter model's training
   checkpoint on cpu:2, next to torch.save / torch.load of the full state dicts from one process.
+- `lengths` (`autopar.bench.lengths`): step time at half the planned sequence length against the full one, on
+  one CPU process (JSON and Markdown only).
 
 Each suite writes a JSON document (with autopar and torch versions and a machine description), a
 Markdown table and a PNG plot into the output folder. `quick=True` runs a subset in about a minute.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SUITES = ("plans", "compile", "run", "soak", "checkpoint")
+SUITES = ("plans", "compile", "run", "soak", "checkpoint", "lengths")
 # the cluster a suite that runs on local CPU ranks uses when none is given
 DEFAULT_CLUSTERS = {"run": "cpu:2", "soak": "cpu:4", "checkpoint": "cpu:2"}
 
@@ -69,6 +71,10 @@ def run_suite(
         from autopar.bench import checkpoints
 
         return checkpoints.run_checkpoint_timing(out_dir, cluster=cluster, quick=quick, show_progress=show_progress)
+    if suite == "lengths":
+        from autopar.bench import lengths
+
+        return lengths.run(out_dir, quick=quick, show_progress=show_progress)
     raise ConfigError(f"unknown bench suite {suite!r}: expected one of {', '.join(SUITES)}")
 
 
