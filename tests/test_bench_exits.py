@@ -32,6 +32,7 @@ def test_the_report_counts_failed_launches():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_one_launch_per_kind_exits_cleanly(tmp_path):
     doc = exits.run(tmp_path, launches=1, show_progress=False)
     for kind, result in doc["kinds"].items():

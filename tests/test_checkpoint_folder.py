@@ -43,6 +43,7 @@ def holder(tmp_path):
     proc.wait()
 
 
+@pytest.mark.subprocess
 def test_a_second_writer_is_refused_naming_the_holder(tmp_path, holder):
     with pytest.raises(lock.CheckpointLockError) as e:
         lock.hold(tmp_path)
@@ -51,6 +52,7 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path, holder):
     assert str(tmp_path) in words and "give this job a folder of its own" in words
 
 
+@pytest.mark.subprocess
 def test_a_killed_holder_does_not_block_the_next_job(tmp_path, holder):
     holder.send_signal(signal.SIGKILL)
     holder.wait()

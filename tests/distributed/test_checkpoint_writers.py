@@ -63,7 +63,9 @@ def _two_jobs(folder: Path) -> list[dict]:
     root = folder / "checkpoints"
     with ThreadPoolExecutor(2) as pool:
         jobs = [
-            pool.submit(run_distributed, _job, 2, str(root), a, b, timeout_s=900) for a, b in (("a", "b"), ("b", "a"))
+            # fresh worlds: two at once, and each holds its lock until its processes end
+            pool.submit(run_distributed, _job, 2, str(root), a, b, timeout_s=900, fresh=True)
+            for a, b in (("a", "b"), ("b", "a"))
         ]
         return [job.result()[0] for job in jobs]
 

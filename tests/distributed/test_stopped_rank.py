@@ -58,7 +58,7 @@ def _stop_rank_1(rank: int, world: int, kind: str):
     "kind", [pytest.param(k, marks=() if k == "data-parallel" else pytest.mark.slow) for k in KINDS]
 )
 def test_a_stopped_rank_is_named_in_its_peers_error(kind):
-    got = run_distributed(_stop_rank_1, 2, kind, timeout_s=900)[0]
+    got = run_distributed(_stop_rank_1, 2, kind, timeout_s=900, fresh=True)[0]  # a stopped rank: not the pool
     assert got["program"] == kind, got
     words = f"LoweringError: rank 0 waited more than {TIMEOUT_S:g} s for {KINDS[kind][2]}"
     assert got["error"] is not None and got["error"].startswith(words), got["error"]
