@@ -6,32 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from autopar.constraints import cli_flags
 from autopar.errors import AutoparError
-
-# `plan` flags that become autopar.plan constraints, by their argparse dest (the constraint's key).
-_CONSTRAINT_FLAGS = (
-    "tp",
-    "dp",
-    "zero",
-    "pp",
-    "num_microbatches",
-    "micro_batch_size",
-    "schedule",
-    "virtual_stages",
-    "recompute",
-    "cp",
-    "cp_attention",
-)
-# The values of passes.pipeline.Schedule and of input_validation.RECOMPUTE_MODES (tests/test_cli.py checks
-# they agree), written out so that `--help` does not import torch.
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def _plan_cmd(args) -> int:
     import autopar
 
-    constraints = {k: getattr(args, k) for k in _CONSTRAINT_FLAGS if getattr(args, k) is not None}
+    flags = [kw["dest"] for _, kw in cli_flags()]
+    constraints = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     # Unset switches stay out of the call, so autopar.plan's own defaults (None: decide by cluster) apply.
     switches = {k: getattr(args, k) for k in ("offload", "pipeline", "fuse_kernels") if getattr(args, k) is not None}
     from autopar.progress import PlanProgress
@@ -69,13 +52,7 @@ def _plan_cmd(args) -> int:
 def _explain_cmd(args) -> int:
     from autopar.plan import Plan
 
-    try:
-        text = Path(args.plan).read_text()
-    except OSError as e:
-        from autopar.errors import ConfigError
-
-        raise ConfigError(f"cannot read plan file {args.plan}: {e.strerror}") from e
-    plan = Plan.from_json(text)
+    plan = Plan.from_file(args.plan)
     if args.html:
         Path(args.html).write_text(plan.explain("html"))
         print(f"[autopar] wrote {args.html}", file=sys.stderr)
@@ -106,6 +83,13 @@ def _bench_cmd(args) -> int:
         print(f"[autopar] wrote calibrate.json and calibrate.md to {args.out or 'out/calibrate'}", file=sys.stderr)
         return 0
     args.out = args.out or "bench-results"
+    if args.suite == "exits":  # torchrun launches of a user-style script per program kind
+        from autopar.bench import exits
+
+        kinds = tuple(args.kinds.split(",")) if args.kinds else tuple(exits.KINDS)
+        exits.run(args.out, launches=args.launches or 200, kinds=kinds, show_progress=not args.quiet)
+        print(f"[autopar] wrote exits.json and exits.md to {args.out}", file=sys.stderr)
+        return 0
     if args.rows is not None:
         warnings.warn(f"--rows applies to the calibrate suite only; the {args.suite} suite ignores it", stacklevel=1)
     if args.cluster is not None and args.suite not in ("run", "overhead", "soak", "checkpoint"):
@@ -138,21 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, help="NODESxDEVICESxKIND, DEVICESxKIND, cpu:N, or a YAML/JSON file")
     p.add_argument("--global-batch-size", type=int, required=True)
     p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--tp", type=int, help="pin the tensor-parallel axis size")
-    p.add_argument("--dp", type=int, help="pin the data-parallel axis size")
-    p.add_argument("--cp", type=int, help="pin the context-parallel axis size (the sequence split over it)")
-    p.add_argument(
-        "--cp-attention",
-        choices=["allgather", "ring", "alltoall"],
-        help="pin the cp attention algorithm (default: the cheapest that applies)",
-    )
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="pin the ZeRO stage")
-    p.add_argument("--pp", type=int, help="pin the number of pipeline stages (1: no pipeline)")
-    p.add_argument("--num-microbatches", type=int, help="pin the gradient accumulation steps per data-parallel rank")
-    p.add_argument("--micro-batch-size", type=int, help="pin the samples per micro-batch per rank")
-    p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
-    p.add_argument("--virtual-stages", type=int, help="pin the model chunks per device (interleaved_1f1b)")
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="pin activation recompute")
+    for flag, kw in cli_flags():  # one per field of autopar.constraints.Constraints that the command line offers
+        p.add_argument(flag, **kw)
     p.add_argument("--memory-budget", help="per-device memory cap, e.g. 20GB")
     p.add_argument(
         "--offload",
@@ -200,10 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
         "run (measured on CPU ranks, vs DDP/FSDP2/TP), overhead (host time per step and per op of every program "
         "kind, vs eager, DDP and FSDP2), calibrate (predicted vs Megatron-LM's published step times), "
         "soak (300 steps with checkpoints: memory, loadability, retention), checkpoint (save/load time of ~100M "
-        "parameters vs torch.save), lengths (step time at half the planned sequence length)",
+        "parameters vs torch.save), lengths (step time at half the planned sequence length), exits (torchrun "
+        "launches per program kind that must all exit 0)",
     )
     b.add_argument(
-        "suite", choices=["plans", "compile", "run", "overhead", "calibrate", "soak", "checkpoint", "lengths"]
+        "suite",
+        choices=["plans", "compile", "run", "overhead", "calibrate", "soak", "checkpoint", "lengths", "exits"],
     )
     b.add_argument(
         "--out",
@@ -229,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run suite: the least number of repetitions per method "
         "(default 5, 3 with --quick; more narrow the spread of the paired ratios on a noisy machine)",
     )
+    b.add_argument(
+        "--launches", type=_positive_int, help="exits suite: torchrun launches per program kind (default 200)"
+    )
+    b.add_argument("--kinds", help="exits suite: comma-separated program kinds (default all four)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     b.set_defaults(fn=_bench_cmd)
     return ap

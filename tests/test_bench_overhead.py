@@ -26,6 +26,8 @@ def test_count_ops_counts_every_aten_op_of_a_step():
     assert count_ops(lambda: [step() for _ in range(2)]) == 2 * n  # counted, not a constant
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_overhead_suite_times_each_kind_per_step_and_per_op(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -33,6 +33,7 @@ def _losses(**options):
     return pm, losses + [pm.eval_step(*args, **kwargs)]
 
 
+@pytest.mark.subprocess  # Inductor runs the C++ compiler
 @pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor on the CPU needs a C++ compiler")
 def test_compiled_sharded_graph_trains_as_the_plain_one():
     plain, want = _losses()
