@@ -13,7 +13,7 @@ from autopar.passes.lower import Convert, TensorAxis, local_shape, lower_pass, o
 from autopar.passes.program_graph import copy_graph_module
 from autopar.passes.sharding_rules import placement_str, strategies_for
 from autopar.trace import trace_model
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import for_this_run, run_distributed
 
 VOCAB, HIDDEN, FFN = 16, 8, 32
 # fp32: the lowered graph runs the same ops on pieces of the same tensors; a tensor axis sums partial matmuls in
@@ -158,7 +158,7 @@ def _two_ranks(rank: int, world: int):
     counted = []
     for name in ("funcol_all_reduce", "funcol_all_gather", "funcol_reduce_scatter"):
         real = getattr(compat, name)
-        setattr(compat, name, lambda *a, real=real, name=name, **k: counted.append(name) or real(*a, **k))
+        for_this_run(compat, name, lambda *a, real=real, name=name, **k: counted.append(name) or real(*a, **k))
     gm = _lower(
         traced,
         TensorAxis(group, world, rank),
