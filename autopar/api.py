@@ -115,6 +115,7 @@ def compile(
     optimizer=None,
     plan: Plan | None = None,
     pretrained=None,
+    compile_mode: str | None = None,
     **plan_kwargs,
 ):
     """Plan (unless `plan` is given) and build the parallel program; call inside torchrun.
@@ -134,6 +135,9 @@ def compile(
         pretrained: a folder of Hugging Face safetensors weights to start from; each rank reads only its slices
             (`Program.load_pretrained`). The model may then be built on the meta device: its buffers get values
             first (`autopar.checkpoint.hf.materialize_buffers`), its parameters are made by the program.
+        compile_mode: hand the graphs the program runs to `torch.compile` in this mode ("default",
+            "reduce-overhead", "max-autotune", ...); None runs them as they are. The offload program, which runs
+            the model eagerly, refuses it.
         plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, max_grad_norm=, ...), but for the
             training loop's options (`autopar.loop`): on_nonfinite=, local_batch=, loss_fn=, loss_reduction=,
             loss_inputs=, loss_tokens=.
@@ -174,6 +178,8 @@ def compile(
     loop.apply(pm, plan)
     if pretrained is not None:
         pm.load_pretrained(pretrained)
+    if compile_mode is not None:
+        pm.compile_graphs(compile_mode)
     return pm
 
 

@@ -92,9 +92,10 @@ def _bench_cmd(args) -> int:
         return 0
     if args.rows is not None:
         warnings.warn(f"--rows applies to the calibrate suite only; the {args.suite} suite ignores it", stacklevel=1)
-    if args.cluster is not None and args.suite not in ("run", "soak", "checkpoint"):
+    if args.cluster is not None and args.suite not in ("run", "overhead", "soak", "checkpoint"):
         warnings.warn(
-            f"--cluster applies to the run, soak and checkpoint suites only; the {args.suite} suite ignores it",
+            f"--cluster applies to the run, overhead, soak and checkpoint suites only; the {args.suite} suite "
+            "ignores it",
             stacklevel=1,
         )
     picks = {
@@ -108,7 +109,7 @@ def _bench_cmd(args) -> int:
         )
         picks = {}
     run_suite(args.suite, args.out, quick=args.quick, cluster=args.cluster, show_progress=not args.quiet, **picks)
-    plot = "" if args.suite in ("soak", "checkpoint", "lengths") else f" and {args.suite}.png"
+    plot = "" if args.suite in ("overhead", "soak", "checkpoint", "lengths") else f" and {args.suite}.png"
     print(f"[autopar] wrote {args.suite}.json, {args.suite}.md{plot} to {args.out}", file=sys.stderr)
     return 0
 
@@ -167,12 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="benchmark suites: plans (predicted, vs baselines), compile (planning time), "
-        "run (measured on CPU ranks, vs DDP/FSDP2/TP), calibrate (predicted vs Megatron-LM's published step times), "
+        "run (measured on CPU ranks, vs DDP/FSDP2/TP), overhead (host time per step and per op of every program "
+        "kind, vs eager, DDP and FSDP2), calibrate (predicted vs Megatron-LM's published step times), "
         "soak (300 steps with checkpoints: memory, loadability, retention), checkpoint (save/load time of ~100M "
         "parameters vs torch.save), lengths (step time at half the planned sequence length), exits (torchrun "
         "launches per program kind that must all exit 0)",
     )
-    b.add_argument("suite", choices=["plans", "compile", "run", "calibrate", "soak", "checkpoint", "lengths", "exits"])
+    b.add_argument(
+        "suite",
+        choices=["plans", "compile", "run", "overhead", "calibrate", "soak", "checkpoint", "lengths", "exits"],
+    )
     b.add_argument(
         "--out",
         help="folder for the JSON, Markdown and PNG results (default bench-results; out/calibrate for calibrate)",
@@ -180,12 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rows", help="calibrate suite: Table 1 rows, e.g. 1.7b,18.4b (default: all five)")
     b.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
     b.add_argument(
-        "--cluster", help="run, soak and checkpoint suites: local CPU ranks, cpu:N (default cpu:2; cpu:4 for soak)"
+        "--cluster",
+        help="run, overhead, soak and checkpoint suites: local CPU ranks, cpu:N (default cpu:2; cpu:4 for soak)",
     )
     b.add_argument(
         "--methods",
         help="run suite: comma-separated methods, e.g. autopar,autopar-dp,ddp (default "
-        "autopar,ddp,fsdp2,tp; also autopar-dp, autopar-zero3, autopar-dp-no-overlap, autopar-offload, "
+        "autopar,ddp,fsdp2,tp; also eager, autopar-dp, autopar-tp, autopar-zero1, autopar-zero3, autopar-pp, "
+        "autopar-dp-no-overlap, autopar-offload, "
         "autopar-offload-no-overlap, autopar-pp-zero1, autopar-pp-zero1-no-overlap)",
     )
     b.add_argument("--models", help="run suite: comma-separated models, e.g. wide-llama (default: the small ones)")

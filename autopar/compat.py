@@ -9,6 +9,9 @@ tier (`make test-torch TORCH=2.11.0`) on 2.11, 2.13 and 2.15; "2.11" below is th
   called ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in 2.11 (2.13 keeps those as deprecated aliases).
   The name is looked up on ``torch.distributed`` at each call, so a test that replaces
   ``dist.all_gather_single`` to count calls still sees every call on the releases that have it.
+- ``funcol_all_gather`` / ``funcol_reduce_scatter`` / ``funcol_all_reduce``: the functional collectives (what a
+  lowered graph issues on the tensor axis), ``all_gather_single`` / ``reduce_scatter_single`` in 2.13 and
+  ``all_gather_tensor`` / ``reduce_scatter_tensor`` before; looked up at each call, as above.
 - ``dtensor_from_local``: ``DTensor.from_local`` with ``grad_placements`` (the placement its backward leaves the
   gradient in: a replicated weight's gradient kept partial, summed later by a bucket), which 2.11's lacks; there
   the backward is done here, as 2.13's does it.
@@ -40,6 +43,9 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "all_gather_single",
     "dtensor_from_local",
+    "funcol_all_gather",
+    "funcol_all_reduce",
+    "funcol_reduce_scatter",
     "inline_grad_mode_regions",
     "reduce_scatter_single",
 ]
@@ -58,6 +64,29 @@ def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async
     `async_op`."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, op=op, group=group, async_op=async_op)
+
+
+def funcol_all_gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's `t` joined on `dim` over `group` (functional: possibly an `AsyncCollectiveTensor`)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return fn(t, dim, group)
+
+
+def funcol_reduce_scatter(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The sum of `t` over `group`, this rank's equal piece of it on `dim` (functional)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    fn = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return fn(t, "sum", dim, group)
+
+
+def funcol_all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    """The sum of `t` over `group` (functional)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_reduce(t, "sum", group)
 
 
 _FROM_LOCAL_TAKES_GRAD_PLACEMENTS = "grad_placements" in inspect.signature(DTensor.from_local).parameters

@@ -17,9 +17,8 @@ The rule (`loss_reduction`):
   (a rank given only padding): `fn` must then return a finite value, e.g. divide by `count.clamp(min=1)`.
 - "sum": `fn` returns a sum over its rows; the global loss is the sum over the shards (a sum stays a sum).
 
-How: a program averages a loss it does not recognise over its N shards with equal weights (N: the data-parallel
-ranks times the micro-batches for the data-parallel and offload programs, whose ranks run plain tensors; the
-micro-batches for the sharded and pipeline programs, whose ops are global over the ranks). The traced module
+How: a program averages a loss it does not recognise over its N shards with equal weights (N: the data-axis
+ranks times the micro-batches: every program runs each rank's rows on plain local tensors). The traced module
 returns N n_s L_s / n ("sum": N L_s), N / n fed each step as the input `LOSS_SCALE` computed from the global
 batch (`LossSpec.scale`), so that average is the global loss, and its gradients those of the global loss.
 """

@@ -290,28 +290,28 @@ def plan_to_compile(request: PlanRequest) -> tuple[Plan, object | None]:
 def solve_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, kwargs) -> Plan:
     """The plan with per-node placements for `traced`, the graph its program runs.
 
-    The data-parallel and offload programs need none. A sharded plan names the nodes of the graph it was
-    planned on; where the program's graph (traced at one micro-batch) has other nodes (a batch of one drops
-    some expands), the placements are solved again on it with the plan's mesh, ZeRO stage and memory pinned:
-    the same program, so the same predictions. A pipeline plan carries its stages' placements
-    (`plan.stage_plans`); only where the graph's nodes differ (or a plan file predates them) are they solved
-    again on one stage's (dp, tp) block for the micro-batch graph.
+    The data-parallel and offload programs need none. The sharded and pipeline programs run the graph traced at the
+    shape one rank of the data axis sees (its rows of one micro-batch, `Program.trace_parts`), with the plan's
+    tensor-axis placements by node name. Where that graph has other nodes than the one planned (a batch of one
+    drops some expands), its tensor-axis placements are solved on it alone: the plan's tensor axis, recompute and
+    parameter placements pinned, no data axis (the graph is one rank's share already), no memory budget (the plan's
+    own figures stand: the same program, so the same predictions). A pipeline plan carries its stages' placements
+    (`plan.stage_plans`), used wherever the graph's nodes have them.
     """
     if plan.program not in (ProgramKind.SHARDED, ProgramKind.PIPELINE):
         return plan
-    fused = bool(plan.fusion.get("enabled", False))
     names = {n.name for n in traced.exported.graph.nodes}
     stages = plan.stage_plans
     if stages and all(st.node_output and all(n in names for n in st.node_output) for st in stages):
         return plan  # the pipeline runs the placements its stages were priced with
     if plan.node_output and all(n in names for n in plan.node_output):
         return plan
-    dp, tp = plan.mesh["dp"], plan.mesh["tp"]
-    # the layout the plan priced: its axes, ZeRO stage, recompute and where every parameter sits on the tensor axis
+    tp, cp = plan.mesh["tp"], plan.mesh.get("cp", 1)
+    # the tensor axis the plan priced: its size, recompute and where every parameter sits on it
     pins = {
-        "dp": dp,
+        "dp": 1,
         "tp": tp,
-        "zero": plan.zero_stage,
+        "zero": 0,
         "num_microbatches": 1,
         "recompute": plan.recompute,
         "param_placements": dict(plan.param_placements),
@@ -321,32 +321,22 @@ def solve_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, kwar
     }
     if plan.tensor_split:
         pins["tp_min_split"] = plan.tensor_split["min_fraction"]
-    if plan.mesh.get("cp", 1) > 1:
-        pins |= {"cp": plan.mesh["cp"], "cp_attention": plan.context_parallel["algorithm"]}
     if plan.program == ProgramKind.PIPELINE:
-        block = cluster.sub_cluster(dp * plan.mesh.get("cp", 1) * tp)  # one stage's devices
-        micro = _solved_on(
-            traced,
-            model,
-            block,
-            args,
-            kwargs,
-            pins | {"pp": 1},
-            precision=plan.precision,
-            budget=float("inf"),
-            fuse=fused,
-            offload=False,
-        )
-    else:
-        try:
-            budget = plan.predicted.peak_memory_bytes * 1.01
-            micro = _solved_on(
-                traced, model, cluster, args, kwargs, pins, precision=plan.precision, budget=budget, fuse=fused
-            )
-        except InfeasiblePlanError:
-            micro = _solved_on(
-                traced, model, cluster, args, kwargs, pins, precision=plan.precision, budget=float("inf"), fuse=fused
-            )
+        pins["pp"] = 1
+    if cp > 1:  # the graph is one rank's rows of the cp-traced batch: solved as they are, without a cp axis
+        args, kwargs = cp_traced_batch(model, args, kwargs, cp)
+    micro = _solved_on(
+        traced,
+        model,
+        cluster.sub_cluster(tp),
+        args,
+        kwargs,
+        pins,
+        precision=plan.precision,
+        budget=float("inf"),
+        fuse=bool(plan.fusion.get("enabled", False)),
+        offload=False,
+    )
     return dataclasses.replace(
         plan,
         node_output=micro.node_output,

@@ -118,7 +118,7 @@ class ProgramComm:
 
     @property
     def runs_plain(self) -> bool:
-        """The data-parallel program: the whole model on plain tensors (no DTensor), DDP's layout."""
+        """The data-parallel program: the whole model on plain tensors with no tensor axis, DDP's layout."""
         return self.program == ProgramKind.DATA_PARALLEL
 
     @property
@@ -140,7 +140,8 @@ class ProgramComm:
     def overlaps_data_axis(self) -> bool:
         """The sharded program (and the offload program, over chunks) issues its data-axis collectives asynchronously:
         gradient buckets from backward, weights gathered `prefetch_depth` layers ahead. Without it each parameter's
-        collectives run inside its DTensor redistributions, waited on where issued."""
+        collectives run where the graph reads it (a gather, a reduction in the backward of its first read), waited
+        on where issued."""
         sharded = self.program in (ProgramKind.SHARDED, ProgramKind.OFFLOAD)
         return sharded and self.overlap and self.data_ranks > 1
 

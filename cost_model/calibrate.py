@@ -26,8 +26,9 @@ What is measured, and how:
   many repetitions (one repetition's eta moves between 0 and 0.4 on a shared 2-core machine).
 - host memory: physical RAM from `sysconf`.
 - host costs of an eager training step (`measure_host_overheads`: dispatch of an op and of a
-  view, one backward node, one `autograd.grad` call) and of the optimizer
-  (`measure_optimizer_step`: AdamW per parameter tensor and per parameter byte). These are not
+  view, one backward node, one `autograd.grad` call), of the optimizer
+  (`measure_optimizer_step`: AdamW per parameter tensor and per parameter byte), and what an op
+  costs in a lowered program's graph beyond eager (`measure_lowered_overhead`). These are not
   cluster-file fields: `ProfiledEstimator` measures them with these functions into its profile
   cache (they belong to the machine the profile was taken on); the command prints them on
   stderr for reference.
@@ -239,57 +240,61 @@ def measure_host_overheads(repeats: int) -> dict[str, float]:
     }
 
 
-def measure_dtensor_overhead(repeats: int) -> dict[str, float] | None:
-    """What an op costs on DTensors beyond the same op on plain tensors (one-element, replicated).
+def measure_lowered_overhead(repeats: int, length: int = 400, num_params: int = 50) -> dict[str, float]:
+    """What an op costs in a lowered program's graph beyond the same op run eagerly (one-element tensors, so no
+    work): `lowered_op_s`, seconds per op of a forward and backward through a chain of `length` products with
+    `num_params` parameters read in turn.
 
-    - `dtensor_op_forward_s`: dispatch through DTensor (sharding propagation, unwrapping, wrapping);
-    - `dtensor_op_backward_s`: the same for one node of a backward.
-
-    The sharded runtime (`passes.parallelize`) runs every op of the graph this way. Measured on a one-rank
-    gloo mesh made for the purpose (file rendezvous, destroyed after), so only when no process group is
-    initialised yet (the planner's own process); None otherwise.
+    The sharded and pipeline programs run their graph lowered to plain local tensors (`passes.lower`): ATen ops
+    called from the graph module's generated code, each parameter made through the program's hook where first
+    read (identity here, as under fp32). What the chain adds over eager is that call path and the hooks, per op;
+    the op's own dispatch is in its profile already. The two are timed in turns (median of `repeats` each);
+    a difference under the noise comes out as 0.
     """
-    import tempfile
+    from torch.fx.experimental.proxy_tensor import make_fx
 
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Replicate
+    from autopar.passes.lower import TensorAxis, lower_pass
 
-    if dist.is_available() and dist.is_initialized():
-        return None
-    add = torch.ops.aten.add.Tensor
-    inner = 200
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1)
-        try:
-            mesh = DeviceMesh("cpu", [0])
+    mul = torch.ops.aten.mul.Tensor
 
-            def wrap(t):
-                return DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+    def chain(x, weights):
+        for k in range(length):
+            x = mul(x, weights[k % num_params])
+        return (x.sum(),)
 
-            a, b = torch.ones(1, requires_grad=True), torch.ones(1)
-            da, db = wrap(torch.ones(1)).requires_grad_(), wrap(b)
+    class Identity:  # the program's parameter hooks under fp32 with no data axis
+        def enter(self, index, t):
+            return t
 
-            def forward(x, y):
-                def run():
-                    for _ in range(inner):
-                        add(x, y)
+        def gather(self, index, t):
+            return t
 
-                return median_time_s(run, repeats) / inner
+    x, weights = torch.ones(1), [torch.ones(1, requires_grad=True) for _ in range(num_params)]
+    gm = make_fx(chain)(x, weights)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"][1:]
+    lowered = lower_pass(
+        gm,
+        None,
+        axis=TensorAxis(None, 1, 0),
+        node_inputs={},
+        node_output={},
+        param_placements={},
+        params={name: k for k, name in enumerate(names)},
+        hooks=Identity(),
+    )
 
-            fwd = forward(da, db) - forward(a, b)
-            mul = torch.ops.aten.mul.Tensor  # its backward runs an op (a product), as most nodes' do
-            on_dtensors = _chain_backward_s(
-                lambda x: mul(x, db),
-                repeats,
-                200,
-                leaf=wrap(torch.ones(1)).requires_grad_(),
-                finish=lambda x: x.to_local().sum(),
-            )
-            bwd = on_dtensors - _chain_backward_s(lambda x: mul(x, b), repeats)
-        finally:
-            dist.destroy_process_group()
-    return {"dtensor_op_forward_s": max(fwd, 0.0), "dtensor_op_backward_s": max(bwd, 0.0)}
+    def eager():
+        chain(x, weights)[0].backward()
+
+    def graph():
+        lowered(x, *weights)[0].backward()
+
+    eager_s, graph_s = [], []
+    for _ in range(3):  # in turns: load on the machine slows both alike
+        eager_s.append(median_time_s(eager, repeats))
+        graph_s.append(median_time_s(graph, repeats))
+    extra = statistics.median(g - e for g, e in zip(graph_s, eager_s, strict=True)) / length
+    return {"lowered_op_s": max(extra, 0.0)}
 
 
 def measure_optimizer_step(repeats: int, make_optimizer=None) -> dict[str, float]:

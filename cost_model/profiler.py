@@ -81,8 +81,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.cost_model.calibrate import (
     evict_dispatch_paths,
-    measure_dtensor_overhead,
     measure_host_overheads,
+    measure_lowered_overhead,
     measure_optimizer_step,
 )
 from autopar.cost_model.compute import AnalyticEstimator, estimate_node_cost, estimate_optimizer_step_time
@@ -369,18 +369,14 @@ class ProfiledEstimator:
         return found
 
     def sharded_op_overhead_s(self) -> float:
-        """Seconds the sharded runtime adds to each op of a training step (forward and backward) by running
-        it on DTensors (`calibrate.measure_dtensor_overhead`), measured once; 0 where it cannot be measured
-        (a process group already initialised)."""
-        key = json.dumps(["dtensor-overhead", self.device, self.num_threads])
+        """Seconds the sharded and pipeline programs add to each op of a training step (forward and backward) over
+        eager PyTorch, by running it in their lowered graph (`calibrate.measure_lowered_overhead`), measured once."""
+        key = json.dumps(["lowered-overhead", self.device, self.num_threads])
         found = self._entries.get(key)
-        if found is None:
-            found = self._with_threads(lambda: measure_dtensor_overhead(max(self.repeats, 5)))
-            if found is None:
-                return 0.0
-            self._entries[key] = found
+        if found is None or set(found) != {"lowered_op_s"}:
+            found = self._entries[key] = self._with_threads(lambda: measure_lowered_overhead(max(self.repeats, 5)))
             self._save()
-        return self.ranks_per_core * (found["dtensor_op_forward_s"] + found["dtensor_op_backward_s"])
+        return self.ranks_per_core * found["lowered_op_s"]
 
     @staticmethod
     def _is_view(node: fx.Node) -> bool:

@@ -6,6 +6,8 @@
 - `compile` (`autopar.bench.compile_time`): planning time against model depth and cluster size.
 - `run` (`autopar.bench.execution`): measured training steps on local CPU ranks, autopar next to
   DDP, FSDP2 and tensor parallelism configured by hand.
+- `overhead` (`autopar.bench.overhead`): host time per step and per op of every program kind on a compute-free
+  model, next to eager PyTorch, DDP and FSDP2; the small LLaMA with autopar's plan against DDP.
 - `soak` (`autopar.bench.checkpoints`): 300 steps on cpu:4 with a checkpoint every 50, each loaded back;
   every rank's resident set at each checkpoint, retention checked.
 - `checkpoint` (`autopar.bench.checkpoints`): save and load time of a ~100M-parameter model's training
@@ -23,9 +25,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SUITES = ("plans", "compile", "run", "soak", "checkpoint", "lengths")
+SUITES = ("plans", "compile", "run", "overhead", "soak", "checkpoint", "lengths")
 # the cluster a suite that runs on local CPU ranks uses when none is given
-DEFAULT_CLUSTERS = {"run": "cpu:2", "soak": "cpu:4", "checkpoint": "cpu:2"}
+DEFAULT_CLUSTERS = {"run": "cpu:2", "overhead": "cpu:2", "soak": "cpu:4", "checkpoint": "cpu:2"}
 
 
 def run_suite(
@@ -65,6 +67,10 @@ def run_suite(
         from autopar.bench import execution
 
         return execution.run(out_dir, cluster=cluster, quick=quick, show_progress=show_progress, **picks)
+    if suite == "overhead":
+        from autopar.bench import overhead
+
+        return overhead.run(out_dir, cluster=cluster, quick=quick, show_progress=show_progress)
     if suite == "soak":
         from autopar.bench import checkpoints
 

@@ -130,6 +130,8 @@ class RunSettings:
     # also time each method's step with its collectives replaced by no-ops (`noop_collectives`), interleaved with
     # the real steps, for the communication the step waits for
     measure_exposed: bool = True
+    # count the ATen ops one step of each method dispatches (after warm-up, once): its host time per op
+    count_ops: bool = False
 
 
 QUICK_SETTINGS = RunSettings(
@@ -233,6 +235,22 @@ def _spent(t0: float, c0: float, steps: int, rss0: int | None) -> tuple[float, f
     return wall, cpu, (hwm - rss0 if rss0 is not None and hwm is not None else None)
 
 
+def count_ops(step) -> int:
+    """The ATen ops `step()` dispatches (forward, backward, collectives and optimizer), counted by a dispatch mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        step()
+    return Counting.count
+
+
 def _model_and_batch(spec: RunModel):
     """The model (seeded initial weights) and the global batch every method of `spec` trains on."""
     from autopar import presets
@@ -268,6 +286,7 @@ def _train_model(
     for m in methods.values():
         for _ in range(settings.warmup_steps):
             m.step()
+    ops = {n: count_ops(m.step) for n, m in methods.items()} if settings.count_ops else {}
     times, rss, cpu_times = ({n: [] for n in methods} for _ in range(3))
     noop_times, replaced, finite = ({n: [] for n in methods} for _ in range(3))
     # a no-op step takes its turn like a method: the rotation spreads the load of the machine over both
@@ -296,6 +315,8 @@ def _train_model(
             "setup_time_s": m.setup_time_s,
             "final_loss": m.last_loss,
         } | m.extra()
+        if n in ops:
+            out[n]["ops_per_step"] = ops[n]
         if settings.measure_exposed:
             out[n] |= {
                 "noop_times_s": noop_times[n],
@@ -361,6 +382,7 @@ _CARRIED = (
     "overlap",
     "noop_times_s",
     "noop_collectives_per_step",
+    "ops_per_step",
 )
 
 

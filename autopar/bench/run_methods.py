@@ -10,6 +10,9 @@ PyTorch's own APIs configured by hand.
   two pipeline stages with ZeRO-1 over the other axis (cpu:4 gives it one), 1F1B over two micro-batches, whose
   weights are gathered and gradients reduce-scattered once a step, and `autopar-pp-zero1-no-overlap` the same
   layout gathering and reduce-scattering for every micro-batch.
+- `autopar-zero1`, `autopar-tp`, `autopar-pp`: ZeRO-1 over every rank, the tensor axis over every rank, two
+  pipeline stages (1F1B over two micro-batches): the program kinds `autopar bench overhead` times.
+- `eager`: the model in one process on the rank's slice, no collective (eager PyTorch's host time).
 - `ddp`: `DistributedDataParallel` as users run it (25 MiB buckets whose all-reduces start from backward).
 - `fsdp2`: `fully_shard` per decoder block, then the whole model.
 - `tp`, for LLaMA: `parallelize_module` with Megatron's column-wise q/k/v and gate/up projections, row-wise o
@@ -183,6 +186,34 @@ class _AutoparZero3(_Autopar):
         return {"dp": world, "zero": 3}
 
 
+class _AutoparZero1(_Autopar):
+    name = "autopar-zero1"
+
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        return {"dp": world, "tp": 1, "zero": 1}
+
+
+class _AutoparTP(_Autopar):
+    """The tensor axis over every rank (the sharded program's tensor-parallel path)."""
+
+    name = "autopar-tp"
+
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        return {"dp": 1, "tp": world}
+
+
+class _AutoparPipeline(_Autopar):
+    """Two pipeline stages (data parallelism over the rest), 1F1B over two micro-batches."""
+
+    name = "autopar-pp"
+
+    @staticmethod
+    def constraints(world: int) -> dict | None:
+        return {"pp": 2, "dp": world // 2, "tp": 1, "schedule": "1f1b", "num_microbatches": 2}
+
+
 class _AutoparDPNoOverlap(_Autopar):
     name = "autopar-dp-no-overlap"
 
@@ -238,6 +269,19 @@ class _AutoparOffloadNoOverlap(_AutoparOffload):
     @staticmethod
     def constraints(world: int) -> dict | None:
         return {"dp": world, "tp": 1, "overlap": False}
+
+
+class _Eager(Method):
+    """The model in one process on this rank's slice, no collective: eager PyTorch's own host time."""
+
+    name = "eager"
+
+    def __init__(self, model, ids, rank, world, *, optimizer: str = "adamw"):
+        super().__init__(model, ids, rank, world, optimizer=optimizer)
+        self.optimizer = make_optimizer(model.parameters(), optimizer)
+
+    def step(self):
+        self.last_loss = self._torch_step(self._slice()).item()
 
 
 class _DDP(Method):
@@ -336,10 +380,14 @@ METHODS = {
         _AutoparDP,
         _AutoparZero3,
         _AutoparDPNoOverlap,
+        _AutoparZero1,
+        _AutoparTP,
+        _AutoparPipeline,
         _AutoparOffload,
         _AutoparOffloadNoOverlap,
         _AutoparPipelineZero1,
         _AutoparPipelineZero1NoOverlap,
+        _Eager,
         _DDP,
         _FSDP2,
         _TensorParallel,

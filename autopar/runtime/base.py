@@ -51,6 +51,15 @@ from autopar.trace import TracedModel
 from autopar.units import BUCKET_BYTES
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# what `compile(..., compile_mode=...)` accepts: torch.compile's modes
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compiled(gm, mode: str):
+    """`gm` through `torch.compile` in `mode` (checked against `COMPILE_MODES`)."""
+    if mode not in COMPILE_MODES:
+        raise ConfigError(f"compile_mode={mode!r} is not a torch.compile mode; use one of {', '.join(COMPILE_MODES)}")
+    return torch.compile(gm, mode=mode)
 
 
 def compute_dtype(precision: str) -> torch.dtype | None:
@@ -414,6 +423,14 @@ class Program(torch.nn.Module):
                 )
         return self.lengths.planned
 
+    def compile_graphs(self, mode: str) -> None:
+        """Hand the graphs this program runs to `torch.compile` (`mode` one of `COMPILE_MODES`); programs that run
+        no graph of their own refuse."""
+        raise ConfigError(
+            f"compile_mode={mode!r}: the {self.kind} program runs the model eagerly, with no graph of its own to "
+            f"compile; leave compile_mode unset for this plan"
+        )
+
     def _build_optimizer(self, masters) -> None:
         self.optimizer = self._make_optimizer(list(masters))
 
@@ -462,7 +479,8 @@ class Program(torch.nn.Module):
 
     def _loss_shards(self) -> int:
         """Into how many equally weighted parts the program averages a loss it does not recognise (`autopar.loss`):
-        the micro-batches, for a program whose ops are global over the ranks."""
+        the micro-batches here; a program running each data-axis rank's rows on its own says so (its ranks times
+        them)."""
         return self.plan.num_microbatches
 
     @property

@@ -48,7 +48,7 @@ from autopar.passes.program_graph import (
 )
 from autopar.plan import Plan, ProgramKind
 from autopar.program_comm import ProgramComm, gradient_order
-from autopar.runtime.base import Program, check_scalar_loss, flat_inputs, placeholder_values, rank_rows
+from autopar.runtime.base import Program, check_scalar_loss, compiled, flat_inputs, placeholder_values, rank_rows
 from autopar.runtime.collectives import new_group, waiting_for
 from autopar.trace import TracedModel
 from autopar.units import BUCKET_BYTES
@@ -86,6 +86,7 @@ class DataParallelProgram(Program):
         # what the buckets hold: the copies' gradients when reduced in the compute format, else the masters'
         self._bucketed = self._compute if self.reduce_in_compute else list(self.params)
         self._buffers_list = [buffers[n].detach().to(device, copy=True) for n in traced.buffer_names]
+        self._compile_mode: str | None = None  # `compile_graphs`
         self._bind_trace(traced)
         self._buckets = self._gradient_buckets()
         self._pending: list[int] | None = None  # gradients each bucket still awaits on the last micro-batch
@@ -98,6 +99,7 @@ class DataParallelProgram(Program):
     _per_length = (
         "traced",
         "_gm",
+        "_run_gm",
         "_eval_gm",
         "_placeholders",
         "_input_slots",
@@ -130,6 +132,8 @@ class DataParallelProgram(Program):
         if self._num_mutated == 0:
             self._gm = fold_constants_pass(self._gm, self._placeholders, constant_placeholders=constant)
         self._eval_gm = None  # built on the first eval_step
+        # what a training step calls: once `compile_graphs` ran, what torch.compile made of it (a new length too)
+        self._run_gm = self._gm if self._compile_mode is None else compiled(self._gm, self._compile_mode)
 
     def _gradient_buckets(self) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """(flat buffer, [(bucketed tensor, its gradient view)]) per bucket of about BUCKET_BYTES.
@@ -268,7 +272,7 @@ class DataParallelProgram(Program):
         local = self._local_micro_batches(micro)
         losses, counts = [], []
         for i, flat in enumerate(local):
-            loss, count = self._run_one(self._gm, flat)
+            loss, count = self._run_one(self._run_gm, flat)
             losses.append(loss.detach())
             counts.append(count)
             if i == len(local) - 1:
@@ -279,6 +283,8 @@ class DataParallelProgram(Program):
     def _evaluate(self, micro: list[tuple]) -> float:
         if self._eval_gm is None:
             self._eval_gm = eval_pass(copy_graph_module(self._gm), None)
+            if self._compile_mode is not None:
+                self._eval_gm = compiled(self._eval_gm, self._compile_mode)
         self._refresh_compute()
         results = [self._run_one(self._eval_gm, flat) for flat in self._local_micro_batches(micro)]
         totals = self._totals([loss for loss, _ in results], [count for _, count in results])
@@ -287,6 +293,12 @@ class DataParallelProgram(Program):
                 dist.all_reduce(totals, group=self.group)
         loss_sum, count = totals.tolist()
         return loss_sum / count
+
+    def compile_graphs(self, mode: str) -> None:
+        self._run_gm = compiled(self._gm, mode)
+        self._compile_mode = mode
+        if self._eval_gm is not None:
+            self._eval_gm = compiled(self._eval_gm, mode)
 
     def _totals(self, losses: list[torch.Tensor], counts: list) -> torch.Tensor:
         """[loss sum, label count] of this rank's micro-batches, in fp64 (a count of None stands for 1)."""

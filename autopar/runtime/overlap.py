@@ -212,3 +212,34 @@ def finish_reduce_scatter(bucket: Bucket, dims: list[int], group, out: list[torc
         piece = flat[offset : offset + n].view(chunk, *rest)[:length].movedim(0, d)
         out[i] = piece.clone(memory_format=torch.contiguous_format)
     bucket.work = bucket.flat = bucket.send = None
+
+
+class _GatherSplit(torch.autograd.Function):
+    """A parameter split over `group` on `dim` gathered whole (functional collectives, padded pieces as
+    `split_gather` lays them out); the backward reduce-scatters the whole gradient back to this rank's piece."""
+
+    @staticmethod
+    def forward(ctx, local, dim, size, group):
+        ctx.dim, ctx.size, ctx.group, ctx.length = dim, size, group, local.shape[dim]
+        parts = dist.get_world_size(group)
+        chunk = -(-size // parts)
+        whole = compat.funcol_all_gather(_padded(local, dim, chunk).contiguous(), 0, group)
+        whole = whole.wait() if hasattr(whole, "wait") else whole
+        return whole[:size].movedim(0, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = dist.get_world_size(ctx.group)
+        chunk = -(-ctx.size // parts)
+        piece = compat.funcol_reduce_scatter(_padded(grad, ctx.dim, parts * chunk).contiguous(), 0, ctx.group)
+        piece = piece.wait() if hasattr(piece, "wait") else piece
+        return piece[: ctx.length].movedim(0, ctx.dim).contiguous(), None, None, None
+
+
+def gather_split(local: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
+    """`local`, this rank's piece of a tensor split on `dim` (whole length `size`) over `group`, gathered whole; the
+    gradient of the whole comes back reduce-scattered (ZeRO's gather without overlap, as DTensor's Shard ->
+    Replicate does it)."""
+    if dist.get_world_size(group) == 1:
+        return local
+    return _GatherSplit.apply(local, dim, size, group)

@@ -3,42 +3,46 @@
 The world is one DeviceMesh (pp, dp, tp): stage block d holds ranks d*dp*tp ... (d+1)*dp*tp - 1,
 as the pipeline search laid them out. On each rank:
 
-- the traced graph (at the size of one micro-batch of the global batch) is cut into the plan's
-  stages (`passes.pipeline_split`); this rank runs stage d, or with interleaving the virtual
-  stages d, d + pp, ...;
-- every stage is a `ShardedInterpreter` over the (dp, tp) sub-mesh with the placements of a plan
-  solved for that sub-mesh, its parameters this rank's shards, exactly as in the sharded program;
+- the traced graph (at the shape one rank of the data axis runs: its rows of one micro-batch) is cut
+  into the plan's stages (`passes.pipeline_split`); this rank runs stage d, or with interleaving the
+  virtual stages d, d + pp, ...;
+- every stage is its graph lowered to plain local tensors and explicit collectives over the tensor
+  axis of the (dp, tp) sub-mesh (`passes.lower`), with the placements of a plan solved for that
+  sub-mesh, its parameters this rank's shards, exactly as in the sharded program;
 - the stages are `PipelineStage`s over the pp process group, driven by the plan's schedule
   (`ScheduleGPipe`, `Schedule1F1B`, `ScheduleInterleaved1F1B`).
 
-What crosses a stage boundary is this rank's piece of each value: batch rows split over dp,
-whole over tp. The first value sent is the micro-batch index: every rank holds the whole global
-batch (every rank passes the same batch to `train_step`), so a stage takes the inputs it reads
-(labels on the last stage, masks, positions) from its own copy, and only activations travel.
+What crosses a stage boundary is this rank's piece of each value: its rows, whole over tp. The first
+value sent is the micro-batch index: every rank holds the whole global batch (every rank passes the
+same batch to `train_step`), so a stage takes the inputs it reads (labels on the last stage, masks,
+positions) from its own copy, and only activations travel.
 
-Loss and gradients. The last stage returns micro-batch i's mean loss times its weight w_i (the
-labels its mean cross-entropy kept, or 1); the gradients accumulate over the micro-batches and are
-divided by sum w_i before the optimizer step, so the step equals one over the whole batch.
+Loss and gradients. The last stage's mean cross-entropy becomes its sum with the count of kept labels
+(`program_graph.sum_loss_pass`): it returns micro-batch i's loss sum over this rank's rows (another
+loss: its mean, weight 1); the gradients accumulate over the micro-batches and the data axis and are
+divided by the global count (the sum of the weights over ranks and micro-batches) before the optimizer
+step, so the step equals one over the whole batch.
 Parameters used on two stages on different ranks (GPT-2's token embedding, tied to its LM head)
 have a copy on each; their gradients are summed over the stages that hold them before the step,
 so the copies stay equal (a copy its stage gave no gradient joins with zeros: every rank of a group
-calls its collectives in the same order, or its peers wait). Gradients of parameters replicated over dp stay partial through the
-micro-batches and are all-reduced over dp once per step, in buckets, as the plan prices them.
+calls its collectives in the same order, or its peers wait). Gradients of parameters replicated over
+dp stay partial through the micro-batches and are all-reduced over dp once per step, in buckets, as the
+plan prices them.
 
 Overlap (`plan.overlap`, on by default). The schedules run on `autopar.runtime.pipeline_schedule`: the receive of
 micro-batch i+1's input (output gradient) is posted before micro-batch i's forward (backward), sends are
 asynchronous and waited on at the end of the step, so transfers run while the stage computes. The dp reduction of
 this rank's gradients goes out in buckets (`overlap.BUCKET_BYTES`, in the order the last backward of the step
-produces the gradients, the last stage's first), each launched (asynchronously) during that backward as soon as
-the last gradient of its members is in: a post-accumulate hook counts, per parameter, the micro-batches' gradients
-of every local stage that reads it. So it runs behind the rest of that backward and then behind the stages before
-this one, which still run their cooldown backwards; the step waits for it before the tie sums and the optimizer. A
-parameter enters the mesh (its `from_local`, its cast to the compute format) where the stage's forward first reads
-it (`passes.parallelize.Deferred`): made before the forward, those autograd nodes would run only at the very end of
-the backward (the engine runs the latest-made ready node first), and with them every hook. A parameter split over
-dp by ZeRO-1 (`zero_stage` 1 on every stage that reads it) is gathered once a step: the gathers of all of them go
-out (asynchronously, in the order the stages read them) before the schedule starts, and each is waited on where a
-forward first reads it; every micro-batch then computes on the whole weight (in the compute format), and its
+produces the gradients, the last stage's first), each launched (asynchronously) during that backward as soon as the
+last gradient of its members is in: a post-accumulate hook counts, per parameter, the micro-batches' gradients of
+every local stage that reads it. So it runs behind the rest of that backward and then behind the stages before this
+one, which still run their cooldown backwards; the step waits for it before the tie sums and the optimizer. A
+parameter is made what the stage computes with (its cast to the compute format) where the stage's forward first
+reads it (the lowered graph's `enter` hook): made before the forward, those autograd nodes would run only at the
+very end of the backward (the engine runs the latest-made ready node first), and with them every hook. A parameter
+split over dp by ZeRO-1 (`zero_stage` 1 on every stage that reads it) is gathered once a step: the gathers of all of
+them go out (asynchronously, in the order the stages read them) before the schedule starts, and each is waited on
+where a forward first reads it; every micro-batch then computes on the whole weight (in the compute format), and its
 gradient (this rank's partial sum over dp) accumulates in fp32 over the micro-batches; the reduce-scatter of those
 sums goes out bucket by bucket in the same way (its buckets apart from the all-reduced ones). That is ZeRO-1 as
 the plan prices it for a pipeline stage (`ShardingProgram.step_gathers`): one gather and one reduce-scatter a step,
@@ -49,9 +53,9 @@ ZeRO 0 or 1 only: at 2 or 3 every micro-batch would gather and reduce-scatter ea
 so plans (`Plan`) and pins (`passes.pipeline`) with stages at ZeRO-2/3 are refused.
 
 A cp axis (mesh pp x dp x cp x tp, tp innermost, then cp): the stage graphs are cut from the graph traced for cp
-(`autopar.context_parallel.inputs.traced_batch`, the causal masks dropped), in which each sequence's zig-zag
-chunks are rows of the batch; as in the sharded program, each stage runs on the (dp·cp, tp) sub-mesh of its block,
-the cp ranks being more rows of the data axis, with attention across the cp group by the plan's algorithm. What
+(`autopar.context_parallel.inputs.traced_batch`, the causal masks dropped, one rank's rows of it), in which each
+sequence's zig-zag chunks are rows of the batch; as in the sharded program, the data axis is dp·cp ranks, with
+attention across the cp group by the plan's algorithm. What
 crosses a stage boundary is this rank's piece: its dp rows' cp chunk. A stage takes the inputs it reads (labels,
 positions) from `context_parallel.inputs.local_batch` for its dp and cp rank. The loss is the global sum over the
 dp·cp ranks divided by the global count of kept labels; gradients are reduced over dp·cp.
@@ -64,25 +68,25 @@ collective this rank waited in.
 from __future__ import annotations
 
 import collections
-import functools
 import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from autopar import compat
 from autopar.checkpoint.pieces import contiguous_stride, dtensor_piece
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
-from autopar.errors import ConfigError, LoweringError
+from autopar.errors import LoweringError
 from autopar.ir import OpGraph
-from autopar.passes.parallelize import Deferred, dp_placement, local_shard, shard_pass
+from autopar.passes.lower import TensorAxis, lower_pass
+from autopar.passes.parallelize import dp_placement, local_shard
 from autopar.passes.pipeline_split import StageGraph, split_stages, stack_layers, values_needing_grad
-from autopar.passes.program_graph import copy_graph_module, eval_pass
-from autopar.passes.sharding_rules import parse_placement
+from autopar.passes.program_graph import copy_graph_module, eval_pass, sum_loss_pass
+from autopar.passes.sharding_rules import parse_placement, placement_str
 from autopar.plan import Plan, ProgramKind, StagePlan
 from autopar.program_comm import ProgramComm, gradient_order
 from autopar.runtime import overlap, pipeline_schedule
@@ -94,41 +98,22 @@ from autopar.runtime.base import (
     sum_in_buckets,
 )
 from autopar.runtime.collectives import device_mesh, new_group, waiting_for
+from autopar.runtime.sharded import LoweredRun
 from autopar.trace import TracedModel
 
 R = Replicate()
 
 
-def _boundary_placement(shape, batch: int, dp: int) -> tuple:
-    """How a value crosses a stage boundary: rows split over dp when it has the batch as dim 0, whole over tp."""
-    rows = dp > 1 and len(shape) > 0 and shape[0] == batch and batch % dp == 0
-    return (Shard(0) if rows else R, R)
-
-
-def _local_shape(shape, placement, dp: int) -> tuple[int, ...]:
-    shape = tuple(shape)
-    return (shape[0] // dp, *shape[1:]) if placement[0] != R else shape
-
-
 class _Stage(torch.nn.Module):
-    """One (virtual) stage on this rank: runs its graph on DTensors, takes and gives local pieces."""
+    """One (virtual) stage on this rank: runs its lowered graph on this rank's pieces, takes and gives local
+    tensors (its rows, whole over tp)."""
 
     def __init__(self, program: PipelineProgram, sg: StageGraph, recompute: str, placements: tuple[dict, dict]):
         super().__init__()
         self.program, self.sg = program, sg
         self.is_last = sg.index == program.num_stages - 1
-        node_inputs, node_output = placements
-        knobs = dict(
-            mesh=program.mesh,
-            node_inputs=node_inputs,
-            node_output=node_output,
-            batch_size=program.micro_batch,
-            params=program.param_nodes,
-            launch_early=program.comm.launches_early,
-            **program.cp_knobs,
-        )
-        self.train_interp = shard_pass(sg.graph_module, None, recompute=recompute, **knobs)
-        self.eval_interp = shard_pass(eval_pass(copy_graph_module(sg.graph_module), None), None, **knobs)
+        self.train_interp = program.lower_stage(sg, placements, recompute=recompute, train=True)
+        self.eval_interp = program.lower_stage(sg, placements, recompute="none", train=False)
         self.interp = self.train_interp
         nodes = {n.name: n for n in sg.graph_module.graph.nodes}
         self._in_meta = [nodes[name].meta["val"] for name in sg.received]
@@ -136,6 +121,7 @@ class _Stage(torch.nn.Module):
         self._out_meta = [nodes[name].meta["val"] for name in sg.sends]
         self._out_grad = [name in program.grad_values for name in sg.sends]
         self.weights: list[float] = []  # loss weight of each micro-batch this step (last stage)
+        self.sums: list[torch.Tensor] = []  # loss sum of each micro-batch this step (last stage, unscaled)
 
     # the metadata torch.distributed.pipelining needs to allocate receive buffers (static, no dry run)
     def example_inputs(self) -> tuple[torch.Tensor, ...]:
@@ -149,54 +135,21 @@ class _Stage(torch.nn.Module):
         return (index, *(self._example(v, g) for v, g in zip(self._out_meta, self._out_grad, strict=True)))
 
     def _example(self, val, requires_grad: bool) -> torch.Tensor:
-        pl = _boundary_placement(val.shape, self.program.micro_batch, self.program.dp)
-        t = torch.zeros(_local_shape(val.shape, pl, self.program.dp), dtype=val.dtype, device=self.program.device_type)
+        t = torch.zeros(tuple(val.shape), dtype=val.dtype, device=self.program.device_type)
         return t.requires_grad_(requires_grad)
 
     def forward(self, index: torch.Tensor, *received: torch.Tensor):
         prog = self.program
         mb = int(index.reshape(-1)[0])
-        values = []
-        for t, val in zip(received, self._in_meta, strict=True):
-            pl = _boundary_placement(val.shape, prog.micro_batch, prog.dp)
-            values.append(
-                DTensor.from_local(
-                    t, prog.mesh, pl, run_check=False, shape=val.shape, stride=contiguous_stride(val.shape)
-                )
-            )
-        # parameters enter the mesh where first read, so their gradients reach the reduction hooks early
-        values += [
-            Deferred(functools.partial(prog.placeholder_value, name, mb))
-            if prog.is_param(name)
-            else prog.placeholder_value(name, mb)
-            for name in self.sg.placeholders
-        ]
-        out = self.interp.run(*values)
+        values = [*received, *(prog.placeholder_value(name, mb) for name in self.sg.placeholders)]
+        out = self.interp(*values)
         if self.is_last:
-            loss = out
+            loss = out[0]
             check_scalar_loss(loss)
-            # the labels a mean cross-entropy kept weigh the micro-batch (one needs no weighting); a user's loss
-            # is global already (`autopar.loss`)
-            counts = self.interp.loss_counts if prog.loss_spec is None else []
-            w = counts[0] if len(counts) == 1 else 1.0
-            self.weights.append(w)
-            w = w if prog.num_microbatches > 1 else 1.0
-            local = loss.redistribute(prog.mesh, (R, R)).to_local().float()
-            return prog.scaled(local * w if w != 1.0 else local)
-        sent = [index]
-        for v, val in zip(out, self._out_meta, strict=True):
-            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
-                # made inside a layer from no distributed value (T5's zero position bias of a decoder's
-                # cross-attention, a factory op at the value's full shape): the same on every rank
-                v = DTensor.from_local(v, prog.mesh, (R, R), run_check=False)
-            if not isinstance(v, DTensor):
-                raise LoweringError(f"a value crossing pipeline stage {self.sg.index} is not on the mesh")
-            sent.append(
-                v.redistribute(prog.mesh, _boundary_placement(val.shape, prog.micro_batch, prog.dp))
-                .to_local()
-                .contiguous()
-            )
-        return tuple(sent)
+            self.sums.append(loss.detach().double())
+            self.weights.append(float(out[-1]) if self.interp.counted else 1.0)
+            return prog.scaled(loss.float())
+        return (index, *(v.contiguous() for v in out))
 
 
 class _WholeWeight(torch.autograd.Function):
@@ -230,6 +183,11 @@ class PipelineProgram(Program):
     kind = ProgramKind.PIPELINE
     _planned_length_only = "its stages' send and receive buffers are shaped for it when they are built"
 
+    @classmethod
+    def trace_parts(cls, plan: Plan) -> int:
+        # one rank's rows of one micro-batch: the data axis is dp·cp ranks
+        return plan.num_microbatches * plan.mesh["dp"] * plan.mesh.get("cp", 1)
+
     def __init__(
         self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None
     ):
@@ -243,7 +201,8 @@ class PipelineProgram(Program):
         self.pp, self.dp, self.tp, self.cp = pp, dp, tp, cp
         self.comm = ProgramComm.of_plan(plan, self.kind)  # what it does over the data axis (and how it is priced)
         self.num_microbatches = plan.num_microbatches
-        self.micro_batch = plan.global_batch_size * cp // plan.num_microbatches  # rows of the traced graph
+        self.micro_rows = plan.global_batch_size // plan.num_microbatches  # rows of one micro-batch
+        self.micro_batch = self.micro_rows * cp // dp  # rows of the traced graph: this rank's share
         self.world: DeviceMesh = device_mesh(self.device_type, (pp, dp, tp), ("pp", "dp", "tp"))
         self.mesh: DeviceMesh = self.world["dp", "tp"]
         self.cp_mesh: DeviceMesh | None = None
@@ -448,65 +407,96 @@ class PipelineProgram(Program):
         return self._kind[name][0] == "param"
 
     def placeholder_value(self, name: str, mb: int):
-        """The value of a traced placeholder on this rank for micro-batch `mb`, as the interpreter takes it."""
+        """The value of a traced placeholder on this rank for micro-batch `mb`, as the lowered graph takes it: a
+        parameter's master shard (the graph's `enter` hook makes what it computes with), a buffer, a constant, or this
+        rank's rows of an input."""
         kind, key = self._kind[name]
-        if kind == "param" and self._holding and key in self._step_split:
-            shape, tp_pl = self._shapes[key], self._placements[key][1]
-            whole = _WholeWeight.apply(self._shard[key], self, key)
-            return compat.dtensor_from_local(
-                whole,
-                self.mesh,
-                (R, tp_pl),
-                run_check=False,
-                shape=torch.Size(shape),
-                stride=contiguous_stride(shape),
-                grad_placements=(Partial(), tp_pl),
-            )
         if kind == "param":
-            shape, pl = self._shapes[key], self._placements[key]
-            # replicated over dp: keep this rank's partial gradient; `train_step` sums it over dp once per step
-            grad_pl = (Partial(), pl[1]) if key in self._dp_summed else pl
-            local = self._shard[key]
-            if self.reduce_in_compute and pl[0] == R:  # the dp reduction (from_local's backward) in the compute format
-                local = self.in_compute_format(local)
-            dt = compat.dtensor_from_local(
-                local,
-                self.mesh,
-                pl,
-                run_check=False,
-                shape=torch.Size(shape),
-                stride=contiguous_stride(shape),
-                grad_placements=grad_pl,
-            )
-            return self.in_compute_format(dt)
+            return self._shard[key]
         if kind == "buffer":
-            return DTensor.from_local(self._run_buffers[key], self.mesh, (R, R), run_check=False)
+            return self._run_buffers[key]
         if kind == "constant":
-            c = self._constants[key]
-            return DTensor.from_local(c, self.mesh, (R, R), run_check=False) if isinstance(c, torch.Tensor) else c
-        t = self._micro_inputs[mb][key]
-        if not isinstance(t, torch.Tensor):
-            return t
-        if self.cp > 1:  # already this rank's share: its dp rows' cp chunk
-            pl = (Shard(0) if t.ndim and self.dp > 1 else R, R)
-            return DTensor.from_local(t.contiguous(), self.mesh, pl, run_check=False)
-        pl = _boundary_placement(t.shape, self.micro_batch, self.dp)
-        local = t.chunk(self.dp, dim=0)[self.mesh.get_local_rank("dp")] if pl[0] != R else t
-        return DTensor.from_local(local.contiguous(), self.mesh, pl, run_check=False)
+            return self._constants[key]
+        return self._micro_inputs[mb][key]
+
+    # the parameter hooks the lowered stage graphs call (`passes.lower.ParamHooks`)
+
+    def enter(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Parameter i as the stage computes with it, made where the stage's forward first reads it (see the module
+        docstring): a ZeRO-1 weight whole for the step (gathered once), a split one cast (gathered at each use), a
+        replicated one cast, its gradient this rank's partial sum until the step's bucket sums it over dp."""
+        key = self._param_names[i]
+        if self._holding and key in self._step_split:
+            return _WholeWeight.apply(x, self, key)
+        if self._placements[key][0] == R and self.reduce_in_compute:
+            x = self.in_compute_format(x)  # the dp reduction in the compute format
+        return self.in_compute_format(x)
+
+    def gather(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Split parameter i whole for one op that reads it (a ZeRO-1 weight of this step is whole already)."""
+        key = self._param_names[i]
+        if self._holding and key in self._step_split:
+            return x
+        d = self._placements[key][0].dim
+        return overlap.gather_split(x, d, self._shapes[key][d], self.mesh.get_group("dp"))
+
+    def lower_stage(self, sg: StageGraph, placements: tuple[dict, dict], *, recompute: str, train: bool) -> LoweredRun:
+        """Stage graph `sg` lowered to local ops and tensor-axis collectives (`passes.lower`); the last stage's loss
+        made a sum with its kept-label count (`program_graph.sum_loss_pass`)."""
+        gm = copy_graph_module(sg.graph_module)
+        if not train:
+            gm = eval_pass(gm, None)
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        last = not sg.sends
+        if last:  # the loss alone: as a tuple, so that its count can join it
+            out.args = ((out.args[0],),)
+            gm.recompile()
+            gm = sum_loss_pass(gm, None, loss_index=0)
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        node_inputs, node_output = placements
+        index = {
+            name: self._param_names.index(key)
+            for name in sg.placeholders
+            for kind, key in [self._kind[name]]
+            if kind == "param"
+        }
+        tp = self.tp
+        axis = TensorAxis(self.mesh.get_group("tp") if tp > 1 else None, tp, self.mesh.get_local_rank("tp"))
+        split = frozenset(n for n, i in index.items() if self._placements[self._param_names[i]][0] != R)
+        lowered = lower_pass(
+            gm,
+            None,
+            axis=axis,
+            node_inputs=node_inputs,
+            node_output=node_output,
+            param_placements={n: placement_str(self._placements[self._param_names[i]][1]) for n, i in index.items()},
+            params=index,
+            split_params=split,
+            hooks=self,
+            replicated_outputs=tuple(range(len(outputs))),
+            recompute=recompute,
+            launch_early=self.comm.launches_early,
+            **self.cp_knobs,
+        )
+        return LoweredRun(lowered, None, counted=last and gm.meta["autopar_loss_count"])
 
     def _set_micro_inputs(self, micro: list[tuple]) -> None:
+        """This rank's rows of each micro-batch's inputs, flattened in placeholder order."""
         self._micro_inputs = []
         if self.cp > 1:
             micro = [self._cp_share(a, k) for a, k in micro]
+        rank = self.mesh.get_local_rank("dp")
         for a, k in micro:
             flat = [
                 t.to(self.device_type) if isinstance(t, torch.Tensor) else t for t in flat_inputs(self.traced, a, k)
             ]
-            for t in flat:
-                if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == self.micro_batch and t.shape[0] % self.dp:
-                    raise ConfigError(
-                        f"a micro-batch of {t.shape[0]} does not divide over the data axis (dp={self.dp})"
-                    )
+            if self.cp == 1:  # this rank's rows (a cp share is this rank's already)
+                flat = [
+                    rank_rows(t, self.dp, rank).contiguous()
+                    if isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == self.micro_rows
+                    else t
+                    for t in flat
+                ]
             self._micro_inputs.append(flat)
 
     def _cp_share(self, args, kwargs) -> tuple[tuple, dict]:
@@ -521,7 +511,7 @@ class PipelineProgram(Program):
         every stage, the loss sum without the loss scale."""
         self._set_micro_inputs(micro)
         for st in self.stages:
-            st.weights = []
+            st.weights, st.sums = [], []
             st.interp = st.train_interp if backward else st.eval_interp
         index = torch.arange(self.num_microbatches, device=self.device_type)
         has_first = any(st.sg.index == 0 for st in self.stages)
@@ -540,15 +530,18 @@ class PipelineProgram(Program):
                 losses=losses if has_last else None,
                 return_outputs=False,
             )
-        # loss sum and weight sum from the last stage to every stage
+        # loss sum and weight sum over the last stage's data axis, then from the last stage to every stage
+        del losses  # scaled: the last stage kept the sums
         totals = torch.zeros(2, dtype=torch.float64, device=self.device_type)
         if has_last:
             last = next(st for st in self.stages if st.is_last)
-            scale = self.scaler.scale if self.scaler is not None and backward else 1.0
-            totals[0] = sum(float(x.detach()) for x in losses) / scale
+            totals[0] = torch.stack(last.sums).sum() if last.sums else 0.0
             totals[1] = sum(last.weights)
-            if self.num_microbatches == 1:  # the loss went out unweighted
-                totals[0] *= totals[1]
+            last.sums = []
+            if self.dp > 1:
+                with waiting_for(self._dp_words()):
+                    totals = compat.funcol_all_reduce(totals, self.mesh.get_group("dp"))
+                    totals = totals.wait() if hasattr(totals, "wait") else totals
         last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
         with waiting_for(f"the broadcast of the loss from the last stage (rank {last_rank}) over the pp axis"):
             dist.broadcast(totals, src=last_rank, group=self.pp_group)
@@ -566,6 +559,21 @@ class PipelineProgram(Program):
         self._finish_reductions()
         self._sum_tied()
         return loss_sum, weight
+
+    def compile_graphs(self, mode: str) -> None:
+        for st in self.stages:
+            st.train_interp.compile(mode)
+            st.eval_interp.compile(mode)
+
+    def _loss_shards(self) -> int:
+        return self.dp * self.num_microbatches  # each rank's last stage runs its rows on local tensors
+
+    def _scale_gradients(self, weight: float, scale: float) -> None:
+        """Divide the gradients (of the loss summed over ranks and micro-batches) by the weight and the loss scale."""
+        divisor = (weight if weight > 0 else 1.0) * scale
+        if divisor != 1.0:
+            for g in self._gradients():
+                g.div_(divisor)
 
     def _stage_backward_done(self, stage_index: int) -> None:
         """The schedule ran stage `stage_index`'s last backward of the step: once every stage of this rank has,

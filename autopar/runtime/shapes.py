@@ -6,7 +6,7 @@ ZeRO stage, micro-batches, buckets, optimizer. What a program needs for the new 
 
 - data-parallel: the model traced again at the new length (one rank's share of one micro-batch) and the program's
   graph passes run on it; the gradient buckets and their hooks belong to the parameters and stay;
-- sharded: the model traced again and bound to the plan by the same rewrite (`passes.parallelize`): the plan's
+- sharded: the model traced again and lowered with the plan's placements as at compile (`passes.lower`): the plan's
   per-node placements name the graph's nodes, which a trace at another length has too (checked: a graph whose
   nodes differ is refused with what to do); buckets, prefetch groups and released weights belong to the
   parameters and stay. With a cp axis the new length must split into the zig-zag chunks (2 cp of them);

@@ -1,29 +1,33 @@
-"""The sharded program: the traced graph run on DTensors over a (dp, tp) mesh.
+"""The sharded program: the plan's (dp, tp) layout run as a graph of plain local tensors and explicit collectives.
 
-It holds this rank's local shards of the parameters (the masters: what `parameters()` returns and the
-optimizer updates), binds the traced graph to the plan through the rewrite pass
-(`passes.parallelize`; with the plan's activation recompute, its layers or attention blocks run under
-checkpointing), and runs forward on this rank's share of each micro-batch and backward (gradient
-reductions over the data axis happen in the backward of the parameters' `from_local`). Under mixed
-precision each master DTensor is cast to the compute format where the graph reads it, so parameter
-gathers and gradient reductions run in that format and gradients reach the masters in fp32.
+It holds this rank's local shards of the parameters (the masters: what `parameters()` returns and the optimizer
+updates). `compile` traces the model at the shape one rank of the data axis runs (its rows of one micro-batch,
+`trace_parts`), so no activation carries the data axis; the lowering pass (`passes.lower`) turns that graph and the
+plan's tensor-axis placements into a graph of local ATen ops and functional collectives over the tensor-axis group,
+once, at construction (with the plan's activation recompute, its layers or attention blocks run as checkpointed
+regions). Each step runs that graph on this rank's rows of each micro-batch and backward from its loss. Under mixed
+precision each master is cast to the compute format where the graph first reads it, so parameter gathers and
+gradient reductions run in that format and gradients reach the masters in fp32.
+
+The loss is exact whatever labels are ignored: the graph's mean cross-entropy becomes its sum with the count of
+kept labels (`program_graph.sum_loss_pass`); backward runs from each micro-batch's local sum, the gradients are
+summed over the data axis, and the step divides them by the global count (the loss sums and counts go out in one
+all-reduce). Another loss is taken as a mean over samples: equal shares of every rank and micro-batch.
 
 With a cp axis the mesh is (dp, cp, tp) and the graph is the one traced for cp
-(`autopar.context_parallel.inputs.traced_batch`): each sequence's zig-zag chunks are rows of the batch. The
-interpreter runs it on the 2-D mesh (dp·cp, tp), the cp ranks being more rows of the data axis: every
-per-token op is unchanged, the loss is the global sum over dp·cp ranks divided by the global count of kept
-labels, and gradients (and ZeRO shards) are reduced over dp·cp. Attention runs by `cp_attention` over the
-cp group with the plan's algorithm (`passes.parallelize`). Each rank feeds its dp rows' cp chunk, positions
-and pre-shifted labels included (`context_parallel.inputs.local_batch`).
+(`autopar.context_parallel.inputs.traced_batch`), cut to one rank's rows: its dp rows' cp chunk, positions and
+pre-shifted labels included (`context_parallel.inputs.local_batch`). The data axis is (dp·cp, tp): every per-token
+op is unchanged, gradients (and ZeRO shards) are reduced over dp·cp, and attention runs by `cp_attention` over the
+cp group with the plan's algorithm.
 
-Overlap (`plan.overlap`, with more than one rank on the data axis): no gradient is reduced inside a DTensor
-redistribution. Gradients of dp-replicated parameters stay partial sums (their `from_local` takes partial
-gradients) and a parameter split over the data axis (ZeRO >= 1) is gathered by `_DeferredGather`, whose
-backward hands the full, partial gradient to the program instead of reduce-scattering it. A parameter's gradient
-is complete in a micro-batch's backward when its last use has been differentiated (a post-accumulate hook for the
-replicated ones, a count of forward gathers for the split ones); the parameters go into buckets in the order
-backward produces their gradients (`autopar.runtime.overlap`), and a bucket's all-reduce or reduce-scatter is
-issued as soon as its last gradient is in, while backward goes on. Which micro-batches' backwards issue them:
+Overlap (`plan.overlap`, with more than one rank on the data axis): gradients of dp-replicated parameters stay
+partial sums on this rank (no collective in backward), and a parameter split over the data axis (ZeRO >= 1) is
+gathered by `_DeferredGather`, whose backward hands the full, partial gradient to the program instead of
+reduce-scattering it. A parameter's gradient is complete in a micro-batch's backward when its last use has been
+differentiated (a post-accumulate hook for the replicated ones, a count of forward gathers for the split ones); the
+parameters go into buckets in the order backward produces their gradients (`autopar.runtime.overlap`), and a
+bucket's all-reduce or reduce-scatter is issued as soon as its last gradient is in, while backward goes on. Which
+micro-batches' backwards issue them:
 
 - the dp-replicated parameters' all-reduce buckets: the last one's (earlier ones leave partial sums in `.grad`);
 - ZeRO-1's reduce-scatter buckets: the last one's; earlier ones accumulate each split parameter's whole gradient
@@ -37,38 +41,37 @@ issued as soon as its last gradient is in, while backward goes on. Which micro-b
 Each micro-batch's end issues the buckets its backward left unfilled (a parameter without a gradient) and waits
 for every bucket it launched, so the optimizer (after the last) sees complete gradients.
 
-Gathered weights (ZeRO >= 1, more than one rank on the data axis). ZeRO-3 keeps no whole weight from a
-forward to its backward, as FSDP reshards after forward: while a step runs, a saved-tensor hook turns what
-autograd saves of a gathered weight (the weight, or a view of it) into a handle, and the backward gathers that
-weight again when it first unpacks one (once per micro-batch, for all its saved uses). So a step gathers each
-weight twice per micro-batch, in its forward and in its backward, and holds whole only the weights of the op
-running and those gathered ahead: what the plan prices. ZeRO-1 and 2 (with overlap) hold every weight whole
-anyway (the plan counts them so): each is gathered in the step's first forward and kept until the step ends,
-one gather per weight per step, as priced.
+Gathered weights (ZeRO >= 1, more than one rank on the data axis). ZeRO-3 keeps no whole weight from a forward to
+its backward, as FSDP reshards after forward: while a step runs, a saved-tensor hook turns what autograd saves of a
+gathered weight (the weight, or a view of it) into a handle, and the backward gathers that weight again when it
+first unpacks one (once per micro-batch, for all its saved uses). So a step gathers each weight twice per
+micro-batch, in its forward and in its backward, and holds whole only the weights of the op running and those
+gathered ahead: what the plan prices. ZeRO-1 and 2 (with overlap) hold every weight whole anyway (the plan counts
+them so): each is gathered in the step's first forward and kept until the step ends, one gather per weight per
+step, as priced.
 
 Prefetch (`plan.prefetch_depth` d > 0, with overlap): the split parameters are grouped by layer (the
-`...layers.<i>.` prefix of their names; a parameter outside numbered layers is a group of its own), in the
-order the graph first reads them. When the forward gathers the first parameter of a group, it issues
-asynchronous gathers of the next d groups' parameters; a parameter's next gather then waits on its prefetched
-one instead of starting its own, so the number of gathers is unchanged. The backward gathers layers again in
-the reverse order (a recompute's segments, a ZeRO-3 weight released after the forward): there the first gather
-of a group issues those of the d previous ones (of the parameters a recompute or a released weight will need).
-At most d groups' gathered parameters are in flight beyond the one being used: the plan's memory counts them.
-`plan.overlap` False keeps the
-synchronous path: reductions in the backward of each redistribution, and one bucketed all-reduce after
-backward when micro-batches are accumulated.
+`...layers.<i>.` prefix of their names; a parameter outside numbered layers is a group of its own), in the order
+the graph first reads them. When the forward gathers the first parameter of a group, it issues asynchronous
+gathers of the next d groups' parameters; a parameter's next gather then waits on its prefetched one instead of
+starting its own, so the number of gathers is unchanged. The backward gathers layers again in the reverse order (a
+recompute's segments, a ZeRO-3 weight released after the forward): there the first gather of a group issues those
+of the d previous ones (of the parameters a recompute or a released weight will need). At most d groups' gathered
+parameters are in flight beyond the one being used: the plan's memory counts them. `plan.overlap` False keeps the
+synchronous path: a split weight gathered at each use (its gradient reduce-scattered by that gather's backward), a
+replicated one's gradient all-reduced in the backward of its first read, and one bucketed all-reduce after backward
+when micro-batches are accumulated.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar import compat
@@ -76,9 +79,12 @@ from autopar.checkpoint.pieces import contiguous_stride, dtensor_piece
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import LoweringError
-from autopar.passes.parallelize import Deferred, dp_placement, gathered_over_dp, local_shard, shard_pass
-from autopar.passes.program_graph import copy_graph_module, eval_pass
-from autopar.passes.sharding_rules import parse_placement
+from autopar.memory.activations import ActivationOffload
+from autopar.passes.lower import TensorAxis, convert, lower_pass
+from autopar.passes.parallelize import dp_placement, local_shard
+from autopar.passes.program_graph import copy_graph_module, drop_assertions_pass, eval_pass, sum_loss_pass
+from autopar.passes.recompute import offloaded_nodes
+from autopar.passes.sharding_rules import parse_placement, placement_str
 from autopar.plan import Plan, ProgramKind
 from autopar.program_comm import ProgramComm, gradient_order
 from autopar.runtime import overlap
@@ -86,6 +92,7 @@ from autopar.runtime.base import (
     Program,
     call_spec,
     check_scalar_loss,
+    compiled,
     flat_inputs,
     placeholder_values,
     rank_rows,
@@ -95,22 +102,6 @@ from autopar.runtime.collectives import device_mesh, waiting_for
 from autopar.trace import TracedModel
 
 R = Replicate()
-
-
-class _PartialGrad(torch.autograd.Function):
-    """Identity on a DTensor whose `from_local` takes partial gradients on the data axis; its backward brings a
-    gradient split over the data axis (an op whose strategy split a weight's gradient, as a mixture of experts'
-    can) to replicated first, as DTensor turns Replicate into Partial but not Shard."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if isinstance(grad, DTensor) and grad.placements[0].is_shard():
-            return grad.redistribute(grad.device_mesh, (R, *grad.placements[1:]))
-        return grad
 
 
 class _DeferredGather(torch.autograd.Function):
@@ -128,6 +119,21 @@ class _DeferredGather(torch.autograd.Function):
         return None, None, None
 
 
+class _SummedOverData(torch.autograd.Function):
+    """Identity whose backward all-reduces the gradient over the data axis (a replicated parameter's gradient
+    without overlap or accumulation: reduced where the backward reaches its first read)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = compat.funcol_all_reduce(grad.contiguous(), ctx.group)
+        return (out.wait() if hasattr(out, "wait") else out), None
+
+
 @dataclass(frozen=True, slots=True)
 class _Released:
     """What a ZeRO-3 forward saves for backward in place of a gathered weight: which one, and the view of it."""
@@ -136,7 +142,45 @@ class _Released:
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
-    meta: tuple | None  # a DTensor's (mesh, placements, shape, stride); None for a plain tensor
+
+
+class LoweredRun:
+    """The lowered graph of a program and what its lowering recorded (`passes.lower.Lowering`): its recompute
+    segments, how many times their bodies ran, the activation-offload hooks, the ops run replicated by the
+    fallback rule."""
+
+    def __init__(self, gm: torch.fx.GraphModule, activation_offload: ActivationOffload | None, *, counted: bool):
+        self.gm = gm
+        self.record = gm.meta["autopar_lowering"]
+        self.activation_offload = activation_offload
+        self.counted = counted  # the graph's last output is the loss's kept-label count
+
+    @property
+    def segments(self) -> tuple[tuple[str, ...], ...]:
+        return self.record.segments
+
+    @property
+    def segment_calls(self) -> int:
+        return self.record.segment_calls
+
+    @property
+    def fallback_ops(self) -> set[str]:
+        return self.record.fallback_ops
+
+    def __call__(self, *values):
+        from autopar.passes import lower
+
+        return lower.run_graph(self.runs, *values)
+
+    @property
+    def runs(self):
+        """What a step calls: the lowered graph module, or what `torch.compile` made of it (`compile`)."""
+        found = getattr(self, "_compiled", None)
+        return self.gm if found is None else found
+
+    def compile(self, mode: str) -> None:
+        """Run the lowered graph through `torch.compile` in `mode` from now on."""
+        self._compiled = compiled(self.gm, mode)
 
 
 class ShardedProgram(Program):
@@ -146,8 +190,13 @@ class ShardedProgram(Program):
 
     @classmethod
     def runs(cls, plan: Plan) -> bool:
-        # a data-parallel layout runs here too, on DTensors (what recompute does to it)
+        # a data-parallel layout runs here too (what recompute does to it)
         return plan.program in (ProgramKind.SHARDED, ProgramKind.DATA_PARALLEL)
+
+    @classmethod
+    def trace_parts(cls, plan: Plan) -> int:
+        # one rank's rows of one micro-batch: the data axis is dp·cp ranks
+        return plan.num_microbatches * plan.mesh["dp"] * plan.mesh.get("cp", 1)
 
     def __init__(
         self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None
@@ -157,11 +206,10 @@ class ShardedProgram(Program):
         self.cp, self.data_ranks = cp, dp * cp  # the data axis: dp·cp ranks
         self._causal_lm = is_causal_lm(model)
         self.cp_mesh: DeviceMesh | None = None
-        cp_knobs = {}
         if cp > 1:
             self.cp_mesh = device_mesh(self.device_type, (dp, cp, tp), ("dp", "cp", "tp"))
-            cp_knobs = dict(cp_group=self.cp_mesh.get_group("cp"), cp_algorithm=plan.context_parallel["algorithm"])
         self.mesh: DeviceMesh = device_mesh(self.device_type, (dp * cp, tp), ("dp", "tp"))
+        self._dp_group = self.mesh.get_group("dp")
         self._check_plan_matches(traced)
         named = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -177,42 +225,31 @@ class ShardedProgram(Program):
             shards.append(torch.nn.Parameter(local, requires_grad=p.requires_grad))
         self.shards = torch.nn.ParameterList(shards)
         self._shapes = [tuple(named[n].shape) for n in self._param_names]
-        self._buffers = [buffers[n].detach().to(self.device_type) for n in traced.buffer_names]
-        self._run_buffers = [self.in_compute_format(b) for b in self._buffers]
+        self._split_dim = [pl[0].dim if isinstance(pl[0], Shard) else None for pl in self._placements]
+        self._buffer_values = [buffers[n].detach().to(self.device_type) for n in traced.buffer_names]
+        self._run_buffers = [self.in_compute_format(b) for b in self._buffer_values]
         self.comm = ProgramComm.of_plan(plan, self.kind)  # what it does over the data axis (and how it is priced)
         placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
-        params = frozenset(n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param")
-        knobs = dict(
-            mesh=self.mesh,
-            node_inputs=plan.node_inputs,
-            node_output=plan.node_output,
-            batch_size=plan.global_batch_size * cp // plan.num_microbatches,
-            params=params,
-            launch_early=self.comm.launches_early,
-            **cp_knobs,
-        )
+        names = [p for p, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param"]
+        self._index_of = {name: i for i, name in enumerate(names)}
         # gradient reductions issued from backward, in buckets (see the module docstring)
         self.overlap = self.comm.overlaps_data_axis
         self._in_backward = False
-        self._index_of = {
-            name: i
-            for i, name in enumerate(
-                p for p, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param"
-            )
-        }
+        self._param_ptrs: set[int] = set()  # storages activation offload keeps where they are
         self._setup_release()
         if self.overlap:
             self._setup_overlap(placeholders, traced.placeholder_kinds)
-        self._eval_knobs = knobs
+        self._compile_mode: str | None = None  # `compile_graphs`
         self._bind_trace(traced)
         self._build_optimizer(self.shards)
 
     # what depends on the trace: kept per sequence length (`autopar.runtime.shapes`)
-    _per_length = ("traced", "_interp", "_eval_interp", "_eval_knobs", "_constants")
+    _per_length = ("traced", "_interp", "_eval_interp", "_constants", "_counted", "_recomputed")
 
     def _bind_trace(self, traced: TracedModel) -> None:
-        """Run the model as `traced` (the planned length, or another: `autopar.runtime.shapes`), bound to the plan's
-        placements by the rewrite; the parameters, buckets and prefetch groups are the program's and stay."""
+        """Run the model as `traced` (the planned length, or another: `autopar.runtime.shapes`), lowered to local ops
+        and collectives with the plan's placements; the parameters, buckets and prefetch groups are the program's
+        and stay."""
         self._check_plan_matches(traced)
         placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
         params = [n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param"]
@@ -226,18 +263,11 @@ class ShardedProgram(Program):
             k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
             for k, v in traced.exported.constants.items()
         }
-        self._eval_knobs = dict(self._eval_knobs, params=frozenset(params))
-        gather = self._gather if self.overlap else self._gather_plain if self._release else None
-        self._interp = shard_pass(
-            traced.graph_module,
-            None,
-            recompute=self.plan.recompute,
-            layer_modes=self.plan.layer_modes,
-            gather=gather,
-            **self._eval_knobs,
-        )
-        if self.overlap:
-            self._note_segments(self._interp)
+        self._interp = self._lower(traced.graph_module, train=True)
+        if self._compile_mode is not None:
+            self._interp.compile(self._compile_mode)
+        # split parameters read inside a recompute segment: gathered again in backward
+        self._recomputed = {self._index_of[n] for n in self._interp.record.params_in_segments}
         self._eval_interp = None  # built on the first eval_step
 
     def _check_plan_matches(self, traced: TracedModel) -> None:
@@ -249,6 +279,82 @@ class ShardedProgram(Program):
                 f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again (at this sequence "
                 f"length, if it is not the planned one)"
             )
+
+    # ---------------------------------------------------------------------------------------------- lowering
+
+    def _lower(self, gm: torch.fx.GraphModule, *, train: bool) -> LoweredRun:
+        """The traced graph (for evaluation: dropout off) lowered to local ops and collectives (`passes.lower`)."""
+        gm = drop_assertions_pass(copy_graph_module(gm), None)
+        if not train:
+            gm = eval_pass(gm, None)
+        loss_index = self.traced.num_mutated_outputs
+        gm = sum_loss_pass(gm, None, loss_index=loss_index)
+        self._counted = gm.meta["autopar_loss_count"]
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        replicated = (loss_index, len(outputs) - 1) if self._counted else (loss_index,)
+        plan = self.plan
+        offload = None
+        if train and offloaded_nodes(gm.graph, plan.layer_modes):
+            offload = ActivationOffload(keep=lambda t: t.untyped_storage().data_ptr() in self._param_ptrs)
+        tp = plan.mesh["tp"]
+        cp_knobs = {}
+        if self.cp > 1:
+            cp_knobs = dict(cp_group=self.cp_mesh.get_group("cp"), cp_algorithm=plan.context_parallel["algorithm"])
+        lowered = lower_pass(
+            gm,
+            None,
+            axis=TensorAxis(self.mesh.get_group("tp") if tp > 1 else None, tp, self.mesh.get_local_rank("tp")),
+            node_inputs=plan.node_inputs,
+            node_output=plan.node_output,
+            param_placements={name: placement_str(self._placements[i][1]) for name, i in self._index_of.items()},
+            params=self._index_of,
+            split_params=frozenset(name for name, i in self._index_of.items() if self._split_dim[i] is not None),
+            hooks=self,
+            replicated_outputs=replicated,
+            recompute=plan.recompute if train else "none",
+            layer_modes=plan.layer_modes if train else None,
+            activation_offload=offload,
+            launch_early=self.comm.launches_early,
+            **cp_knobs,
+        )
+        run = LoweredRun(lowered, offload, counted=self._counted)
+        if run.record.replicated:
+            import warnings
+
+            warnings.warn(
+                f"{len(run.record.replicated)} ops of the plan run replicated on the tensor axis: their planned "
+                f"split does not divide the shapes one rank runs (e.g. {list(run.record.replicated[:3])}); plan "
+                f"with a batch that divides over the data and tensor axes",
+                stacklevel=3,
+            )
+        return run
+
+    # the parameter hooks the lowered graph calls (`passes.lower.ParamHooks`)
+
+    def enter(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Parameter i as the graph computes with it, made where the graph first reads it: made before the run, its
+        cast's autograd node would run only at the very end of the backward (the engine runs the latest-made ready
+        node first), and with it the hook that launches its bucket. A split parameter comes in cast already."""
+        if self._split_dim[i] is None:
+            reduce_here = self.data_ranks > 1 and not (self.plan.num_microbatches > 1 or self.overlap)
+            if self.reduce_in_compute:  # the dp reduction in the compute format
+                x = self.in_compute_format(x)
+            if reduce_here and x.requires_grad and torch.is_grad_enabled():
+                x = _SummedOverData.apply(x, self._dp_group)
+            x = self.in_compute_format(x)
+        if self._interp_offloads():
+            self._param_ptrs.add(x.untyped_storage().data_ptr())
+        return x
+
+    def gather(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """Parameter i, split over the data axis, whole for one op that reads it."""
+        if self.overlap:
+            return self._gather(i, local)
+        return self._gather_plain(i, local)
+
+    def _interp_offloads(self) -> bool:
+        interp = getattr(self, "_interp", None)
+        return interp is not None and interp.activation_offload is not None
 
     # -------------------------------------------------------------------------------- gathered weights
 
@@ -265,12 +371,10 @@ class ShardedProgram(Program):
         self._regathered: dict[int, torch.Tensor] = {}  # parameter index -> its weight gathered again, while needed
 
     def _released(self, i: int, full: torch.Tensor, source) -> None:
-        """Weight i, gathered whole in a forward (`full`, the local tensor of what the op reads): saved for backward,
-        it is kept as a handle instead."""
+        """Weight i, gathered whole in a forward: saved for backward, it is kept as a handle instead."""
         if self._release and not self._in_backward:
-            # a tensor the forward saves is found by its storage: DTensor's local views (run below autograd) are no
-            # autograd views of `full`. The weak reference tells that the storage is still this weight's: alive
-            # while an op reads it, and an address is only reused once its storage is freed.
+            # a tensor the forward saves is found by its storage (a view of the weight shares it). The weak reference
+            # tells that the storage is still this weight's: an address is only reused once its storage is freed.
             self._gathered_by[full.untyped_storage().data_ptr()] = (weakref.ref(full), i)
             self._regather_from[i] = source
 
@@ -282,10 +386,7 @@ class ShardedProgram(Program):
             return saved
         i = found[1]
         self._handles[i] = self._handles.get(i, 0) + 1
-        meta = None
-        if isinstance(saved, DTensor):
-            meta = (saved.device_mesh, saved.placements, saved.shape, saved.stride())
-        return _Released(i, local.shape, local.stride(), local.storage_offset(), meta)
+        return _Released(i, local.shape, local.stride(), local.storage_offset())
 
     def _unpack(self, handle):
         """Saved-tensor hook: a handle's weight gathered again (once for all its saved uses in this backward)."""
@@ -299,16 +400,12 @@ class ShardedProgram(Program):
                 full = self._gather_now(i, source)
             else:
                 self._record("gather", self._param_names[i])
-                full = gathered_over_dp(source)._local_tensor
+                full = self._gather_sync(i, source)
             self._regathered[i] = full
         self._handles[i] -= 1
         if not self._handles[i]:
             del self._regathered[i], self._handles[i]
-        local = full.as_strided(handle.size, handle.stride, handle.offset)
-        if handle.meta is None:
-            return local
-        mesh, placements, shape, stride = handle.meta
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return full.as_strided(handle.size, handle.stride, handle.offset)
 
     def _releasing(self):
         """The saved-tensor hooks of a step's forwards and backwards (none where nothing is released)."""
@@ -324,12 +421,16 @@ class ShardedProgram(Program):
         self._handles.clear()
         self._regathered.clear()
 
-    def _gather_plain(self, name: str, value):
-        """The interpreter's gather without overlap (a DTensor redistribution), its weight released at ZeRO-3."""
-        full = gathered_over_dp(value)
-        i = self._index_of.get(name)
-        if full is not value and i is not None and torch.is_grad_enabled():
-            self._released(i, full._local_tensor, value.detach())
+    def _gather_sync(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """Split parameter i whole, its gradient (if any) reduce-scattered by the gather's backward."""
+        d = self._split_dim[i]
+        return overlap.gather_split(local, d, self._shapes[i][d], self._dp_group)
+
+    def _gather_plain(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """The gather without overlap, its weight released at ZeRO-3."""
+        full = self._gather_sync(i, local)
+        if torch.is_grad_enabled():
+            self._released(i, full, local.detach())
         return full
 
     # -------------------------------------------------------------------------------- overlap
@@ -337,9 +438,7 @@ class ShardedProgram(Program):
     def _setup_overlap(self, placeholders: list[str], kinds) -> None:
         """Buckets over the trainable parameters in the order backward completes their gradients
         (`gradient_order`), hooks on the replicated ones, and the per-step state."""
-        self._dp_group = self.mesh.get_group("dp")
         n = len(self._param_names)
-        self._split_dim = [pl[0].dim if isinstance(pl[0], Shard) else None for pl in self._placements]
         names = [p for p, kind in zip(placeholders, kinds, strict=True) if kind == "param"]
         order = [
             self._index_of[p]
@@ -400,16 +499,7 @@ class ShardedProgram(Program):
             groups.setdefault(found.group(1) if found else self._param_names[i], []).append(i)
         self._groups = list(groups.values())
         self._group_of = {i: g for g, members in enumerate(self._groups) for i in members}
-        self._recomputed: set[int] = set()  # read inside a recompute segment: gathered again in backward
         self._ahead_done: set[int] = set()  # groups whose backward gathers have issued the previous groups'
-
-    def _note_segments(self, interp) -> None:
-        """Which split parameters a recompute segment reads (the interpreter knows its segments)."""
-        inside = {node for seg in interp.segments for node in seg.nodes}
-        for node in interp.graph.nodes:
-            i = self._index_of.get(node.name) if node.op == "placeholder" else None
-            if i is not None and any(u in inside for u in node.users):
-                self._recomputed.add(i)
 
     def _prefetch_after(self, i: int) -> None:
         """Parameter i is being gathered, the first of its group in this forward (in this backward, the first of the
@@ -448,32 +538,14 @@ class ShardedProgram(Program):
             work.wait()
         self._prefetched.clear()
 
-    def _gather(self, name: str, value):
-        """The interpreter's gather of a parameter split over the data axis: deferred reduce-scatter."""
-        i = self._index_of.get(name)
-        if (
-            i is None
-            or self._split_dim[i] is None
-            or not isinstance(value, DTensor)
-            or not value.requires_grad
-            or not torch.is_grad_enabled()
-        ):
-            return gathered_over_dp(value)
+    def _gather(self, i: int, local: torch.Tensor) -> torch.Tensor:
+        """The graph's gather of a parameter split over the data axis: deferred reduce-scatter."""
+        if not local.requires_grad or not torch.is_grad_enabled():
+            return self._gather_sync(i, local)
         if not self._in_backward:  # a recompute in backward gathers again but adds no gradient
             self._uses[i] += 1
-        tp_pl = value.placements[1]
-        full = _DeferredGather.apply(value.to_local(), self, i)
-        full = compat.dtensor_from_local(
-            full,
-            self.mesh,
-            (R, tp_pl),
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-            grad_placements=(Partial(), tp_pl),
-        )
-        full = _PartialGrad.apply(full)
-        self._released(i, full._local_tensor, self._sources[i])
+        full = _DeferredGather.apply(local, self, i)
+        self._released(i, full, self._sources[i])
         return full
 
     def _gather_now(self, i: int, local: torch.Tensor) -> torch.Tensor:
@@ -602,108 +674,97 @@ class ShardedProgram(Program):
 
     # -------------------------------------------------------------------------------- execution
 
-    def _param_dtensors(self) -> list:
-        """The parameters as the interpreter takes them. Those replicated over dp are `Deferred`: made where the
-        graph first reads them, so that the hook launching their bucket fires as soon as the backward has their
-        gradient (made before the run, their autograd nodes would run only at the end of the backward)."""
+    def _param_values(self) -> list[torch.Tensor]:
+        """The parameters as the graph takes them: the masters (the graph's `enter` casts them where first read),
+        those split over the data axis cast to the compute format already (gathered in that format)."""
         out = []
-        for i, pl in enumerate(self._placements):
-            if pl[0] == R and self.overlap:
-                out.append(Deferred(functools.partial(self._param_dtensor, i)))
-            else:
-                out.append(self._param_dtensor(i))
+        for i, shard in enumerate(self.shards):
+            out.append(self.in_compute_format(shard) if self._split_dim[i] is not None else shard)
         if self.overlap:  # what a gather issued ahead sends: the pieces the graph's own gathers would
-            self._sources = [
-                dt.to_local().detach() if d is not None else None for dt, d in zip(out, self._split_dim, strict=True)
-            ]
+            self._sources = [v.detach() if d is not None else None for v, d in zip(out, self._split_dim, strict=True)]
+        if self._interp.activation_offload is not None:
+            self._param_ptrs = {v.untyped_storage().data_ptr() for v in out} | {
+                s.untyped_storage().data_ptr() for s in self.shards
+            }
         return out
 
-    def _param_dtensor(self, i: int) -> DTensor:
-        # With several micro-batches, gradients of dp-replicated parameters stay partial (no collective per
-        # micro-batch) and `_forward_backward` sums them over dp once, as the plan prices it.
-        # With overlap, they stay partial on every micro-batch: the buckets of `_launch` sum them.
-        defer = self.data_ranks > 1 and (self.plan.num_microbatches > 1 or self.overlap)
-        local, pl, shape = self.shards[i], self._placements[i], self._shapes[i]
-        grad_pl = (Partial(), pl[1]) if defer and pl[0] == R else pl
-        # cast before from_local: its backward (the dp reduction) runs in the compute format; after it, in fp32
-        early = self.reduce_in_compute and pl[0] == R
-        dt = compat.dtensor_from_local(
-            self.in_compute_format(local) if early else local,
-            self.mesh,
-            pl,
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=contiguous_stride(shape),
-            grad_placements=grad_pl,
-        )
-        if grad_pl[0].is_partial():
-            dt = _PartialGrad.apply(dt)
-        return self.in_compute_format(dt)
-
     def _inputs(self, args, kwargs) -> list:
+        """This rank's rows of a micro-batch's inputs, flattened in placeholder order."""
         if self.cp > 1:  # this dp rank's rows, then this cp rank's chunk of each: the data axis's rows
             dp_rank = self.cp_mesh.get_local_rank("dp")
             rows = [pytree.tree_map(lambda t: rank_rows(t, self.plan.mesh["dp"], dp_rank), x) for x in (args, kwargs)]
             args, kwargs = local_batch(*rows, self.cp, self.cp_mesh.get_local_rank("cp"), causal_lm=self._causal_lm)
-            flat, dp, rank = flat_inputs(self.traced, args, kwargs), 1, 0
+            flat, parts, rank = flat_inputs(self.traced, args, kwargs), 1, 0
         else:
-            flat, dp, rank = flat_inputs(self.traced, args, kwargs), self.data_ranks, self.mesh.get_local_rank("dp")
-        out = []
-        for t in flat:
-            if not isinstance(t, torch.Tensor):
-                out.append(t)
-                continue
-            local = rank_rows(t.to(self.device_type), dp, rank)
-            pl = (Shard(0) if t.ndim and self.data_ranks > 1 else R, R)
-            out.append(DTensor.from_local(local.contiguous(), self.mesh, pl, run_check=False))
-        return out
+            flat = flat_inputs(self.traced, args, kwargs)
+            parts, rank = self.data_ranks, self.mesh.get_local_rank("dp")
+        return [
+            rank_rows(t.to(self.device_type), parts, rank).contiguous() if isinstance(t, torch.Tensor) else t
+            for t in flat
+        ]
 
-    def _placeholders(self, args, kwargs) -> list:
-        buffers = [DTensor.from_local(b, self.mesh, (R, R), run_check=False) for b in self._run_buffers]
-
-        def constant(name):
-            c = self._constants[name]
-            return DTensor.from_local(c, self.mesh, (R, R), run_check=False) if isinstance(c, torch.Tensor) else c
-
-        return placeholder_values(self.traced, self._param_dtensors(), buffers, constant, self._inputs(args, kwargs))
-
-    def _run(self, args, kwargs, interp=None):
-        outs = (interp or self._interp).run(*self._placeholders(args, kwargs))
-        return list(outs)[self.traced.num_mutated_outputs :]
+    def _run(self, args, kwargs, interp: LoweredRun) -> list:
+        values = placeholder_values(
+            self.traced, self._param_values(), self._run_buffers, self._constants.get, self._inputs(args, kwargs)
+        )
+        return list(interp(*values))[self.traced.num_mutated_outputs :]
 
     def forward(self, *args, **kwargs):
-        """Run the model on one micro-batch of the global batch; tensors in the output are whole (gathered)."""
-        outs = self._run(args, kwargs)
-        full = [o.full_tensor() if isinstance(o, DTensor) else o for o in outs]
+        """Run the model on one micro-batch of the global batch; tensors in the output are whole (gathered), the loss
+        the exact mean over the batch."""
+        local = self._inputs(args, kwargs)
+        rows = next((t.shape[0] for t in local if isinstance(t, torch.Tensor) and t.ndim), None)
+        outs = self._run(args, kwargs, self._interp)
+        placed = self._interp.record.outputs[self.traced.num_mutated_outputs :]
+        tp = self.mesh.size(1)
+        axis = TensorAxis(self.mesh.get_group("tp") if tp > 1 else None, tp, self.mesh.get_local_rank("tp"))
+        full = []
+        for o, pl in zip(outs, placed, strict=True):
+            if isinstance(o, torch.Tensor) and pl is not None:
+                o = convert(o.detach(), pl, R, axis)
+                if self.data_ranks > 1 and o.ndim and o.shape[0] == rows:
+                    o = overlap.split_gather(o.contiguous(), 0, rows * self.data_ranks, self._dp_group)
+            full.append(o)
+        totals = torch.stack(
+            [full[0].double(), full[-1].double() if self._counted else torch.ones((), dtype=torch.float64)]
+        )
+        if self.data_ranks > 1:
+            totals = compat.funcol_all_reduce(totals, self._dp_group)
+            totals = totals.wait() if hasattr(totals, "wait") else totals
+        full[0] = (totals[0] / totals[1]).to(full[0].dtype)
+        if self._counted:
+            full = full[:-1]
         return pytree.tree_unflatten(full, call_spec(self.traced.exported).out_spec)
 
-    def _weighted_losses(self, micro, interp, backward: bool, arm=None, finish=None) -> tuple[float, float]:
-        """(sum of w_i * loss_i, sum of w_i) over the micro-batches, running backward from each if asked (calling
-        `arm(last)` before each one's and `finish(last)` after it, `last` telling the last micro-batch)."""
-        loss_sum, total = 0.0, 0.0
+    def _losses(self, micro, interp: LoweredRun, backward: bool, arm=None, finish=None) -> tuple[float, float]:
+        """(loss sum, weight) over the micro-batches and the data axis: the sum of the losses and the count of kept
+        labels (another loss: its means, and one per rank and micro-batch), running backward from each if asked
+        (calling `arm(last)` before each one's and `finish(last)` after it, `last` telling the last micro-batch)."""
+        sums, counts = [], []
         for j, (mb_args, mb_kwargs) in enumerate(micro):
-            loss = self._run(mb_args, mb_kwargs, interp)[0]
+            outs = self._run(mb_args, mb_kwargs, interp)
+            loss = outs[0]
             check_scalar_loss(loss)
-            loss = loss.redistribute(self.mesh, (R, R))
-            # the labels a mean cross-entropy kept: the step's weight (`Program.train_step`); a user's loss is
-            # global already (`autopar.loss`). One micro-batch's gradients need no weighting.
-            counts = interp.loss_counts if self.loss_spec is None else []
-            w = counts[0] if len(counts) == 1 else 1.0
-            w_back = w if len(micro) > 1 else 1.0
+            sums.append(loss.detach().double())
+            counts.append(outs[-1].detach().double() if self._counted else torch.ones((), dtype=torch.float64))
             if backward:
                 last = j == len(micro) - 1
                 if arm is not None:
                     arm(last)
                 self._in_backward = True
                 try:
-                    self.scaled(loss * w_back if w_back != 1.0 else loss).backward()
+                    self.scaled(loss).backward()
                 finally:
                     self._in_backward = False
                 if finish is not None:
                     finish(last)
-            loss_sum += float(loss.to_local().detach()) * w
-            total += w
-        return loss_sum, total
+        totals = torch.stack([torch.stack(sums).sum(), torch.stack(counts).sum()]).to(self.device_type)
+        if self.data_ranks > 1:
+            with waiting_for("the all-reduce of the loss and its label count over the data axis"):
+                totals = compat.funcol_all_reduce(totals, self._dp_group)
+                totals = totals.wait() if hasattr(totals, "wait") else totals
+        loss_sum, weight = totals.tolist()
+        return loss_sum, weight
 
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
         if self.overlap:
@@ -715,23 +776,33 @@ class ShardedProgram(Program):
                 waiting_for("a collective of the sharded forward or backward, or a gradient bucket's reduction"),
                 self._releasing(),
             ):
-                loss_sum, total = self._weighted_losses(
-                    micro, self._interp, backward=True, arm=self._arm, finish=self._finish_micro_batch
-                )
-            return loss_sum, total
+                return self._losses(micro, self._interp, True, arm=self._arm, finish=self._finish_micro_batch)
         self._forget_gathers()
         with waiting_for("a collective of the sharded forward or backward on the (dp, tp) mesh"), self._releasing():
-            loss_sum, total = self._weighted_losses(micro, self._interp, backward=True)
+            loss_sum, total = self._losses(micro, self._interp, True)
         self._forget_gathers()
         if len(micro) > 1 and self.data_ranks > 1:
             deferred = [p.grad for p, pl in zip(self.shards, self._placements, strict=True) if pl[0] == R]
             with waiting_for("the all-reduce of the dp-replicated gradients over the data axis"):
                 sum_in_buckets(
                     [g for g in deferred if g is not None],
-                    self.mesh.get_group("dp"),
+                    self._dp_group,
                     dtype=self.compute_dtype if self.reduce_in_compute else None,
                 )
         return loss_sum, total
+
+    def _scale_gradients(self, weight: float, scale: float) -> None:
+        """Divide the gradients (of the loss summed over ranks and micro-batches) by the weight and the loss scale."""
+        divisor = (weight if weight > 0 else 1.0) * scale
+        if divisor != 1.0:
+            for g in self._gradients():
+                g.div_(divisor)
+
+    def compile_graphs(self, mode: str) -> None:
+        self._interp.compile(mode)
+        self._compile_mode = mode
+        if self._eval_interp is not None:
+            self._eval_interp.compile(mode)
 
     def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
         tp = self.plan.mesh["tp"]
@@ -741,12 +812,16 @@ class ShardedProgram(Program):
             if p.grad is not None
         ]
 
+    def _loss_shards(self) -> int:
+        return self.data_ranks * self.plan.num_microbatches  # each rank runs its rows on local tensors
+
     def _evaluate(self, micro: list[tuple]) -> float:
         if self._eval_interp is None:
-            gm = eval_pass(copy_graph_module(self.traced.graph_module), None)
-            self._eval_interp = shard_pass(gm, None, **self._eval_knobs)
+            self._eval_interp = self._lower(self.traced.graph_module, train=False)
+            if self._compile_mode is not None:
+                self._eval_interp.compile(self._compile_mode)
         with waiting_for("a collective of the sharded eval forward on the (dp, tp) mesh"):
-            loss_sum, total = self._weighted_losses(micro, self._eval_interp, backward=False)
+            loss_sum, total = self._losses(micro, self._eval_interp, backward=False)
             self._drop_prefetched()  # gathers issued ahead for layers after the last: none is left in flight
         return loss_sum / total
 
@@ -775,13 +850,16 @@ class ShardedProgram(Program):
             return {fqn: self.full_parameter(fqn).cpu() for fqn in self._param_names}
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
-        return dict(zip(self.traced.buffer_names, self._buffers, strict=True))
+        return dict(zip(self.traced.buffer_names, self._buffer_values, strict=True))
 
     def after_checkpoint_load(self) -> None:
-        self._run_buffers = [self.in_compute_format(b) for b in self._buffers]  # buffers just read
+        self._run_buffers = [self.in_compute_format(b) for b in self._buffer_values]  # buffers just read
 
     def checkpoint_masters(self) -> dict:
         return {
             n: dtensor_piece(p.detach(), shape, self.mesh, pl, param=p)
             for n, p, pl, shape in zip(self._param_names, self.shards, self._placements, self._shapes, strict=True)
         }
+
+
+__all__ = ["LoweredRun", "ShardedProgram"]

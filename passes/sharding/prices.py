@@ -241,7 +241,7 @@ class MeshPrices:
     @functools.cached_property
     def leaving_plain_s(self) -> float:
         """Seconds per step a plain layout (no tensor axis, ZeRO-0) pays when recompute or a layer treatment moves it
-        onto the sharded runtime: the per-op DTensor cost (`sharded_overhead_s`), and one all-reduce per parameter's
+        onto the sharded runtime: its per-op host cost (`sharded_overhead_s`), and one all-reduce per parameter's
         gradient where the data-parallel program sends buckets (a pipeline stage sends buckets on either runtime)."""
         if not self.comm(0).runs_plain:
             return 0.0

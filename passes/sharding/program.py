@@ -107,8 +107,8 @@ micro-batches whose memory lower bound fits, and at more while that makes the st
 parameter too: its terms (the objective's recompute part, M_saved(r) and the M_recompute rows) are built the first
 time a program is solved with r, and swapped in.
 
-A tensor axis that splits no weight is data parallelism run on DTensors, which the dp mesh of the same size runs
-better. So a tensor axis, pinned or searched, splits every layer matmul weight (attention, MLP, experts) unless
+A tensor axis that splits no weight is data parallelism run by the sharded program, which the dp mesh of the same
+size runs better. So a tensor axis, pinned or searched, splits every layer matmul weight (attention, MLP, experts) unless
 `tp_min_split` lowers the fraction, and a mesh with no such weight it can split is dropped; pinned and searched axes
 follow one rule, so `compile`, which plans again with the plan's tp pinned, builds what was priced.
 
@@ -377,8 +377,9 @@ class ShardingProgram:
 
     def add_sharded_runtime_cost(self) -> None:
         """D (sum_s z[s], or sum_{s >= 1} z[s] on a mesh without a tensor axis): the host time the sharded
-        runtime adds to every op by running it on DTensors, where the estimator knows it
-        (`sharded_op_overhead_s`: profiled on CPU ranks, whose steps are dominated by such costs). A plan
+        runtime adds to every op by running it in its lowered graph (`passes.lower`: the graph's call path and
+        parameter hooks, beyond the op's own dispatch), where the estimator knows it (`sharded_op_overhead_s`:
+        measured on CPU ranks, whose steps are dominated by such costs; no figure for a GPU yet). A plan
         with no tensor axis and no ZeRO sharding runs as plain tensors (the data-parallel program)."""
         total = self.prices.sharded_overhead_s
         stages = [z for s, z in self.z.items() if not self.prices.comm(s).runs_plain]

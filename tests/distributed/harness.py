@@ -152,24 +152,39 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 600.0, fresh:
 
 @contextlib.contextmanager
 def backward_marks(note):
-    """Within it, every value a `ShardedInterpreter` op makes that needs a gradient calls `note(node name)` when the
+    """Within it, every value an op of a program's graph makes that needs a gradient calls `note(node name)` when the
     backward reaches it (a tensor hook: its gradient is in, its op's backward comes next). Marks where the backward's
-    compute stands among a program's own events."""
+    compute stands among a program's own events. The ops are those of a lowered graph (`passes.lower.run_graph`,
+    named by the traced node they come from) or of a `ShardedInterpreter`."""
     from torch.utils import _pytree as pytree
 
+    from autopar.passes import lower
     from autopar.passes.parallelize import ShardedInterpreter
+
+    def mark(out, name):
+        for v in pytree.tree_leaves(out):
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                v.register_hook(lambda _, name=name: note(name))
 
     inner = ShardedInterpreter._run_op
 
     def run_op(self, n):
         out = inner(self, n)
-        for v in pytree.tree_leaves(out):
-            if isinstance(v, torch.Tensor) and v.requires_grad:
-                v.register_hook(lambda _, name=n.name: note(name))
+        mark(out, n.name)
         return out
 
+    class Marking(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n.op in ("call_function", "call_module") and "autopar_origin" in n.meta:
+                mark(out, n.meta["autopar_origin"])
+            return out
+
+    run_graph = lower.run_graph
     ShardedInterpreter._run_op = run_op
+    lower.run_graph = lambda gm, *args: Marking(gm).run(*args)
     try:
         yield
     finally:
         ShardedInterpreter._run_op = inner
+        lower.run_graph = run_graph

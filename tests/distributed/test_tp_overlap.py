@@ -3,7 +3,7 @@ redistributed where it is made, without waiting, and waited for by the op that r
 
 The model is a stack of parallel blocks (GPT-J / PaLM style: x + mlp(norm(x)) + attention(norm(x))): the
 MLP's row-parallel down projection ends in a partial sum whose consumer, the residual add, comes only after
-the whole attention branch. On cpu:2 with tp pinned to 2, hooks record the interpreter's ops and each functional
+the whole attention branch. On cpu:2 with tp pinned to 2, hooks record the lowered graph's ops and each functional
 collective's launch and wait; the test checks that ops run between the attention's all-reduce and its wait,
 that none do with early launch turned off (so the check can fail), that both runs launch the same
 collectives, and that training matches one process. The plan's `overlap` turns early launch off (the same
@@ -67,16 +67,17 @@ def _batch():
 def _record(rank: int, world: int, early: bool):
     import torch.distributed._functional_collectives as funcol
 
-    from autopar.passes.parallelize import ShardedInterpreter
+    from autopar.passes import lower
 
     events = []
-    run_op = ShardedInterpreter._run_op
 
-    def recorded_op(self, n):
-        events.append(("op", n.name))
-        return run_op(self, n)
+    class Recording(torch.fx.Interpreter):
+        def run_node(self, n):
+            if n.op == "call_function" and "autopar_origin" in n.meta:
+                events.append(("op", n.name))
+            return super().run_node(n)
 
-    for_this_run(ShardedInterpreter, "_run_op", recorded_op)
+    for_this_run(lower, "run_graph", lambda gm, *args: Recording(gm).run(*args))
     for name in (
         "all_reduce",
         "all_gather_single",

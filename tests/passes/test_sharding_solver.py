@@ -572,9 +572,9 @@ def test_offload_plans_are_zero3_as_the_offload_program_runs_them():
 
 
 @pytest.mark.integration
-def test_sharded_runtime_overhead_is_priced_where_the_layout_runs_on_dtensors():
-    """An estimator that knows what DTensor adds per op (profiled CPU ranks) makes every layout but plain data
-    parallelism pay it once per op of the step: exactly that much more at tp=2, at ZeRO-1 and with recompute,
+def test_sharded_runtime_overhead_is_priced_where_the_sharded_program_runs():
+    """An estimator that knows what the sharded runtime adds per op (measured on CPU ranks) makes every layout but
+    plain data parallelism pay it once per op of the step: exactly that much more at tp=2, at ZeRO-1 and with recompute,
     nothing more at dp=2, ZeRO-0."""
     from autopar.cost_model import AnalyticEstimator, DType
 
