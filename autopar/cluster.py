@@ -21,7 +21,14 @@ and "GiB" is 2^30.
 Ranks are numbered node-major: ranks 0..D-1 are node 0, and so on. A device-mesh axis laid
 out with stride `inner_size` (the product of the sizes of the axes inside it) therefore
 stays inside a node exactly when its groups of consecutive-stride ranks never straddle a
-node boundary (`link_for_axis`).
+node boundary, and otherwise puts D / inner_size of each group's ranks on a node
+(`axis_shape`); `link_for_axis` hands that shape to the collectives' pricing.
+
+A GPU node's network is `inter_node_link` (one adapter) times the device's `nics_per_node`;
+a cluster with fewer adapters per node than GPUs sets it::
+
+    cluster: 16x8xA100-80GB
+    device: {nics_per_node: 4}
 
 CPU ranks of one node share the host's memory, so a "cpu" cluster gives each rank
 ``memory_bytes / devices_per_node`` of the measured RAM (and a file that sets
@@ -48,6 +55,7 @@ from autopar.cost_model.devices import (
     parse_matmul_table,
     parse_per_collective,
 )
+from autopar.cost_model.nccl import GroupLink, NcclNode
 from autopar.errors import ConfigError
 
 _EXPECTED = "NODESxDEVICESxKIND (e.g. '4x8xA100-80GB'), DEVICESxKIND (e.g. '8xH100-80GB') or cpu:N (e.g. 'cpu:4')"
@@ -286,22 +294,46 @@ class ClusterSpec:
 
     # ----------------------------------------------------------------------------- queries
 
-    def link_for_axis(self, axis_size: int, inner_size: int) -> LinkSpec:
+    def link_for_axis(self, axis_size: int, inner_size: int) -> LinkSpec | GroupLink:
         """The link a mesh axis of `axis_size` with stride `inner_size` crosses.
 
-        The axis's groups are ranks r, r + inner, ..., r + (axis - 1)·inner inside aligned
-        blocks of inner·axis consecutive ranks. Every group stays on one node exactly when
-        that block size divides devices_per_node (which covers the usual case
-        inner·axis <= devices_per_node with power-of-two sizes); if any group straddles a node
-        boundary the slowest link, the inter-node one, sets the pace. Size-1 axes and
-        one-node clusters never leave the node.
+        On a GPU cluster (a device with NCCL figures) this is the axis's `GroupLink`: its groups' ranks per
+        node (`axis_shape`) with the node's NVLink, network adapter and adapter count, which
+        `estimate_collective_time` prices as NCCL runs the collective on that topology. Otherwise (gloo on CPU
+        ranks, priced per ring step on measured links) it is the slowest link a group crosses: the intra-node
+        link when every group stays on one node, the inter-node one when any straddles a node boundary.
+        """
+        per_node, nodes = self.axis_shape(axis_size, inner_size)
+        if self.device.nccl is not None:
+            return GroupLink(
+                ranks_per_node=per_node,
+                num_nodes=nodes,
+                nvlink=self.intra_node_link,
+                nic=self.inter_node_link,
+                nics_per_node=self.device.nics_per_node,
+                node=self.device.nccl,
+            )
+        return self.intra_node_link if nodes == 1 else self.inter_node_link
+
+    def axis_shape(self, axis_size: int, inner_size: int) -> tuple[int, int]:
+        """(ranks per node, nodes) of each group of a mesh axis of `axis_size` with stride `inner_size`.
+
+        The axis's groups are ranks r, r + inner, ..., r + (axis - 1)·inner inside aligned blocks of inner·axis
+        consecutive ranks (ranks are numbered node-major). A group stays on one node exactly when that block
+        size divides devices_per_node; otherwise, when the stride divides a node, devices_per_node / inner of a
+        group's ranks share each node (tp = 8 inside the node leaves a data-parallel group one rank per node);
+        an irregular layout is taken as one rank per node, the slowest case. Size-1 axes and one-node clusters
+        never leave the node.
         """
         if axis_size < 1 or inner_size < 1:
             raise ConfigError(f"mesh axis size {axis_size} and stride {inner_size} must both be at least 1")
-        if axis_size == 1 or self.num_nodes == 1:
-            return self.intra_node_link
-        block = axis_size * inner_size
-        return self.intra_node_link if self.devices_per_node % block == 0 else self.inter_node_link
+        per = self.devices_per_node
+        if axis_size == 1 or self.num_nodes == 1 or per % (axis_size * inner_size) == 0:
+            return axis_size, 1
+        if inner_size < per and per % inner_size == 0 and axis_size % (per // inner_size) == 0:
+            per_node = per // inner_size
+            return per_node, axis_size // per_node
+        return 1, axis_size
 
     def describe(self) -> str:
         """One line for reports: "4 nodes x 8 A100-80GB (32 devices)"."""
@@ -331,6 +363,10 @@ def _override_device(base: ClusterSpec, overrides, source: str) -> DeviceSpec:
     for key, value in overrides.items():
         if key in ("name", "kind"):
             changes[key] = str(value)
+        elif key == "nics_per_node":
+            changes[key] = _positive_count(value, f"{source}: device.nics_per_node")
+        elif key == "nccl":
+            changes[key] = None if value is None else NcclNode.from_dict(value)
         elif key == "matmul_flops_per_s":
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{source}: matmul_flops_per_s must map dtype names to FLOP/s, e.g. {{bf16: 312e12}}")
@@ -342,6 +378,12 @@ def _override_device(base: ClusterSpec, overrides, source: str) -> DeviceSpec:
         else:
             changes[key] = parse_quantity(value, key)
     return replace(base.device, **changes)
+
+
+def _positive_count(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise ConfigError(f"{where}: expected a positive whole number, got {value!r}")
+    return int(value)
 
 
 def _override_link(base: LinkSpec, overrides, where: str) -> LinkSpec:

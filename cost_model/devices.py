@@ -20,16 +20,30 @@ hardware notes:
 - `kernel_overhead_s` = 5 µs for GPUs: eager PyTorch dispatch plus kernel launch, an assumed
   round figure (not measured here).
 
-Link assumptions (bandwidth is the achievable ring "bus bandwidth" per device in one
-direction, so that an all-reduce of S bytes over n devices takes 2(n-1)/n·S / bandwidth):
+Links. A GPU cluster prices its collectives as NCCL runs them (`cost_model.nccl`): the
+group's ranks per node and the node's NICs (`nics_per_node`, `inter_node_link` being one
+adapter) set its bus bandwidth across nodes, NCCL's tuning constants (`nccl`) its latency
+and its choice of algorithm and protocol. Bandwidths are achieved bus bandwidths (what
+nccl-tests report), not line rates:
 
-- NVLink inside a DGX A100: 230 GB/s achieved all-reduce bus bandwidth; inside an H100/H200
-  node 370 GB/s (rings; NVLink SHARP, at ~480 GB/s, is not assumed).
-- InfiniBand: one adapter per GPU; HDR (A100 nodes) 25 GB/s, NDR (H100/H200 nodes)
-  50 GB/s per adapter. These are line rates; achievable rates are a little lower.
-- Latency (alpha, per ring step): 2 µs inside a node ("a few µs" for small NVLink
-  messages); 23.5 µs between nodes, half of a ~47 µs small-message all-reduce measured
-  across 2 nodes, which a ring over 2 nodes runs in 2 steps.
+- NVLink inside a DGX A100: 230 GB/s all-reduce bus bandwidth ("some other bottlenecks on
+  the GPUs limits it to ~230GB/s", sjeaugey, NVIDIA/nccl-tests#149; 232.5 GB/s measured in
+  NVIDIA/nccl-tests#175); inside an H100/H200 node 370 GB/s with rings ("with the protocol
+  overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s", sjeaugey,
+  NVIDIA/nccl-tests#212; 365-370 GB/s from 2 to 8 GPUs, NVIDIA/nccl#1455). NVLink SHARP
+  (~480 GB/s) is not modelled.
+- Network adapters, one per GPU on DGX A100 (8x ConnectX-6 HDR 200 Gb/s) and DGX H100/H200
+  (8x ConnectX-7 NDR 400 Gb/s), per the DGX datasheets. Achieved: 24 GB/s per HDR adapter
+  ("~160GB/s intra-node and 24GB/s inter-node" for one HDR NIC, sjeaugey, NVIDIA/nccl#412;
+  192 GB/s all-reduce bus bandwidth across DGX A100s with 8 HDR NICs, AddyLaddy,
+  NVIDIA/nccl#812), 48 GB/s per NDR adapter ("CX-7 NICs at NDR rate (400Gbps) should achieve
+  up to 48-49GB/s per NIC", AddyLaddy, NVIDIA/nccl-tests#267; 46-48 GB/s in
+  NVIDIA/nccl-tests#290).
+- Latency of a point-to-point transfer (pipeline activations, all-to-all steps, which NCCL
+  runs outside its tuning model): NCCL's own estimate of one Simple-protocol hop, its base
+  latency 8.4 µs plus the hop, 3.4 µs over NVLink and 14 µs over the network
+  (`src/graph/tuning.cc`): 11.8 µs and 22.4 µs. Collectives on a group pay NCCL's latency
+  per call instead (`cost_model.nccl`).
 - Host link: PCIe Gen4 ~32 GB/s per direction for A100, Gen5 ~64 GB/s for H100/H200, 10 µs
   latency per transfer (assumed).
 
@@ -58,6 +72,7 @@ from types import MappingProxyType
 
 import torch
 
+from autopar.cost_model.nccl import NCCL_AMPERE_AMD, NCCL_HOPPER_INTEL, NcclNode
 from autopar.errors import ConfigError
 
 
@@ -202,6 +217,10 @@ class DeviceSpec:
     # docstring): 1 where the link has engines of its own (GPUs: NCCL's kernels take a few SMs), less where the
     # communication runs on the cores the compute needs (gloo on CPU)
     overlap_efficiency: float = 1.0
+    # network adapters of a node that collectives use (`inter_node_link` is one of them), and NCCL's tuning
+    # constants for the node (None: collectives are priced per ring step on the links, as gloo's are measured)
+    nics_per_node: int = 1
+    nccl: NcclNode | None = None
 
     def __post_init__(self):
         owner = f"device {self.name!r}"
@@ -221,6 +240,10 @@ class DeviceSpec:
         eta = self.overlap_efficiency
         if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not 0 <= eta <= 1:
             raise ConfigError(f"{owner}: overlap_efficiency must be in [0, 1], got {eta!r}")
+        if isinstance(self.nics_per_node, bool) or not isinstance(self.nics_per_node, int) or self.nics_per_node < 1:
+            raise ConfigError(f"{owner}: nics_per_node must be a positive integer, got {self.nics_per_node!r}")
+        if self.nccl is not None and not isinstance(self.nccl, NcclNode):
+            raise ConfigError(f"{owner}: nccl must be an NcclNode or None, got {self.nccl!r}")
         if not isinstance(self.kernel_overhead_s, (int, float)) or self.kernel_overhead_s < 0:
             raise ConfigError(f"{owner}: kernel_overhead_s must be >= 0, got {self.kernel_overhead_s!r}")
         if not self.matmul_flops_per_s:
@@ -241,8 +264,15 @@ class DeviceSpec:
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
-        if self.overlap_efficiency == 1.0:  # the default: left out, so that files written before it read the same
+        # defaults are left out, so that files written before the fields existed read the same
+        if self.overlap_efficiency == 1.0:
             del d["overlap_efficiency"]
+        if self.nics_per_node == 1:
+            del d["nics_per_node"]
+        if self.nccl is None:
+            del d["nccl"]
+        else:
+            d["nccl"] = self.nccl.to_dict()
         d["matmul_flops_per_s"] = {dt.value: rate for dt, rate in self.matmul_flops_per_s}
         for name in _LINK_FIELDS:
             d[name] = d[name].to_dict()
@@ -257,6 +287,10 @@ class DeviceSpec:
         for name in _LINK_FIELDS:
             kw[name] = kw[name] if isinstance(kw[name], LinkSpec) else LinkSpec.from_dict(kw[name])
         kw["memory_bytes"] = int(kw["memory_bytes"])
+        if "nics_per_node" in kw:
+            kw["nics_per_node"] = _whole_count(kw["nics_per_node"], "nics_per_node")
+        if kw.get("nccl") is not None:
+            kw["nccl"] = NcclNode.from_dict(kw["nccl"])
         return cls(**kw)
 
 
@@ -268,6 +302,13 @@ def parse_matmul_table(value) -> tuple[tuple[DType, float], ...]:
     items = value.items() if isinstance(value, Mapping) else value
     table = {DType.coerce(k): float(v) for k, v in items}
     return tuple(sorted(table.items(), key=lambda kv: list(DType).index(kv[0])))
+
+
+def _whole_count(value, field: str) -> int:
+    """A count read from a file: an int, or a float with no fraction (JSON and YAML may write 8.0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ConfigError(f"{field} must be a whole number, got {value!r}")
+    return int(value)
 
 
 def _check_keys(what: str, d, allowed: set[str], *, required: bool, optional: set[str] = frozenset()) -> None:
@@ -282,7 +323,7 @@ def _check_keys(what: str, d, allowed: set[str], *, required: bool, optional: se
 
 
 def _gpu(
-    name, memory_gb, bandwidth_tb_s, tensor_tflops, tf32_tflops, fp32_tflops, nvlink, ib, pcie, host_adamw
+    name, memory_gb, bandwidth_tb_s, tensor_tflops, tf32_tflops, fp32_tflops, nvlink, ib, pcie, host_adamw, nccl
 ) -> DeviceSpec:
     return DeviceSpec(
         name=name,
@@ -303,13 +344,16 @@ def _gpu(
         inter_node_link=ib,
         host_link=pcie,
         host_adamw_params_per_s=host_adamw,
+        nics_per_node=8,  # DGX A100 / H100 / H200: one compute adapter per GPU
+        nccl=nccl,
     )
 
 
-NVLINK3 = LinkSpec("nvlink3", bandwidth_bytes_per_s=230e9, latency_s=2e-6)
-NVLINK4 = LinkSpec("nvlink4", bandwidth_bytes_per_s=370e9, latency_s=2e-6)
-IB_HDR_8X = LinkSpec("ib-hdr-8x", bandwidth_bytes_per_s=25e9, latency_s=23.5e-6)
-IB_NDR_8X = LinkSpec("ib-ndr-8x", bandwidth_bytes_per_s=50e9, latency_s=23.5e-6)
+# see the module docstring for every figure's source
+NVLINK3 = LinkSpec("nvlink3", bandwidth_bytes_per_s=230e9, latency_s=11.8e-6)
+NVLINK4 = LinkSpec("nvlink4", bandwidth_bytes_per_s=370e9, latency_s=11.8e-6)
+IB_HDR = LinkSpec("ib-hdr-200g", bandwidth_bytes_per_s=24e9, latency_s=22.4e-6)
+IB_NDR = LinkSpec("ib-ndr-400g", bandwidth_bytes_per_s=48e9, latency_s=22.4e-6)
 PCIE4 = LinkSpec("pcie4", bandwidth_bytes_per_s=32e9, latency_s=10e-6)
 PCIE5 = LinkSpec("pcie5", bandwidth_bytes_per_s=64e9, latency_s=10e-6)
 
@@ -358,10 +402,12 @@ CPU = DeviceSpec(
 
 DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType(
     {
-        "A100-40GB": _gpu("A100-40GB", 40, 1.555, 312, 156, 19.5, NVLINK3, IB_HDR_8X, PCIE4, 0.91e9),
-        "A100-80GB": _gpu("A100-80GB", 80, 2.039, 312, 156, 19.5, NVLINK3, IB_HDR_8X, PCIE4, 0.91e9),
-        "H100-80GB": _gpu("H100-80GB", 80, 3.35, 989.4, 494.7, 66.9, NVLINK4, IB_NDR_8X, PCIE5, 1.37e9),
-        "H200-141GB": _gpu("H200-141GB", 141, 4.8, 989.4, 494.7, 66.9, NVLINK4, IB_NDR_8X, PCIE5, 1.37e9),
+        "A100-40GB": _gpu("A100-40GB", 40, 1.555, 312, 156, 19.5, NVLINK3, IB_HDR, PCIE4, 0.91e9, NCCL_AMPERE_AMD),
+        "A100-80GB": _gpu("A100-80GB", 80, 2.039, 312, 156, 19.5, NVLINK3, IB_HDR, PCIE4, 0.91e9, NCCL_AMPERE_AMD),
+        "H100-80GB": _gpu("H100-80GB", 80, 3.35, 989.4, 494.7, 66.9, NVLINK4, IB_NDR, PCIE5, 1.37e9, NCCL_HOPPER_INTEL),
+        "H200-141GB": _gpu(
+            "H200-141GB", 141, 4.8, 989.4, 494.7, 66.9, NVLINK4, IB_NDR, PCIE5, 1.37e9, NCCL_HOPPER_INTEL
+        ),
         "cpu": CPU,
     }
 )
