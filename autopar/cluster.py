@@ -63,12 +63,20 @@ _NODES_DEVICES_KIND = re.compile(r"^(\d+)[xX](\d+)[xX]([A-Za-z][\w.-]*)$")
 _DEVICES_KIND = re.compile(r"^(\d+)[xX]([A-Za-z][\w.-]*)$")
 _CPU = re.compile(r"^cpu:(\d+)$", re.IGNORECASE)
 
-# Host RAM per node: the DGX systems these GPUs ship in (DGX A100 320GB: 1 TB; DGX A100 640GB,
-# DGX H100 and DGX H200: 2 TB). The "cpu" preset's memory is the measured RAM of the machine.
 # The most devices a cluster may have: the planner enumerates the divisors of the world size, and today's largest
 # training clusters hold about 10^5 accelerators; a figure past this one is a typo.
 MAX_DEVICES = 2**20
-_HOST_MEMORY_BYTES = {"A100-40GB": 1e12, "A100-80GB": 2e12, "H100-80GB": 2e12, "H200-141GB": 2e12}
+# Host RAM per node: the DGX systems these GPUs ship in (DGX A100 320GB: 1 TB; DGX A100 640GB, DGX A800, DGX H100
+# and DGX H200: 2 TB); Grand Teton up to 2 TB of DDR5 (OCP Grand Teton specification). The "cpu" preset's memory is
+# the measured RAM of the machine.
+_HOST_MEMORY_BYTES = {
+    "A100-40GB": 1e12,
+    "A100-80GB": 2e12,
+    "A800-80GB": 2e12,
+    "H100-80GB": 2e12,
+    "H100-96GB-500W": 2e12,
+    "H200-141GB": 2e12,
+}
 
 _FILE_KEYS = ("cluster", "device", "intra_node_link", "inter_node_link", "host_link", "host_memory_bytes")
 _LINK_KEYS = ("intra_node_link", "inter_node_link", "host_link")

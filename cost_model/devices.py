@@ -6,8 +6,28 @@ on a real machine, "cpu", was measured once by `python -m autopar.cost_model.cal
 written down here; re-run that command to get figures for another machine and pass them in
 as overrides (see `autopar.cluster.ClusterSpec.from_file`).
 
-Sources of the GPU figures are the datasheets and measurements collected in the project's
-hardware notes:
+The GPU presets are the SKUs people train on, each in the node it usually ships in:
+
+- "A100-40GB", "A100-80GB": A100 SXM4 in a DGX A100 (NVIDIA A100 and DGX A100 datasheets):
+  312 TFLOP/s bf16/fp16, 156 tf32, 19.5 fp32; 40 GB at 1.555 TB/s or 80 GB at 2.039 TB/s;
+  NVLink3 (600 GB/s both directions); 8 ConnectX-6 HDR adapters; 2x AMD EPYC 7742 hosts.
+- "A800-80GB": the A100 80GB with NVLink cut to 400 GB/s both directions (NVIDIA A800
+  datasheet; compute and memory as A100 80GB), in a DGX A800 (8 HDR adapters, AMD hosts, as
+  DGX A100). Clusters built with fewer adapters set `nics_per_node` in their cluster file.
+- "H100-80GB": H100 SXM5 in a DGX H100 (datasheets): 989.4 TFLOP/s bf16/fp16, 494.7 tf32,
+  66.9 fp32; 80 GB HBM3 at 3.35 TB/s; NVLink4 (900 GB/s both directions); 8 ConnectX-7 NDR
+  adapters; 2x Intel Xeon 8480C hosts.
+- "H100-96GB-500W": the Grand Teton H100 of torchtitan's published runs
+  (pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`): 96 GB HBM2e at
+  2.4 TB/s, run at the default 500 W power limit, 8 per host fully connected by NVLink,
+  400 Gb/s RDMA per GPU; hosts are 2x Intel Xeon Sapphire Rapids (OCP Grand Teton). Its
+  peak "is between SXM and NVL" (torchtitan), and is taken as the SXM's scaled by the
+  clock the cap leaves: a GPU's power grows about as the cube of its clock when voltage
+  follows frequency, so 500 W of 700 W leaves (500/700)^(1/3) = 0.894 of the clock, 884
+  TFLOP/s bf16. The same rule puts the 400 W H100 NVL (same 132 SMs) at 821 against its
+  datasheet's 835 TFLOP/s.
+- "H200-141GB": H200 SXM (datasheet): the H100's compute, 141 GB HBM3e at 4.8 TB/s, in a
+  DGX H200 (as DGX H100).
 
 - Peak rates are dense (no sparsity). Matrix work runs at the tensor-core rate of its dtype;
   plain fp32 matmuls (TF32 disabled, PyTorch's default for matmuls) run on the CUDA cores at
@@ -28,7 +48,8 @@ nccl-tests report), not line rates:
 
 - NVLink inside a DGX A100: 230 GB/s all-reduce bus bandwidth ("some other bottlenecks on
   the GPUs limits it to ~230GB/s", sjeaugey, NVIDIA/nccl-tests#149; 232.5 GB/s measured in
-  NVIDIA/nccl-tests#175); inside an H100/H200 node 370 GB/s with rings ("with the protocol
+  NVIDIA/nccl-tests#175); inside an A800 node 160 GB/s ("you should get ~160GB/s
+  intra-node", sjeaugey, NVIDIA/nccl#412); inside an H100/H200 node 370 GB/s with rings ("with the protocol
   overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s", sjeaugey,
   NVIDIA/nccl-tests#212; 365-370 GB/s from 2 to 8 GPUs, NVIDIA/nccl#1455). NVLink SHARP
   (~480 GB/s) is not modelled.
@@ -38,7 +59,8 @@ nccl-tests report), not line rates:
   192 GB/s all-reduce bus bandwidth across DGX A100s with 8 HDR NICs, AddyLaddy,
   NVIDIA/nccl#812), 48 GB/s per NDR adapter ("CX-7 NICs at NDR rate (400Gbps) should achieve
   up to 48-49GB/s per NIC", AddyLaddy, NVIDIA/nccl-tests#267; 46-48 GB/s in
-  NVIDIA/nccl-tests#290).
+  NVIDIA/nccl-tests#290); the Grand Teton's 400 Gb/s RDMA adapters are taken at the NDR
+  figure.
 - Latency of a point-to-point transfer (pipeline activations, all-to-all steps, which NCCL
   runs outside its tuning model): NCCL's own estimate of one Simple-protocol hop, its base
   latency 8.4 µs plus the hop, 3.4 µs over NVLink and 14 µs over the network
@@ -323,7 +345,19 @@ def _check_keys(what: str, d, allowed: set[str], *, required: bool, optional: se
 
 
 def _gpu(
-    name, memory_gb, bandwidth_tb_s, tensor_tflops, tf32_tflops, fp32_tflops, nvlink, ib, pcie, host_adamw, nccl
+    name: str,
+    *,
+    memory_gb: float,
+    bandwidth_tb_s: float,
+    bf16_tflops: float,
+    tf32_tflops: float,
+    fp32_tflops: float,
+    nvlink: LinkSpec,
+    nic: LinkSpec,
+    pcie: LinkSpec,
+    host_adamw: float,
+    nccl: NcclNode,
+    nics_per_node: int = 8,
 ) -> DeviceSpec:
     return DeviceSpec(
         name=name,
@@ -333,27 +367,29 @@ def _gpu(
         matmul_flops_per_s=(
             (DType.FP32, fp32_tflops * 1e12),
             (DType.TF32, tf32_tflops * 1e12),
-            (DType.BF16, tensor_tflops * 1e12),
-            (DType.FP16, tensor_tflops * 1e12),
+            (DType.BF16, bf16_tflops * 1e12),
+            (DType.FP16, bf16_tflops * 1e12),
         ),
         vector_flops_per_s=fp32_tflops * 1e12,
         matmul_efficiency=780.0 / 989.4,
         memory_efficiency=4.3 / 4.8,
         kernel_overhead_s=5e-6,
         intra_node_link=nvlink,
-        inter_node_link=ib,
+        inter_node_link=nic,
         host_link=pcie,
         host_adamw_params_per_s=host_adamw,
-        nics_per_node=8,  # DGX A100 / H100 / H200: one compute adapter per GPU
+        nics_per_node=nics_per_node,
         nccl=nccl,
     )
 
 
 # see the module docstring for every figure's source
 NVLINK3 = LinkSpec("nvlink3", bandwidth_bytes_per_s=230e9, latency_s=11.8e-6)
+NVLINK3_A800 = LinkSpec("nvlink3-a800", bandwidth_bytes_per_s=160e9, latency_s=11.8e-6)
 NVLINK4 = LinkSpec("nvlink4", bandwidth_bytes_per_s=370e9, latency_s=11.8e-6)
 IB_HDR = LinkSpec("ib-hdr-200g", bandwidth_bytes_per_s=24e9, latency_s=22.4e-6)
 IB_NDR = LinkSpec("ib-ndr-400g", bandwidth_bytes_per_s=48e9, latency_s=22.4e-6)
+RDMA_400G = LinkSpec("rdma-400g", bandwidth_bytes_per_s=48e9, latency_s=22.4e-6)
 PCIE4 = LinkSpec("pcie4", bandwidth_bytes_per_s=32e9, latency_s=10e-6)
 PCIE5 = LinkSpec("pcie5", bandwidth_bytes_per_s=64e9, latency_s=10e-6)
 
@@ -400,13 +436,44 @@ CPU = DeviceSpec(
     overlap_efficiency=0.35,
 )
 
+# the clock a 500 W cap leaves an H100 SXM built for 700 W, as a share of its rated peak (see the module docstring)
+GRAND_TETON_CLOCK = (500.0 / 700.0) ** (1.0 / 3.0)
+
+_A100 = {"tf32_tflops": 156, "bf16_tflops": 312, "fp32_tflops": 19.5, "pcie": PCIE4, "host_adamw": 0.91e9}
+_H100 = {"tf32_tflops": 494.7, "bf16_tflops": 989.4, "fp32_tflops": 66.9, "pcie": PCIE5, "host_adamw": 1.37e9}
+_GRAND_TETON = {k: (v * GRAND_TETON_CLOCK if k.endswith("_tflops") else v) for k, v in _H100.items()}
+
 DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType(
     {
-        "A100-40GB": _gpu("A100-40GB", 40, 1.555, 312, 156, 19.5, NVLINK3, IB_HDR, PCIE4, 0.91e9, NCCL_AMPERE_AMD),
-        "A100-80GB": _gpu("A100-80GB", 80, 2.039, 312, 156, 19.5, NVLINK3, IB_HDR, PCIE4, 0.91e9, NCCL_AMPERE_AMD),
-        "H100-80GB": _gpu("H100-80GB", 80, 3.35, 989.4, 494.7, 66.9, NVLINK4, IB_NDR, PCIE5, 1.37e9, NCCL_HOPPER_INTEL),
+        "A100-40GB": _gpu(
+            "A100-40GB", memory_gb=40, bandwidth_tb_s=1.555, nvlink=NVLINK3, nic=IB_HDR, nccl=NCCL_AMPERE_AMD, **_A100
+        ),
+        "A100-80GB": _gpu(
+            "A100-80GB", memory_gb=80, bandwidth_tb_s=2.039, nvlink=NVLINK3, nic=IB_HDR, nccl=NCCL_AMPERE_AMD, **_A100
+        ),
+        "A800-80GB": _gpu(
+            "A800-80GB",
+            memory_gb=80,
+            bandwidth_tb_s=2.039,
+            nvlink=NVLINK3_A800,
+            nic=IB_HDR,
+            nccl=NCCL_AMPERE_AMD,
+            **_A100,
+        ),
+        "H100-80GB": _gpu(
+            "H100-80GB", memory_gb=80, bandwidth_tb_s=3.35, nvlink=NVLINK4, nic=IB_NDR, nccl=NCCL_HOPPER_INTEL, **_H100
+        ),
+        "H100-96GB-500W": _gpu(
+            "H100-96GB-500W",
+            memory_gb=96,
+            bandwidth_tb_s=2.4,
+            nvlink=NVLINK4,
+            nic=RDMA_400G,
+            nccl=NCCL_HOPPER_INTEL,
+            **_GRAND_TETON,
+        ),
         "H200-141GB": _gpu(
-            "H200-141GB", 141, 4.8, 989.4, 494.7, 66.9, NVLINK4, IB_NDR, PCIE5, 1.37e9, NCCL_HOPPER_INTEL
+            "H200-141GB", memory_gb=141, bandwidth_tb_s=4.8, nvlink=NVLINK4, nic=IB_NDR, nccl=NCCL_HOPPER_INTEL, **_H100
         ),
         "cpu": CPU,
     }
