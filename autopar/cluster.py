@@ -30,6 +30,14 @@ a cluster with fewer adapters per node than GPUs sets it::
     cluster: 16x8xA100-80GB
     device: {nics_per_node: 4}
 
+`device` may also name a device file (JSON or YAML) holding such fields, as a measurement on
+the GPU writes it: its `matmul_efficiency` may be a list of measured GEMMs and its
+`attention_efficiency` the attention kernels' shares (the format is `cost_model.kernels`'s);
+a `notes` key saying what was measured, on what and when is kept out of the device::
+
+    cluster: 8xH100-80GB
+    device: h100-measured.json
+
 CPU ranks of one node share the host's memory, so a "cpu" cluster gives each rank
 ``memory_bytes / devices_per_node`` of the measured RAM (and a file that sets
 `host_memory_bytes` of a cpu cluster divides that figure the same way, unless it also sets
@@ -55,6 +63,7 @@ from autopar.cost_model.devices import (
     parse_matmul_table,
     parse_per_collective,
 )
+from autopar.cost_model.kernels import parse_attention_kernels, parse_matmul_points
 from autopar.cost_model.nccl import GroupLink, NcclNode
 from autopar.errors import ConfigError
 
@@ -357,22 +366,36 @@ def _whole(value) -> int:
     return int(value)
 
 
+# the key of a device file that says what was measured, on what and when: kept out of the DeviceSpec
+DEVICE_FILE_NOTES = "notes"
+_TABLE_KEYS = ("matmul_efficiency_table", "attention_efficiency")
+
+
 def _override_device(base: ClusterSpec, overrides, source: str) -> DeviceSpec:
+    """The device with `overrides` (a mapping of DeviceSpec fields, or the path of a JSON/YAML device file holding
+    one) applied; a `matmul_efficiency` that is a list of measured GEMMs sets the shape table and its plateau."""
+    if isinstance(overrides, (str, Path)):
+        overrides, source = _read_device_file(overrides, source), f"{source}: device file {str(overrides)!r}"
     allowed = {f.name for f in fields(DeviceSpec)} - set(_LINK_KEYS)
     if not isinstance(overrides, Mapping):
         raise ConfigError(f"{source}: 'device' must be a mapping of DeviceSpec fields, got {overrides!r}")
+    overrides = {k: v for k, v in overrides.items() if k != DEVICE_FILE_NOTES}
     misplaced = set(overrides) & set(_LINK_KEYS)
     if misplaced:
         raise ConfigError(f"{source}: set links with the top-level keys {sorted(misplaced)}, not under 'device'")
     unknown = set(overrides) - allowed
     if unknown:
         raise ConfigError(f"{source}: unknown device fields {sorted(unknown)}; known fields are {sorted(allowed)}")
+    if isinstance(overrides.get("matmul_efficiency"), (list, tuple)):  # a measured table, not a plateau
+        overrides["matmul_efficiency_table"] = overrides.pop("matmul_efficiency")
     changes = {}
     for key, value in overrides.items():
+        if key in _TABLE_KEYS:
+            continue
         if key in ("name", "kind"):
             changes[key] = str(value)
-        elif key == "nics_per_node":
-            changes[key] = _positive_count(value, f"{source}: device.nics_per_node")
+        elif key in ("nics_per_node", "num_sms"):
+            changes[key] = _positive_count(value, f"{source}: device.{key}")
         elif key == "nccl":
             changes[key] = None if value is None else NcclNode.from_dict(value)
         elif key == "matmul_flops_per_s":
@@ -385,7 +408,38 @@ def _override_device(base: ClusterSpec, overrides, source: str) -> DeviceSpec:
             changes[key] = int(parse_quantity(value, key))
         else:
             changes[key] = parse_quantity(value, key)
-    return replace(base.device, **changes)
+    device = replace(base.device, **changes)
+    return _override_tables(device, overrides, source)
+
+
+def _override_tables(device: DeviceSpec, overrides: Mapping, source: str) -> DeviceSpec:
+    """The measured kernel tables of `overrides`, read against the device's (overridden) peaks."""
+    changes = {}
+    if "matmul_efficiency_table" in overrides:
+        try:
+            table = parse_matmul_points(overrides["matmul_efficiency_table"], device.peak_matmul_flops)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        changes["matmul_efficiency_table"] = table
+        if table and "matmul_efficiency" not in overrides:
+            changes["matmul_efficiency"] = min(1.0, max(p.efficiency for p in table))
+    if "attention_efficiency" in overrides:
+        try:
+            changes["attention_efficiency"] = parse_attention_kernels(overrides["attention_efficiency"])
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    return replace(device, **changes)
+
+
+def _read_device_file(path, source: str) -> Mapping:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except (OSError, ValueError) as e:  # a path the system cannot open, or one holding a NUL byte
+        raise ConfigError(f"{source}: cannot read device file {str(p)!r}: {getattr(e, 'strerror', e)}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: device file {str(p)!r} is neither valid YAML nor JSON: {e}") from e
+    return data
 
 
 def _positive_count(value, where: str) -> int:

@@ -5,6 +5,7 @@ GroupLink), never of the machine it runs on; the profiler is the one part that m
 `python -m autopar.cost_model.calibrate` measures the local CPU for the "cpu" device preset.
 """
 
+from autopar.cost_model import fused_costs  # noqa: F401  (registers the fused Triton ops' costs)
 from autopar.cost_model.comm import Collective, collective_moved_bytes, collective_steps, estimate_collective_time
 from autopar.cost_model.compute import (
     UNKNOWN_OPS,

@@ -32,9 +32,25 @@ The GPU presets are the SKUs people train on, each in the node it usually ships 
 - Peak rates are dense (no sparsity). Matrix work runs at the tensor-core rate of its dtype;
   plain fp32 matmuls (TF32 disabled, PyTorch's default for matmuls) run on the CUDA cores at
   the non-tensor fp32 rate.
-- `matmul_efficiency` = 780/989.4: an 8192^3 bf16 matmul measured 769-798 TFLOP/s on one
-  H200. H100 has the same compute die and clocks; for A100 we have no measurement and assume
-  the same fraction.
+- Matmuls (`cost_model.kernels`): efficiency by shape from the tile and wave quantization of
+  the device's SMs (A100 108, H100 and H200 132), anchored on measured GEMMs. The measured
+  points are the "Maximum Achievable Matmul FLOPS" of stas00/ml-engineering
+  (compute/accelerator/README.md, mamf-finder.py: the best bf16 `torch.mm` over a sweep of
+  shapes, mean of 100 iterations): A100 SXM 271.2 of 312 TFLOP/s at 1024x10240x5120 (torch
+  2.6, CUDA 12.6) and 267.9 at 6912x16384x2048 (CUDA 12.1); H100 SXM 794.5 of 989 at
+  2048x2048x13312 (torch 2.7, CUDA 12.6) and 792.1 at 6144x17920x2816 (CUDA 12.1). H200: an
+  8192^3 bf16 matmul measured 769-798 TFLOP/s on one H200 in this project (780 taken). The
+  A800 is an A100's compute; the Grand Teton H100's points are the SXM's, as shares of its
+  lower, power-capped peak. `matmul_efficiency`, the plateau, is the best point's; other
+  dtypes have no point and get the plateau times the tile model.
+- Attention (`attention_efficiency`, `cost_model.kernels`): PyTorch's SDPA runs
+  FlashAttention-2 on these GPUs. FlashAttention-2 (Dao, arXiv 2307.08691): "reaching
+  50-73% of the theoretical maximum FLOPs/s on A100", up to 73% forward and 63% backward in
+  its benchmarks (section 4.1); on H100, without Hopper-specific instructions, up to 335
+  TFLOP/s forward and backward, 34% of 989.4. autopar's Triton kernel (an FA2-style kernel,
+  after Triton's fused-attention tutorial) is taken at the same figures: not measured.
+  FlashAttention-3 (Shah et al., arXiv 2407.08608; 740 TFLOP/s fp16 forward on H100, 75%)
+  runs in none of the programs priced here.
 - `memory_efficiency` = 4.3/4.8: a device-to-device copy measured about 4.3 TB/s (bytes read
   plus written) on one H200; assumed for the other GPUs too.
 - `kernel_overhead_s` = 5 µs for GPUs: eager PyTorch dispatch plus kernel launch, an assumed
@@ -94,6 +110,13 @@ from types import MappingProxyType
 
 import torch
 
+from autopar.cost_model.kernels import (
+    AttentionKernel,
+    MatmulPoint,
+    matmul_efficiency,
+    parse_attention_kernels,
+    parse_matmul_points,
+)
 from autopar.cost_model.nccl import NCCL_AMPERE_AMD, NCCL_HOPPER_INTEL, NcclNode
 from autopar.errors import ConfigError
 
@@ -243,6 +266,11 @@ class DeviceSpec:
     # constants for the node (None: collectives are priced per ring step on the links, as gloo's are measured)
     nics_per_node: int = 1
     nccl: NcclNode | None = None
+    # kernel efficiency by shape (`cost_model.kernels`): the SMs GEMM tiles run on (0: no tile model, a CPU),
+    # measured GEMMs that anchor the efficiency of other shapes, and the fused attention kernels' shares
+    num_sms: int = 0
+    matmul_efficiency_table: tuple[MatmulPoint, ...] = ()
+    attention_efficiency: tuple[AttentionKernel, ...] = ()
 
     def __post_init__(self):
         owner = f"device {self.name!r}"
@@ -264,6 +292,17 @@ class DeviceSpec:
             raise ConfigError(f"{owner}: overlap_efficiency must be in [0, 1], got {eta!r}")
         if isinstance(self.nics_per_node, bool) or not isinstance(self.nics_per_node, int) or self.nics_per_node < 1:
             raise ConfigError(f"{owner}: nics_per_node must be a positive integer, got {self.nics_per_node!r}")
+        if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int) or self.num_sms < 0:
+            raise ConfigError(f"{owner}: num_sms must be a whole number >= 0, got {self.num_sms!r}")
+        if not all(isinstance(p, MatmulPoint) for p in self.matmul_efficiency_table):
+            raise ConfigError(f"{owner}: matmul_efficiency_table must hold MatmulPoints")
+        for point in self.matmul_efficiency_table:
+            if point.dtype not in {d.value for d in DType}:
+                raise ConfigError(
+                    f"{owner}: a measured matmul names dtype {point.dtype!r}: expected one of {[d.value for d in DType]}"
+                )
+        if not all(isinstance(a, AttentionKernel) for a in self.attention_efficiency):
+            raise ConfigError(f"{owner}: attention_efficiency must hold AttentionKernels")
         if self.nccl is not None and not isinstance(self.nccl, NcclNode):
             raise ConfigError(f"{owner}: nccl must be an NcclNode or None, got {self.nccl!r}")
         if not isinstance(self.kernel_overhead_s, (int, float)) or self.kernel_overhead_s < 0:
@@ -284,6 +323,19 @@ class DeviceSpec:
         known = [d.value for d, _ in self.matmul_flops_per_s]
         raise ConfigError(f"device {self.name} has no matmul rate for {dt.value}: it lists {known}")
 
+    def matmul_efficiency_at(self, dtype: DType | torch.dtype | str, shape: tuple[float, float, float, float]) -> float:
+        """Share of the `dtype` peak a GEMM of (batch, m, n, k) reaches on this device (`cost_model.kernels`)."""
+        return matmul_efficiency(
+            self.matmul_efficiency, self.matmul_efficiency_table, self.num_sms, DType.coerce(dtype).value, shape
+        )
+
+    def attention_kernel(self, kernel: str) -> AttentionKernel | None:
+        """The device's figures for attention kernel `kernel`, None when it lists none."""
+        for entry in self.attention_efficiency:
+            if entry.kernel == kernel:
+                return entry
+        return None
+
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         # defaults are left out, so that files written before the fields existed read the same
@@ -295,6 +347,11 @@ class DeviceSpec:
             del d["nccl"]
         else:
             d["nccl"] = self.nccl.to_dict()
+        for name in ("num_sms", "matmul_efficiency_table", "attention_efficiency"):
+            if not d[name]:
+                del d[name]
+            elif name != "num_sms":
+                d[name] = [entry.to_dict() for entry in d[name]]
         d["matmul_flops_per_s"] = {dt.value: rate for dt, rate in self.matmul_flops_per_s}
         for name in _LINK_FIELDS:
             d[name] = d[name].to_dict()
@@ -313,6 +370,12 @@ class DeviceSpec:
             kw["nics_per_node"] = _whole_count(kw["nics_per_node"], "nics_per_node")
         if kw.get("nccl") is not None:
             kw["nccl"] = NcclNode.from_dict(kw["nccl"])
+        if "num_sms" in kw:
+            kw["num_sms"] = _whole_count(kw["num_sms"], "num_sms")
+        if "matmul_efficiency_table" in kw:
+            kw["matmul_efficiency_table"] = parse_matmul_points(kw["matmul_efficiency_table"])
+        if "attention_efficiency" in kw:
+            kw["attention_efficiency"] = parse_attention_kernels(kw["attention_efficiency"])
         return cls(**kw)
 
 
@@ -357,6 +420,9 @@ def _gpu(
     pcie: LinkSpec,
     host_adamw: float,
     nccl: NcclNode,
+    num_sms: int,
+    matmul_points: tuple[MatmulPoint, ...],
+    attention: tuple[AttentionKernel, ...],
     nics_per_node: int = 8,
 ) -> DeviceSpec:
     return DeviceSpec(
@@ -371,7 +437,7 @@ def _gpu(
             (DType.FP16, bf16_tflops * 1e12),
         ),
         vector_flops_per_s=fp32_tflops * 1e12,
-        matmul_efficiency=780.0 / 989.4,
+        matmul_efficiency=max(p.efficiency for p in matmul_points),
         memory_efficiency=4.3 / 4.8,
         kernel_overhead_s=5e-6,
         intra_node_link=nvlink,
@@ -380,6 +446,9 @@ def _gpu(
         host_adamw_params_per_s=host_adamw,
         nics_per_node=nics_per_node,
         nccl=nccl,
+        num_sms=num_sms,
+        matmul_efficiency_table=matmul_points,
+        attention_efficiency=attention,
     )
 
 
@@ -439,8 +508,43 @@ CPU = DeviceSpec(
 # the clock a 500 W cap leaves an H100 SXM built for 700 W, as a share of its rated peak (see the module docstring)
 GRAND_TETON_CLOCK = (500.0 / 700.0) ** (1.0 / 3.0)
 
-_A100 = {"tf32_tflops": 156, "bf16_tflops": 312, "fp32_tflops": 19.5, "pcie": PCIE4, "host_adamw": 0.91e9}
-_H100 = {"tf32_tflops": 494.7, "bf16_tflops": 989.4, "fp32_tflops": 66.9, "pcie": PCIE5, "host_adamw": 1.37e9}
+# Measured GEMMs (bf16, M x N x K, share of the datasheet peak; see the module docstring for the sources)
+A100_MATMULS = (
+    MatmulPoint("bf16", 1024, 10240, 5120, 271.2 / 312),
+    MatmulPoint("bf16", 6912, 16384, 2048, 267.9 / 312),
+)
+H100_MATMULS = (
+    MatmulPoint("bf16", 2048, 2048, 13312, 794.5 / 989),
+    MatmulPoint("bf16", 6144, 17920, 2816, 792.1 / 989),
+)
+H200_MATMULS = (MatmulPoint("bf16", 8192, 8192, 8192, 780.0 / 989.4),)
+# FlashAttention-2 (PyTorch's SDPA flash backend), and autopar's Triton kernel taken at the same figures
+A100_ATTENTION = (AttentionKernel("sdpa", 0.73, 0.63), AttentionKernel("triton", 0.73, 0.63))
+H100_ATTENTION = (
+    AttentionKernel("sdpa", 335 / 989.4, 335 / 989.4),
+    AttentionKernel("triton", 335 / 989.4, 335 / 989.4),
+)
+
+_A100 = {
+    "tf32_tflops": 156,
+    "bf16_tflops": 312,
+    "fp32_tflops": 19.5,
+    "pcie": PCIE4,
+    "host_adamw": 0.91e9,
+    "num_sms": 108,
+    "matmul_points": A100_MATMULS,
+    "attention": A100_ATTENTION,
+}
+_H100 = {
+    "tf32_tflops": 494.7,
+    "bf16_tflops": 989.4,
+    "fp32_tflops": 66.9,
+    "pcie": PCIE5,
+    "host_adamw": 1.37e9,
+    "num_sms": 132,
+    "matmul_points": H100_MATMULS,
+    "attention": H100_ATTENTION,
+}
 _GRAND_TETON = {k: (v * GRAND_TETON_CLOCK if k.endswith("_tflops") else v) for k, v in _H100.items()}
 
 DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType(
@@ -473,7 +577,13 @@ DEVICE_PRESETS: Mapping[str, DeviceSpec] = MappingProxyType(
             **_GRAND_TETON,
         ),
         "H200-141GB": _gpu(
-            "H200-141GB", memory_gb=141, bandwidth_tb_s=4.8, nvlink=NVLINK4, nic=IB_NDR, nccl=NCCL_HOPPER_INTEL, **_H100
+            "H200-141GB",
+            memory_gb=141,
+            bandwidth_tb_s=4.8,
+            nvlink=NVLINK4,
+            nic=IB_NDR,
+            nccl=NCCL_HOPPER_INTEL,
+            **{**_H100, "matmul_points": H200_MATMULS},
         ),
         "cpu": CPU,
     }
