@@ -10,6 +10,9 @@
   every rank's resident set at each checkpoint, retention checked.
 - `checkpoint` (`autopar.bench.checkpoints`): save and load time of a ~100M-parameter model's training
   checkpoint on cpu:2, next to torch.save / torch.load of the full state dicts from one process.
+- `calibrate` (`autopar.bench.calibrate`, run by the CLI): published runs (torchtitan's Llama benchmarks,
+  Megatron-LM SC'21 Table 1) planned on their layouts and SKUs, and published nccl-tests bus bandwidths, next
+  to autopar's predictions.
 
 Each suite writes a JSON document (with autopar and torch versions and a machine description), a
 Markdown table and a PNG plot into the output folder. `quick=True` runs a subset in about a minute.

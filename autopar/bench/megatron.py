@@ -1,4 +1,5 @@
-"""`autopar bench calibrate`: autopar's predicted step times next to the Megatron-LM paper's measured ones.
+"""Megatron-LM SC'21 Table 1 rows of `autopar bench calibrate` (`autopar.bench.calibrate`): predicted step times
+next to the paper's measured ones.
 
 The reference is Table 1 of Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM" (SC'21): GPT models with sequence length 2048 and a vocabulary of 51,200,
