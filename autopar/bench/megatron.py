@@ -19,6 +19,13 @@ interleaves, full recompute) as a GPT-2 architecture module built on the meta de
 fp32 and once in bf16, both with precision="bf16": mixed precision should price the same step whatever
 dtype the parameters arrive in. The op-level sharding on the tensor axis stays autopar's choice.
 
+The kernels priced are the ones the paper's runs had. SC'21 predates FlashAttention (2022): its attention
+is two batched GEMMs around a scaled, masked softmax, with the s x s scores in memory (and dropout on
+them), so the model uses Hugging Face's eager attention and is planned without autopar's fused Triton ops
+(`fuse_kernels=False`): the scores' memory passes are priced as the traced ops make them. Megatron fuses
+the scale, mask and softmax into one kernel, and its LayerNorm and bias-GeLU too, which autopar prices as
+separate elementwise passes: a little more memory traffic than ran.
+
 The whole model is traced (autopar.plan shortens the trace only for presets given by name, and a preset
 name would fix the parameter dtype to the precision); at 105 layers of width 20480 on meta that stays
 within seconds.
@@ -148,7 +155,7 @@ def build_model(row: MegatronRow, dtype: torch.dtype = torch.float32) -> torch.n
         use_cache=False,
         tie_word_embeddings=True,
     )
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager"  # unfused attention, as in 2021 (see the module docstring)
     return presets.build_model(config, device="meta", dtype=dtype)
 
 
@@ -168,6 +175,7 @@ def plan_row(row: MegatronRow, dtype: torch.dtype = torch.float32, progress=None
         pipeline=row.pp > 1,
         progress=progress,
         alternatives=False,
+        fuse_kernels=False,
     )
 
 
