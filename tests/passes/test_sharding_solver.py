@@ -271,15 +271,18 @@ def test_choices_follow_the_budget():
     sharded = plan((free.predicted.peak_memory_bytes + lean_none) / 2)
     assert sharded.zero_stage > free.zero_stage and sharded.recompute == "none" and not sharded.offload
     budget = (lean_none + lean_full) / 2
-    saving = plan(budget)  # recompute or offload, whichever is cheaper here
-    assert saving.recompute != "none" or saving.offload
+    saving = plan(budget)  # recompute, or states or activations on the host, whichever is cheaper here
+    assert saving.recompute != "none" or saving.offload or saving.activation_offload
     assert saving.predicted.peak_memory_bytes <= budget
     tight = (lean_full + lean_offload) / 2  # below the leanest layout on the device: only offload fits
     offloaded = plan(tight)
-    assert 0 < offloaded.offload["optimizer_fraction"] <= 1 and offloaded.recompute != "none"
+    assert 0 < offloaded.offload["optimizer_fraction"] <= 1
+    assert offloaded.recompute != "none" or offloaded.activation_offload  # activations recomputed or on the host
     assert offloaded.predicted.peak_memory_bytes <= tight * (1 + 1e-9)
     assert offloaded.offload["time_s"] > 0
-    assert offloaded.predicted.offload_s == pytest.approx(offloaded.offload["time_s"])
+    # the offload term: the states' traffic and the host optimizer, and the activations' copies where they go too
+    activations_s = (offloaded.activation_offload or {}).get("time_s", 0.0)
+    assert offloaded.predicted.offload_s == pytest.approx(offloaded.offload["time_s"] + activations_s)
     steps = [p.predicted.step_time_s for p in (free, sharded, saving, offloaded)]
     assert steps == sorted(steps)
     with pytest.raises(InfeasiblePlanError, match="short") as info:
@@ -293,7 +296,7 @@ def test_choices_follow_the_budget():
     relaxed = autopar.plan(
         model, "2xA100-80GB", args, kwargs, constraints={"tp": 1}, memory_budget=budget, _traced=traced
     )
-    assert relaxed.num_microbatches > 1 or relaxed.recompute != "none" or relaxed.offload
+    assert relaxed.num_microbatches > 1 or relaxed.recompute != "none" or relaxed.offload or relaxed.activation_offload
     assert relaxed.predicted.step_time_s <= saving.predicted.step_time_s * (1 + 1e-9)
 
 
@@ -784,5 +787,6 @@ def test_sequence_parallel_norms_when_activation_memory_binds():
         assert ("all_gather", "backward", "S(1) -> R") in ops[name]
     for name in ("linear", "linear_4"):  # before each column-parallel matmul: all-gather, its backward a reduce-scatter
         assert ops[name] == {("all_gather", "forward", "S(1) -> R"), ("reduce_scatter", "backward", "P -> S(1)")}
-    # the same bytes as the all-reduce they replace, so the step costs only the extra collective latencies
-    assert tight.predicted.step_time_s == pytest.approx(free.predicted.step_time_s, rel=0.02)
+    # the same bytes as the all-reduce they replace, so the step costs only the extra collective latencies: NCCL's
+    # base latency, 7-14 µs a call on 2 GPUs by protocol, paid twice for each all-reduce replaced, on an 8 ms step
+    assert tight.predicted.step_time_s == pytest.approx(free.predicted.step_time_s, rel=0.04)
