@@ -89,7 +89,7 @@ Host optimizer (`host_adamw_params_per_s`, what offloaded optimizer states cost)
 second the host's CPU runs for one device, i.e. on that device's share of the host. AdamW over flat
 fp32 buffers reads the weight, gradient and two moments and writes three of them back: 28 bytes per
 parameter, so on a many-core host it is bound by memory bandwidth. Measured here: torch's fused CPU
-AdamW over whole chunks ran 81M parameters in 58.5 ms on one core (1.38e9 parameters/s; see `CPU`).
+AdamW over whole chunks ran 81M parameters in 255.9 ms on one shared core (0.317e9 parameters/s; see `CPU`).
 DGX hosts, from the datasheets, at half of the DRAM peak (no measurement on such a host yet):
 DGX A100, 2x EPYC 7742 with 16 channels of DDR4-3200 (409.6 GB/s): 204.8e9 / 28 / 8 GPUs = 0.91e9 per
 GPU; DGX H100/H200, 2x Xeon 8480C with 16 channels of DDR5-4800 (614.4 GB/s): 1.37e9 per GPU.
@@ -462,47 +462,52 @@ RDMA_400G = LinkSpec("rdma-400g", bandwidth_bytes_per_s=48e9, latency_s=22.4e-6)
 PCIE4 = LinkSpec("pcie4", bandwidth_bytes_per_s=32e9, latency_s=10e-6)
 PCIE5 = LinkSpec("pcie5", bandwidth_bytes_per_s=64e9, latency_s=10e-6)
 
-# Measured on this project's CI machine (2-vCPU AMD EPYC under KVM, 25.3 GB RAM, torch 2.13.0+cpu) on 2026-12-02 with
-#   OMP_NUM_THREADS=1 .venv/bin/python -m autopar.cost_model.calibrate --runs 3
-# run twice; each figure is the best of the 6 runs (other jobs shared the machine, and they only slow a run down).
-# Matmuls ran on one thread (one rank per core, the way the gloo tests run): fp32 1024^3 at 61-65 GFLOP/s; bf16 and
-# fp16 have no fast path on this CPU (no AVX-512 BF16/FP16) and ran at ~1.3 GFLOP/s. Memory bandwidth is a 256 MiB
-# copy counting bytes read and written (12.4-13.4 GB/s). The link is a gloo all-reduce between 2 processes over
-# localhost fitted to the ring model: 1.08 GB/s bus bandwidth, 281 µs per step (the latency varied from 281 to
-# 356 µs between runs). Efficiencies are 1 because the rates are already achieved rates. The host link of a CPU
-# rank is a memory copy (half the read+write bandwidth); the inter-node link is an assumption, not a measurement.
-LOOPBACK_GLOO = LinkSpec("loopback-gloo", bandwidth_bytes_per_s=1.08e9, latency_s=281e-6)
+# Measured on this project's CI machine (2-vCPU AMD EPYC 9004-series "Genoa" under KVM, with AVX-512 BF16; 25.3 GB
+# RAM; torch 2.13.0+cpu) on 2026-12-07 with
+#   OMP_NUM_THREADS=1 .venv/bin/python -m autopar.cost_model.calibrate --runs 1
+# run 7 times over 90 minutes; each figure is the best of the 7 runs (other jobs only slow a run down), with the
+# spread of the 7 after it. Other jobs kept the load average at 14-25 on the 2 vCPUs throughout: these figures are
+# the machine as a test meets it when it is shared, well below an idle core's. Matmuls ran on one thread (one rank
+# per core, the way the gloo tests run): fp32 1024^3 at 36.6 GFLOP/s (9.7-36.6); bf16 512^3 at 202 (15-202), the
+# AVX-512 BF16 path; fp16 has no fast path (0.85 GFLOP/s, 0.18-0.85). Vector FMA 9.51 GFLOP/s (6.7-9.5). Memory
+# bandwidth is a 256 MiB copy counting bytes read and written: 7.44 GB/s (1.9-7.4). Kernel overhead 5.73 µs
+# (5.7-21.8). The link is a gloo all-reduce between 2 processes over localhost fitted to the ring model: 0.523 GB/s
+# bus bandwidth (0.15-0.52), 952 µs per step (0.95-10.0 ms). Efficiencies are 1 because the rates are achieved
+# rates. The host link of a CPU rank is a memory copy (half the read+write bandwidth); the inter-node link is an
+# assumption, not a measurement. The previous figures (2026-12-02: fp32 64.8, bf16 1.29 GFLOP/s, 13.4 GB/s) were
+# taken on an earlier machine without AVX-512 BF16.
+LOOPBACK_GLOO = LinkSpec("loopback-gloo", bandwidth_bytes_per_s=0.523e9, latency_s=952e-6)
 # Between machines gloo runs over TCP: assumed 10 GbE (1.25 GB/s, 50 µs), capped by gloo's own rate on loopback.
 TCP_10GBE = LinkSpec(
     "tcp-10gbe",
     bandwidth_bytes_per_s=min(1.25e9, LOOPBACK_GLOO.bandwidth_bytes_per_s),
     latency_s=max(50e-6, LOOPBACK_GLOO.latency_s),
 )
-HOST_MEMORY = LinkSpec("host-memory", bandwidth_bytes_per_s=6.7e9, latency_s=0.0)
+HOST_MEMORY = LinkSpec("host-memory", bandwidth_bytes_per_s=3.72e9, latency_s=0.0)
 CPU = DeviceSpec(
     name="cpu",
     kind="cpu",
-    memory_bytes=25_275_990_016,  # the whole RAM; a cpu:N cluster gives each rank 1/N of it
-    memory_bandwidth_bytes_per_s=13.4e9,
-    matmul_flops_per_s=((DType.FP32, 64.8e9), (DType.TF32, 64.8e9), (DType.BF16, 1.29e9), (DType.FP16, 1.31e9)),
-    vector_flops_per_s=6.56e9,
+    memory_bytes=25_276_182_528,  # the whole RAM; a cpu:N cluster gives each rank 1/N of it
+    memory_bandwidth_bytes_per_s=7.44e9,
+    matmul_flops_per_s=((DType.FP32, 36.6e9), (DType.TF32, 36.6e9), (DType.BF16, 202e9), (DType.FP16, 0.852e9)),
+    vector_flops_per_s=9.51e9,
     matmul_efficiency=1.0,
     memory_efficiency=1.0,
-    kernel_overhead_s=2.51e-6,
+    kernel_overhead_s=5.73e-6,
     intra_node_link=LOOPBACK_GLOO,
     inter_node_link=TCP_10GBE,
     host_link=HOST_MEMORY,
-    # fused AdamW over whole chunks on one core: `python -m autopar.memory bench --threads 1 2 --repeats 7`, 81.0M
-    # parameters in 58.5 ms (2026-12-02; the best of four runs, 58.5-125.5 ms as the load of other jobs varied)
-    host_adamw_params_per_s=1.38e9,
+    # fused AdamW over whole chunks on one core: `python -m autopar.memory bench --threads 1 --repeats 7`, 81.0M
+    # parameters in 255.9 ms (2026-12-07; the best of three runs, 255.9-541.2 ms under a load average of 17-21)
+    host_adamw_params_per_s=0.317e9,
     # gloo's all-reduce hides behind compute only partly on CPU ranks: its threads need the cores the compute runs
-    # on. Measured 2026-12-04 on the same machine with
+    # on. Measured 2026-12-07 on the same machine with
     #   OMP_NUM_THREADS=1 .venv/bin/python -c "from autopar.cost_model.calibrate import measure_overlap_efficiency \
     #     as m; print([m(2, repeats=9)['eta'] for _ in range(7)])"
-    # (2 ranks, a 16 MiB all-reduce of ~15-25 ms against as long a run of 256^3 fp32 matmuls, launched
-    # asynchronously, then waited on): 0.0, 0.23, 0.52, 0.25, 0.89, 0.36, 0.35, median 0.35. Other jobs kept the
-    # load average at 8-10 on the 2 vCPUs throughout, hence the spread; `bench run` measures it afresh each run.
-    overlap_efficiency=0.35,
+    # (2 ranks, a 16 MiB all-reduce against as long a run of 256^3 fp32 matmuls, launched asynchronously, then waited
+    # on): 0.0, 0.4, 0.28, 0.7, 1.0, 1.0, 0.57, median 0.57, under a load average of about 20 on the 2 vCPUs (the
+    # calibrate runs above measured 0.55-1.0 the same way); `bench run` measures it afresh each run.
+    overlap_efficiency=0.57,
 )
 
 # the clock a 500 W cap leaves an H100 SXM built for 700 W, as a share of its rated peak (see the module docstring)
