@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint clean
+.PHONY: demo test test-all lint clean test-torch gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -22,6 +22,35 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# The smoke tier (tests marked smoke) on another torch release, in its own environment .venv-torch-<release>:
+# `make test-torch TORCH=2.11.0`. The registry's Linux wheels of torch are CUDA builds (several GB; they run on
+# CPU): slow to install, so this is on demand. Triton comes pinned by torch's own requirements; transformers is
+# pinned per release below (the one tested with it), the newest otherwise.
+TORCH ?= 2.13.0
+TORCH_VENV := .venv-torch-$(TORCH)
+TRANSFORMERS_2.11.0 := 5.17.0
+TRANSFORMERS_2.13.0 := 5.25.0
+TRANSFORMERS_2.15.0 := 5.25.0
+TRANSFORMERS_PIN := $(if $(TRANSFORMERS_$(TORCH)),==$(TRANSFORMERS_$(TORCH)),)
+
+$(TORCH_VENV)/.installed: pyproject.toml
+	test -x $(TORCH_VENV)/bin/python || python3 -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH) 'transformers$(TRANSFORMERS_PIN)'
+	$(TORCH_VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+
+test-torch: $(TORCH_VENV)/.installed
+	$(TORCH_VENV)/bin/python -c 'import torch, transformers, triton; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__)'
+	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(TORCH_VENV)/bin/python -m pytest -q tests -m smoke --durations=0 -p no:cacheprovider $(PYTEST_ARGS)
+
+# Wheels a GPU machine without network lacks: pulp and highspy (the versions the tests run with) for CPython 3.12
+# on x86-64 Linux, into gpu-wheels/ (ignored by git; copy it along with the tree). See the README, "GPU checks".
+GPU_WHEELS := pulp==3.3.2 highspy==1.16.0
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d gpu-wheels $(GPU_WHEELS)
 
 lint: $(STAMP)
 	test -x $(VENV)/bin/ruff || $(PY) -m pip install -q 'ruff>=0.6'

@@ -5,9 +5,9 @@ cluster and returns the fastest plan that fits; `autopar.compile(...)` turns a p
 parallel program that trains on `torch.distributed`.
 """
 
-from autopar.api import compare, compile, parse_bytes, plan
+from autopar.api import compare, compile, plan
 from autopar.checkpoint import latest_checkpoint
-from autopar.cluster import ClusterSpec
+from autopar.cluster import ClusterSpec, parse_bytes
 from autopar.errors import (
     AutoparError,
     ConfigError,

@@ -22,8 +22,8 @@ _CONSTRAINT_FLAGS = (
     "cp",
     "cp_attention",
 )
-# The values of passes.pipeline_search.Schedule and of api._RECOMPUTE_MODES (tests/test_cli.py checks they agree),
-# written out so that `--help` does not import torch.
+# The values of passes.pipeline.Schedule and of input_validation.RECOMPUTE_MODES (tests/test_cli.py checks
+# they agree), written out so that `--help` does not import torch.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 RECOMPUTE_MODES = ("none", "selective", "full")
 

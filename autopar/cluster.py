@@ -131,6 +131,20 @@ def parse_quantity(value, field: str) -> float:
     return number * _PREFIX[prefix]
 
 
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_BYTES = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(value) -> float:
+    """`20e9`, "20GB" (10^9) or "20GiB" (2^30) -> bytes."""
+    if isinstance(value, (int, float)) and value > 0:
+        return float(value)
+    m = _SIZE.match(str(value))
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError(f"memory size {value!r} not understood: give bytes or a string like '20GB' or '16GiB'")
+    return float(m.group(1)) * _BYTES[(m.group(2) or "B").upper()]
+
+
 def _finite(number: float, value, field: str) -> float:
     if not math.isfinite(number):
         raise ConfigError(f"{field}: {value!r} is not a finite number; give a figure such as '80GB' or '25GB/s'")
@@ -472,4 +486,4 @@ def load_cluster(value) -> ClusterSpec:
     return ClusterSpec.parse(value)
 
 
-__all__ = ["MAX_DEVICES", "ClusterSpec", "load_cluster", "parse_quantity"]
+__all__ = ["MAX_DEVICES", "ClusterSpec", "load_cluster", "parse_bytes", "parse_quantity"]

@@ -1,7 +1,7 @@
 """Searching the context-parallel (cp) degree of a plan: which degrees to price, in which order, and what the plan
 records of them.
 
-`plan` traces and solves the model once per degree (`api._plan_at`: a cp graph holds each sequence as cp
+`plan` traces and solves the model once per degree (`planning.plan_model`: a cp graph holds each sequence as cp
 zig-zag chunks, so every degree is its own trace); this module only decides which degrees that costs, from the
 sequence, the world and the pins (`cp_degrees`), and which of them are priced at all (`search_cp`). Terms: a
 degree c splits each sequence over c ranks; 1 is the plan without cp.
@@ -13,6 +13,7 @@ import dataclasses
 import re
 from collections.abc import Callable
 
+from autopar.context_parallel.inputs import check_cp_inputs, sequence_length
 from autopar.errors import ConfigError, InfeasiblePlanError
 
 __all__ = ["MIN_CP_CHUNK_TOKENS", "cp_degrees", "search_cp"]
@@ -30,8 +31,6 @@ def cp_degrees(constraints: dict, world_size: int, args, kwargs) -> list[int]:
     be split (a padding mask, no token ids), or nothing applies. Where the plan searches pipelines (or pins pp),
     each degree is priced with its pipelines: the room for cp is what the pins leave of the world, pp included.
     """
-    from autopar.context_parallel.inputs import check_cp_inputs, sequence_length
-
     if "cp" in constraints:
         return [1]
     try:

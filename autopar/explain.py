@@ -13,11 +13,10 @@ from __future__ import annotations
 import html
 from collections import Counter
 
-from autopar.plan import format_flops_rate
-from autopar.rationale import COMM_TERMS, TERM_LABELS, TERMS
+from autopar.rationale import COMM_TERMS, TERM_LABELS, TERMS, format_flops_rate, layout_words
 from autopar.report_charts import bars_svg, bars_text, gantt_svg, gantt_text, schedule_order, simulate
+from autopar.units import GIB
 
-GIB = 1024**3
 _RECOMPUTE_WORDS = {
     "none": "none (every layer keeps its activations for backward)",
     "selective": "selective (attention internals run again in backward)",
@@ -589,7 +588,7 @@ def _why(plan) -> list:
     blocks = [("h2", "Why this plan")]
     if plan.baselines:
         step = plan.predicted.step_time_s
-        rows = [["**chosen**", _layout_words(plan), _ms(step), "-", _gib(plan.predicted.peak_memory_bytes), "yes", ""]]
+        rows = [["**chosen**", layout_words(plan), _ms(step), "-", _gib(plan.predicted.peak_memory_bytes), "yes", ""]]
         for b in sorted(plan.baselines, key=lambda b: (not b["feasible"], b["step_time_s"] or 0.0)):
             rows.append(
                 [
@@ -687,12 +686,6 @@ def _why(plan) -> list:
             )
         )
     return blocks
-
-
-def _layout_words(plan) -> str:
-    from autopar.rationale import layout_words
-
-    return layout_words(plan)
 
 
 def _yours(plan) -> list:

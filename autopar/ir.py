@@ -16,7 +16,6 @@ Terms:
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -120,10 +119,6 @@ def tensor_args(node: fx.Node) -> list[fx.Node]:
     out = tuple(a for a in pytree.tree_leaves((args, kwargs)) if is_tensor_node(a))
     _ARGS_MEMO[node] = (args, kwargs, out)
     return list(out)
-
-
-def is_getitem(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is operator.getitem
 
 
 @dataclass(frozen=True)

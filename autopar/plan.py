@@ -29,6 +29,9 @@ from enum import StrEnum
 
 from autopar.cluster import ClusterSpec
 from autopar.errors import PlanFormatError
+from autopar.explain import render_html, render_markdown
+from autopar.rationale import format_flops_rate, hidden_terms
+from autopar.units import GIB
 
 FORMAT_VERSION = 1
 MESH_AXES = ("pp", "dp", "cp", "tp")
@@ -39,7 +42,6 @@ LAYER_TREATMENTS = ("offload", "full", "selective")
 # the ZeRO stages a pipeline stage runs (`runtime.pipeline`): at 2 or 3 every micro-batch would gather and
 # reduce-scatter each weight, waited on where issued
 PIPELINE_ZERO_STAGES = (0, 1)
-GIB = 1024**3
 # wall-clock figures: they differ on every run and say nothing about the plan (`Plan.to_json`)
 WALL_CLOCK_KEYS = frozenset({"trace_time_s", "solve_time_s", "total_time_s", "alternatives_time_s"})
 
@@ -125,11 +127,6 @@ class StagePlan:
             raise PlanFormatError(f"corrupt pipeline stage in the plan: {type(e).__name__}: {e}") from e
 
 
-def format_flops_rate(tflops: float) -> str:
-    """A FLOP/s figure given in TFLOP/s, in GFLOP/s below one TFLOP/s (CPU plans would read 0.0 otherwise)."""
-    return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:,.2f} GFLOP/s"
-
-
 @dataclass(frozen=True, slots=True)
 class Predicted:
     """What the cost model predicts for one training step (per device where it says so)."""
@@ -213,7 +210,7 @@ class Plan:
     # gathers them, asynchronously (0: each gathered when an op reads it); written for such plans only
     prefetch_depth: int = 1
     # per deduplicated layer (and one entry for what runs outside the layers), as the solver priced it
-    # (`passes.sharding_solver.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
+    # (`passes.sharding.report.layer_ops_report`): "layer", "num_layers", "stages" (pipeline stages running
     # it; empty without a pipeline) and "ops": each op's placements and the collectives inserted for it
     # (kind, mesh axis, pass, bytes, seconds per run, runs per step; a dp collective whose sync overlap partly hides
     # also its exposed seconds per run, "exposed_s")
@@ -423,8 +420,6 @@ class Plan:
 
     def explain(self, fmt: str = "markdown") -> str:
         """A report of what was chosen and why: Markdown, or a self-contained HTML page (fmt="html")."""
-        from autopar.explain import render_html, render_markdown
-
         if fmt in ("markdown", "md"):
             return render_markdown(self)
         if fmt == "html":
@@ -476,8 +471,6 @@ def _hidden_communication(d: dict) -> dict:
     as predicted.grad_sync_hidden_s."""
     if "hidden_communication" in d:
         return {str(k): float(v) for k, v in d["hidden_communication"].items()}
-    from autopar.rationale import hidden_terms
-
     return hidden_terms(grad_sync_hidden_s=float(d["predicted"].get("grad_sync_hidden_s", 0.0)))
 
 

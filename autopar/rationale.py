@@ -15,13 +15,16 @@ planning (`autopar.plan` stores it in the plan, so a plan read back from JSON re
 - `entry`: one priced layout (or the reason it cannot run) as a JSON-ready dict, with the one line
   that says why it lost to the chosen plan (`loss_reason`), worked out from the two plans' terms.
 - `parse_layout`: the `--compare` syntax, "tp=8,pp=4,zero=1", as constraints.
+- `format_flops_rate`: a FLOP/s figure as the plan's summary and the report write it.
 """
 
 from __future__ import annotations
 
-from autopar.errors import ConfigError
+import dataclasses
+import warnings
 
-GIB = 1024**3
+from autopar.errors import AutoparError, ConfigError
+
 # the terms of one step, in the order the report stacks them
 TERMS = ("compute", "recompute", "comm_tp", "comm_dp", "comm_pp", "comm_cp", "bubble", "offload", "optimizer", "other")
 # the terms that are one mesh axis's communication: exposed in `time_terms`, hidden in `hidden_terms`
@@ -85,11 +88,11 @@ def hidden_terms(
     program's, priced by `ShardingProgram.add_overlap_constraint`; the sharded program's gradient buckets and its
     ZeRO gathers issued ahead of use, `ShardingProgram.add_sharded_overlap_constraint`; a pipeline's, the sync of
     the stage that ends the step hidden behind its own last backward and the backwards still running,
-    `passes.pipeline_search`). The
+    `passes.pipeline`). The
     pipeline axis: the part of the stage transfers of a step that runs behind the stage's compute
     (`transfer_hidden_s`). The cp axis: what cp attention's compute hides of its communication (a ring's hops
     behind the blocks they feed, `cp_hidden_s`). The tensor axis: the collectives the interpreter launches where
-    their value is made, behind the ops before its first use (`tp_hidden_s`, `ShardingProgram._early_window`).
+    their value is made, behind the ops before its first use (`tp_hidden_s`, `MeshGroups.early_window`).
     Axes that hide nothing are left out, so a plan without overlap has none.
     """
     terms = {
@@ -256,6 +259,11 @@ def _same_layout(a, b) -> bool:
     )
 
 
+def format_flops_rate(tflops: float) -> str:
+    """A FLOP/s figure given in TFLOP/s, in GFLOP/s below one TFLOP/s (CPU plans would read 0.0 otherwise)."""
+    return f"{tflops:,.1f} TFLOP/s" if tflops >= 1 else f"{tflops * 1e3:,.2f} GFLOP/s"
+
+
 def _seconds(s: float) -> str:
     return f"{s:,.2f} s" if s >= 1 else f"{s * 1e3:,.2f} ms"
 
@@ -335,8 +343,6 @@ def with_rationale(
     ]
     if adopt and _fastest(rows + mine, chosen) is not chosen:
         chosen = _adopt(chosen, rows, mine, price, say)
-    import dataclasses
-
     return dataclasses.replace(
         chosen,
         baselines=tuple(entry(*r, chosen, kept) for r in rows),
@@ -360,8 +366,6 @@ def _adopt(searched, rows: list[tuple], mine: list[tuple], price, say):
     keeps the search's table of meshes solved (its own is that of one pinned layout) and says what it adopted
     (stats["adopted"]: the alternative's name) in the search's planning statistics.
     """
-    import dataclasses
-
     at = next((i for i, r in enumerate(rows) if r[0] == "megatron" and r[3] is searched), None)
     if at is not None:
         rows[at] = _best_grid_point(searched, price, say, searched=False)
@@ -395,10 +399,6 @@ def _best_grid_point(chosen, price, say, *, searched: bool) -> tuple:
 
 
 def _price_one(name: str, label: str, pins: dict, price, say) -> tuple:
-    import warnings
-
-    from autopar.errors import AutoparError
-
     say(f"pricing alternative {name}: {layout_name(pins)}")
     try:
         with warnings.catch_warnings():

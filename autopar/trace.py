@@ -44,6 +44,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
+from autopar import compat
 from autopar.errors import ConfigError, TraceError
 
 _PLACEHOLDER_KIND = {
@@ -138,6 +139,7 @@ def trace_model(
         exported = torch.export.export(subject, args, kwargs, strict=False)
     except Exception as e:
         raise TraceError(_describe_failure(e, model)) from e
+    compat.inline_grad_mode_regions(exported.graph_module)
     if subject is not model:
         _take_real_constants(exported, model, compute_dtype)
     exported, aliases = _merge_tied_placeholders(exported, subject)

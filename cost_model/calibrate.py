@@ -55,6 +55,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar import compat
+from autopar.units import BUCKET_BYTES
+
 _COLLECTIVE_SIZES_BYTES = tuple(4 * 4**k for k in range(0, 13))  # 4 B .. 64 MiB
 _FIT_MIN_BYTES = 1 << 20
 _MIN_COLLECTIVE_S = 1e-6  # a difference of two noisy loop times can come out below zero: never price it so
@@ -325,7 +328,7 @@ def _collective_call(kind: str, num_bytes: int, world: int):
         return (lambda: dist.all_reduce(full)), numel * 4
     shard = torch.ones(numel // world)
     if kind == "all_gather":
-        return (lambda: dist.all_gather_single(full, shard, async_op=True)), numel * 4
+        return (lambda: compat.all_gather_single(full, shard, async_op=True)), numel * 4
     if kind == "reduce_scatter":  # as autopar's programs run it on this backend
         from autopar.runtime.collectives import issue_reduce_scatter
 
@@ -635,7 +638,7 @@ def paired_overlap_efficiency(samples: Mapping[str, list[float]]) -> float:
     return statistics.median(overlap_efficiency(*turn) for turn in turns)
 
 
-OVERLAP_PROBE_BYTES = 25 << 20  # one gradient bucket (`runtime.overlap.BUCKET_BYTES`), what backward overlaps
+OVERLAP_PROBE_BYTES = BUCKET_BYTES  # one gradient bucket, what backward overlaps
 # one repetition's eta is noisy (0 to 0.4 on 2 shared cores); over 21 the median moves by about 0.1 run to run
 OVERLAP_PROBE_REPEATS = 21
 

@@ -95,7 +95,7 @@ DGX A100, 2x EPYC 7742 with 16 channels of DDR4-3200 (409.6 GB/s): 204.8e9 / 28 
 GPU; DGX H100/H200, 2x Xeon 8480C with 16 channels of DDR5-4800 (614.4 GB/s): 1.37e9 per GPU.
 
 Overlap efficiency (`overlap_efficiency`, eta): of the compute that runs while a collective is in flight, the
-share that hides it, so hidden = eta min(communication, compute it overlaps) (`passes.sharding_solver` prices the
+share that hides it, so hidden = eta min(communication, compute it overlaps) (`passes.sharding` prices the
 data-parallel program's gradient all-reduces so). GPUs: 1 (NCCL runs on its own SMs and copy engines; the few
 SMs it takes are not modelled). CPU ranks: gloo's threads run on the cores the compute needs; measured (see
 `CPU`) by `calibrate.measure_overlap_efficiency`.

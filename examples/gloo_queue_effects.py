@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar import compat
+
 QUEUE_CASES = (
     ("all_gather", 8 << 10, 32),
     ("all_gather", 1 << 20, 32),
@@ -40,7 +42,7 @@ QUEUE_CASES = (
 
 def _issue(kind: str, full: torch.Tensor, shard: torch.Tensor):
     if kind == "all_gather":
-        return dist.all_gather_single(full, shard, async_op=True)
+        return compat.all_gather_single(full, shard, async_op=True)
     return dist.all_reduce(full, async_op=True)
 
 

@@ -1,6 +1,6 @@
 """Per-layer activation treatment: how many repeated layers keep, recompute or offload their activations.
 
-The sharding program (`passes.sharding_solver`) chooses one recompute mode for the whole model,
+The sharding program (`passes.sharding`) chooses one recompute mode for the whole model,
 because a per-layer mode times a per-layer strategy is a product of decisions the integer program
 would have to linearise for every group. Once a layout is chosen, though, each layer's share of the
 memory and time of every treatment is a constant, and the layers of a transformer are alike, so the
@@ -85,7 +85,7 @@ def mix_layer_modes(prog, res, *, allow_offload: bool | None = None):
     rest = sum(res.memory.values()) - uniform_acts
     _, _, solved_s = prog.fixed_activations(choice, res.recompute, res.zero_stage)
     # on a layout that otherwise runs as plain tensors, any treatment moves it to the sharded runtime
-    plain = prog.runs_plain(res.zero_stage)
+    plain = prog.comm(res.zero_stage).runs_plain
     # (and its gradient all-reduces no longer overlap backward)
     runtime_s = prog.leaving_plain_s + res.grad_sync_hidden_s if plain else 0.0
     if res.recompute != "none":

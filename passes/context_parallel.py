@@ -17,7 +17,7 @@ fastest that applies whose memory fits. What that estimate says the algorithm ke
 output (the gathered K/V of all-gather, the head-split copies of all-to-all) is added to the saved activations
 of every attention layer the plan does not recompute, and what it holds while it runs (double-buffered ring
 blocks, all-to-all send and receive buffers, the whole sequence's dK/dV before a reduce-scatter) to the
-working memory (`passes.sharding_solver`).
+working memory (`passes.sharding`).
 
 Terms: `cp` the degree; "data axis" the dp·cp ranks that split the traced batch; an attention node is
 ``aten.scaled_dot_product_attention`` or ``autopar::flash_attention``.

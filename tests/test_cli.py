@@ -71,12 +71,12 @@ def _plan_json(tmp_path, capsys, *flags, cluster="cpu:2"):
 
 
 def test_choices_are_those_the_api_accepts():
-    from autopar.api import _RECOMPUTE_MODES
+    from autopar import input_validation
     from autopar.cli import RECOMPUTE_MODES, SCHEDULES
-    from autopar.passes.pipeline_search import Schedule
+    from autopar.passes.pipeline import Schedule
 
     assert SCHEDULES == tuple(s.value for s in Schedule)
-    assert RECOMPUTE_MODES == _RECOMPUTE_MODES
+    assert RECOMPUTE_MODES == input_validation.RECOMPUTE_MODES
 
 
 @pytest.mark.parametrize(

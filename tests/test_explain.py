@@ -79,8 +79,8 @@ def test_reports_price_nothing(plans, monkeypatch):
         raise AssertionError("the report priced something")
 
     import autopar.cost_model.compute as compute
-    import autopar.passes.pipeline_search as ps
-    import autopar.passes.sharding_solver as ss
+    import autopar.passes.pipeline as ps
+    import autopar.passes.sharding.search as ss
 
     monkeypatch.setattr(ss, "solve_sharding", boom)
     monkeypatch.setattr(ps, "search_pipeline", boom)
@@ -514,14 +514,14 @@ def test_host_memory_holds_offloaded_activations_too():
 def test_a_free_plan_beaten_by_an_alternative_adopts_it(monkeypatch):
     """A search that misses the best layout (made to answer with ZeRO-3's) is beaten by DDP, which the plan adopts;
     the search's answer becomes an alternative, and the report stays consistent."""
-    import autopar.api as api
+    from autopar import planning
 
-    solve = api._solve
+    solve = planning.solve
 
     def missing(job, constraints, **kw):
         return solve(job, constraints or {"zero": 3, "tp": 1}, **kw)
 
-    monkeypatch.setattr(api, "_solve", missing)
+    monkeypatch.setattr(planning, "solve", missing)
     plan = _plan("llama", compare=["dp=2,zero=1"])
     entries = {b["name"]: b for b in plan.baselines + plan.comparisons}
     search = entries["search"]

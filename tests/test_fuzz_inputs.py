@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import autopar
-from autopar.api import _CONSTRAINT_KEYS
 from autopar.checkpoint.training import MARKER
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.devices import DEVICE_PRESETS
 from autopar.errors import AutoparError
+from autopar.input_validation import CONSTRAINT_KEYS
 from tests.models import MLPBlock
 
 GOLDEN = Path(__file__).parent / "golden" / "plans"
@@ -147,7 +147,7 @@ _VALUE = st.one_of(
     st.sampled_from(["none", "full", "selective", "1f1b", "gpipe", "ring", "fp32", "bf16"]),
     st.dictionaries(st.text(max_size=6), st.text(max_size=6), max_size=2),
 )
-CONSTRAINTS = st.dictionaries(st.sampled_from(sorted(_CONSTRAINT_KEYS) + ["bogus"]), _VALUE, max_size=4)
+CONSTRAINTS = st.dictionaries(st.sampled_from(sorted(CONSTRAINT_KEYS) + ["bogus"]), _VALUE, max_size=4)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.passes.pipeline_search import BACKWARD_SHARE
+from autopar.passes.pipeline.step_cost import BACKWARD_SHARE
 
 CASE = dict(global_batch_size=64, seq_len=2048)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-GIB = 1024**3
+from autopar.units import GIB
 
 
 def environment() -> dict:

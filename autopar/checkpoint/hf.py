@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from autopar.checkpoint.pieces import Piece, assemble, barrier, rank, world
+from autopar.cluster import parse_bytes
 from autopar.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
@@ -40,8 +41,6 @@ SINGLE = "model.safetensors"
 
 
 def _bytes(value) -> int:
-    from autopar.api import parse_bytes
-
     return int(parse_bytes(value))
 
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from autopar import compat
 from autopar.context_parallel import blocks
 from autopar.context_parallel.layout import Segment, SequenceLayout, check_cp_sequence, layout_order, rank_segments
 from autopar.errors import ConfigError, LoweringError
@@ -254,7 +255,7 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = torch.stack((k, v))
         # gloo gathers along dim 0 only: (n·2, ...) holds rank r's k at 2r and v at 2r+1
         gathered = kv.new_empty((cp.num_ranks * 2, *kv.shape[1:]))
-        cp.wait(dist.all_gather_single(gathered, kv, group=cp.group, async_op=True), "all-gather of K/V")
+        cp.wait(compat.all_gather_single(gathered, kv, group=cp.group, async_op=True), "all-gather of K/V")
         gathered = gathered.unflatten(0, (cp.num_ranks, 2))
         partial = _Partial(q, cp.segments[cp.rank], causal, scale)
         for r in range(cp.num_ranks):

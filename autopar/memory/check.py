@@ -24,7 +24,7 @@ import os
 
 import torch
 
-GIB = 1024**3
+from autopar.units import GIB
 
 
 def _model_and_batch(args):

@@ -40,6 +40,7 @@ from enum import StrEnum
 import torch
 import torch.distributed as dist
 
+from autopar import compat
 from autopar.errors import ConfigError, LoweringError
 from autopar.memory.layout import ALIGN_NUMEL, ChunkLayout, ParamSpec, Slot, choose_chunk_size, pack
 
@@ -359,7 +360,7 @@ class ChunkStore:
             mine.copy_(chunk.master, non_blocking=True)
             work = None
             if self.dp > 1:
-                work = dist.all_gather_single(chunk.payload.data, mine, group=self.group, async_op=True)
+                work = compat.all_gather_single(chunk.payload.data, mine, group=self.group, async_op=True)
                 self.counter.add("all_gather")
             event = torch.cuda.Event() if self._copy_stream is not None else None
             if event is not None:
@@ -487,7 +488,7 @@ class ChunkStore:
             full = chunk.master.detach().to("cpu")
             if self.dp > 1:
                 buf = torch.empty(chunk.layout.capacity, dtype=full.dtype)
-                dist.all_gather_single(buf, full, group=self.group)
+                compat.all_gather_single(buf, full, group=self.group)
                 full = buf
             for slot in chunk.layout.slots:
                 out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()

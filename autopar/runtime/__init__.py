@@ -1,6 +1,6 @@
 """The emitted programs: one base (`base.Program`), one file per program kind, one table from kind to class.
 
-`plan.program` (the one rule in `autopar.plan.program_kind`) names the kind; `build` makes its program:
+`plan.program` (the one rule in `autopar.plan.program_kind`) names the kind; `program_class` gives its class:
 
 - `data-parallel` (`data_parallel.py`): the whole model per rank, plain tensors, bucketed all-reduce;
 - `sharded` (`sharded.py`): the traced graph on DTensors (tensor axis, ZeRO stages, recompute);
@@ -10,11 +10,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
-from autopar.cluster import ClusterSpec
 from autopar.plan import Plan, ProgramKind
 from autopar.runtime.base import (
     Program,
@@ -33,7 +28,6 @@ from autopar.runtime.data_parallel import DataParallelProgram
 from autopar.runtime.offload import OffloadProgram
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.runtime.sharded import ShardedProgram
-from autopar.trace import TracedModel
 
 PROGRAMS: dict[ProgramKind, type[Program]] = {
     ProgramKind.DATA_PARALLEL: DataParallelProgram,
@@ -48,18 +42,6 @@ def program_class(plan: Plan) -> type[Program]:
     return PROGRAMS[plan.program]
 
 
-def build(
-    model: torch.nn.Module,
-    plan: Plan,
-    traced: TracedModel | None,
-    cluster: ClusterSpec,
-    *,
-    optimizer: Callable | None = None,
-) -> Program:
-    """The program of `plan` on this rank, from the model traced at `program_class(plan).trace_parts(plan)`."""
-    return program_class(plan)(model, plan, traced, cluster, optimizer=optimizer)
-
-
 __all__ = [
     "PROGRAMS",
     "DataParallelProgram",
@@ -67,7 +49,6 @@ __all__ = [
     "PipelineProgram",
     "Program",
     "ShardedProgram",
-    "build",
     "call_spec",
     "compute_dtype",
     "default_optimizer",

@@ -39,6 +39,7 @@ from autopar.errors import ConfigError, LoweringError
 from autopar.plan import Plan, ProgramKind
 from autopar.runtime.collectives import collective_timeout
 from autopar.trace import TracedModel
+from autopar.units import BUCKET_BYTES
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -192,7 +193,7 @@ def contiguous_stride(shape) -> tuple[int, ...]:
 
 
 def sum_in_buckets(
-    grads: list[torch.Tensor], group, bucket_bytes: int = 25 * 2**20, dtype: torch.dtype | None = None
+    grads: list[torch.Tensor], group, bucket_bytes: int = BUCKET_BYTES, dtype: torch.dtype | None = None
 ) -> None:
     """All-reduce (sum) `grads` in place over `group`, packed into flat buckets of one dtype (sent in `dtype`
     when given)."""
@@ -213,42 +214,6 @@ def sum_in_buckets(
         if g is not None:
             bucket.append(g)
             size += g.numel() * g.element_size()
-
-
-class BucketedReduction:
-    """`sum_in_buckets` launched asynchronously, its buckets made by the same rule: the buckets' all-reduces are
-    in flight on return (every bucket's flat copy held until `wait`), and `wait` waits for them and copies the
-    sums back into `grads` (which nothing may touch in between)."""
-
-    def __init__(
-        self, grads: list[torch.Tensor], group, *, bucket_bytes: int = 25 * 2**20, dtype: torch.dtype | None = None
-    ):
-        self._pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, object]] = []
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for g in [*grads, None]:
-            if bucket and (g is None or g.dtype != bucket[0].dtype or size >= bucket_bytes):
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                sent = flat.to(dtype) if dtype is not None and flat.dtype != dtype else flat
-                self._pending.append((bucket, flat, sent, dist.all_reduce(sent, group=group, async_op=True)))
-                bucket, size = [], 0
-            if g is not None:
-                bucket.append(g)
-                size += g.numel() * g.element_size()
-
-    @property
-    def num_buckets(self) -> int:
-        return len(self._pending)
-
-    def wait(self) -> None:
-        """Wait for every bucket's all-reduce and write the sums into the gradients."""
-        for bucket, flat, sent, work in self._pending:
-            work.wait()
-            if sent is not flat:
-                flat = sent.to(flat.dtype)
-            for b, piece in zip(bucket, flat.split([b.numel() for b in bucket]), strict=True):
-                b.copy_(piece.view_as(b))
-        self._pending = []
 
 
 def check_scalar_loss(loss) -> None:

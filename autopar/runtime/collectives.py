@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar import compat
 from autopar.errors import ConfigError, LoweringError
 
 TIMEOUT_ENV = "AUTOPAR_COLLECTIVE_TIMEOUT_S"
@@ -127,7 +128,7 @@ def issue_reduce_scatter(full: torch.Tensor, group=None, out: torch.Tensor | Non
     if not reduce_scatter_by_all_reduce(group):
         piece = out if out is not None else rows.new_empty(rows.shape[1])
         try:
-            work = dist.reduce_scatter_single(piece.view(-1), full.reshape(-1), group=group, async_op=True)
+            work = compat.reduce_scatter_single(piece.view(-1), full.reshape(-1), group=group, async_op=True)
             return PendingReduceScatter(work, piece)
         except (RuntimeError, NotImplementedError) as e:  # a backend without reduce-scatter
             warnings.warn(f"reduce-scatter is not available ({e}); running it as an all-reduce", stacklevel=2)

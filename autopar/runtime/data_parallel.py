@@ -46,9 +46,10 @@ from autopar.passes.program_graph import (
     sum_loss_pass,
 )
 from autopar.plan import Plan, ProgramKind
+from autopar.program_comm import ProgramComm, gradient_order
 from autopar.runtime.base import Program, check_scalar_loss, flat_inputs, placeholder_values, rank_rows
-from autopar.runtime.overlap import BUCKET_BYTES, gradient_order
 from autopar.trace import TracedModel
+from autopar.units import BUCKET_BYTES
 
 
 class DataParallelProgram(Program):
@@ -65,6 +66,7 @@ class DataParallelProgram(Program):
     ):
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
         self.dp, self.rank = plan.mesh["dp"], dist.get_rank()
+        self.comm = ProgramComm.of_plan(plan, self.kind)
         device = self.device = self.device_type
         self._model_box = (model,)  # for forward(); boxed so that its parameters are not this module's
         self._num_mutated = traced.num_mutated_outputs
@@ -113,7 +115,7 @@ class DataParallelProgram(Program):
 
         Parameters of one dtype share buckets, filled in the order backward completes their gradients, so each
         bucket is ready, and its all-reduce launched, while backward goes on (`_grad_ready`). That order is read
-        from the graph (`overlap.gradient_order`, as the sharded program's buckets are): a parameter's gradient is
+        from the graph (`gradient_order`, as the sharded program's buckets are): a parameter's gradient is
         complete once the backward of its first use in forward has run, so the parameters go in decreasing order of
         their first use (ties, one op reading several, in reverse parameter order). DDP gets the same order by rebuilding its buckets after the first step from the order
         gradients arrived; reverse parameter order alone would put a layer's norm weights, read first and listed
@@ -279,8 +281,8 @@ class DataParallelProgram(Program):
         launched, when its last gradient arrives."""
         self._totals_now, self._divisor = totals, None
         self._totals_work = dist.all_reduce(totals, async_op=True) if self.dp > 1 else None
-        # without overlap (plan.overlap False) every bucket goes out after backward, in `_finish_reduction`
-        self._pending = [len(views) for _, views in self._buckets] if self.plan.overlap else None
+        # without overlap every bucket goes out after backward, in `_finish_reduction`
+        self._pending = [len(views) for _, views in self._buckets] if self.comm.overlaps_all_reduce else None
         self._launched, self._works = [], []
 
     def _finish_reduction(self) -> tuple[float, float]:

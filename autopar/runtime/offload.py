@@ -50,6 +50,7 @@ from autopar.memory.activations import ActivationOffload, ActivationTracker
 from autopar.memory.layout import ALIGN_NUMEL, offload_chunk_numel
 from autopar.memory.store import module_params
 from autopar.plan import Plan, ProgramKind
+from autopar.program_comm import ProgramComm
 from autopar.runtime.base import COMPUTE_DTYPES, Program, check_scalar_loss, rank_rows
 from autopar.trace import TracedModel
 
@@ -214,6 +215,7 @@ class OffloadProgram(Program):
                 f"plan with constraints={{'tp': 1}} or offload=False"
             )
         self.dp, self.rank = dp, dist.get_rank()
+        self.comm = ProgramComm.of_plan(plan, self.kind)
         self.device = self.device_type
         module = copy.deepcopy(model).to(self.device)
         specs, aliases, values = module_params(module)
@@ -245,8 +247,8 @@ class OffloadProgram(Program):
         self.scheduler = ChunkScheduler(
             self.store,
             module,
-            prefetch=plan.overlap and plan.prefetch_depth > 0,
-            reduce_window=1 if plan.overlap else 0,
+            prefetch=self.comm.prefetches_chunk,
+            reduce_window=self.comm.chunk_reductions_in_flight,
         )
         # the tensors autograd keeps for backward, on the same tracker as the chunks
         self.activations = ActivationTracker(self.tracker, self.device)

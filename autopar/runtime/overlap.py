@@ -16,8 +16,9 @@ for them all before the optimizer runs. Two kinds of bucket:
   collective is done; at most `WINDOW` buckets are in flight. ZeRO-1 packs its accumulated whole gradients when
   the last micro-batch's bucket is ready (`launch_reduce_scatter`).
 
-Buckets follow `gradient_order`, so that a bucket's gradients arrive together and whole gradients wait for
-few others. `split_gather` is the gather such a parameter's forward needs (the same padded layout, all-gathered).
+Buckets follow `autopar.program_comm.gradient_order`, so that a bucket's gradients arrive together and whole
+gradients wait for few others. `split_gather` is the gather such a parameter's forward needs (the same padded layout,
+all-gathered).
 """
 
 from __future__ import annotations
@@ -26,28 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
+from autopar import compat
 from autopar.runtime.collectives import issue_reduce_scatter
+from autopar.units import BUCKET_BYTES as BUCKET_BYTES  # the programs' bucket size: tests rebind it here
+from autopar.units import BUCKETS_IN_FLIGHT
 
-BUCKET_BYTES = 25 * 2**20  # gradient bucket size (DDP's and the data-parallel program's)
-# reduce-scatter buckets in flight at once at ZeRO-2/3 (the sharded program waits for the oldest before it launches
-# another): what bounds the send buffers the plan prices (`ShardingProgram.in_flight_grad_bytes`)
-WINDOW = 2
-
-
-def gradient_order(graph: fx.Graph, params: list[str]) -> list[str]:
-    """The parameter placeholders named in `params`, in about the order backward completes their gradients: by
-    their first use in the forward `graph`, the latest first (autograd differentiates later ops first, and a
-    parameter's gradient is complete once its earliest use is differentiated); unused ones last, in reverse order.
-    What the buckets follow, in the program and in the plan's price of them."""
-    position = {node.name: k for k, node in enumerate(graph.nodes)}
-    first: dict[str, int] = {}
-    for node in graph.nodes:
-        if node.op == "placeholder" and node.users:
-            first[node.name] = min(position[u.name] for u in node.users)
-    rank = {name: k for k, name in enumerate(params)}
-    return sorted(params, key=lambda name: (name not in first, -first.get(name, 0), -rank[name]))
+WINDOW = BUCKETS_IN_FLIGHT  # reduce-scatter buckets in flight at once at ZeRO-2/3
 
 
 def piece_rows(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -73,7 +59,7 @@ def split_gather(local: torch.Tensor, dim: int, size: int, group, *, async_op: b
     chunk = -(-size // parts)
     sent = _padded(local, dim, chunk).contiguous()
     out = sent.new_empty((parts * chunk, *sent.shape[1:]))
-    work = dist.all_gather_single(out, sent, group=group, async_op=async_op)
+    work = compat.all_gather_single(out, sent, group=group, async_op=async_op)
 
     def finish() -> torch.Tensor:
         return out[:size].movedim(0, dim).contiguous()

@@ -46,7 +46,7 @@ whole weights and whole fp32 gradients held for the step. With overlap off, torc
 transfer waited on where it is posted), the same buckets go out after the whole schedule, and a split weight is
 gathered wherever a micro-batch reads it (its gradient reduce-scattered by that gather's backward). Stages run
 ZeRO 0 or 1 only: at 2 or 3 every micro-batch would gather and reduce-scatter each weight, waited on where issued,
-so plans (`Plan`) and pins (`passes.pipeline_search`) with stages at ZeRO-2/3 are refused.
+so plans (`Plan`) and pins (`passes.pipeline`) with stages at ZeRO-2/3 are refused.
 
 A cp axis (mesh pp x dp x cp x tp, tp innermost, then cp): the stage graphs are cut from the graph traced for cp
 (`autopar.context_parallel.inputs.traced_batch`, the causal masks dropped), in which each sequence's zig-zag
@@ -73,6 +73,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from autopar import compat
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import ConfigError, LoweringError
@@ -82,6 +83,7 @@ from autopar.passes.pipeline_split import StageGraph, split_stages, stack_layers
 from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
 from autopar.plan import Plan, ProgramKind, StagePlan
+from autopar.program_comm import ProgramComm, gradient_order
 from autopar.runtime import overlap, pipeline_schedule
 from autopar.runtime.base import (
     Program,
@@ -122,7 +124,7 @@ class _Stage(torch.nn.Module):
             node_output=node_output,
             batch_size=program.micro_batch,
             params=program.param_nodes,
-            launch_early=program.plan.overlap,
+            launch_early=program.comm.launches_early,
             **program.cp_knobs,
         )
         self.train_interp = shard_pass(sg.graph_module, None, recompute=recompute, **knobs)
@@ -228,13 +230,14 @@ class PipelineProgram(Program):
         self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None
     ):
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
-        from torch.distributed.pipelining import PipelineStage
+        from autopar.compat import PipelineStage
 
         info = plan.pipeline
         pp, tp, cp = plan.mesh["pp"], plan.mesh["tp"], plan.mesh.get("cp", 1)
         # the data axis: dp·cp ranks (with a cp axis each sequence is cp rows of the traced batch)
         dp = plan.mesh["dp"] * cp
         self.pp, self.dp, self.tp, self.cp = pp, dp, tp, cp
+        self.comm = ProgramComm.of_plan(plan, self.kind)  # what it does over the data axis (and how it is priced)
         self.num_microbatches = plan.num_microbatches
         self.micro_batch = plan.global_batch_size * cp // plan.num_microbatches  # rows of the traced graph
         self.world: DeviceMesh = device_mesh(self.device_type, (pp, dp, tp), ("pp", "dp", "tp"))
@@ -313,7 +316,7 @@ class PipelineProgram(Program):
             tp_pl = parse_placement(plan.param_placements.get(fqn, "R"))
             pl = (dp_placement(tuple(p.shape), dp, stage >= 1, tp_pl), tp_pl)
             self._placements[fqn] = pl
-            if stage == 1 and pl[0] != R and plan.overlap:
+            if self.comm.at_stage(stage).gathers_once_a_step and pl[0] != R:
                 self._step_split.add(fqn)
             shards[fqn] = torch.nn.Parameter(local_shard(self.master(p), self.mesh, pl), requires_grad=p.requires_grad)
         self.shards = torch.nn.ParameterDict({k.replace(".", "/"): v for k, v in shards.items()})
@@ -446,7 +449,7 @@ class PipelineProgram(Program):
         if kind == "param" and self._holding and key in self._step_split:
             shape, tp_pl = self._shapes[key], self._placements[key][1]
             whole = _WholeWeight.apply(self._shard[key], self, key)
-            return DTensor.from_local(
+            return compat.dtensor_from_local(
                 whole,
                 self.mesh,
                 (R, tp_pl),
@@ -462,7 +465,7 @@ class PipelineProgram(Program):
             local = self._shard[key]
             if self.reduce_in_compute and pl[0] == R:  # the dp reduction (from_local's backward) in the compute format
                 local = self.in_compute_format(local)
-            dt = DTensor.from_local(
+            dt = compat.dtensor_from_local(
                 local,
                 self.mesh,
                 pl,
@@ -642,13 +645,13 @@ class PipelineProgram(Program):
 
     def _backward_order(self) -> list[str]:
         """This rank's parameters in about the order the step's backward completes their gradients: its stages
-        latest in the pipeline first (their last backward runs first), each stage's by `overlap.gradient_order`;
+        latest in the pipeline first (their last backward runs first), each stage's by `gradient_order`;
         a parameter several of its stages read where the earliest of them puts it (its gradient is complete last
         there)."""
         order = []
         for st in sorted(self.stages, key=lambda st: -st.sg.index):
             names = [n for n in st.sg.placeholders if self._kind[n][0] == "param"]
-            order += [self._kind[n][1] for n in overlap.gradient_order(st.sg.graph_module.graph, names)]
+            order += [self._kind[n][1] for n in gradient_order(st.sg.graph_module.graph, names)]
         last = {key: i for i, key in enumerate(order)}
         return [key for i, key in enumerate(order) if last[key] == i]
 

@@ -19,8 +19,8 @@ a receive earlier cannot create a wait cycle: only the compute waits, for data i
 REDUCE_GRAD calls `on_last_backward(stage_index)`: the program launches the stage's data-parallel gradient
 reduction there, so it runs while the other stages still run their cooldown backwards.
 
-The schedules use torch's private action runtime (`torch.distributed.pipelining.schedules`), pinned by the
-torch version this package requires.
+The schedules use torch's private action runtime (`torch.distributed.pipelining.schedules`), which the smoke tier
+(`make test-torch`) runs on each torch release autopar is checked on.
 """
 
 from __future__ import annotations

@@ -71,6 +71,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
+from autopar import compat
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import LoweringError
@@ -78,6 +79,7 @@ from autopar.passes.parallelize import Deferred, dp_placement, gathered_over_dp,
 from autopar.passes.program_graph import copy_graph_module, eval_pass
 from autopar.passes.sharding_rules import parse_placement
 from autopar.plan import Plan, ProgramKind
+from autopar.program_comm import ProgramComm, gradient_order
 from autopar.runtime import overlap
 from autopar.runtime.base import (
     Program,
@@ -181,6 +183,7 @@ class ShardedProgram(Program):
             k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
             for k, v in traced.exported.constants.items()
         }
+        self.comm = ProgramComm.of_plan(plan, self.kind)  # what it does over the data axis (and how it is priced)
         placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
         params = frozenset(n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param")
         knobs = dict(
@@ -189,11 +192,11 @@ class ShardedProgram(Program):
             node_output=plan.node_output,
             batch_size=plan.global_batch_size * cp // plan.num_microbatches,
             params=params,
-            launch_early=plan.overlap,
+            launch_early=self.comm.launches_early,
             **cp_knobs,
         )
         # gradient reductions issued from backward, in buckets (see the module docstring)
-        self.overlap = plan.overlap and self.data_ranks > 1
+        self.overlap = self.comm.overlaps_data_axis
         self._in_backward = False
         self._index_of = {
             name: i
@@ -228,9 +231,8 @@ class ShardedProgram(Program):
     def _setup_release(self) -> None:
         """ZeRO-3 frees each weight it gathers once the forward has used it, and gathers it again for the backward
         (see the module docstring); ZeRO-1 and 2, with overlap, keep each gathered weight for the step."""
-        split = self.data_ranks > 1 and self.plan.zero_stage >= 1
-        self._release = split and self.plan.zero_stage >= 3
-        self._hold = split and self.plan.zero_stage < 3 and self.overlap
+        self._release = self.comm.releases_gathered_weights
+        self._hold = self.comm.holds_gathered_weights
         self._held: dict[int, torch.Tensor] = {}  # ZeRO-1/2: parameter index -> its whole weight, for the step
         # ZeRO-3: address of a gathered weight's storage -> (a weak reference to the weight, parameter index)
         self._gathered_by: dict[int, tuple[weakref.ref, int]] = {}
@@ -310,14 +312,14 @@ class ShardedProgram(Program):
 
     def _setup_overlap(self, placeholders: list[str], kinds) -> None:
         """Buckets over the trainable parameters in the order backward completes their gradients
-        (`overlap.gradient_order`), hooks on the replicated ones, and the per-step state."""
+        (`gradient_order`), hooks on the replicated ones, and the per-step state."""
         self._dp_group = self.mesh.get_group("dp")
         n = len(self._param_names)
         self._split_dim = [pl[0].dim if isinstance(pl[0], Shard) else None for pl in self._placements]
         names = [p for p, kind in zip(placeholders, kinds, strict=True) if kind == "param"]
         order = [
             self._index_of[p]
-            for p in overlap.gradient_order(self.traced.graph_module.graph, names)
+            for p in gradient_order(self.traced.graph_module.graph, names)
             if self.shards[self._index_of[p]].requires_grad
         ]
         sizes = []
@@ -332,7 +334,7 @@ class ShardedProgram(Program):
         self._buckets = overlap.make_buckets(sizes, overlap.BUCKET_BYTES)
         for bucket in self._buckets:
             bucket.members = [order[j] for j in bucket.members]
-        self._per_micro = self.plan.zero_stage >= 2  # reduce-scatter buckets from every micro-batch's backward
+        self._per_micro = self.comm.reduces_every_microbatch  # reduce-scatter buckets from every micro-batch's backward
         if self._per_micro:  # gradients go straight into their bucket's send buffer: its members' whole shapes
             whole = {}
             for i in order:
@@ -358,7 +360,7 @@ class ShardedProgram(Program):
         """Groups of split trainable parameters by layer, in the order the graph first reads them."""
         import re
 
-        self.prefetch_depth = self.plan.prefetch_depth
+        self.prefetch_depth = self.comm.prefetch_depth
         self._prefetched: dict[int, tuple] = {}
         self._sources: list[torch.Tensor | None] = [None] * len(self._param_names)  # this step's local pieces
         graph = self.traced.graph_module.graph
@@ -435,7 +437,7 @@ class ShardedProgram(Program):
             self._uses[i] += 1
         tp_pl = value.placements[1]
         full = _DeferredGather.apply(value.to_local(), self, i)
-        full = DTensor.from_local(
+        full = compat.dtensor_from_local(
             full,
             self.mesh,
             (R, tp_pl),
@@ -599,7 +601,7 @@ class ShardedProgram(Program):
         grad_pl = (Partial(), pl[1]) if defer and pl[0] == R else pl
         # cast before from_local: its backward (the dp reduction) runs in the compute format; after it, in fp32
         early = self.reduce_in_compute and pl[0] == R
-        dt = DTensor.from_local(
+        dt = compat.dtensor_from_local(
             self.in_compute_format(local) if early else local,
             self.mesh,
             pl,

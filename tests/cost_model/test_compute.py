@@ -315,7 +315,7 @@ def test_grouped_matmuls_of_experts_cost_the_routed_top_k(dtype):
 
 
 def test_model_flops_of_experts_count_the_routed_experts_only():
-    from autopar.api import _flops
+    from autopar.flops import step_flops
     from autopar.ir import OpGraph
     from autopar.trace import trace_model
 
@@ -329,7 +329,7 @@ def test_model_flops_of_experts_count_the_routed_experts_only():
             model = MixtralForCausalLM(MixtralConfig(**MOE, experts_implementation=experts))
         ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
         graph = OpGraph.from_traced(trace_model(model, (ids,), {"labels": ids}))
-        found.append(_flops(graph, tokens)[0])
+        found.append(step_flops(graph, tokens)[0])
         everything = sum(p.numel() for p in model.parameters())
     experts_params = 3 * h * i * e
     # all parameters at 6 FLOPs per token but the experts (k of e per token) and the untied input embedding

@@ -251,8 +251,8 @@ def test_eval_step_of_every_program_is_the_models_eval_loss():
 
 
 def _count_traces(rank: int, world_size: int, cases):
-    import autopar.api
     import autopar.trace
+    import autopar.tracing
 
     calls = []
     real = autopar.trace.trace_model
@@ -261,7 +261,7 @@ def _count_traces(rank: int, world_size: int, cases):
         calls.append(1)
         return real(*a, **k)
 
-    autopar.api.trace_model = counting
+    autopar.tracing.trace_model = counting
     out = []
     try:
         for constraints in cases:
@@ -273,7 +273,7 @@ def _count_traces(rank: int, world_size: int, cases):
             staged = bool(pm.plan.stage_plans) and all(st.node_output for st in pm.plan.stage_plans)
             out.append((str(pm.plan.program), len(calls), staged and not pm.plan.node_output))
     finally:
-        autopar.api.trace_model = real
+        autopar.tracing.trace_model = real
     return out
 
 

@@ -230,13 +230,13 @@ def test_search_plans_a_model_cp_cannot_split_without_cp():
 
 
 def test_cp_graph_builds_no_chunk_mask():
-    from autopar import api
+    from autopar import tracing
     from tests.models import make_batch, make_model
 
     # 96 tokens over cp=2: each traced row is one rank's 48 tokens, so the model's mask would be 48 x 48 (no
     # other size of the tiny model is 48)
     model = make_model("llama")
-    args, kwargs = api._cp_traced_batch(model, *make_batch("llama", batch=2, seq=96), 2)
+    args, kwargs = tracing.cp_traced_batch(model, *make_batch("llama", batch=2, seq=96), 2)
 
     def square(traced):
         return [
@@ -245,8 +245,8 @@ def test_cp_graph_builds_no_chunk_mask():
             if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape[-2:]) == (48, 48)
         ]
 
-    assert square(api._trace_in_format(model, args, kwargs, "fp32"))  # traced as is, the model builds it
-    traced = api._trace_in_format(model, args, kwargs, "fp32", cp=2)
+    assert square(tracing.trace_in_format(model, args, kwargs, "fp32"))  # traced as is, the model builds it
+    traced = tracing.trace_in_format(model, args, kwargs, "fp32", cp=2)
     assert square(traced) == []
     attn = [
         n for n in traced.graph_module.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default
@@ -264,7 +264,7 @@ def test_cp_communication_is_a_term_of_its_own(algorithm):
     # micro-batch by `estimate_cp_attention` (priced here again on the plan's own cp trace), times the layers and
     # micro-batches; what it hides is the cp axis's hidden communication. Both leave compute: the terms still sum
     # to the step.
-    from autopar import api
+    from autopar import tracing
     from autopar.ir import OpGraph
     from autopar.passes.context_parallel import CPSpec, check_cp_graph, price_cp_attention
     from autopar.rationale import TERMS
@@ -273,7 +273,7 @@ def test_cp_communication_is_a_term_of_its_own(algorithm):
     model, args, kwargs = _wide_llama(seq)
     pins = {"cp": 4, "dp": 1, "tp": 1, "num_microbatches": m, "recompute": "none", "zero": 0, "cp_attention": algorithm}
     plan = _search(model, args, kwargs, pins, memory_budget=float("inf"), fuse_kernels=False)
-    traced = api._trace_in_format(model, *api._cp_traced_batch(model, args, kwargs, 4), "bf16", cp=4)
+    traced = tracing.trace_in_format(model, *tracing.cp_traced_batch(model, args, kwargs, 4), "bf16", cp=4)
     spec = CPSpec.from_constraints(pins, 4)
     attention = check_cp_graph(OpGraph.from_traced(traced).graph, spec)
     pricing = price_cp_attention(attention, plan.cluster, spec, data=4, tp=1, num_microbatches=m, precision="bf16")

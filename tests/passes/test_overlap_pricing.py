@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 import autopar
+from autopar import units
 from autopar.cost_model import AnalyticEstimator, DType
 from autopar.cost_model.comm import Collective, estimate_collective_time
-from autopar.passes import sharding_solver
+from autopar.passes.sharding.precision import Precision
 from autopar.trace import trace_model
 from tests.models import MLPBlock
 
@@ -65,7 +66,7 @@ def _two_buckets(monkeypatch, model, traced) -> tuple[int, float]:
     (every floating-point op takes BWD_S)."""
     grad_bytes = 4 * sum(p.numel() for p in model.parameters())  # fp32 reduction of every gradient
     bucket = grad_bytes // 2 + 1
-    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    monkeypatch.setattr(units, "PRICED_BUCKET_BYTES", bucket)
     ops = sum(
         1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
     )
@@ -142,7 +143,7 @@ def test_overlap_is_not_priced_at_eta_zero_or_with_recompute(monkeypatch):
     on the sharded program (it reduces each gradient in its from_local's backward): neither hides anything;
     the cpu preset's eta does hide some (of two buckets: with one, it is the last, which nothing hides)."""
     model, x = _stack()
-    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", 2 * sum(p.numel() for p in model.parameters()) + 1)
+    monkeypatch.setattr(units, "PRICED_BUCKET_BYTES", 2 * sum(p.numel() for p in model.parameters()) + 1)
     cpu = autopar.plan(model, "cpu:2", (x,), constraints={"dp": 2, "tp": 1, "zero": 0}, alternatives=False)
     assert cpu.cluster.device.overlap_efficiency < 1 and cpu.predicted.grad_sync_hidden_s > 0.0
     none = autopar.plan(
@@ -207,11 +208,11 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     model, x = _stack()
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
     params = list(model.parameters())
-    prec = sharding_solver.Precision.get("bf16")
+    prec = Precision.get("bf16")
     grad_bytes = [p.numel() * prec.grad_bytes_at(1) for p in params]
     param_bytes = [p.numel() * prec.param_bytes for p in params]
     bucket = sum(grad_bytes) // 2 + 1  # two buckets
-    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    monkeypatch.setattr(units, "PRICED_BUCKET_BYTES", bucket)
     off = _sharded_plan(model, x, traced, estimator, per_collective, overlap=False)
     on = _sharded_plan(model, x, traced, estimator, per_collective)
     assert (off.program, on.program, on.zero_stage, on.prefetch_depth) == ("sharded", "sharded", 1, 1)
@@ -284,7 +285,7 @@ def test_zero23_memory_counts_the_buckets_in_flight(monkeypatch, stage):
     last, middle, first = (p.numel() * 2 for p in reversed(list(model.parameters())))  # bf16 bytes, backward order
 
     def extra(bucket_bytes):
-        monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket_bytes)
+        monkeypatch.setattr(units, "PRICED_BUCKET_BYTES", bucket_bytes)
         on, off = (_sharded_plan(model, x, traced, _Fixed, zero=stage, overlap=o) for o in (True, False))
         assert on.overlap and not off.overlap
         return on.predicted.memory_breakdown["grads"] - off.predicted.memory_breakdown["grads"]
@@ -297,10 +298,10 @@ def test_zero23_memory_counts_the_buckets_in_flight(monkeypatch, stage):
     two = last + middle
     assert extra(two) == pytest.approx(max(1.5 * two, first + 1.5 * two, 1.5 * (two + first)), rel=1e-12)
     assert extra(two) == pytest.approx(1.5 * (two + first), rel=1e-12)
-    # the formulas above take the runtime's window (the solver prices with it) as two buckets
+    # the formulas above take the window of buckets in flight, which the runtime runs and the solver prices, as two
     from autopar.runtime import overlap
 
-    assert overlap.WINDOW == 2
+    assert units.BUCKETS_IN_FLIGHT == overlap.WINDOW == 2
 
 
 def _balanced(backward_s: float):
@@ -325,11 +326,11 @@ def test_zero2_each_micro_batch_hides_its_own_buckets(monkeypatch, kind):
     model, x = _stack()
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
     params = list(model.parameters())
-    prec = sharding_solver.Precision.get("bf16")
+    prec = Precision.get("bf16")
     grad_bytes = [p.numel() * prec.grad_bytes_at(2) for p in params]
     param_bytes = [p.numel() * prec.param_bytes for p in params]
     bucket = sum(grad_bytes) // 2 + 1  # two buckets
-    monkeypatch.setattr(sharding_solver, "BUCKET_BYTES", bucket)
+    monkeypatch.setattr(units, "PRICED_BUCKET_BYTES", bucket)
     m = 2
     link = autopar.ClusterSpec.parse("2xA100-80GB").link_for_axis(2, 1)
 

@@ -9,23 +9,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from autopar import api
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.devices import LinkSpec
+from autopar.input_validation import resolve_estimator
 from autopar.ir import OpGraph
-from autopar.passes.pipeline_search import (
+from autopar.passes.pipeline.schedules import Schedule, schedule_slots
+from autopar.passes.pipeline.search import search_pipeline
+from autopar.passes.pipeline.stage_cost import PricedStage
+from autopar.passes.pipeline.step_cost import (
     BACKWARD_SHARE,
     Overlap,
-    Schedule,
     Transfer,
-    _Priced,
-    _slots,
-    _transfer_s,
     hidden_part,
     overlap_efficiency,
-    search_pipeline,
     step_price,
     sync_windows,
+    transfer_time,
 )
 from autopar.trace import trace_model
 from tests.passes.test_pipeline_search import Stack
@@ -47,7 +46,7 @@ def test_a_transfer_hides_its_bandwidth_time_behind_one_micro_batch_and_never_it
 def test_a_transfer_splits_into_the_wire_and_its_latency():
     link = LinkSpec("test", bandwidth_bytes_per_s=1e9, latency_s=1e-5)
     cluster = ClusterSpec.parse("8xA100-80GB")
-    t = _transfer_s(cluster, bytes_per_sample=1e6, link=link, b=2, tp=1)
+    t = transfer_time(cluster, bytes_per_sample=1e6, link=link, b=2, tp=1)
     # alpha-beta: one step of 10 us, then 2 MB at 1 GB/s
     assert t.total_s == pytest.approx(1e-5 + 2e-3, abs=TOL)
     assert t.fixed_s == pytest.approx(1e-5, abs=TOL)
@@ -68,8 +67,8 @@ def test_sync_windows_are_the_backwards_of_the_stages_before():
     assert BACKWARD_SHARE == pytest.approx(2 / 3)
 
 
-def _stage(t_mb: float, sync: float, last: float = 0.0) -> _Priced:
-    return _Priced(True, t_mb, sync, last_bucket_s=last)  # no optimizer step: S_s = G_s
+def _stage(t_mb: float, sync: float, last: float = 0.0) -> PricedStage:
+    return PricedStage(True, t_mb, sync, last_bucket_s=last)  # no optimizer step: S_s = G_s
 
 
 def test_a_sync_hides_behind_its_own_backward_all_but_its_last_bucket():
@@ -101,7 +100,7 @@ def test_a_sync_hides_behind_its_own_backward_all_but_its_last_bucket():
 def test_step_of_three_stages_by_hand(syncs, last, expect_hidden, expect_tail):
     stages = [_stage(3 * MS, g, min(g, last)) for g in syncs]
     transfers = [Transfer(1 * MS, 0.2 * MS)] * 3  # each hides its 0.8 ms of wire behind the 3 ms of compute
-    slots = _slots(Schedule.ONE_F_ONE_B, 3, 4, 1)  # m + p - 1 = 6
+    slots = schedule_slots(Schedule.ONE_F_ONE_B, 3, 4, 1)  # m + p - 1 = 6
     on = step_price(slots, stages, transfers, Overlap(True, 1.0), 1)
     assert on.transfer_exposed == pytest.approx((0.2 * MS,) * 3)
     assert on.sync_hidden == pytest.approx(expect_hidden, abs=TOL)
@@ -118,7 +117,7 @@ def searched():
         model = Stack(2048, 4).to(torch.bfloat16)
     graph = OpGraph.from_traced(trace_model(model, (torch.zeros(32, 512, dtype=torch.long, device="meta"),), {}))
     cluster = ClusterSpec.parse("2x8xA100-40GB")
-    est = api._estimator(None, cluster, "bf16")
+    est = resolve_estimator(None, cluster, "bf16")
     pins = {"pp": 2, "dp": 8, "tp": 1, "schedule": "1f1b", "num_microbatches": 4, "zero": 0}
     return {
         on: search_pipeline(
@@ -130,7 +129,7 @@ def searched():
 
 def test_the_search_prices_its_stages_as_the_formula_says(searched):
     for on, sol in searched.items():
-        slots = _slots(sol.schedule, sol.pp, sol.num_microbatches, sol.virtual_stages)
+        slots = schedule_slots(sol.schedule, sol.pp, sol.num_microbatches, sol.virtual_stages)
         st = sol.stages
         busy = slots * max(s.time_per_microbatch_s + s.transfer_exposed_per_microbatch_s for s in st)
         tail = max(s.grad_sync_exposed_s + s.optimizer_s for s in st)
@@ -158,11 +157,11 @@ def test_a_zero1_stage_hides_its_reduce_scatter_and_not_its_gathers():
     3 ms reduce-scatter hides; with A = 4.5 ms only its 0.5 ms may; with no gathers, 4 of the 5 ms. Stage 0's 1 ms
     hides behind its own backward."""
     transfers = [Transfer(0.0, 0.0)] * 2
-    slots = _slots(Schedule.ONE_F_ONE_B, 2, 4, 1)
+    slots = schedule_slots(Schedule.ONE_F_ONE_B, 2, 4, 1)
     for gathers, hidden in ((2 * MS, 3 * MS), (4.5 * MS, 0.5 * MS), (0.0, 4 * MS)):
         result = SimpleNamespace(optimizer_s=0.0, step_gather_s=gathers, sync_fixed_s=0.0)
         nothing = SimpleNamespace(optimizer_s=0.0, step_gather_s=0.0, sync_fixed_s=0.0)
-        stages = [_Priced(True, 3 * MS, 1 * MS, result=nothing), _Priced(True, 3 * MS, 5 * MS, result=result)]
+        stages = [PricedStage(True, 3 * MS, 1 * MS, result=nothing), PricedStage(True, 3 * MS, 5 * MS, result=result)]
         on = step_price(slots, stages, transfers, Overlap(True, 1.0), 1)
         assert on.sync_hidden == pytest.approx((1 * MS, hidden), abs=TOL)
         assert on.step_s == pytest.approx(slots * 3 * MS + 5 * MS - hidden, abs=TOL)
@@ -171,14 +170,15 @@ def test_a_zero1_stage_hides_its_reduce_scatter_and_not_its_gathers():
 @pytest.fixture(scope="module")
 def zero1_stage():
     """One pipeline stage's program: the Stack's two layers on dp=2 at ZeRO-1, four micro-batches, bf16."""
-    from autopar.passes.sharding_solver import Precision, ShardingProgram
+    from autopar.passes.sharding.precision import Precision
+    from autopar.passes.sharding.program import ShardingProgram
 
     model = Stack(256, 2)
     graph = OpGraph.from_traced(
         trace_model(model, (torch.zeros(8, 16, dtype=torch.long),), {}, compute_dtype=torch.bfloat16)
     )
     cluster = ClusterSpec.parse("2xA100-80GB")
-    est = api._estimator(None, cluster, "bf16")
+    est = resolve_estimator(None, cluster, "bf16")
     out = {}
     for once in (True, False):
         prog = ShardingProgram(
@@ -208,7 +208,7 @@ def test_a_zero1_stage_gathers_and_reduce_scatters_once_a_step(zero1_stage):
     The step's memory holds each weight's whole fp32 gradient sum (4 bytes an element) where the synchronous
     stage counts the bf16 gradient (2)."""
     from autopar.cost_model.comm import Collective, estimate_collective_time
-    from autopar.runtime.overlap import BUCKET_BYTES
+    from autopar.units import PRICED_BUCKET_BYTES as BUCKET_BYTES
 
     graph, cluster, out = zero1_stage
     link = cluster.link_for_axis(2, 1)
@@ -237,7 +237,7 @@ def test_a_zero1_stage_gathers_and_reduce_scatters_once_a_step(zero1_stage):
     assert on.memory["grads"] - off.memory["grads"] == pytest.approx(2 * elements, rel=1e-9)
     # L_s: the bucket filled last is one reduce-scatter of min(BUCKET_BYTES, the stage's gradient bytes), less its
     # latency (in the fixed part above)
-    from autopar.passes.sharding_solver import Precision
+    from autopar.passes.sharding.precision import Precision
 
     grad_bytes = elements * Precision.get("bf16").grad_bytes_at(1)
     last = t(rs, min(BUCKET_BYTES, grad_bytes)) - t(rs, 1.0)
@@ -248,9 +248,9 @@ def test_a_stage_recomputing_at_zero1_gathers_no_weight_again_once_a_step(zero1_
     # per micro-batch, a recomputed forward gathers its weights again; gathered once a step, it reads the kept ones
     _, _, out = zero1_stage
     (once, _), (every, _) = out[True], out[False]
-    weight = next(n for n in once._param_groups() if once.graph.params[n].requires_grad)
-    assert every.regather_s(weight, 0, 1) > 0
-    assert once.regather_s(weight, 0, 1) == 0.0
+    weight = next(n for n in once.mesh_groups.param_groups() if once.graph.params[n].requires_grad)
+    assert every.prices.regather_s(weight, 0, 1) > 0
+    assert once.prices.regather_s(weight, 0, 1) == 0.0
 
 
 def test_every_pipeline_stage_pays_the_dtensor_runtime_and_buckets_its_all_reduce(zero1_stage):
@@ -259,8 +259,9 @@ def test_every_pipeline_stage_pays_the_dtensor_runtime_and_buckets_its_all_reduc
     a step (one bucket's latency at least), as the data-parallel program's are."""
     from autopar.cost_model import AnalyticEstimator, DType
     from autopar.cost_model.comm import Collective, estimate_collective_time
-    from autopar.passes.sharding_solver import Precision, ShardingProgram
-    from autopar.runtime.overlap import BUCKET_BYTES
+    from autopar.passes.sharding.precision import Precision
+    from autopar.passes.sharding.program import ShardingProgram
+    from autopar.units import PRICED_BUCKET_BYTES as BUCKET_BYTES
 
     graph, cluster, _ = zero1_stage
     per_op = 1e-5

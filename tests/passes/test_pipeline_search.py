@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
 
-from autopar import api
+from autopar import tracing
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.input_validation import resolve_estimator
 from autopar.ir import OpGraph
-from autopar.passes.pipeline_search import (
-    PipelineSolution,
-    Schedule,
-    activation_copies,
-    bubble_fraction,
-    layer_structure,
-    search_pipeline,
-    stage_view,
-)
-from autopar.passes.sharding_solver import Precision, ShardingProgram
+from autopar.passes.pipeline.layers import layer_structure, stage_view
+from autopar.passes.pipeline.schedules import Schedule, activation_copies, bubble_fraction
+from autopar.passes.pipeline.search import search_pipeline
+from autopar.passes.pipeline.solution import PipelineSolution
+from autopar.passes.sharding.precision import Precision
+from autopar.passes.sharding.program import ShardingProgram
 from autopar.trace import trace_model
 from tests.models import MLPBlock, make_batch, tiny_llama
 
@@ -50,7 +49,7 @@ def _stack_graph(hidden: int, num_layers: int, batch: int, seq: int) -> OpGraph:
 def _search(graph: OpGraph, cluster: str, batch: int, **kw) -> PipelineSolution:
     spec = ClusterSpec.parse(cluster)
     return search_pipeline(
-        graph, spec, estimator=api._estimator(None, spec, "bf16"), precision="bf16", batch_size=batch, **kw
+        graph, spec, estimator=resolve_estimator(None, spec, "bf16"), precision="bf16", batch_size=batch, **kw
     )
 
 
@@ -73,7 +72,7 @@ def big_solution(big_graph) -> PipelineSolution:
 
 
 def _program_result(graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, batch: int, m: int = 1):
-    est = api._estimator(None, cluster, "bf16")
+    est = resolve_estimator(None, cluster, "bf16")
     prog = ShardingProgram(
         graph,
         cluster,
@@ -96,7 +95,7 @@ def test_stage_view_with_every_layer_prices_like_the_whole_graph(shortened):
     if shortened:  # 2 traced layers standing for 4
         module = tiny_llama(num_layers=4).to("meta")
         (ids,), kw = make_batch("llama", batch=16, seq=32)
-        graph = api._trace_shortened(module, (ids.to("meta"),), {"labels": kw["labels"].to("meta")}, lambda m: None)
+        graph = tracing.trace_shortened(module, (ids.to("meta"),), {"labels": kw["labels"].to("meta")}, lambda m: None)
         assert graph is not None and graph.repeats
         batch = 16
     else:
@@ -236,6 +235,25 @@ def test_no_layout_fits():
         _search(graph, "2x8xA100-80GB", 16, memory_budget_bytes=2**20)
 
 
+def test_a_pinned_pipeline_short_of_memory_says_memory_is_the_cause():
+    """Pins whose configurations fit the memory floors, but no cut of which fits once its stages are solved: the
+    error names memory (the budget, the stage short of it and its figures), not the pins."""
+    graph = _stack_graph(1024, 4, 16, 256)
+    pins = {"pp": 2, "dp": 8, "tp": 1, "num_microbatches": 2}
+    # the stage's parts at their leanest, each on its own, take 104.95 MiB and fit; no layout of the stage reaches
+    # them all at once (seen: the pinned layout fits from about 135 MiB), so 120 MiB sits inside that gap
+    budget = 120 * 2**20
+    with pytest.raises(ConfigError) as info:
+        _search(graph, "2x8xA100-80GB", 16, constraints=pins, memory_budget_bytes=budget)
+    msg = str(info.value)
+    assert "loosen the pins" not in msg
+    assert msg.startswith("no pipeline layout fits the memory budget of 120.00 MiB per device")
+    assert "pp=2 dp=8 tp=1 micro-batches=2" in msg and "whose stage 0, with 2 of the 4 layers" in msg
+    fastest = float(re.search(r"its fastest layout needs ([\d.]+) MiB", msg).group(1))
+    leanest = float(re.search(r"at once \(model states .*: ([\d.]+) MiB\)", msg).group(1))
+    assert leanest * 2**20 <= budget < fastest * 2**20
+
+
 def test_stages_pay_their_optimizer_step():
     # each stage steps its own parameters once per step, after its last backward: the same term the
     # one-stage program prices, so a pipeline is not made to look cheaper by leaving it out
@@ -292,7 +310,7 @@ def test_two_stacks_past_the_budget_say_how_much_memory_they_need():
 
 def test_a_boundary_is_priced_from_the_values_that_cross_it():
     from autopar.ir import OpGraph
-    from autopar.passes.pipeline_search import crossing_bytes, stack_structure
+    from autopar.passes.pipeline.layers import crossing_bytes, stack_structure
     from autopar.passes.pipeline_split import stack_layers
     from autopar.trace import trace_model
 

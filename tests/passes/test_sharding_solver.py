@@ -14,8 +14,6 @@ from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.trace import trace_model
 from tests.models import MLPBlock, PreNormStack, make_batch, make_model, tiny_llama
 
-GIB = 1024**3
-
 
 class MLPStack(nn.Module):
     def __init__(self, hidden: int = 2048, num_layers: int = 2):
@@ -179,21 +177,23 @@ def test_bad_micro_batch_constraints():
 def test_shortened_trace_prices_the_whole_model():
     # A preset with identical layers is traced with two of them standing for all: the plan must be
     # the one the full trace gives, to the last bit of every figure.
-    from autopar import api, presets
+    from autopar import presets, tracing
     from autopar.cost_model import AnalyticEstimator, DType
+    from autopar.flops import step_flops
     from autopar.ir import OpGraph
-    from autopar.passes.sharding_solver import solve_sharding
+    from autopar.passes.sharding.search import solve_sharding
+    from autopar.plan_build import expand_placements
     from autopar.trace import trace_model
 
     config = presets.load_config("tiny-llama", num_hidden_layers=6)
     model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
     args, kwargs = presets.example_batch(config, 16, 64, device="meta")
-    short = api._trace_shortened(model, args, kwargs, lambda msg: None)
+    short = tracing.trace_shortened(model, args, kwargs, lambda msg: None)
     full = OpGraph.from_traced(trace_model(model, args, kwargs))
     assert short is not None and short.repeats == {"model.layers": (2, 6)}
     assert short.num_layers == full.num_layers == 6
     assert short.num_parameters() == full.num_parameters() == presets.count_parameters(config)
-    assert api._flops(short, 16 * 64) == pytest.approx(api._flops(full, 16 * 64), rel=1e-12)
+    assert step_flops(short, 16 * 64) == pytest.approx(step_flops(full, 16 * 64), rel=1e-12)
     cluster = autopar.ClusterSpec.parse("2x4xA100-40GB")
     est = AnalyticEstimator(cluster.device, DType("bf16"))
     for budget in (None, 2e7):  # free, and tight enough to need sharded states
@@ -207,7 +207,7 @@ def test_shortened_trace_prices_the_whole_model():
         # hides the data axis's bandwidth (GPU meshes), the objective no longer pins u to the last bit (seen: 7e-9
         # relative); a layout priced on other layers or placements differs by whole tensors, 1e-3 and more
         assert a.memory == pytest.approx(b.memory, rel=1e-7)
-        assert api._expand_placements(short, a.param_placements) == b.param_placements
+        assert expand_placements(short, a.param_placements) == b.param_placements
 
 
 def _meta_llama(hidden=512, layers=4, batch=8, seq=256):

@@ -16,8 +16,8 @@ import autopar
 from autopar.cost_model import DType
 from autopar.ir import tensor_args
 from autopar.passes.parallelize import launches_early, local_op_targets
+from autopar.passes.sharding.reshard import redistribute_time
 from autopar.passes.sharding_rules import parse_placement
-from autopar.passes.sharding_solver import redistribute_time
 from autopar.trace import trace_model
 from tests.distributed.test_tp_overlap import _batch, _model
 from tests.passes.test_overlap_pricing import BWD_S, FWD_S, _Fixed
