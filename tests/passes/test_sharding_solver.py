@@ -78,6 +78,33 @@ def test_infeasible_budget_says_needed_and_available():
     assert "per device" in msg and "needs at least" in msg and "budget is 9.54 MiB per device" in msg
 
 
+def test_logits_returned_beside_a_fused_loss_get_no_gradient_in_working_memory():
+    # A causal LM returns (loss, logits). On a GPU cluster its head and loss are fused, so the loss is not computed
+    # from the logits: the forward still makes them (their bytes count) and backward never makes their gradient.
+    # With a vocabulary of 4096 on a hidden size of 64 the logits are the largest value, so the working memory is
+    # exactly one rank's logits in bf16: (8 / dp) x 16 tokens x 4096 x 2 bytes, not twice that.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(0, 4096, (8, 16))
+    plan = autopar.plan(
+        LlamaForCausalLM(cfg), "2xA100-80GB", (ids,), {"labels": ids.clone()}, constraints={"dp": 2, "tp": 1}
+    )
+    assert plan.fusion["counts"]["linear_cross_entropy"] == 1 and plan.precision == "bf16"
+    assert plan.predicted.memory_breakdown["transient"] == 4 * 16 * 4096 * 2
+
+
 @pytest.mark.parametrize("cluster", ["6xA100-80GB", "12xH100-80GB", "cpu:3"])
 def test_non_power_of_two_meshes(cluster):
     model = tiny_llama().to("meta")
