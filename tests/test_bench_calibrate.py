@@ -76,6 +76,9 @@ def test_one_torchtitan_row_end_to_end(tmp_path):
     assert r["published_step_time_s"] == pytest.approx(3.789, rel=1e-3)
     assert r["predicted"]["mesh"] == {"dp": 64, "tp": 1}
     assert r["predicted"]["recompute"] == "none"
+    # the run kept every state on the device: the pinned layout offloads nothing, even where the model says it is
+    # short of memory (then the row is planned past the device's memory and says so)
+    assert "offload" not in r["predicted"]["time_breakdown"]
     # the ratio is what the model predicts of the row, whatever it is: a physical time, within a factor of 2
     assert 0.5 < r["ratio"] < 2.0
     assert doc["megatron"] == [] and len(doc["nccl_tests"]) == len(nccl_tests.POINTS)

@@ -217,7 +217,8 @@ FALLBACK_BUDGET = "1TB"
 
 
 def plan_row(row: TorchtitanRow, *, budget: str | None = None, free: bool = False, progress=None):
-    """autopar's plan of `row`: its published layout pinned, or only its batch and sequence when `free`."""
+    """autopar's plan of `row`: its published layout pinned (every state on the device, as the runs kept them), or
+    only its batch and sequence when `free`."""
     import autopar
 
     return autopar.plan(
@@ -227,6 +228,7 @@ def plan_row(row: TorchtitanRow, *, budget: str | None = None, free: bool = Fals
         seq_len=row.seq_len,
         constraints={} if free else row.constraints(),
         memory_budget=budget,
+        offload=None if free else False,
         alternatives=False,
         pipeline=False if not free else None,
         progress=progress,
