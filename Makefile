@@ -45,7 +45,7 @@ test-torch: $(TORCH_VENV)/.installed
 	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(TORCH_VENV)/bin/python -m pytest -q tests -m smoke --durations=0 -p no:cacheprovider $(PYTEST_ARGS)
 
 # Wheels a GPU machine without network lacks: pulp and highspy (the versions the tests run with) for CPython 3.12
-# on x86-64 Linux, into gpu-wheels/ (ignored by git; copy it along with the tree). See the README, "GPU checks".
+# on x86-64 Linux, into gpu-wheels/ (ignored by git; copy it along with the tree). See docs/gpu.md.
 GPU_WHEELS := pulp==3.3.2 highspy==1.16.0
 gpu-wheels:
 	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

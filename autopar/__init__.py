@@ -13,6 +13,7 @@ from autopar.errors import (
     ConfigError,
     InfeasiblePlanError,
     LoweringError,
+    NonFiniteError,
     PlanFormatError,
     TraceError,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "ConfigError",
     "InfeasiblePlanError",
     "LoweringError",
+    "NonFiniteError",
     "Plan",
     "PlanFormatError",
     "Predicted",

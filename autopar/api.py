@@ -23,9 +23,10 @@ from autopar.input_validation import (
     check_given_plan,
     read_plan_request,
 )
+from autopar.loop import LoopOptions
 from autopar.plan import Plan
 from autopar.planning import plan_model, plan_to_compile, solve_placements
-from autopar.tracing import program_trace
+from autopar.tracing import length_tracer, program_trace
 
 
 def plan(
@@ -46,6 +47,7 @@ def plan(
     fuse_kernels: bool | None = None,
     compare=(),
     alternatives: bool | None = None,
+    max_grad_norm: float | None = None,
     _traced=None,
 ) -> Plan:
     """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
@@ -79,6 +81,8 @@ def plan(
         alternatives: price the layouts a user would pick by hand (DDP, ZeRO-3, the best Megatron-style
             tp x pp point, the search's runner-up) for the report's "Why this plan". Default: on, except for
             the plans `compile` makes for itself and those of a trace handed in (`_traced`).
+        max_grad_norm: the global gradient norm the program will clip to (`compile`'s, which a plan given to it
+            brings): priced as its passes over the gradients (`autopar.cost_model.step_guard`).
         _traced: the TracedModel of `model` when the caller has one already (tests and benchmarks that plan one
             trace under many settings); its graph is fused in place when fusion is on.
     """
@@ -99,6 +103,7 @@ def plan(
         fuse_kernels=fuse_kernels,
         compare=compare,
         alternatives=alternatives,
+        max_grad_norm=max_grad_norm,
     )
     return plan_model(request, traced=_traced)
 
@@ -131,15 +136,19 @@ def compile(
         pretrained: a folder of Hugging Face safetensors weights to start from; each rank reads only its slices
             (`Program.load_pretrained`). The model may then be built on the meta device: its buffers get values
             first (`autopar.checkpoint.hf.materialize_buffers`), its parameters are made by the program.
-        plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, ...).
+        plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, max_grad_norm=, ...), but for the
+            training loop's options (`autopar.loop`): on_nonfinite=, local_batch=, loss_fn=, loss_reduction=,
+            loss_inputs=, loss_tokens=.
     """
     from autopar import runtime  # torch.distributed programs and Triton: imported when a program is built
 
+    loop = LoopOptions.take(plan_kwargs, model)
     cluster = as_cluster(cluster)
     check_compile_inputs(model, optimizer)
     if plan is not None:
         check_given_plan(plan, cluster, model)
     runtime.ensure_process_group(cluster)
+    model, example_kwargs = loop.traced(model, dict(example_kwargs or {}))
     built = model  # what the program is built from; `model` is what is planned and traced
     if pretrained is not None:
         hf.materialize_buffers(model, pretrained)  # before tracing: lifted constants take the buffers' values
@@ -163,7 +172,8 @@ def compile(
         built = copy.deepcopy(built)  # the offload program copies the whole model: give it parameters to copy
         hf.materialize_parameters(built)
     pm = program(built, plan, traced, cluster, optimizer=optimizer)
-    pm.expect_inputs(args, kwargs)
+    pm.expect_inputs(args, kwargs, tracer=length_tracer(model, plan, traced))
+    loop.apply(pm, plan)
     if pretrained is not None:
         pm.load_pretrained(pretrained)
     return pm
@@ -186,6 +196,7 @@ def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=N
         "precision": plan.precision,
         "fuse_kernels": bool(plan.fusion.get("enabled", False)),
         "memory_budget": plan.assumptions.get("memory_budget_bytes"),
+        "max_grad_norm": plan.max_grad_norm,
     } | plan_kwargs
     if model is None or isinstance(model, str):
         kw |= {"global_batch_size": plan.global_batch_size, "seq_len": plan.tokens_per_step // plan.global_batch_size}

@@ -49,6 +49,7 @@ def _plan_cmd(args) -> int:
         estimator=args.estimator,
         progress=progress,
         compare=args.compare or (),
+        max_grad_norm=args.max_grad_norm,
         **switches,
     )
     if progress is not None:
@@ -123,7 +124,7 @@ def _bench_cmd(args) -> int:
         )
         picks = {}
     run_suite(args.suite, args.out, quick=args.quick, cluster=args.cluster, show_progress=not args.quiet, **picks)
-    plot = "" if args.suite in ("soak", "checkpoint") else f" and {args.suite}.png"
+    plot = "" if args.suite in ("soak", "checkpoint", "lengths") else f" and {args.suite}.png"
     print(f"[autopar] wrote {args.suite}.json, {args.suite}.md{plot} to {args.out}", file=sys.stderr)
     return 0
 
@@ -168,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan with autopar's Triton ops for attention, norms and loss (default: on GPU clusters)",
     )
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"])
+    p.add_argument(
+        "--max-grad-norm",
+        type=float,
+        metavar="NORM",
+        help="price clipping the gradients to this global norm (the program's max_grad_norm; e.g. 1.0)",
+    )
     p.add_argument("--estimator", choices=["analytic", "profile"], default="analytic")
     p.add_argument("--json", help="write the plan as JSON to this file")
     p.add_argument("--report", help="write the report to this file (.md or .html)")
@@ -191,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark suites: plans (predicted, vs baselines), compile (planning time), "
         "run (measured on CPU ranks, vs DDP/FSDP2/TP), calibrate (predicted vs torchtitan's and Megatron-LM's published runs, and nccl-tests), "
         "soak (300 steps with checkpoints: memory, loadability, retention), checkpoint (save/load time of ~100M "
-        "parameters vs torch.save)",
+        "parameters vs torch.save), lengths (step time at half the planned sequence length)",
     )
-    b.add_argument("suite", choices=["plans", "compile", "run", "calibrate", "soak", "checkpoint"])
+    b.add_argument("suite", choices=["plans", "compile", "run", "calibrate", "soak", "checkpoint", "lengths"])
     b.add_argument(
         "--out",
         help="folder for the JSON, Markdown and PNG results (default bench-results; out/calibrate for calibrate)",

@@ -31,3 +31,12 @@ class InfeasiblePlanError(AutoparError, RuntimeError):
 
 class LoweringError(AutoparError, RuntimeError):
     """A plan could not be turned into a parallel program, or the program was launched wrongly."""
+
+
+class NonFiniteError(AutoparError, RuntimeError):
+    """A training step's loss or gradients were not finite (`on_nonfinite="raise"`); `step` is its number. No
+    update was applied."""
+
+    def __init__(self, message: str, *, step: int):
+        super().__init__(message)
+        self.step = step

@@ -23,6 +23,7 @@ from autopar.errors import ConfigError
 from autopar.passes.context_parallel import CPSpec
 from autopar.passes.fused_ops import default_fusion
 from autopar.plan import Plan
+from autopar.runtime.step_guard import check_guard_options
 
 CONSTRAINT_KEYS = {
     "tp",
@@ -259,6 +260,7 @@ class PlanRequest:
     alternatives: bool | None
     say: Callable[[str], None]
     t0: float  # when planning started: the plan's total planning time counts from here
+    max_grad_norm: float | None = None  # the program clips to it: the step guard's passes are priced
 
 
 def read_plan_request(
@@ -279,6 +281,7 @@ def read_plan_request(
     fuse_kernels: bool | None = None,
     compare=(),
     alternatives: bool | None = None,
+    max_grad_norm: float | None = None,
 ) -> PlanRequest:
     """`autopar.plan`'s arguments (see there) checked and resolved: the cluster, the constraints, the precision
     (its default by device), the memory budget in bytes, the model and its batch (a preset built on the meta
@@ -287,6 +290,7 @@ def read_plan_request(
     constraints = check_constraints(constraints)
     check_precision(precision)
     check_offload(offload)
+    check_guard_options(max_grad_norm, "raise")
     precision = precision or default_precision(cluster)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     say = progress or _quiet
@@ -313,6 +317,7 @@ def read_plan_request(
         alternatives=alternatives,
         say=say,
         t0=t0,
+        max_grad_norm=max_grad_norm,
     )
 
 

@@ -270,15 +270,18 @@ def _node_layer(node: fx.Node, params: dict[str, ParamInfo]) -> tuple[str | None
     return layer_of(node)
 
 
-def _signature(node: fx.Node) -> tuple:
-    """What must agree for two nodes at the same position of two layers to be solved as one."""
+def _signature(node: fx.Node, params: dict[str, ParamInfo]) -> tuple:
+    """What must agree for two nodes at the same position of two layers to be solved as one: a parameter's
+    `requires_grad` too (a frozen layer has no gradient, optimizer state or gradient reduction to price)."""
     meta = output_meta(node)
     target = node.op if node.op == "placeholder" else str(node.target)
-    return (target, meta.shape if meta else None, meta.dtype if meta else None, len(tensor_args(node)))
+    info = params.get(node.name)
+    trainable = info.requires_grad if info is not None else None
+    return (target, meta.shape if meta else None, meta.dtype if meta else None, len(tensor_args(node)), trainable)
 
 
 def _deduplicate_layers(graph: fx.Graph, params: dict[str, ParamInfo]):
-    """Map the nodes of every layer isomorphic to the first layer of its container onto it."""
+    """Map the nodes of every layer onto the first layer of its container isomorphic to it (parameters frozen alike)."""
     by_layer: dict[tuple[str, int], list[fx.Node]] = defaultdict(list)
     node_layer: dict[str, tuple[str | None, int | None]] = {}
     for n in graph.nodes:
@@ -295,11 +298,14 @@ def _deduplicate_layers(graph: fx.Graph, params: dict[str, ParamInfo]):
     dedup = 0
     for container, idxs in containers.items():
         idxs.sort()
-        first = by_layer[(container, idxs[0])]
-        first_sig = [_signature(n) for n in first]
-        for idx in idxs[1:]:
+        # each layer maps onto the first layer of its signature: all onto the first when the layers are alike; a
+        # frozen first layer stands for itself, and the trainable layers after it for each other
+        firsts: dict[tuple, list[fx.Node]] = {}
+        for idx in idxs:
             layer_nodes = by_layer[(container, idx)]
-            if [_signature(n) for n in layer_nodes] != first_sig:
+            sig = tuple(_signature(n, params) for n in layer_nodes)
+            first = firsts.setdefault(sig, layer_nodes)
+            if first is layer_nodes:
                 continue
             dedup += 1
             for a, b in zip(layer_nodes, first, strict=True):

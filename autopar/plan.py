@@ -218,6 +218,8 @@ class Plan:
     # a cp axis: "degree", "algorithm" its attention runs, "layout" ("zigzag"), and "priced": one line per
     # algorithm with its price or why it cannot run (`passes.context_parallel`); empty without a cp axis
     context_parallel: dict = field(default_factory=dict)
+    # the global gradient norm the program clips to (`autopar.runtime.step_guard`), priced; None: no clipping
+    max_grad_norm: float | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -260,6 +262,8 @@ class Plan:
             raise PlanFormatError(f"plan precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise PlanFormatError(f"plan zero_stage {self.zero_stage!r} is not 0, 1, 2 or 3")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise PlanFormatError(f"plan max_grad_norm {self.max_grad_norm!r} is not a positive number")
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
             raise PlanFormatError(f"plan prefetch_depth {self.prefetch_depth!r} is not a count of layers (0 or more)")
         for name in ("global_batch_size", "num_microbatches", "tokens_per_step"):
@@ -319,6 +323,7 @@ class Plan:
             "grad_reduce": self.grad_reduce,
             "overlap": self.overlap,
             **({"prefetch_depth": self.prefetch_depth} if self.zero_stage >= 1 else {}),  # ZeRO-0 plans unchanged
+            **({"max_grad_norm": self.max_grad_norm} if self.max_grad_norm is not None else {}),
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
             "num_parameters": self.num_parameters,
@@ -384,6 +389,7 @@ class Plan:
                 grad_reduce=str(d.get("grad_reduce", "fp32")),
                 overlap=bool(d.get("overlap", True)),
                 prefetch_depth=int(d.get("prefetch_depth", 1)),
+                max_grad_norm=float(d["max_grad_norm"]) if d.get("max_grad_norm") is not None else None,
                 global_batch_size=int(d["global_batch_size"]),
                 tokens_per_step=int(d["tokens_per_step"]),
                 num_parameters=int(d["num_parameters"]),

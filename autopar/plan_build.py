@@ -17,9 +17,11 @@ from collections.abc import Callable
 import torch
 
 from autopar.cluster import ClusterSpec
+from autopar.cost_model.step_guard import estimate_step_guard_time_s
 from autopar.flops import step_flops
 from autopar.input_validation import count_tokens
 from autopar.ir import OpGraph
+from autopar.passes.sharding.precision import Precision
 from autopar.plan import Plan, Predicted
 from autopar.rationale import hidden_terms, pipeline_terms, sharded_terms
 
@@ -47,6 +49,7 @@ class Job:
     # `pricers`): a layout the search priced is read back, not solved again
     pricers: dict = dataclasses.field(default_factory=dict)
     cp: int = 1  # the pinned cp degree: `batch` counts cp rows per sequence, the data axis dp·cp ranks
+    clip: bool = False  # the step guard clips (`cost_model.step_guard`)
 
 
 def expand_placements(graph: OpGraph, placements: dict) -> dict:
@@ -108,7 +111,8 @@ def sharded_plan(job: Job, sol) -> Plan:
     model_flops, hw_flops = step_flops(graph, tokens, sol.recompute, sol.layer_modes, cp=cp)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
     world = cluster.world_size
-    step = sol.step_time_s
+    guard = step_guard_s(cluster, sol.memory, precision, job.clip)
+    step = sol.step_time_s + guard
     offload_s = sol.offload.get("time_s", 0.0) + sol.activation_offload.get("time_s", 0.0)
     predicted = _predicted(
         step,
@@ -123,7 +127,7 @@ def sharded_plan(job: Job, sol) -> Plan:
         grad_sync_s=sol.grad_sync_s,
         grad_sync_hidden_s=sol.grad_sync_hidden_s,
         offload_s=offload_s,
-        optimizer_s=sol.optimizer_s,
+        optimizer_s=sol.optimizer_s + guard,
     )
     alternatives = tuple(
         {
@@ -154,7 +158,7 @@ def sharded_plan(job: Job, sol) -> Plan:
         reshard_s=sol.reshard_s,
         grad_sync_s=sol.grad_sync_s,
         offload_s=offload_s,
-        optimizer_s=sol.optimizer_s,
+        optimizer_s=sol.optimizer_s + guard,
         cp_comm_s=sol.cp_comm_s,
     )
     return Plan(
@@ -194,6 +198,15 @@ def sharded_plan(job: Job, sol) -> Plan:
     )
 
 
+def step_guard_s(cluster: ClusterSpec, memory: dict, precision: str, clip: bool) -> float:
+    """The step guard's passes over a device's gradients and its all-reduce (`cost_model.step_guard`), added to every
+    layout a plan prices, so the plan, its baselines and comparisons carry it alike. The gradients it reads are those
+    of the masters the device's optimizer steps (fp32, one per element of its optimizer states on the device; not
+    the whole gradients ZeRO-1 holds in the backward)."""
+    masters = memory.get("optimizer", 0.0) / Precision.get(precision).optimizer_bytes
+    return estimate_step_guard_time_s(cluster, 4.0 * masters, clip=clip)
+
+
 def assumptions(est, cluster: ClusterSpec, budget: float | None) -> dict:
     """What the predictions rest on besides the cluster's figures: the estimator (and its profile) and the budget."""
     out = {
@@ -229,10 +242,11 @@ def pipeline_plan(job: Job, psol) -> Plan:
     tokens = count_tokens(args, kwargs)
     model_flops, hw_flops = step_flops(graph, tokens, recompute, cp=cp)
     peak = cluster.device.peak_matmul_flops(_dtype_of(precision))
-    world, step = cluster.world_size, psol.step_time_s
+    guard = max(step_guard_s(cluster, st.memory, precision, job.clip) for st in psol.stages)
+    world, step = cluster.world_size, psol.step_time_s + guard
     # the step ends with the stage whose exposed sync and optimizer step take longest
     tail = max(psol.stages, key=lambda st: st.grad_sync_exposed_s + st.optimizer_s)
-    sync, opt = tail.grad_sync_exposed_s, tail.optimizer_s
+    sync, opt = tail.grad_sync_exposed_s, tail.optimizer_s + guard
     # compute: the pipelined forward and backward, bubble and transfers included
     predicted = _predicted(
         step,

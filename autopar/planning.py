@@ -78,7 +78,12 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
     stats["total_time_s"] = round(time.perf_counter() - rq.t0, 3)  # a searched plan may have been priced first
-    return dataclasses.replace(chosen, stats=stats, assumptions=assumptions(rq.estimator, rq.cluster, rq.budget))
+    return dataclasses.replace(
+        chosen,
+        stats=stats,
+        assumptions=assumptions(rq.estimator, rq.cluster, rq.budget),
+        max_grad_norm=rq.max_grad_norm,
+    )
 
 
 class Jobs:
@@ -135,6 +140,7 @@ class Jobs:
             t_trace,
             rq.say,
             cp=cp,
+            clip=rq.max_grad_norm is not None,
         )
 
 

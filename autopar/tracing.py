@@ -9,6 +9,7 @@ A graph traced for a cp degree above 1 holds each sequence as cp zig-zag chunks 
 from __future__ import annotations
 
 import copy
+import functools
 
 from autopar.context_parallel.inputs import is_causal_lm, traced_batch
 from autopar.ir import OpGraph
@@ -54,6 +55,16 @@ def program_trace(model, plan: Plan, args, kwargs):
     if plan.fusion.get("enabled"):  # the program runs the graph the plan priced
         traced = fuse_traced(traced)
     return traced
+
+
+def length_tracer(model, plan: Plan, traced):
+    """What a program traces the model with at a shorter sequence length (`autopar.runtime.shapes`): `program_trace`
+    over a copy of the model without its weights; None for a program that traces nothing."""
+    if traced is None:
+        return None
+    from autopar.runtime.shapes import fake_copy  # the runtime is imported when a program is built
+
+    return functools.partial(program_trace, fake_copy(model), plan)
 
 
 def trace_shortened(module, args, kwargs, say, fuse: bool = False, cp: int = 1) -> OpGraph | None:

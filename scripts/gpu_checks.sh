@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks (README, "GPU checks") on a machine with one CUDA GPU and torch >= 2.11, from any folder:
+# The GPU checks (docs/gpu.md) on a machine with one CUDA GPU and torch >= 2.11, from any folder:
 #
 #   bash scripts/gpu_checks.sh [OUT_DIR] [options of python -m autopar.bench.gpu]
 #

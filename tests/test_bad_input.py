@@ -119,14 +119,15 @@ def test_compile_refuses_arguments_of_the_wrong_kind(kw, words):
 # ------------------------------------------------------------------------------------- train_step inputs
 
 
-def _cut(t: torch.Tensor) -> torch.Tensor:
-    return t[:, : t.shape[1] // 2]
+def _doubled(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t], dim=1)
 
 
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        (lambda a, k: ((_cut(a[0]),), {"labels": _cut(k["labels"])}), "args\\[0\\] has shape \\(8, 8\\)"),
+        # a shorter sequence runs on the plan (`runtime.shapes`); a longer one is refused
+        (lambda a, k: ((_doubled(a[0]),), {"labels": _doubled(k["labels"])}), "32 tokens, longer than the 16"),
         (lambda a, k: ((a[0].int(),), k), "args\\[0\\] has shape \\(8, 16\\) and dtype torch.int32"),
         (lambda a, k: (a, {"labels": k["labels"].float()}), "labels has shape .* dtype torch.float32"),
         (lambda a, k: ((a[0][:4],), {"labels": k["labels"][:4]}), "args\\[0\\] has shape \\(4, 16\\)"),

@@ -13,6 +13,8 @@
 - `calibrate` (`autopar.bench.calibrate`, run by the CLI): published runs (torchtitan's Llama benchmarks,
   Megatron-LM SC'21 Table 1) planned on their layouts and SKUs, and published nccl-tests bus bandwidths, next
   to autopar's predictions.
+- `lengths` (`autopar.bench.lengths`): step time at half the planned sequence length against the full one, on
+  one CPU process (JSON and Markdown only).
 
 Each suite writes a JSON document (with autopar and torch versions and a machine description), a
 Markdown table and a PNG plot into the output folder. `quick=True` runs a subset in about a minute.
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SUITES = ("plans", "compile", "run", "soak", "checkpoint")
+SUITES = ("plans", "compile", "run", "soak", "checkpoint", "lengths")
 # the cluster a suite that runs on local CPU ranks uses when none is given
 DEFAULT_CLUSTERS = {"run": "cpu:2", "soak": "cpu:4", "checkpoint": "cpu:2"}
 
@@ -72,6 +74,10 @@ def run_suite(
         from autopar.bench import checkpoints
 
         return checkpoints.run_checkpoint_timing(out_dir, cluster=cluster, quick=quick, show_progress=show_progress)
+    if suite == "lengths":
+        from autopar.bench import lengths
+
+        return lengths.run(out_dir, quick=quick, show_progress=show_progress)
     raise ConfigError(f"unknown bench suite {suite!r}: expected one of {', '.join(SUITES)}")
 
 

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(
             f"autopar.bench.gpu: no CUDA device is visible (torch {torch.__version__}, CUDA {torch.version.cuda}); "
-            "these checks run on a GPU machine (README, 'GPU checks')"
+            "these checks run on a GPU machine (docs/gpu.md)"
         )
         return 2
     from autopar.bench.gpu_measure import preset_for

@@ -66,9 +66,19 @@ def file_names(num_files: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{num_files:05d}.safetensors" for i in range(num_files)]
 
 
-def save_pretrained(program, path, *, max_shard_size="2GB") -> None:
-    """See the module docstring; every rank calls it."""
+def save_pretrained(program, path, *, max_shard_size="2GB", merged: bool = False) -> None:
+    """See the module docstring; every rank calls it. A PEFT model's adapters (or, `merged`, its merged base
+    model) go through `autopar.checkpoint.peft`."""
     from safetensors.torch import save_file
+
+    if getattr(program, "peft", None) is not None:
+        from autopar.checkpoint import peft
+
+        if merged:
+            return peft.save_merged(program, path, max_shard_size=max_shard_size)
+        return peft.save_adapter(program, path)
+    if merged:
+        raise ConfigError("merged=True merges a PEFT model's adapters, and this model has none; drop merged=")
 
     path = Path(path)
     max_bytes = _bytes(max_shard_size)

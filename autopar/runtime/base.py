@@ -7,10 +7,11 @@ A program is the parallel training job of one plan on this rank. Every program k
   once by `compile` at the shape the program runs (`Program.trace_parts`) and in the plan's compute
   format; a constructor does not trace, fuse or plan;
 - the step template `train_step`: the global batch is cut into the plan's micro-batches (every rank passes
-  the same batch; `rank_rows` takes this rank's share), the program runs forward and backward
-  (`_forward_backward`, returning the loss sum and the weight it was summed with), the base divides the
-  gradients by that weight and by the loss scale, skips the step on an overflow (fp16), and steps the
-  optimizer;
+  the same batch, checked at the first step, or with `local_batch` its own rows: `autopar.data`; `rank_rows`
+  takes this rank's share), the program runs forward and backward (`_forward_backward`, returning the loss
+  sum and the weight it was summed with), the base divides the gradients by that weight and by the loss
+  scale, and the step guard (`autopar.runtime.step_guard`: accumulation across calls, the global gradient
+  norm, clipping, non-finite losses and gradients, fp16 overflows, `last_step`) steps the optimizer;
 - `eval_step`: the loss of a global batch, no gradients, no optimizer state touched, dropout off;
 - `state_dict()` / `load_state_dict()`: full tensors under the model's own (Hugging Face) names, tied
   names included, in the dtypes the model was handed in; `parameters()`: this rank's master shards.
@@ -34,10 +35,14 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autopar.checkpoint.peft import export_info as peft_export_info
 from autopar.cluster import ClusterSpec
+from autopar.data import BatchFeed, PlanSampler, local_batch_size
 from autopar.errors import ConfigError, LoweringError
 from autopar.plan import Plan, ProgramKind
 from autopar.runtime.collectives import collective_timeout
+from autopar.runtime.shapes import Lengths, planned_length, shorter_length
+from autopar.runtime.step_guard import StepGuard, StepStats
 from autopar.trace import TracedModel
 from autopar.units import BUCKET_BYTES
 
@@ -272,6 +277,11 @@ class Program(torch.nn.Module):
     """
 
     kind: ClassVar[ProgramKind]
+    # the attributes that depend on the trace, kept per sequence length (`autopar.runtime.shapes`, `_bind_trace`);
+    # none for a program that runs the model eagerly
+    _per_length: ClassVar[tuple[str, ...]] = ()
+    # why the program runs the planned sequence length only (None: it runs every shorter one)
+    _planned_length_only: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -312,7 +322,13 @@ class Program(torch.nn.Module):
         # a list (a test sets one): (event, what) of the program's data-axis collectives, in the order they happen
         self.comm_events: list | None = None
         self._input_signature: dict | None = None  # set by `expect_inputs`
+        self.lengths = Lengths(None)  # the sequence lengths run (`autopar.runtime.shapes`), from `expect_inputs`
+        # the training loop around the graph (`configure_loop`): clipping and the non-finite policy, how batches
+        # come in, the user's loss; what the last train_step did
+        self.guard, self.feed, self.loss_spec = StepGuard(), BatchFeed(plan, self.device_type), None
+        self.last_step: StepStats | None = None
         self.hf_config = getattr(model, "config", None)
+        self.peft = peft_export_info(model)  # a PEFT model: what saving its adapters needs
         self.hf_class_name = type(model).__name__  # the `architectures` a Hugging Face config names
         self.generation_config = getattr(model, "generation_config", None)  # transformers sets it on generators only
 
@@ -354,16 +370,39 @@ class Program(torch.nn.Module):
 
     # ------------------------------------------------------------------------------------ step
 
-    def expect_inputs(self, args, kwargs) -> None:
+    def expect_inputs(self, args, kwargs, *, tracer: Callable | None = None) -> None:
         """Remember the inputs the program was planned and built for (`compile` calls it with its example
-        batch); `train_step` and `eval_step` then refuse others."""
+        batch); `train_step` and `eval_step` then refuse others, but for shorter sequences, which `tracer(args,
+        kwargs)` traces (`autopar.runtime.shapes`)."""
         self._input_signature = input_signature(args, kwargs)
+        self.lengths = Lengths(planned_length(args, kwargs), tracer)
 
-    def check_inputs(self, args, kwargs, where: str = "train_step") -> None:
-        """ConfigError naming the first input whose structure, shape or dtype differs from the planned ones."""
-        if self._input_signature is None:
+    def _at_length(self, length: int | None, args, kwargs) -> None:
+        """Run batches of sequences of `length` from now on (traced the first time: `autopar.runtime.shapes`)."""
+        if length is None or length == self.lengths.current:
             return
+        if self._planned_length_only is not None:
+            raise ConfigError(
+                f"the batch holds sequences of {length} tokens but the {self.kind} program runs the planned "
+                f"{self.lengths.planned} only ({self._planned_length_only}); pad the batch to {self.lengths.planned} "
+                f"tokens (labels -100, attention_mask 0 where padded), or plan without a pipeline"
+            )
+        parts = self.trace_parts(self.plan) or 1
+        self.lengths.use(self, length, lambda: micro_batches(args, kwargs, self.plan.global_batch_size, parts)[0])
+
+    def _bind_trace(self, traced) -> None:
+        """Run the model as `traced`, a trace at another sequence length (programs with `_per_length`)."""
+        raise NotImplementedError
+
+    def check_inputs(self, args, kwargs, where: str = "train_step") -> int | None:
+        """ConfigError naming the first input whose structure, shape or dtype differs from the planned ones, but
+        for sequences shorter than planned: returns the batch's sequence length (None: the batch has none)."""
+        if self._input_signature is None:
+            return None
         expected, got = self._input_signature, input_signature(args, kwargs)
+        length = shorter_length(expected, got, self.lengths.planned, where)
+        if length is not None:
+            return length
         if set(got) != set(expected):
             raise ConfigError(
                 f"{where} was given the inputs ({_names(got)}) but the program was compiled for "
@@ -382,31 +421,84 @@ class Program(torch.nn.Module):
                     f"batches of the planned shape and dtype (pad or cut sequences, cast with .to()), "
                     f"or compile again with an example batch of the shape you train on"
                 )
+        return self.lengths.planned
 
     def _build_optimizer(self, masters) -> None:
         self.optimizer = self._make_optimizer(list(masters))
 
-    def train_step(self, *args, **kwargs) -> float:
-        """One optimizer step on a global batch (every rank passes the same batch); returns the loss.
+    def configure_loop(
+        self, *, max_grad_norm=None, on_nonfinite: str = "raise", local_batch: bool = False, loss=None
+    ) -> None:
+        """The training loop's settings (`compile` passes its own): clip to `max_grad_norm` (global norm),
+        "raise" or "skip" on a non-finite loss or gradient (`autopar.runtime.step_guard`), each data-parallel
+        rank passing its own rows (`local_batch`, `autopar.data`), the user's loss (`autopar.loss.LossSpec`)."""
+        self.guard = StepGuard(max_grad_norm=max_grad_norm, on_nonfinite=on_nonfinite)
+        self.feed = BatchFeed(self.plan, self.device_type, local_batch=local_batch)
+        self.loss_spec = loss
+
+    def train_step(self, *args, accumulate: bool = False, **kwargs) -> float:
+        """One optimizer step on a global batch (every rank passes the same batch, or with `local_batch` its own
+        rows); returns the loss. `accumulate=True` keeps the gradients for the next call, which steps on both
+        as on one batch of their rows (`autopar.runtime.step_guard`). `last_step` says what the call did.
 
         Micro-batch i contributes its loss times its weight w_i (the labels its mean cross-entropy kept, or
         1 for other losses); the gradients are divided by sum w_i before the step, so the step equals one
         over the whole batch.
         """
-        self.check_inputs(args, kwargs)
+        args, kwargs, tokens, loss_weight = self._step_batch(args, kwargs, check=True)
+        self._at_length(self.check_inputs(args, kwargs), args, kwargs)
         micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches)
-        self.num_steps += 1
         self._zero_grads()
         loss_sum, weight = self._forward_backward(micro)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         self._scale_gradients(weight, scale)
-        if self.scaler is not None:
-            found_inf = self._found_inf()
-            self.scaler.update(found_inf)
-            if found_inf:
-                return loss_sum / weight if weight > 0 else float("nan")
-        self._optimizer_step()
-        return loss_sum / weight if weight > 0 else loss_sum / len(micro)
+        loss = loss_sum / weight if weight > 0 else loss_sum / len(micro)
+        if loss_weight is not None:  # the user's loss: calls weigh as their loss tokens
+            weight = loss_weight
+        return self.guard.finish(self, loss, weight, tokens, accumulate=accumulate, summed=loss_weight == 0)
+
+    def _step_batch(self, args, kwargs, *, check: bool) -> tuple[tuple, dict, float, float | None]:
+        """(args, kwargs) as the program reads a global batch, this rank's share of its input tokens, and the
+        step's loss tokens under a user's loss (0 for a summed one; None without one)."""
+        from autopar import loss
+
+        n = loss.global_tokens(self.loss_spec, self.feed, kwargs) if self.loss_spec is not None else None
+        args, kwargs, tokens = self.feed.inputs(args, kwargs, check=check)
+        if self.loss_spec is not None:
+            kwargs[loss.LOSS_SCALE] = self.loss_spec.scale(self._loss_shards(), n).to(self.device_type)
+            n = 0.0 if self.loss_spec.reduction == "sum" else n
+        return args, kwargs, tokens, n
+
+    def _loss_shards(self) -> int:
+        """Into how many equally weighted parts the program averages a loss it does not recognise (`autopar.loss`):
+        the micro-batches, for a program whose ops are global over the ranks."""
+        return self.plan.num_microbatches
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel index: with `local_batch`, the rows it passes are its share (`autopar.data`)."""
+        return self.feed.index
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel ranks of the plan (ranks of one data-parallel group pass the same rows)."""
+        return self.plan.mesh.get("dp", 1)
+
+    @property
+    def local_batch_size(self) -> int:
+        """Rows one `train_step` call takes on this rank: the global batch, or with `local_batch` its share."""
+        return local_batch_size(self.plan) if self.feed.local_batch else self.plan.global_batch_size
+
+    def data_loader(self, dataset, *, shuffle: bool = True, seed: int = 0, **loader_kwargs):
+        """A `torch.utils.data.DataLoader` of `dataset` giving this rank what `train_step` takes: its rows of
+        each global batch with `local_batch` (`autopar.data.PlanSampler`), else the whole global batch, drawn
+        the same way on every rank (the same `seed`). Call `loader.sampler.set_epoch(e)` each epoch;
+        `loader_kwargs` (collate_fn, num_workers, ...) go to the DataLoader."""
+        index = self.feed.index if self.feed.local_batch else None
+        sampler = PlanSampler(len(dataset), self.plan, index, shuffle=shuffle, seed=seed)
+        return torch.utils.data.DataLoader(
+            dataset, batch_size=self.local_batch_size, sampler=sampler, drop_last=True, **loader_kwargs
+        )
 
     def _zero_grads(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -428,16 +520,23 @@ class Program(torch.nn.Module):
             for g in self._gradients():
                 g.div_(divisor)
 
-    def _found_inf(self) -> bool:
-        """Whether any rank's gradients hold an inf or NaN (every rank must call it)."""
-        bad = torch.zeros(1, device=self.device_type)
-        for g in self._gradients():
-            if not torch.isfinite(g).all():
-                bad.fill_(1.0)
-                break
-        if dist.get_world_size() > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bool(bad.item())
+    def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
+        """(gradient, copies) for each gradient tensor this rank steps, `copies` the ranks holding an identical
+        one (replicated over tp, the data axis, pipeline stages): the step guard's norm counts each element
+        once. Called after `_scale_gradients`; every program says its own."""
+        raise NotImplementedError
+
+    def _gradient_divisor(self) -> float:
+        """What the optimizer step still divides `_gradient_shares`' gradients by (1: they are final)."""
+        return 1.0
+
+    def _scale_gradients_by(self, factor: float) -> None:
+        """Multiply the step's gradients by `factor` (clipping)."""
+        torch._foreach_mul_([g for g, _ in self._gradient_shares()], factor)
+
+    def _discard_gradients(self) -> None:
+        """Forget the step's gradients (a skipped step, an accumulating call: the guard holds a copy)."""
+        self._zero_grads()
 
     def _optimizer_step(self) -> None:
         self.optimizer.step()
@@ -447,7 +546,8 @@ class Program(torch.nn.Module):
     def eval_step(self, *args, **kwargs) -> float:
         """The loss of a global batch (every rank passes the same batch) with dropout off, computing no gradient
         and touching no optimizer state; every rank returns it."""
-        self.check_inputs(args, kwargs, "eval_step")
+        args, kwargs, _, _ = self._step_batch(args, kwargs, check=False)
+        self._at_length(self.check_inputs(args, kwargs, "eval_step"), args, kwargs)
         micro = micro_batches(args, kwargs, self.plan.global_batch_size, self.plan.num_microbatches)
         with torch.no_grad():
             return self._evaluate(micro)
@@ -509,12 +609,15 @@ class Program(torch.nn.Module):
 
         return training.load(self, path)
 
-    def save_pretrained(self, path, *, max_shard_size="2GB") -> None:
+    def save_pretrained(self, path, *, max_shard_size="2GB", merged: bool = False) -> None:
         """Write the weights as Hugging Face safetensors (sharded with an index above `max_shard_size`, each file
-        written by one rank) with the model's config. Every rank calls it. See `autopar.checkpoint.hf`."""
+        written by one rank) with the model's config. Every rank calls it. See `autopar.checkpoint.hf`.
+
+        A PEFT model writes its adapters as PEFT does (`PeftModel.from_pretrained` reads them), or with `merged`
+        the base model with the adapters merged in (`autopar.checkpoint.peft`)."""
         from autopar.checkpoint import hf
 
-        hf.save_pretrained(self, path, max_shard_size=max_shard_size)
+        hf.save_pretrained(self, path, max_shard_size=max_shard_size, merged=merged)
 
     def load_pretrained(self, path) -> None:
         """Read Hugging Face safetensors weights into the masters, each rank only the slices it holds."""

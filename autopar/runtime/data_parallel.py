@@ -69,9 +69,6 @@ class DataParallelProgram(Program):
         self.comm = ProgramComm.of_plan(plan, self.kind)
         device = self.device = self.device_type
         self._model_box = (model,)  # for forward(); boxed so that its parameters are not this module's
-        self._num_mutated = traced.num_mutated_outputs
-        self._gm = sum_loss_pass(drop_assertions_pass(traced.graph_module, None), None, loss_index=self._num_mutated)
-        self._counted = self._gm.meta["autopar_loss_count"]
         named = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
         self.params = torch.nn.ParameterList(
@@ -85,13 +82,38 @@ class DataParallelProgram(Program):
         # what the buckets hold: the copies' gradients when reduced in the compute format, else the masters'
         self._bucketed = self._compute if self.reduce_in_compute else list(self.params)
         self._buffers_list = [buffers[n].detach().to(device, copy=True) for n in traced.buffer_names]
+        self._bind_trace(traced)
+        self._buckets = self._gradient_buckets()
+        self._pending: list[int] | None = None  # gradients each bucket still awaits on the last micro-batch
+        self._totals_now, self._totals_work, self._divisor = None, None, None
+        self._launched: list[int] = []
+        self._works: list = []
+        self._build_optimizer(self.params)
+
+    # what depends on the trace: kept per sequence length (`autopar.runtime.shapes`)
+    _per_length = (
+        "traced",
+        "_gm",
+        "_eval_gm",
+        "_placeholders",
+        "_input_slots",
+        "_counted",
+        "_num_mutated",
+        "_constants",
+    )
+
+    def _bind_trace(self, traced: TracedModel) -> None:
+        """Run the model as `traced` (the planned length, or another: `autopar.runtime.shapes`): its graph passes,
+        and the placeholder values but the user inputs, fixed for the program's life (parameters are updated in
+        place): a step fills in the inputs instead of walking the signature again."""
+        self.traced = traced
+        self._num_mutated = traced.num_mutated_outputs
+        self._gm = sum_loss_pass(drop_assertions_pass(traced.graph_module, None), None, loss_index=self._num_mutated)
+        self._counted = self._gm.meta["autopar_loss_count"]
         self._constants = {
-            k: self.in_compute_format(v.to(device)) if isinstance(v, torch.Tensor) else v
+            k: self.in_compute_format(v.to(self.device)) if isinstance(v, torch.Tensor) else v
             for k, v in traced.exported.constants.items()
         }
-        self._buckets = self._gradient_buckets()
-        # Placeholder values but the user inputs, fixed for the program's life (parameters are updated in place):
-        # a step fills in the inputs instead of walking the signature again.
         kinds = traced.placeholder_kinds
         self._input_slots = [i for i, kind in enumerate(kinds) if kind == "input"]
         run_buffers = [self.in_compute_format(b) for b in self._buffers_list]
@@ -104,11 +126,6 @@ class DataParallelProgram(Program):
         if self._num_mutated == 0:
             self._gm = fold_constants_pass(self._gm, self._placeholders, constant_placeholders=constant)
         self._eval_gm = None  # built on the first eval_step
-        self._pending: list[int] | None = None  # gradients each bucket still awaits on the last micro-batch
-        self._totals_now, self._totals_work, self._divisor = None, None, None
-        self._launched: list[int] = []
-        self._works: list = []
-        self._build_optimizer(self.params)
 
     def _gradient_buckets(self) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]]:
         """(flat buffer, [(bucketed tensor, its gradient view)]) per bucket of about BUCKET_BYTES.
@@ -309,6 +326,12 @@ class DataParallelProgram(Program):
                     master.grad = copy.grad.to(master.dtype)
                 else:
                     master.grad.copy_(copy.grad)
+
+    def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
+        return [(g, self.dp) for g in self._gradients()]  # every rank holds every reduced gradient
+
+    def _loss_shards(self) -> int:
+        return self.dp * self.plan.num_microbatches  # each rank runs plain tensors on its rows
 
     def forward(self, *args, **kwargs):
         """Run the model on any batch with this program's parameters (every rank computes the whole batch)."""

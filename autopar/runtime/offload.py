@@ -69,13 +69,14 @@ _CROSS_ENTROPY_ARGS = (
 class _SumCrossEntropy(TorchFunctionMode):
     """Turns the first mean cross-entropy a forward computes into its sum and counts the labels it kept."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
         super().__init__()
         self.count: torch.Tensor | None = None
+        self.enabled = enabled  # off under a user's loss (`autopar.loss`), which is global already
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func is F.cross_entropy and self.count is None:
+        if func is F.cross_entropy and self.count is None and self.enabled:
             bound = dict(zip(_CROSS_ENTROPY_ARGS, args, strict=False)) | kwargs
             target = bound.get("target")
             plain = all(bound.get(k) is None for k in ("weight", "size_average", "reduce"))
@@ -281,7 +282,7 @@ class OffloadProgram(Program):
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for mb_args, mb_kwargs in micro:
             local_args, local_kwargs = self._local((mb_args, mb_kwargs))
-            with _SumCrossEntropy() as ce, self.activations:
+            with _SumCrossEntropy(enabled=self.loss_spec is None) as ce, self.activations:
                 loss = _loss_of(self.module(*local_args, **local_kwargs))
             if backward:
                 self.scaled(loss).backward()
@@ -303,12 +304,21 @@ class OffloadProgram(Program):
     def _gradients(self) -> list[torch.Tensor]:
         return [c.grad for c in self.store.chunks if c.grad is not None]
 
-    def _found_inf(self) -> bool:
+    def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
         self.store.finish_grads()  # idempotent: the step finds nothing left to reduce
-        found = super()._found_inf()
-        if found:  # the step is skipped: its gradients must not carry into the next one
-            self.store.zero_grad()
-        return found
+        return [(g, 1) for g in self._gradients()]  # this rank's shard of each chunk (the whole chunk on one rank)
+
+    def _gradient_divisor(self) -> float:
+        return self._grad_scale  # ChunkAdamW divides the gradients in its own pass
+
+    def _scale_gradients_by(self, factor: float) -> None:
+        self._grad_scale /= factor
+
+    def _discard_gradients(self) -> None:
+        self.store.zero_grad()  # a skipped step's gradients must not carry into the next one
+
+    def _loss_shards(self) -> int:
+        return self.dp * self.plan.num_microbatches  # each rank runs plain tensors on its rows
 
     def _optimizer_step(self) -> None:
         self.optimizer.step(grad_scale=self._grad_scale)

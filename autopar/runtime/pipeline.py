@@ -175,9 +175,12 @@ class _Stage(torch.nn.Module):
         if self.is_last:
             loss = out
             check_scalar_loss(loss)
-            counts = self.interp.loss_counts
-            w = counts[0] if prog.num_microbatches > 1 and len(counts) == 1 else 1.0
+            # the labels a mean cross-entropy kept weigh the micro-batch (one needs no weighting); a user's loss
+            # is global already (`autopar.loss`)
+            counts = self.interp.loss_counts if prog.loss_spec is None else []
+            w = counts[0] if len(counts) == 1 else 1.0
             self.weights.append(w)
+            w = w if prog.num_microbatches > 1 else 1.0
             local = loss.redistribute(prog.mesh, (R, R)).to_local().float()
             return prog.scaled(local * w if w != 1.0 else local)
         sent = [index]
@@ -225,6 +228,7 @@ class PipelineProgram(Program):
     """
 
     kind = ProgramKind.PIPELINE
+    _planned_length_only = "its stages' send and receive buffers are shaped for it when they are built"
 
     def __init__(
         self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None
@@ -543,6 +547,8 @@ class PipelineProgram(Program):
             scale = self.scaler.scale if self.scaler is not None and backward else 1.0
             totals[0] = sum(float(x.detach()) for x in losses) / scale
             totals[1] = sum(last.weights)
+            if self.num_microbatches == 1:  # the loss went out unweighted
+                totals[0] *= totals[1]
         last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
         with waiting_for(f"the broadcast of the loss from the last stage (rank {last_rank}) over the pp axis"):
             dist.broadcast(totals, src=last_rank, group=self.pp_group)
@@ -753,6 +759,15 @@ class PipelineProgram(Program):
         for names, group, devices in self._tie_groups:
             with waiting_for(f"the all-reduce tying {', '.join(names)} over the stages of pp ranks {list(devices)}"):
                 sum_in_buckets(self._grads_of(names), group)
+
+    def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
+        stages = {name: len(devices) for names, _, devices in self._tie_groups for name in names}
+        out = []
+        for key in self._param_names:
+            grad, pl = self._shard[key].grad, self._placements[key]
+            if grad is not None:
+                out.append((grad, (self.dp if pl[0] == R else 1) * (self.tp if pl[1] == R else 1) * stages.get(key, 1)))
+        return out
 
     def _evaluate(self, micro: list[tuple]) -> float:
         loss_sum, weight = self._run_schedule(micro, backward=False)

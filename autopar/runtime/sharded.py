@@ -179,10 +179,6 @@ class ShardedProgram(Program):
         self._shapes = [tuple(named[n].shape) for n in self._param_names]
         self._buffers = [buffers[n].detach().to(self.device_type) for n in traced.buffer_names]
         self._run_buffers = [self.in_compute_format(b) for b in self._buffers]
-        self._constants = {
-            k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
-            for k, v in traced.exported.constants.items()
-        }
         self.comm = ProgramComm.of_plan(plan, self.kind)  # what it does over the data axis (and how it is priced)
         placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
         params = frozenset(n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param")
@@ -207,23 +203,51 @@ class ShardedProgram(Program):
         self._setup_release()
         if self.overlap:
             self._setup_overlap(placeholders, traced.placeholder_kinds)
+        self._eval_knobs = knobs
+        self._bind_trace(traced)
+        self._build_optimizer(self.shards)
+
+    # what depends on the trace: kept per sequence length (`autopar.runtime.shapes`)
+    _per_length = ("traced", "_interp", "_eval_interp", "_eval_knobs", "_constants")
+
+    def _bind_trace(self, traced: TracedModel) -> None:
+        """Run the model as `traced` (the planned length, or another: `autopar.runtime.shapes`), bound to the plan's
+        placements by the rewrite; the parameters, buckets and prefetch groups are the program's and stay."""
+        self._check_plan_matches(traced)
+        placeholders = [n.name for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
+        params = [n for n, kind in zip(placeholders, traced.placeholder_kinds, strict=True) if kind == "param"]
+        if params != list(self._index_of):
+            raise LoweringError(
+                "the model traced at this sequence length has other parameter inputs than at the planned one; "
+                "compile with an example batch of this length"
+            )
+        self.traced = traced
+        self._constants = {
+            k: self.in_compute_format(v.to(self.device_type)) if isinstance(v, torch.Tensor) else v
+            for k, v in traced.exported.constants.items()
+        }
+        self._eval_knobs = dict(self._eval_knobs, params=frozenset(params))
         gather = self._gather if self.overlap else self._gather_plain if self._release else None
         self._interp = shard_pass(
-            traced.graph_module, None, recompute=plan.recompute, layer_modes=plan.layer_modes, gather=gather, **knobs
+            traced.graph_module,
+            None,
+            recompute=self.plan.recompute,
+            layer_modes=self.plan.layer_modes,
+            gather=gather,
+            **self._eval_knobs,
         )
         if self.overlap:
             self._note_segments(self._interp)
-        self._eval_knobs = knobs
         self._eval_interp = None  # built on the first eval_step
-        self._build_optimizer(self.shards)
 
     def _check_plan_matches(self, traced: TracedModel) -> None:
         names = {n.name for n in traced.exported.graph.nodes}
         missing = [n for n in self.plan.node_output if n not in names]
         if missing:
             raise LoweringError(
-                f"the plan does not belong to this model: {len(missing)} of its nodes "
-                f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again"
+                f"the plan does not belong to this graph: {len(missing)} of its nodes "
+                f"(e.g. {missing[:3]}) are not in the traced graph; plan this model again (at this sequence "
+                f"length, if it is not the planned one)"
             )
 
     # -------------------------------------------------------------------------------- gathered weights
@@ -659,15 +683,18 @@ class ShardedProgram(Program):
             loss = self._run(mb_args, mb_kwargs, interp)[0]
             check_scalar_loss(loss)
             loss = loss.redistribute(self.mesh, (R, R))
-            counts = interp.loss_counts
-            w = counts[0] if len(micro) > 1 and len(counts) == 1 else 1.0
+            # the labels a mean cross-entropy kept: the step's weight (`Program.train_step`); a user's loss is
+            # global already (`autopar.loss`). One micro-batch's gradients need no weighting.
+            counts = interp.loss_counts if self.loss_spec is None else []
+            w = counts[0] if len(counts) == 1 else 1.0
+            w_back = w if len(micro) > 1 else 1.0
             if backward:
                 last = j == len(micro) - 1
                 if arm is not None:
                     arm(last)
                 self._in_backward = True
                 try:
-                    self.scaled(loss * w if w != 1.0 else loss).backward()
+                    self.scaled(loss * w_back if w_back != 1.0 else loss).backward()
                 finally:
                     self._in_backward = False
                 if finish is not None:
@@ -702,6 +729,14 @@ class ShardedProgram(Program):
                     dtype=self.compute_dtype if self.reduce_in_compute else None,
                 )
         return loss_sum, total
+
+    def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
+        tp = self.plan.mesh["tp"]
+        return [
+            (p.grad, (self.data_ranks if pl[0] == R else 1) * (tp if pl[1] == R else 1))
+            for p, pl in zip(self.shards, self._placements, strict=True)
+            if p.grad is not None
+        ]
 
     def _evaluate(self, micro: list[tuple]) -> float:
         if self._eval_interp is None:

@@ -324,14 +324,16 @@ def _bucket_reductions_before(events: list, gradient: str) -> int:
 def test_data_parallel_buckets_are_reduced_while_backward_runs():
     """Buckets are issued before the first layer's gradients exist, and every bucket by the time the embedding's
     gradient (the last of backward) is in: the program's hook on it, registered before the test's, launches the
-    last bucket; one all-reduce per bucket and one of the loss sum and label count (first, before the last backward). With
+    last bucket; one all-reduce per bucket, one of the loss sum and label count (first, before the last backward) and
+    the step guard's (last, after the buckets: `runtime.step_guard`). With
     overlap off (the contrast that makes the order mean something) no bucket goes out before backward ends."""
     on, off = run_distributed(_overlap_order, 2)[0], run_distributed(_overlap_order, 2, False)[0]
     for got in on, off:
         kinds = [kind for kind, _ in got["events"]]
         assert got["buckets"] > 2
-        assert kinds.count("all_reduce") == got["buckets"] + 1
+        assert kinds.count("all_reduce") == got["buckets"] + 2
         assert got["events"][0] == ("all_reduce", 2)  # the totals
+        assert got["events"][-1] == ("all_reduce", 3)  # the step guard's: norm, non-finite flag, tokens
     assert _bucket_reductions_before(on["events"], "embedding grad") == on["buckets"], on["events"]
     # buckets of the layers after the first went out while the first layer's backward was still to run
     assert 0 < _bucket_reductions_before(on["events"], "first layer grad") < on["buckets"], on["events"]

@@ -115,7 +115,9 @@ def _events(rank: int, world_size: int, constraints, bucket_bytes: int):
 
     def counting(name):
         def call(*a, **k):
-            calls.append(name)
+            guard = name == "all_reduce" and a[0].dtype == torch.float64 and a[0].numel() == 3
+            if not guard:  # the step guard's all-reduce (`runtime.step_guard`) follows the gradient buckets
+                calls.append(name)
             return real[name](*a, **k)
 
         return call

@@ -1,0 +1,117 @@
+"""Sequence lengths up to the planned one run on the plan's layout (each traced once and kept); longer ones, and
+shorter ones on a pipeline, are refused with what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from tests.distributed.harness import run_distributed
+from tests.models import make_batch, make_model
+
+pytestmark = pytest.mark.distributed
+
+LR = 1e-2
+LENGTHS = (16, 8, 12, 8, 16)  # planned at 16; 8 and 12 traced once each, then reused
+LOSS_RTOL = 1e-6  # fp32: the same sums in another order (rounding only)
+PARAM_ATOL = 1e-6  # SGD with momentum over five steps: rounding only
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _runs(rank: int, world_size: int, cases):
+    out = []
+    for _, constraints, offload in cases:
+        args, kwargs = make_batch("llama", seq=LENGTHS[0])
+        pm = autopar.compile(
+            make_model("llama"),
+            f"cpu:{world_size}",
+            args,
+            kwargs,
+            optimizer=_sgd if not offload else None,
+            constraints=constraints,
+            offload=offload,
+        )
+        losses = []
+        for seq in LENGTHS:
+            a, k = make_batch("llama", seq=seq)
+            losses.append(pm.train_step(*a, **k))
+        longer = make_batch("llama", seq=32)
+        try:
+            pm.train_step(*longer[0], **longer[1])
+            refused = None
+        except autopar.ConfigError as e:
+            refused = str(e)
+        state = pm.state_dict()
+        out.append(
+            {
+                "kind": str(pm.plan.program),
+                "losses": losses,
+                "lengths": pm.lengths.traced,
+                "refused": refused,
+                "state": state if rank == 0 else None,
+            }
+        )
+    return out
+
+
+def _reference(offload: bool):
+    model = make_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3) if offload else _sgd(model.parameters())
+    losses = []
+    for seq in LENGTHS:
+        a, k = make_batch("llama", seq=seq)
+        opt.zero_grad()
+        loss = model(*a, **k).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses, model.state_dict()
+
+
+CASES = [
+    ("data-parallel", {"dp": 2, "tp": 1}, None),
+    ("sharded", {"tp": 2}, None),
+    ("sharded", {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 2}, None),
+    ("sharded", {"dp": 1, "cp": 2, "tp": 1}, None),
+    ("offload", {"tp": 1}, True),
+]
+
+
+def test_shorter_sequences_run_on_the_planned_layout():
+    runs = run_distributed(_runs, 2, CASES)
+    refs = {offload: _reference(offload) for offload in (False, True)}
+    for i, (kind, constraints, offload) in enumerate(CASES):
+        ref_losses, ref_state = refs[bool(offload)]
+        for r in range(2):
+            got = runs[r][i]
+            assert got["kind"] == kind, (kind, constraints)
+            # the offload program's AdamW (lr 1e-3, compile's default) against the same: rounding only
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5 if offload else LOSS_RTOL), (kind, r)
+            # each length traced once and kept; the offload program runs the model eagerly and traces none
+            assert got["lengths"] == ([16] if offload else [8, 12, 16]), (kind, got["lengths"])
+            assert got["refused"] is not None and "longer than the 16" in got["refused"], got["refused"]
+        if not offload:
+            for key, value in ref_state.items():
+                torch.testing.assert_close(runs[0][i]["state"][key], value, atol=PARAM_ATOL, rtol=0)
+
+
+def _pipeline(rank: int, world_size: int):
+    args, kwargs = make_batch("llama")
+    pm = autopar.compile(
+        make_model("llama"), f"cpu:{world_size}", args, kwargs, constraints={"pp": 2, "num_microbatches": 2}
+    )
+    short = make_batch("llama", seq=8)
+    try:
+        pm.train_step(*short[0], **short[1])
+    except autopar.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_pipeline_refuses_shorter_sequences_saying_what_to_do():
+    for message in run_distributed(_pipeline, 2):
+        assert message is not None and "pad the batch to 16" in message, message
