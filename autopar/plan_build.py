@@ -309,6 +309,8 @@ def pipeline_plan(job: Job, psol) -> Plan:
         "stages": stages,
         "step_time_without_pipeline_s": psol.single_stage_step_time_s,
         "priced": [_per_dp(c, cp) for c in psol.candidates],
+        # the step guard (`step_guard_s`): in the plan's step time, not in the search's figures above
+        "step_guard_s": guard,
     }
     stats = _stats(graph, est, t0, t_trace, psol.solve_time_s, stage_programs=psol.num_stage_programs)
     layer_ops = _stage_layer_ops(psol.stages)
