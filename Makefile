@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint clean test-torch gpu-wheels
+.PHONY: demo check test test-all lint clean test-torch gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,12 +16,22 @@ demo: $(STAMP)
 	$(PY) -m autopar plan --model llama2-7b --cluster 8xA100-80GB --global-batch-size 8 --seq-len 2048 --explain
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 examples/train_llama.py --steps 5
 
-# The suite without the tests marked slow (the whole of it: `make test-all`).
+# Three tiers, chosen by the markers of pyproject.toml; each prints its 15 slowest tests.
+# check: the unit tests, which start no process (under a minute on 2 cores): the loop while developing.
+# test: adds whole models planned and trained in process and on gloo ranks, the CLI, the golden plans (what CI runs).
+# test-all: adds the tests marked slow.
+# test and test-all run JOBS pytest workers (pytest-xdist), each test file on one worker; JOBS=0: in one process.
+PYTEST := TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests --durations=15
+JOBS ?= 2
+
+check: $(STAMP)
+	$(PYTEST) -m "not distributed and not subprocess and not integration and not slow" $(PYTEST_ARGS)
+
 test: $(STAMP)
-	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests -m "not slow" --durations=25 $(PYTEST_ARGS)
+	$(PYTEST) -n $(JOBS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PYTEST) -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 
 # The smoke tier (tests marked smoke) on another torch release, in its own environment .venv-torch-<release>:
 # `make test-torch TORCH=2.11.0`. The registry's Linux wheels of torch are CUDA builds (several GB; they run on
@@ -56,6 +66,8 @@ lint: $(STAMP)
 	test -x $(VENV)/bin/ruff || $(PY) -m pip install -q 'ruff>=0.6'
 	$(VENV)/bin/ruff check autopar passes cost_model triton_kernels tests examples
 	$(VENV)/bin/ruff format --check autopar passes cost_model triton_kernels tests examples
+	# the layers (base -> cost model -> plans -> passes -> programs -> planning -> api/cli/bench), on the source
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -8,6 +8,7 @@ parallel program that trains on `torch.distributed`.
 from autopar.api import compare, compile, plan
 from autopar.checkpoint import latest_checkpoint
 from autopar.cluster import ClusterSpec, parse_bytes
+from autopar.constraints import Constraints
 from autopar.errors import (
     AutoparError,
     ConfigError,
@@ -25,6 +26,7 @@ __all__ = [
     "AutoparError",
     "ClusterSpec",
     "ConfigError",
+    "Constraints",
     "InfeasiblePlanError",
     "LoweringError",
     "NonFiniteError",

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from autopar.checkpoint import hf
+from autopar.constraints import Constraints
 from autopar.input_validation import (
     as_cluster,
     check_batch_of_plan,
@@ -37,7 +38,7 @@ def plan(
     *,
     global_batch_size: int | None = None,
     seq_len: int | None = None,
-    constraints: dict | None = None,
+    constraints: dict | Constraints | None = None,
     memory_budget=None,
     offload: bool | None = None,
     precision: str | None = None,
@@ -57,12 +58,9 @@ def plan(
         cluster: a ClusterSpec or its string form ("4x8xA100-80GB", "cpu:4").
         example_inputs, example_kwargs: one global batch for a module (shapes matter, values do not).
         global_batch_size, seq_len: the batch for a preset.
-        constraints: pins: "tp", "dp" (axis sizes), "zero" (0-3), "num_microbatches" (gradient accumulation
-            steps per data-parallel rank), "micro_batch_size" (samples per micro-batch per rank) or
-            "recompute" (activation recompute: "none", "selective" for attention internals, "full" for
-            whole layers), "tp_min_split" (the fraction of the layer matmul weights' elements a tensor axis
-            must split: 1 by default, 0 lets it split nothing), "param_placements" (parameter name ->
-            placement on the tensor axis, "R" or "S(dim)").
+        constraints: pins, a dict such as {"tp": 2, "zero": 1} or an `autopar.Constraints`: each field of
+            `autopar.constraints.Constraints` is a key (axis sizes, the ZeRO stage, micro-batches, recompute, the
+            pipeline's stages and schedule, cp, overlap...); what is left out, the planner decides.
         memory_budget: per-device cap, bytes or "20GB"; defaults to the device memory.
         offload: None (default) lets the solver put optimizer states (fp32 master weights and moments) and
             gradients on the host where device memory requires it; False keeps every state on the device;

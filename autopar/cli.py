@@ -6,32 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from autopar.constraints import cli_flags
 from autopar.errors import AutoparError
-
-# `plan` flags that become autopar.plan constraints, by their argparse dest (the constraint's key).
-_CONSTRAINT_FLAGS = (
-    "tp",
-    "dp",
-    "zero",
-    "pp",
-    "num_microbatches",
-    "micro_batch_size",
-    "schedule",
-    "virtual_stages",
-    "recompute",
-    "cp",
-    "cp_attention",
-)
-# The values of passes.pipeline.Schedule and of input_validation.RECOMPUTE_MODES (tests/test_cli.py checks
-# they agree), written out so that `--help` does not import torch.
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def _plan_cmd(args) -> int:
     import autopar
 
-    constraints = {k: getattr(args, k) for k in _CONSTRAINT_FLAGS if getattr(args, k) is not None}
+    flags = [kw["dest"] for _, kw in cli_flags()]
+    constraints = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     # Unset switches stay out of the call, so autopar.plan's own defaults (None: decide by cluster) apply.
     switches = {k: getattr(args, k) for k in ("offload", "pipeline", "fuse_kernels") if getattr(args, k) is not None}
     from autopar.progress import PlanProgress
@@ -137,21 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", required=True, help="NODESxDEVICESxKIND, DEVICESxKIND, cpu:N, or a YAML/JSON file")
     p.add_argument("--global-batch-size", type=int, required=True)
     p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--tp", type=int, help="pin the tensor-parallel axis size")
-    p.add_argument("--dp", type=int, help="pin the data-parallel axis size")
-    p.add_argument("--cp", type=int, help="pin the context-parallel axis size (the sequence split over it)")
-    p.add_argument(
-        "--cp-attention",
-        choices=["allgather", "ring", "alltoall"],
-        help="pin the cp attention algorithm (default: the cheapest that applies)",
-    )
-    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], help="pin the ZeRO stage")
-    p.add_argument("--pp", type=int, help="pin the number of pipeline stages (1: no pipeline)")
-    p.add_argument("--num-microbatches", type=int, help="pin the gradient accumulation steps per data-parallel rank")
-    p.add_argument("--micro-batch-size", type=int, help="pin the samples per micro-batch per rank")
-    p.add_argument("--schedule", choices=SCHEDULES, help="pin the pipeline schedule")
-    p.add_argument("--virtual-stages", type=int, help="pin the model chunks per device (interleaved_1f1b)")
-    p.add_argument("--recompute", choices=RECOMPUTE_MODES, help="pin activation recompute")
+    for flag, kw in cli_flags():  # one per field of autopar.constraints.Constraints that the command line offers
+        p.add_argument(flag, **kw)
     p.add_argument("--memory-budget", help="per-device memory cap, e.g. 20GB")
     p.add_argument(
         "--offload",

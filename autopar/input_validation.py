@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from autopar.cluster import ClusterSpec, load_cluster, parse_bytes
+from autopar.constraints import Constraints
 from autopar.context_parallel.inputs import check_cp_inputs
 from autopar.cost_model import AnalyticEstimator, DType, ProfiledEstimator
 from autopar.errors import ConfigError
@@ -25,71 +26,14 @@ from autopar.passes.fused_ops import default_fusion
 from autopar.plan import Plan
 from autopar.runtime.step_guard import check_guard_options
 
-CONSTRAINT_KEYS = {
-    "tp",
-    "dp",
-    "zero",
-    "num_microbatches",
-    "micro_batch_size",
-    "pp",
-    "schedule",
-    "virtual_stages",
-    "recompute",
-    "tp_min_split",
-    "param_placements",
-    "grad_reduce",
-    "overlap",
-    "prefetch_depth",
-    "cp",
-    "cp_attention",
-}
-RECOMPUTE_MODES = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp16", "fp32")
-# constraints that pin a count: a positive integer (zero: a stage, 0 to 3); None leaves it to the solver
-_COUNT_KEYS = ("tp", "dp", "pp", "cp", "num_microbatches", "micro_batch_size", "virtual_stages")
 
 
-def check_constraints(constraints) -> dict:
-    """`constraints` as a dict after checking the keys and the kinds of their values (the solvers check the
-    values against the model and the cluster); ConfigError says which key holds what."""
-    if constraints is None:
-        return {}
-    if not isinstance(constraints, dict):
-        raise ConfigError(
-            f"constraints must be a dict such as {{'tp': 2, 'zero': 1}}, got {type(constraints).__name__}"
-        )
-    unknown = set(constraints) - CONSTRAINT_KEYS
-    if unknown:
-        raise ConfigError(f"unknown constraints {sorted(map(str, unknown))}: supported are {sorted(CONSTRAINT_KEYS)}")
-    for key in _COUNT_KEYS:
-        v = constraints.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError(
-                f"constraints[{key!r}]={v!r}: expected a positive integer (or None to let the planner choose)"
-            )
-    zero = constraints.get("zero")
-    if zero is not None and (isinstance(zero, bool) or zero not in (0, 1, 2, 3)):
-        raise ConfigError(f"constraints['zero']={zero!r}: expected 0, 1, 2 or 3")
-    if constraints.get("recompute", "none") not in RECOMPUTE_MODES:
-        raise ConfigError(
-            f"constraints['recompute']={constraints['recompute']!r}: expected one of {', '.join(RECOMPUTE_MODES)}"
-        )
-    if "overlap" in constraints and not isinstance(constraints["overlap"], bool):
-        raise ConfigError(f"constraints['overlap']={constraints['overlap']!r}: expected True or False")
-    depth = constraints.get("prefetch_depth")
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise ConfigError(
-            f"constraints['prefetch_depth']={depth!r}: expected a count of layers, 0 (gather each "
-            f"parameter when it is used) or more"
-        )
-    for key in ("grad_reduce", "schedule", "cp_attention"):
-        v = constraints.get(key)
-        if v is not None and not isinstance(v, str):
-            raise ConfigError(f"constraints[{key!r}]={v!r}: expected a name (a string)")
-    split = constraints.get("tp_min_split")
-    if split is not None and (isinstance(split, bool) or not isinstance(split, (int, float))):
-        raise ConfigError(f"constraints['tp_min_split']={split!r}: expected a fraction between 0 and 1")
-    return dict(constraints)
+def check_constraints(constraints) -> Constraints:
+    """`constraints` (None, a dict or a Constraints) as the frozen `Constraints` every layer behind the edge reads,
+    after checking the keys and the kinds of their values (the solvers check the values against the model and the
+    cluster); ConfigError says which key holds what."""
+    return Constraints.of(constraints)
 
 
 def check_precision(precision) -> None:
@@ -248,7 +192,7 @@ class PlanRequest:
     kwargs: dict
     name: str
     cluster: ClusterSpec
-    constraints: dict
+    constraints: Constraints
     cp: int  # the pinned cp degree (1: none)
     precision: str
     estimator: object
@@ -271,7 +215,7 @@ def read_plan_request(
     *,
     global_batch_size: int | None = None,
     seq_len: int | None = None,
-    constraints: dict | None = None,
+    constraints: dict | Constraints | None = None,
     memory_budget=None,
     offload: bool | None = None,
     precision: str | None = None,

@@ -136,7 +136,8 @@ def sharded_plan(job: Job, sol) -> Plan:
             "tp": r.tp,
             "num_microbatches": r.num_microbatches,
             "feasible": r.feasible,
-            "step_time_s": r.step_time_s if r.feasible else None,
+            # with the step guard, as the plan's own step time (`step_guard_s`)
+            "step_time_s": r.step_time_s + step_guard_s(cluster, r.memory, precision, job.clip) if r.feasible else None,
             "compute_s": r.compute_s,
             "reshard_s": r.reshard_s,
             "grad_sync_s": r.grad_sync_s,

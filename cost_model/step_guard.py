@@ -13,8 +13,12 @@ spanning the world (`comm.estimate_collective_time`; on GPUs NCCL's cheapest alg
 
 from __future__ import annotations
 
-from autopar.cluster import ClusterSpec
+from typing import TYPE_CHECKING
+
 from autopar.cost_model.comm import Collective, estimate_collective_time
+
+if TYPE_CHECKING:  # the cluster module reads the cost model's device figures: only its type is named here
+    from autopar.cluster import ClusterSpec
 
 GUARD_REDUCE_BYTES = 24  # three fp64 numbers
 

@@ -47,6 +47,7 @@ def test_cluster_dict_with_a_value_of_the_wrong_kind_is_a_config_error():
         ClusterSpec.from_dict(d)
 
 
+@pytest.mark.integration
 def test_plan_takes_a_cluster_file_path(tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text("cluster: cpu:2\n")
@@ -91,17 +92,20 @@ def llama_plan():
     return autopar.plan(make_model("llama"), "cpu:1", args, kwargs, alternatives=False)
 
 
+@pytest.mark.integration
 def test_compile_refuses_a_plan_of_another_cluster(llama_plan):
     other = autopar.Plan.from_json(llama_plan.to_json().replace('"name": "cpu"', '"name": "cpu-b"'))
     with pytest.raises(autopar.ConfigError, match="the plan is for 1 node x 1 cpu-b .* but compile was given"):
         autopar.compile(make_model("llama"), "cpu:1", *make_batch("llama"), plan=other)
 
 
+@pytest.mark.integration
 def test_compile_refuses_a_plan_of_another_model(llama_plan):
     with pytest.raises(autopar.ConfigError, match="trainable parameters but this model .GPT2LMHeadModel. has"):
         autopar.compile(make_model("gpt2"), "cpu:1", *make_batch("gpt2"), plan=llama_plan)
 
 
+@pytest.mark.integration
 def test_compile_refuses_a_plan_of_another_sequence_length(llama_plan):
     with pytest.raises(autopar.ConfigError, match="128 tokens per step but the example inputs hold 64"):
         autopar.compile(make_model("llama"), "cpu:1", *make_batch("llama", seq=8), plan=llama_plan)
@@ -123,6 +127,7 @@ def _doubled(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t], dim=1)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("change", "words"),
     [
@@ -160,12 +165,14 @@ def saved(llama, tmp_path_factory):
     return root / "good"
 
 
+@pytest.mark.integration
 def test_load_of_none_says_that_latest_checkpoint_found_none(llama, tmp_path):
     pm, _, _ = llama
     with pytest.raises(autopar.ConfigError, match="latest_checkpoint found none"):
         pm.load_checkpoint(autopar.latest_checkpoint(tmp_path))
 
 
+@pytest.mark.integration
 def test_checkpoint_of_another_version_is_skipped_and_refused_with_both_versions(llama, saved, tmp_path):
     pm, _, _ = llama
     shutil.copytree(saved, tmp_path / "old")
@@ -177,6 +184,7 @@ def test_checkpoint_of_another_version_is_skipped_and_refused_with_both_versions
         pm.load_checkpoint(tmp_path / "new")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("name", "words"),
     [(".metadata", "missing or damaged index"), ("__0_0.distcp", "shard files are missing or damaged")],
@@ -189,12 +197,14 @@ def test_checkpoint_with_a_missing_file_is_a_config_error(llama, saved, tmp_path
         pm.load_checkpoint(tmp_path / "ckpt")
 
 
+@pytest.mark.integration
 def test_checkpoint_of_another_model_is_refused(saved):
     other = autopar.compile(make_model("gpt2"), "cpu:1", *make_batch("gpt2"))
     with pytest.raises(autopar.ConfigError, match="it is of another model"):
         other.load_checkpoint(saved)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("kw", "words"),
     [
@@ -211,6 +221,7 @@ def test_save_refuses_bad_arguments_before_writing(llama, tmp_path, kw, words):
     assert not any(tmp_path.iterdir()), "a refused save left files behind"
 
 
+@pytest.mark.integration
 def test_checkpoint_saved_before_the_first_step_loads_into_a_trained_program(tmp_path):
     """Before its first step a torch optimizer holds no states, so such a checkpoint has none: loading it gives
     the saved weights and an optimizer that starts afresh, and the next step equals the saving program's."""

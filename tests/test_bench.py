@@ -42,6 +42,7 @@ def plans_out(tmp_path_factory):
     return out, results
 
 
+@pytest.mark.integration
 def test_plans_writes_json_markdown_and_plot(plans_out):
     out, results = plans_out
     doc = json.loads((out / "plans.json").read_text())
@@ -59,6 +60,7 @@ def test_plans_writes_json_markdown_and_plot(plans_out):
     assert (out / "plans.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.integration
 def test_every_fitting_baseline_is_priced(plans_out):
     _, results = plans_out
     for r in results:
@@ -70,6 +72,7 @@ def test_every_fitting_baseline_is_priced(plans_out):
                 assert b["step_time_s"] is None and b["error"], (r["case"], name)
 
 
+@pytest.mark.integration
 def test_autopar_is_never_predicted_slower_than_a_baseline(plans_out):
     _, results = plans_out
     compared = 0
@@ -85,6 +88,7 @@ def test_autopar_is_never_predicted_slower_than_a_baseline(plans_out):
     assert compared >= 8
 
 
+@pytest.mark.integration
 def test_infeasible_layouts_are_recorded_not_raised(plans_out):
     _, results = plans_out
     r = results[2]
@@ -102,6 +106,7 @@ def test_grid_uses_only_accepted_constraints():
     assert len(points) == 4  # pp has one value, tp and micro-batches two each
 
 
+@pytest.mark.integration
 def test_compile_suite_splits_planning_time(tmp_path):
     sweep = compile_time.CompileSweep("tiny-llama", (1, 3), "8xA100-80GB", 2, ("8xA100-80GB", "2x8xA100-80GB"), 8, 32)
     with warnings.catch_warnings():
@@ -118,6 +123,7 @@ def test_compile_suite_splits_planning_time(tmp_path):
     assert (tmp_path / "compile.png").exists() and "## Devices" in (tmp_path / "compile.md").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_run_suite_measures_every_method(tmp_path):
     model = RunModel("tiny-llama", "tiny-llama", 4, 32)
@@ -248,6 +254,7 @@ def test_cli_rejects_a_gpu_cluster_for_the_run_suite(tmp_path, capsys):
         main(["bench", "no-such-suite"])
 
 
+@pytest.mark.integration
 def test_model_estimator_prices_the_optimizer_the_model_trains_with(tmp_path):
     # one rank (no shared-core measurement): the in-step scale and SGD's step are measured on the tiny model
     spec = RunModel("tiny-sgd", "tiny-llama", 2, 16, optimizer="sgd")

@@ -50,6 +50,7 @@ def test_rows_and_layouts():
         megatron.select_rows("7b")
 
 
+@pytest.mark.integration
 def test_small_row_planned_end_to_end(tmp_path, capsys):
     doc = megatron.run(tmp_path, rows="1.7b", show_progress=False)
     (r,) = doc["rows"]
@@ -64,6 +65,8 @@ def test_small_row_planned_end_to_end(tmp_path, capsys):
     assert "| 1.7B |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_tensor_parallel_row_planned_with_the_run_scripts_micro_batch(tmp_path):
     # 18.4B: tp=8 inside a node, dp=32 across nodes, MBS 8 of the 32 sequences per data-parallel rank
     doc = megatron.run(tmp_path, rows="18.4b", show_progress=False)

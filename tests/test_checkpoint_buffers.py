@@ -31,6 +31,7 @@ def _compile(constraints: dict, x, y):
     return autopar.compile(_Normed(), "cpu:1", (x, y), constraints=constraints, optimizer=sgd)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("kind", "constraints"), [("data-parallel", {}), ("sharded", {"zero": 1})])
 def test_running_statistics_survive_a_checkpoint(tmp_path, kind, constraints):
     torch.manual_seed(1)

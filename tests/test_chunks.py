@@ -142,6 +142,7 @@ def _train_pair(impl: str, *, micro_batches: int, freeze: tuple[str, ...] = (), 
     return store, ref
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("impl", ["blocked", "fused"])
 @pytest.mark.parametrize("micro_batches,freeze", [(1, ()), (2, ()), (1, ("model.layers.0.mlp.up_proj.weight",))])
 def test_chunk_adamw_matches_torch(impl, micro_batches, freeze):
@@ -273,6 +274,7 @@ def test_activation_tracker_counts_saved_tensors_once_and_releases_them():
     assert tracker.by_kind["activations"] == 0 and tracker.peak == expected
 
 
+@pytest.mark.integration
 def test_memory_check_trains_a_model_whose_states_exceed_the_budget():
     """`python -m autopar.memory check` on the CPU path: the plan offloads, training runs, the tracker's peak
     stays under the plan's prediction (on a GPU the same script compares torch.cuda.max_memory_allocated)."""

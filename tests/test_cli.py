@@ -13,6 +13,7 @@ def _run(*args):
     return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.subprocess
 def test_plan_json_and_explain(tmp_path):
     out = tmp_path / "plan.json"
     report = tmp_path / "plan.html"
@@ -41,6 +42,7 @@ def test_plan_json_and_explain(tmp_path):
     assert r.returncode == 0 and "Why this plan" in r.stdout
 
 
+@pytest.mark.subprocess
 def test_user_errors_exit_with_a_message(tmp_path):
     r = _run("plan", "--model", "gpt2", "--cluster", "8xB999", "--global-batch-size", "8", "--seq-len", "128")
     assert r.returncode == 2 and "autopar: error:" in r.stderr and "A100-80GB" in r.stderr
@@ -71,12 +73,28 @@ def _plan_json(tmp_path, capsys, *flags, cluster="cpu:2"):
 
 
 def test_choices_are_those_the_api_accepts():
-    from autopar import input_validation
-    from autopar.cli import RECOMPUTE_MODES, SCHEDULES
+    from autopar.constraints import RECOMPUTE_MODES, SCHEDULES
+    from autopar.passes import recompute
     from autopar.passes.pipeline import Schedule
 
     assert SCHEDULES == tuple(s.value for s in Schedule)
-    assert RECOMPUTE_MODES == input_validation.RECOMPUTE_MODES
+    assert RECOMPUTE_MODES == recompute.RECOMPUTE_MODES
+
+
+def test_plan_flags_are_the_constraint_fields(capsys):
+    """`autopar plan --help` offers a flag for each field of Constraints marked for the command line, and only
+    those become constraints."""
+    import dataclasses
+
+    from autopar.cli import main
+    from autopar.constraints import Constraints, cli_flags
+
+    offered = {f.name for f in dataclasses.fields(Constraints) if f.metadata["flag"]}
+    assert {kw["dest"] for _, kw in cli_flags()} == offered
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    shown = capsys.readouterr().out
+    assert all(f"--{name.replace('_', '-')}" in shown for name in offered)
 
 
 @pytest.mark.parametrize(
@@ -123,17 +141,20 @@ def test_plan_flags_pass_through(monkeypatch, flags, constraints, switches):
     assert {k: kwargs[k] for k in ("offload", "pipeline", "fuse_kernels") if k in kwargs} == switches
 
 
+@pytest.mark.integration
 def test_recompute_and_micro_batches_reach_the_plan(tmp_path, capsys):
     assert _plan_json(tmp_path, capsys)["recompute"] == "none"
     doc = _plan_json(tmp_path, capsys, "--recompute", "full", "--dp", "2", "--micro-batch-size", "2")
     assert doc["recompute"] == "full" and doc["mesh"]["dp"] == 2 and doc["num_microbatches"] == 2
 
 
+@pytest.mark.integration
 def test_pipeline_flags_reach_the_plan(tmp_path, capsys):
     doc = _plan_json(tmp_path, capsys, "--pp", "2", "--schedule", "gpipe", "--num-microbatches", "4", cluster="cpu:4")
     assert doc["mesh"]["pp"] == 2 and doc["pipeline"]["schedule"] == "gpipe" and doc["num_microbatches"] == 4
 
 
+@pytest.mark.integration
 def test_offload_and_fusion_switches_reach_the_plan(tmp_path, capsys):
     assert not _plan_json(tmp_path, capsys)["fusion"]["enabled"]  # default off on CPUs
     assert _plan_json(tmp_path, capsys, "--fuse-kernels")["fusion"]["enabled"]
@@ -142,6 +163,7 @@ def test_offload_and_fusion_switches_reach_the_plan(tmp_path, capsys):
     assert _plan_json(tmp_path, capsys, "--memory-budget", "1MB")["offload"]["optimizer_fraction"] > 0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("cluster", "flags", "message"),
     [

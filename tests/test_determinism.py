@@ -39,6 +39,7 @@ def _plan_json(case: str) -> str:
         return autopar.plan(model, cluster, **kw).to_json()
 
 
+@pytest.mark.integration
 def test_plan_json_is_byte_identical_when_planned_twice_in_one_process():
     first, second = _plan_json("sharded"), _plan_json("sharded")
     assert first == second
@@ -46,6 +47,7 @@ def test_plan_json_is_byte_identical_when_planned_twice_in_one_process():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_plan_json_is_byte_identical_in_another_process_with_another_hash_seed(case):
     here = _plan_json(case)
@@ -89,6 +91,7 @@ def _losses(seed: int, steps: int = 3) -> list[float]:
     return [pm.train_step(*args, **kwargs) for _ in range(steps)]
 
 
+@pytest.mark.integration
 def test_a_fixed_seed_gives_the_same_losses_on_repeat():
     first, again, other = _losses(0), _losses(0), _losses(1)
     assert first == again  # the same operations on the same values in the same order: the same bits

@@ -79,6 +79,7 @@ def test_page_starts_with_an_example(page):
     assert first_kind == expected, f"{page}: FIRST_EXAMPLE says {FIRST_EXAMPLE[page]!r}, the page opens {first_kind}"
 
 
+@pytest.mark.integration  # plans of presets: 2 to 20 s a page
 @pytest.mark.parametrize("page", [p for p, how in FIRST_EXAMPLE.items() if how == "run"])
 def test_first_python_example_runs(page, capsys):
     source = _blocks(page, "python")[0]

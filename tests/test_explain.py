@@ -42,6 +42,7 @@ def plans() -> dict:
     }
 
 
+@pytest.mark.integration
 def test_sections_come_in_the_issue_order(plans):
     md = plans["plain"].explain()
     heads = [line[3:] for line in md.splitlines() if line.startswith("## ")]
@@ -50,6 +51,7 @@ def test_sections_come_in_the_issue_order(plans):
     assert pipe.index("Layer table") < pipe.index("Pipeline") < pipe.index("Why this plan")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["plain", "pipeline", "offload"])
 def test_report_numbers_are_the_plans_fields(plans, kind):
     plan = plans[kind]
@@ -71,6 +73,7 @@ def test_report_numbers_are_the_plans_fields(plans, kind):
         assert f"{plan.offload['host_bytes_per_device'] / 1024**3:,.2f} GiB" in md
 
 
+@pytest.mark.integration
 def test_reports_price_nothing(plans, monkeypatch):
     """Rendering reads the plan: with every solver and estimator unusable, the report is the same."""
     before = {k: (p.explain(), p.explain("html")) for k, p in plans.items()}
@@ -146,6 +149,7 @@ def test_layer_table_collectives_of_a_tp2_mlp_match_a_hand_computation():
     assert row in md
 
 
+@pytest.mark.integration
 def test_layer_table_dp_rows_are_the_gradient_sync_and_pipeline_stages_are_named(plans):
     plan = _plan("llama", constraints={"dp": 2, "tp": 1, "zero": 1}, alternatives=False)
     rows = _collectives(plan, axis="dp")
@@ -161,6 +165,7 @@ def test_layer_table_dp_rows_are_the_gradient_sync_and_pipeline_stages_are_named
     assert "pipeline stage 0)" in pipe.explain() and "pipeline stage 1)" in pipe.explain()
 
 
+@pytest.mark.integration
 def test_time_terms_add_up_to_the_step(plans):
     for plan in plans.values():
         assert set(plan.time_breakdown) == set(TERMS)
@@ -168,6 +173,7 @@ def test_time_terms_add_up_to_the_step(plans):
         assert sum(plan.time_breakdown.values()) == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
 
 
+@pytest.mark.integration
 def test_alternatives_are_real_plans_and_never_faster_than_a_free_plan(plans):
     plan = plans["plain"]
     names = {b["name"] for b in plan.baselines}
@@ -185,6 +191,7 @@ def test_alternatives_are_real_plans_and_never_faster_than_a_free_plan(plans):
         assert again.predicted.peak_memory_bytes == pytest.approx(b["peak_memory_bytes"], rel=1e-9)
 
 
+@pytest.mark.integration
 def test_an_infeasible_layout_is_listed_with_its_reason(plans):
     by_name = {c["name"]: c for c in plans["plain"].comparisons}
     assert set(by_name) == {"tp=2", "dp=2,zero=3", "tp=3"}
@@ -202,6 +209,7 @@ def test_an_infeasible_layout_is_listed_with_its_reason(plans):
     assert not entry["feasible"] and "InfeasiblePlanError" in entry["reason"] and "short" in entry["reason"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kind", ["plain", "pipeline", "offload"])
 def test_reports_of_a_plan_read_back_from_json_are_identical(plans, kind):
     plan = plans[kind]
@@ -219,6 +227,7 @@ def test_reports_of_a_plan_read_back_from_json_are_identical(plans, kind):
     assert "planning time" in added and "not kept in plan files" in added
 
 
+@pytest.mark.integration
 def test_compare_adds_layouts_to_a_plan(plans):
     args, kwargs = make_batch("llama", batch=8, seq=16)
     plan = autopar.Plan.from_json(plans["offload"].to_json())
@@ -228,6 +237,7 @@ def test_compare_adds_layouts_to_a_plan(plans):
     assert "## Your layout" in out.explain() and "### dp=2,zero=0" in out.explain()
 
 
+@pytest.mark.integration
 def test_parse_layout():
     assert parse_layout("tp=8,pp=4,zero=1") == {"tp": 8, "pp": 4, "zero": 1}
     assert parse_layout("m=4 schedule=1f1b") == {"num_microbatches": 4, "schedule": "1f1b"}
@@ -263,6 +273,7 @@ def test_a_loss_reason_gives_a_grown_term_in_percent_or_from_what_it_was():
     assert loss_reason(_priced(1.1, 0.1, 3), _priced(1.0, 0.0, 0)).endswith("+100.00 ms")  # none before
 
 
+@pytest.mark.integration
 def test_html_is_self_contained(plans):
     for plan in plans.values():
         page = plan.explain("html")
@@ -275,6 +286,7 @@ def test_html_is_self_contained(plans):
         assert all(ref.startswith("url(#") for ref in re.findall(r"url\([^)]*\)", page))
 
 
+@pytest.mark.integration
 def test_markdown_charts_are_text(plans):
     md = plans["pipeline"].explain()
     assert "<svg" not in md
@@ -293,6 +305,9 @@ def test_gantt_schedule_runs_every_microbatch_once(schedule, v):
         assert max(s.end for s in slots) == pytest.approx((m + pp - 1) * 3.0)
 
 
+# `make test-all`: the CLI runs in a subprocess in test_cli; this one checks where its progress lines go
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_cli_progress_goes_to_stderr_never_into_stdout_or_json(tmp_path):
     import json
     import os
@@ -381,6 +396,7 @@ def overlapped():
     )
 
 
+@pytest.mark.integration
 def test_hidden_communication_is_the_solvers_figure_per_axis(overlapped):
     p = overlapped.predicted
     assert overlapped.program == "data-parallel" and p.grad_sync_hidden_s > 0
@@ -402,6 +418,7 @@ def test_hidden_communication_is_the_solvers_figure_per_axis(overlapped):
     assert p.grad_sync_s + p.grad_sync_hidden_s == pytest.approx(whole, rel=1e-9)
 
 
+@pytest.mark.integration
 def test_layer_table_dp_rows_give_their_exposed_part(overlapped):
     rows = _collectives(overlapped, axis="dp")
     assert rows and all("exposed_s" in c for c in rows)
@@ -426,6 +443,7 @@ def test_layer_table_dp_rows_give_their_exposed_part(overlapped):
     assert "pro rata to its sync time" in md
 
 
+@pytest.mark.integration
 def test_time_breakdown_shows_hidden_apart_from_the_step(overlapped):
     md, page = overlapped.explain(), overlapped.explain("html")
     hidden, exposed = overlapped.hidden_communication["comm_dp"], overlapped.time_breakdown["comm_dp"]
@@ -452,6 +470,7 @@ def test_hidden_bars_stay_out_of_the_total():
     assert "hidden" not in "".join(bars_text(rows, unit="s", scale=1.0))
 
 
+@pytest.mark.integration
 def test_an_overlapped_plan_read_back_from_json_reports_identically(overlapped):
     import json
 
@@ -473,6 +492,7 @@ def test_an_overlapped_plan_read_back_from_json_reports_identically(overlapped):
 # ------------------------------------------------------------------------------------------------ host memory
 
 
+@pytest.mark.integration
 def test_host_memory_is_charted_by_kind_against_its_capacity(plans):
     plan = plans["offload"]
     off, cluster = plan.offload, plan.cluster
@@ -491,6 +511,7 @@ def test_host_memory_is_charted_by_kind_against_its_capacity(plans):
     assert "### Host memory" not in plans["plain"].explain()
 
 
+@pytest.mark.integration
 def test_host_memory_holds_offloaded_activations_too():
     # llama2-70b on one node of A100-80GB: states and activations both go to the host (the golden offload case)
     plan = autopar.plan("llama2-70b", "8xA100-80GB", global_batch_size=32, seq_len=4096, alternatives=False)
@@ -511,6 +532,7 @@ def test_host_memory_holds_offloaded_activations_too():
 # ------------------------------------------------------------------- the chosen plan is never the slower one
 
 
+@pytest.mark.integration
 def test_a_free_plan_beaten_by_an_alternative_adopts_it(monkeypatch):
     """A search that misses the best layout (made to answer with ZeRO-3's) is beaten by DDP, which the plan adopts;
     the search's answer becomes an alternative, and the report stays consistent."""
@@ -559,6 +581,7 @@ def test_the_search_is_never_beaten_on_the_golden_cases():
                 assert step <= b["step_time_s"] * (1 + 1e-12), (name, b["name"])
 
 
+@pytest.mark.integration
 def test_the_search_tries_lean_gradients_on_one_device():
     """llama2-7b on one A100-40GB offloads states: under mixed precision a ZeRO stage >= 1 holds gradients in bf16,
     half of stage 0's fp32, so less goes to the host. The search once tried stage 0 only on a one-rank data axis,
@@ -574,6 +597,7 @@ def test_the_search_tries_lean_gradients_on_one_device():
     assert plan.zero_stage >= 1 and ddp["step_time_s"] > plan.predicted.step_time_s
 
 
+@pytest.mark.integration
 def test_compare_prices_layouts_against_the_plan_it_is_given():
     """A layout compared with a pinned plan afterwards says how it compares with that plan, not with the plan a new
     search would make (which, here, is that very layout)."""
@@ -588,6 +612,7 @@ def test_compare_prices_layouts_against_the_plan_it_is_given():
     assert f"In one line: {entry['reason']}." in out.explain()
 
 
+@pytest.mark.integration
 def test_a_searched_cp_plan_reports_its_degree_algorithm_and_the_degrees_priced():
     # The wide two-layer LLaMA of the cp search tests under a budget only cp fits: the report names the degree,
     # the algorithm with one priced line per algorithm (all-to-all refused with its reason where the heads do
@@ -618,6 +643,7 @@ def test_a_searched_cp_plan_reports_its_degree_algorithm_and_the_degrees_priced(
     assert again.explain() == md
 
 
+@pytest.mark.integration
 def test_a_cp_plan_is_compared_with_layouts_at_their_own_cp_degree():
     # The same wide LLaMA at 16K tokens under a budget only cp fits (the cp search tests check that cp=1 does not
     # fit there). The hand layouts are priced without cp, on the plan without cp's own trace: they do not fit, and
@@ -651,6 +677,7 @@ def test_a_cp_plan_is_compared_with_layouts_at_their_own_cp_degree():
     assert "Your layout" in md and "cp=4" in md
 
 
+@pytest.mark.integration
 def test_compare_prices_a_cp_layout_next_to_a_plan_without_cp():
     # A plan without cp, compared afterwards with "cp=2": the layout is solved on the cp=2 trace, so its mesh has
     # the cp axis and its memory is that trace's: a micro-batch of one sequence on dp=2, against a micro-batch of

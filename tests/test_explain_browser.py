@@ -18,6 +18,9 @@ import pytest
 from autopar.report_charts import PALETTE
 from tests.test_explain import _plan
 
+# `make test-all`: installing Chromium takes minutes on a fresh machine; the HTML itself is checked by test_explain
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 _BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
 

@@ -3,6 +3,8 @@ parameters, priced as frozen (no gradient, optimizer state or gradient reduction
 
 from __future__ import annotations
 
+import pytest
+
 import autopar
 from autopar.ir import OpGraph
 from autopar.trace import trace_model
@@ -29,6 +31,7 @@ def test_a_frozen_layer_is_not_the_representative_of_trainable_ones():
     assert reps and all(".layers.1." in graph.params[r].name for r in reps)
 
 
+@pytest.mark.integration
 def test_plan_counts_the_trainable_parameters_and_compile_accepts_it():
     model = _frozen_first_layer()
     args, kwargs = make_batch("llama")

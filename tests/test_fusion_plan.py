@@ -27,6 +27,7 @@ def gpu_plans() -> dict:
     }
 
 
+@pytest.mark.integration
 def test_gpu_plan_fuses_every_layer_by_default(gpu_plans):
     plan = gpu_plans["fused"]
     # 32 layers: one attention and two norms each, the final norm, one LM-head loss
@@ -40,11 +41,13 @@ def test_gpu_plan_fuses_every_layer_by_default(gpu_plans):
     assert "| kernel fusion | off (ATen ops) |" in gpu_plans["unfused"].explain()
 
 
+@pytest.mark.integration
 def test_fused_plan_is_predicted_no_slower(gpu_plans):
     # flash attention skips the s x s scores (bytes, and half the FLOPs when causal); the fused loss skips the logits
     assert gpu_plans["fused"].predicted.step_time_s <= gpu_plans["unfused"].predicted.step_time_s
 
 
+@pytest.mark.integration
 def test_solver_shards_the_fused_ops_on_the_tensor_axis(gpu_plans):
     strategies = {name: s for name, s in gpu_plans["tp8"].node_strategy.items() if s and not s.startswith("follows")}
     fused = {name: s for name, s in strategies.items() if name.split("_default")[0] in FUSED_OPS}
@@ -52,6 +55,7 @@ def test_solver_shards_the_fused_ops_on_the_tensor_axis(gpu_plans):
     assert all(s != "replicate" for s in fused.values()), fused  # each one runs on 1/8 of the heads, rows or tokens
 
 
+@pytest.mark.integration
 def test_fusion_survives_json(gpu_plans):
     plan = gpu_plans["fused"]
     again = autopar.Plan.from_json(plan.to_json())
@@ -59,6 +63,7 @@ def test_fusion_survives_json(gpu_plans):
     assert "kernel fusion" in again.explain("html")
 
 
+@pytest.mark.integration
 def test_cpu_plans_do_not_fuse_unless_asked():
     model = make_model("llama", num_layers=1)
     args, kwargs = make_batch("llama", batch=2, seq=8)

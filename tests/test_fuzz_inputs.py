@@ -22,9 +22,9 @@ from torch import nn
 import autopar
 from autopar.checkpoint.training import MARKER
 from autopar.cluster import ClusterSpec
+from autopar.constraints import KEYS as CONSTRAINT_KEYS
 from autopar.cost_model.devices import DEVICE_PRESETS
 from autopar.errors import AutoparError
-from autopar.input_validation import CONSTRAINT_KEYS
 from tests.models import MLPBlock
 
 GOLDEN = Path(__file__).parent / "golden" / "plans"
@@ -62,6 +62,7 @@ CLUSTER_STRINGS = st.one_of(
 )
 
 
+@pytest.mark.integration
 @FUZZ
 @given(CLUSTER_STRINGS)
 def test_cluster_strings_parse_or_raise_autopar_errors(text):
@@ -107,6 +108,7 @@ CLUSTER_FILES = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.integration
 @FUZZ
 @given(CLUSTER_FILES)
 def test_cluster_files_load_or_raise_autopar_errors(data):
@@ -156,6 +158,7 @@ def stack():
     return _Stack(), (torch.randn(4, 8, 16),)
 
 
+@pytest.mark.integration
 @SLOW_FUZZ
 @given(CONSTRAINTS)
 def test_constraints_plan_or_raise_autopar_errors(stack, constraints):
@@ -233,6 +236,7 @@ def test_golden_plan_files_read_back():
         autopar.Plan.from_json(text).summary()  # the unmutated files are valid: the mutations start from plans
 
 
+@pytest.mark.integration
 @FUZZ
 @given(mutated_plans())
 def test_mutated_plan_files_read_or_raise_autopar_errors(text):
@@ -293,6 +297,7 @@ def test_checkpoint_markers_load_or_raise_autopar_errors(saved, tmp_path_factory
     assert extra in (None, {"step": 1})
 
 
+@pytest.mark.integration
 @SLOW_FUZZ
 @given(st.sampled_from([".metadata", "__0_0.distcp"]), st.integers(0, 4000), st.binary(max_size=16))
 def test_damaged_checkpoint_files_load_or_raise_autopar_errors(saved, tmp_path_factory, name, at, junk):

@@ -158,6 +158,7 @@ def test_parse_args():
     assert gpu.parse_args(["--out", "x", "--budget-s", "60"]).budget_s == 60
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
 def test_timeout_kills_the_check_and_what_it_started(tmp_path):
     pid_file = tmp_path / "child.pid"
@@ -183,6 +184,7 @@ def _running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.subprocess
 def test_run_checks_reports_each_status_and_keeps_to_the_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu, "MIN_CHECK_S", 1.0)
     checks = (
@@ -204,6 +206,7 @@ def test_run_checks_reports_each_status_and_keeps_to_the_budget(tmp_path, monkey
     assert "| bad: fails | failed | 3 |" in md and "## slow: timeout" in md
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("module", ["autopar.bench.gpu", "autopar.bench.gpu_measure", "autopar.bench.gpu_smoke"])
 def test_without_a_gpu_each_entry_point_says_so_in_one_line(module, tmp_path):

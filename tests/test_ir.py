@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from autopar.ir import NodeKind, OpGraph
 from autopar.trace import trace_model
 from tests.models import make_batch, make_model
 
 
+@pytest.mark.integration
 def test_layers_are_deduplicated_and_parameters_named():
     model = make_model("llama", num_layers=3)
     args, kwargs = make_batch("llama")
@@ -27,6 +30,7 @@ def test_layers_are_deduplicated_and_parameters_named():
     assert sum(1 for k in graph.kinds.values() if k == NodeKind.INPUT) == 2  # input ids and labels
 
 
+@pytest.mark.integration
 def test_frozen_parameters_are_not_counted_as_trainable():
     model = make_model("gpt2")
     args, kwargs = make_batch("gpt2")

@@ -86,6 +86,7 @@ def _gradient(shape: torch.Size, rank: int, i: int) -> torch.Tensor:
     return torch.arange(shape.numel(), dtype=torch.float32).reshape(shape) * (rank + 1) + 10 * i
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", [None, "native"], ids=["default-all-reduce", "native"])
 def test_a_gloo_reduce_scatter_gives_each_rank_its_summed_pieces_in_either_form(mode):
     from tests.distributed.harness import run_distributed
@@ -104,6 +105,7 @@ def test_a_gloo_reduce_scatter_gives_each_rank_its_summed_pieces_in_either_form(
             torch.testing.assert_close(r["pieces"][i], whole.chunk(world, 0)[rank], rtol=0, atol=0)
 
 
+@pytest.mark.distributed
 def test_an_unknown_gloo_reduce_scatter_setting_is_refused():
     from tests.distributed.harness import run_distributed
 

@@ -21,6 +21,7 @@ def plan():
     return autopar.plan(model, "2x4xA100-80GB", (ids.to("meta"),), {"labels": kw["labels"].to("meta")}, pipeline=False)
 
 
+@pytest.mark.integration
 def test_predictions_are_consistent(plan):
     p = plan.predicted
     assert plan.mesh["dp"] * plan.mesh["tp"] == 8
@@ -46,6 +47,7 @@ def test_predictions_are_consistent(plan):
     assert set(p.memory_breakdown) >= {"params", "grads", "optimizer", "activations", "transient"}
 
 
+@pytest.mark.integration
 def test_json_round_trip(plan):
     text = plan.to_json(timings=True)
     again = autopar.Plan.from_json(text)
@@ -57,6 +59,7 @@ def test_json_round_trip(plan):
     assert autopar.Plan.from_json(plan.to_json()).to_json() == plan.to_json()
 
 
+@pytest.mark.integration
 def test_corrupt_and_wrong_version_files(plan):
     with pytest.raises(PlanFormatError, match="invalid JSON"):
         autopar.Plan.from_json(plan.to_json()[:-40])
@@ -72,6 +75,7 @@ def test_corrupt_and_wrong_version_files(plan):
         autopar.Plan.from_json(json.dumps(d))
 
 
+@pytest.mark.integration
 def test_explain_reports(plan):
     md = plan.explain()
     assert "# autopar plan" in md and "## Why this plan" in md and "(chosen)" in md
@@ -81,6 +85,7 @@ def test_explain_reports(plan):
         plan.explain("pdf")
 
 
+@pytest.mark.integration
 def test_a_model_handed_in_fp32_is_priced_as_the_plans_compute_format():
     """At precision bf16 on a GPU cluster the model is traced and priced in bf16 whatever dtype it was handed
     in: fp32 and bf16 copies of one model give the same plan (the cost model sees the same graph)."""
@@ -107,6 +112,7 @@ def test_a_model_handed_in_fp32_is_priced_as_the_plans_compute_format():
     assert fp32.predicted.peak_memory_bytes == pytest.approx(bf16.predicted.peak_memory_bytes, rel=1e-3)
 
 
+@pytest.mark.integration
 def test_gradient_reduction_format_is_priced():
     """Mixed precision all-reduces ZeRO-0 gradients in fp32 unless the compute format is pinned: the pinned
     plan moves half the bytes and holds half the gradient memory."""
@@ -128,6 +134,7 @@ def test_gradient_reduction_format_is_priced():
         )
 
 
+@pytest.mark.integration
 def test_prefetch_depth_is_written_for_layouts_that_gather_and_read_back():
     """A ZeRO >= 1 plan records how far ahead its weights are gathered, and reads it back; a ZeRO-0 plan's file
     keeps its old fields."""

@@ -15,6 +15,7 @@ def pinned():
     return autopar.plan("gpt3-1.3b", "2x8xA100-80GB", constraints={"pp": 2, "schedule": "1f1b"}, **CASE)
 
 
+@pytest.mark.integration
 def test_pinned_pipeline_is_in_the_plan(pinned):
     assert pinned.mesh["pp"] == 2 and pinned.mesh["pp"] * pinned.mesh["dp"] * pinned.mesh["tp"] == 16
     info = pinned.pipeline
@@ -37,11 +38,13 @@ def test_pinned_pipeline_is_in_the_plan(pinned):
     assert min(c["step_time_s"] for c in chosen) + info["step_guard_s"] == pytest.approx(pinned.predicted.step_time_s)
 
 
+@pytest.mark.integration
 def test_pipeline_plan_round_trips(pinned):
     again = autopar.Plan.from_json(pinned.to_json())
     assert again.pipeline == pinned.pipeline and again.mesh == pinned.mesh
 
 
+@pytest.mark.integration
 def test_pipeline_plan_at_zero23_is_refused(pinned):
     """A plan file whose pipeline stages say ZeRO-2 or 3 (the search never makes one) is refused when read."""
     import json
@@ -54,6 +57,8 @@ def test_pipeline_plan_at_zero23_is_refused(pinned):
         autopar.Plan.from_json(json.dumps(d))
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_free_search_across_nodes_is_no_slower_than_without_a_pipeline(pinned):
     free = autopar.plan("gpt3-1.3b", "2x8xA100-80GB", **CASE)
     flat = autopar.plan("gpt3-1.3b", "2x8xA100-80GB", constraints={"pp": 1}, **CASE)
@@ -62,11 +67,13 @@ def test_free_search_across_nodes_is_no_slower_than_without_a_pipeline(pinned):
     assert free.predicted.step_time_s <= pinned.predicted.step_time_s * (1 + 1e-9)
 
 
+@pytest.mark.integration
 def test_one_node_plans_without_a_pipeline_unless_asked():
     plan = autopar.plan("gpt3-1.3b", "8xA100-80GB", **CASE)
     assert "pp" not in plan.mesh and not plan.pipeline
 
 
+@pytest.mark.integration
 def test_pipeline_pins_without_a_pipeline_search_warn():
     from tests.models import make_batch, make_model
 
@@ -77,6 +84,7 @@ def test_pipeline_pins_without_a_pipeline_search_warn():
     assert plan.mesh.get("pp", 1) == 1
 
 
+@pytest.mark.integration
 def test_pipeline_plan_reports_its_exposed_and_hidden_communication(pinned):
     """The pp and dp parts of the step, exposed (in the time breakdown) and hidden (not in the step), as the search
     priced them: the transfers of the slowest stage over m micro-batches, the sync of the stage that ends the step."""

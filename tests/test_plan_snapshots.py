@@ -8,6 +8,7 @@ import pytest
 from tests.plan_snapshots import CASES, GOLDEN, snapshot
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_plan_json_is_the_golden_one(name):
     golden = (GOLDEN / f"{name}.json").read_text()

@@ -49,6 +49,7 @@ def test_preset_names_are_case_insensitive():
     assert load_config("LLaMA2-7B").to_dict() == load_config("llama2-7b").to_dict()
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name, expected", sorted(EXACT_COUNTS.items()))
 def test_count_parameters_matches_published_counts(name, expected):
     assert count_parameters(load_config(name)) == expected

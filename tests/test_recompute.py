@@ -50,6 +50,7 @@ def _eager_grads(name: str) -> dict:
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("name", "mode"), [("llama", "full"), ("llama", "selective"), ("gpt2", "full"), ("bert", "selective")]
 )
@@ -71,6 +72,7 @@ def test_recompute_gives_the_same_gradients(name, mode):
         torch.testing.assert_close(grads[key], ref, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
 
 
+@pytest.mark.integration
 def test_recompute_with_micro_batches_recomputes_each():
     pm, _, grads = _grads("llama", "full", num_microbatches=2)
     assert pm.plan.num_microbatches == 2 and pm.plan.recompute == "full"
@@ -80,6 +82,7 @@ def test_recompute_with_micro_batches_recomputes_each():
         torch.testing.assert_close(grads[key], ref, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
 
 
+@pytest.mark.integration
 def test_segments_hold_their_layers():
     model = make_model("llama")
     args, kwargs = make_batch("llama")
@@ -93,6 +96,7 @@ def test_segments_hold_their_layers():
     assert recompute_segments(graph, "none") == ()
 
 
+@pytest.mark.integration
 def test_per_layer_treatments_give_the_same_gradients():
     """A plan that offloads one layer's activations and recomputes two others (one whole, one its attention)
     gives the gradients of the plan that keeps everything; the offloaded tensors went out and came back."""
@@ -122,6 +126,7 @@ def test_per_layer_treatments_give_the_same_gradients():
         torch.testing.assert_close(grads[key], ref, atol=GRAD_ATOL, rtol=GRAD_RTOL, msg=lambda m, k=key: f"{k}: {m}")
 
 
+@pytest.mark.integration
 def test_offload_program_applies_the_layer_treatments():
     """The host-offload program runs the model eagerly: its layers are checkpointed or offloaded as the plan
     says, with the chunk scheduler gathering parameters again for a recomputed forward, and trains as the

@@ -44,6 +44,7 @@ def _ops(traced: TracedModel, *targets) -> list[fx.Node]:
     return [n for n in traced.exported.graph.nodes if n.op == "call_function" and n.target in targets]
 
 
+@pytest.mark.integration
 def test_signature_describes_every_placeholder(traced_preset):
     _, _, model, _, _, traced = traced_preset
     placeholders = _placeholders(traced)
@@ -86,6 +87,7 @@ def test_loss_and_attention_are_single_ops(traced_preset):
     assert first_output is loss
 
 
+@pytest.mark.integration
 def test_llama_graph_has_rotary_buffers_and_real_numerics():
     config, model, args, kwargs, traced = _trace_preset("tiny-llama", "cpu")
     assert "model.rotary_emb.inv_freq" in traced.buffer_names
@@ -124,6 +126,7 @@ def test_bert_tied_decoder_weight_and_bias_are_aliases():
     }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "config_class",
     [transformers.LlamaConfig, transformers.MistralConfig, transformers.Qwen2Config],
@@ -160,6 +163,7 @@ def test_fake_inputs_trace():
     assert traced.num_layers == 2 and len(_ops(traced, SDPA)) == 2
 
 
+@pytest.mark.integration
 def test_llama2_7b_preset_traces_on_meta():
     config = load_config("llama2-7b", num_hidden_layers=2)
     model = build_model(config)
@@ -172,6 +176,7 @@ def test_llama2_7b_preset_traces_on_meta():
     assert tuple(q.meta["val"].shape) == (1, 32, 128, 128)
 
 
+@pytest.mark.integration
 def test_export_happens_in_the_mode_the_model_is_in():
     config = load_config("tiny-gpt2", resid_pdrop=0.1)
     model = build_model(config)

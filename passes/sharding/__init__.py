@@ -3,6 +3,8 @@
 Read in this order:
 
 - `program`: the integer program of one mesh; its docstring is the math, each family pointing at its method;
+  the families it builds live in `cost_rows` (compute, edges, sync and optimizer by stage, offload),
+  `overlap_rows` (what overlapping programs leave exposed) and `memory_rows` (the memory row, recompute modes);
 - `search`: every mesh, micro-batch count and recompute mode, solved cheapest bound first (`solve_sharding`);
 - `solver`: how one program is solved, and its result read;
 - `groups`: the decision groups of a mesh, their strategies, edges and compute;

@@ -120,7 +120,6 @@ the offload program runs them.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -128,10 +127,10 @@ import pulp
 from torch.distributed.tensor import Shard
 
 from autopar.cluster import ClusterSpec
-from autopar.cost_model.compute import optimizer_step_time_s
 from autopar.errors import ConfigError
 from autopar.ir import OpGraph
 from autopar.passes.context_parallel import CPPricing
+from autopar.passes.sharding import cost_rows, memory_rows, overlap_rows
 from autopar.passes.sharding.graph import (
     ANY_SPLIT,
     TensorSplit,
@@ -139,13 +138,12 @@ from autopar.passes.sharding.graph import (
 )
 from autopar.passes.sharding.groups import MeshGroups
 from autopar.passes.sharding.memory import ActivationMemory, RecomputeTerms
-from autopar.passes.sharding.offload import offload_prices
+from autopar.passes.sharding.memory_rows import ModeTerms
 from autopar.passes.sharding.precision import Precision
 from autopar.passes.sharding.prices import MeshPrices
 from autopar.passes.sharding.solution import MeshResult
 from autopar.passes.sharding.solver import solve, solve_best, solve_free
 from autopar.program_comm import ProgramComm, resolved_prefetch_depth
-from autopar.units import FP32_BYTES
 
 
 @dataclass
@@ -248,7 +246,7 @@ class ShardingProgram:
         self.terms = ProgramTerms()
         self.last_choice: dict[str, int] = {}  # strategy index per group of the last solution
         # the parts that depend on the recompute mode, built when a mode is first solved
-        self._modes: dict[str, _ModeTerms] = {}
+        self._modes: dict[str, ModeTerms] = {}
         self._mode: str | None = None
         self.transient: float | None = None
         self._compose(activation_copies)
@@ -370,81 +368,12 @@ class ShardingProgram:
         self.prob += pulp.lpSum(self.z.values()) == 1, "one_zero_stage"
 
     def add_compute_cost(self) -> None:
-        """Objective term sum_g n_g sum_k x[g,k] (T_fwd + T_bwd), plus resharding inside merged groups."""
-        for name, grp in self.groups.items():
-            for k in range(len(grp.strategies)):
-                t = back = comm = hid = 0.0
-                for m in grp.members:
-                    fwd, bwd = self.mesh_groups.op_times(self.graph.node(m), grp.divisor[m][k])
-                    t += fwd + bwd
-                    back += bwd
-                    exposed, hidden = self.mesh_groups.cp_comm_s(m, grp.divisor[m][k])
-                    comm, hid = comm + exposed, hid + hidden
-                    self.recompute_terms.forward_s[name].setdefault(m, [0.0] * len(grp.strategies))[k] = grp.count * fwd
-                # cp attention's exposed communication is a term of its own (the cp axis's), not compute
-                self.terms.cost["compute"].append(grp.count * (t - comm) * self.x[name][k])
-                if comm:
-                    self.terms.cost["cp_comm"].append(grp.count * comm * self.x[name][k])
-                if hid:
-                    self.terms.cp_hidden.append(grp.count * hid * self.x[name][k])
-                if back:
-                    self.terms.backward.append(grp.count * back * self.x[name][k])
-                if t - back:
-                    self.terms.forward.append(grp.count * (t - back) * self.x[name][k])
-                if grp.extra_s[k]:
-                    self.terms.cost["reshard"].append(grp.extra_s[k] * self.x[name][k])
+        """`cost_rows.add_compute_cost`."""
+        cost_rows.add_compute_cost(self)
 
     def add_edge_constraint(self) -> None:
-        """y marginals sum_l y[e,k,m] = x[a,k], sum_k y[e,k,m] = x[c,m]; objective n_e * (Rf + Rb - H) * y, H the
-        part of Rf a collective launched early hides behind the ops before its consumer (`MeshGroups.early_window`):
-        H = eta min(Rf - Rf_fix, W), the collective's latency (Rf_fix) never hidden."""
-        for idx, (edge, mult) in enumerate(self.mesh_groups.edges().items()):
-            gp, _, gc, c, _ = edge
-            gpr, gcr = self.groups[gp], self.groups[gc]
-            cost, fwd_cost, hidden = self.mesh_groups.edge_prices(edge, mult, self.eta if self.tp_overlap else 0.0)
-            if not any(v for row in cost + hidden for v in row):
-                continue
-            if gp == gc:  # both ends in one group: the strategy index is shared
-                self.terms.cost["reshard"] += [cost[k][k] * self.x[gp][k] for k in range(len(cost)) if cost[k][k]]
-                self.terms.tp_hidden += [hidden[k][k] * self.x[gp][k] for k in range(len(cost)) if hidden[k][k]]
-                self.recompute_terms.edge_forward += [
-                    (c, fwd_cost[k][k], self.x[gp][k], ((gp, k),)) for k in range(len(cost)) if fwd_cost[k][k]
-                ]
-                continue
-            if len(gpr.strategies) == 1 or len(gcr.strategies) == 1:
-                for k, row in enumerate(cost):
-                    for m, v in enumerate(row):
-                        var = self.x[gc][m] if len(gpr.strategies) == 1 else self.x[gp][k]
-                        if v:
-                            self.terms.cost["reshard"].append(v * var)
-                        if hidden[k][m]:
-                            self.terms.tp_hidden.append(hidden[k][m] * var)
-                        if fwd_cost[k][m]:
-                            self.recompute_terms.edge_forward.append((c, fwd_cost[k][m], var, ((gp, k), (gc, m))))
-                continue
-            y = [
-                [self.prob.add_variable(f"y_{idx}_{k}_{m}", 0, 1) for m in range(len(gcr.strategies))]
-                for k in range(len(gpr.strategies))
-            ]
-            for k in range(len(gpr.strategies)):
-                self.prob += pulp.lpSum(y[k]) == self.x[gp][k], f"edge_src_{idx}_{k}"
-            for m in range(len(gcr.strategies)):
-                self.prob += (
-                    pulp.lpSum(y[k][m] for k in range(len(gpr.strategies))) == self.x[gc][m],
-                    f"edge_dst_{idx}_{m}",
-                )
-            self.terms.cost["reshard"] += [
-                cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if cost[k][m]
-            ]
-            self.terms.tp_hidden += [
-                hidden[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if hidden[k][m]
-            ]
-            self.recompute_terms.edge_forward += [
-                (c, fwd_cost[k][m], y[k][m], ((gp, k), (gc, m)))
-                for k in range(len(cost))
-                for m in range(len(cost[0]))
-                if fwd_cost[k][m]
-            ]
+        """`cost_rows.add_edge_constraint`."""
+        cost_rows.add_edge_constraint(self)
 
     def add_sharded_runtime_cost(self) -> None:
         """D (sum_s z[s], or sum_{s >= 1} z[s] on a mesh without a tensor axis): the host time the sharded
@@ -457,71 +386,12 @@ class ShardingProgram:
             self.terms.cost["compute"].append(total * pulp.lpSum(stages))
 
     def _add_overlap_grads(self) -> None:
-        """Memory rows gain what the overlapping sharded program holds beyond `state_bytes`: `overlap_grad_bytes`
-        of the layout (ZeRO-1) and `in_flight_grad_bytes` of the stage (ZeRO-2/3), unless the offload program runs
-        the layout (offload pinned, or o of `add_offload_constraint` where the solver may offload: it runs at ZeRO-3,
-        and its gradient staging buffers, a chunk each, stand in for the buckets; the runtime sizes its chunks so
-        that the ones in flight take a small share of the budget, and they are not counted here)."""
-        for (name, k, s), u in self.u.items():
-            extra = self.groups[name].count * self.prices.overlap_grad_bytes(name, k, s)
-            if extra and not (self._offloading and s == 3):
-                self.terms.memory["grads"].append(extra * u)
-        for s, z in self.z.items():
-            buffers = self.prices.in_flight_grad_bytes(s)
-            if buffers and not (self._offloading and s == 3):
-                self.terms.memory["grads"].append(buffers * z)
-                if s == 3 and self._offload_runs is not None:  # z[3] - o: the sharded program runs the layout
-                    self.terms.memory["grads"].append(-buffers * self._offload_runs)
+        """`overlap_rows.add_overlap_grads`."""
+        overlap_rows.add_overlap_grads(self)
 
     def add_stage_product_constraint(self) -> None:
-        """u[w,k,s] >= x[w,k] + z[s] - 1, u <= x[w,k], u <= z[s]; objective n_w * Sync * u (the plain layout's
-        part through `add_overlap_constraint`)."""
-        plain = []  # the sync terms of the plain layout, when its all-reduces overlap backward
-        # the sharded program's hideable parts (`SyncPricing.sharded_parts`); gradients by how often a step reduces
-        # them (one list where m = 1)
-        grads: dict[int, list] = {1: [], self.mb: []}
-        gathers = []
-        for name in self.mesh_groups.param_groups():
-            grp = self.groups[name]
-            for k in range(len(grp.strategies)):
-                for s, zs in self.z.items():
-                    u = self.prob.add_variable(f"u_{name}_{k}_{s}", 0, 1)
-                    self.u[(name, k, s)] = u
-                    if len(self.z) > 1:
-                        self.prob += u >= self.x[name][k] + zs - 1, f"zero_product_lo_{name}_{k}_{s}"
-                        self.prob += u <= zs, f"zero_product_hi_{name}_{k}_{s}"
-                    else:
-                        self.prob += u >= self.x[name][k], f"zero_product_lo_{name}_{k}_{s}"
-                    self.prob += u <= self.x[name][k], f"zero_product_x_{name}_{k}_{s}"
-                    t = self.prices.sync_time(name, k, s)
-                    if t and self.prices.comm(s).overlaps_data_axis:
-                        g_bw, g_fix, a_bw, a_fix = self.prices.sharded_sync_parts(name, k, s)
-                        grads[self.prices.comm(s).reductions_per_step].append(grp.count * g_bw * u)
-                        gathers += [grp.count * a_bw * u] if a_bw else []
-                        self.terms.cost["grad_sync"].append(grp.count * (g_fix + a_fix) * u)
-                    elif t:
-                        fixed = self.prices.bucket_latency_s(name, k, s)  # a bucketed reduction's latency never hides
-                        if self.prices.comm(s).overlaps_all_reduce:
-                            plain.append(grp.count * (t - fixed) * u)
-                            self.terms.cost["grad_sync"].append(grp.count * fixed * u)
-                        else:
-                            self.terms.cost["grad_sync"].append(grp.count * t * u)
-                        if fixed:
-                            self.terms.sync_fixed.append(grp.count * fixed * u)
-                        gather = self.prices.step_gather_time(name, k, s)
-                        if gather:
-                            self.terms.step_gathers.append(grp.count * gather * u)
-                    t = self.prices.optimizer_time(name, k, s)
-                    if t:
-                        self.terms.cost["optimizer"].append(grp.count * t * u)
-        for s, zs in self.z.items():
-            if self.prices.sync_floor(s):
-                self.terms.cost["grad_sync"].append(self.prices.sync_floor(s) * zs)
-                self.terms.sync_fixed.append(self.prices.sync_floor(s) * zs)
-        if plain:
-            self.add_overlap_constraint(plain)
-        if any(self.prices.comm(s).overlaps_data_axis for s in self.z):
-            self.add_sharded_overlap_constraint(grads, gathers)
+        """`cost_rows.add_stage_product_constraint`."""
+        cost_rows.add_stage_product_constraint(self)
 
     def hiding(self, compute: list):
         """The compute time communication can hide behind: the compute terms' sum (one helper, so that a device's
@@ -529,135 +399,16 @@ class ShardingProgram:
         return pulp.lpSum(compute) * getattr(self.cluster.device, "overlap_efficiency", 1.0)
 
     def add_sharded_overlap_constraint(self, grads: dict[int, list], gathers: list) -> None:
-        """The sharded program with overlap; objective E_g + E_a + fixed costs instead of sum(Sync):
-
-            E_g >= sum G_bw - eta B r / m,  E_g >= (1 - eta) sum G_bw,  E_g >= r T_last,g z[s]   (gradient buckets
-                                                                            behind the backwards that issue them)
-            E_a >= sum A_bw - eta F,      E_a >= (1 - eta) sum A_bw,  E_a >= T_first,a z[s]  (gathers ahead of use
-                                                                            behind the forward, depth > 0)
-
-        summed over the sharded stages s (one z[s] is 1), eta the device's overlap efficiency (`hiding`; hidden =
-        eta min(communication, compute), as in `add_overlap_constraint`). A step reduces each gradient r times
-        (`ProgramComm.reductions_per_step`): once at stages 0 and 1, from the last micro-batch's backward (B / m
-        hides them), once per micro-batch at stages 2 and 3, each micro-batch's backward hiding its own buckets
-        (r B / m = B); one E_g per r, over the stages that reduce r times (the other's terms are 0 where its stages
-        are not chosen). Exposed = what the communication needs beyond the compute it hides behind (the backward of
-        the layers after each bucket; F: the forward of the layers before each gather, every micro-batch's), never
-        less than the collectives nothing hides: the last bucket of each reducing backward, issued when it ends
-        (T_last,g, `SyncPricing.last_bucket_bw_s`; the offload program's chunks in `ChunkPricing`), and each
-        micro-batch's first gather, which no layer precedes (T_first,a, `SyncPricing.first_gather_bw_s`; stage 3's
-        backward gathers are in G_bw: they share the backward's link with the buckets). The fixed latency of every
-        collective (G_fix, A_fix of `SyncPricing.sharded_parts`) and one bucket's latency per reducing backward are
-        in the objective as they are: they never hide.
-        """
-        sharded = [s for s in self.z if self.prices.comm(s).overlaps_data_axis]
-        for r, terms in sorted(grads.items()):
-            stages = [s for s in sharded if self.prices.comm(s).reductions_per_step == r]
-            if not stages:
-                continue
-            suffix = "" if r == 1 else "_per_microbatch"
-            e_g = self.prob.add_variable(f"exposed_sharded_grads{suffix}", 0)
-            hides = self.hiding(self.terms.backward) * (r / self.mb)
-            self.prob += e_g >= pulp.lpSum(terms) - hides, f"sharded_exposed_grads{suffix}"
-            last = pulp.lpSum(r * self.prices.last_bucket_bw_s(s) * self.z[s] for s in stages)
-            self.prob += e_g >= last, f"sharded_last_bucket{suffix}"
-            if self.eta < 1:  # at most the share eta of the communication hides, however long the compute
-                self.prob += e_g >= pulp.lpSum(terms) * (1.0 - self.eta), f"sharded_grads_efficiency{suffix}"
-            self.terms.cost["grad_sync"].append(e_g)
-            self.terms.sharded_hidden.append((terms, e_g))
-        for s in sharded:
-            if self.prices.comm(s).runs_chunks:  # one latency per chunk, in G_fix already
-                continue
-            self.terms.cost["grad_sync"].append(self.prices.sync.reduction_latency(self.prices.comm(s)) * self.z[s])
-        if gathers:
-            e_a = self.prob.add_variable("exposed_sharded_gathers", 0)
-            self.prob += e_a >= pulp.lpSum(gathers) - self.hiding(self.terms.forward), "sharded_exposed_gathers"
-            first = pulp.lpSum(self.prices.first_gather_bw_s(s) * self.z[s] for s in sharded if s >= 1)
-            self.prob += e_a >= first, "sharded_first_gather"
-            if self.eta < 1:
-                self.prob += e_a >= pulp.lpSum(gathers) * (1.0 - self.eta), "sharded_gathers_efficiency"
-            self.terms.cost["grad_sync"].append(e_a)
-            self.terms.sharded_hidden.append((gathers, e_a))
+        """`overlap_rows.add_sharded_overlap_constraint`."""
+        overlap_rows.add_sharded_overlap_constraint(self, grads, gathers)
 
     def add_overlap_constraint(self, plain: list) -> None:
-        """E >= sum(plain) - eta B / m, E >= (1 - eta) sum(plain), E >= T_last z[s], E >= 0; objective E instead
-        of sum(plain).
-
-        The data-parallel program's all-reduces (sum(plain): every bucket's bandwidth time) run while the last
-        micro-batch's backward (B / m, B the step's backward) goes on. Of that, the share eta
-        (`DeviceSpec.overlap_efficiency`) hides: hidden = eta min(sum(plain), B / m), and the first two rows are
-        exposed = sum(plain) - hidden. The last bucket (the first parameters, whose gradients come last) is
-        launched when backward ends and is exposed whole (T_last: the bandwidth part of one all-reduce of
-        min(bucket, all gradient bytes)). The buckets' latencies (`bucket_latency_s`, `sync_floor`) are in the
-        objective as they are: they never hide. eta is 1 on GPUs and measured for gloo on CPU, where communication
-        competes with compute for the cores. With equal buckets the serial link's per-bucket price, max_k (sum_{j >=
-        k} T_j - eta H_k) (H_k the backward left when bucket k goes out), is these rows; it is approximated in one
-        respect: the backward before the first bucket fills counts as hiding (less than one bucket's share of B,
-        small but for models of a few buckets). With overlap off (constraints={"overlap": False}) E is not used and
-        the sync is paid whole."""
-        s = next(s for s in self.z if self.prices.comm(s).runs_plain)
-        e = self.prob.add_variable("exposed_sync", 0)
-        backward = pulp.lpSum(self.terms.backward) * (self.eta / self.mb)
-        self.prob += e >= pulp.lpSum(plain) - backward, "overlap_exposed_sync"
-        if self.eta < 1:
-            self.prob += e >= pulp.lpSum(plain) * (1.0 - self.eta), "overlap_efficiency"
-        self.prob += e >= self.prices.last_bucket_s() * self.z[s], "overlap_last_bucket"
-        self.terms.cost["grad_sync"].append(e)
-        self.terms.plain_sync = plain
-        self.terms.exposed = e
+        """`overlap_rows.add_overlap_constraint`."""
+        overlap_rows.add_overlap_constraint(self, plain)
 
     def add_offload_constraint(self) -> None:
-        """h_o <= sum n u M_opt, h_g <= sum n u M_grad (= when pinned), B_opt h_g = B_grad h_o,
-        B_opt h_p = B_param h_o, h_o + h_g <= host memory per device; objective C_o h_o + C_g h_g + C_p h_p;
-        memory rows lose h_o + h_g + h_p.
-
-        h_p: the weights of the chunks whose optimizer states are on the host. The offload program keeps
-        no device copy of them between uses (each gather brings the shard up from the host's master
-        weights), so they leave the device with their states, and pay the host link at every gather."""
-        if self.offload is False:
-            return
-        opt, grad = [], []
-        for (name, k, s), u in self.u.items():
-            _, g, o = self.prices.state_bytes(name, k, s)
-            count = self.groups[name].count
-            opt += [count * o * u] if o else []
-            grad += [count * g * u] if g else []
-        h_o = self.h["optimizer"] = self.prob.add_variable("offload_optimizer_bytes", 0)
-        h_g = self.h["grads"] = self.prob.add_variable("offload_grad_bytes", 0)
-        h_p = self.h["params"] = self.prob.add_variable("offload_param_bytes", 0)
-        if self.offload is True:
-            self.prob += h_o == pulp.lpSum(opt), "offload_optimizer_all"
-            self.prob += h_g == pulp.lpSum(grad), "offload_grads_all"
-        else:
-            self.prob += h_o <= pulp.lpSum(opt), "offload_optimizer_at_most_all"
-            self.prob += h_g <= pulp.lpSum(grad), "offload_grads_at_most_all"
-        pr = self.precision
-        # the offload program adds each micro-batch's gradient of a host chunk into its host buffer
-        self.prob += pr.optimizer_bytes * h_g == pr.grad_bytes_at(3) * h_o, "offload_grads_with_their_optimizer_states"
-        self.prob += pr.optimizer_bytes * h_p == pr.param_bytes * h_o, "offload_weights_with_their_optimizer_states"
-        self.prob += h_o + h_g <= self.prices.host_capacity(), "host_memory"
-        self._offloading = self.offload is True  # the offload program runs, holding no gradient buckets
-        if self.dp > 1:  # the offload program runs its chunks as ZeRO-3: only a stage-3 layout offloads
-            if 3 in self.z:
-                self.prob += h_o <= self.prices.host_capacity() * self.z[3], "offload_runs_zero3"
-                if not self._offloading and self.prices.in_flight_grad_bytes(3):
-                    # o = 1 where anything is on the host: the offload program runs, holding no gradient buckets in
-                    # flight (`_add_overlap_grads`)
-                    o = self._offload_runs = self.prob.add_variable("offload_program_runs", cat="Binary")
-                    self.prob += h_o <= self.prices.host_capacity() * o, "offload_program_runs_if_offloading"
-                    self.prob += o <= self.z[3], "offload_program_runs_zero3"
-            else:
-                h_o.upBound = 0
-        host_rate = self.cluster.device.host_adamw_params_per_s
-        c_o, c_g, c_p = offload_prices(self.precision, self.cluster.host_link, host_rate, self.mb)
-        self.terms.cost["offload"] += [c_o * h_o] + ([c_g * h_g] if c_g else []) + ([c_p * h_p] if c_p else [])
-        # the device no longer steps the states on the host (their per-tensor cost is kept: an upper bound)
-        d_o = min(c_o, optimizer_step_time_s(self.estimator, self.cluster.device, 0, FP32_BYTES / pr.optimizer_bytes))
-        if d_o:
-            self.terms.cost["optimizer"].append(-d_o * h_o)
-        self.terms.memory["optimizer"].append(-1.0 * h_o)
-        self.terms.memory["grads"].append(-1.0 * h_g)
-        self.terms.memory["params"].append(-1.0 * h_p)
+        """`cost_rows.add_offload_constraint`."""
+        cost_rows.add_offload_constraint(self)
 
     def memory_lower_bound(self, recompute: str | None = None) -> dict[str, float]:
         """Per-device bytes below which no layout of this program can go, without solving it.
@@ -677,59 +428,20 @@ class ShardingProgram:
         return min(self.recompute_choices, key=lambda m: sum(self.activations.lower_bound(m)))
 
     def add_memory_constraint(self, recompute: str | None = None) -> None:
-        """sum n_w u M_state + sum_s z[s] M_comm[s] + sum n_g x M_saved(r) + M_recompute(r) + M_transient <= budget.
-
-        The peak is at the turn from forward to backward. Under recompute mode r, M_saved(r) keeps only
-        what enters each recomputed segment, and the first segment the backward recomputes holds its
-        values again: M_recompute(r) >= sum_{(g,m) in S} x[g,k] M_value[m,k] for every segment S.
-        """
-        if self.transient is None:
-            for (name, k, s), u in self.u.items():
-                count = self.groups[name].count
-                p, g, o = self.prices.state_bytes(name, k, s)
-                self.terms.memory["params"].append(count * p * u)
-                self.terms.memory["grads"].append(count * g * u)
-                self.terms.memory["optimizer"].append(count * o * u)
-            self._add_overlap_grads()
-            self.transient = self.activations.transient_bytes()
-            ahead = self.prices.prefetch_bytes(self.z)
-            if ahead:
-                self.terms.memory["prefetch"] = [
-                    ahead * z for s, z in self.z.items() if s >= 1 and self.prices.comm(s).overlaps_data_axis
-                ]
-        self.use_mode(recompute or self.recompute_choices[0])
+        """`memory_rows.add_memory_constraint`."""
+        memory_rows.add_memory_constraint(self, recompute)
 
     def add_recompute_cost(self, recompute: str) -> list:
-        """Objective terms of recompute mode r: the forward of every recomputed node and the resharding its
-        arguments need, once more (`RecomputeTerms.forward_terms`): sum_{g, m in R} n_g sum_k x[g,k] F[m,k] +
-        sum_{e into R} n_e y Rf, and the weights it gathers again (`RecomputeTerms.regathered`): sum_{w read in R}
-        sum_{k, s} regather_s(w, k, s) u[w,k,s]."""
-        terms = [
-            self.prices.regather_s(w, k, st) * u
-            for w in self.recompute_terms.regathered(recompute)
-            for (name, k, st), u in self.u.items()
-            if name == w and self.prices.regather_s(w, k, st)
-        ]
-        return terms + self.recompute_terms.forward_terms(recompute, self.x)
+        """`memory_rows.add_recompute_cost`."""
+        return memory_rows.add_recompute_cost(self, recompute)
 
     # ------------------------------------------------------- activations of one chosen layout, per mode
 
     def fixed_activations(
         self, choice: dict[str, int], recompute: str, stage: int | None = None
     ) -> tuple[float, float, float]:
-        """(saved activation bytes, recomputed-segment peak bytes, recompute seconds) of the layout `choice`
-        (strategy per group) at ZeRO stage `stage` (None: the weights' gathers left out) under recompute mode r:
-        the program's M_saved(r), M_recompute(r) and recompute objective terms evaluated at that layout, without
-        solving."""
-        acts, peak = self.activations.fixed(choice, recompute)
-        if recompute == "none":
-            return acts, peak, 0.0
-        seconds = self.recompute_terms.fixed_forward_s(choice, recompute)
-        if stage is not None:
-            seconds += sum(
-                self.prices.regather_s(w, choice[w], stage) for w in self.recompute_terms.regathered(recompute)
-            )
-        return acts, peak, seconds
+        """`memory_rows.fixed_activations`."""
+        return memory_rows.fixed_activations(self, choice, recompute, stage)
 
     def fixed_layer_activations(self, choice: dict[str, int]) -> tuple[float, float]:
         """(bytes the repeated layers keep for backward, seconds of their forward), all layers together, for
@@ -740,58 +452,13 @@ class ShardingProgram:
         """Seconds recompute mode r adds at least (`RecomputeTerms.lower_bound`)."""
         return self.recompute_terms.lower_bound(recompute)
 
-    def _mode_terms(self, recompute: str) -> _ModeTerms:
-        if recompute in self._modes:
-            return self._modes[recompute]
-        acts = []
-        for name, grp in self.groups.items():
-            for k in range(len(grp.strategies)):
-                b = self.activations.saved_bytes(name, k, recompute) * self.activation_copies
-                if b:
-                    acts.append(grp.count * b * self.x[name][k])
-        rows, peak = {}, []
-        segs = [
-            pulp.lpSum(
-                self.mesh_groups.member_bytes(self.groups[g], m, k) * self.x[g][k]
-                for g, m in seg
-                for k in range(len(self.groups[g].strategies))
-            )
-            for seg in self.activations.recomputed_saves(recompute)
-        ]
-        if len(segs) == 1:
-            peak = [segs[0]]
-        elif segs:  # the largest segment: one variable above each
-            w = self.prob.add_variable(f"recompute_peak_{recompute}", 0)
-            rows = {f"recompute_peak_{recompute}_{i}": w >= e for i, e in enumerate(segs)}
-            peak = [w]
-        states = [t for key in ("params", "grads", "optimizer", "prefetch") for t in self.terms.memory.get(key, ())]
-        total = pulp.lpSum(states + acts + peak) + self.transient
-        if math.isfinite(self.budget):
-            rows["memory_peak"] = total <= self.budget
-        base = [t for key, terms in self.terms.cost.items() if key != "recompute" for t in terms]
-        extra = self.add_recompute_cost(recompute) if recompute != "none" else []
-        if extra and 0 in self.z and self.prices.comm(0).runs_plain and self.prices.leaving_plain_s:
-            extra.append(self.prices.leaving_plain_s * self.z[0])  # recompute runs on the sharded runtime
-        if extra and self.terms.exposed is not None:  # which does not overlap its gradient reductions with backward
-            extra.append(pulp.lpSum(self.terms.plain_sync) - self.terms.exposed)
-        self._modes[recompute] = _ModeTerms(pulp.lpSum(base + extra), extra, acts, peak, rows)
-        return self._modes[recompute]
+    def _mode_terms(self, recompute: str) -> ModeTerms:
+        """`memory_rows.mode_terms`."""
+        return memory_rows.mode_terms(self, recompute)
 
     def use_mode(self, recompute: str) -> None:
-        """Make the objective and the memory rows those of recompute mode `recompute`."""
-        if recompute == self._mode:
-            return
-        if self._mode is not None:
-            for name in self._modes[self._mode].rows:
-                self.prob.constraints.pop(name, None)
-        terms = self._mode_terms(recompute)
-        self.prob.setObjective(terms.objective)
-        for name, row in terms.rows.items():
-            self.prob.addConstraint(row, name)
-        self.terms.memory["activations"] = terms.activations
-        self.terms.memory["recompute"] = terms.peak
-        self.terms.cost["recompute"] = terms.extra
-        self._mode = recompute
+        """`memory_rows.use_mode`."""
+        memory_rows.use_mode(self, recompute)
 
     # ---------------------------------------------------------------------------------- solving
 
@@ -811,14 +478,3 @@ class ShardingProgram:
     def solve_best(self, lower_bound_s: float = 0.0, *, recompute: str | None = None) -> MeshResult:
         """The optimum over the allowed recompute modes and ZeRO stages (`solver.solve_best`)."""
         return solve_best(self, lower_bound_s, recompute=recompute)
-
-
-@dataclass
-class _ModeTerms:
-    """What one recompute mode puts into a program: its objective, terms and rows."""
-
-    objective: pulp.LpAffineExpression
-    extra: list
-    activations: list
-    peak: list
-    rows: dict[str, pulp.LpConstraint]

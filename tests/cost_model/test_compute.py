@@ -53,6 +53,7 @@ def _meta(*shape, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, device="meta")
 
 
+@pytest.mark.integration
 def test_linear_node_flops(llama):
     _, graph = llama
     q_proj = _calls(graph, aten.linear.default)[0]  # the first linear is layer 0's q_proj: [2,16,256] x [256,256]
@@ -300,6 +301,7 @@ def _moe_graph(experts: str, dtype: torch.dtype) -> fx.Graph:
 
 
 # bf16 on meta traces Hugging Face's default experts to aten._grouped_mm, fp32 to its fallback custom op
+@pytest.mark.integration
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_matmuls_of_experts_cost_the_routed_top_k(dtype):
     graph = _moe_graph("grouped_mm", dtype)
@@ -314,6 +316,7 @@ def test_grouped_matmuls_of_experts_cost_the_routed_top_k(dtype):
     assert all(c.is_matmul and c.backward_flops == 2 * c.flops for c in costs)
 
 
+@pytest.mark.integration
 def test_model_flops_of_experts_count_the_routed_experts_only():
     from autopar.flops import step_flops
     from autopar.ir import OpGraph

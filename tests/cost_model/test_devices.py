@@ -256,6 +256,7 @@ def test_optimizer_step_is_split_into_tensors_and_bytes():
     assert 0 < opt["optimizer_tensor_s"] < 1e-2 and opt["optimizer_s_per_param_byte"] >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_gloo_collectives_are_measured_at_the_sizes_each_one_moves():
     """Every collective a link can be fitted for is timed on real gloo ranks, at full-tensor sizes each one can

@@ -93,6 +93,7 @@ def test_linear_cross_entropy_flops_and_bytes(need_grad):
     assert cost.bytes_accessed < nv * 2  # the fp16 logits alone would be more than everything it moves
 
 
+@pytest.mark.subprocess
 def test_cost_model_does_not_import_the_kernels():
     # Pricing must not pull in Triton: the fused ops are registered by name.
     code = "import sys, autopar.cost_model; print('autopar.triton_kernels' in sys.modules, 'triton' in sys.modules)"

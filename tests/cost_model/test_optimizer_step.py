@@ -19,6 +19,7 @@ class FixedOptimizer(AnalyticEstimator):
         return num_tensors * TENSOR_S + num_param_bytes * S_PER_BYTE
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("zero", [0, 1, 3])
 def test_optimizer_term_is_the_step_over_the_local_shards(zero):
     model = tiny_llama()

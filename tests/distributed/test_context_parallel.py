@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import autopar
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import for_this_run, run_distributed
 from tests.models import make_batch, make_model, train_locally
 
 pytestmark = pytest.mark.distributed
@@ -151,7 +151,7 @@ def _searched_case(rank: int, world_size: int):
     import autopar.cp_search
 
     # the tiny model's sequence is far below the chunk a GPU search needs; the search itself is what is tested
-    autopar.cp_search.MIN_CP_CHUNK_TOKENS = 8
+    for_this_run(autopar.cp_search, "MIN_CP_CHUNK_TOKENS", 8)
     model = make_model("llama")
     args, kwargs = make_batch("llama", batch=1, seq=32)
     pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd, constraints={"tp": 1})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import for_this_run, run_distributed
 from tests.distributed.test_context_parallel import ADAM_RTOL, FLOOR, LOSS_RTOL, OPTIMIZERS, SGD_RTOL, _sgd
 from tests.models import make_batch, make_model, train_locally
 
@@ -69,6 +69,7 @@ def _check(model_name: str, constraints: dict, opt: str, *, world: int = 4, laye
         assert rel <= rtol, (name, rel)
 
 
+@pytest.mark.slow
 def test_pp2_cp2_1f1b_llama_matches_one_process():
     _check("llama", {"pp": 2, "cp": 2, "num_microbatches": 2, "cp_attention": "allgather"}, "sgd")
 
@@ -113,7 +114,7 @@ def _searched(rank: int, world_size: int) -> dict:
     import autopar.cp_search
 
     # the tiny model's sequence is far below the chunk a GPU search needs; the search itself is what is tested
-    autopar.cp_search.MIN_CP_CHUNK_TOKENS = 8
+    for_this_run(autopar.cp_search, "MIN_CP_CHUNK_TOKENS", 8)
     model = make_model("llama")
     args, kwargs = make_batch("llama", batch=1, seq=32)
     pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_sgd, constraints={"pp": 2, "tp": 1})

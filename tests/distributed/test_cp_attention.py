@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.context_parallel import CPAlgorithm, SequenceLayout, shard_sequence, unshard_sequence
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import for_this_run, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -58,7 +58,7 @@ def _count_collectives(counts: dict):
         return counted
 
     for name in _COUNTED:
-        setattr(dist, name, wrap(name, getattr(dist, name)))
+        for_this_run(dist, name, wrap(name, getattr(dist, name)))
 
 
 def _run_cases(rank: int, world_size: int):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 

@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("peft", reason="PEFT is in the test extra: pip install -e .[test]")
 
-pytestmark = pytest.mark.distributed
+# `make test-all`: three torchrun jobs; `make test` runs a torchrun job in test_torchrun and trains LoRA in test_peft
+pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 # the same program on the same layout resumes the same arithmetic (schedule, data order, optimizer states):
 # the losses agree to the last printed digit in practice; 1e-6 is the tolerance

@@ -115,7 +115,10 @@ LLAMA_OPS = {"flash_attention": 2, "rms_norm": 5, "linear_cross_entropy": 1}
 GPT2_OPS = {"flash_attention": 2, "layer_norm": 5, "linear_cross_entropy": 1}
 
 
-@pytest.mark.parametrize("name, ops", [("llama", LLAMA_OPS), ("gpt2", GPT2_OPS)])
+@pytest.mark.integration
+# GPT-2 in `make test-all`: its fused ops (layer norm among them) are checked against the original graph in
+# tests/passes/test_fused_ops.py
+@pytest.mark.parametrize("name, ops", [("llama", LLAMA_OPS), pytest.param("gpt2", GPT2_OPS, marks=pytest.mark.slow)])
 def test_fused_model_trains_like_the_original_on_one_process(name, ops, one_rank_group):
     got = _train(0, 1, name, {})  # the DTensor program runs the fused ops in the two-rank test below
     assert got["program"] == "data-parallel"

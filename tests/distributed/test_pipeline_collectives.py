@@ -154,7 +154,7 @@ def _rank0_skips_the_tie(rank: int, world_size: int):
 
 
 def test_a_rank_that_skips_a_collective_gets_an_autopar_error_within_the_timeout():
-    rank0, rank1 = run_distributed(_rank0_skips_the_tie, 2, timeout_s=180)
+    rank0, rank1 = run_distributed(_rank0_skips_the_tie, 2, timeout_s=180, fresh=True)
     assert rank0["error"] is None
     kind, message = rank1["error"]
     assert kind == "LoweringError"
@@ -212,8 +212,9 @@ def _rank0_skips_the_dp_reduction(rank: int, world_size: int):
     return {"error": error, "elapsed": elapsed}
 
 
+@pytest.mark.slow
 def test_a_dp_reduction_one_rank_skips_is_named_in_its_peers_error():
-    got = run_distributed(_rank0_skips_the_dp_reduction, 4, timeout_s=240)
+    got = run_distributed(_rank0_skips_the_dp_reduction, 4, timeout_s=240, fresh=True)
     kind, message = got[1]["error"]  # rank 1: rank 0's dp peer in stage block 0
     assert kind == "LoweringError"
     assert (

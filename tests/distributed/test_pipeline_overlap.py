@@ -25,7 +25,7 @@ import autopar
 from autopar.plan import Plan
 from autopar.runtime import overlap
 from autopar.runtime.pipeline_schedule import gpipe_order, one_f_one_b_order, post_receives_ahead
-from tests.distributed.harness import backward_marks, run_distributed
+from tests.distributed.harness import backward_marks, for_this_run, run_distributed
 from tests.models import make_batch, make_model
 
 pytestmark = pytest.mark.distributed
@@ -101,7 +101,7 @@ def _p2p_kinds(args) -> list[str]:
 
 
 def _run(rank: int, world_size: int, plans: dict[str, str]):
-    overlap.BUCKET_BYTES = BUCKET  # read when a program makes its buckets (this worker process only)
+    for_this_run(overlap, "BUCKET_BYTES", BUCKET)  # read when a program makes its buckets
     out = {}
     for label, plan_json in plans.items():
         model = make_model("gpt2", num_layers=4)

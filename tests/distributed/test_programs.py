@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import autopar
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import for_this_run, run_distributed
 from tests.models import make_batch, make_model
 
 pytestmark = pytest.mark.distributed
@@ -289,7 +289,7 @@ def test_compile_traces_at_most_once_beyond_planning():
 def _overlap_order(rank: int, world_size: int, overlap: bool = True):
     import autopar.runtime.data_parallel as dp_program
 
-    dp_program.BUCKET_BYTES = 16 * 1024  # several buckets for a tiny model
+    for_this_run(dp_program, "BUCKET_BYTES", 16 * 1024)  # several buckets for a tiny model
     events = []
     real = torch.distributed.all_reduce
 

@@ -48,6 +48,7 @@ def test_recompute_gathers_its_layers_weights_again_at_zero1_without_overlap():
     assert z3_full == z3_none
 
 
+@pytest.mark.integration
 def test_the_plan_prices_recompute_s_second_gathers():
     # The same layouts planned: full recompute costs its forwards at every stage, and at ZeRO-1 without overlap
     # also one all-gather of each layer weight (fp32 on CPU, one micro-batch) on the data axis's link; with overlap

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import autopar
-from tests.distributed.harness import backward_marks, run_distributed
+from tests.distributed.harness import backward_marks, for_this_run, run_distributed
 from tests.models import make_batch, make_model, train_locally
 
 pytestmark = pytest.mark.distributed
@@ -55,7 +55,7 @@ def _optimizer(name: str):
 def _train(rank: int, world_size: int, cases, opt: str):
     import autopar.runtime.overlap as overlap
 
-    overlap.BUCKET_BYTES = NUMERICS_BUCKET_BYTES
+    for_this_run(overlap, "BUCKET_BYTES", NUMERICS_BUCKET_BYTES)
     out = []
     for constraints in cases:
         model = make_model("llama")
@@ -108,7 +108,7 @@ def _events(rank: int, world_size: int, constraints, bucket_bytes: int):
 
     import autopar.runtime.overlap as overlap
 
-    overlap.BUCKET_BYTES = bucket_bytes
+    for_this_run(overlap, "BUCKET_BYTES", bucket_bytes)
     pm, args, kwargs, _ = _stepped(constraints, world_size)
     calls = []
     real = {name: getattr(dist, name) for name in ("all_reduce", "reduce_scatter_single")}
@@ -171,7 +171,7 @@ def _window(rank: int, world_size: int, cases, bucket_bytes: int):
 
     import autopar.runtime.overlap as overlap
 
-    overlap.BUCKET_BYTES = bucket_bytes
+    for_this_run(overlap, "BUCKET_BYTES", bucket_bytes)
     real_rs = dist.reduce_scatter_single
     out = []
     for constraints in cases:

@@ -98,6 +98,9 @@ def _train(rank: int, world_size: int, runs):
     return out
 
 
+# `make test-torch` runs it (marked smoke); `make test` trains these kinds in test_programs, test_train_numerics,
+# test_pipeline_numerics, test_offload and test_context_parallel, so it is left to `make test-all` there
+@pytest.mark.slow
 def test_every_program_kind_trains_two_steps_like_one_process():
     results = run_distributed(_train, 2, RUNS, timeout_s=1200)
     for i, (kind, constraints, _, opt) in enumerate(RUNS):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import autopar
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import for_this_run, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -76,7 +76,7 @@ def _record(rank: int, world: int, early: bool):
         events.append(("op", n.name))
         return run_op(self, n)
 
-    ShardedInterpreter._run_op = recorded_op
+    for_this_run(ShardedInterpreter, "_run_op", recorded_op)
     for name in (
         "all_reduce",
         "all_gather_single",
@@ -93,14 +93,14 @@ def _record(rank: int, world: int, early: bool):
                 events.append(("wait", id(out)))
             return out
 
-        setattr(funcol, name, launched)
+        for_this_run(funcol, name, launched)
     wait = funcol.wait_tensor
 
     def waited(t):
         events.append(("wait", id(t)))
         return wait(t)
 
-    funcol.wait_tensor = waited
+    for_this_run(funcol, "wait_tensor", waited)
     args = _batch()
     plan = autopar.plan(_model(), f"cpu:{world}", args, constraints={"tp": 2, "dp": 1})
     # one layout, launched early or not by the plan's overlap (`"overlap": False` waits where a value is read)

@@ -16,6 +16,7 @@ def _plan(cluster: str, constraints: dict, batch: int = 4, seq: int = 16, **kw):
     return autopar.plan(make_model("llama"), cluster, args, kwargs | kw, constraints=constraints)
 
 
+@pytest.mark.integration
 def test_pinned_cp_gives_a_dp_cp_tp_mesh_and_records_the_algorithm():
     plan = _plan("cpu:4", {"cp": 2, "dp": 2})
     assert plan.mesh == {"dp": 2, "cp": 2, "tp": 1}
@@ -32,12 +33,14 @@ def test_pinned_cp_gives_a_dp_cp_tp_mesh_and_records_the_algorithm():
     assert again.context_parallel == cp and again.mesh == plan.mesh
 
 
+@pytest.mark.integration
 def test_pinned_algorithm_is_used_and_inapplicable_ones_say_why():
     plan = _plan("cpu:3", {"cp": 3, "cp_attention": "ring"}, seq=18)
     assert plan.context_parallel["algorithm"] == "ring"
     assert "alltoall: 4 heads not divisible by cp=3" in plan.context_parallel["priced"]
 
 
+@pytest.mark.integration
 def test_cp_halves_per_device_activations():
     # Every activation of the traced graph is per token (attention's are of the chunk's queries), so cp=2
     # holds half the tokens per device and, states aside, half the activation bytes. The masks the model
@@ -49,6 +52,7 @@ def test_cp_halves_per_device_activations():
     assert 0.4 <= ratio <= 0.6, ratio
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("cp", [2, 4])
 def test_model_flops_of_a_cp_plan_are_those_of_the_plan_without_cp(cp):
     # Model FLOPs do not depend on the layout. By hand (tiny LLaMA, `cost_model.compute`'s conventions): 6 per
@@ -87,6 +91,7 @@ def test_sequence_not_divisible_by_two_cp_is_refused_with_the_layout_message():
         _plan("cpu:2", {"cp": 2}, seq=14)
 
 
+@pytest.mark.integration
 def test_alltoall_with_heads_not_divisible_is_refused():
     with pytest.raises(ConfigError, match="splits the 4 query heads over cp=3"):
         _plan("cpu:3", {"cp": 3, "cp_attention": "alltoall"}, seq=18)
@@ -156,6 +161,7 @@ def _search(model, args, kwargs, constraints=None, **kw):
 _TIGHT = "300MiB"
 
 
+@pytest.mark.integration
 def test_search_picks_cp_where_a_sequence_does_not_fit_without_it():
     from autopar.errors import InfeasiblePlanError
 
@@ -173,6 +179,7 @@ def test_search_picks_cp_where_a_sequence_does_not_fit_without_it():
     assert all(r["step_time_s"] >= plan.predicted.step_time_s for r in search.values() if r["feasible"])
 
 
+@pytest.mark.integration
 def test_search_picks_no_cp_where_it_does_not_help():
     from autopar.cp_search import MIN_CP_CHUNK_TOKENS
 
@@ -191,6 +198,7 @@ def test_search_picks_no_cp_where_it_does_not_help():
     assert "cp" not in plan.mesh and plan.context_parallel == {}
 
 
+@pytest.mark.integration
 def test_search_never_runs_ulysses_where_the_heads_do_not_divide():
     # 6 query heads: all-to-all applies at cp=2 but not at cp=4, which the tight budget needs
     model, args, kwargs = _wide_llama(16384, heads=6, kv_heads=3, hidden=768)
@@ -203,6 +211,7 @@ def test_search_never_runs_ulysses_where_the_heads_do_not_divide():
             assert r["algorithm"] != "alltoall", r
 
 
+@pytest.mark.integration
 def test_allgather_keeps_the_gathered_kv_of_every_layer():
     # The same layout with all-gather and with ring: all-gather keeps each layer's gathered K/V from forward to
     # backward, ring keeps nothing beyond its own q, k, v and output. By hand: 2 layers x K and V of the whole
@@ -219,6 +228,7 @@ def test_allgather_keeps_the_gathered_kv_of_every_layer():
     assert extra == pytest.approx(layers * kv, rel=1e-9)  # the same layout otherwise: exact but for float sums
 
 
+@pytest.mark.integration
 def test_search_plans_a_model_cp_cannot_split_without_cp():
     # A token-mixing convolution: the searched degree is refused with the reason, and the plan has no cp axis
     ids = torch.randint(0, VOCAB, (4, 8192))
@@ -229,6 +239,7 @@ def test_search_plans_a_model_cp_cannot_split_without_cp():
     assert not search[2]["feasible"] and "mix neighbouring tokens" in search[2]["reason"]
 
 
+@pytest.mark.integration
 def test_cp_graph_builds_no_chunk_mask():
     from autopar import tracing
     from tests.models import make_batch, make_model
@@ -258,6 +269,7 @@ def test_cp_graph_builds_no_chunk_mask():
         assert bound.get("attn_mask") is None and bound["is_causal"] is True
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ["ring", "allgather"])
 def test_cp_communication_is_a_term_of_its_own(algorithm):
     # The step's cp term is what cp attention's compute does not hide of its communication, per layer and

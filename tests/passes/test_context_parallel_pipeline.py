@@ -19,6 +19,7 @@ def _plan(cluster: str, constraints: dict, batch: int = 4, seq: int = 16, **kw):
     return autopar.plan(make_model("llama"), cluster, args, kwargs, constraints=constraints, **kw)
 
 
+@pytest.mark.integration
 def test_pinned_pp_and_cp_give_a_pipeline_on_a_pp_dp_cp_tp_mesh():
     plan = _plan("cpu:4", {"pp": 2, "cp": 2})
     assert plan.mesh == {"pp": 2, "dp": 1, "cp": 2, "tp": 1}
@@ -33,11 +34,13 @@ def test_pinned_pp_and_cp_give_a_pipeline_on_a_pp_dp_cp_tp_mesh():
     assert again.mesh == plan.mesh and again.context_parallel == cp and again.program == "pipeline"
 
 
+@pytest.mark.integration
 def test_pinned_algorithm_reaches_the_stages():
     plan = _plan("cpu:4", {"pp": 2, "cp": 2, "cp_attention": "ring"})
     assert plan.context_parallel["algorithm"] == "ring"
 
 
+@pytest.mark.integration
 def test_cp_splits_each_stage_s_activations():
     # The same stage blocks (dp=1, tp=1) with and without a cp axis of two: every activation is per token and
     # each cp rank holds half the tokens, so a stage keeps about half the activation bytes. Not exactly half:
@@ -53,6 +56,7 @@ def test_cp_splits_each_stage_s_activations():
     assert with_cp.predicted.peak_memory_bytes < alone.predicted.peak_memory_bytes
 
 
+@pytest.mark.integration
 def test_stage_boundary_transfer_is_this_rank_s_chunk():
     # Stage 0 of two sends one boundary activation per micro-batch forward and receives nothing back to send:
     # c_0 is one point-to-point send of this rank's piece, b sequences of seq/cp tokens of the hidden state,
@@ -65,6 +69,7 @@ def test_stage_boundary_transfer_is_this_rank_s_chunk():
     assert plan.pipeline["stages"][0]["transfer_per_microbatch_s"] == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.integration
 def test_pipeline_stages_together_price_the_cp_plan_s_compute():
     # Every layer runs on exactly one stage and the stage views together are the whole graph, each stage
     # priced on the same (dp·cp, tp) block with the same cp attention: the stages' time of one micro-batch
@@ -91,6 +96,7 @@ def _exposed_per_layer(plan, algorithm: str) -> float:
     return float(line.split(", ")[1].split(" ms")[0]) * 1e-3
 
 
+@pytest.mark.integration
 def test_a_stage_waits_for_its_cp_attention_s_exposed_communication():
     # The same pipeline with the attention algorithm pinned two ways: each stage runs one layer, so its time per
     # micro-batch differs by the two algorithms' exposed communication per layer and micro-batch (the plan's
@@ -117,6 +123,7 @@ def test_pp_times_cp_that_does_not_divide_the_world_is_refused():
         _plan("cpu:2", {"pp": 2, "cp": 2})
 
 
+@pytest.mark.integration
 def test_a_cp_pipeline_is_compared_with_layouts_at_their_own_cp_degree():
     plan = _plan("cpu:4", {"pp": 2, "cp": 2}, compare=("tp=2,pp=2", "pp=2,cp=2", "pp=4,cp=2"))
     without, same, too_many = plan.comparisons
@@ -155,6 +162,7 @@ def test_search_picks_a_pipeline_and_cp_together_where_both_pay():
     assert searched[both.mesh["cp"]]["step_time_s"] == pytest.approx(both.predicted.step_time_s)
 
 
+@pytest.mark.integration
 def test_a_cp_pipeline_past_the_budget_names_dp_and_cp_apart():
     # the data axis of a stage block is dp x cp ranks; the message names them as the user pins them
     from autopar.errors import InfeasiblePlanError
@@ -163,6 +171,7 @@ def test_a_cp_pipeline_past_the_budget_names_dp_and_cp_apart():
         _plan("cpu:4", {"pp": 2, "cp": 2}, memory_budget=4096)
 
 
+@pytest.mark.integration
 def test_a_layout_that_fits_only_with_full_recompute_is_not_dropped_by_the_estimate():
     # The layout estimate bounds each stage's activations per recompute mode: a mode that saves less keeps more
     # working memory (its recomputed segment), so no one mode is the leanest at every layer count. At this budget
@@ -177,6 +186,7 @@ def test_a_layout_that_fits_only_with_full_recompute_is_not_dropped_by_the_estim
     assert any(st["recompute"] != "none" for st in plan.pipeline["stages"])
 
 
+@pytest.mark.integration
 def test_where_memory_binds_the_pipeline_runs_the_leaner_cp_algorithm():
     # Recompute pinned off, 256 tokens: all-gather is the fastest per layer here but keeps each layer's gathered
     # K/V until the backward, which ring does not. Unbounded, the search runs all-gather. Under a budget between
@@ -207,6 +217,7 @@ def test_where_memory_binds_the_pipeline_runs_the_leaner_cp_algorithm():
         )
 
 
+@pytest.mark.integration
 def test_where_memory_rules_out_configurations_the_pipeline_runs_the_leaner_cp_algorithm():
     # Micro-batches free, 8 sequences of 256 tokens, recompute off. At 4 micro-batches all-gather is faster than
     # ring and holds more. Under a budget between the two's peaks there, all-gather's 4 micro-batches (and ring's 2)

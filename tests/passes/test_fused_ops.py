@@ -105,6 +105,7 @@ def gpt2() -> Case:
     return _hf_case("gpt2")
 
 
+@pytest.mark.integration
 def test_llama_gqa_is_fused_and_numerics_hold(llama):
     report = llama.gm.meta[FUSED_META_KEY]
     assert report.counts == {"flash_attention": 2, "rms_norm": 5, "layer_norm": 0, "linear_cross_entropy": 1}
@@ -117,6 +118,7 @@ def test_llama_gqa_is_fused_and_numerics_hold(llama):
     _assert_same_numerics(llama)
 
 
+@pytest.mark.integration
 def test_gpt2_is_fused_and_numerics_hold(gpt2):
     report = gpt2.gm.meta[FUSED_META_KEY]
     assert report.counts == {"flash_attention": 2, "rms_norm": 0, "layer_norm": 5, "linear_cross_entropy": 1}
@@ -124,6 +126,7 @@ def test_gpt2_is_fused_and_numerics_hold(gpt2):
     _assert_same_numerics(gpt2)
 
 
+@pytest.mark.integration
 def test_eager_attention_pattern_is_fused():
     case = _hf_case("llama", attn="eager", num_layers=1)  # one layer: the interpreted kernels are slow
     assert case.gm.meta[FUSED_META_KEY].counts["flash_attention"] == 1
@@ -133,6 +136,7 @@ def test_eager_attention_pattern_is_fused():
     _assert_same_numerics(case)
 
 
+@pytest.mark.integration
 def test_fused_graph_runs_under_the_sharded_interpreter_on_one_rank(llama):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate
@@ -213,6 +217,7 @@ def test_inexpressible_attention_is_left_alone_with_a_reason(kind, reason):
     assert skipped.kind == "attention" and reason in skipped.reason, skipped
 
 
+@pytest.mark.integration
 def test_additive_causal_mask_is_fused():
     torch.manual_seed(0)
     case = _case(_Attention("causal_float"), (_x(),))
@@ -276,6 +281,7 @@ def test_shifted_logits_with_log_softmax_and_nll_loss_are_fused():
     _assert_same_numerics(case)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("preset, norm", [("tiny-llama", "rms_norm"), ("tiny-gpt2", "layer_norm")])
 def test_meta_device_presets_are_fused_with_masks_proven_in_blocks(preset, norm, monkeypatch):
     from autopar import presets

@@ -138,6 +138,7 @@ def test_two_buckets_hide_eta_of_the_backward_they_overlap(monkeypatch, cluster,
     assert on.predicted.step_time_s == pytest.approx(off.predicted.step_time_s - (total - expected), rel=1e-6)
 
 
+@pytest.mark.integration
 def test_overlap_is_not_priced_at_eta_zero_or_with_recompute(monkeypatch):
     """A device whose communication hides nothing behind compute (eta = 0), and a recomputed layout, which runs
     on the sharded program (it reduces each gradient in its from_local's backward): neither hides anything;

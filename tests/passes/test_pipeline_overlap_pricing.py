@@ -127,6 +127,7 @@ def searched():
     }
 
 
+@pytest.mark.integration
 def test_the_search_prices_its_stages_as_the_formula_says(searched):
     for on, sol in searched.items():
         slots = schedule_slots(sol.schedule, sol.pp, sol.num_microbatches, sol.virtual_stages)

@@ -89,6 +89,7 @@ def _program_result(graph: OpGraph, cluster: ClusterSpec, dp: int, tp: int, batc
     return prog.solve(stage=0, memory=False), len(prog.groups)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("shortened", [False, True])
 def test_stage_view_with_every_layer_prices_like_the_whole_graph(shortened):
     cluster = ClusterSpec.parse("2x8xA100-80GB")
@@ -126,6 +127,7 @@ def test_stage_views_split_the_model():
     assert s.boundary_bytes_per_sample == 64 * 256 * 2  # one bf16 hidden state per token
 
 
+@pytest.mark.integration
 def test_pipeline_where_the_model_outgrows_a_node_and_the_network_is_slow(big_solution):
     sol = big_solution
     assert sol.pp > 1
@@ -140,6 +142,7 @@ def test_pipeline_where_the_model_outgrows_a_node_and_the_network_is_slow(big_so
     assert all(st.sharding is not None for st in sol.stages)
 
 
+@pytest.mark.integration
 def test_no_pipeline_when_the_model_fits_a_node_with_a_fast_network():
     graph = _stack_graph(1024, 4, 32, 512)
     sol = _search(graph, "8xH100-80GB", 32)
@@ -148,6 +151,7 @@ def test_no_pipeline_when_the_model_fits_a_node_with_a_fast_network():
     assert sol.stages[0].layers == ((0, 4),)
 
 
+@pytest.mark.integration
 def test_uniform_layers_give_balanced_stages(big_graph):
     sol = _search(big_graph, BIG_CLUSTER, BIG["batch"], constraints={"pp": 4, "schedule": "1f1b"})
     assert [st.num_layers for st in sol.stages] == [2, 2, 2, 2]
@@ -157,6 +161,7 @@ def test_uniform_layers_give_balanced_stages(big_graph):
     assert max(times) <= 1.10 * mean
 
 
+@pytest.mark.integration
 def test_uneven_layer_count():
     graph = _stack_graph(1024, 5, 16, 256)
     sol = _search(graph, "2x8xA100-80GB", 16, constraints={"pp": 2, "schedule": "1f1b"})
@@ -180,6 +185,7 @@ def test_pinned_layout_is_honoured(big_graph):
     assert sol.stages[0].activation_copies == activation_copies(Schedule.INTERLEAVED_1F1B, 2, 0, 8, 2)
 
 
+@pytest.mark.integration
 def test_free_search_is_never_slower_than_a_pinned_grid_point(big_graph, big_solution):
     grid = [{"pp": 1, "tp": 8}]
     grid += [{"pp": pp, "tp": tp, "num_microbatches": m} for pp in (2, 4) for tp in (2, 4) for m in (2, 4)]
@@ -202,6 +208,7 @@ def test_schedule_formulas():
     assert bubble_fraction(None, 1, 8) == 0.0
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "pins, words",
     [
@@ -222,6 +229,7 @@ def test_bad_constraints_say_what_to_do(pins, words):
         _search(graph, "2x8xA100-80GB", 16, constraints=pins)
 
 
+@pytest.mark.integration
 def test_zero23_searches_no_pipeline():
     """ZeRO-2/3 pinned without pipeline pins: only the layouts without stages are priced (a pipeline runs ZeRO 0-1)."""
     graph = _stack_graph(256, 8, 16, 64)
@@ -229,12 +237,14 @@ def test_zero23_searches_no_pipeline():
     assert sol.pp == 1 and sol.single_stage.zero_stage == 3 and not sol.candidates
 
 
+@pytest.mark.integration
 def test_no_layout_fits():
     graph = _stack_graph(1024, 4, 16, 256)
     with pytest.raises(InfeasiblePlanError, match="budget"):
         _search(graph, "2x8xA100-80GB", 16, memory_budget_bytes=2**20)
 
 
+@pytest.mark.integration
 def test_a_pinned_pipeline_short_of_memory_says_memory_is_the_cause():
     """Pins whose configurations fit the memory floors, but no cut of which fits once its stages are solved: the
     error names memory (the budget, the stage short of it and its figures), not the pins."""
@@ -254,6 +264,7 @@ def test_a_pinned_pipeline_short_of_memory_says_memory_is_the_cause():
     assert leanest * 2**20 <= budget < fastest * 2**20
 
 
+@pytest.mark.integration
 def test_stages_pay_their_optimizer_step():
     # each stage steps its own parameters once per step, after its last backward: the same term the
     # one-stage program prices, so a pipeline is not made to look cheaper by leaving it out
@@ -271,6 +282,7 @@ def _t5():
     return make_family("t5"), args, kwargs
 
 
+@pytest.mark.integration
 def test_an_encoder_decoder_pipeline_cuts_its_two_stacks_as_one_sequence():
     import autopar
 
@@ -282,6 +294,7 @@ def test_an_encoder_decoder_pipeline_cuts_its_two_stacks_as_one_sequence():
     assert a == 0 and cut == cut2 and end == 4  # encoder.block 0..1, then decoder.block 2..3
 
 
+@pytest.mark.integration
 def test_pp_counts_the_layers_of_both_stacks():
     import autopar
     from autopar.errors import ConfigError
@@ -291,6 +304,7 @@ def test_pp_counts_the_layers_of_both_stacks():
         autopar.plan(model, "cpu:8", args, kwargs, constraints={"pp": 8})
 
 
+@pytest.mark.integration
 def test_interleaving_over_two_stacks_says_what_to_pin():
     import autopar
     from autopar.errors import ConfigError
@@ -300,6 +314,7 @@ def test_interleaving_over_two_stacks_says_what_to_pin():
         autopar.plan(model, "cpu:2", args, kwargs, constraints={"pp": 2, "schedule": "interleaved_1f1b"})
 
 
+@pytest.mark.integration
 def test_two_stacks_past_the_budget_say_how_much_memory_they_need():
     import autopar
 
@@ -308,6 +323,7 @@ def test_two_stacks_past_the_budget_say_how_much_memory_they_need():
         autopar.plan(model, "cpu:2", args, kwargs, constraints={"pp": 2}, memory_budget=4096)
 
 
+@pytest.mark.integration
 def test_a_boundary_is_priced_from_the_values_that_cross_it():
     from autopar.ir import OpGraph
     from autopar.passes.pipeline.layers import crossing_bytes, stack_structure

@@ -41,6 +41,7 @@ def _placeholder_values(model, traced, args, kwargs) -> dict:
     return out
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     ("name", "layers", "cuts"),
     [
@@ -73,6 +74,7 @@ def test_stages_in_sequence_give_the_model_loss_and_gradients(name, layers, cuts
         assert wte in stages[0].placeholders and wte in stages[-1].placeholders
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("cut", [1, 2, 3])  # inside the encoder, between the stacks, inside the decoder
 def test_an_encoder_decoder_cut_anywhere_gives_the_model_loss_and_gradients(cut):
     from tests.families import family_batch, make_family
@@ -136,6 +138,7 @@ def test_layers_out_of_order_are_refused():
         )
 
 
+@pytest.mark.integration
 def test_a_dtype_check_on_the_final_norm_weight_puts_it_on_no_earlier_stage():
     # Gemma-2's RMSNorm reads its weight with .float(): export records an _assert_tensor_metadata on the
     # weight, a node with no graph inputs that used to land on stage 0 and make stage 0 hold the weight

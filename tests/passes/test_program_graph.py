@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from autopar.passes.program_graph import drop_assertions_pass, fold_constants_pass
@@ -33,6 +34,7 @@ def _ops(gm) -> list:
     return [n.target for n in gm.graph.nodes if n.op == "call_function"]
 
 
+@pytest.mark.integration
 def test_checks_are_dropped_and_constants_folded_with_the_same_loss_and_gradients():
     traced, values = _traced_llama()
     gm = traced.graph_module
@@ -61,6 +63,7 @@ def test_checks_are_dropped_and_constants_folded_with_the_same_loss_and_gradient
         torch.testing.assert_close(g, ref, rtol=0, atol=0)
 
 
+@pytest.mark.integration
 def test_only_what_the_named_placeholders_determine_folds():
     traced, values = _traced_llama()
     gm = traced.graph_module

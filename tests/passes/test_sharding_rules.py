@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -94,6 +95,7 @@ def _fused_graph():
     return fuse_traced(trace_model(model, args, kwargs)).graph_module.graph
 
 
+@pytest.mark.integration
 def test_fused_ops_have_rules():
     placement_str = rules.placement_str
     graph = _fused_graph()

@@ -31,6 +31,7 @@ def _meta_mlp(hidden=2048, num_layers=2):
         return MLPStack(hidden, num_layers)
 
 
+@pytest.mark.integration
 def test_megatron_mlp_with_tp_pinned():
     model = _meta_mlp()
     x = torch.randn(4, 256, 2048, device="meta")
@@ -47,6 +48,7 @@ def test_megatron_mlp_with_tp_pinned():
     assert all(plan.node_strategy[n] == "row parallel" for n in partial)
 
 
+@pytest.mark.integration
 def test_pure_data_parallel_for_small_model_large_batch():
     model = tiny_llama().to("meta")
     (ids,), kw = make_batch("llama", batch=256, seq=64)
@@ -55,6 +57,7 @@ def test_pure_data_parallel_for_small_model_large_batch():
     assert plan.zero_stage == 0
 
 
+@pytest.mark.integration
 def test_memory_budget_forces_sharded_states():
     model = _meta_mlp(hidden=2048, num_layers=4)
     x = torch.randn(8, 128, 2048, device="meta")
@@ -78,6 +81,7 @@ def test_infeasible_budget_says_needed_and_available():
     assert "per device" in msg and "needs at least" in msg and "budget is 9.54 MiB per device" in msg
 
 
+@pytest.mark.integration
 def test_logits_returned_beside_a_fused_loss_get_no_gradient_in_working_memory():
     # A causal LM returns (loss, logits). On a GPU cluster its head and loss are fused, so the loss is not computed
     # from the logits: the forward still makes them (their bytes count) and backward never makes their gradient.
@@ -105,6 +109,7 @@ def test_logits_returned_beside_a_fused_loss_get_no_gradient_in_working_memory()
     assert plan.predicted.memory_breakdown["transient"] == 4 * 16 * 4096 * 2
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("cluster", ["6xA100-80GB", "12xH100-80GB", "cpu:3"])
 def test_non_power_of_two_meshes(cluster):
     model = tiny_llama().to("meta")
@@ -134,6 +139,7 @@ def test_op_without_rule_falls_back_to_replicated_with_warning():
     assert "aten.flip.default" in plan.explain()
 
 
+@pytest.mark.integration
 def test_identical_layers_are_solved_once():
     groups = {}
     for layers in (2, 8):
@@ -147,6 +153,7 @@ def test_identical_layers_are_solved_once():
     assert groups[2] == groups[8]
 
 
+@pytest.mark.integration
 def test_bad_constraints_and_batch():
     model = tiny_llama().to("meta")
     (ids,), kw = make_batch("llama", batch=6, seq=16)
@@ -159,6 +166,8 @@ def test_bad_constraints_and_batch():
         autopar.plan(model, "8xA100-80GB", *args, constraints={"ep": 2, "tp": 2})
 
 
+@pytest.mark.slow
+@pytest.mark.integration
 def test_micro_batches_when_activations_do_not_fit():
     # llama2-7b at 128 x 4096 tokens on one 40 GB node: the states fit when sharded, the activations
     # of the whole batch do not (not even through fused attention and full recompute, and with the states
@@ -191,6 +200,7 @@ def test_micro_batches_when_activations_do_not_fit():
             assert alt["reason"]
 
 
+@pytest.mark.integration
 def test_bad_micro_batch_constraints():
     model = tiny_llama().to("meta")
     (ids,), kw = make_batch("llama", batch=8, seq=16)
@@ -201,6 +211,7 @@ def test_bad_micro_batch_constraints():
         autopar.plan(model, "2xA100-80GB", *args, constraints={"num_microbatches": 3})
 
 
+@pytest.mark.integration
 def test_shortened_trace_prices_the_whole_model():
     # A preset with identical layers is traced with two of them standing for all: the plan must be
     # the one the full trace gives, to the last bit of every figure.
@@ -260,6 +271,7 @@ def _meta_llama(hidden=512, layers=4, batch=8, seq=256):
     return model, args, kwargs, trace_model(model, args, kwargs)
 
 
+@pytest.mark.integration
 def test_choices_follow_the_budget():
     # One mesh (dp=2, tp=1) and one micro-batch, so the levers are the ZeRO stage, recompute and offload:
     # as the budget shrinks, states are sharded first (cheap on NVLink), then activations are recomputed
@@ -327,6 +339,7 @@ def test_choices_follow_the_budget():
     assert relaxed.predicted.step_time_s <= saving.predicted.step_time_s * (1 + 1e-9)
 
 
+@pytest.mark.integration
 def test_offload_is_priced_recorded_and_capped_by_host_memory():
     import dataclasses
 
@@ -410,6 +423,7 @@ def test_offload_is_priced_recorded_and_capped_by_host_memory():
         plan(offload="yes")
 
 
+@pytest.mark.integration
 def test_pinned_recompute_is_honoured_and_priced():
     model, args, kwargs, traced = _meta_llama(layers=2)
     plans = {
@@ -432,6 +446,7 @@ def test_pinned_recompute_is_honoured_and_priced():
         autopar.plan(model, "2xA100-80GB", args, kwargs, constraints={"recompute": "some"}, _traced=traced)
 
 
+@pytest.mark.integration
 def test_old_plan_files_read_without_recompute():
     import json
 
@@ -442,6 +457,7 @@ def test_old_plan_files_read_without_recompute():
     assert autopar.Plan.from_json(json.dumps(d)).recompute == "none"
 
 
+@pytest.mark.integration
 def test_layer_treatments_follow_the_budget():
     """Between "keep every activation" and "recompute every layer", the plan recomputes only as many layers as
     the budget needs, which is never slower than the uniform mode and faster where the budget allows it."""
@@ -484,6 +500,7 @@ def test_layer_treatments_follow_the_budget():
     assert mixes >= 1  # some budget is met by treating only some of the layers
 
 
+@pytest.mark.integration
 def test_activation_offload_is_chosen_priced_and_capped():
     """With host offload allowed, layers may keep their activations on the host instead of recomputing them:
     priced as copies over the host link, counted in host memory, and written to the plan file."""
@@ -546,6 +563,7 @@ def _plan_or_none(plan, *args, **kwargs):
         return None
 
 
+@pytest.mark.integration
 def test_report_names_each_layer_treatment():
     model = make_model("llama", num_layers=4)
     args, kwargs = make_batch("llama")
@@ -563,6 +581,7 @@ def test_report_names_each_layer_treatment():
         dataclasses.replace(plan, layer_modes={"offload": (0, 1), "full": (1,)})
 
 
+@pytest.mark.integration
 def test_offload_plans_are_zero3_as_the_offload_program_runs_them():
     model, args, kwargs, traced = _meta_llama(layers=2)
 
@@ -576,6 +595,7 @@ def test_offload_plans_are_zero3_as_the_offload_program_runs_them():
         plan(zero=1)  # the runtime would run ZeRO-3 chunks: a stage-1 plan with states on the host is refused
 
 
+@pytest.mark.integration
 def test_sharded_runtime_overhead_is_priced_where_the_layout_runs_on_dtensors():
     """An estimator that knows what DTensor adds per op (profiled CPU ranks) makes every layout but plain data
     parallelism pay it once per op of the step: exactly that much more at tp=2, at ZeRO-1 and with recompute,
@@ -606,6 +626,7 @@ def test_sharded_runtime_overhead_is_priced_where_the_layout_runs_on_dtensors():
     assert step(priced, **full) == pytest.approx(step(plain, **full) + 1e-4 * ops, rel=1e-6)
 
 
+@pytest.mark.integration
 def test_layer_treatments_pay_the_sharded_runtime_on_a_plain_layout():
     from autopar.cost_model import AnalyticEstimator, DType
 
@@ -640,6 +661,7 @@ def test_layer_treatments_pay_the_sharded_runtime_on_a_plain_layout():
     assert b.predicted.step_time_s == pytest.approx(a.predicted.step_time_s + 1e-4 * ops, rel=1e-6)
 
 
+@pytest.mark.integration
 def test_gradient_sync_is_per_parameter_on_the_sharded_runtime_without_overlap_and_bucketed_otherwise():
     """At ZeRO-0 the data-parallel program sends gradients in buckets (one latency for the tiny model's few
     hundred KB); the sharded runtime does too with overlap on (buckets issued from backward), while with overlap
@@ -690,6 +712,11 @@ def test_gradient_sync_is_per_parameter_on_the_sharded_runtime_without_overlap_a
 # ------------------------------------------------------------------- a tensor axis splits weights
 
 
+def _slow_case(family: str):
+    """A family case left to `make test-all`."""
+    return pytest.param(family, marks=pytest.mark.slow)
+
+
 def _rank_share(model: nn.Module, plan) -> float:
     """The fraction of the model's parameter elements one rank holds under the plan (tensor axis only)."""
     sizes = {n: p.numel() for n, p in model.named_parameters()}
@@ -697,7 +724,12 @@ def _rank_share(model: nn.Module, plan) -> float:
     return held / sum(sizes.values())
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5", "bloom", "falcon", "gemma2", "mixtral", "torch"])
+@pytest.mark.integration
+# T5's two stacks and Gemma-2's plan are the slowest to solve: `make test-all` (the other families check the same)
+@pytest.mark.parametrize(
+    "family",
+    ["gpt2", "llama", "bert", _slow_case("t5"), "bloom", "falcon", _slow_case("gemma2"), "mixtral", "torch"],
+)
 def test_pinned_tp_splits_every_layer_matmul_weight(family):
     from tests.families import family_batch, make_family
 
@@ -717,7 +749,9 @@ def test_pinned_tp_splits_every_layer_matmul_weight(family):
     assert "kept whole" in plan.summary() and "of the layer matmul weights" in plan.summary()
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5", "falcon", "torch"])
+@pytest.mark.integration
+# T5's and LLaMA's free searches are the slowest: `make test-all` (the other families check the same)
+@pytest.mark.parametrize("family", ["gpt2", _slow_case("llama"), "bert", _slow_case("t5"), "falcon", "torch"])
 def test_free_search_never_returns_a_tensor_axis_that_splits_nothing(family):
     from tests.families import family_batch, make_family
 
@@ -743,6 +777,7 @@ def test_a_tensor_axis_with_nothing_to_split_is_dropped_from_the_free_search():
     assert not dropped["feasible"] and "split no matmul weight" in dropped["reason"]
 
 
+@pytest.mark.integration
 def test_tp_min_split_lowers_or_lifts_the_rule():
     model, (args, kwargs) = make_model("llama"), make_batch("llama")
 
@@ -776,6 +811,7 @@ def _layer_activation_collectives(plan) -> dict[str, set[tuple[str, str, str]]]:
     return found
 
 
+@pytest.mark.integration
 def test_sequence_parallel_norms_when_activation_memory_binds():
     """Megatron-style sequence parallelism (Korthikanti et al.) on a pinned tensor axis: with memory to spare the
     block runs as Megatron tensor parallelism (norms and residual adds replicated, an all-reduce after each

@@ -57,6 +57,7 @@ def plans():
     return traced, out
 
 
+@pytest.mark.integration
 def test_a_collective_launched_early_hides_its_bandwidth_time_behind_the_ops_before_its_use(plans):
     """By hand from the plan's placements and the link: every value whose one consumer comes later than the next
     op and needs another placement than the value's own. Each op here takes at least 0.05 ms forward (`_Split`),

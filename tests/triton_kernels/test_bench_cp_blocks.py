@@ -21,6 +21,7 @@ def test_zigzag_rank_pairs_are_balanced():
     assert cp_blocks.zigzag_pairs(2) == [(0, 0, True), (3, 0, False), (3, 1, False), (3, 2, False), (3, 3, True)]
 
 
+@pytest.mark.integration
 def test_smoke_run_checks_the_merge_and_prints_a_row(device, capsys):
     rc = cp_blocks.main(["--device", device.type, "--smoke"])
     out = capsys.readouterr().out

@@ -27,6 +27,7 @@ def _section(text: str, title: str) -> list[str]:
     return body
 
 
+@pytest.mark.integration
 def test_smoke_run_checks_and_times_every_kernel(device, capsys):
     rc = bench.main(["--device", device.type, "--smoke"])
     out = capsys.readouterr().out

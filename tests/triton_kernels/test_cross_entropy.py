@@ -147,6 +147,7 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.integration
 def test_memory_is_chunk_by_vocab_not_tokens_by_vocab(device):
     """No tensor of tokens x vocab elements is ever made: the largest is a logits chunk or a weight-sized one."""
     num_tokens, hidden_dim, vocab, chunk = 48, 8, 300, 4
@@ -208,6 +209,7 @@ def test_export_keeps_one_custom_op_node(device):
     torch.testing.assert_close(exported.module()(hidden, labels), model(hidden, labels), atol=0, rtol=0)
 
 
+@pytest.mark.integration
 def test_opcheck_registration(device):
     """PyTorch's own checker: schema, fake (meta) implementation and autograd registration agree with the kernel."""
     hidden, weight, labels = _inputs((6,), 8, 20, torch.float32, device, seed=9, ignore_every=4)

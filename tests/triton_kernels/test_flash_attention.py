@@ -111,6 +111,7 @@ def test_reference_uses_sdpa_top_left_causal_alignment(seq_q, seq_k):
     torch.testing.assert_close(explicit, expected, atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.integration
 def test_lse_output_and_its_gradient(device):
     """The op's second output is the row log-sum-exp of the scaled scores, and gradients flow through it too."""
     q, k, v = _random_qkv(1, 4, 2, 37, 21, 64, torch.float32, device, seed=3)
@@ -130,6 +131,7 @@ def test_lse_output_and_its_gradient(device):
         _assert_close(ours.cpu(), ref, tol=tol, what=name)
 
 
+@pytest.mark.integration
 def test_strided_inputs_and_expanded_grad(device):
     """(batch, seq, heads, dim) tensors viewed as SDPA layout, and the stride-0 gradient that ``sum()`` sends."""
     gen = torch.Generator().manual_seed(11)
@@ -194,12 +196,14 @@ def test_export_keeps_one_custom_op_node(device):
     torch.testing.assert_close(exported.module()(q, k, v), _Attention()(q, k, v), atol=0, rtol=0)
 
 
+@pytest.mark.integration
 def test_opcheck_registration(device):
     """PyTorch's own checker: schema, fake (meta) implementation and autograd registration agree with the kernel."""
     q, k, v = _random_qkv(1, 2, 1, 5, 7, 16, torch.float32, device, seed=9)
     torch.library.opcheck(torch.ops.autopar.flash_attention.default, (q, k, v, True, 0.25))
 
 
+@pytest.mark.integration
 def test_torch_compile_sees_one_op_and_matches_eager(device):
     """Dynamo traces the op as one node (fullgraph: no graph break) and AOT autograd uses its backward formula."""
     from torch._dynamo.testing import CompileCounterWithBackend

@@ -104,6 +104,7 @@ def test_block_forward_and_backward_match_the_definition(
         _assert_close(got.cpu(), want, name)
 
 
+@pytest.mark.integration
 def test_zigzag_blocks_merge_to_the_whole_attention(device):
     """A rank of a zig-zag split (cp=2, chunks of 24: it holds positions 24-47 and 48-71) runs its two query halves
     against the four key chunks of the sequence: the blocks' outputs merged by their LSE, and their gradients

@@ -168,6 +168,7 @@ class _Norms(torch.nn.Module):
         return layer_norm(rms_norm(x, self.w1, 1e-6), self.w2, self.b2, 1e-5)
 
 
+@pytest.mark.integration
 def test_export_keeps_one_custom_op_node_each(device):
     model = _Norms(48).to(device)
     x = torch.randn(3, 5, 48, device=device)
@@ -179,6 +180,7 @@ def test_export_keeps_one_custom_op_node_each(device):
     torch.testing.assert_close(exported.module()(x), model(x), atol=0, rtol=0)
 
 
+@pytest.mark.integration
 def test_opcheck_registration(device):
     """PyTorch's own checker: schema, fake (meta) implementation and autograd registration agree with the kernels."""
     x, weight, bias, _ = _inputs((3, 20), torch.float32, device, seed=2)
