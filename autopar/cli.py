@@ -52,13 +52,7 @@ def _plan_cmd(args) -> int:
 def _explain_cmd(args) -> int:
     from autopar.plan import Plan
 
-    try:
-        text = Path(args.plan).read_text()
-    except OSError as e:
-        from autopar.errors import ConfigError
-
-        raise ConfigError(f"cannot read plan file {args.plan}: {e.strerror}") from e
-    plan = Plan.from_json(text)
+    plan = Plan.from_file(args.plan)
     if args.html:
         Path(args.html).write_text(plan.explain("html"))
         print(f"[autopar] wrote {args.html}", file=sys.stderr)
@@ -89,6 +83,13 @@ def _bench_cmd(args) -> int:
         print(f"[autopar] wrote calibrate.json and calibrate.md to {args.out or 'out/calibrate'}", file=sys.stderr)
         return 0
     args.out = args.out or "bench-results"
+    if args.suite == "exits":  # torchrun launches of a user-style script per program kind
+        from autopar.bench import exits
+
+        kinds = tuple(args.kinds.split(",")) if args.kinds else tuple(exits.KINDS)
+        exits.run(args.out, launches=args.launches or 200, kinds=kinds, show_progress=not args.quiet)
+        print(f"[autopar] wrote exits.json and exits.md to {args.out}", file=sys.stderr)
+        return 0
     if args.rows is not None:
         warnings.warn(f"--rows applies to the calibrate suite only; the {args.suite} suite ignores it", stacklevel=1)
     if args.cluster is not None and args.suite not in ("run", "soak", "checkpoint"):
@@ -168,9 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmark suites: plans (predicted, vs baselines), compile (planning time), "
         "run (measured on CPU ranks, vs DDP/FSDP2/TP), calibrate (predicted vs torchtitan's and Megatron-LM's published runs, and nccl-tests), "
         "soak (300 steps with checkpoints: memory, loadability, retention), checkpoint (save/load time of ~100M "
-        "parameters vs torch.save), lengths (step time at half the planned sequence length)",
+        "parameters vs torch.save), lengths (step time at half the planned sequence length), exits (torchrun "
+        "launches per program kind that must all exit 0)",
     )
-    b.add_argument("suite", choices=["plans", "compile", "run", "calibrate", "soak", "checkpoint", "lengths"])
+    b.add_argument("suite", choices=["plans", "compile", "run", "calibrate", "soak", "checkpoint", "lengths", "exits"])
     b.add_argument(
         "--out",
         help="folder for the JSON, Markdown and PNG results (default bench-results; out/calibrate for calibrate)",
@@ -197,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run suite: the least number of repetitions per method "
         "(default 5, 3 with --quick; more narrow the spread of the paired ratios on a noisy machine)",
     )
+    b.add_argument(
+        "--launches", type=_positive_int, help="exits suite: torchrun launches per program kind (default 200)"
+    )
+    b.add_argument("--kinds", help="exits suite: comma-separated program kinds (default all four)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     b.set_defaults(fn=_bench_cmd)
     return ap

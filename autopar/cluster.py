@@ -252,16 +252,30 @@ class ClusterSpec:
 
     @classmethod
     def from_file(cls, path: str | Path) -> ClusterSpec:
-        """A YAML or JSON cluster file (see the module docstring); ConfigError for unknown keys or bad values."""
+        """A YAML or JSON cluster file (see the module docstring); ConfigError for unknown keys or bad values, and
+        for a file past CLUSTER_FILE_LIMIT_BYTES, nested too deeply, or whose aliases expand past
+        CLUSTER_FILE_LIMIT_VALUES values (checked before anything renders it)."""
         p = Path(path)
         try:
-            text = p.read_text()
+            with open(p, "rb") as f:
+                raw = f.read(CLUSTER_FILE_LIMIT_BYTES + 1)
         except OSError as e:
             raise ConfigError(f"cannot read cluster file {str(p)!r}: {e.strerror}") from e
+        if len(raw) > CLUSTER_FILE_LIMIT_BYTES:
+            raise ConfigError(
+                f"cluster file {str(p)!r} is larger than {CLUSTER_FILE_LIMIT_BYTES} bytes; a cluster file is a few lines"
+            )
         try:  # YAML is a superset of JSON, so one loader reads both
-            data = yaml.safe_load(text)
+            data = yaml.load(raw, Loader=_SAFE_LOADER)  # noqa: S506 - a safe loader: no object tags
         except yaml.YAMLError as e:
             raise ConfigError(f"cluster file {str(p)!r} is neither valid YAML nor JSON: {e}") from e
+        except RecursionError as e:
+            raise ConfigError(f"cluster file {str(p)!r} is nested too deeply to be a cluster file") from e
+        if _expanded_size(data, CLUSTER_FILE_LIMIT_VALUES) > CLUSTER_FILE_LIMIT_VALUES:
+            raise ConfigError(
+                f"cluster file {str(p)!r} expands to more than {CLUSTER_FILE_LIMIT_VALUES} values (YAML aliases "
+                f"repeating anchors): write the cluster out plainly"
+            )
         return cls.from_overrides(data, source=str(p))
 
     @classmethod
@@ -487,3 +501,29 @@ def load_cluster(value) -> ClusterSpec:
 
 
 __all__ = ["MAX_DEVICES", "ClusterSpec", "load_cluster", "parse_bytes", "parse_quantity"]
+
+
+CLUSTER_FILE_LIMIT_BYTES = 64 * 1024
+# libyaml's safe loader where PyYAML has it: quick, and it refuses nesting past its depth limit at once
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+CLUSTER_FILE_LIMIT_VALUES = 10_000  # scalars, lists and mappings, counting each alias as the copy it stands for
+
+
+def _expanded_size(value, limit: int) -> int:
+    """How many values `value` holds with every shared object (a YAML alias) counted each time it appears; stops
+    counting past `limit`. Iterative, memoised by object: an alias bomb is measured in the time of its text."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[object, bool]] = [(value, False)]
+    while stack:
+        v, done = stack.pop()
+        if id(v) in sizes:
+            continue
+        children = list(v.keys()) + list(v.values()) if isinstance(v, dict) else v if isinstance(v, list) else []
+        if not children:
+            sizes[id(v)] = 1
+        elif done:
+            sizes[id(v)] = min(limit + 1, 1 + sum(sizes.get(id(c), 1) for c in children))
+        else:
+            stack.append((v, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+    return sizes[id(value)]

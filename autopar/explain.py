@@ -559,9 +559,15 @@ def _pipeline(plan) -> list:
     return blocks
 
 
+GANTT_LIMIT_BOXES = 20_000  # past this many boxes a chart says nothing a reader can see, and takes long to draw
+
+
 def _gantt(plan) -> list:
     """One step of the schedule: the slowest stage's time per micro-batch, split 1:2 between forward and backward."""
     info, pp = plan.pipeline, plan.mesh.get("pp", 1)
+    boxes = 2 * pp * plan.num_microbatches * info.get("virtual_stages", 1)
+    if boxes > GANTT_LIMIT_BOXES:
+        return [("h3", "Schedule"), ("p", f"The chart of one step is left out: it would have {boxes:,} boxes.")]
     slowest = max(info["stages"], key=lambda st: st["time_per_microbatch_s"] + st["transfer_per_microbatch_s"])
     per_mb = slowest["time_per_microbatch_s"] + slowest["transfer_per_microbatch_s"]
     v = info.get("virtual_stages", 1)

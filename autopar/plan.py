@@ -24,6 +24,7 @@ rendered from a plan file without them says so instead of a time.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
@@ -34,6 +35,12 @@ from autopar.rationale import format_flops_rate, hidden_terms
 from autopar.units import GIB
 
 FORMAT_VERSION = 1
+# what a plan file may hold, checked before it is parsed or turned into a Plan: a real plan of a 175B model on
+# 512 devices is well under a megabyte; the counts are past any real job
+PLAN_LIMIT_BYTES = 32 * 2**20
+PLAN_MAX_DEPTH = 32
+MAX_DEVICES = 2**20
+MAX_COUNT = 2**20  # micro-batches, virtual stages, layers, samples in a global batch
 MESH_AXES = ("pp", "dp", "cp", "tp")
 PRECISIONS = ("bf16", "fp16", "fp32")
 # what a plan may do with one layer's activations besides keeping them (`Plan.layer_modes`), in the
@@ -124,7 +131,21 @@ class StagePlan:
                 node_inputs={k: tuple(v) for k, v in (d.get("node_inputs") or {}).items()},
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, PlanFormatError):
+                raise
             raise PlanFormatError(f"corrupt pipeline stage in the plan: {type(e).__name__}: {e}") from e
+
+    def __post_init__(self) -> None:
+        if self.index < 0 or not 1 <= self.dp <= MAX_DEVICES or not 1 <= self.tp <= MAX_DEVICES:
+            raise PlanFormatError(
+                f"pipeline stage {self.index} has dp={self.dp}, tp={self.tp}: expected a stage index of 0 or more and "
+                f"axis sizes of at least 1"
+            )
+        bad = [list(r) for r in self.layers if not 0 <= r[0] < r[1] <= MAX_COUNT]
+        if not self.layers or bad:
+            raise PlanFormatError(
+                f"pipeline stage {self.index} has the layer ranges {bad or []}: expected ranges [a, b) with 0 <= a < b"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +371,12 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """Read a plan written by `to_json`; PlanFormatError for anything else."""
+        size = len(text) if isinstance(text, (str, bytes, bytearray)) else 0
+        if size > PLAN_LIMIT_BYTES:
+            raise PlanFormatError(
+                f"not a plan file: {size} bytes, more than the {PLAN_LIMIT_BYTES} a plan file is read up to "
+                f"(a plan of a 175B model is under a megabyte); write plans with `autopar plan --json`"
+            )
         try:
             d = json.loads(text)
         except (ValueError, TypeError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -370,6 +397,7 @@ class Plan:
                 f"plan format version {ver!r} is not supported (this autopar reads version "
                 f"{FORMAT_VERSION}); re-run `autopar plan` to write a new plan"
             )
+        _check_counts(d)
         try:
             plan = cls(
                 model_name=d["model_name"],
@@ -410,10 +438,6 @@ class Plan:
                 comparisons=tuple(d.get("comparisons") or ()),
                 assumptions=dict(d.get("assumptions") or {}),
             )
-            # the report sections are free-form records: a file whose records the report cannot read is corrupt
-            # too, and is refused here rather than by `autopar explain` later
-            plan.summary()
-            plan.explain()
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError, ZeroDivisionError) as e:
             if isinstance(e, PlanFormatError):
                 raise
@@ -422,17 +446,38 @@ class Plan:
             ) from e
         return plan
 
+    @classmethod
+    def from_file(cls, path) -> Plan:
+        """Read a plan file (`from_json` of its text), refusing one past PLAN_LIMIT_BYTES before reading it."""
+        from pathlib import Path
+
+        try:
+            with open(Path(path), "rb") as f:
+                raw = f.read(PLAN_LIMIT_BYTES + 1)
+        except OSError as e:
+            raise PlanFormatError(f"cannot read plan file {path}: {e.strerror}") from e
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError as e:
+            raise PlanFormatError(f"{path} is not a plan file: not UTF-8 text ({e})") from e
+        return cls.from_json(text)
+
     # ------------------------------------------------------------------------------ reporting
 
     def explain(self, fmt: str = "markdown") -> str:
-        """A report of what was chosen and why: Markdown, or a self-contained HTML page (fmt="html")."""
-        if fmt in ("markdown", "md"):
-            return render_markdown(self)
-        if fmt == "html":
-            return render_html(self)
-        raise ValueError(f"unknown report format {fmt!r}: expected 'markdown' or 'html'")
+        """A report of what was chosen and why: Markdown, or a self-contained HTML page (fmt="html").
+        PlanFormatError when the plan's report records (free-form, as read from a file) cannot be rendered."""
+        if fmt not in ("markdown", "md", "html"):
+            raise ValueError(f"unknown report format {fmt!r}: expected 'markdown' or 'html'")
+        with _rendering("report"):
+            return render_html(self) if fmt == "html" else render_markdown(self)
 
     def summary(self) -> str:
+        """One line: the layout, the program that runs it, the predicted step, throughput and memory."""
+        with _rendering("summary"):
+            return self._summary()
+
+    def _summary(self) -> str:
         p = self.predicted
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
         accum = (
@@ -481,3 +526,51 @@ def _hidden_communication(d: dict) -> dict:
 
 
 _TREATMENT_WORDS = {"offload": "activations offloaded", "full": "full recompute", "selective": "selective recompute"}
+
+
+@contextmanager
+def _rendering(what: str):
+    """Rendering a plan's free-form records: a record of the wrong shape (a damaged or edited plan file) is a
+    PlanFormatError, not a KeyError from deep inside the report."""
+    try:
+        yield
+    except PlanFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, IndexError, ZeroDivisionError) as e:
+        raise PlanFormatError(
+            f"the plan's {what} cannot be rendered: a record of it is corrupt ({type(e).__name__}: {e}); a plan "
+            f"file that was edited or damaged: re-run `autopar plan` to write a new one"
+        ) from e
+
+
+def _check_counts(d: dict) -> None:
+    """Refuse a plan document nested deeper than PLAN_MAX_DEPTH, or whose counts (devices, micro-batches,
+    virtual stages, batch) are not positive or past MAX_DEVICES / MAX_COUNT, before a Plan is made of it."""
+    stack = [(d, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= PLAN_MAX_DEPTH:
+                raise PlanFormatError(f"corrupt plan file: nested more than {PLAN_MAX_DEPTH} deep")
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    cluster, pipeline = d.get("cluster"), d.get("pipeline") or {}
+    counts = {
+        "global_batch_size": (d.get("global_batch_size"), MAX_COUNT),
+        "num_microbatches": (d.get("num_microbatches", 1), MAX_COUNT),
+        "pipeline virtual_stages": (pipeline.get("virtual_stages", 1) if isinstance(pipeline, dict) else 1, MAX_COUNT),
+    }
+    if isinstance(cluster, dict):
+        counts["cluster num_nodes"] = (cluster.get("num_nodes"), MAX_DEVICES)
+        counts["cluster devices_per_node"] = (cluster.get("devices_per_node"), MAX_DEVICES)
+    mesh = d.get("mesh")
+    if isinstance(mesh, dict):
+        counts |= {f"mesh {k}": (v, MAX_DEVICES) for k, v in mesh.items()}
+    for name, (value, limit) in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise PlanFormatError(
+                f"corrupt plan file: {name} is {str(value)[:40]}, expected a whole number from 1 to {limit}; "
+                f"re-run `autopar plan` to write a new plan"
+            )
+    nodes, per_node = counts.get("cluster num_nodes", (1, 0))[0], counts.get("cluster devices_per_node", (1, 0))[0]
+    if nodes * per_node > MAX_DEVICES:
+        raise PlanFormatError(f"corrupt plan file: a cluster of {nodes} x {per_node} devices, past {MAX_DEVICES}")

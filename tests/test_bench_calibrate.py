@@ -70,6 +70,8 @@ def test_nccl_tests_points_that_check_the_model_independently():
     assert "| system |" in nccl_tests.markdown()
 
 
+@pytest.mark.subprocess  # the machine description (`bench.common.environment`): Python's `platform` runs uname
+@pytest.mark.integration  # plans a preset on its published layout
 def test_one_torchtitan_row_end_to_end(tmp_path):
     doc = calibrate.run(tmp_path, rows="tt-13b-fsdp64-a100", show_progress=False)
     (r,) = doc["torchtitan"]

@@ -11,25 +11,23 @@ from safetensors.torch import save_file
 
 from autopar.checkpoint import hf
 from autopar.checkpoint.pieces import Piece
+from autopar.checkpoint.protocol import ModelNames
 from autopar.errors import ConfigError
 from tests.models import make_model
 
 
 class _Holder:
-    """What load_pretrained asks of a program: names, shapes and this rank's pieces of each master."""
+    """A test double of the `Checkpointable` protocol as load_pretrained uses it: names, shapes and this rank's
+    pieces of each master."""
 
     def __init__(self, model, cut=None):
-        first: dict[int, str] = {}
-        self._first_names = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
-        self._master_names = list(dict.fromkeys(self._first_names.values()))
-        self._master_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        self._persistent_buffers = []
-        self.pieces = {n: (cut or _whole)(torch.zeros(s)) for n, s in self._master_shapes.items()}
+        self.checkpoint_names = ModelNames.of(model)
+        self.pieces = {n: (cut or _whole)(torch.zeros(s)) for n, s in self.checkpoint_names.shapes.items()}
 
-    def _local_masters(self):
+    def checkpoint_masters(self):
         return self.pieces
 
-    def _after_checkpoint_load(self):
+    def after_checkpoint_load(self):
         pass
 
 
@@ -69,7 +67,7 @@ def test_reads_exactly_the_slices_of_its_pieces(tmp_path, cut, sharded):
     if cut is _second_half_rows:
         assert read == held  # only the slices' bytes
     if cut is _flat_middle:  # whole rows around each range: at most one row more on either side
-        extra = sum(2 * math.prod(s[1:]) * 4 for s in holder._master_shapes.values() if len(s) > 1)
+        extra = sum(2 * math.prod(s[1:]) * 4 for s in holder.checkpoint_names.shapes.values() if len(s) > 1)
         assert held <= read <= held + extra
 
 

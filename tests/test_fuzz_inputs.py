@@ -1,6 +1,8 @@
 """Fuzzing what a user hands autopar: cluster strings and files, constraints, plan files (real plan files,
 mutated) and checkpoint metadata. Every input either works or raises an `autopar.AutoparError`; nothing else
-may escape (a KeyError, a TypeError from deep inside, an OverflowError, a hang).
+may escape (a KeyError, a TypeError from deep inside, an OverflowError, a hang). Every file reader (plan, cluster,
+safetensors header, checkpoint marker, DCP's index) is fed the shapes that blow readers up (size, depth, huge
+counts, YAML aliases) under a time and memory bound per case (`bounded`).
 
 Examples are bounded so that the file runs in seconds; the deadline is off because the examples that plan or
 load a checkpoint take a few hundred milliseconds on a loaded two-core machine.
@@ -9,7 +11,10 @@ load a checkpoint take a few hundred milliseconds on a loaded two-core machine.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
+import time
+import tracemalloc
 import warnings
 from pathlib import Path
 
@@ -275,10 +280,15 @@ def saved(tmp_path_factory):
     return pm, root / "good"
 
 
-_MARKER_KEYS = st.sampled_from(["format", "version", "step", "world_size", "program", "mesh", "model", "time", "x"])
+_MARKER_KEYS = st.sampled_from(
+    ["format", "version", "step", "run", "world_size", "program", "mesh", "model", "time", "x"]
+)
 MARKERS = st.one_of(
     st.dictionaries(_MARKER_KEYS, JSON, max_size=5),
-    st.fixed_dictionaries({"format": st.just("autopar-checkpoint"), "version": st.just(1) | JSON, "step": JSON}),
+    st.fixed_dictionaries(
+        {"format": st.just("autopar-checkpoint"), "version": st.just(2) | JSON, "step": JSON},
+        optional={"run": st.just("r") | JSON, "time": st.just(1.0) | JSON},
+    ),
     JSON,
 )
 
@@ -307,3 +317,210 @@ def test_damaged_checkpoint_files_load_or_raise_autopar_errors(saved, tmp_path_f
     data = (copy / name).read_bytes()
     (copy / name).write_bytes(data[:at] + junk + data[at + len(junk) :])
     works_or_autopar_error(pm.load_checkpoint, copy)
+
+
+# ------------------------------------------------------------------------- size, depth, counts, aliases
+
+# Each reader bounds what it reads before it allocates or renders: a hostile file is refused (or read) within
+# these. They guard against hangs and blow-ups (the issue measured 40 s and 1.2-3.8 GB), not speed: a bounded
+# read takes milliseconds, and the limits leave room for a loaded two-core machine and tracemalloc's slowdown.
+CASE_S = 5.0
+CASE_PEAK_BYTES = 256 * 2**20
+
+
+def bounded(fn, *args):
+    """works_or_autopar_error(fn, *args) within CASE_S seconds and CASE_PEAK_BYTES of Python allocations."""
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        return works_or_autopar_error(fn, *args)
+    finally:
+        seconds = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert seconds < CASE_S, f"took {seconds:.1f} s"
+        assert peak < CASE_PEAK_BYTES, f"allocated {peak / 2**20:.0f} MiB"
+
+
+HUGE = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, -1, 2**20, 2**20 + 1, 10**6, 2**31, 2**62, 10**30]),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+_COUNT_PATHS = [
+    ("num_microbatches",),
+    ("global_batch_size",),
+    ("mesh", "pp"),
+    ("mesh", "dp"),
+    ("cluster", "num_nodes"),
+    ("cluster", "devices_per_node"),
+    ("pipeline", "virtual_stages"),
+    ("pipeline", "stages", 0, "dp"),
+    ("pipeline", "stages", 0, "layers", 0, 1),
+]
+_PIPELINED = sorted(name for name, text in GOLDEN_TEXTS.items() if json.loads(text)["pipeline"])
+
+
+@st.composite
+def counted_plans(draw):
+    """A pipelined golden plan with one count set to a huge, negative or odd value (a second count sometimes)."""
+    doc = json.loads(GOLDEN_TEXTS[draw(st.sampled_from(_PIPELINED))])
+    for _ in range(draw(st.integers(1, 2))):
+        path = draw(st.sampled_from(_COUNT_PATHS))
+        _mutated(doc, path, draw(HUGE), delete=False)
+    return json.dumps(doc)
+
+
+def _read_and_render(text: str):
+    plan = autopar.Plan.from_json(text)
+    plan.summary()
+    plan.explain()
+    return plan
+
+
+@FUZZ
+@given(counted_plans())
+def test_plan_files_with_huge_counts_are_read_or_refused_within_bounds(text):
+    bounded(_read_and_render, text)
+
+
+@FUZZ
+@given(
+    st.sampled_from(sorted(GOLDEN_TEXTS)),
+    st.sampled_from(_COUNT_PATHS[:1] + [("param_placements",)]),
+    st.integers(1, 3000),
+)
+def test_deeply_nested_plan_files_are_refused_within_bounds(name, path, depth):
+    doc = json.loads(GOLDEN_TEXTS[name])
+    text = json.dumps(_mutated(doc, path, "NEST", delete=False)).replace('"NEST"', "[" * depth + "0" + "]" * depth)
+    assert bounded(autopar.Plan.from_json, text) is None  # a count or a table as nested lists: refused
+
+
+def test_an_oversized_plan_file_is_refused_before_it_is_parsed(tmp_path):
+    doc = json.loads(next(iter(GOLDEN_TEXTS.values())))
+    doc["param_placements"] = {f"p{i}": ["R"] * 8 for i in range(800_000)}  # about 40 MB of placements
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    assert bounded(autopar.Plan.from_file, path) is None
+    with pytest.raises(autopar.PlanFormatError, match="more than the .* a plan file is read up to"):
+        autopar.Plan.from_file(path)
+
+
+_ALIAS_BOMB_LEVELS = st.integers(1, 12)
+
+
+@FUZZ
+@given(_ALIAS_BOMB_LEVELS, st.integers(2, 10), st.booleans())
+def test_yaml_alias_bombs_are_refused_within_bounds(tmp_path_factory, levels, fan_out, in_an_error):
+    """Anchors that alias the one before `fan_out` times: 10 levels of 9 make a billion values when expanded.
+    The bomb sits in the cluster string (rendered into an error) or in an override."""
+    lines = ['a0: &a0 "x"']
+    for i in range(1, levels + 1):
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * fan_out)}]")
+    lines.append(f"cluster: *a{levels}" if in_an_error else f"cluster: cpu:2\ndevice: {{name: *a{levels}}}")
+    path = tmp_path_factory.mktemp("bomb") / "cluster.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    bounded(ClusterSpec.from_file, path)
+
+
+@FUZZ
+@given(st.integers(1, 20000), st.sampled_from(["[", "{a: ", "- "]))
+def test_deeply_nested_cluster_files_are_refused_within_bounds(tmp_path_factory, depth, opener):
+    closer = {"[": "]", "{a: ": "}", "- ": ""}[opener]
+    if opener == "- ":
+        text = "cluster:\n" + "".join("  " * (i + 1) + "- \n" for i in range(min(depth, 300)))
+    else:
+        text = "cluster: " + opener * depth + "1" + closer * depth
+    path = tmp_path_factory.mktemp("deep") / "cluster.yaml"
+    path.write_text(text)
+    bounded(ClusterSpec.from_file, path)
+
+
+def _safetensors(folder: Path, header_bytes: bytes, declared: int | None = None, payload: int = 64) -> Path:
+    n = len(header_bytes) if declared is None else declared
+    (folder / "model.safetensors").write_bytes(n.to_bytes(8, "little", signed=False) + header_bytes + bytes(payload))
+    return folder
+
+
+_HEADER_ENTRY = st.fixed_dictionaries(
+    {"dtype": st.sampled_from(["F32", "BF16", "I64", "X9"]) | JSON, "shape": st.lists(HUGE, max_size=3) | JSON},
+    optional={"data_offsets": st.lists(HUGE, max_size=3) | JSON},
+)
+
+
+@FUZZ
+@given(
+    st.dictionaries(st.text(max_size=6), _HEADER_ENTRY | JSON, max_size=4),
+    st.one_of(st.none(), st.sampled_from([0, 1, 7, 2**62, 2**64 - 1, 100_000_001]), st.integers(0, 10**9)),
+    st.integers(0, 3000),
+)
+def test_safetensors_headers_are_read_or_refused_within_bounds(tmp_path_factory, header, declared, depth):
+    from autopar.checkpoint.hf import WeightFiles
+
+    text = json.dumps(header)
+    if depth:  # nested past what json.dumps writes
+        text = '{"__metadata__": ' + "[" * depth + "]" * depth + ", " + text[1:] if header else text
+    text = text.encode()
+    folder = _safetensors(tmp_path_factory.mktemp("st"), text, declared)
+    bounded(WeightFiles, folder)
+
+
+@SLOW_FUZZ
+@given(st.integers(1, 5000), st.integers(0, 3 * 2**20))
+def test_checkpoint_markers_of_any_depth_or_size_are_skipped_within_bounds(tmp_path_factory, depth, padding):
+    from autopar.checkpoint.marker import latest_checkpoint, marker_problem
+
+    root = tmp_path_factory.mktemp("markers")
+    (root / "ckpt").mkdir()
+    (root / "ckpt" / ".metadata").write_bytes(b"")
+    marker = {"format": "autopar-checkpoint", "version": 2, "step": "NEST", "pad": "x" * padding}
+    (root / "ckpt" / MARKER).write_text(json.dumps(marker).replace('"NEST"', "[" * depth + "1" + "]" * depth))
+    assert bounded(latest_checkpoint, root) is None
+    assert bounded(marker_problem, root / "ckpt") is not None
+
+
+def _nested_list_pickle(depth: int) -> bytes:
+    """Pickle opcodes of a list nested `depth` deep (written by hand: pickle.dumps recurses, the reader does not)."""
+    return b"]" * depth + b"a" * (depth - 1)
+
+
+_INDEX_MUTATIONS = ["size", "chunk offsets", "chunk sizes", "chunk count", "entry count", "storage", "nesting"]
+
+
+@SLOW_FUZZ
+@given(st.sampled_from(_INDEX_MUTATIONS), HUGE, st.sampled_from([0, 1, 2, 2**10, 2**16]), st.integers(0, 3))
+def test_checkpoint_indexes_with_huge_counts_are_read_or_refused_within_bounds(
+    saved, tmp_path_factory, how, n, count, i
+):
+    """DCP's index `.metadata` of a real checkpoint with a count set huge (a shape, a chunk's place, a count of
+    chunks or entries made of shared references: a small file naming millions of things), or nested deep: read
+    and loaded, or refused, within the case's bounds. (Counts stop at 2**16: past that, unpickling a million
+    distinct keys is the time of reading a file that size, not a count the reader could refuse sooner.)"""
+    from autopar.checkpoint.reader import INDEX, read_index
+
+    pm, good = saved
+    index = read_index(good)
+    key = sorted(k for k in index.state_dict_metadata if k.startswith(("model.", "autopar.extra")))[i]
+    entry = index.state_dict_metadata[key]
+    if how == "size":
+        entry.size = torch.Size([n % 2**62] * (1 + count % 3)) if isinstance(n, int) and n >= 0 else [n]
+    elif how in ("chunk offsets", "chunk sizes"):
+        field = "offsets" if how == "chunk offsets" else "sizes"
+        setattr(entry.chunks[0], field, torch.Size([n % 2**62] * len(entry.size)) if isinstance(n, int) else [n])
+    elif how == "chunk count":
+        entry.chunks = entry.chunks * count  # one object referred to `count` times: a few bytes each
+    elif how == "entry count":
+        index.state_dict_metadata.update({f"{key}.copy{j}": entry for j in range(count)})
+    elif how == "storage":
+        info = next(iter(index.storage_data.values()))
+        info.offset, info.length = (n, n) if isinstance(n, int) else (0, n)
+    else:
+        index.planner_data = "NEST"
+    raw = pickle.dumps(index, protocol=2)  # no frames: the nested list below replaces bytes of the text
+    if how == "nesting":
+        raw = raw.replace(b"X\x04\x00\x00\x00NEST", _nested_list_pickle(1 + count % 100_000))
+    copy = tmp_path_factory.mktemp("index") / "ckpt"
+    shutil.copytree(good, copy)
+    (copy / INDEX).write_bytes(raw)
+    bounded(read_index, copy)
+    assert bounded(pm.load_checkpoint, copy) in (None, {"step": 1})

@@ -38,6 +38,8 @@ from autopar.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+HEADER_LIMIT_BYTES = 100_000_000  # safetensors' own limit on a header
+INDEX_LIMIT_BYTES = 64 * 2**20
 
 
 def _bytes(value) -> int:
@@ -82,11 +84,12 @@ def save_pretrained(program, path, *, max_shard_size="2GB", merged: bool = False
 
     path = Path(path)
     max_bytes = _bytes(max_shard_size)
-    masters = program._local_masters()
-    buffers = {n: b for n, b in program._named_buffers().items() if n in program._persistent_buffers}
-    shapes = {n: program._master_shapes[n] for n in program._master_names}
+    names = program.checkpoint_names
+    masters = program.checkpoint_masters()
+    buffers = program.checkpoint_buffers()
+    shapes = {n: names.shapes[n] for n in names.masters}
     shapes |= {n: tuple(b.shape) for n, b in buffers.items()}
-    dtypes = {n: program._state_dtypes[n] for n in shapes}
+    dtypes = {n: names.dtypes[n] for n in shapes}
     sizes = {n: math.prod(shapes[n]) * dtypes[n].itemsize for n in shapes}
     files = shard_files(sizes, max_bytes)
     names = file_names(len(files))
@@ -129,7 +132,8 @@ def config_to_write(program):
         return None
     config = copy.deepcopy(config)
     config.architectures = [program.hf_class_name]
-    floating = [d for n in program._master_names if (d := program._state_dtypes[n]).is_floating_point]
+    names = program.checkpoint_names
+    floating = [d for n in names.masters if (d := names.dtypes[n]).is_floating_point]
     if floating:  # as transformers' `model.dtype`: the first floating parameter's
         config.dtype = str(floating[0]).removeprefix("torch.")
     return config
@@ -145,10 +149,7 @@ class WeightFiles:
         self.path = Path(path)
         index = self.path / INDEX
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ConfigError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {e}") from e
+            weight_map = _weight_map(index)
             files = sorted(set(weight_map.values()))
         elif (self.path / SINGLE).is_file():
             weight_map, files = None, [SINGLE]
@@ -177,24 +178,35 @@ class WeightFiles:
                 )
 
     def _header(self, name: str) -> dict[str, tuple[tuple[int, ...], str]]:
-        """name -> (shape, dtype) from a file's header, checked against the file's size."""
+        """name -> (shape, dtype) from a file's header, checked against the file's size: the header's length
+        before it is read (at most HEADER_LIMIT_BYTES, safetensors' own limit, and within the file), then every
+        entry's dtype, shape and byte range."""
         file = self.path / name
         try:
+            size = file.stat().st_size
             with open(file, "rb") as f:
                 n = int.from_bytes(f.read(8), "little")
+                if not 2 <= n <= min(HEADER_LIMIT_BYTES, size - 8):
+                    raise ConfigError(
+                        f"{file} is not a safetensors file: it declares a header of {n} bytes in a file of {size} "
+                        f"(at most {HEADER_LIMIT_BYTES})"
+                    )
                 header = json.loads(f.read(n))
-            size = file.stat().st_size
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{file} is not a readable safetensors file ({type(e).__name__}: {e})") from e
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{file} is not a readable safetensors file ({type(e).__name__}: {str(e)[:200]})") from e
+        if not isinstance(header, dict):
+            raise ConfigError(f"{file} has a corrupt safetensors header (a {type(header).__name__}, not an object)")
         out, end = {}, 0
-        try:
-            for key, info in header.items():
-                if key == "__metadata__":
-                    continue
-                out[key] = (tuple(info["shape"]), info["dtype"])
-                end = max(end, int(info["data_offsets"][1]))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ConfigError(f"{file} has a corrupt safetensors header ({e})") from e
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            problem = _entry_problem(info)
+            if problem:
+                raise ConfigError(f"{file} has a corrupt safetensors header: {key[:100]!r} {problem}")
+            out[key] = (tuple(info["shape"]), info["dtype"])
+            end = max(end, info["data_offsets"][1])
         if 8 + n + end > size:
             raise ConfigError(
                 f"{file} is cut short: its header places tensors up to byte {8 + n + end} but the file has {size} bytes"
@@ -205,6 +217,63 @@ class WeightFiles:
         return self.path / self.tensors[key][0]
 
 
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2}
+_DTYPE_BYTES |= {"I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _entry_problem(info) -> str | None:
+    """What is wrong with one tensor's header entry (None: a dtype safetensors knows, a shape of whole numbers,
+    a byte range that holds exactly that many elements)."""
+    if not isinstance(info, dict):
+        return "is not an object"
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+        return "names no dtype"
+    if not isinstance(shape, list) or len(shape) > 64 or not all(_whole(d) for d in shape):
+        return "has no shape of whole numbers"
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_whole(o) for o in offsets):
+        return "has no byte range"
+    if offsets[1] < offsets[0]:
+        return f"has the byte range {offsets}, which ends before it starts"
+    # a dtype this table lacks (a newer safetensors') has only its range checked
+    if dtype in _DTYPE_BYTES and offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        return f"places {math.prod(shape)} elements of {dtype} in {offsets[1] - offsets[0]} bytes"
+    return None
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor -> file map, read within INDEX_LIMIT_BYTES; every file a name inside the folder."""
+    try:
+        with open(index, "rb") as f:
+            raw = f.read(INDEX_LIMIT_BYTES + 1)
+        if len(raw) > INDEX_LIMIT_BYTES:
+            raise ConfigError(f"{index} is larger than {INDEX_LIMIT_BYTES} bytes, which no safetensors index is")
+        weight_map = json.loads(raw)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {e}") from e
+    bad = (
+        "not an object"
+        if not isinstance(weight_map, dict)
+        else next(
+            (
+                repr(v)[:80]
+                for v in weight_map.values()
+                if not isinstance(v, str) or not v or "/" in v or "\\" in v or v in (".", "..")
+            ),
+            None,
+        )
+    )
+    if bad is not None:
+        raise ConfigError(f"{index} maps tensors to {bad}, which is not a file of the folder {index.parent}")
+    return weight_map
+
+
 def _name_in_files(canonical: str, names_of: dict[str, list[str]], files: WeightFiles) -> str | None:
     return next((n for n in names_of[canonical] if n in files.tensors), None)
 
@@ -212,10 +281,11 @@ def _name_in_files(canonical: str, names_of: dict[str, list[str]], files: Weight
 def check_files(program, files: WeightFiles) -> dict[str, str]:
     """canonical master name -> the key holding it in the files; raises on a missing, unexpected or misshapen
     tensor."""
+    model = program.checkpoint_names
     names_of: dict[str, list[str]] = {}
-    for name, first in program._first_names.items():
+    for name, first in model.first_names.items():
         names_of.setdefault(first, []).append(name)
-    known = set(program._first_names) | set(program._persistent_buffers)
+    known = set(model.first_names) | set(model.persistent_buffers)
     unexpected = sorted(k for k in files.tensors if k not in known)
     if unexpected:
         k = unexpected[0]
@@ -224,18 +294,18 @@ def check_files(program, files: WeightFiles) -> dict[str, str]:
             f"{unexpected[:3]}: these weights are of another model"
         )
     keys = {}
-    for name in program._master_names:
+    for name in model.masters:
         key = _name_in_files(name, names_of, files)
         if key is None:
             raise ConfigError(
-                f"the weights in {files.path} lack {name!r} (shape {program._master_shapes[name]}): "
+                f"the weights in {files.path} lack {name!r} (shape {model.shapes[name]}): "
                 f"they are of another model, or the files are incomplete"
             )
         shape = files.tensors[key][1]
-        if tuple(shape) != tuple(program._master_shapes[name]):
+        if tuple(shape) != tuple(model.shapes[name]):
             raise ConfigError(
                 f"{key!r} in {files.file_of(key)} has shape {tuple(shape)} but the model's "
-                f"{name!r} has {tuple(program._master_shapes[name])}"
+                f"{name!r} has {tuple(model.shapes[name])}"
             )
         keys[name] = key
     return keys
@@ -263,7 +333,7 @@ def load_pretrained(program, path) -> int:
 
     files = WeightFiles(path)
     keys = check_files(program, files)
-    masters = program._local_masters()
+    masters = program.checkpoint_masters()
     by_file: dict[Path, list[str]] = {}
     for name in masters:
         by_file.setdefault(files.file_of(keys[name]), []).append(name)
@@ -281,7 +351,7 @@ def load_pretrained(program, path) -> int:
             raise
         except Exception as e:  # safetensors' own errors carry no common base class
             raise ConfigError(f"reading {file}: {type(e).__name__}: {e}") from e
-    program._after_checkpoint_load()
+    program.after_checkpoint_load()
     program.pretrained_bytes_read = read
     barrier()
     return read

@@ -81,7 +81,7 @@ def save_adapter(program, path) -> None:
 
     info: PeftExport = program.peft
     path = Path(path)
-    names = [n for n in info.keys if n in program._master_shapes]
+    names = [n for n in info.keys if n in program.checkpoint_names.shapes]
     full = _gather(program, names)
     if rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
@@ -106,11 +106,11 @@ def save_merged(program, path, *, max_shard_size) -> None:
             f"kind (e.g. {info.unmergeable[0]}): save the adapters (merged=False) and merge with PEFT"
         )
     path = Path(path)
-    full = _gather(program, list(program._master_names))
+    full = _gather(program, list(program.checkpoint_names.masters))
     if rank() == 0:
-        buffers = {n: b for n, b in program._named_buffers().items() if n in program._persistent_buffers}
+        buffers = program.checkpoint_buffers()
         state = merged_state(
-            info, full | {n: b.detach().to("cpu", program._state_dtypes[n]) for n, b in buffers.items()}
+            info, full | {n: b.detach().to("cpu", program.checkpoint_names.dtypes[n]) for n, b in buffers.items()}
         )
         sizes = {n: t.numel() * t.element_size() for n, t in state.items()}
         files = hf.shard_files(sizes, hf._bytes(max_shard_size))
@@ -156,8 +156,8 @@ def merged_state(info: PeftExport, state: dict[str, torch.Tensor]) -> dict[str, 
 
 def _gather(program, names: list[str]) -> dict[str, torch.Tensor]:
     """Full tensors of `names` (the masters' first names) on rank 0, in the model's dtypes (collective)."""
-    masters = program._local_masters()
-    shapes = {n: program._master_shapes[n] for n in names}
-    dtypes = {n: program._state_dtypes[n] for n in names}
+    masters = program.checkpoint_masters()
+    shapes = {n: program.checkpoint_names.shapes[n] for n in names}
+    dtypes = {n: program.checkpoint_names.dtypes[n] for n in names}
     owners = dict.fromkeys(names, 0)
     return assemble({n: p for n, p in masters.items() if n in owners}, owners, dtypes, shapes=shapes)

@@ -1,7 +1,7 @@
 """Pieces: what one rank holds of a full tensor, and how pieces travel to the rank that writes a tensor.
 
 Every program exposes its master weights (and optimizer states) as `Piece`s under the model's names
-(`Program._local_masters`): this rank's part of one full tensor, as live storage, so that reading a
+(`Checkpointable.checkpoint_masters`): this rank's part of one full tensor, as live storage, so that reading a
 checkpoint into a piece updates the program. A piece is either
 
 - rectangular: a block of the full tensor starting at `offsets` with the shape of `tensor` (a DTensor's
@@ -10,7 +10,8 @@ checkpoint into a piece updates the program. A piece is either
 - flat: the range `flat = (start, stop)` of the flattened full tensor (a ZeRO-3 chunk's shard cuts
   parameters anywhere), `tensor` being 1-D.
 
-`assemble` brings the pieces of chosen tensors to the one rank that writes each (point-to-point, in one
+`agree` gathers every rank's problem with a step on every rank, so that a failure on one rank fails the step on
+all. `assemble` brings the pieces of chosen tensors to the one rank that writes each (point-to-point, in one
 order every rank follows, so no rank holds more than the tensors it writes plus one piece in flight).
 """
 
@@ -72,12 +73,19 @@ class Piece:
             return t
         from torch.distributed.tensor import DTensor
 
-        from autopar.runtime.base import contiguous_stride
-
         stride = contiguous_stride(self.shape)
         return DTensor.from_local(
             t, self.mesh, self.placements, run_check=False, shape=torch.Size(self.shape), stride=stride
         )
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`."""
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
 
 
 def rank() -> int:
@@ -94,6 +102,17 @@ def barrier(group=None) -> None:
     """Wait for every rank of `group` (default the world; nothing to wait for alone)."""
     if world() > 1:
         dist.barrier(group=group)
+
+
+def agree(problem: str | None, group=None) -> list[tuple[int, str]]:
+    """Every rank's problem (None: none), gathered on every rank of `group` (default the world): the (rank,
+    problem) pairs, empty when no rank had one. A step that fails on one rank fails on every rank then, rather
+    than leaving the others waiting in the next collective."""
+    if world() == 1:
+        return [(0, problem)] if problem is not None else []
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, problem, group=group)
+    return [(r, p) for r, p in enumerate(everyone) if p is not None]
 
 
 def dtensor_piece(local: torch.Tensor, shape, mesh, placements, *, param=None) -> Piece:

@@ -25,15 +25,15 @@ Block attention (per pair of sequence segments, masked by global position) is in
 algorithm's backward needs the gathered K/V (re-gathering would add a collective), so export/meta tracing
 would see the collectives inside it rather than one node.
 
-Every wait is bounded (`WAIT_TIMEOUT_S`): a rank whose peers stopped or called another collective fails
-with an error naming its rank and the collective instead of hanging.
+Every wait is bounded, through the one timeout wrapper (`autopar.runtime.collectives.waiting_for`, the
+`AUTOPAR_COLLECTIVE_TIMEOUT_S` limit): a rank whose peers stopped or called another collective fails with an
+error naming its rank and the collective instead of hanging.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import timedelta
 from enum import StrEnum
 
 import torch
@@ -46,9 +46,8 @@ from autopar.context_parallel import blocks
 from autopar.context_parallel.layout import Segment, SequenceLayout, check_cp_sequence, layout_order, rank_segments
 from autopar.errors import ConfigError, LoweringError
 
-__all__ = ["CPAlgorithm", "check_cp_attention", "cp_attention", "WAIT_TIMEOUT_S"]
+__all__ = ["CPAlgorithm", "check_cp_attention", "cp_attention"]
 
-WAIT_TIMEOUT_S = 300.0
 _KV_TAG, _DKV_TAG = 0, 1 << 16  # ring message tags: K/V blocks and travelling dK/dV never match each other
 
 
@@ -72,8 +71,13 @@ class CPGroup:
         return dist.get_global_rank(self.group, (self.rank + offset) % self.num_ranks)
 
     def wait(self, work, what: str) -> None:
+        from autopar.runtime.collectives import collective_timeout, waiting_for  # the runtime imports this module
+
         try:
-            work.wait(timeout=timedelta(seconds=WAIT_TIMEOUT_S))
+            with waiting_for(f"context-parallel attention's {what} (cp rank {self.rank} of {self.num_ranks})"):
+                work.wait(timeout=collective_timeout())
+        except LoweringError:
+            raise
         except RuntimeError as e:
             raise LoweringError(
                 f"context-parallel attention: cp rank {self.rank} of {self.num_ranks}: {what} did not complete "

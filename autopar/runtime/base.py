@@ -35,12 +35,16 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autopar.checkpoint import hf, training
 from autopar.checkpoint.peft import export_info as peft_export_info
+from autopar.checkpoint.pieces import Piece
+from autopar.checkpoint.protocol import ModelNames
 from autopar.cluster import ClusterSpec
 from autopar.data import BatchFeed, PlanSampler, local_batch_size
 from autopar.errors import ConfigError, LoweringError
 from autopar.plan import Plan, ProgramKind
-from autopar.runtime.collectives import collective_timeout
+from autopar.runtime import exits
+from autopar.runtime.collectives import collective_timeout, waiting_for
 from autopar.runtime.shapes import Lengths, planned_length, shorter_length
 from autopar.runtime.step_guard import StepGuard, StepStats
 from autopar.trace import TracedModel
@@ -189,14 +193,6 @@ def placeholder_values(traced: TracedModel, params, buffers, constant, inputs) -
     return [constant(next(names)) if kind == "constant" else next(source[kind]) for kind in traced.placeholder_kinds]
 
 
-def contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
-
-
 def sum_in_buckets(
     grads: list[torch.Tensor], group, bucket_bytes: int = BUCKET_BYTES, dtype: torch.dtype | None = None
 ) -> None:
@@ -311,13 +307,7 @@ class Program(torch.nn.Module):
         self._state_dtypes = {k: v.dtype for k, v in state.items()}
         self._aliases = dict(traced.param_aliases) if traced is not None else {}
         self._make_optimizer = optimizer or default_optimizer
-        # for checkpoints and Hugging Face weights: every parameter name -> the first name of its tensor (the name
-        # the masters go by), their shapes, the persistent buffers, the steps taken, the config
-        first: dict[int, str] = {}
-        self._first_names = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
-        self._master_names = list(dict.fromkeys(self._first_names.values()))
-        self._master_shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        self._persistent_buffers = [n for n in self._state_names if n not in self._first_names]
+        self.checkpoint_names = ModelNames.of(model)  # what checkpoints and Hugging Face weights key tensors by
         self.num_steps = 0
         # a list (a test sets one): (event, what) of the program's data-axis collectives, in the order they happen
         self.comm_events: list | None = None
@@ -331,6 +321,7 @@ class Program(torch.nn.Module):
         self.peft = peft_export_info(model)  # a PEFT model: what saving its adapters needs
         self.hf_class_name = type(model).__name__  # the `architectures` a Hugging Face config names
         self.generation_config = getattr(model, "generation_config", None)  # transformers sets it on generators only
+        exits.track(self)  # closed at interpreter exit (autopar.runtime.exits)
 
     @classmethod
     def runs(cls, plan: Plan) -> bool:
@@ -586,28 +577,27 @@ class Program(torch.nn.Module):
         self, path, *, extra: dict | None = None, keep_last: int | None = None, async_save: bool = False
     ):
         """Write the training state (masters, optimizer states, step, loss scale, every rank's RNG states and
-        `extra`) to the directory `path`, sharded, atomically; keep only the `keep_last` newest checkpoints next
-        to it; returns the path. Every rank calls it. See `autopar.checkpoint.training`.
+        `extra`: plain data and tensors) to the directory `path`, sharded, atomically; keep only the `keep_last`
+        newest checkpoints this run wrote next to it; returns the path. Every rank calls it. See
+        `autopar.checkpoint.training`.
 
         With `async_save=True` it returns once the state is copied to CPU memory, with a
         `concurrent.futures.Future` of the path; the files are written and the checkpoint committed in the
         background (`wait_checkpoint` waits; the next save or load waits for it too)."""
-        from autopar.checkpoint import training
-
-        return training.save(self, path, extra=extra, keep_last=keep_last, async_save=async_save)
+        with waiting_for(f"the other ranks in save_checkpoint({path})"):
+            return training.save(self, path, extra=extra, keep_last=keep_last, async_save=async_save)
 
     def wait_checkpoint(self) -> str | None:
         """Wait until the asynchronous save in flight (if any) is written and committed; returns its path (None
         when there was none) or raises what it raised. Every rank calls it."""
-        from autopar.checkpoint import training
-
-        return training.wait_checkpoint(self)
+        with waiting_for("the other ranks to write and commit the asynchronous checkpoint"):
+            return training.wait_checkpoint(self)
 
     def load_checkpoint(self, path) -> dict:
-        """Read a checkpoint of this model written under any plan; returns the `extra` dict it was saved with."""
-        from autopar.checkpoint import training
-
-        return training.load(self, path)
+        """Read a checkpoint of this model written under any plan; returns the `extra` dict it was saved with.
+        A load that fails leaves the program as it was."""
+        with waiting_for(f"the other ranks in load_checkpoint({path})"):
+            return training.load(self, path)
 
     def save_pretrained(self, path, *, max_shard_size="2GB", merged: bool = False) -> None:
         """Write the weights as Hugging Face safetensors (sharded with an index above `max_shard_size`, each file
@@ -615,26 +605,44 @@ class Program(torch.nn.Module):
 
         A PEFT model writes its adapters as PEFT does (`PeftModel.from_pretrained` reads them), or with `merged`
         the base model with the adapters merged in (`autopar.checkpoint.peft`)."""
-        from autopar.checkpoint import hf
-
         hf.save_pretrained(self, path, max_shard_size=max_shard_size, merged=merged)
 
     def load_pretrained(self, path) -> None:
         """Read Hugging Face safetensors weights into the masters, each rank only the slices it holds."""
-        from autopar.checkpoint import hf
-
         hf.load_pretrained(self, path)
 
-    def _local_masters(self) -> dict:
-        """name -> `autopar.checkpoint.pieces.Piece`: this rank's pieces of the master weights (live storage)
-        under the model's first name of each tensor."""
+    # ---------------------------------------------------------------------------------- exits
+
+    def release_pending_work(self) -> None:
+        """Wait for every collective this program still has in flight between calls (a kind that prefetches says
+        which); the program runs on after it."""
+
+    def close(self) -> None:
+        """Release what this program holds of torch.distributed: wait for its asynchronous save and its
+        collectives in flight, then drop its state (groups, meshes, schedules, buffers), so that no collective of it
+        is left in a backend's threads when the process group is destroyed or the interpreter exits
+        (`autopar.runtime.exits`). The program cannot run after; every live program is closed at exit."""
+        if "plan" not in vars(self):
+            return  # closed already
+        try:
+            training.wait_checkpoint(self)
+        finally:
+            self.release_pending_work()
+            training.forget(self)
+            vars(self).clear()
+
+    # ------------------------------------------------- the checkpoint protocol (autopar.checkpoint.protocol)
+
+    def checkpoint_masters(self) -> dict[str, Piece]:
+        """name -> this rank's piece of each master weight (live storage) under the model's first name of each
+        tensor."""
         raise NotImplementedError
 
-    def _local_optimizer_state(self) -> dict[str, dict]:
+    def checkpoint_optimizer_state(self) -> dict[str, dict]:
         """name -> {state: Piece for a tensor shaped like the master's piece, else the value} of this rank's
         optimizer states, for a torch.optim optimizer over the pieces' `param`s."""
         out = {}
-        for name, piece in self._local_masters().items():
+        for name, piece in self.checkpoint_masters().items():
             state = self.optimizer.state.get(piece.param) if piece.param is not None else None
             if not state:
                 continue
@@ -645,7 +653,7 @@ class Program(torch.nn.Module):
             }
         return out
 
-    def _ensure_optimizer_state(self) -> None:
+    def prepare_optimizer_state(self) -> None:
         """Create the optimizer's states (before a first step there are none to read a checkpoint into): one
         step at lr 0 on zero gradients, as torch.distributed.checkpoint.state_dict does."""
         if any(self.optimizer.state.values()):
@@ -663,27 +671,81 @@ class Program(torch.nn.Module):
         for p, g in zip(params, saved_grads, strict=True):
             p.grad = g
 
-    def _reset_optimizer_state(self) -> None:
+    def reset_optimizer_state(self) -> None:
         """Forget the optimizer's states, as before a first step (a checkpoint saved then is being loaded)."""
         self.optimizer.state.clear()
 
-    def _checkpoint_meta(self) -> dict:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in getattr(self.optimizer, "param_groups", [])]
+    def checkpoint_buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers (state a step may change), live, whole on every rank. Non-persistent buffers
+        (rotary tables) are derived from the config and are not saved, as `state_dict` leaves them out."""
+        buffers = self._named_buffers()
+        return {n: buffers[n] for n in self.checkpoint_names.persistent_buffers if n in buffers}
+
+    def checkpoint_meta(self) -> dict:
+        """Plain data: the step, the loss scale, the optimizer's hyperparameters, the layout that wrote it."""
         return {
             "step": self.num_steps,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "param_groups": groups,
+            "param_groups": [plain_hyperparameters(g) for g in getattr(self.optimizer, "param_groups", [])],
+            "layout": {
+                "program": str(self.plan.program),
+                "mesh": dict(self.plan.mesh),
+                "model": self.plan.model_name,
+            },
         }
 
-    def _restore_checkpoint_meta(self, meta: dict) -> None:
+    def restore_checkpoint_meta(self, meta: dict) -> None:
+        """Take the step, loss scale and the hyperparameters a schedule may have moved from `checkpoint_meta`'s
+        data (values of the types the optimizer holds: a tuple stays a tuple, a tensor is filled)."""
         self.num_steps = int(meta.get("step", 0))
         if self.scaler is not None and meta.get("scaler"):
             self.scaler.load_state_dict(meta["scaler"])
         groups = meta.get("param_groups") or []
         mine = getattr(self.optimizer, "param_groups", [])
-        if len(groups) == len(mine):  # hyperparameters a schedule may have moved
+        if len(groups) == len(mine):
             for group, saved in zip(mine, groups, strict=True):
-                group.update({k: v for k, v in saved.items() if k in group})
+                for k, v in saved.items():
+                    if k == "params" or k not in group or not _same_kind(group[k], v):
+                        continue
+                    if isinstance(group[k], torch.Tensor):
+                        group[k].fill_(v)
+                    else:
+                        group[k] = tuple(v) if isinstance(group[k], tuple) else v
 
-    def _after_checkpoint_load(self) -> None:
+    def after_checkpoint_load(self) -> None:
         """Make what the program computes with agree with masters just read (copies, payloads)."""
+
+
+def plain_hyperparameters(group: dict) -> dict:
+    """An optimizer param group's hyperparameters as plain data: numbers, strings, booleans, None, tuples and lists
+    of those, a one-element tensor as its number; other values (and `params`) are left out."""
+    out = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor):
+            if v.numel() == 1:
+                out[k] = v.item()
+        elif _is_plain(v):
+            out[k] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _is_plain(value) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (tuple, list)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value)
+
+
+def _same_kind(held, saved) -> bool:
+    """Whether a saved hyperparameter can replace the one an optimizer holds (a number for a number or a
+    one-element tensor, a sequence of as many for a sequence, a string for a string, None for None)."""
+    if isinstance(held, torch.Tensor):
+        return held.numel() == 1 and isinstance(saved, (int, float)) and not isinstance(saved, bool)
+    if isinstance(held, bool) or isinstance(saved, bool):
+        return isinstance(held, bool) and isinstance(saved, bool)
+    if isinstance(held, (int, float)):
+        return isinstance(saved, (int, float))
+    if isinstance(held, (tuple, list)):
+        return isinstance(saved, list) and len(saved) == len(held)
+    return held is None and saved is None or isinstance(held, str) and isinstance(saved, str)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopar.checkpoint.pieces import Piece
 from autopar.cluster import ClusterSpec
 from autopar.passes.program_graph import (
     copy_graph_module,
@@ -48,6 +49,7 @@ from autopar.passes.program_graph import (
 from autopar.plan import Plan, ProgramKind
 from autopar.program_comm import ProgramComm, gradient_order
 from autopar.runtime.base import Program, check_scalar_loss, flat_inputs, placeholder_values, rank_rows
+from autopar.runtime.collectives import new_group, waiting_for
 from autopar.trace import TracedModel
 from autopar.units import BUCKET_BYTES
 
@@ -66,6 +68,8 @@ class DataParallelProgram(Program):
     ):
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
         self.dp, self.rank = plan.mesh["dp"], dist.get_rank()
+        # the data axis is every rank (dp x 1): a group of its own, whose waits time out (`collectives`)
+        self.group = new_group(list(range(self.dp))) if self.dp > 1 else None
         self.comm = ProgramComm.of_plan(plan, self.kind)
         device = self.device = self.device_type
         self._model_box = (model,)  # for forward(); boxed so that its parameters are not this module's
@@ -205,14 +209,15 @@ class DataParallelProgram(Program):
                 p.grad = view
         flat.mul_(1.0 / self._step_divisor())
         if self.dp > 1:
-            self._works.append(dist.all_reduce(flat, async_op=True))
+            self._works.append((index, dist.all_reduce(flat, group=self.group, async_op=True)))
 
     def _step_divisor(self) -> float:
         """The global label count times the loss scale, from the totals all-reduce `_arm` launched (done by now:
         it went out before the last backward)."""
         if self._divisor is None:
             if self._totals_work is not None:
-                self._totals_work.wait()
+                with waiting_for("the all-reduce of the loss and label count over the data axis (the step's divisor)"):
+                    self._totals_work.wait()
                 self._totals_work = None
             weight = float(self._totals_now[1])
             self._divisor = (weight if weight > 0 else 1.0) * (self.scaler.scale if self.scaler is not None else 1.0)
@@ -278,7 +283,8 @@ class DataParallelProgram(Program):
         results = [self._run_one(self._eval_gm, flat) for flat in self._local_micro_batches(micro)]
         totals = self._totals([loss for loss, _ in results], [count for _, count in results])
         if self.dp > 1:
-            dist.all_reduce(totals)
+            with waiting_for("the all-reduce of the eval loss and label count over the data axis"):
+                dist.all_reduce(totals, group=self.group)
         loss_sum, count = totals.tolist()
         return loss_sum / count
 
@@ -297,7 +303,7 @@ class DataParallelProgram(Program):
         which the last backward hides, so that each bucket can be divided by the global count before it is
         launched, when its last gradient arrives."""
         self._totals_now, self._divisor = totals, None
-        self._totals_work = dist.all_reduce(totals, async_op=True) if self.dp > 1 else None
+        self._totals_work = dist.all_reduce(totals, group=self.group, async_op=True) if self.dp > 1 else None
         # without overlap every bucket goes out after backward, in `_finish_reduction`
         self._pending = [len(views) for _, views in self._buckets] if self.comm.overlaps_all_reduce else None
         self._launched, self._works = [], []
@@ -309,8 +315,10 @@ class DataParallelProgram(Program):
         for index in range(len(self._buckets)):
             if index not in self._launched:
                 self._launch(index)
-        for work in self._works:
-            work.wait()
+        for index, work in self._works:
+            with waiting_for(f"the all-reduce of gradient bucket {index} of {len(self._buckets)} over the data axis"):
+                work.wait()
+        self._works = []  # waited: no handle outlives its step
         self._step_divisor()  # the totals, when no bucket was launched
         loss_sum, count = self._totals_now.tolist()
         return loss_sum, count
@@ -346,9 +354,7 @@ class DataParallelProgram(Program):
     def _full_parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().cpu() for n, p in zip(self.traced.param_names, self.params, strict=True)}
 
-    def _local_masters(self) -> dict:
-        from autopar.checkpoint.pieces import Piece
-
+    def checkpoint_masters(self) -> dict:
         return {
             n: Piece(p.detach(), tuple(p.shape), offsets=(0,) * p.ndim, param=p)
             for n, p in zip(self.traced.param_names, self.params, strict=True)
@@ -357,7 +363,7 @@ class DataParallelProgram(Program):
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers_list, strict=True))
 
-    def _after_checkpoint_load(self) -> None:
+    def after_checkpoint_load(self) -> None:
         """The graph's buffer inputs are the buffers just read (in the compute format under mixed precision)."""
         slots = [i for i, kind in enumerate(self.traced.placeholder_kinds) if kind == "buffer"]
         for i, b in zip(slots, self._buffers_list, strict=True):

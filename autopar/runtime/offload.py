@@ -43,6 +43,7 @@ import torch.utils.checkpoint
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from autopar.checkpoint import chunks
 from autopar.cluster import ClusterSpec
 from autopar.errors import LoweringError
 from autopar.memory import ChunkAdamW, ChunkScheduler, ChunkStore, MemoryTracker, pack
@@ -52,6 +53,7 @@ from autopar.memory.store import module_params
 from autopar.plan import Plan, ProgramKind
 from autopar.program_comm import ProgramComm
 from autopar.runtime.base import COMPUTE_DTYPES, Program, check_scalar_loss, rank_rows
+from autopar.runtime.collectives import new_group, waiting_for
 from autopar.trace import TracedModel
 
 _CROSS_ENTROPY_ARGS = (
@@ -175,6 +177,9 @@ def _offloaded(offload: ActivationOffload, run, *args, **kwargs):
         return run(*args, **kwargs)
 
 
+_CHUNK_WORDS = "a chunk's all-gather of its weights or reduce-scatter of its gradients over the data axis"
+
+
 def host_chunks(layouts, fraction: float) -> set[int]:
     """The first trainable chunks whose elements reach `fraction` of all trainable elements (rounded up)."""
     trainable = [lay for lay in layouts if lay.requires_grad]
@@ -230,7 +235,7 @@ class OffloadProgram(Program):
             pack(specs, chunk_numel, multiple=ALIGN_NUMEL * dp), plan.offload.get("optimizer_fraction", 0.0)
         )
         self.tracker = MemoryTracker(budget_bytes=int(budget))
-        group = dist.group.WORLD if dp > 1 else None
+        group = new_group(list(range(dp))) if dp > 1 else None  # dp x 1: every rank, waits bounded
         self.store = ChunkStore(
             specs,
             chunk_numel=chunk_numel,
@@ -282,14 +287,16 @@ class OffloadProgram(Program):
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         for mb_args, mb_kwargs in micro:
             local_args, local_kwargs = self._local((mb_args, mb_kwargs))
-            with _SumCrossEntropy(enabled=self.loss_spec is None) as ce, self.activations:
-                loss = _loss_of(self.module(*local_args, **local_kwargs))
-            if backward:
-                self.scaled(loss).backward()
+            with waiting_for(_CHUNK_WORDS):
+                with _SumCrossEntropy(enabled=self.loss_spec is None) as ce, self.activations:
+                    loss = _loss_of(self.module(*local_args, **local_kwargs))
+                if backward:
+                    self.scaled(loss).backward()
             totals[0] += loss.detach().double()
             totals[1] += ce.count.double() if ce.count is not None else 1.0
         if self.dp > 1:
-            dist.all_reduce(totals)
+            with waiting_for("the all-reduce of the loss and label count over the data axis"):
+                dist.all_reduce(totals, group=self.store.group)
         loss_sum, count = totals.tolist()
         return loss_sum, count
 
@@ -305,7 +312,8 @@ class OffloadProgram(Program):
         return [c.grad for c in self.store.chunks if c.grad is not None]
 
     def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
-        self.store.finish_grads()  # idempotent: the step finds nothing left to reduce
+        with waiting_for(_CHUNK_WORDS):
+            self.store.finish_grads()  # idempotent: the step finds nothing left to reduce
         return [(g, 1) for g in self._gradients()]  # this rank's shard of each chunk (the whole chunk on one rank)
 
     def _gradient_divisor(self) -> float:
@@ -320,8 +328,15 @@ class OffloadProgram(Program):
     def _loss_shards(self) -> int:
         return self.dp * self.plan.num_microbatches  # each rank runs plain tensors on its rows
 
+    def release_pending_work(self) -> None:
+        with waiting_for(_CHUNK_WORDS):
+            for chunk in self.store.chunks:
+                self.store.wait(chunk)  # a gather issued ahead
+                self.store.finish_reduce(chunk)  # a reduce-scatter in flight
+
     def _optimizer_step(self) -> None:
-        self.optimizer.step(grad_scale=self._grad_scale)
+        with waiting_for(_CHUNK_WORDS):
+            self.optimizer.step(grad_scale=self._grad_scale)
 
     def _evaluate(self, micro: list[tuple]) -> float:
         was_training = self.module.training
@@ -343,31 +358,24 @@ class OffloadProgram(Program):
         return iter([chunk.master for chunk in self.store.chunks])
 
     def _full_parameters(self) -> dict[str, torch.Tensor]:
-        return self.store.full_state()
+        with waiting_for("the all-gathers of the chunks' masters for state_dict"):
+            return self.store.full_state()
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(self.module.named_buffers(remove_duplicate=False))
 
     # the chunks' shards cut parameters anywhere: their pieces are flat ranges (autopar.checkpoint.chunks)
-    def _local_masters(self) -> dict:
-        from autopar.checkpoint.chunks import chunk_pieces
+    def checkpoint_masters(self) -> dict:
+        return chunks.chunk_pieces(self.store, "master")
 
-        return chunk_pieces(self.store, "master")
+    def checkpoint_optimizer_state(self) -> dict[str, dict]:
+        return chunks.chunk_optimizer_state(self.store, self.optimizer)
 
-    def _local_optimizer_state(self) -> dict[str, dict]:
-        from autopar.checkpoint.chunks import chunk_optimizer_state
-
-        return chunk_optimizer_state(self.store, self.optimizer)
-
-    def _ensure_optimizer_state(self) -> None:
+    def prepare_optimizer_state(self) -> None:
         pass  # the chunks' moments exist from the start
 
-    def _reset_optimizer_state(self) -> None:
-        from autopar.checkpoint.chunks import reset_optimizer_state
+    def reset_optimizer_state(self) -> None:
+        chunks.reset_optimizer_state(self.store, self.optimizer)
 
-        reset_optimizer_state(self.store, self.optimizer)
-
-    def _after_checkpoint_load(self) -> None:
-        from autopar.checkpoint.chunks import after_load
-
-        after_load(self.store, self.optimizer)
+    def after_checkpoint_load(self) -> None:
+        chunks.after_load(self.store, self.optimizer)

@@ -74,6 +74,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar import compat
+from autopar.checkpoint.pieces import contiguous_stride, dtensor_piece
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import ConfigError, LoweringError
@@ -88,7 +89,6 @@ from autopar.runtime import overlap, pipeline_schedule
 from autopar.runtime.base import (
     Program,
     check_scalar_loss,
-    contiguous_stride,
     flat_inputs,
     rank_rows,
     sum_in_buckets,
@@ -792,7 +792,8 @@ class PipelineProgram(Program):
                 shape=torch.Size(shape),
                 stride=contiguous_stride(shape),
             )
-            full = dt.full_tensor().cpu()
+            with waiting_for(f"the all-gather of {fqn}'s shards within its stage for state_dict"):
+                full = dt.full_tensor().cpu()
             if self.mesh.get_local_rank("dp") == 0 and self.mesh.get_local_rank("tp") == 0:
                 mine[fqn] = full
         gathered: list = [None] * dist.get_world_size()
@@ -806,12 +807,10 @@ class PipelineProgram(Program):
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return self._buffers
 
-    def _after_checkpoint_load(self) -> None:
+    def after_checkpoint_load(self) -> None:
         self._run_buffers = {k: self.in_compute_format(b) for k, b in self._buffers.items()}  # buffers just read
 
-    def _local_masters(self) -> dict:
-        from autopar.checkpoint.pieces import dtensor_piece
-
+    def checkpoint_masters(self) -> dict:
         return {
             n: dtensor_piece(
                 self._shard[n].detach(), self._shapes[n], self.mesh, self._placements[n], param=self._shard[n]

@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from autopar import compat
+from autopar.checkpoint.pieces import contiguous_stride, dtensor_piece
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import LoweringError
@@ -85,7 +86,6 @@ from autopar.runtime.base import (
     Program,
     call_spec,
     check_scalar_loss,
-    contiguous_stride,
     flat_inputs,
     placeholder_values,
     rank_rows,
@@ -442,6 +442,8 @@ class ShardedProgram(Program):
 
     def _drop_prefetched(self) -> None:
         """Wait for gathers issued ahead that nothing used (a forward that stopped early) and forget them."""
+        if not getattr(self, "_prefetched", None):  # a program without split parameters prefetches nothing
+            return
         for work, _ in self._prefetched.values():
             work.wait()
         self._prefetched.clear()
@@ -706,7 +708,8 @@ class ShardedProgram(Program):
     def _forward_backward(self, micro: list[tuple]) -> tuple[float, float]:
         if self.overlap:
             self._uses = [0] * len(self.shards)  # a forward run outside a step leaves counts no backward took back
-            self._drop_prefetched()
+            with waiting_for("a parameter's all-gather prefetched by a forward run outside a step"):
+                self._drop_prefetched()
             self._forget_gathers()
             with (
                 waiting_for("a collective of the sharded forward or backward, or a gradient bucket's reduction"),
@@ -742,8 +745,14 @@ class ShardedProgram(Program):
         if self._eval_interp is None:
             gm = eval_pass(copy_graph_module(self.traced.graph_module), None)
             self._eval_interp = shard_pass(gm, None, **self._eval_knobs)
-        loss_sum, total = self._weighted_losses(micro, self._eval_interp, backward=False)
+        with waiting_for("a collective of the sharded eval forward on the (dp, tp) mesh"):
+            loss_sum, total = self._weighted_losses(micro, self._eval_interp, backward=False)
+            self._drop_prefetched()  # gathers issued ahead for layers after the last: none is left in flight
         return loss_sum / total
+
+    def release_pending_work(self) -> None:
+        with waiting_for("a parameter's all-gather prefetched by a forward run outside a step"):
+            self._drop_prefetched()
 
     # ---------------------------------------------------------------------------------- states
 
@@ -762,17 +771,16 @@ class ShardedProgram(Program):
         return dt.full_tensor()
 
     def _full_parameters(self) -> dict[str, torch.Tensor]:
-        return {fqn: self.full_parameter(fqn).cpu() for fqn in self._param_names}
+        with waiting_for("the all-gathers of every parameter's shards for state_dict"):
+            return {fqn: self.full_parameter(fqn).cpu() for fqn in self._param_names}
 
     def _named_buffers(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.traced.buffer_names, self._buffers, strict=True))
 
-    def _after_checkpoint_load(self) -> None:
+    def after_checkpoint_load(self) -> None:
         self._run_buffers = [self.in_compute_format(b) for b in self._buffers]  # buffers just read
 
-    def _local_masters(self) -> dict:
-        from autopar.checkpoint.pieces import dtensor_piece
-
+    def checkpoint_masters(self) -> dict:
         return {
             n: dtensor_piece(p.detach(), shape, self.mesh, pl, param=p)
             for n, p, pl, shape in zip(self._param_names, self.shards, self._placements, self._shapes, strict=True)

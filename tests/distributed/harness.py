@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import gc
 import os
 import signal
 import tempfile
@@ -80,10 +79,6 @@ def _entry(rank: int, world_size: int, folder: str, fn, args) -> None:
             {"ok": False, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}, f"{folder}/rank{rank}.pt"
         )
     finally:
-        # objects in reference cycles (a model and the hooks that hold its scheduler, say) may hold async work
-        # handles of the process group: freed only at interpreter exit, after the group is gone, they abort the
-        # rank ("terminate called without an active exception") now and then. Free them while the group lives.
-        gc.collect()
         dist.destroy_process_group()
 
 

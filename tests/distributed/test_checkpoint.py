@@ -1,16 +1,21 @@
 """Training checkpoints on gloo ranks: resuming in a new process group gives the losses of an uninterrupted
 run for every program kind, with SGD (momentum) and AdamW; a checkpoint of one layout on 4 ranks resumes on
-2 ranks in another; a save cut short is skipped; retention keeps the newest."""
+2 ranks in another; a save cut short is skipped; retention keeps the newest; a save or load that fails on one
+rank fails on every rank at once and changes nothing."""
 
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 import autopar
+from autopar.checkpoint.lock import LOCK
 from autopar.checkpoint.training import MARKER
 from tests.distributed.harness import run_distributed
 from tests.models import make_batch, make_model
@@ -119,7 +124,7 @@ def _check_resume(tmp_path, runs: list) -> None:
     root = str(tmp_path)
     first = run_distributed(_first, 2, root, runs)
     for kind, opt in runs:
-        kept = sorted(p.name for p in (tmp_path / f"{kind}-{opt}").iterdir())
+        kept = sorted(p.name for p in (tmp_path / f"{kind}-{opt}").iterdir() if p.name != LOCK)
         assert kept == ["step2", "step3"], (kind, opt, kept)  # keep_last=2
     if ("pipeline", "sgd") in runs:
         # a save cut short: the newest folder loses its marker and a shard file; the previous one is taken
@@ -206,3 +211,67 @@ def test_latest_checkpoint_of_an_empty_or_missing_root(tmp_path):
     (tmp_path / "step1").mkdir()
     shutil.copy(__file__, tmp_path / "step1" / "x.distcp")
     assert autopar.latest_checkpoint(tmp_path) is None
+
+
+# --------------------------------------------------------------------------- failures on one rank reach all
+
+# A rank that waited for its peers' collective timeout would take the harness's default group timeout (30
+# minutes); an error that every rank raises together comes within the step's own time.
+AGREED_WITHIN_S = 60.0
+
+
+def _preamble_fails_on_rank_0(rank: int, world: int, root: str):
+    pm, args, kwargs = _compile(world, "data-parallel", "sgd")
+    pm.train_step(*args, **kwargs)
+    good = pm.save_checkpoint(f"{root}/step1", extra={"step": 1})
+    Path(root, "a-file").write_text("not a folder")  # rank 0's mkdir of a/step2.partial fails; rank 1 does no I/O
+    start = time.monotonic()
+    try:
+        pm.save_checkpoint(f"{root}/a-file/step2")
+        error = None
+    except autopar.AutoparError as e:
+        error = f"{type(e).__name__}: {e}"
+    return {
+        "error": error,
+        "seconds": time.monotonic() - start,
+        "good": good,
+        "latest": autopar.latest_checkpoint(root),
+        "extra": pm.load_checkpoint(autopar.latest_checkpoint(root)),
+    }
+
+
+def _state_of(pm) -> dict:
+    return {"state": pm.state_dict(), "step": pm.num_steps, "draws": torch.get_rng_state()}
+
+
+def _load_fails_on_rank_1(rank: int, world: int, path: str):
+    pm, args, kwargs = _compile(world, "data-parallel", "sgd", seed=7)
+    pm.train_step(*args, **kwargs)
+    before = _state_of(pm)
+    try:
+        pm.load_checkpoint(path)
+        error = None
+    except autopar.AutoparError as e:
+        error = f"{type(e).__name__}: {e}"
+    after = _state_of(pm)
+    same = all(torch.equal(before["state"][k], v) for k, v in after["state"].items())
+    return {"error": error, "same": same and before["step"] == after["step"] == 1}
+
+
+def test_a_failure_on_one_rank_is_an_error_on_every_rank_and_changes_nothing(tmp_path):
+    saved = run_distributed(_preamble_fails_on_rank_0, 2, str(tmp_path))
+    for r, got in enumerate(saved):
+        assert got["error"] and got["error"].startswith("ConfigError"), (r, got)
+        assert "failed on rank 0" in got["error"] and "nothing was written" in got["error"], (r, got)
+        assert got["seconds"] < AGREED_WITHIN_S, (r, got["seconds"])
+        assert got["latest"] == got["good"] and got["extra"] == {"step": 1}, (r, got)  # the previous one stands
+    # the same checkpoint with rank 1's generator states damaged: rank 0 reads all it needs, rank 1 cannot
+    damaged = tmp_path / "damaged"
+    entries = _load_state_dict_from_keys(checkpoint_id=str(tmp_path / "step1"))  # ours: trusted
+    entries["autopar.rng.rank1"] = torch.frombuffer(bytearray(b"{not json"), dtype=torch.uint8).clone()
+    dcp.save(entries, checkpoint_id=str(damaged), no_dist=True)
+    shutil.copy(tmp_path / "step1" / MARKER, damaged / MARKER)
+    loaded = run_distributed(_load_fails_on_rank_1, 2, str(damaged))
+    for r, got in enumerate(loaded):
+        assert got["error"] and "failed on rank 1" in got["error"] and "autopar.rng.rank1" in got["error"], (r, got)
+        assert "the program is as it was" in got["error"] and got["same"], (r, got)

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import _FileSystemWriter
 
 import autopar
+from autopar.checkpoint.lock import LOCK
 from autopar.checkpoint.training import MARKER
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_checkpoint import OPTIMIZERS, RESUME_RTOL, _compile
@@ -81,7 +82,7 @@ def _run(rank: int, world: int, root: str):
             "result": future.result(),
             "timed_out": held.timed_out,
             "calls": held.calls,
-            "kept": sorted(p.name for p in run.iterdir()),
+            "kept": sorted(p.name for p in run.iterdir() if p.name != LOCK),
             "wait_again": pm.wait_checkpoint(),
         }
         straight.append(pm.train_step(*args, **kwargs))

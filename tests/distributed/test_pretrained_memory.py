@@ -79,7 +79,7 @@ def _load(rank: int, world: int, name: str, layout: dict, src: str):
     args, kwargs = make_batch(name)
     with TensorMemory() as load:
         pm = autopar.compile(model, f"cpu:{world}", args, kwargs, optimizer=_sgd, constraints=layout, pretrained=src)
-    held = sum(p.tensor.numel() * p.tensor.element_size() for p in pm._local_masters().values())
+    held = sum(p.tensor.numel() * p.tensor.element_size() for p in pm.checkpoint_masters().values())
     with TensorMemory() as full:  # the control: the tracker sees a model built whole on the CPU
         whole = make_model(name)
     out = {
