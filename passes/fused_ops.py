@@ -24,7 +24,7 @@ that is everywhere "keep" counts as no mask. Hugging Face builds its causal mask
 `attention_mask` is passed; a padding mask depends on an input and is not provable, and such sites
 are left alone. The mask is evaluated with real tensors on the CPU even when the graph was traced on
 the meta device (its values do not depend on the device). Tensors of the mask's computation larger
-than `MAX_MASK_ELEMENTS` (a `batch x 1 x seq x seq` mask at planning sizes) are evaluated block by
+than `fusion_masks.MAX_MASK_ELEMENTS` (a `batch x 1 x seq x seq` mask at planning sizes) are evaluated block by
 block (query rows; one batch row per group of rows that read equal inputs), which works when they
 are elementwise ops or broadcasts over smaller ones; other large masks are left alone.
 
@@ -47,7 +47,6 @@ output; the fused loss still saves the logits-sized activations of the eager los
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import operator
 from collections import Counter
@@ -63,17 +62,15 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError, ConfigError
+from autopar.passes.fusion_masks import CASTS, IDENTITIES, MaskValue, Skip, classify_mask
 from autopar.trace import TracedModel
 
 aten = torch.ops.aten
 
 FUSED_META_KEY = "autopar_fused"  # gm.meta key of the FusionReport
-MAX_MASK_ELEMENTS = 1 << 24  # largest tensor of a mask computation evaluated whole; larger ones go in blocks
 FUSED_OPS = ("flash_attention", "rms_norm", "layer_norm", "linear_cross_entropy")
 _COPIED_META = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn", "from_node")
 _ASSERT = aten._assert_tensor_metadata.default
-_CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.type_as.default}
-_IDENTITIES = {aten.clone.default, aten.alias.default, aten.contiguous.default}
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
@@ -227,7 +224,7 @@ def emit_fused_loss_sum(graph: fx.Graph, loss: fx.Node) -> tuple[fx.Node, fx.Nod
     turn NaN), so that sums and counts over ranks or micro-batches give the exact mean. None for any other loss.
     """
     mean = loss
-    while mean.op == "call_function" and mean.target in _CASTS:
+    while mean.op == "call_function" and mean.target in CASTS:
         mean = mean.args[0]
     call = mean.args[0] if mean.target is operator.getitem and mean.args[1] == 0 else None
     if not isinstance(call, fx.Node) or str(call.target) != "autopar.linear_cross_entropy.default":
@@ -246,10 +243,6 @@ def emit_fused_loss_sum(graph: fx.Graph, loss: fx.Node) -> tuple[fx.Node, fx.Nod
     return total, count
 
 
-class _Skip(Exception):
-    """A matched site that cannot be expressed by the fused op; the message is the reason."""
-
-
 class _Fuser:
     """Finds the sites of one graph, emits the fused calls and records what it did."""
 
@@ -257,7 +250,7 @@ class _Fuser:
         self.graph = graph
         self.fused: list[FusedSite] = []
         self.skipped: list[SkippedSite] = []
-        self._mask_kinds: dict[tuple[fx.Node, int, int], str | _Skip] = {}
+        self._mask_kinds: dict[tuple[fx.Node, int, int], str | Skip] = {}
         self._replaced: set[fx.Node] = set()  # removable when dead even if tagged random (SDPA with p = 0)
 
     # ------------------------------------------------------------------------------- attention
@@ -272,10 +265,10 @@ class _Fuser:
         a = _bind(node)
         q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
         if a["dropout_p"]:
-            raise _Skip(f"dropout_p={a['dropout_p']}: the flash kernel has no dropout")
+            raise Skip(f"dropout_p={a['dropout_p']}: the flash kernel has no dropout")
         heads_q, heads_kv = _val(q).shape[-3], _val(k).shape[-3]
         if heads_q != heads_kv and not a["enable_gqa"]:
-            raise _Skip(f"{heads_q} query heads against {heads_kv} key heads without enable_gqa")
+            raise Skip(f"{heads_q} query heads against {heads_kv} key heads without enable_gqa")
         causal = bool(a["is_causal"])
         if mask is not None:
             causal = self._mask_kind(mask, _val(q).shape[-2], _val(k).shape[-2]) == "causal"
@@ -293,7 +286,7 @@ class _Fuser:
             return  # not the pattern: some other softmax
         between = [softmax, *([softmax.args[0]] if mask is not None else []), *scaling, qk]
         if any(len(_real_users(n)) != 1 for n in between):
-            raise _Skip("the attention scores or probabilities have other users (output_attentions?)")
+            raise Skip("the attention scores or probabilities have other users (output_attentions?)")
         q, v = qk.args[0], pv.args[1]
         causal = False
         if mask is not None:
@@ -302,23 +295,23 @@ class _Fuser:
 
     def _emit_attention(self, anchor: fx.Node, q, k, v, causal: bool, scale: float) -> None:
         if any(_val(t).dim() != 4 for t in (q, k, v)):
-            raise _Skip("q, k, v are not 4-D (batch, heads, seq, head_dim)")
+            raise Skip("q, k, v are not 4-D (batch, heads, seq, head_dim)")
         with self.graph.inserting_before(anchor):
             call = self._emit(anchor, torch.ops.autopar.flash_attention.default, (q, k, v, causal, scale))
             out = self._emit(anchor, operator.getitem, (call, 0))
         self._replace(anchor, out, "flash_attention")
 
     def _mask_kind(self, mask: fx.Node, seq_q: int, seq_k: int) -> str:
-        """'none' or 'causal'; raises _Skip for a mask the kernel cannot express or that is not provable."""
+        """'none' or 'causal'; raises Skip for a mask the kernel cannot express or that is not provable."""
         key = (mask, seq_q, seq_k)
         if key not in self._mask_kinds:
             try:
-                self._mask_kinds[key] = _classify_mask(_MaskValue(self.graph, mask), seq_q, seq_k)
-            except _Skip as e:
+                self._mask_kinds[key] = classify_mask(MaskValue(self.graph, mask), seq_q, seq_k)
+            except Skip as e:
                 self._mask_kinds[key] = e
         found = self._mask_kinds[key]
-        if isinstance(found, _Skip):
-            raise _Skip(f"attention mask {mask.name!r}: {found}")
+        if isinstance(found, Skip):
+            raise Skip(f"attention mask {mask.name!r}: {found}")
         return found
 
     # ----------------------------------------------------------------------------------- norms
@@ -352,7 +345,7 @@ class _Fuser:
         if node.target == aten.native_layer_norm.default:
             outputs = [u for u in node.users if u.target == operator.getitem and (u.args[1] == 0 or u.users)]
             if len(outputs) != 1 or outputs[0].args[1] != 0 or len(node.users) > 3:
-                raise _Skip("the mean or rstd of native_layer_norm is used (the kernel's have another shape)")
+                raise Skip("the mean or rstd of native_layer_norm is used (the kernel's have another shape)")
             anchor = outputs[0]
         args = (a["input"], a["weight"], a["bias"], float(a["eps"]))
         self._emit_norm(anchor, torch.ops.autopar.layer_norm.default, args, "layer_norm")
@@ -376,12 +369,12 @@ class _Fuser:
         if head is None or (loss.target != aten.cross_entropy_loss.default and not log_probs):
             return  # not an LM head's loss (a cross-entropy of log-probabilities equals that of the logits)
         if a["weight"] is not None or a["reduction"] != 1 or a.get("label_smoothing", 0.0):
-            raise _Skip("only the unweighted mean loss without label smoothing is fused")
+            raise Skip("only the unweighted mean loss without label smoothing is fused")
         if _val(logits).dim() != 2:
-            raise _Skip(f"logits of shape {tuple(_val(logits).shape)}: the class dim must be the last of a 2-D input")
+            raise Skip(f"logits of shape {tuple(_val(logits).shape)}: the class dim must be the last of a 2-D input")
         hidden, weight, bias = (_bind(head)[name] for name in ("input", "weight", "bias"))
         if bias is not None:
-            raise _Skip("the LM head has a bias")
+            raise Skip("the LM head has a bias")
         with self.graph.inserting_before(loss):
             rows = self._replay_on_hidden(loss, chain, hidden)
             args = (rows, weight, labels, int(a["ignore_index"]), 0, True, True)
@@ -409,7 +402,7 @@ class _Fuser:
     def _try(self, kind: str, node: fx.Node, fuse) -> None:
         try:
             fuse(node)
-        except _Skip as e:
+        except Skip as e:
             self.skipped.append(SkippedSite(kind, node.name, str(e)))
 
     def _emit(self, anchor: fx.Node, target, args: tuple) -> fx.Node:
@@ -417,7 +410,7 @@ class _Fuser:
         try:
             val = _fake_call(target, args)
         except AutoparError as e:  # the kernels' own shape, dtype and head-dim checks
-            raise _Skip(str(e)) from None
+            raise Skip(str(e)) from None
         node = self.graph.call_function(target, args)
         node.meta.update({key: anchor.meta[key] for key in _COPIED_META if key in anchor.meta})
         node.meta["val"] = val
@@ -534,8 +527,8 @@ def _probabilities_consumer(softmax: fx.Node) -> fx.Node | None:
         if user.target == aten.matmul.default and user.args[0] is p:
             return user
         if user.target == aten.dropout.default and not _is_identity_dropout(user):
-            raise _Skip(f"attention dropout p={_bind(user)['p']}: the flash kernel has no dropout")
-        if user.target not in _CASTS | _IDENTITIES and user.target != aten.dropout.default:
+            raise Skip(f"attention dropout p={_bind(user)['p']}: the flash kernel has no dropout")
+        if user.target not in CASTS | IDENTITIES and user.target != aten.dropout.default:
             return None
         p = user
     return None
@@ -561,7 +554,7 @@ def _match_rms_norm(mean: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node] | 
     if normed is None or normed.target != aten.mul.Tensor or set(normed.args) != {xf, rsqrt}:
         return None
     cast = _only_user(normed)
-    last = cast if cast is not None and cast.target in _CASTS else normed
+    last = cast if cast is not None and cast.target in CASTS else normed
     scaled = _only_user(last)
     if scaled is None or scaled.target != aten.mul.Tensor or len(_real_users(squared)) != 1:
         return None
@@ -573,19 +566,19 @@ def _match_rms_norm(mean: fx.Node) -> tuple[fx.Node, fx.Node, float, fx.Node] | 
 
 def _rms_norm_input(xf: fx.Node, weight: fx.Node, out: fx.Node) -> fx.Node:
     """The normalised tensor, before or after its cast to fp32, whichever has the weight's and the output's dtype."""
-    candidates = [xf] + ([xf.args[0]] if xf.target in _CASTS and isinstance(xf.args[0], fx.Node) else [])
+    candidates = [xf] + ([xf.args[0]] if xf.target in CASTS and isinstance(xf.args[0], fx.Node) else [])
     want = _val(weight).dtype
     for x in candidates:
         if _val(x).dtype == want == _val(out).dtype:
             return x
-    raise _Skip(f"input {_val(xf).dtype}, weight {want} and output {_val(out).dtype}: the kernel takes one dtype")
+    raise Skip(f"input {_val(xf).dtype}, weight {want} and output {_val(out).dtype}: the kernel takes one dtype")
 
 
 def _check_last_dim_norm(normalized_shape, weight) -> None:
     if len(normalized_shape) != 1:
-        raise _Skip(f"normalises over the last {len(normalized_shape)} dims; the kernel normalises over the last one")
+        raise Skip(f"normalises over the last {len(normalized_shape)} dims; the kernel normalises over the last one")
     if weight is None:
-        raise _Skip("no weight (elementwise_affine=False); the kernel needs one")
+        raise Skip("no weight (elementwise_affine=False); the kernel needs one")
 
 
 def _logits_chain(logits: fx.Node) -> tuple[list[fx.Node], fx.Node | None, bool]:
@@ -600,7 +593,7 @@ def _logits_chain(logits: fx.Node) -> tuple[list[fx.Node], fx.Node | None, bool]
             break
         if x.target in (aten.log_softmax.int, aten._log_softmax.default):
             log_probs = True
-        elif x.target not in _RESHAPES | _CASTS | _IDENTITIES | {aten.slice.Tensor}:
+        elif x.target not in _RESHAPES | CASTS | IDENTITIES | {aten.slice.Tensor}:
             break
         chain.append(x)
         x = source
@@ -617,341 +610,6 @@ def _keeps_classes_last(node: fx.Node, source: fx.Node) -> bool:
     if node.target in (aten.log_softmax.int, aten._log_softmax.default):
         return node.args[1] % (last + 1) == last
     return True
-
-
-# ---------------------------------------------------------------------------------------- masks
-
-
-# Elementwise ops (and expand, which only broadcasts) whose value on a block of the output is the op applied to
-# the same block of its inputs: a mask too large to evaluate whole is evaluated block by block through them.
-_BLOCKWISE = {
-    aten.expand.default,
-    aten.__and__.Tensor,
-    aten.bitwise_and.Tensor,
-    aten.__or__.Tensor,
-    aten.bitwise_or.Tensor,
-    aten.logical_and.default,
-    aten.logical_or.default,
-    aten.logical_not.default,
-    aten.bitwise_not.default,
-    aten.eq.Tensor,
-    aten.ne.Tensor,
-    aten.le.Tensor,
-    aten.lt.Tensor,
-    aten.ge.Tensor,
-    aten.gt.Tensor,
-    aten.eq.Scalar,
-    aten.ne.Scalar,
-    aten.le.Scalar,
-    aten.lt.Scalar,
-    aten.ge.Scalar,
-    aten.gt.Scalar,
-    aten.where.self,
-    aten.where.ScalarOther,
-    aten.where.ScalarSelf,
-    aten.where.Scalar,
-    aten.masked_fill.Scalar,
-    aten.masked_fill.Tensor,
-    aten.add.Tensor,
-    aten.sub.Tensor,
-    aten.mul.Tensor,
-    aten.add.Scalar,
-    aten.sub.Scalar,
-    aten.mul.Scalar,
-    aten.neg.default,
-    aten.abs.default,
-    *_CASTS,
-    *_IDENTITIES,
-}
-
-
-class _MaskValue:
-    """The value of a mask node computed from constants only, whole when small, else block by block.
-
-    Nodes of at most `MAX_MASK_ELEMENTS` elements are evaluated whole, once. Larger ones (the
-    `batch x 1 x seq x seq` masks of Hugging Face models at planning sizes) must be `_BLOCKWISE` ops
-    over the small ones: `block(region)` evaluates them on one region of the mask's dims only (dims
-    aligned to the right, as in broadcasting). Blocks that differ only in their leading (batch,
-    head) index and read equal slices of the small inputs have equal values: `leading_groups`
-    finds one representative per such group, so a batch of identical masks is evaluated once.
-    """
-
-    def __init__(self, graph: fx.Graph, node: fx.Node):
-        self.node = node
-        ancestors = self._ancestors(node)
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        self.large = {n for n in ancestors if _numel(n) > MAX_MASK_ELEMENTS}
-        for n in self.large:
-            if n.target not in _BLOCKWISE:
-                raise _Skip(
-                    f"{n.name} has more than {MAX_MASK_ELEMENTS} elements and {n.target} cannot be evaluated in blocks"
-                )
-        self.frontier = [n for n in ancestors if n not in self.large and any(u in self.large for u in n.users)]
-        self.whole: dict[fx.Node, object] = {}
-        try:
-            with torch.no_grad():
-                for n in sorted(ancestors - self.large, key=order.__getitem__):
-                    if any(a in self.large for a in n.all_input_nodes):
-                        raise _Skip(f"{n.name} reads a mask larger than {MAX_MASK_ELEMENTS} elements")
-                    args, kwargs = _args_off_meta(n, self.whole.__getitem__)
-                    self.whole[n] = n.target(*args, **kwargs)
-        except _Skip:
-            raise
-        except Exception as e:  # noqa: BLE001  (any failure means: not provable)
-            raise _Skip(f"it could not be evaluated ({type(e).__name__}: {e})") from None
-
-    @staticmethod
-    def _ancestors(node: fx.Node) -> set[fx.Node]:
-        """Every node `node` is computed from; raises _Skip unless they are all constant ops."""
-        ancestors, stack = set(), [node]
-        while stack:
-            n = stack.pop()
-            if n in ancestors:
-                continue
-            ancestors.add(n)
-            if n.op == "placeholder":
-                raise _Skip(f"it depends on the graph input {n.name!r}, so it cannot be proven causal")
-            if n.op != "call_function" or (
-                isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
-            ):
-                raise _Skip(f"it is computed by {n.target}, which is not a constant op")
-            stack.extend(n.all_input_nodes)
-        return ancestors
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.node.meta["val"].shape)
-
-    def block(self, region: tuple[slice, ...]) -> torch.Tensor:
-        """The mask on `region` (one slice per dim of the mask), broadcastable to the region's shape."""
-        try:
-            with torch.no_grad():
-                return self._block(self.node, region, {})
-        except Exception as e:  # noqa: BLE001
-            raise _Skip(f"it could not be evaluated ({type(e).__name__}: {e})") from None
-
-    def _block(self, n, region: tuple[slice, ...], done: dict):
-        if not isinstance(n, fx.Node):
-            return n
-        if n not in self.large:
-            return _cut(self.whole[n], region)
-        if n not in done:
-            if n.target == aten.expand.default:
-                done[n] = self._block(n.args[0], region, done)  # broadcasting does the expansion
-            else:
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: self._block(a, region, done))
-                args, kwargs = pytree.tree_map_only(torch.device, _off_meta, (args, kwargs))
-                done[n] = n.target(*args, **kwargs)
-        return done[n]
-
-    def bounds(self, region: tuple[slice, ...]) -> tuple[float, float] | None:
-        """(least, greatest) value of the mask on `region` by interval arithmetic, without evaluating it
-        elementwise; None where an op has no interval rule (the caller evaluates the region instead).
-
-        Sound: the true values lie within the bounds. A comparison is decided where its operands' intervals do
-        not overlap (the causal mask's comparison of key and query positions, away from the diagonal).
-        """
-        try:
-            with torch.no_grad():
-                return self._bounds(self.node, region, {})
-        except Exception:  # noqa: BLE001  (no rule or no value: evaluate instead)
-            return None
-
-    def _bounds(self, n, region: tuple[slice, ...], done: dict) -> tuple[float, float] | None:
-        if not isinstance(n, fx.Node):
-            return (float(n), float(n)) if isinstance(n, (bool, int, float)) else None
-        if n not in self.large:
-            value = _cut(self.whole[n], region)
-            if not isinstance(value, torch.Tensor):
-                return (float(value), float(value))
-            if value.numel() == 0 or value.is_complex():
-                return None
-            return float(value.min()), float(value.max())
-        if n not in done:
-            done[n] = self._large_bounds(n, region, done)
-        return done[n]
-
-    def _large_bounds(self, n: fx.Node, region: tuple[slice, ...], done: dict) -> tuple[float, float] | None:
-        args = [self._bounds(a, region, done) if isinstance(a, fx.Node) else a for a in n.args]
-        if n.target == aten.expand.default or n.target in _IDENTITIES:
-            return args[0]
-        if n.target in _CASTS:
-            dtype = n.meta["val"].dtype
-            if args[0] is None or not (dtype == torch.bool or dtype.is_floating_point):
-                return None
-            return (float(args[0][0] != 0), float(args[0][1] != 0)) if dtype == torch.bool else args[0]
-        a, b = (args + [None])[:2]
-        if a is None or (len(n.args) > 1 and not isinstance(b, tuple)):
-            return None
-        if n.target in _BOOLEAN_OPS and not all(
-            isinstance(x, fx.Node) and x.meta["val"].dtype == torch.bool for x in n.args[:2]
-        ):
-            return None  # on integers these are bitwise: the 0/1 intervals below do not apply
-        rule = _INTERVAL_RULES.get(n.target)
-        return rule(a, b) if rule is not None else None
-
-    def leading_groups(self) -> list[tuple[slice, ...]]:
-        """The leading dims (all but the last two) of one block per group of blocks with equal values."""
-        lead = self.shape[:-2]
-        if not self.large:
-            return [tuple(slice(None) for _ in lead)]  # small: one block
-        seen, out = set(), []
-        for index in itertools.product(*map(range, lead)):
-            region = tuple(slice(i, i + 1) for i in index) + (slice(None), slice(None))
-            key = tuple(_cut(self.whole[f], region).numpy().tobytes() for f in self.frontier)
-            if key not in seen:
-                seen.add(key)
-                out.append(region[:-2])
-        return out
-
-
-def _decided(true: bool, false: bool) -> tuple[float, float]:
-    """The interval of a boolean: (1, 1) when surely true, (0, 0) when surely false, (0, 1) when either."""
-    return (1.0, 1.0) if true else (0.0, 0.0) if false else (0.0, 1.0)
-
-
-# interval rules of the comparisons and boolean ops a causal mask is built with: (lo, hi) of each operand -> result
-_INTERVAL_RULES = {
-    aten.le.Tensor: lambda a, b: _decided(a[1] <= b[0], a[0] > b[1]),
-    aten.lt.Tensor: lambda a, b: _decided(a[1] < b[0], a[0] >= b[1]),
-    aten.ge.Tensor: lambda a, b: _decided(a[0] >= b[1], a[1] < b[0]),
-    aten.gt.Tensor: lambda a, b: _decided(a[0] > b[1], a[1] <= b[0]),
-    aten.eq.Tensor: lambda a, b: _decided(a[0] == a[1] == b[0] == b[1], a[1] < b[0] or b[1] < a[0]),
-    aten.ne.Tensor: lambda a, b: _decided(a[1] < b[0] or b[1] < a[0], a[0] == a[1] == b[0] == b[1]),
-    aten.__and__.Tensor: lambda a, b: _decided(a[0] > 0 and b[0] > 0, a[1] == 0 or b[1] == 0),
-    aten.bitwise_and.Tensor: lambda a, b: _decided(a[0] > 0 and b[0] > 0, a[1] == 0 or b[1] == 0),
-    aten.logical_and.default: lambda a, b: _decided(a[0] > 0 and b[0] > 0, a[1] == 0 or b[1] == 0),
-    aten.__or__.Tensor: lambda a, b: _decided(a[0] > 0 or b[0] > 0, a[1] == 0 and b[1] == 0),
-    aten.bitwise_or.Tensor: lambda a, b: _decided(a[0] > 0 or b[0] > 0, a[1] == 0 and b[1] == 0),
-    aten.logical_or.default: lambda a, b: _decided(a[0] > 0 or b[0] > 0, a[1] == 0 and b[1] == 0),
-    aten.logical_not.default: lambda a, _: _decided(a[1] == 0, a[0] > 0),
-}
-
-
-_BOOLEAN_OPS = {
-    aten.__and__.Tensor,
-    aten.bitwise_and.Tensor,
-    aten.logical_and.default,
-    aten.__or__.Tensor,
-    aten.bitwise_or.Tensor,
-    aten.logical_or.default,
-    aten.logical_not.default,
-}
-
-
-def _numel(node: fx.Node) -> int:
-    return sum(t.numel() for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
-
-
-def _args_off_meta(n: fx.Node, value_of) -> tuple[tuple, dict]:
-    """The node's arguments with node values filled in; a graph traced on the meta device is evaluated on the
-    CPU (a mask's values do not depend on where it is computed)."""
-    args, kwargs = fx.node.map_arg((n.args, n.kwargs), value_of)
-    return pytree.tree_map_only(torch.device, _off_meta, (args, kwargs))
-
-
-def _cut(value, region: tuple[slice, ...]):
-    """`value` restricted to `region`, dims aligned to the right; size-1 (broadcast) dims are kept whole."""
-    if not isinstance(value, torch.Tensor) or value.ndim == 0:
-        return value
-    cuts = zip(region[len(region) - value.ndim :], value.shape, strict=True)
-    return value[tuple(s if size != 1 else slice(None) for s, size in cuts)]
-
-
-def _off_meta(device: torch.device) -> torch.device:
-    return torch.device("cpu") if device.type == "meta" else device
-
-
-def _classify_mask(mask: _MaskValue, seq_q: int, seq_k: int) -> str:
-    """'none' for a mask that keeps everything, 'causal' for SDPA's top-left causal mask; raises _Skip otherwise.
-
-    A large boolean mask whose ops all have interval rules is classified tile by tile (`_classify_tile`): only
-    the tiles across the diagonal are evaluated. Any other is evaluated in blocks of query rows, at most
-    `MAX_MASK_ELEMENTS` elements each. Both go over one leading index per group of equal blocks (`_MaskValue`).
-    """
-    shape = mask.shape
-    if len(shape) < 2 or len(shape) > 4 or shape[-2] not in (1, seq_q) or shape[-1] not in (1, seq_k):
-        raise _Skip(f"a mask of shape {tuple(shape)} that does not broadcast to ({seq_q}, {seq_k})")
-    leads = mask.leading_groups()
-    whole = (*leads[0], slice(None), slice(None))
-    if (
-        mask.large
-        and shape[-2] == seq_q > 1
-        and shape[-1] == seq_k > 1
-        and mask.node.meta["val"].dtype == torch.bool
-        and mask.bounds(whole) is not None
-    ):
-        found = {"none", "causal"}
-        for lead in leads:
-            _classify_tile(mask, lead, 0, seq_q, 0, seq_k, found)
-        return "none" if "none" in found else "causal"
-    rows = max(1, MAX_MASK_ELEMENTS // max(seq_k, 1)) if mask.large else seq_q
-    keeps_all, is_causal = True, True
-    for lead in leads:
-        for r0 in range(0, seq_q, rows):
-            r1 = min(r0 + rows, seq_q)
-            region = (*lead, slice(r0, r1) if shape[-2] > 1 else slice(None), slice(None))
-            keep = _keep_of(mask.block(region))
-            causal = torch.arange(r0, r1)[:, None] >= torch.arange(seq_k)[None, :]
-            keep, causal = torch.broadcast_tensors(keep.cpu(), causal)
-            keeps_all = keeps_all and bool(keep.all())
-            is_causal = is_causal and torch.equal(keep, causal)
-            if not (keeps_all or is_causal):
-                raise _Skip("an arbitrary (non-causal) mask; the flash kernel takes no mask but the causal one")
-    return "none" if keeps_all else "causal"
-
-
-def _classify_tile(
-    mask: _MaskValue, lead: tuple[slice, ...], r0: int, r1: int, c0: int, c1: int, found: set[str]
-) -> None:
-    """Remove from `found` ("none", "causal") what the mask's rows [r0, r1) x columns [c0, c1) rule out.
-
-    A tile the interval bounds decide (`_MaskValue.bounds`: all kept or all blocked) is compared with the causal
-    mask's tile without evaluating it; an undecided one is split in four, down to `_LEAF_ELEMENTS`, where it is
-    evaluated. A causal mask leaves undecided only the tiles across its diagonal: O(seq · leaf side) elements
-    evaluated instead of seq².
-    """
-    region = (*lead, slice(r0, r1), slice(c0, c1))
-    bounds = mask.bounds(region)
-    if bounds is not None and bounds[0] == bounds[1]:
-        kept = bounds[0] > 0
-        if not kept:
-            found.discard("none")
-        causal_all, causal_none = c1 - 1 <= r0, c0 >= r1  # the causal tile keeps all / none of its scores
-        if not (causal_all if kept else causal_none):
-            found.discard("causal")
-    elif (r1 - r0) * (c1 - c0) <= _LEAF_ELEMENTS or r1 - r0 < 2 or c1 - c0 < 2:
-        keep = _keep_of(mask.block(region))
-        causal = torch.arange(r0, r1)[:, None] >= torch.arange(c0, c1)[None, :]
-        keep, causal = torch.broadcast_tensors(keep.cpu(), causal)
-        if not bool(keep.all()):
-            found.discard("none")
-        if not torch.equal(keep, causal):
-            found.discard("causal")
-    else:
-        rm, cm = (r0 + r1) // 2, (c0 + c1) // 2
-        for a, b in ((r0, rm), (rm, r1)):
-            for c, d in ((c0, cm), (cm, c1)):
-                if found:
-                    _classify_tile(mask, lead, a, b, c, d, found)
-    if not found:
-        raise _Skip("an arbitrary (non-causal) mask; the flash kernel takes no mask but the causal one")
-
-
-_LEAF_ELEMENTS = 1 << 16  # a mask tile the interval bounds leave undecided is evaluated at this size
-
-
-def _keep_of(mask: torch.Tensor) -> torch.Tensor:
-    """Where a boolean or additive float mask keeps the score."""
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.is_floating_point():
-        keep = mask == 0
-        blocked = mask <= torch.finfo(mask.dtype).min / 2
-        if not bool((keep | blocked).all()):
-            raise _Skip("an additive mask with values other than 0 and a large negative number (a bias)")
-        return keep
-    raise _Skip(f"a mask of dtype {mask.dtype}")
 
 
 # ------------------------------------------------------------------------------------ fake values

@@ -12,7 +12,7 @@ from autopar import explain
 from autopar.cost_model.comm import Collective, estimate_collective_time
 from autopar.errors import ConfigError
 from autopar.plan import WALL_CLOCK_KEYS
-from autopar.rationale import TERMS, loss_reason, parse_layout
+from autopar.rationale import TERM_LABELS, TERMS, loss_reason, parse_layout
 from autopar.report_charts import schedule_order, simulate
 from tests.models import MLPBlock, make_batch, make_model
 
@@ -61,7 +61,7 @@ def test_report_numbers_are_the_plans_fields(plans, kind):
     assert f"{p.mfu:.1%}" in md and f"{p.tokens_per_s:,.0f}" in md
     for term, seconds in plan.time_breakdown.items():
         if seconds:
-            assert f"| {explain.TERM_LABELS[term]} | {seconds * 1e3:,.2f} |" in md, term
+            assert f"| {TERM_LABELS[term]} | {seconds * 1e3:,.2f} |" in md, term
     for b in plan.baselines:
         assert b["reason"] in md
         if b["feasible"]:
@@ -447,7 +447,7 @@ def test_layer_table_dp_rows_give_their_exposed_part(overlapped):
 def test_time_breakdown_shows_hidden_apart_from_the_step(overlapped):
     md, page = overlapped.explain(), overlapped.explain("html")
     hidden, exposed = overlapped.hidden_communication["comm_dp"], overlapped.time_breakdown["comm_dp"]
-    label = explain.TERM_LABELS["comm_dp"]
+    label = TERM_LABELS["comm_dp"]
     share = exposed / overlapped.predicted.step_time_s
     assert f"| {label} | {exposed * 1e3:,.2f} | {share:.1%} | {hidden * 1e3:,.2f} |" in md
     assert f"dp: {exposed * 1e3:,.2f} ms exposed, {hidden * 1e3:,.2f} ms hidden" in md

@@ -32,6 +32,9 @@ from autopar.cost_model.devices import DEVICE_PRESETS
 from autopar.errors import AutoparError
 from tests.models import MLPBlock
 
+# many generated cases each, under time and memory bounds: `make test`, not the unit loop of `make check`
+pytestmark = pytest.mark.integration
+
 GOLDEN = Path(__file__).parent / "golden" / "plans"
 FUZZ = settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 # examples that plan or read a checkpoint cost a few hundred milliseconds each

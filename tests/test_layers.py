@@ -6,7 +6,8 @@ The layers, bottom up (`docs/architecture.md` draws them):
 0. base: errors, units, compat, constraints, presets, the Triton kernels, and the collectives with a timeout
    (`runtime/collectives.py` imports only compat and errors; it lives beside the programs that use most of it)
 1. cost model and the model's graph: cost_model, cluster, trace, ir, the context-parallel algorithms
-2. plans and what describes them: plan, rationale, explain, report_charts, program_comm, the memory manager
+2. plans and what describes them: plan, rationale, explain and the report_* sections and charts, program_comm,
+   the memory manager
 3. passes: the solvers and rewrites, flops, cp_search
 4. programs: runtime, checkpoint, data, loss, loop
 5. planning: input_validation, tracing, plan_build, planning, progress
@@ -43,6 +44,10 @@ LAYERS = (
         "autopar.rationale",
         "autopar.explain",
         "autopar.report_charts",
+        "autopar.report_costs",
+        "autopar.report_layers",
+        "autopar.report_choice",
+        "autopar.report_figures",
         "autopar.program_comm",
         "autopar.memory",
     ),

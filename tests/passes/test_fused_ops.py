@@ -285,11 +285,11 @@ def test_shifted_logits_with_log_softmax_and_nll_loss_are_fused():
 @pytest.mark.parametrize("preset, norm", [("tiny-llama", "rms_norm"), ("tiny-gpt2", "layer_norm")])
 def test_meta_device_presets_are_fused_with_masks_proven_in_blocks(preset, norm, monkeypatch):
     from autopar import presets
-    from autopar.passes import fused_ops
+    from autopar.passes import fusion_masks
     from autopar.passes.fused_ops import fuse_traced, fusion_report
 
     # A mask this small goes in blocks only when the limit is lower: the path planning takes at 4k tokens
-    monkeypatch.setattr(fused_ops, "MAX_MASK_ELEMENTS", 100)
+    monkeypatch.setattr(fusion_masks, "MAX_MASK_ELEMENTS", 100)
     config = presets.load_config(preset, num_hidden_layers=2)
     model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
     args, kwargs = presets.example_batch(config, 3, 16, device="meta")
@@ -306,9 +306,9 @@ def test_meta_device_presets_are_fused_with_masks_proven_in_blocks(preset, norm,
 
 
 def test_non_causal_mask_is_rejected_in_blocks(monkeypatch):
-    from autopar.passes import fused_ops
+    from autopar.passes import fusion_masks
 
-    monkeypatch.setattr(fused_ops, "MAX_MASK_ELEMENTS", 8)  # the 6 x 6 band mask (and its broadcasts) go in blocks
+    monkeypatch.setattr(fusion_masks, "MAX_MASK_ELEMENTS", 8)  # the 6 x 6 band mask (and its broadcasts) go in blocks
     traced = trace_model(_Attention("band"), (_x(),))
     report = fuse_kernels_pass(traced.graph_module, None).meta[FUSED_META_KEY]
     assert report.counts["flash_attention"] == 0
@@ -339,19 +339,19 @@ def test_large_boolean_masks_are_proven_tile_by_tile(hole, monkeypatch):
     # decide the tiles away from the diagonal, and only tiles across it (or, with the hole, the one holding it)
     # are evaluated. A causal mask must then evaluate O(seq · leaf side) elements, not seq²; a single blocked
     # score far below the diagonal must still be found.
-    from autopar.passes import fused_ops
+    from autopar.passes import fusion_masks
 
-    monkeypatch.setattr(fused_ops, "MAX_MASK_ELEMENTS", 100)
-    monkeypatch.setattr(fused_ops, "_LEAF_ELEMENTS", 64)  # 8 x 8 leaves
+    monkeypatch.setattr(fusion_masks, "MAX_MASK_ELEMENTS", 100)
+    monkeypatch.setattr(fusion_masks, "_LEAF_ELEMENTS", 64)  # 8 x 8 leaves
     evaluated = []
-    block = fused_ops._MaskValue.block
+    block = fusion_masks.MaskValue.block
 
     def counting_block(self, region):
         value = block(self, region)
         evaluated.append((region[-2].stop - region[-2].start) * (region[-1].stop - region[-1].start))
         return value
 
-    monkeypatch.setattr(fused_ops._MaskValue, "block", counting_block)
+    monkeypatch.setattr(fusion_masks.MaskValue, "block", counting_block)
     x = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(0))
     traced = trace_model(_TiledMask(hole), (x,))
     report = fuse_kernels_pass(traced.graph_module, None).meta[FUSED_META_KEY]
