@@ -76,10 +76,10 @@ def _bench_cmd(args) -> int:
 
     from autopar.bench import run_suite
 
-    if args.suite == "calibrate":  # Megatron-LM (SC'21) Table 1: predicted next to published step times
-        from autopar.bench import megatron
+    if args.suite == "calibrate":  # published runs (torchtitan, Megatron-LM) and nccl-tests next to predictions
+        from autopar.bench import calibrate
 
-        megatron.run(args.out or "out/calibrate", rows=args.rows, show_progress=not args.quiet)
+        calibrate.run(args.out or "out/calibrate", rows=args.rows, show_progress=not args.quiet)
         print(f"[autopar] wrote calibrate.json and calibrate.md to {args.out or 'out/calibrate'}", file=sys.stderr)
         return 0
     args.out = args.out or "bench-results"
@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark suites: plans (predicted, vs baselines), compile (planning time), "
         "run (measured on CPU ranks, vs DDP/FSDP2/TP), overhead (host time per step and per op of every program "
-        "kind, vs eager, DDP and FSDP2), calibrate (predicted vs Megatron-LM's published step times), "
+        "kind, vs eager, DDP and FSDP2), calibrate (predicted vs torchtitan's and Megatron-LM's published runs, "
+        "and nccl-tests), "
         "soak (300 steps with checkpoints: memory, loadability, retention), checkpoint (save/load time of ~100M "
         "parameters vs torch.save), lengths (step time at half the planned sequence length), exits (torchrun "
         "launches per program kind that must all exit 0)",
@@ -182,7 +183,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         help="folder for the JSON, Markdown and PNG results (default bench-results; out/calibrate for calibrate)",
     )
-    b.add_argument("--rows", help="calibrate suite: Table 1 rows, e.g. 1.7b,18.4b (default: all five)")
+    b.add_argument(
+        "--rows",
+        help="calibrate suite: rows by name, torchtitan's (e.g. tt-8b-fsdp8-h100) or Megatron-LM Table 1's "
+        "(e.g. 1.7b,18.4b); default all",
+    )
     b.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
     b.add_argument(
         "--cluster",

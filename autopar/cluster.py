@@ -21,7 +21,22 @@ and "GiB" is 2^30.
 Ranks are numbered node-major: ranks 0..D-1 are node 0, and so on. A device-mesh axis laid
 out with stride `inner_size` (the product of the sizes of the axes inside it) therefore
 stays inside a node exactly when its groups of consecutive-stride ranks never straddle a
-node boundary (`link_for_axis`).
+node boundary, and otherwise puts D / inner_size of each group's ranks on a node
+(`axis_shape`); `link_for_axis` hands that shape to the collectives' pricing.
+
+A GPU node's network is `inter_node_link` (one adapter) times the device's `nics_per_node`;
+a cluster with fewer adapters per node than GPUs sets it::
+
+    cluster: 16x8xA100-80GB
+    device: {nics_per_node: 4}
+
+`device` may also name a device file (JSON or YAML) holding such fields, as a measurement on
+the GPU writes it: its `matmul_efficiency` may be a list of measured GEMMs and its
+`attention_efficiency` the attention kernels' shares (the format is `cost_model.kernels`'s);
+a `notes` key saying what was measured, on what and when is kept out of the device::
+
+    cluster: 8xH100-80GB
+    device: h100-measured.json
 
 CPU ranks of one node share the host's memory, so a "cpu" cluster gives each rank
 ``memory_bytes / devices_per_node`` of the measured RAM (and a file that sets
@@ -48,6 +63,8 @@ from autopar.cost_model.devices import (
     parse_matmul_table,
     parse_per_collective,
 )
+from autopar.cost_model.kernels import parse_attention_kernels, parse_matmul_points
+from autopar.cost_model.nccl import GroupLink, NcclNode
 from autopar.errors import ConfigError
 
 _EXPECTED = "NODESxDEVICESxKIND (e.g. '4x8xA100-80GB'), DEVICESxKIND (e.g. '8xH100-80GB') or cpu:N (e.g. 'cpu:4')"
@@ -55,12 +72,20 @@ _NODES_DEVICES_KIND = re.compile(r"^(\d+)[xX](\d+)[xX]([A-Za-z][\w.-]*)$")
 _DEVICES_KIND = re.compile(r"^(\d+)[xX]([A-Za-z][\w.-]*)$")
 _CPU = re.compile(r"^cpu:(\d+)$", re.IGNORECASE)
 
-# Host RAM per node: the DGX systems these GPUs ship in (DGX A100 320GB: 1 TB; DGX A100 640GB,
-# DGX H100 and DGX H200: 2 TB). The "cpu" preset's memory is the measured RAM of the machine.
 # The most devices a cluster may have: the planner enumerates the divisors of the world size, and today's largest
 # training clusters hold about 10^5 accelerators; a figure past this one is a typo.
 MAX_DEVICES = 2**20
-_HOST_MEMORY_BYTES = {"A100-40GB": 1e12, "A100-80GB": 2e12, "H100-80GB": 2e12, "H200-141GB": 2e12}
+# Host RAM per node: the DGX systems these GPUs ship in (DGX A100 320GB: 1 TB; DGX A100 640GB, DGX A800, DGX H100
+# and DGX H200: 2 TB); Grand Teton up to 2 TB of DDR5 (OCP Grand Teton specification). The "cpu" preset's memory is
+# the measured RAM of the machine.
+_HOST_MEMORY_BYTES = {
+    "A100-40GB": 1e12,
+    "A100-80GB": 2e12,
+    "A800-80GB": 2e12,
+    "H100-80GB": 2e12,
+    "H100-96GB-500W": 2e12,
+    "H200-141GB": 2e12,
+}
 
 _FILE_KEYS = ("cluster", "device", "intra_node_link", "inter_node_link", "host_link", "host_memory_bytes")
 _LINK_KEYS = ("intra_node_link", "inter_node_link", "host_link")
@@ -314,22 +339,46 @@ class ClusterSpec:
 
     # ----------------------------------------------------------------------------- queries
 
-    def link_for_axis(self, axis_size: int, inner_size: int) -> LinkSpec:
+    def link_for_axis(self, axis_size: int, inner_size: int) -> LinkSpec | GroupLink:
         """The link a mesh axis of `axis_size` with stride `inner_size` crosses.
 
-        The axis's groups are ranks r, r + inner, ..., r + (axis - 1)·inner inside aligned
-        blocks of inner·axis consecutive ranks. Every group stays on one node exactly when
-        that block size divides devices_per_node (which covers the usual case
-        inner·axis <= devices_per_node with power-of-two sizes); if any group straddles a node
-        boundary the slowest link, the inter-node one, sets the pace. Size-1 axes and
-        one-node clusters never leave the node.
+        On a GPU cluster (a device with NCCL figures) this is the axis's `GroupLink`: its groups' ranks per
+        node (`axis_shape`) with the node's NVLink, network adapter and adapter count, which
+        `estimate_collective_time` prices as NCCL runs the collective on that topology. Otherwise (gloo on CPU
+        ranks, priced per ring step on measured links) it is the slowest link a group crosses: the intra-node
+        link when every group stays on one node, the inter-node one when any straddles a node boundary.
+        """
+        per_node, nodes = self.axis_shape(axis_size, inner_size)
+        if self.device.nccl is not None:
+            return GroupLink(
+                ranks_per_node=per_node,
+                num_nodes=nodes,
+                nvlink=self.intra_node_link,
+                nic=self.inter_node_link,
+                nics_per_node=self.device.nics_per_node,
+                node=self.device.nccl,
+            )
+        return self.intra_node_link if nodes == 1 else self.inter_node_link
+
+    def axis_shape(self, axis_size: int, inner_size: int) -> tuple[int, int]:
+        """(ranks per node, nodes) of each group of a mesh axis of `axis_size` with stride `inner_size`.
+
+        The axis's groups are ranks r, r + inner, ..., r + (axis - 1)·inner inside aligned blocks of inner·axis
+        consecutive ranks (ranks are numbered node-major). A group stays on one node exactly when that block
+        size divides devices_per_node; otherwise, when the stride divides a node, devices_per_node / inner of a
+        group's ranks share each node (tp = 8 inside the node leaves a data-parallel group one rank per node);
+        an irregular layout is taken as one rank per node, the slowest case. Size-1 axes and one-node clusters
+        never leave the node.
         """
         if axis_size < 1 or inner_size < 1:
             raise ConfigError(f"mesh axis size {axis_size} and stride {inner_size} must both be at least 1")
-        if axis_size == 1 or self.num_nodes == 1:
-            return self.intra_node_link
-        block = axis_size * inner_size
-        return self.intra_node_link if self.devices_per_node % block == 0 else self.inter_node_link
+        per = self.devices_per_node
+        if axis_size == 1 or self.num_nodes == 1 or per % (axis_size * inner_size) == 0:
+            return axis_size, 1
+        if inner_size < per and per % inner_size == 0 and axis_size % (per // inner_size) == 0:
+            per_node = per // inner_size
+            return per_node, axis_size // per_node
+        return 1, axis_size
 
     def describe(self) -> str:
         """One line for reports: "4 nodes x 8 A100-80GB (32 devices)"."""
@@ -345,20 +394,38 @@ def _whole(value) -> int:
     return int(value)
 
 
+# the key of a device file that says what was measured, on what and when: kept out of the DeviceSpec
+DEVICE_FILE_NOTES = "notes"
+_TABLE_KEYS = ("matmul_efficiency_table", "attention_efficiency")
+
+
 def _override_device(base: ClusterSpec, overrides, source: str) -> DeviceSpec:
+    """The device with `overrides` (a mapping of DeviceSpec fields, or the path of a JSON/YAML device file holding
+    one) applied; a `matmul_efficiency` that is a list of measured GEMMs sets the shape table and its plateau."""
+    if isinstance(overrides, (str, Path)):
+        overrides, source = _read_device_file(overrides, source), f"{source}: device file {str(overrides)!r}"
     allowed = {f.name for f in fields(DeviceSpec)} - set(_LINK_KEYS)
     if not isinstance(overrides, Mapping):
         raise ConfigError(f"{source}: 'device' must be a mapping of DeviceSpec fields, got {overrides!r}")
+    overrides = {k: v for k, v in overrides.items() if k != DEVICE_FILE_NOTES}
     misplaced = set(overrides) & set(_LINK_KEYS)
     if misplaced:
         raise ConfigError(f"{source}: set links with the top-level keys {sorted(misplaced)}, not under 'device'")
     unknown = set(overrides) - allowed
     if unknown:
         raise ConfigError(f"{source}: unknown device fields {sorted(unknown)}; known fields are {sorted(allowed)}")
+    if isinstance(overrides.get("matmul_efficiency"), (list, tuple)):  # a measured table, not a plateau
+        overrides["matmul_efficiency_table"] = overrides.pop("matmul_efficiency")
     changes = {}
     for key, value in overrides.items():
+        if key in _TABLE_KEYS:
+            continue
         if key in ("name", "kind"):
             changes[key] = str(value)
+        elif key in ("nics_per_node", "num_sms"):
+            changes[key] = _positive_count(value, f"{source}: device.{key}")
+        elif key == "nccl":
+            changes[key] = None if value is None else NcclNode.from_dict(value)
         elif key == "matmul_flops_per_s":
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{source}: matmul_flops_per_s must map dtype names to FLOP/s, e.g. {{bf16: 312e12}}")
@@ -369,7 +436,44 @@ def _override_device(base: ClusterSpec, overrides, source: str) -> DeviceSpec:
             changes[key] = int(parse_quantity(value, key))
         else:
             changes[key] = parse_quantity(value, key)
-    return replace(base.device, **changes)
+    device = replace(base.device, **changes)
+    return _override_tables(device, overrides, source)
+
+
+def _override_tables(device: DeviceSpec, overrides: Mapping, source: str) -> DeviceSpec:
+    """The measured kernel tables of `overrides`, read against the device's (overridden) peaks."""
+    changes = {}
+    if "matmul_efficiency_table" in overrides:
+        try:
+            table = parse_matmul_points(overrides["matmul_efficiency_table"], device.peak_matmul_flops)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        changes["matmul_efficiency_table"] = table
+        if table and "matmul_efficiency" not in overrides:
+            changes["matmul_efficiency"] = min(1.0, max(p.efficiency for p in table))
+    if "attention_efficiency" in overrides:
+        try:
+            changes["attention_efficiency"] = parse_attention_kernels(overrides["attention_efficiency"])
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    return replace(device, **changes)
+
+
+def _read_device_file(path, source: str) -> Mapping:
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except (OSError, ValueError) as e:  # a path the system cannot open, or one holding a NUL byte
+        raise ConfigError(f"{source}: cannot read device file {str(p)!r}: {getattr(e, 'strerror', e)}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: device file {str(p)!r} is neither valid YAML nor JSON: {e}") from e
+    return data
+
+
+def _positive_count(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise ConfigError(f"{where}: expected a positive whole number, got {value!r}")
+    return int(value)
 
 
 def _override_link(base: LinkSpec, overrides, where: str) -> LinkSpec:

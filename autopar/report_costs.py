@@ -67,7 +67,7 @@ def _mapping_words(plan) -> str:
         size = plan.mesh[axis]
         if size > 1:
             link = cluster.link_for_axis(size, inner)
-            where = "inside a node" if link is cluster.intra_node_link else "across nodes"
+            where = "inside a node" if cluster.axis_shape(size, inner)[1] == 1 else "across nodes"
             words.append(f"{axis}={size} {where} ({link.name})")
         inner *= size
     return "; ".join(reversed(words)) or "one device"

@@ -21,10 +21,18 @@ The moved-bytes factors are the ones nccl-tests uses to turn times into bus band
 link's `bandwidth_bytes_per_s` is directly the bus bandwidth those tests report. In an
 all-to-all each rank holds a shard of S/n and keeps 1/n of it, so it sends (n-1)/n of its own
 shard, (n-1)/n² of the whole tensor: nccl-tests' alltoall busbw is (n-1)/n times the per-rank
-buffer over the time. Broadcast is
-priced like an all-gather (a pipelined ring broadcast). Tree algorithms, NVLink SHARP and
-the hierarchical algorithms NCCL uses across nodes are not modelled: the ring is the
-conservative, well-understood baseline.
+buffer over the time. Broadcast is priced like an all-gather (a pipelined ring broadcast).
+
+That per-step model is how a measured link is priced (gloo between CPU ranks, whose figures
+`calibrate` fits to it). A GPU cluster's mesh axes are priced as NCCL runs them instead:
+`ClusterSpec.link_for_axis` hands a `cost_model.nccl.GroupLink` (the group's ranks per node,
+the node's NICs), and all-reduce, all-gather, reduce-scatter and broadcast on it take the
+cheapest of NCCL's algorithms and protocols, with one latency per call (`cost_model.nccl`).
+All-to-all and send/recv are point-to-point in NCCL, outside its tuning model: on a group
+link they keep the per-step model, on one adapter across nodes (an all-to-all cannot
+aggregate the NICs of a node; sjeaugey, NVIDIA/nccl-tests#267) and on NVLink inside one.
+So does a collective the slowest link carries a measurement of (`per_collective`): a
+measurement replaces the model.
 
 A link's figures are fitted to all-reduces; where a backend runs another collective well off that price
 (gloo's all-gather and reduce-scatter on CPU ranks), the link carries that collective's own fitted latency
@@ -36,6 +44,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from autopar.cost_model.devices import LinkSpec
+from autopar.cost_model.nccl import GroupLink
 from autopar.errors import ConfigError
 
 
@@ -72,7 +81,11 @@ def collective_moved_bytes(kind: Collective, num_bytes: float, num_ranks: int) -
     return (num_ranks - 1) / num_ranks * num_bytes
 
 
-def estimate_collective_time(kind: Collective, num_bytes: float, num_ranks: int, link: LinkSpec) -> float:
+# the collectives NCCL's tuning model prices (src/graph/tuning.cc); the others are point-to-point
+_TUNED = frozenset({Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.BROADCAST})
+
+
+def estimate_collective_time(kind: Collective, num_bytes: float, num_ranks: int, link: LinkSpec | GroupLink) -> float:
     """Seconds for collective `kind` on a tensor of `num_bytes` (full, unsharded size) over `num_ranks` ranks.
 
     Args:
@@ -81,7 +94,8 @@ def estimate_collective_time(kind: Collective, num_bytes: float, num_ranks: int,
             input of a reduce-scatter, the whole tensor an all-to-all re-splits (the sum of
             every rank's shard), the tensor sent.
         num_ranks: ranks taking part; 1 costs nothing.
-        link: the slowest link the ranks' ring crosses.
+        link: the slowest link the ranks' ring crosses (priced per ring step), or the group's `GroupLink`
+            (priced as NCCL runs the collective on that group's topology).
     """
     kind = Collective(kind)
     if num_ranks < 1:
@@ -90,5 +104,10 @@ def estimate_collective_time(kind: Collective, num_bytes: float, num_ranks: int,
         raise ConfigError(f"a collective cannot move a negative number of bytes ({num_bytes})")
     if num_ranks == 1:
         return 0.0
+    if isinstance(link, GroupLink):
+        measured = any(k == kind.value for k, _, _ in link.per_collective)
+        if kind in _TUNED and not measured:
+            return link.collective_time_s(kind.value, num_bytes, num_ranks)
+        link = link.slowest
     latency, bandwidth = link.alpha_beta(kind.value)
     return collective_steps(kind, num_ranks) * latency + collective_moved_bytes(kind, num_bytes, num_ranks) / bandwidth

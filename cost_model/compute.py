@@ -35,20 +35,24 @@ Bytes use the element sizes of the graph's real dtypes. An op without an entry i
 like an elementwise op and its target recorded in `UNKNOWN_OPS`, so reports can list what was
 guessed.
 
-`estimate_compute_time` is a roofline: the larger of FLOPs over the achievable rate (the
-matrix rate of the dtype for matmuls, the vector rate otherwise) and bytes over the
-achievable memory bandwidth, plus a fixed launch overhead per kernel.
+`estimate_compute_time` is a roofline: the larger of FLOPs over the achievable rate and bytes
+over the achievable memory bandwidth, plus a fixed launch overhead per kernel. The achievable
+matrix rate depends on the kernel that runs (`cost_model.kernels`): a GEMM's on its shape and
+dtype (tile and wave quantization on the device's SMs, anchored on measured GEMMs), a fused
+attention kernel's on its own forward and backward efficiencies; other ops run at the vector
+rate.
 
-The optimizer step is priced apart from the ops: `optimizer_step_time_s(estimator, device, ...)`
-asks the estimator (a profiled one measured it) and otherwise uses the analytic
-`estimate_adamw_step_time`, a memory-bound estimate of eager AdamW on the device.
+The optimizer step is priced apart from the ops (`cost_model.optimizer`, whose names this module
+re-exports): `optimizer_step_time_s(estimator, device, ...)` asks the estimator (a profiled one
+measured it) and otherwise uses the analytic `estimate_adamw_step_time`, a memory-bound estimate
+of eager AdamW on the device.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -56,13 +60,26 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.cost_model.devices import DeviceSpec, DType
+from autopar.cost_model.kernels import local_shape
+from autopar.cost_model.optimizer import (  # the optimizer's pricing, kept importable from here
+    ADAMW_BYTES_PER_PARAM_BYTE,
+    ADAMW_KERNELS_PER_TENSOR,
+    FOREACH_TENSORS_PER_LAUNCH,
+    estimate_adamw_step_time,
+    estimate_optimizer_step_time,
+    optimizer_step_time_s,
+)
 
 aten = torch.ops.aten
 
 
 @dataclass(frozen=True, slots=True)
 class OpCost:
-    """FLOPs and bytes of one op, forward and backward (bytes: tensors read plus written)."""
+    """FLOPs and bytes of one op, forward and backward (bytes: tensors read plus written).
+
+    `gemm` is a matrix product's (batch, m, n, k), whose efficiency depends on its shape; `attention` names the
+    fused attention kernel that runs the op (its efficiencies are the device's, `DeviceSpec.attention_kernel`).
+    """
 
     flops: float
     bytes_accessed: float
@@ -70,6 +87,8 @@ class OpCost:
     backward_bytes: float
     is_matmul: bool = False
     is_view: bool = False
+    gemm: tuple[int, int, int, int] | None = None
+    attention: str | None = None
 
 
 FREE = OpCost(0.0, 0.0, 0.0, 0.0, is_matmul=False, is_view=True)
@@ -136,11 +155,11 @@ def node_arg(node: fx.Node, name: str, default=None):
     return value.meta.get("val") if isinstance(value, fx.Node) else value
 
 
-def _nbytes(ts: Iterable[torch.Tensor]) -> float:
+def total_bytes(ts: Iterable[torch.Tensor]) -> float:
     return float(sum(t.numel() * t.element_size() for t in ts))
 
 
-def _numel(ts: Iterable[torch.Tensor]) -> float:
+def total_numel(ts: Iterable[torch.Tensor]) -> float:
     return float(sum(t.numel() for t in ts))
 
 
@@ -167,18 +186,18 @@ def estimate_node_cost(node: fx.Node) -> OpCost:
 def elementwise_cost(node: fx.Node, flops_per_element: float = 1.0, backward_flops_per_element: float | None = None):
     """Inputs read once, outputs written once; backward reads dY and saved inputs, writes dX per floating input."""
     ins, outs = _input_tensors(node), tensors_of(node)
-    flops = flops_per_element * _numel(outs)
-    moved = _nbytes(ins) + _nbytes(outs)
+    flops = flops_per_element * total_numel(outs)
+    moved = total_bytes(ins) + total_bytes(outs)
     if not _floating(outs):
         return OpCost(flops, moved, 0.0, 0.0)
     bwd_per = flops_per_element if backward_flops_per_element is None else backward_flops_per_element
-    float_ins = _nbytes(_floating(ins))
-    return OpCost(flops, moved, bwd_per * _numel(outs), _nbytes(outs) + 2 * float_ins)
+    float_ins = total_bytes(_floating(ins))
+    return OpCost(flops, moved, bwd_per * total_numel(outs), total_bytes(outs) + 2 * float_ins)
 
 
 def _copy_cost(node: fx.Node) -> OpCost:
     ins, outs = _input_tensors(node)[:1], tensors_of(node)[:1]
-    moved = _nbytes(ins) + _nbytes(outs)
+    moved = total_bytes(ins) + total_bytes(outs)
     return OpCost(0.0, moved, 0.0, moved if _floating(outs) else 0.0)
 
 
@@ -316,7 +335,7 @@ def _data_movement(node: fx.Node) -> OpCost:
 )
 def _factory(node: fx.Node) -> OpCost:
     """Creating a tensor writes it; it has no inputs worth a gradient."""
-    return OpCost(0.0, _nbytes(tensors_of(node)), 0.0, 0.0)
+    return OpCost(0.0, total_bytes(tensors_of(node)), 0.0, 0.0)
 
 
 # ---------------------------------------------------------------------------------- elementwise
@@ -410,9 +429,9 @@ def _elementwise(node: fx.Node) -> OpCost:
 def _dropout(node: fx.Node) -> OpCost:
     """Draw a mask and scale: one FLOP per element; the backward applies the saved mask to dY."""
     ins, outs = _input_tensors(node)[:1], tensors_of(node)[:1]
-    mask = _numel(outs)  # one byte per element
-    moved = _nbytes(ins) + _nbytes(outs) + mask
-    return OpCost(_numel(outs), moved, _numel(outs), 2 * _nbytes(outs) + mask)
+    mask = total_numel(outs)  # one byte per element
+    moved = total_bytes(ins) + total_bytes(outs) + mask
+    return OpCost(total_numel(outs), moved, total_numel(outs), 2 * total_bytes(outs) + mask)
 
 
 # ------------------------------------------------------------------------- reductions and norms
@@ -444,32 +463,34 @@ def _dropout(node: fx.Node) -> OpCost:
 def _reduction(node: fx.Node) -> OpCost:
     """One FLOP per input element; the backward broadcasts dY back to the input's size."""
     ins, outs = _input_tensors(node)[:1], tensors_of(node)
-    moved = _nbytes(ins) + _nbytes(outs)
+    moved = total_bytes(ins) + total_bytes(outs)
     if not _floating(outs):
-        return OpCost(_numel(ins), moved, 0.0, 0.0)
-    return OpCost(_numel(ins), moved, _numel(ins), _nbytes(outs[:1]) + 2 * _nbytes(ins))
+        return OpCost(total_numel(ins), moved, 0.0, 0.0)
+    return OpCost(total_numel(ins), moved, total_numel(ins), total_bytes(outs[:1]) + 2 * total_bytes(ins))
 
 
-def _norm_cost(node: fx.Node, flops_per_element: float) -> OpCost:
+def norm_cost(node: fx.Node, flops_per_element: float) -> OpCost:
     """Normalisation over the last dims; the backward is about twice the forward arithmetic."""
     x, out = _input_tensors(node)[0], tensors_of(node)[0]
     affine = [t for t in (node_arg(node, "weight"), node_arg(node, "bias")) if isinstance(t, torch.Tensor)]
     n = float(x.numel())
-    moved = _nbytes([x, out, *affine])
+    moved = total_bytes([x, out, *affine])
     # backward reads x, dY and the affine parameters, writes dX and the parameters' gradients
-    return OpCost(flops_per_element * n, moved, 2 * flops_per_element * n, 3 * _nbytes([x]) + 2 * _nbytes(affine))
+    return OpCost(
+        flops_per_element * n, moved, 2 * flops_per_element * n, 3 * total_bytes([x]) + 2 * total_bytes(affine)
+    )
 
 
 @register_op_cost(*_overloads("layer_norm.default", "native_layer_norm.default"))
 def _layer_norm(node: fx.Node) -> OpCost:
     """Mean, variance, normalise, scale, shift: 5 FLOPs per element."""
-    return _norm_cost(node, 5.0)
+    return norm_cost(node, 5.0)
 
 
 @register_op_cost(*_overloads("rms_norm.default", "_fused_rms_norm.default"))
 def _rms_norm(node: fx.Node) -> OpCost:
     """Square, mean, normalise, scale: 4 FLOPs per element."""
-    return _norm_cost(node, 4.0)
+    return norm_cost(node, 4.0)
 
 
 @register_op_cost(*_overloads("_softmax.default", "softmax.int", "_log_softmax.default", "log_softmax.int"))
@@ -477,7 +498,7 @@ def _softmax(node: fx.Node) -> OpCost:
     """Max, subtract, exp, sum, divide: 5 FLOPs per element; backward dX = Y·(dY - sum(dY·Y)): 4, reading Y and dY."""
     x, out = _input_tensors(node)[0], tensors_of(node)[0]
     n = float(out.numel())
-    return OpCost(5 * n, _nbytes([x, out]), 4 * n, 3 * _nbytes([out]))
+    return OpCost(5 * n, total_bytes([x, out]), 4 * n, 3 * total_bytes([out]))
 
 
 @register_op_cost(aten.cross_entropy_loss.default)
@@ -488,8 +509,8 @@ def _cross_entropy(node: fx.Node) -> OpCost:
     the backward writes the gradient of the log-probabilities and then of the logits (4 passes).
     """
     logits, target = _input_tensors(node)[:2]
-    n, lb = float(logits.numel()), _nbytes([logits])
-    return OpCost(5 * n, 2 * lb + _nbytes([target]), 3 * n, 4 * lb + _nbytes([target]))
+    n, lb = float(logits.numel()), total_bytes([logits])
+    return OpCost(5 * n, 2 * lb + total_bytes([target]), 3 * n, 4 * lb + total_bytes([target]))
 
 
 @register_op_cost(aten.nll_loss_forward.default)
@@ -498,7 +519,7 @@ def _nll_loss(node: fx.Node) -> OpCost:
     x, target = _input_tensors(node)[:2]
     rows = float(target.numel())
     picked = rows * x.element_size()
-    return OpCost(rows, _nbytes([target]) + picked, rows, _nbytes([x, target]))
+    return OpCost(rows, total_bytes([target]) + picked, rows, total_bytes([x, target]))
 
 
 @register_op_cost(aten.embedding.default)
@@ -506,23 +527,35 @@ def _embedding(node: fx.Node) -> OpCost:
     """Gather rows: read and write them. Backward zero-fills the table's gradient and scatter-adds dY into it."""
     weight, indices = _input_tensors(node)[:2]
     out = tensors_of(node)[0]
-    fwd = _nbytes([indices]) + 2 * _nbytes([out])
+    fwd = total_bytes([indices]) + 2 * total_bytes([out])
     if not weight.dtype.is_floating_point:
         return OpCost(0.0, fwd, 0.0, 0.0)
-    return OpCost(0.0, fwd, float(out.numel()), _nbytes([weight, indices]) + 2 * _nbytes([out]))
+    return OpCost(0.0, fwd, float(out.numel()), total_bytes([weight, indices]) + 2 * total_bytes([out]))
 
 
 # ------------------------------------------------------------------------------------ matmuls
+
+
+def gemm_shape(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of the product: a weight (b of at most 2 dims) folds every leading dim of a into m."""
+    k = int(a.shape[-1]) if a.ndim else 1
+    n = int(out.shape[-1]) if out.ndim else 1
+    if b.ndim <= 2 or out.ndim < 3:
+        return 1, max(int(out.numel()) // max(n, 1), 1), n, k
+    batch = int(out.numel()) // (int(out.shape[-2]) * n) if out.numel() else 1
+    return batch, int(out.shape[-2]), n, k
 
 
 def matmul_cost(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, extra: Iterable[torch.Tensor] = ()) -> OpCost:
     """2·(output elements)·K FLOPs, K the contracted size; backward twice that (dX and dW)."""
     k = a.shape[-1] if a.ndim else 1
     flops = 2.0 * out.numel() * k
-    operands = _nbytes([a, b])
-    moved = operands + _nbytes(extra) + _nbytes([out])
+    operands = total_bytes([a, b])
+    moved = operands + total_bytes(extra) + total_bytes([out])
     # each backward GEMM reads dY and one operand and writes the other operand's gradient
-    return OpCost(flops, moved, 2 * flops, 2 * (operands + _nbytes([out])), is_matmul=True)
+    return OpCost(
+        flops, moved, 2 * flops, 2 * (operands + total_bytes([out])), is_matmul=True, gemm=gemm_shape(a, b, out)
+    )
 
 
 @register_op_cost(aten.linear.default)
@@ -554,6 +587,11 @@ def _grouped_mm(node: fx.Node) -> OpCost:
     return matmul_cost(x, w, tensors_of(node)[0])
 
 
+# the kernels attention runs as (their efficiencies are the device's `attention_efficiency`): PyTorch's
+# scaled_dot_product_attention (its flash backend, FlashAttention-2, on GPUs) and autopar's Triton kernel
+SDPA_KERNEL = "sdpa"
+TRITON_KERNEL = "triton"
+
 _SDPA_OPS = _overloads(
     "scaled_dot_product_attention.default",
     "_scaled_dot_product_flash_attention.default",
@@ -574,75 +612,13 @@ def _sdpa(node: fx.Node) -> OpCost:
     flops = 2.0 * heads_times_batch * sq * sk * (d + dv)
     if node_arg(node, "is_causal", False):
         flops *= 0.5
-    mask_bytes = _nbytes([mask]) if isinstance(mask, torch.Tensor) else 0.0
-    qkv = _nbytes([q, k, v])
+    mask_bytes = total_bytes([mask]) if isinstance(mask, torch.Tensor) else 0.0
+    qkv = total_bytes([q, k, v])
     # backward reads q, k, v, O, dO (and the mask) and writes dq, dk, dv
-    bwd_bytes = 2 * qkv + 2 * _nbytes([out]) + mask_bytes
-    return OpCost(flops, qkv + mask_bytes + _nbytes([out]), 2.5 * flops, bwd_bytes, is_matmul=True)
-
-
-# ------------------------------------------------------------------------------ fused Triton ops
-# Registered by name: autopar.triton_kernels defines these ops, and the cost model must not import it.
-
-
-@register_op_cost("autopar::flash_attention")
-def _flash_attention(node: fx.Node) -> OpCost:
-    """q [b, h, sq, d], k and v [b, hk, sk, d]: 4·b·h·sq·sk·d forward (QKᵀ and PV), halved when causal; 2.5x backward.
-
-    Bytes never include the sq x sk scores: the forward reads q, k, v and writes O and the fp32
-    log-sum-exp per row; the backward reads q, k, v, O, dO and the LSE, writes dq, dk, dv, and
-    writes then reads delta = rowsum(dO·O), one LSE-sized array.
-    """
-    q, k, v = (node_arg(node, name) for name in ("q", "k", "v"))
-    out, lse = tensors_of(node)[:2]
-    sq, d, sk = q.shape[-2], q.shape[-1], k.shape[-2]
-    flops = 4.0 * (q.numel() / (sq * d)) * sq * sk * d
-    if node_arg(node, "causal", False):
-        flops *= 0.5
-    qkv, o, stats = _nbytes([q, k, v]), _nbytes([out]), _nbytes([lse])
-    return OpCost(flops, qkv + o + stats, 2.5 * flops, 2 * qkv + 2 * o + 3 * stats, is_matmul=True)
-
-
-def _with_row_stats(cost: OpCost, stats: list[torch.Tensor]) -> OpCost:
-    """A fused norm also writes its fp32 row statistics in the forward and reads them in the backward."""
-    extra = _nbytes(stats)
-    return replace(cost, bytes_accessed=cost.bytes_accessed + extra, backward_bytes=cost.backward_bytes + extra)
-
-
-@register_op_cost("autopar::rms_norm")
-def _fused_rms_norm(node: fx.Node) -> OpCost:
-    """One pass over x: read x and the weight, write y and rstd; FLOPs as `aten.rms_norm` (4 per element)."""
-    return _with_row_stats(_norm_cost(node, 4.0), tensors_of(node)[1:])
-
-
-@register_op_cost("autopar::layer_norm")
-def _fused_layer_norm(node: fx.Node) -> OpCost:
-    """One pass over x: read x, weight and bias, write y, mean and rstd; FLOPs as `aten.layer_norm` (5 per element)."""
-    return _with_row_stats(_norm_cost(node, 5.0), tensors_of(node)[1:])
-
-
-@register_op_cost("autopar::linear_cross_entropy")
-def _linear_cross_entropy(node: fx.Node) -> OpCost:
-    """hidden [..., H] (N tokens), weight [V, H]: the LM head's GEMMs and the softmax, without the N x V logits.
-
-    The kernel computes the gradients during its forward, so the forward holds all the work: the
-    head GEMM 2·N·V·H and the softmax and loss 5·N·V, and, for each input whose gradient it was asked
-    for, softmax - onehot (3·N·V, once) and one gradient GEMM of 2·N·V·H (dH = dZ·W, dW = dZᵀ·H).
-    The backward only scales the saved gradients by the loss's gradient.
-
-    Bytes: hidden, weight and labels read, the loss and the gradients written; none of the logits.
-    (The chunked implementation passes each chunk's logits through memory and re-reads the weight
-    per chunk; this prices the fused op, not those transients.)
-    """
-    hidden, weight, labels = (node_arg(node, name) for name in ("hidden", "weight", "labels"))
-    grads = [g for g in tensors_of(node)[1:] if g.numel()]  # empty when a gradient was not asked for
-    tokens, vocab = hidden.numel() / hidden.shape[-1], weight.shape[0]
-    logits = tokens * vocab
-    flops = 2.0 * logits * hidden.shape[-1] + 5.0 * logits
-    if grads:
-        flops += 3.0 * logits + len(grads) * 2.0 * logits * hidden.shape[-1]
-    moved = _nbytes([hidden, weight, labels]) + _nbytes(tensors_of(node)[:1]) + _nbytes(grads)
-    return OpCost(flops, moved, _numel(grads), 2 * _nbytes(grads), is_matmul=True)
+    bwd_bytes = 2 * qkv + 2 * total_bytes([out]) + mask_bytes
+    return OpCost(
+        flops, qkv + mask_bytes + total_bytes([out]), 2.5 * flops, bwd_bytes, is_matmul=True, attention=SDPA_KERNEL
+    )
 
 
 # ------------------------------------------------------------------------------------- timing
@@ -671,9 +647,32 @@ def estimate_compute_time(
     moved = (cost.backward_bytes if backward else cost.bytes_accessed) / divisor
     if flops == 0 and moved == 0:
         return 0.0
-    rate = device.peak_matmul_flops(dtype) * device.matmul_efficiency if cost.is_matmul else device.vector_flops_per_s
+    if cost.is_matmul:
+        rate = device.peak_matmul_flops(dtype) * _matmul_share(cost, device, dtype, divisor, backward)
+    else:
+        rate = device.vector_flops_per_s
     bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
     return max(flops / rate, moved / bandwidth) + device.kernel_overhead_s
+
+
+def _matmul_share(cost: OpCost, device: DeviceSpec, dtype: DType, divisor: float, backward: bool) -> float:
+    """The share of the matrix peak the op runs at: its attention kernel's, its GEMM shape's, or the plateau.
+
+    A GEMM's backward is two GEMMs of the forward's FLOPs each, dX (m x k, contracting n) and dW (k x n,
+    contracting m): their harmonic mean.
+    """
+    if cost.attention is not None:
+        kernel = device.attention_kernel(cost.attention)
+        if kernel is not None:
+            return kernel.backward if backward else kernel.forward
+    if cost.gemm is None:
+        return device.matmul_efficiency
+    batch, m, n, k = local_shape(cost.gemm, divisor)
+    if not backward:
+        return device.matmul_efficiency_at(dtype, (batch, m, n, k))
+    dx = device.matmul_efficiency_at(dtype, (batch, m, k, n))
+    dw = device.matmul_efficiency_at(dtype, (batch, k, n, m))
+    return 2.0 / (1.0 / dx + 1.0 / dw)
 
 
 class ComputeEstimator(Protocol):
@@ -725,75 +724,28 @@ class AnalyticEstimator:
         return estimate_adamw_step_time(num_tensors, num_param_bytes, self.device)
 
 
-def estimate_optimizer_step_time(
-    num_tensors: int, num_param_bytes: float, *, tensor_s: float, s_per_param_byte: float
-) -> float:
-    """Seconds of one optimizer step over `num_tensors` parameter tensors of `num_param_bytes` in all.
-
-    An eager optimizer (PyTorch's AdamW without `foreach`/`fused`, the default on CPU) runs a
-    handful of elementwise kernels per parameter tensor: a fixed cost per tensor (`tensor_s`,
-    dispatch of those kernels) plus a cost per byte of parameter (`s_per_param_byte`, the
-    reads and writes of the parameter, its gradient and its states). Both figures are
-    measured by `autopar.cost_model.calibrate.measure_optimizer_step`.
-
-    Args:
-        num_tensors: parameter tensors (local shards) this rank updates.
-        num_param_bytes: their bytes in the parameters' own format.
-        tensor_s: seconds per tensor.
-        s_per_param_byte: seconds per parameter byte.
-    """
-    if num_tensors < 0 or num_param_bytes < 0:
-        raise ValueError(f"an optimizer step over {num_tensors} tensors of {num_param_bytes} bytes")
-    return num_tensors * tensor_s + num_param_bytes * s_per_param_byte
-
-
-# PyTorch's eager AdamW (torch.optim.adam's single-tensor path, the default on CPU; the foreach path
-# runs the same ops over lists) updates one fp32 parameter with these kernels: the step count
-# (`step += 1`), weight decay (`param.mul_`), `exp_avg.lerp_`, `exp_avg_sq.mul_` and `.addcmul_`,
-# `exp_avg_sq.sqrt()`, its division by the bias correction, `.add_(eps)` and `param.addcdiv_`.
-ADAMW_KERNELS_PER_TENSOR = 9
-# Bytes those kernels read and write per byte of fp32 parameter: 8 + 12 + 8 + 12 + 8 + 8 + 8 + 16 = 80
-# bytes per 4-byte parameter (each kernel reads its inputs and writes its output once; the step
-# count is one element).
-ADAMW_BYTES_PER_PARAM_BYTE = 20.0
-# torch's multi_tensor_apply takes at most 36 tensors per launch for four tensor lists (param, grad
-# and the two moments): on a GPU (foreach, the default there) one launch serves that many tensors.
-FOREACH_TENSORS_PER_LAUNCH = 36
-
-
-def estimate_adamw_step_time(num_tensors: int, num_param_bytes: float, device: DeviceSpec) -> float:
-    """Analytic seconds of one eager AdamW step over `num_tensors` fp32 parameter tensors of `num_param_bytes`.
-
-    Memory bound: ADAMW_BYTES_PER_PARAM_BYTE bytes move per parameter byte (the parameter, its
-    gradient and its two moments, through the kernels listed above) at the device's achievable
-    bandwidth, plus ADAMW_KERNELS_PER_TENSOR launches per tensor (per FOREACH_TENSORS_PER_LAUNCH
-    tensors on a GPU, where the foreach path batches them).
-
-    Args:
-        num_tensors: parameter tensors (local shards) this rank updates.
-        num_param_bytes: the bytes of the fp32 weights it updates (master weights under mixed precision).
-        device: the device the step runs on.
-    """
-    per_tensor = ADAMW_KERNELS_PER_TENSOR * device.kernel_overhead_s
-    if device.kind == "gpu":
-        per_tensor /= FOREACH_TENSORS_PER_LAUNCH
-    bandwidth = device.memory_bandwidth_bytes_per_s * device.memory_efficiency
-    return estimate_optimizer_step_time(
-        num_tensors, num_param_bytes, tensor_s=per_tensor, s_per_param_byte=ADAMW_BYTES_PER_PARAM_BYTE / bandwidth
-    )
-
-
-def optimizer_step_time_s(estimator, device: DeviceSpec, num_tensors: int, num_param_bytes: float) -> float:
-    """Seconds of one optimizer step on `device`: the estimator's own figure when it has one
-    (`optimizer_step_time_s`, e.g. measured by a ProfiledEstimator), else `estimate_adamw_step_time`.
-
-    Args:
-        estimator: the ComputeEstimator that prices the ops of the same plan.
-        device: the device the step runs on (for the analytic fallback).
-        num_tensors: parameter tensors (local shards) this rank updates.
-        num_param_bytes: the bytes of the fp32 weights it updates.
-    """
-    own = getattr(estimator, "optimizer_step_time_s", None)
-    if own is not None:
-        return float(own(num_tensors, num_param_bytes))
-    return estimate_adamw_step_time(num_tensors, num_param_bytes, device)
+__all__ = [
+    "ADAMW_BYTES_PER_PARAM_BYTE",
+    "ADAMW_KERNELS_PER_TENSOR",
+    "FOREACH_TENSORS_PER_LAUNCH",
+    "FREE",
+    "SDPA_KERNEL",
+    "TRITON_KERNEL",
+    "UNKNOWN_OPS",
+    "AnalyticEstimator",
+    "ComputeEstimator",
+    "OpCost",
+    "estimate_adamw_step_time",
+    "estimate_compute_time",
+    "estimate_node_cost",
+    "estimate_optimizer_step_time",
+    "gemm_shape",
+    "matmul_cost",
+    "node_arg",
+    "norm_cost",
+    "optimizer_step_time_s",
+    "register_op_cost",
+    "tensors_of",
+    "total_bytes",
+    "total_numel",
+]

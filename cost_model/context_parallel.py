@@ -5,8 +5,9 @@ attention rows of its own tokens against all S keys (`autopar.context_parallel.a
 layer with batch b, h query heads, h_kv key/value heads, head dim d and e bytes per element:
 
 * ``t(b, h, q, k, d)``: forward seconds of one unmasked attention of q queries against k keys (the device's
-  block time: a callable, or the roofline of a `DeviceSpec`: 4·b·h·q·k·d FLOPs at the achievable matmul
-  rate plus one kernel launch). The backward is 2.5x the forward, as `cost_model.compute` prices attention.
+  block time: a callable, or the roofline of a `DeviceSpec`: 4·b·h·q·k·d FLOPs at the forward efficiency
+  of the attention kernel the program runs, autopar's Triton kernel, plus one kernel launch). The backward
+  is 2.5x the forward's FLOPs, as `cost_model.compute` prices attention, at the kernel's backward efficiency.
 * ``f``: the fraction of scores a mask keeps: 1/2 when causal, 1 otherwise.
 * ``λ``: the load-balance factor, the busiest rank's work over the average: 1 for zig-zag (and for any
   non-causal layout), (2c-1)/c for a contiguous causal split, whose last rank sees every key.
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from autopar.context_parallel.attention import CPAlgorithm
 from autopar.context_parallel.layout import SequenceLayout, check_cp_sequence
 from autopar.cost_model.comm import Collective, estimate_collective_time
+from autopar.cost_model.compute import TRITON_KERNEL
 from autopar.cost_model.devices import DeviceSpec, DType, LinkSpec
 from autopar.errors import ConfigError
 
@@ -137,9 +139,19 @@ def attention_flops(shape: CPAttentionShape, causal: bool) -> tuple[float, float
     return forward, BACKWARD_FACTOR * forward
 
 
+def _kernel_shares(device: DeviceSpec) -> tuple[float, float]:
+    """(forward, backward) shares of the matrix peak the cp blocks run at: the Triton kernel's on `device`, or
+    its plateau matmul efficiency when it lists none."""
+    kernel = device.attention_kernel(TRITON_KERNEL)
+    if kernel is None:
+        return device.matmul_efficiency, device.matmul_efficiency
+    return kernel.forward, kernel.backward
+
+
 def attention_time_from_device(device: DeviceSpec, dtype: DType | str) -> AttentionTime:
-    """The roofline block time of `device`: 4·b·h·q·k·d FLOPs at its achievable matmul rate, plus one launch."""
-    rate = device.peak_matmul_flops(dtype) * device.matmul_efficiency
+    """The roofline block time of `device`: 4·b·h·q·k·d FLOPs at its attention kernel's forward rate, plus one
+    launch."""
+    rate = device.peak_matmul_flops(dtype) * _kernel_shares(device)[0]
 
     def attention_time_s(batch: int, heads: int, queries: int, keys: int, head_dim: int) -> float:
         return 4.0 * batch * heads * queries * keys * head_dim / rate + device.kernel_overhead_s
@@ -183,15 +195,18 @@ def estimate_cp_attention(
             f"all-to-all (Ulysses) context parallelism needs the cp degree {num_ranks} to divide "
             f"the {shape.heads} query heads; price 'ring' or 'allgather' instead"
         )
+    backward_factor = BACKWARD_FACTOR
     if isinstance(compute, DeviceSpec):
         dtype = dtype if dtype is not None else (DType.FP32 if shape.bytes_per_element >= 4 else DType.BF16)
+        forward_share, backward_share = _kernel_shares(compute)
+        backward_factor = BACKWARD_FACTOR * forward_share / backward_share
         compute = attention_time_from_device(compute, dtype)
     if algorithm == CPAlgorithm.ALL_TO_ALL:
-        return _all_to_all(shape, num_ranks, causal, link, compute)
+        return _all_to_all(shape, num_ranks, causal, link, compute, backward_factor)
     fwd = _split_query_compute(shape, num_ranks, causal, layout, compute)
     if algorithm == CPAlgorithm.ALL_GATHER:
-        return _all_gather(shape, num_ranks, fwd, link)
-    return _ring(shape, num_ranks, fwd, link)
+        return _all_gather(shape, num_ranks, fwd, link, backward_factor)
+    return _ring(shape, num_ranks, fwd, link, backward_factor)
 
 
 def estimate_cp_attention_all(shape: CPAttentionShape, num_ranks: int, **kwargs) -> dict[CPAlgorithm, CPAttentionCost]:
@@ -208,10 +223,10 @@ def _split_query_compute(
     return load_balance_factor(c, causal, layout) * (0.5 if causal else 1.0) * c * block
 
 
-def _all_gather(shape: CPAttentionShape, c: int, fwd: float, link: LinkSpec) -> CPAttentionCost:
+def _all_gather(shape: CPAttentionShape, c: int, fwd: float, link: LinkSpec, backward_factor: float) -> CPAttentionCost:
     gather = estimate_collective_time(Collective.ALL_GATHER, shape.kv_bytes, c, link)
     scatter = estimate_collective_time(Collective.REDUCE_SCATTER, shape.kv_bytes, c, link)
-    bwd = BACKWARD_FACTOR * fwd
+    bwd = backward_factor * fwd
     kept = shape.kv_bytes if c > 1 else 0.0
     return CPAttentionCost(
         CPAlgorithm.ALL_GATHER,
@@ -225,8 +240,8 @@ def _all_gather(shape: CPAttentionShape, c: int, fwd: float, link: LinkSpec) -> 
     )
 
 
-def _ring(shape: CPAttentionShape, c: int, fwd: float, link: LinkSpec) -> CPAttentionCost:
-    bwd = BACKWARD_FACTOR * fwd
+def _ring(shape: CPAttentionShape, c: int, fwd: float, link: LinkSpec, backward_factor: float) -> CPAttentionCost:
+    bwd = backward_factor * fwd
     if c == 1:
         return CPAttentionCost(CPAlgorithm.RING, fwd, bwd, fwd, bwd, 0.0, 0.0, 0.0)
     hop = estimate_collective_time(Collective.SEND_RECV, shape.kv_bytes / c, 2, link)
@@ -241,7 +256,7 @@ def _ring(shape: CPAttentionShape, c: int, fwd: float, link: LinkSpec) -> CPAtte
 
 
 def _all_to_all(
-    shape: CPAttentionShape, c: int, causal: bool, link: LinkSpec, compute: AttentionTime
+    shape: CPAttentionShape, c: int, causal: bool, link: LinkSpec, compute: AttentionTime, backward_factor: float
 ) -> CPAttentionCost:
     kv_heads = shape.kv_heads if shape.kv_heads % c == 0 else math.lcm(shape.kv_heads, c)
     qkv = shape.head_bytes(shape.heads + 2 * kv_heads)
@@ -249,7 +264,7 @@ def _all_to_all(
     fwd = (0.5 if causal else 1.0) * compute(
         shape.batch, shape.heads // c, shape.seq_len, shape.seq_len, shape.head_dim
     )
-    bwd = BACKWARD_FACTOR * fwd
+    bwd = backward_factor * fwd
     comm = estimate_collective_time(Collective.ALL_TO_ALL, qkv, c, link)
     comm += estimate_collective_time(Collective.ALL_TO_ALL, out, c, link)
     if c == 1:

@@ -7,8 +7,8 @@ run at the device's memory bandwidth:
 
     t = (1 + 2·clip) · G / bandwidth + all_reduce(24 bytes, world)
 
-with G the bytes of gradients the device holds. The all-reduce is latency-bound: 2 (n - 1) steps of the link
-spanning the world (`comm.estimate_collective_time`).
+with G the bytes of gradients the device holds. The all-reduce is latency-bound: one call's latency on the group
+spanning the world (`comm.estimate_collective_time`; on GPUs NCCL's cheapest algorithm for its size).
 """
 
 from __future__ import annotations

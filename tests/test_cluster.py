@@ -16,7 +16,7 @@ def test_parse_nodes_devices_kind():
     c = ClusterSpec.parse("4x8xA100-80GB")
     assert (c.num_nodes, c.devices_per_node, c.world_size) == (4, 8, 32)
     assert c.device is get_device("A100-80GB") and c.device.memory_bytes == 80 * 10**9
-    assert c.intra_node_link.name == "nvlink3" and c.inter_node_link.name == "ib-hdr-8x"
+    assert c.intra_node_link.name == "nvlink3" and c.inter_node_link.name == "ib-hdr-200g"
     assert c.host_link.name == "pcie4"
     assert c.describe() == "4 nodes x 8 A100-80GB (32 devices)"
 
@@ -90,7 +90,7 @@ def test_from_file_yaml_overrides(tmp_path):
     assert c.device.peak_matmul_flops(DType.BF16) == 300e12
     assert c.device.peak_matmul_flops(DType.TF32) == 156e12  # the dtypes not overridden keep their rates
     assert c.inter_node_link.bandwidth_bytes_per_s == 12.5e9 and c.inter_node_link.latency_s == pytest.approx(30e-6)
-    assert c.inter_node_link.name == "ib-hdr-8x"
+    assert c.inter_node_link.name == "ib-hdr-200g"
     assert c.intra_node_link == get_device("A100-80GB").intra_node_link
     assert c.host_memory_bytes == 512 * 2**30
 
@@ -166,19 +166,36 @@ def test_from_dict_rejects_other_fields():
 def test_link_for_axis():
     c = ClusterSpec.parse("4x8xA100-80GB")
     intra, inter = c.intra_node_link, c.inter_node_link
-    assert c.link_for_axis(8, 1) == intra  # tp = 8 inside the node
-    assert c.link_for_axis(4, 8) == inter  # dp = 4 across the nodes, outside tp = 8
-    assert c.link_for_axis(2, 4) == intra  # 2 x 4 = 8 ranks: still one node
-    assert c.link_for_axis(2, 8) == inter
-    assert c.link_for_axis(16, 1) == inter
-    assert c.link_for_axis(32, 1) == inter
-    assert c.link_for_axis(1, 8) == intra  # a size-1 axis moves nothing
-    assert c.link_for_axis(3, 1) == inter  # groups of 3 consecutive ranks straddle the 8-rank nodes
+
+    def shape(axis, inner):
+        link = c.link_for_axis(axis, inner)
+        assert link.nvlink == intra and link.nic == inter and link.nics_per_node == 8
+        return link.ranks_per_node, link.num_nodes
+
+    assert shape(8, 1) == (8, 1)  # tp = 8 inside the node
+    assert shape(4, 8) == (1, 4)  # dp = 4 across the nodes, outside tp = 8: one rank a node
+    assert shape(2, 4) == (2, 1)  # 2 x 4 = 8 ranks: still one node
+    assert shape(2, 8) == (1, 2)
+    assert shape(16, 1) == (8, 2)  # two whole nodes
+    assert shape(32, 1) == (8, 4)
+    assert shape(1, 8) == (1, 1)  # a size-1 axis moves nothing
+    assert shape(3, 1) == (1, 3)  # groups of 3 consecutive ranks straddle the 8-rank nodes: the slowest case
     single = ClusterSpec.parse("8xH100-80GB")
-    assert single.link_for_axis(8, 1) == single.intra_node_link
-    assert single.link_for_axis(4, 2) == single.intra_node_link
+    assert not single.link_for_axis(8, 1).crosses_nodes
+    assert single.link_for_axis(4, 2).num_nodes == 1
+    # CPU ranks keep their measured links, the slowest a group crosses
+    cpu = ClusterSpec.parse("cpu:4")
+    assert cpu.link_for_axis(4, 1) == cpu.intra_node_link
     with pytest.raises(ConfigError):
         c.link_for_axis(0, 1)
+
+
+def test_nics_per_node_from_a_cluster_file():
+    c = ClusterSpec.from_overrides({"cluster": "2x8xA100-80GB", "device": {"nics_per_node": 4}})
+    assert c.device.nics_per_node == 4 and c.link_for_axis(16, 1).bus_bandwidth == pytest.approx(4 * 24e9)
+    with pytest.raises(ConfigError, match="positive whole number"):
+        ClusterSpec.from_overrides({"cluster": "2x8xA100-80GB", "device": {"nics_per_node": 0.5}})
+    assert ClusterSpec.from_dict(c.to_dict()) == c
 
 
 def test_parse_quantity():

@@ -424,7 +424,7 @@ def test_layer_table_dp_rows_give_their_exposed_part(overlapped):
     assert rows and all("exposed_s" in c for c in rows)
     p, dp = overlapped.predicted, overlapped.mesh["dp"]
     # the bucketed all-reduces of every parameter plus the one bucket latency a step pays are the whole sync
-    floor = estimate_collective_time(Collective.ALL_REDUCE, 1.0, dp, overlapped.cluster.intra_node_link)
+    floor = estimate_collective_time(Collective.ALL_REDUCE, 1.0, dp, overlapped.cluster.link_for_axis(dp, 1))
     whole = p.grad_sync_s + p.grad_sync_hidden_s
     assert sum(c["time_s"] * c["per_step"] for c in rows) + floor == pytest.approx(whole, rel=1e-5)
     # the exposed part is apportioned pro rata: one fraction for every row, E / whole, and with the latency's share

@@ -122,8 +122,10 @@ def test_gradient_reduction_format_is_priced():
         "gpt3-1.3b", "8xA100-80GB", global_batch_size=8, seq_len=1024, constraints={**pins, "grad_reduce": "bf16"}
     )
     assert fp32.grad_reduce == "fp32" and bf16.grad_reduce == "bf16"
-    # bandwidth-bound all-reduce of 2.6-5.3 GB: twice the bytes take about twice the time (latency is negligible)
-    assert fp32.predicted.grad_sync_s == pytest.approx(2 * bf16.predicted.grad_sync_s, rel=0.02)
+    # all-reduces of 2.6-5.3 GB: twice the bytes on the wire, but NCCL's latency per call (56 µs for a Simple ring
+    # on 8 GPUs, a fifth of a 25 MB bucket's time) does not double with them: between 1.7x and 2x the time
+    ratio = fp32.predicted.grad_sync_s / bf16.predicted.grad_sync_s
+    assert 1.7 < ratio <= 2.0, ratio
     assert fp32.predicted.memory_breakdown["grads"] == pytest.approx(2 * bf16.predicted.memory_breakdown["grads"])
     assert autopar.Plan.from_json(bf16.to_json()).grad_reduce == "bf16"
     with pytest.raises(autopar.ConfigError, match="grad_reduce"):

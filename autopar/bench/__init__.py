@@ -12,6 +12,9 @@
   every rank's resident set at each checkpoint, retention checked.
 - `checkpoint` (`autopar.bench.checkpoints`): save and load time of a ~100M-parameter model's training
   checkpoint on cpu:2, next to torch.save / torch.load of the full state dicts from one process.
+- `calibrate` (`autopar.bench.calibrate`, run by the CLI): published runs (torchtitan's Llama benchmarks,
+  Megatron-LM SC'21 Table 1) planned on their layouts and SKUs, and published nccl-tests bus bandwidths, next
+  to autopar's predictions.
 - `exits` (`autopar.bench.exits`, run by the CLI): torchrun launches of a user-style script per program kind
   (compile, two steps, a save, destroy_process_group, exit), counting those that do not exit 0.
 - `lengths` (`autopar.bench.lengths`): step time at half the planned sequence length against the full one, on

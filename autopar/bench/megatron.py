@@ -1,4 +1,5 @@
-"""`autopar bench calibrate`: autopar's predicted step times next to the Megatron-LM paper's measured ones.
+"""Megatron-LM SC'21 Table 1 rows of `autopar bench calibrate` (`autopar.bench.calibrate`): predicted step times
+next to the paper's measured ones.
 
 The reference is Table 1 of Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
 Clusters Using Megatron-LM" (SC'21): GPT models with sequence length 2048 and a vocabulary of 51,200,
@@ -17,6 +18,13 @@ whole layout pinned (tp, pp, dp, micro-batch size, interleaved 1F1B with v chunk
 interleaves, full recompute) as a GPT-2 architecture module built on the meta device, once handed in
 fp32 and once in bf16, both with precision="bf16": mixed precision should price the same step whatever
 dtype the parameters arrive in. The op-level sharding on the tensor axis stays autopar's choice.
+
+The kernels priced are the ones the paper's runs had. SC'21 predates FlashAttention (2022): its attention
+is two batched GEMMs around a scaled, masked softmax, with the s x s scores in memory (and dropout on
+them), so the model uses Hugging Face's eager attention and is planned without autopar's fused Triton ops
+(`fuse_kernels=False`): the scores' memory passes are priced as the traced ops make them. Megatron fuses
+the scale, mask and softmax into one kernel, and its LayerNorm and bias-GeLU too, which autopar prices as
+separate elementwise passes: a little more memory traffic than ran.
 
 The whole model is traced (autopar.plan shortens the trace only for presets given by name, and a preset
 name would fix the parameter dtype to the precision); at 105 layers of width 20480 on meta that stays
@@ -147,7 +155,7 @@ def build_model(row: MegatronRow, dtype: torch.dtype = torch.float32) -> torch.n
         use_cache=False,
         tie_word_embeddings=True,
     )
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = "eager"  # unfused attention, as in 2021 (see the module docstring)
     return presets.build_model(config, device="meta", dtype=dtype)
 
 
@@ -167,6 +175,7 @@ def plan_row(row: MegatronRow, dtype: torch.dtype = torch.float32, progress=None
         pipeline=row.pp > 1,
         progress=progress,
         alternatives=False,
+        fuse_kernels=False,
     )
 
 

@@ -1,6 +1,7 @@
 """Mesh-independent facts about a traced graph that every mesh's sharding program reads, computed once per graph.
 
-Which values are split over the data axis (`batch_split_nodes`), which parameters are matmul weights a tensor axis
+Which values are split over the data axis (`batch_split_nodes`), which ones the loss is computed from and so get a
+gradient (`loss_ancestors`), which parameters are matmul weights a tensor axis
 must split (`matmul_weights`, `layer_matmul_weights`, the rule `TensorSplit`), which values backward keeps under each
 recompute mode (`saved_for_backward`), and the recompute modes a program considers (`recompute_choices`).
 """
@@ -81,6 +82,24 @@ def analysis(graph: OpGraph) -> dict:
     if found is None:
         found = _ANALYSES[graph.graph] = {}
     return found.setdefault(graph.view, {})
+
+
+def loss_ancestors(graph: fx.Graph) -> frozenset[fx.Node]:
+    """The nodes the loss (the graph's first output) is computed from, itself included: the only ones backward
+    gives a gradient. Every node where the first output is not a node."""
+    out = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    first = out.args[0] if out is not None else None
+    while isinstance(first, (tuple, list)) and first:
+        first = first[0]
+    if not isinstance(first, fx.Node):
+        return frozenset(graph.nodes)
+    seen, todo = {first}, [first]
+    while todo:
+        for inp in todo.pop().all_input_nodes:
+            if inp not in seen:
+                seen.add(inp)
+                todo.append(inp)
+    return frozenset(seen)
 
 
 def batch_split_nodes(graph: OpGraph, batch: int) -> frozenset[str]:

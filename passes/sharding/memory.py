@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from autopar.passes.context_parallel import is_attention
 from autopar.passes.recompute import recompute_segments, recomputed_nodes
-from autopar.passes.sharding.graph import VIEW_OPS, analysis, saved_for_backward
+from autopar.passes.sharding.graph import VIEW_OPS, analysis, loss_ancestors, saved_for_backward
 from autopar.passes.sharding.groups import MeshGroups
 from autopar.passes.sharding.precision import Precision
 from autopar.program_comm import ProgramComm
@@ -125,7 +125,9 @@ class ActivationMemory:
     def transient_bytes(self) -> float:
         """Working memory of the largest op: its output plus its gradient, unsharded on tp (an upper bound).
 
-        Views (an expanded mask, a transposed weight) own no storage and are left out.
+        Views (an expanded mask, a transposed weight) own no storage and are left out. An op the loss is not
+        computed from gets no gradient: logits a model returns beside a fused loss are made in the forward (their
+        bytes count) and dropped before backward, which never makes their gradient.
         """
         cache = analysis(self.graph)
         if "storage_nodes" not in cache:  # representatives only: a deduplicated node has its representative's shape
@@ -134,7 +136,12 @@ class ActivationMemory:
                 for n in self.graph.graph.nodes
                 if n.op == "call_function" and self.graph.layer_count[n.name] and str(n.target) not in VIEW_OPS
             ]
-        largest = max((2 * self.mesh_groups.act_bytes(node) for node in cache["storage_nodes"]), default=0.0)
+            cache["loss_ancestors"] = loss_ancestors(self.graph.graph)
+        on_loss = cache["loss_ancestors"]
+        largest = max(
+            ((1 + (node in on_loss)) * self.mesh_groups.act_bytes(node) for node in cache["storage_nodes"]),
+            default=0.0,
+        )
         if self.mesh_groups.cp is None:
             return largest
         # cp attention's buffers while it runs (upper bound: heads not split on tp)

@@ -234,10 +234,12 @@ def test_analytic_estimator_prices_matmuls_in_the_graph_dtype():
     bf16 = AnalyticEstimator(a100, DType.BF16).forward_time_s(mm(torch.bfloat16), 1.0)
     fp32 = AnalyticEstimator(a100, DType.BF16).forward_time_s(mm(torch.float32), 1.0)
     tf32 = AnalyticEstimator(a100, DType.TF32).forward_time_s(mm(torch.float32), 1.0)
-    eff = a100.matmul_efficiency
-    assert bf16 == pytest.approx(2 * n**3 / (312e12 * eff) + 5e-6)
-    assert fp32 == pytest.approx(2 * n**3 / (19.5e12 * eff) + 5e-6)  # nothing autocasts an fp32 graph
-    assert tf32 == pytest.approx(2 * n**3 / (156e12 * eff) + 5e-6)
+    # each at its own dtype's efficiency for this shape (bf16 has measured points; fp32 and tf32 the plateau)
+    shape = (1, n, n, n)
+    assert bf16 == pytest.approx(2 * n**3 / (312e12 * a100.matmul_efficiency_at("bf16", shape)) + 5e-6)
+    # nothing autocasts an fp32 graph
+    assert fp32 == pytest.approx(2 * n**3 / (19.5e12 * a100.matmul_efficiency_at("fp32", shape)) + 5e-6)
+    assert tf32 == pytest.approx(2 * n**3 / (156e12 * a100.matmul_efficiency_at("tf32", shape)) + 5e-6)
     est = AnalyticEstimator(a100, "bf16")
     assert est.forward_time_s(mm(torch.bfloat16), 2.0) < bf16
 

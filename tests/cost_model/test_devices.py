@@ -13,7 +13,15 @@ from autopar.errors import ConfigError
 
 
 def test_presets_cover_the_documented_devices():
-    assert set(DEVICE_PRESETS) == {"A100-40GB", "A100-80GB", "H100-80GB", "H200-141GB", "cpu"}
+    assert set(DEVICE_PRESETS) == {
+        "A100-40GB",
+        "A100-80GB",
+        "A800-80GB",
+        "H100-80GB",
+        "H100-96GB-500W",
+        "H200-141GB",
+        "cpu",
+    }
     for name, spec in DEVICE_PRESETS.items():
         assert spec.name == name
         assert spec.kind == ("cpu" if name == "cpu" else "gpu")
@@ -43,10 +51,28 @@ def test_datasheet_figures_in_si_units():
     assert h200.memory_bandwidth_bytes_per_s * h200.memory_efficiency == pytest.approx(4.3e12)
 
 
+def test_skus_people_train_on():
+    a100, a800 = get_device("A100-80GB"), get_device("A800-80GB")
+    # A800: an A100 80GB whose NVLink is cut from 600 to 400 GB/s; ~160 GB/s all-reduce bus bandwidth (nccl#412)
+    assert a800.peak_matmul_flops("bf16") == a100.peak_matmul_flops("bf16")
+    assert a800.memory_bandwidth_bytes_per_s == a100.memory_bandwidth_bytes_per_s
+    assert a800.intra_node_link.bandwidth_bytes_per_s == pytest.approx(160e9)
+    gt, sxm = get_device("H100-96GB-500W"), get_device("H100-80GB")
+    # Grand Teton: 96 GB HBM2e at 2.4 TB/s; peak between the NVL (835) and the SXM (989.4) at a 500 W cap
+    assert gt.memory_bytes == 96 * 10**9 and gt.memory_bandwidth_bytes_per_s == pytest.approx(2.4e12)
+    assert 835e12 < gt.peak_matmul_flops("bf16") < sxm.peak_matmul_flops("bf16")
+    assert gt.peak_matmul_flops("bf16") == pytest.approx(989.4e12 * (500 / 700) ** (1 / 3))
+    for name in ("A100-80GB", "A800-80GB", "H100-80GB", "H100-96GB-500W", "H200-141GB"):
+        assert get_device(name).nics_per_node == 8, name
+    assert get_device("H100-96GB-500W").inter_node_link.bandwidth_bytes_per_s == pytest.approx(48e9)
+
+
 def test_link_figures():
     assert get_device("A100-80GB").intra_node_link.bandwidth_bytes_per_s == pytest.approx(230e9)
     assert get_device("H100-80GB").intra_node_link.bandwidth_bytes_per_s == pytest.approx(370e9)
-    assert get_device("A100-80GB").inter_node_link.bandwidth_bytes_per_s == pytest.approx(25e9)
+    # one adapter's achieved bandwidth: HDR 24 GB/s (NVIDIA/nccl#412), NDR 48 GB/s (NVIDIA/nccl-tests#267)
+    assert get_device("A100-80GB").inter_node_link.bandwidth_bytes_per_s == pytest.approx(24e9)
+    assert get_device("H100-80GB").inter_node_link.bandwidth_bytes_per_s == pytest.approx(48e9)
     for spec in DEVICE_PRESETS.values():
         # the network is slower than the node's own links
         assert spec.inter_node_link.bandwidth_bytes_per_s <= spec.intra_node_link.bandwidth_bytes_per_s

@@ -82,6 +82,34 @@ def test_infeasible_budget_says_needed_and_available():
 
 
 @pytest.mark.integration
+def test_logits_returned_beside_a_fused_loss_get_no_gradient_in_working_memory():
+    # A causal LM returns (loss, logits). On a GPU cluster its head and loss are fused, so the loss is not computed
+    # from the logits: the forward still makes them (their bytes count) and backward never makes their gradient.
+    # With a vocabulary of 4096 on a hidden size of 64 the logits are the largest value, so the working memory is
+    # exactly one rank's logits in bf16: (8 / dp) x 16 tokens x 4096 x 2 bytes, not twice that.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(0, 4096, (8, 16))
+    plan = autopar.plan(
+        LlamaForCausalLM(cfg), "2xA100-80GB", (ids,), {"labels": ids.clone()}, constraints={"dp": 2, "tp": 1}
+    )
+    assert plan.fusion["counts"]["linear_cross_entropy"] == 1 and plan.precision == "bf16"
+    assert plan.predicted.memory_breakdown["transient"] == 4 * 16 * 4096 * 2
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("cluster", ["6xA100-80GB", "12xH100-80GB", "cpu:3"])
 def test_non_power_of_two_meshes(cluster):
     model = tiny_llama().to("meta")
@@ -282,15 +310,18 @@ def test_choices_follow_the_budget():
     sharded = plan((free.predicted.peak_memory_bytes + lean_none) / 2)
     assert sharded.zero_stage > free.zero_stage and sharded.recompute == "none" and not sharded.offload
     budget = (lean_none + lean_full) / 2
-    saving = plan(budget)  # recompute or offload, whichever is cheaper here
-    assert saving.recompute != "none" or saving.offload
+    saving = plan(budget)  # recompute, or states or activations on the host, whichever is cheaper here
+    assert saving.recompute != "none" or saving.offload or saving.activation_offload
     assert saving.predicted.peak_memory_bytes <= budget
     tight = (lean_full + lean_offload) / 2  # below the leanest layout on the device: only offload fits
     offloaded = plan(tight)
-    assert 0 < offloaded.offload["optimizer_fraction"] <= 1 and offloaded.recompute != "none"
+    assert 0 < offloaded.offload["optimizer_fraction"] <= 1
+    assert offloaded.recompute != "none" or offloaded.activation_offload  # activations recomputed or on the host
     assert offloaded.predicted.peak_memory_bytes <= tight * (1 + 1e-9)
     assert offloaded.offload["time_s"] > 0
-    assert offloaded.predicted.offload_s == pytest.approx(offloaded.offload["time_s"])
+    # the offload term: the states' traffic and the host optimizer, and the activations' copies where they go too
+    activations_s = (offloaded.activation_offload or {}).get("time_s", 0.0)
+    assert offloaded.predicted.offload_s == pytest.approx(offloaded.offload["time_s"] + activations_s)
     steps = [p.predicted.step_time_s for p in (free, sharded, saving, offloaded)]
     assert steps == sorted(steps)
     with pytest.raises(InfeasiblePlanError, match="short") as info:
@@ -304,7 +335,7 @@ def test_choices_follow_the_budget():
     relaxed = autopar.plan(
         model, "2xA100-80GB", args, kwargs, constraints={"tp": 1}, memory_budget=budget, _traced=traced
     )
-    assert relaxed.num_microbatches > 1 or relaxed.recompute != "none" or relaxed.offload
+    assert relaxed.num_microbatches > 1 or relaxed.recompute != "none" or relaxed.offload or relaxed.activation_offload
     assert relaxed.predicted.step_time_s <= saving.predicted.step_time_s * (1 + 1e-9)
 
 
@@ -826,5 +857,6 @@ def test_sequence_parallel_norms_when_activation_memory_binds():
         assert ("all_gather", "backward", "S(1) -> R") in ops[name]
     for name in ("linear", "linear_4"):  # before each column-parallel matmul: all-gather, its backward a reduce-scatter
         assert ops[name] == {("all_gather", "forward", "S(1) -> R"), ("reduce_scatter", "backward", "P -> S(1)")}
-    # the same bytes as the all-reduce they replace, so the step costs only the extra collective latencies
-    assert tight.predicted.step_time_s == pytest.approx(free.predicted.step_time_s, rel=0.02)
+    # the same bytes as the all-reduce they replace, so the step costs only the extra collective latencies: NCCL's
+    # base latency, 7-14 µs a call on 2 GPUs by protocol, paid twice for each all-reduce replaced, on an 8 ms step
+    assert tight.predicted.step_time_s == pytest.approx(free.predicted.step_time_s, rel=0.04)
