@@ -24,7 +24,6 @@ from autopar.input_validation import (
     check_given_plan,
     read_plan_request,
 )
-from autopar.loop import LoopOptions
 from autopar.plan import Plan
 from autopar.planning import plan_model, plan_to_compile, solve_placements
 from autopar.tracing import length_tracer, program_trace
@@ -143,6 +142,7 @@ def compile(
             loss_inputs=, loss_tokens=.
     """
     from autopar import runtime  # torch.distributed programs and Triton: imported when a program is built
+    from autopar.loop import LoopOptions  # it reads the runtime's loss and data helpers
 
     loop = LoopOptions.take(plan_kwargs, model)
     cluster = as_cluster(cluster)

@@ -21,10 +21,10 @@ from autopar.constraints import Constraints
 from autopar.context_parallel.inputs import check_cp_inputs
 from autopar.cost_model import AnalyticEstimator, DType, ProfiledEstimator
 from autopar.errors import ConfigError
+from autopar.guard_options import check_guard_options
 from autopar.passes.context_parallel import CPSpec
 from autopar.passes.fused_ops import default_fusion
 from autopar.plan import Plan
-from autopar.runtime.step_guard import check_guard_options
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 

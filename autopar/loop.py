@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from autopar.errors import ConfigError
+from autopar.guard_options import check_guard_options
 from autopar.loss import LOSS_SCALE, LossSpec, with_loss
-from autopar.runtime.step_guard import check_guard_options
 
 _LOOP_KEYS = ("on_nonfinite", "local_batch", "loss_fn", "loss_reduction", "loss_inputs", "loss_tokens")
 

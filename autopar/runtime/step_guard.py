@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autopar.errors import ConfigError, NonFiniteError
+from autopar.errors import NonFiniteError
+from autopar.guard_options import check_guard_options
 from autopar.runtime.collectives import waiting_for
 
-ON_NONFINITE = ("raise", "skip")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 MIN_LOSS_SCALE = 1.0  # below it, an fp16 step that is still non-finite raises (on_nonfinite="raise")
 NORM_PIECE = 2**12
@@ -75,19 +75,6 @@ class StepStats:
     skipped_steps: int
     clipped: bool = False
     accumulated: int = 1
-
-
-def check_guard_options(max_grad_norm, on_nonfinite) -> None:
-    """ConfigError for a `max_grad_norm` that is not a positive number or an unknown `on_nonfinite`."""
-    if max_grad_norm is not None and (
-        isinstance(max_grad_norm, bool)
-        or not isinstance(max_grad_norm, (int, float))
-        or not math.isfinite(max_grad_norm)
-        or max_grad_norm <= 0
-    ):
-        raise ConfigError(f"max_grad_norm={max_grad_norm!r}: expected a positive number (e.g. 1.0) or None")
-    if on_nonfinite not in ON_NONFINITE:
-        raise ConfigError(f"on_nonfinite={on_nonfinite!r}: expected one of {', '.join(map(repr, ON_NONFINITE))}")
 
 
 class StepGuard:
