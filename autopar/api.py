@@ -167,7 +167,9 @@ def compile(
     traced = None
     if parts is not None:  # the program runs a graph: the planning trace where it has the program's shape
         part_args, part_kwargs = runtime.micro_batches(args, kwargs, plan.global_batch_size, parts)[0]
-        reuse = parts == 1 and planning_trace is not None
+        # the planning trace holds the global batch (with cp, every cp rank's share stacked): the program's shape
+        # only without cp and with one part
+        reuse = parts == 1 and plan.mesh.get("cp", 1) == 1 and planning_trace is not None
         traced = planning_trace if reuse else program_trace(model, plan, part_args, part_kwargs)
         plan = solve_placements(plan, model, cluster, traced, part_args, part_kwargs)
     if pretrained is not None and plan.program == "offload" and hf.is_meta(built):

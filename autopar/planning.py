@@ -30,7 +30,7 @@ from autopar.plan import Plan, ProgramKind
 from autopar.plan_build import Job, assumptions, pipeline_plan, pipeline_runner_up, sharded_plan, sharded_runner_up
 from autopar.program_comm import resolved_prefetch_depth
 from autopar.rationale import PINNED, with_rationale
-from autopar.tracing import cp_traced_batch, trace_in_format, trace_shortened
+from autopar.tracing import cp_rank_batch, cp_traced_batch, trace_in_format, trace_shortened
 
 
 def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None) -> Plan:
@@ -323,8 +323,8 @@ def solve_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, kwar
         pins["tp_min_split"] = plan.tensor_split["min_fraction"]
     if plan.program == ProgramKind.PIPELINE:
         pins["pp"] = 1
-    if cp > 1:  # the graph is one rank's rows of the cp-traced batch: solved as they are, without a cp axis
-        args, kwargs = cp_traced_batch(model, args, kwargs, cp)
+    if cp > 1:  # the graph is one cp rank's share of the sequences: solved as it is, without a cp axis
+        args, kwargs = cp_rank_batch(model, args, kwargs, cp)
     micro = _solved_on(
         traced,
         model,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 
-from autopar.context_parallel.inputs import is_causal_lm, traced_batch
+from autopar.context_parallel.inputs import is_causal_lm, local_batch, traced_batch
 from autopar.ir import OpGraph
 from autopar.passes.context_parallel import drop_causal_masks
 from autopar.passes.fused_ops import fuse_traced
@@ -46,11 +46,16 @@ def cp_traced_batch(model, args, kwargs, cp: int):
     return traced_batch(args, kwargs, cp, causal_lm=is_causal_lm(model))
 
 
+def cp_rank_batch(model, args, kwargs, cp: int):
+    """cp rank 0's share of a batch (`context_parallel.inputs.local_batch`): the shape every cp rank runs."""
+    return local_batch(args, kwargs, cp, 0, causal_lm=is_causal_lm(model))
+
+
 def program_trace(model, plan: Plan, args, kwargs):
     """The model traced at the program's shape in the plan's compute format, fused when the plan fuses."""
     cp = plan.mesh.get("cp", 1)
-    if cp > 1:
-        args, kwargs = cp_traced_batch(model, args, kwargs, cp)
+    if cp > 1:  # one cp rank's share of the sequences: the rows each rank of the data axis runs
+        args, kwargs = cp_rank_batch(model, args, kwargs, cp)
     traced = trace_in_format(model, args, kwargs, plan.precision, cp)
     if plan.fusion.get("enabled"):  # the program runs the graph the plan priced
         traced = fuse_traced(traced)
@@ -98,4 +103,4 @@ def trace_shortened(module, args, kwargs, say, fuse: bool = False, cp: int = 1) 
     return graph
 
 
-__all__ = ["cp_traced_batch", "program_trace", "trace_in_format", "trace_shortened"]
+__all__ = ["cp_rank_batch", "cp_traced_batch", "program_trace", "trace_in_format", "trace_shortened"]

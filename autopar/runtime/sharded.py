@@ -195,8 +195,9 @@ class ShardedProgram(Program):
 
     @classmethod
     def trace_parts(cls, plan: Plan) -> int:
-        # one rank's rows of one micro-batch: the data axis is dp·cp ranks
-        return plan.num_microbatches * plan.mesh["dp"] * plan.mesh.get("cp", 1)
+        # one rank's sequences of one micro-batch; with a cp axis the rank traces its share of them
+        # (`tracing.program_trace`), so a batch of fewer sequences than dp·cp ranks still cuts
+        return plan.num_microbatches * plan.mesh["dp"]
 
     def __init__(
         self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None
