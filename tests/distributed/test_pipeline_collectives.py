@@ -155,7 +155,10 @@ def _rank0_skips_the_tie(rank: int, world_size: int):
 
 def test_a_rank_that_skips_a_collective_gets_an_autopar_error_within_the_timeout():
     rank0, rank1 = run_distributed(_rank0_skips_the_tie, 2, timeout_s=180, fresh=True)
-    assert rank0["error"] is None
+    # rank 0 skipped the tie and went on to the step's last collective (the step guard's all-reduce), which
+    # rank 1, held at the tie, never joins: rank 0 may end in that wait or see rank 1's connection close, but
+    # never in the tie it skipped
+    assert rank0["error"] is None or "tying" not in rank0["error"][1], rank0["error"]
     kind, message = rank1["error"]
     assert kind == "LoweringError"
     assert (
