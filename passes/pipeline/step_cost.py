@@ -31,7 +31,7 @@ Step time, with the overlap the pipeline program runs (`plan.overlap`, on by def
            e_s = c_s - H(c_s - f_s, t_s)
   E_s  the exposed part of the gradient sync G_s (-> Implemented in: Overlap.sync_hidden(), sync_windows(),
        backward_time()). S_s = G_s + A_s + F_s + O_s, O_s the optimizer step, F_s the buckets' latencies, which
-       never hide (`ShardingProgram.bucket_latency_s` and `sync_floor`). The program sends stage s's gradients in
+       never hide (`MeshPrices.bucket_latency_s` and `sync_floor`). The program sends stage s's gradients in
        buckets, each launched during the stage's last backward of the step as soon as the last of its gradients is
        in (earlier micro-batches only accumulate); only the bucket that backward fills last (L_s, the bandwidth
        part of the first layers') waits for its end. The stages before s still run their last backward after that
