@@ -17,42 +17,7 @@ from autopar.errors import ConfigError
 from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
 from autopar.passes.recompute import RECOMPUTE_MODES, recompute_segments, recomputed_nodes
 
-# Ops that keep none of their inputs for the backward pass (the gradient does not need them).
-NO_SAVE = {
-    "aten.add.Tensor",
-    "aten.sub.Tensor",
-    "aten.neg.default",
-    "aten.view.default",
-    "aten.reshape.default",
-    "aten.transpose.int",
-    "aten.permute.default",
-    "aten.unsqueeze.default",
-    "aten.squeeze.dim",
-    "aten.expand.default",
-    "aten.slice.Tensor",
-    "aten.select.int",
-    "aten.split.Tensor",
-    "aten.cat.default",
-    "aten.clone.default",
-    "aten.contiguous.default",
-    "aten.alias.default",
-    "aten.to.dtype",
-    "aten.to.dtype_layout",
-    "aten._to_copy.default",
-    "aten._assert_tensor_metadata.default",
-    "aten.t.default",
-    "<built-in function getitem>",
-    "aten.detach.default",
-    "aten.dropout.default",
-    "aten.add.Scalar",
-    "aten.sub.Scalar",
-    "aten.mul.Scalar",
-    "aten.div.Scalar",
-    "aten.to.device",
-    "aten._unsafe_view.default",
-}
-
-
+# Ops whose output is a view of (or a name for) their input: no work of their own, no value kept.
 VIEW_OPS = {
     "aten.view.default",
     "aten.reshape.default",
@@ -70,6 +35,26 @@ VIEW_OPS = {
     "aten._assert_tensor_metadata.default",
     "aten.detach.default",
     "aten._unsafe_view.default",
+}
+
+# Ops that keep none of their inputs for the backward pass (the gradient does not need them): the views, and
+# these.
+NO_SAVE = VIEW_OPS | {
+    "aten.add.Tensor",
+    "aten.sub.Tensor",
+    "aten.neg.default",
+    "aten.cat.default",
+    "aten.clone.default",
+    "aten.contiguous.default",
+    "aten.to.dtype",
+    "aten.to.dtype_layout",
+    "aten._to_copy.default",
+    "aten.dropout.default",
+    "aten.add.Scalar",
+    "aten.sub.Scalar",
+    "aten.mul.Scalar",
+    "aten.div.Scalar",
+    "aten.to.device",
 }
 
 
