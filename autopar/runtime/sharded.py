@@ -20,54 +20,15 @@ pre-shifted labels included (`context_parallel.inputs.local_batch`). The data ax
 op is unchanged, gradients (and ZeRO shards) are reduced over dp·cp, and attention runs by `cp_attention` over the
 cp group with the plan's algorithm.
 
-Overlap (`plan.overlap`, with more than one rank on the data axis): gradients of dp-replicated parameters stay
-partial sums on this rank (no collective in backward), and a parameter split over the data axis (ZeRO >= 1) is
-gathered by `_DeferredGather`, whose backward hands the full, partial gradient to the program instead of
-reduce-scattering it. A parameter's gradient is complete in a micro-batch's backward when its last use has been
-differentiated (a post-accumulate hook for the replicated ones, a count of forward gathers for the split ones); the
-parameters go into buckets in the order backward produces their gradients (`autopar.runtime.overlap`), and a
-bucket's all-reduce or reduce-scatter is issued as soon as its last gradient is in, while backward goes on. Which
-micro-batches' backwards issue them:
-
-- the dp-replicated parameters' all-reduce buckets: the last one's (earlier ones leave partial sums in `.grad`);
-- ZeRO-1's reduce-scatter buckets: the last one's; earlier ones accumulate each split parameter's whole gradient
-  in fp32 on this rank (what ZeRO-1 holds anyway), and the last one's bucket sends the sum;
-- ZeRO-2/3's reduce-scatter buckets: every one's, as FSDP does. A split parameter's gradient goes straight into
-  its bucket's send buffer (in the compute format; the buffer is made with the bucket's first gradient and freed
-  when its collective is done), so whole gradients live only there; at most `overlap.WINDOW` buckets are in
-  flight (launching another first waits for the oldest and adds its pieces into the shards' `.grad`, this rank's
-  fp32 accumulators over the micro-batches).
-
-Each micro-batch's end issues the buckets its backward left unfilled (a parameter without a gradient) and waits
-for every bucket it launched, so the optimizer (after the last) sees complete gradients.
-
-Gathered weights (ZeRO >= 1, more than one rank on the data axis). ZeRO-3 keeps no whole weight from a forward to
-its backward, as FSDP reshards after forward: while a step runs, a saved-tensor hook turns what autograd saves of a
-gathered weight (the weight, or a view of it) into a handle, and the backward gathers that weight again when it
-first unpacks one (once per micro-batch, for all its saved uses). So a step gathers each weight twice per
-micro-batch, in its forward and in its backward, and holds whole only the weights of the op running and those
-gathered ahead: what the plan prices. ZeRO-1 and 2 (with overlap) hold every weight whole anyway (the plan counts
-them so): each is gathered in the step's first forward and kept until the step ends, one gather per weight per
-step, as priced.
-
-Prefetch (`plan.prefetch_depth` d > 0, with overlap): the split parameters are grouped by layer (the
-`...layers.<i>.` prefix of their names; a parameter outside numbered layers is a group of its own), in the order
-the graph first reads them. When the forward gathers the first parameter of a group, it issues asynchronous
-gathers of the next d groups' parameters; a parameter's next gather then waits on its prefetched one instead of
-starting its own, so the number of gathers is unchanged. The backward gathers layers again in the reverse order (a
-recompute's segments, a ZeRO-3 weight released after the forward): there the first gather of a group issues those
-of the d previous ones (of the parameters a recompute or a released weight will need). At most d groups' gathered
-parameters are in flight beyond the one being used: the plan's memory counts them. `plan.overlap` False keeps the
-synchronous path: a split weight gathered at each use (its gradient reduce-scattered by that gather's backward), a
-replicated one's gradient all-reduced in the backward of its first read, and one bucketed all-reduce after backward
-when micro-batches are accumulated.
+Overlap (`plan.overlap`, with more than one rank on the data axis) and its prefetch of gathers:
+`autopar.runtime.sharded_overlap`. Gathered weights (ZeRO >= 1), kept for the step or released after the forward
+(ZeRO-3): `autopar.runtime.sharded_release`. `plan.overlap` False keeps the synchronous path: a split weight
+gathered at each use (its gradient reduce-scattered by that gather's backward), a replicated one's gradient
+all-reduced in the backward of its first read, and one bucketed all-reduce after backward when micro-batches are
+accumulated.
 """
 
 from __future__ import annotations
-
-import contextlib
-import weakref
-from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -86,7 +47,7 @@ from autopar.passes.program_graph import copy_graph_module, drop_assertions_pass
 from autopar.passes.recompute import offloaded_nodes
 from autopar.passes.sharding_rules import parse_placement, placement_str
 from autopar.plan import Plan, ProgramKind
-from autopar.program_comm import ProgramComm, gradient_order
+from autopar.program_comm import ProgramComm
 from autopar.runtime import overlap
 from autopar.runtime.base import (
     Program,
@@ -99,24 +60,11 @@ from autopar.runtime.base import (
     sum_in_buckets,
 )
 from autopar.runtime.collectives import device_mesh, waiting_for
+from autopar.runtime.sharded_overlap import GradientOverlap
+from autopar.runtime.sharded_release import ReleasedWeights
 from autopar.trace import TracedModel
 
 R = Replicate()
-
-
-class _DeferredGather(torch.autograd.Function):
-    """A data-axis piece of a parameter gathered whole; its backward hands the gradient (a partial sum over the
-    data axis) to the program, which reduce-scatters it in a bucket, and returns none to the piece."""
-
-    @staticmethod
-    def forward(ctx, local, program, index):
-        ctx.program, ctx.index = program, index
-        return program._gather_now(index, local)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.program._full_grad(ctx.index, grad)
-        return None, None, None
 
 
 class _SummedOverData(torch.autograd.Function):
@@ -132,16 +80,6 @@ class _SummedOverData(torch.autograd.Function):
     def backward(ctx, grad):
         out = compat.funcol_all_reduce(grad.contiguous(), ctx.group)
         return (out.wait() if hasattr(out, "wait") else out), None
-
-
-@dataclass(frozen=True, slots=True)
-class _Released:
-    """What a ZeRO-3 forward saves for backward in place of a gathered weight: which one, and the view of it."""
-
-    index: int
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int
 
 
 class LoweredRun:
@@ -183,7 +121,7 @@ class LoweredRun:
         self._compiled = compiled(self.gm, mode)
 
 
-class ShardedProgram(Program):
+class ShardedProgram(GradientOverlap, ReleasedWeights, Program):
     """The sharded program of one plan on this rank (see the module docstring)."""
 
     kind = ProgramKind.SHARDED
@@ -356,322 +294,6 @@ class ShardedProgram(Program):
     def _interp_offloads(self) -> bool:
         interp = getattr(self, "_interp", None)
         return interp is not None and interp.activation_offload is not None
-
-    # -------------------------------------------------------------------------------- gathered weights
-
-    def _setup_release(self) -> None:
-        """ZeRO-3 frees each weight it gathers once the forward has used it, and gathers it again for the backward
-        (see the module docstring); ZeRO-1 and 2, with overlap, keep each gathered weight for the step."""
-        self._release = self.comm.releases_gathered_weights
-        self._hold = self.comm.holds_gathered_weights
-        self._held: dict[int, torch.Tensor] = {}  # ZeRO-1/2: parameter index -> its whole weight, for the step
-        # ZeRO-3: address of a gathered weight's storage -> (a weak reference to the weight, parameter index)
-        self._gathered_by: dict[int, tuple[weakref.ref, int]] = {}
-        self._regather_from: dict[int, object] = {}  # parameter index -> what its backward gather starts from
-        self._handles: dict[int, int] = {}  # parameter index -> saved uses of its weight the backward has to come
-        self._regathered: dict[int, torch.Tensor] = {}  # parameter index -> its weight gathered again, while needed
-
-    def _released(self, i: int, full: torch.Tensor, source) -> None:
-        """Weight i, gathered whole in a forward: saved for backward, it is kept as a handle instead."""
-        if self._release and not self._in_backward:
-            # a tensor the forward saves is found by its storage (a view of the weight shares it). The weak reference
-            # tells that the storage is still this weight's: an address is only reused once its storage is freed.
-            self._gathered_by[full.untyped_storage().data_ptr()] = (weakref.ref(full), i)
-            self._regather_from[i] = source
-
-    def _pack(self, saved):
-        """Saved-tensor hook: a gathered weight (or a view of one) the backward needs becomes a handle."""
-        local = saved._local_tensor if isinstance(saved, DTensor) else saved
-        found = self._gathered_by.get(local.untyped_storage().data_ptr())
-        if found is None or found[0]() is None:
-            return saved
-        i = found[1]
-        self._handles[i] = self._handles.get(i, 0) + 1
-        return _Released(i, local.shape, local.stride(), local.storage_offset())
-
-    def _unpack(self, handle):
-        """Saved-tensor hook: a handle's weight gathered again (once for all its saved uses in this backward)."""
-        if not isinstance(handle, _Released):
-            return handle
-        i = handle.index
-        full = self._regathered.get(i)
-        if full is None:
-            source = self._regather_from[i]
-            if self.overlap:
-                full = self._gather_now(i, source)
-            else:
-                self._record("gather", self._param_names[i])
-                full = self._gather_sync(i, source)
-            self._regathered[i] = full
-        self._handles[i] -= 1
-        if not self._handles[i]:
-            del self._regathered[i], self._handles[i]
-        return full.as_strided(handle.size, handle.stride, handle.offset)
-
-    def _releasing(self):
-        """The saved-tensor hooks of a step's forwards and backwards (none where nothing is released)."""
-        if not self._release:
-            return contextlib.nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _forget_gathers(self) -> None:
-        """End of a step (or a forward outside one): no gathered weight is kept or awaited any more."""
-        self._held.clear()
-        self._gathered_by.clear()
-        self._regather_from.clear()
-        self._handles.clear()
-        self._regathered.clear()
-
-    def _gather_sync(self, i: int, local: torch.Tensor) -> torch.Tensor:
-        """Split parameter i whole, its gradient (if any) reduce-scattered by the gather's backward."""
-        d = self._split_dim[i]
-        return overlap.gather_split(local, d, self._shapes[i][d], self._dp_group)
-
-    def _gather_plain(self, i: int, local: torch.Tensor) -> torch.Tensor:
-        """The gather without overlap, its weight released at ZeRO-3."""
-        full = self._gather_sync(i, local)
-        if torch.is_grad_enabled():
-            self._released(i, full, local.detach())
-        return full
-
-    # -------------------------------------------------------------------------------- overlap
-
-    def _setup_overlap(self, placeholders: list[str], kinds) -> None:
-        """Buckets over the trainable parameters in the order backward completes their gradients
-        (`gradient_order`), hooks on the replicated ones, and the per-step state."""
-        n = len(self._param_names)
-        names = [p for p, kind in zip(placeholders, kinds, strict=True) if kind == "param"]
-        order = [
-            self._index_of[p]
-            for p in gradient_order(self.traced.graph_module.graph, names)
-            if self.shards[self._index_of[p]].requires_grad
-        ]
-        sizes = []
-        for i in order:
-            dtype = self.shards[i].dtype
-            if self._split_dim[i] is not None:  # reduce-scattered in the compute format (as priced)
-                kind, dtype = "reduce_scatter", self.compute_dtype or dtype
-            else:
-                kind, dtype = "all_reduce", self.compute_dtype if self.reduce_in_compute else dtype
-            local = self.shards[i].numel() * (self.data_ranks if self._split_dim[i] is not None else 1)
-            sizes.append((local * dtype.itemsize, kind, dtype))
-        self._buckets = overlap.make_buckets(sizes, overlap.BUCKET_BYTES)
-        for bucket in self._buckets:
-            bucket.members = [order[j] for j in bucket.members]
-        self._per_micro = self.comm.reduces_every_microbatch  # reduce-scatter buckets from every micro-batch's backward
-        if self._per_micro:  # gradients go straight into their bucket's send buffer: its members' whole shapes
-            whole = {}
-            for i in order:
-                if self._split_dim[i] is not None:
-                    shape = list(self.shards[i].shape)
-                    shape[self._split_dim[i]] = self._shapes[i][self._split_dim[i]]
-                    whole[i] = torch.Size(shape)
-            for bucket in self._buckets:
-                if bucket.kind == "reduce_scatter":
-                    overlap.lay_out(bucket, whole, self._split_dim, self.data_ranks)
-        self._bucket_of = {i: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
-        for i in order:
-            if self._split_dim[i] is None:
-                self.shards[i].register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
-        self._launched: list[int] = []  # buckets launched in this micro-batch's backward
-        self._in_flight: list[int] = []  # reduce-scatter buckets launched and not yet waited for, oldest first
-        self._setup_prefetch(placeholders, kinds)
-        self._uses = [0] * n  # forward gathers of a split parameter not yet differentiated
-        # whole gradients of split parameters, this rank's sums (until their bucket is launched)
-        self._full: list[torch.Tensor | None] = [None] * n
-
-    def _setup_prefetch(self, placeholders: list[str], kinds) -> None:
-        """Groups of split trainable parameters by layer, in the order the graph first reads them."""
-        import re
-
-        self.prefetch_depth = self.comm.prefetch_depth
-        self._prefetched: dict[int, tuple] = {}
-        self._sources: list[torch.Tensor | None] = [None] * len(self._param_names)  # this step's local pieces
-        graph = self.traced.graph_module.graph
-        position = {node: k for k, node in enumerate(graph.nodes)}
-        first_use = {}
-        for node, kind in zip((n for n in graph.nodes if n.op == "placeholder"), kinds, strict=True):
-            i = self._index_of.get(node.name) if kind == "param" else None
-            if i is not None and node.users and self._split_dim[i] is not None and self.shards[i].requires_grad:
-                first_use[i] = min(position[u] for u in node.users)
-        groups: dict[str, list[int]] = {}
-        for i in sorted(first_use, key=first_use.get):
-            found = re.match(r"(.*?\.\d+)\.", self._param_names[i])
-            groups.setdefault(found.group(1) if found else self._param_names[i], []).append(i)
-        self._groups = list(groups.values())
-        self._group_of = {i: g for g, members in enumerate(self._groups) for i in members}
-        self._ahead_done: set[int] = set()  # groups whose backward gathers have issued the previous groups'
-
-    def _prefetch_after(self, i: int) -> None:
-        """Parameter i is being gathered, the first of its group in this forward (in this backward, the first of the
-        group gathered again, in whatever order the backward needs them): issue the gathers of the next groups (in
-        backward the previous ones: the parameters a recompute or a released saved weight will need)."""
-        g = self._group_of.get(i)
-        if not self.prefetch_depth or g is None:
-            return
-        if self._in_backward:
-            if g in self._ahead_done:
-                return
-            self._ahead_done.add(g)
-        elif self._groups[g][0] != i:
-            return
-        step = -1 if self._in_backward else 1
-        for k in range(1, self.prefetch_depth + 1):
-            h = g + step * k
-            if not 0 <= h < len(self._groups):
-                break
-            for j in self._groups[h]:
-                if j in self._prefetched or j in self._held or self._sources[j] is None:
-                    continue
-                if self._in_backward and j not in self._recomputed and not self._handles.get(j):
-                    continue
-                d = self._split_dim[j]
-                self._record("prefetch", self._param_names[j])
-                self._prefetched[j] = overlap.split_gather(
-                    self._sources[j], d, self._shapes[j][d], self._dp_group, async_op=True
-                )
-
-    def _drop_prefetched(self) -> None:
-        """Wait for gathers issued ahead that nothing used (a forward that stopped early) and forget them."""
-        if not getattr(self, "_prefetched", None):  # a program without split parameters prefetches nothing
-            return
-        for work, _ in self._prefetched.values():
-            work.wait()
-        self._prefetched.clear()
-
-    def _gather(self, i: int, local: torch.Tensor) -> torch.Tensor:
-        """The graph's gather of a parameter split over the data axis: deferred reduce-scatter."""
-        if not local.requires_grad or not torch.is_grad_enabled():
-            return self._gather_sync(i, local)
-        if not self._in_backward:  # a recompute in backward gathers again but adds no gradient
-            self._uses[i] += 1
-        full = _DeferredGather.apply(local, self, i)
-        self._released(i, full, self._sources[i])
-        return full
-
-    def _gather_now(self, i: int, local: torch.Tensor) -> torch.Tensor:
-        """Parameter i whole on the data axis: its gather issued ahead, else one issued now; then the gathers of the
-        next groups go out, while this one's layer computes. ZeRO-1 and 2 gather a weight once a step and keep it."""
-        held = self._held.get(i)
-        if held is not None:
-            return held.detach()
-        ahead = self._prefetched.pop(i, None)
-        if ahead is not None:
-            work, finish = ahead
-            work.wait()
-            full = finish()
-        else:
-            self._record("gather", self._param_names[i])
-            d = self._split_dim[i]
-            full = overlap.split_gather(local, d, self._shapes[i][d], self._dp_group)
-        self._record("gathered", self._param_names[i])
-        if self._hold:
-            self._held[i] = full.detach()
-        self._prefetch_after(i)
-        return full
-
-    def _full_grad(self, i: int, grad: torch.Tensor) -> None:
-        """One use's gradient of split parameter i; the last use's makes it ready. At ZeRO-1 accumulated whole in its
-        master's format (summed over the micro-batches); at ZeRO-2/3 written (added, for a next use) into its
-        bucket's send buffer, in the format the bucket sends, the only whole copy the program keeps."""
-        if self._per_micro:
-            bucket = self._buckets[self._bucket_of[i]]
-            overlap.put_gradient(bucket, i, grad, self._split_dim[i], self.data_ranks)
-            self._uses[i] -= 1
-            if self._uses[i] == 0:
-                self._grad_ready(i)
-            return
-        dtype = self.shards[i].dtype
-        if self._full[i] is None:
-            self._full[i] = grad.to(dtype, copy=True)
-        else:
-            self._full[i].add_(grad.to(dtype))
-        self._uses[i] -= 1
-        if self._uses[i] == 0:
-            self._grad_ready(i)
-
-    def _grad_ready(self, i: int) -> None:
-        """Parameter i's gradient is complete: if this micro-batch's backward launches its bucket, the bucket goes
-        out when it was the last."""
-        b = self._bucket_of[i]
-        bucket = self._buckets[b]
-        if not bucket.armed:
-            return
-        self._record("grad", self._param_names[i])
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch(b)
-
-    def _launch(self, b: int) -> None:
-        """Issue bucket b's collective. ZeRO-1 packs its members' whole gradients into the bucket's send buffer and
-        drops them; at ZeRO-2/3 the send buffer is filled already, and at most `overlap.WINDOW` buckets are in flight
-        (the oldest is waited for, and its pieces added to the shards' gradients, before another goes out)."""
-        bucket = self._buckets[b]
-        if bucket.kind == "all_reduce":
-            self._record(bucket.kind, b)
-            self._launched.append(b)
-            overlap.launch_all_reduce(bucket, [p.grad for p in self.shards], self._dp_group)
-            return
-        while self._per_micro and len(self._in_flight) >= overlap.WINDOW:
-            self._settle_oldest()
-        self._record(bucket.kind, b)
-        self._launched.append(b)
-        if self._per_micro:
-            overlap.launch_packed(bucket, self._dp_group)
-        else:
-            overlap.launch_reduce_scatter(bucket, self._full, self._split_dim, self._dp_group)
-            for i in bucket.members:
-                self._full[i] = None
-        self._in_flight.append(b)
-
-    def _settle_oldest(self) -> None:
-        """Wait for the oldest reduce-scatter bucket in flight and add its pieces into the shards' gradients (this
-        rank's fp32 accumulators, summed over micro-batches)."""
-        b = self._in_flight.pop(0)
-        pieces: list[torch.Tensor | None] = [None] * len(self.shards)
-        overlap.finish_reduce_scatter(self._buckets[b], self._split_dim, self._dp_group, pieces)
-        self._record("waited", b)
-        for shard, piece in zip(self.shards, pieces, strict=True):
-            if piece is None:
-                continue
-            if shard.grad is None:
-                shard.grad = piece.to(shard.dtype)
-            else:
-                shard.grad.add_(piece)
-
-    def _arm(self, last: bool) -> None:
-        """Before a micro-batch's backward: the buckets it launches await all their gradients. Every bucket on the
-        last micro-batch; at ZeRO-2/3 the reduce-scatter buckets on every one (ZeRO-1 accumulates whole gradients,
-        what it holds anyway, and reduces them once; dp-replicated gradients stay partial until the last)."""
-        self._launched = []
-        self._ahead_done.clear()
-        for bucket in self._buckets:
-            bucket.armed = last or (self._per_micro and bucket.kind == "reduce_scatter")
-            bucket.pending = len(bucket.members)
-
-    def _finish_micro_batch(self, last: bool) -> None:
-        """After a micro-batch's backward: issue the armed buckets backward left unfilled (a parameter without a
-        gradient) and wait for every bucket launched; after the last, forget the step's gathers and counts."""
-        for b, bucket in enumerate(self._buckets):
-            if bucket.armed and b not in self._launched:
-                self._launch(b)
-            bucket.armed = False
-        if self._launched:
-            self._record("wait", len(self._launched))
-        grads = [p.grad for p in self.shards]
-        for b in self._launched:
-            if self._buckets[b].kind == "all_reduce":
-                overlap.finish_all_reduce(self._buckets[b], grads)
-        while self._in_flight:
-            self._settle_oldest()
-        self._launched = []
-        self._handles.clear()  # saved weights of this micro-batch the backward did not need
-        self._regathered.clear()
-        if last:
-            self._full = [None] * len(self.shards)
-            self._uses = [0] * len(self.shards)
-            self._drop_prefetched()
-            self._forget_gathers()
 
     # -------------------------------------------------------------------------------- execution
 
