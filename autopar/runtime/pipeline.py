@@ -60,15 +60,15 @@ crosses a stage boundary is this rank's piece: its dp rows' cp chunk. A stage ta
 positions) from `context_parallel.inputs.local_batch` for its dp and cp rank. The loss is the global sum over the
 dp·cp ranks divided by the global count of kept labels; gradients are reduced over dp·cp.
 
+The stages and the steps of construction that set them up are in `autopar.runtime.pipeline_stages`; the
+step's reductions over dp and its ZeRO-1 weights in `autopar.runtime.pipeline_reductions`.
+
 No silent hang: the mesh's groups and the tie groups wait at most `collective_timeout()`
 (`autopar.runtime.collectives`), and a wait past it raises a `LoweringError` naming the stage and the
 collective this rank waited in.
 """
 
 from __future__ import annotations
-
-import collections
-import math
 
 import torch
 import torch.distributed as dist
@@ -87,88 +87,24 @@ from autopar.passes.parallelize import dp_placement, local_shard
 from autopar.passes.pipeline_split import StageGraph, split_stages, stack_layers, values_needing_grad
 from autopar.passes.program_graph import copy_graph_module, eval_pass, sum_loss_pass
 from autopar.passes.sharding_rules import parse_placement, placement_str
-from autopar.plan import Plan, ProgramKind, StagePlan
-from autopar.program_comm import ProgramComm, gradient_order
-from autopar.runtime import overlap, pipeline_schedule
+from autopar.plan import Plan, ProgramKind
+from autopar.program_comm import ProgramComm
+from autopar.runtime import overlap
 from autopar.runtime.base import (
     Program,
-    check_scalar_loss,
     flat_inputs,
     rank_rows,
-    sum_in_buckets,
 )
-from autopar.runtime.collectives import device_mesh, new_group, waiting_for
+from autopar.runtime.collectives import device_mesh, waiting_for
+from autopar.runtime.pipeline_reductions import StepReductions, WholeWeight
+from autopar.runtime.pipeline_stages import Stage, make_schedule, make_tie_groups, stage_placements
 from autopar.runtime.sharded import LoweredRun
 from autopar.trace import TracedModel
 
 R = Replicate()
 
 
-class _Stage(torch.nn.Module):
-    """One (virtual) stage on this rank: runs its lowered graph on this rank's pieces, takes and gives local
-    tensors (its rows, whole over tp)."""
-
-    def __init__(self, program: PipelineProgram, sg: StageGraph, recompute: str, placements: tuple[dict, dict]):
-        super().__init__()
-        self.program, self.sg = program, sg
-        self.is_last = sg.index == program.num_stages - 1
-        self.train_interp = program.lower_stage(sg, placements, recompute=recompute, train=True)
-        self.eval_interp = program.lower_stage(sg, placements, recompute="none", train=False)
-        self.interp = self.train_interp
-        nodes = {n.name: n for n in sg.graph_module.graph.nodes}
-        self._in_meta = [nodes[name].meta["val"] for name in sg.received]
-        self._in_grad = [name in program.grad_values for name in sg.received]
-        self._out_meta = [nodes[name].meta["val"] for name in sg.sends]
-        self._out_grad = [name in program.grad_values for name in sg.sends]
-        self.weights: list[float] = []  # loss weight of each micro-batch this step (last stage)
-        self.sums: list[torch.Tensor] = []  # loss sum of each micro-batch this step (last stage, unscaled)
-
-    # the metadata torch.distributed.pipelining needs to allocate receive buffers (static, no dry run)
-    def example_inputs(self) -> tuple[torch.Tensor, ...]:
-        index = torch.zeros(1, dtype=torch.long, device=self.program.device_type)
-        return (index, *(self._example(v, g) for v, g in zip(self._in_meta, self._in_grad, strict=True)))
-
-    def example_outputs(self) -> tuple[torch.Tensor, ...]:
-        if self.is_last:
-            return (torch.zeros((), dtype=torch.float32, device=self.program.device_type).requires_grad_(),)
-        index = torch.zeros(1, dtype=torch.long, device=self.program.device_type)
-        return (index, *(self._example(v, g) for v, g in zip(self._out_meta, self._out_grad, strict=True)))
-
-    def _example(self, val, requires_grad: bool) -> torch.Tensor:
-        t = torch.zeros(tuple(val.shape), dtype=val.dtype, device=self.program.device_type)
-        return t.requires_grad_(requires_grad)
-
-    def forward(self, index: torch.Tensor, *received: torch.Tensor):
-        prog = self.program
-        mb = int(index.reshape(-1)[0])
-        values = [*received, *(prog.placeholder_value(name, mb) for name in self.sg.placeholders)]
-        out = self.interp(*values)
-        if self.is_last:
-            loss = out[0]
-            check_scalar_loss(loss)
-            self.sums.append(loss.detach().double())
-            self.weights.append(float(out[-1]) if self.interp.counted else 1.0)
-            return prog.scaled(loss.float())
-        return (index, *(v.contiguous() for v in out))
-
-
-class _WholeWeight(torch.autograd.Function):
-    """A ZeRO-1 parameter whole on the data axis, gathered once a step (`PipelineProgram._whole`). Its backward
-    adds the gradient (this rank's partial sum over dp) to the program's fp32 sum for the step and gives the
-    master shard none: the step reduce-scatters the sums once, after the last backward."""
-
-    @staticmethod
-    def forward(ctx, shard, program, key):
-        ctx.program, ctx.key = program, key
-        return program._whole(key)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.program._add_whole_grad(ctx.key, grad)
-        return None, None, None
-
-
-class PipelineProgram(Program):
+class PipelineProgram(StepReductions, Program):
     """The parallel program of a pipeline plan on this rank (see the module docstring).
 
     Args:
@@ -292,16 +228,16 @@ class PipelineProgram(Program):
             k: self.in_compute_format(c.to(self.device_type)) if isinstance(c, torch.Tensor) else c
             for k, c in traced.exported.constants.items()
         }
-        self._tie_groups = self._make_tie_groups(holders)
+        self._tie_groups = make_tie_groups(self, holders)
         self._dp_summed = [k for k in self._param_names if dp > 1 and self._placements[k][0] == R]
 
         by_device = {st.index: st for st in stage_plans}
         self.stages = [
-            _Stage(
+            Stage(
                 self,
                 sg,
                 by_device[sg.index % pp].recompute,
-                self._stage_placements(by_device[sg.index % pp], sg, graph),
+                stage_placements(self, by_device[sg.index % pp], sg, graph),
             )
             for sg in mine
         ]
@@ -317,90 +253,10 @@ class PipelineProgram(Program):
             )
             for st in self.stages
         ]
-        # the step's ZeRO-1 gathers in flight, whole weights and fp32 gradient sums
-        self._split_order = list(
-            dict.fromkeys(
-                key
-                for st in sorted(self.stages, key=lambda st: st.sg.index)
-                for name in st.sg.placeholders
-                for kind, key in (self._kind[name],)
-                if kind == "param" and key in self._step_split
-            )
-        )
-        self._gathering: dict[str, tuple] = {}
-        self._whole_weights: dict[str, torch.Tensor] = {}
-        self._whole_grads: dict[str, torch.Tensor] = {}
-        self._holding = False  # a training step's schedule runs: split weights are read whole
-        # the step's reductions over dp, in buckets (`_make_buckets`), each launched once its gradients are in
-        self._reduced, self._dims, self._buckets = self._make_buckets()
-        self._bucket_of = {self._reduced[i]: b for b, bucket in enumerate(self._buckets) for i in bucket.members}
-        # key -> this rank's stages that read it
-        self._readers = collections.Counter(
-            self._kind[name][1] for st in self.stages for name in st.sg.placeholders if self.is_param(name)
-        )
-        self._left: dict[str, int] | None = None  # gradients each member still awaits this step (None: not armed)
-        self._launched: list[int] = []  # buckets launched this step, in launch order
-        self._stages_done: set[int] = set()  # stages whose last backward of this step has run
-        for key in self._reduced:
-            if self._placements[key][0] == R:  # a split weight's gradients come through `_add_whole_grad`
-                self._shard[key].register_post_accumulate_grad_hook(lambda _, key=key: self._gradient_done(key))
-        self.schedule = self._schedule(str(info.get("schedule", "1f1b")), v)
+        self._setup_reductions()
+        self.schedule = make_schedule(self, str(info.get("schedule", "1f1b")), v)
         self._micro_inputs: list[list] = []
         self._build_optimizer([shards[k] for k in self._param_names])
-
-    def _stage_placements(self, st: StagePlan, sg: StageGraph, graph: OpGraph) -> tuple[dict, dict]:
-        """(node_inputs, node_output) of stage graph `sg`: those its stage plan was priced with, each node taking
-        its representative's (a layer's nodes stand for every layer of the stage); else the plan's own."""
-        if not st.node_output:
-            if not self.plan.node_output:
-                raise LoweringError(
-                    "the pipeline plan holds no per-node placements for its stages: build it with "
-                    "autopar.compile, which completes them"
-                )
-            return self.plan.node_inputs, self.plan.node_output
-        names = [n.name for n in sg.graph_module.graph.nodes]
-        rep = {n: graph.representative.get(n, n) for n in names}
-        node_inputs = {n: st.node_inputs[rep[n]] for n in names if rep[n] in st.node_inputs}
-        node_output = {n: st.node_output[rep[n]] for n in names if rep[n] in st.node_output}
-        return node_inputs, node_output
-
-    def _schedule(self, name: str, v: int):
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
-        def loss_fn(output, target):  # the last stage already returns the weighted loss
-            del target
-            return output
-
-        m = self.num_microbatches
-        if self.plan.overlap:
-            hook = dict(loss_fn=loss_fn, scale_grads=False, on_last_backward=self._stage_backward_done)
-            if name == "interleaved_1f1b" or v > 1:
-                return pipeline_schedule.interleaved(self._pipe_stages, m, **hook)
-            if name not in ("gpipe", "1f1b"):
-                raise LoweringError(f"pipeline schedule {name!r} is not one this runtime knows")
-            return pipeline_schedule.OverlappedSchedule(self._pipe_stages[0], m, name, **hook)
-        if name == "interleaved_1f1b" or v > 1:
-            return ScheduleInterleaved1F1B(self._pipe_stages, m, loss_fn=loss_fn, scale_grads=False)
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(name)
-        if cls is None:
-            raise LoweringError(f"pipeline schedule {name!r} is not one this runtime knows")
-        return cls(self._pipe_stages[0], m, loss_fn=loss_fn, scale_grads=False)
-
-    def _make_tie_groups(self, holders: dict[str, set[int]]) -> list[tuple[list[str], dist.ProcessGroup, tuple]]:
-        """Process groups joining the copies of parameters read on several devices' stages (every rank creates all)."""
-        by_devices: dict[tuple[int, ...], list[str]] = {}
-        for fqn in sorted(holders):
-            if len(holders[fqn]) > 1:
-                by_devices.setdefault(tuple(sorted(holders[fqn])), []).append(fqn)
-        block = self.dp * self.tp
-        me = dist.get_rank() % block
-        out = []
-        for devices, names in sorted(by_devices.items()):
-            for pos in range(block):
-                group = new_group([d * block + pos for d in devices])
-                if pos == me and self.pp_rank in devices:
-                    out.append((names, group, devices))
-        return out
 
     # -------------------------------------------------------------------------------- execution
 
@@ -428,7 +284,7 @@ class PipelineProgram(Program):
         replicated one cast, its gradient this rank's partial sum until the step's bucket sums it over dp."""
         key = self._param_names[i]
         if self._holding and key in self._step_split:
-            return _WholeWeight.apply(x, self, key)
+            return WholeWeight.apply(x, self, key)
         if self._placements[key][0] == R and self.reduce_in_compute:
             x = self.in_compute_format(x)  # the dp reduction in the compute format
         return self.in_compute_format(x)
@@ -575,199 +431,6 @@ class PipelineProgram(Program):
         if divisor != 1.0:
             for g in self._gradients():
                 g.div_(divisor)
-
-    def _stage_backward_done(self, stage_index: int) -> None:
-        """The schedule ran stage `stage_index`'s last backward of the step: once every stage of this rank has,
-        launch the buckets its backward left unlaunched (a member that got no gradient), so they run while other
-        stages still run backward."""
-        if self._left is None:
-            return
-        self._stages_done.add(stage_index)
-        if len(self._stages_done) == len(self.stages):
-            self._launch_rest()
-
-    def _split_words(self, what: str) -> str:
-        return f"the {what} of the ZeRO-1 weights of stage block {self.pp_rank} over the data axis"
-
-    def _gather_split(self) -> None:
-        """Issue the step's gathers of the split weights, in the order the stages read them; the schedule reads
-        them whole (`placeholder_value`), each waited on where a forward first reads it."""
-        self._holding = bool(self._step_split)
-        group = self.mesh.get_group("dp")
-        with waiting_for(self._split_words("all-gather")):
-            for key in self._split_order:
-                d = self._placements[key][0].dim
-                local = self.in_compute_format(self._shard[key].detach())
-                self._record("gather", key)
-                self._gathering[key] = overlap.split_gather(local, d, self._shapes[key][d], group, async_op=True)
-
-    def _whole(self, key: str) -> torch.Tensor:
-        """Split weight `key` whole on the data axis for this step (its gather waited on at the first read)."""
-        held = self._whole_weights.get(key)
-        if held is None:
-            work, finish = self._gathering.pop(key)
-            with waiting_for(self._split_words("all-gather")):
-                work.wait()
-            self._record("gathered", key)
-            held = self._whole_weights[key] = finish()
-        return held.detach()
-
-    def _add_whole_grad(self, key: str, grad: torch.Tensor) -> None:
-        """One micro-batch's gradient of split weight `key`, added to the step's sum in its master's format."""
-        total = self._whole_grads.get(key)
-        if total is None:
-            self._whole_grads[key] = grad.to(self._shard[key].dtype, copy=True)
-        else:
-            total.add_(grad)
-        self._gradient_done(key)
-
-    def _drop_whole_weights(self) -> None:
-        """After the schedule: wait for gathers no forward read (an error cut the step short) and free the whole
-        weights."""
-        with waiting_for(self._split_words("all-gather")):
-            for work, _ in self._gathering.values():
-                work.wait()
-        self._gathering.clear()
-        self._whole_weights.clear()
-
-    # the reductions over dp: buckets launched as backward completes them (see the module docstring)
-
-    def _make_buckets(self) -> tuple[list[str], list[int], list[overlap.Bucket]]:
-        """(keys, their split dims, buckets) of the step's reductions over dp: the trainable dp-replicated
-        parameters' gradients all-reduced, then the ZeRO-1 split weights' fp32 sums reduce-scattered (on dim
-        `dims[i]`), each kind in buckets of about `overlap.BUCKET_BYTES` in the format it sends, filled in the
-        order this rank's backward completes their gradients (`_backward_order`)."""
-        order = [k for k in self._backward_order() if self._shard[k].requires_grad]
-        replicated = set(self._dp_summed)
-        keys = [k for k in order if k in replicated] + [k for k in order if k in self._step_split]
-        sizes, dims = [], []
-        for k in keys:
-            split = k in self._step_split
-            dtype = self.compute_dtype if split or self.reduce_in_compute else None
-            dtype = dtype or self._shard[k].dtype
-            d = self._placements[k][0].dim if split else -1
-            numel = math.prod(self._whole_on_dp(k, d) if split else self._shard[k].shape)
-            sizes.append((numel * dtype.itemsize, "reduce_scatter" if split else "all_reduce", dtype))
-            dims.append(d)
-        return keys, dims, overlap.make_buckets(sizes, overlap.BUCKET_BYTES)
-
-    def _whole_on_dp(self, key: str, d: int) -> list[int]:
-        """The shape of split weight `key` whole on the data axis (split on dim `d`), this rank's piece of a tensor
-        axis."""
-        shape = list(self._shard[key].shape)
-        shape[d] = self._shapes[key][d]
-        return shape
-
-    def _backward_order(self) -> list[str]:
-        """This rank's parameters in about the order the step's backward completes their gradients: its stages
-        latest in the pipeline first (their last backward runs first), each stage's by `gradient_order`;
-        a parameter several of its stages read where the earliest of them puts it (its gradient is complete last
-        there)."""
-        order = []
-        for st in sorted(self.stages, key=lambda st: -st.sg.index):
-            names = [n for n in st.sg.placeholders if self._kind[n][0] == "param"]
-            order += [self._kind[n][1] for n in gradient_order(st.sg.graph_module.graph, names)]
-        last = {key: i for i, key in enumerate(order)}
-        return [key for i, key in enumerate(order) if last[key] == i]
-
-    def _arm(self) -> None:
-        """Before a training step's schedule: with overlap, each bucket launches once the step's last gradient of
-        each member is in (a member's gradient comes once per micro-batch from each of this rank's stages that
-        read it)."""
-        self._launched, self._stages_done = [], set()
-        if not self.plan.overlap:
-            self._left = None
-            return
-        m = self.num_microbatches
-        self._left = {k: m * self._readers[k] for k in self._reduced}
-        for bucket in self._buckets:
-            bucket.pending = len(bucket.members)
-
-    def _gradient_done(self, key: str) -> None:
-        """A gradient of `key` is in (accumulated, or added to its fp32 sum): launch its bucket if that was the
-        last one the bucket awaited this step."""
-        if self._left is None or key not in self._left:
-            return
-        self._left[key] -= 1
-        if self._left[key] == 0:
-            b = self._bucket_of[key]
-            self._buckets[b].pending -= 1
-            if self._buckets[b].pending == 0:
-                self._launch_bucket(b)
-
-    def _launch_rest(self) -> None:
-        """Launch, in bucket order, the buckets not launched yet this step; disarm the gradient hooks."""
-        self._left = None
-        for b in range(len(self._buckets)):
-            if b not in self._launched:
-                self._launch_bucket(b)
-
-    def _launch_bucket(self, b: int) -> None:
-        """Start bucket `b`'s collective over dp: the all-reduce of its members' gradients (zeros where this rank's
-        stages gave none: every rank sends the same members), or the reduce-scatter of their fp32 sums (freed once
-        packed)."""
-        bucket = self._buckets[b]
-        group = self.mesh.get_group("dp")
-        self._launched.append(b)
-        self._record(bucket.kind, b)
-        full: list = [None] * len(self._reduced)
-        if bucket.kind == "all_reduce":
-            for i, grad in zip(bucket.members, self._grads_of([self._reduced[i] for i in bucket.members]), strict=True):
-                full[i] = grad
-            with waiting_for(self._dp_words()):
-                overlap.launch_all_reduce(bucket, full, group)
-            return
-        for i in bucket.members:
-            k, d = self._reduced[i], self._dims[i]
-            total = self._whole_grads.pop(k, None)
-            full[i] = total if total is not None else self._shard[k].new_zeros(self._whole_on_dp(k, d))
-        with waiting_for(self._split_words("reduce-scatter")):
-            overlap.launch_reduce_scatter(bucket, full, self._dims, group)
-
-    def _finish_reductions(self) -> None:
-        """Wait for the step's buckets: an all-reduce's sums go back into its gradients, a reduce-scatter's piece
-        of each member becomes its master shard's gradient."""
-        group = self.mesh.get_group("dp")
-        pieces: list = [None] * len(self._reduced)
-        grads = [self._shard[k].grad for k in self._reduced]  # an all-reduce's members: given at its launch
-        for b in self._launched:
-            bucket = self._buckets[b]
-            if bucket.kind == "all_reduce":
-                with waiting_for(self._dp_words()):
-                    overlap.finish_all_reduce(bucket, grads)
-                continue
-            with waiting_for(self._split_words("reduce-scatter")):
-                overlap.finish_reduce_scatter(bucket, self._dims, group, pieces)
-            for i in bucket.members:
-                shard = self._shard[self._reduced[i]]
-                piece = pieces[i].to(shard.dtype)
-                shard.grad = piece if shard.grad is None else shard.grad.add_(piece)
-        self._record("reduced", len(self._launched))
-        self._launched = []
-
-    def _dp_words(self) -> str:
-        return f"the all-reduce of the dp-replicated gradients of stage block {self.pp_rank} over the data axis"
-
-    def _grads_of(self, names: list[str]) -> list[torch.Tensor]:
-        """The gradients of the trainable `names`, zeros where this rank's stages gave none: a collective over
-        them then has the same members on every rank whatever the graph of each stage differentiated (a
-        rank that skipped one would leave its peers waiting)."""
-        out = []
-        for fqn in names:
-            shard = self._shard[fqn]
-            if not shard.requires_grad:  # the same on every rank: the model's flag
-                continue
-            if shard.grad is None:
-                shard.grad = torch.zeros_like(shard)
-            out.append(shard.grad)
-        return out
-
-    def _sum_tied(self) -> None:
-        """Sum the gradients of parameters held on several devices' stages over those devices, so the copies
-        take the same step."""
-        for names, group, devices in self._tie_groups:
-            with waiting_for(f"the all-reduce tying {', '.join(names)} over the stages of pp ranks {list(devices)}"):
-                sum_in_buckets(self._grads_of(names), group)
 
     def _gradient_shares(self) -> list[tuple[torch.Tensor, int]]:
         stages = {name: len(devices) for names, _, devices in self._tie_groups for name in names}
