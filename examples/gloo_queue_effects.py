@@ -73,9 +73,9 @@ def _three_ways(calls: list[tuple[str, torch.Tensor, torch.Tensor]], repeats: in
 def _zero3_calls(rank: int, world: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
     """The collectives one ZeRO-3 training step of wide-llama issues on this rank, as fresh buffers of their sizes."""
     from autopar.bench import run_methods
-    from autopar.bench.execution import WIDE_LLAMA, _model_and_batch
+    from autopar.bench.run_models import WIDE_LLAMA, model_and_batch
 
-    _, model, ids = _model_and_batch(WIDE_LLAMA)
+    _, model, ids = model_and_batch(WIDE_LLAMA)
     method = run_methods._AutoparZero3(model, ids, rank, world, optimizer=WIDE_LLAMA.optimizer)
     method.step()
     real = {name: getattr(dist, name) for name in ("all_gather_single", "all_reduce")}
@@ -119,7 +119,8 @@ def _worker(rank: int, world: int, init_file: str, repeats: int, out: dict) -> N
 
 def _priced(world: int, fit_link: bool) -> tuple[float, float]:
     """(exposed, hidden) data-axis communication of the ZeRO-3 plan the bench pins, on cpu:`world`."""
-    from autopar.bench.execution import WIDE_LLAMA, plan_model
+    from autopar.bench.run_calibration import plan_model
+    from autopar.bench.run_models import WIDE_LLAMA
     from autopar.cluster import ClusterSpec
 
     overrides: dict = {"cluster": f"cpu:{world}"}
