@@ -69,6 +69,7 @@ class ProgramKind(StrEnum):
     SHARDED = "sharded"  # the traced graph on DTensors: tensor axis, ZeRO stages, recompute
     PIPELINE = "pipeline"  # stages over a pp axis, each sharded over its own dp x tp block
     OFFLOAD = "offload"  # ZeRO-3 chunks whose states (and weights) partly live on the host
+    EXPERT_PARALLEL = "expert-parallel"  # data-parallel, with a mixture of experts' experts split over ep groups
 
 
 def program_kind(
@@ -80,14 +81,18 @@ def program_kind(
     layer_modes: dict | None = None,
     offload: bool = False,
     cp: int = 1,
+    ep: int = 1,
 ) -> ProgramKind:
     """THE rule from a layout to the program that runs it; the solver prices what it says, `compile` builds it.
 
     A pipeline axis runs the pipeline program; host offload the offload program; a layout with no tensor
     axis, no cp axis, replicated states and every layer keeping its activations is DDP's, run on plain
     tensors (the data-parallel program); anything else runs the traced graph on DTensors (the sharded
-    program; without a pipeline, a cp axis runs there only).
+    program; without a pipeline, a cp axis runs there only). An expert axis (ep > 1) runs the expert-parallel
+    program, the data-parallel one with its experts split (the planner pins the dp x 1 layout it needs).
     """
+    if ep > 1:
+        return ProgramKind.EXPERT_PARALLEL
     if pp > 1:
         return ProgramKind.PIPELINE
     if cp > 1:
@@ -239,6 +244,9 @@ class Plan:
     # a cp axis: "degree", "algorithm" its attention runs, "layout" ("zigzag"), and "priced": one line per
     # algorithm with its price or why it cannot run (`passes.context_parallel`); empty without a cp axis
     context_parallel: dict = field(default_factory=dict)
+    # an expert axis carved from dp (`autopar.expert_parallel`): "degree", "num_experts", "top_k", "params" (the expert
+    # weights split over it), the all-to-all traffic and time it adds and the memory it saves; empty without one
+    expert_parallel: dict = field(default_factory=dict)
     # the global gradient norm the program clips to (`autopar.runtime.step_guard`), priced; None: no clipping
     max_grad_norm: float | None = None
     format_version: int = FORMAT_VERSION
@@ -254,6 +262,7 @@ class Plan:
             layer_modes=self.layer_modes,
             offload=bool(self.offload),
             cp=self.mesh.get("cp", 1),
+            ep=self.expert_parallel.get("degree", 1),
         )
 
     @property
@@ -340,6 +349,7 @@ class Plan:
             "tensor_split": self.tensor_split,
             "layer_ops": list(self.layer_ops),
             **({"context_parallel": self.context_parallel} if self.context_parallel else {}),  # golden plans unchanged
+            **({"expert_parallel": self.expert_parallel} if self.expert_parallel else {}),  # likewise
             "precision": self.precision,
             "grad_reduce": self.grad_reduce,
             "overlap": self.overlap,
@@ -413,6 +423,7 @@ class Plan:
                 tensor_split=dict(d.get("tensor_split") or {}),
                 layer_ops=tuple(d.get("layer_ops") or ()),
                 context_parallel=dict(d.get("context_parallel") or {}),
+                expert_parallel=dict(d.get("expert_parallel") or {}),
                 precision=d["precision"],
                 grad_reduce=str(d.get("grad_reduce", "fp32")),
                 overlap=bool(d.get("overlap", True)),

@@ -86,7 +86,7 @@ class ProgramComm:
                 f"prefetch_depth={self.prefetch_depth} without overlap: a program gathers ahead only when it "
                 f"overlaps (resolved_prefetch_depth gives 0); turn overlap on or ask for depth 0"
             )
-        if self.program == ProgramKind.DATA_PARALLEL and self.zero_stage != 0:
+        if self.runs_plain and self.zero_stage != 0:
             raise ConfigError(
                 f"the data-parallel program at ZeRO-{self.zero_stage}: it replicates every state (ZeRO-0); "
                 f"a sharded stage runs on the sharded program (`autopar.plan.program_kind`)"
@@ -118,8 +118,9 @@ class ProgramComm:
 
     @property
     def runs_plain(self) -> bool:
-        """The data-parallel program: the whole model on plain tensors with no tensor axis, DDP's layout."""
-        return self.program == ProgramKind.DATA_PARALLEL
+        """The data-parallel program (or the expert-parallel one, which is it with its experts split): the whole
+        model on plain tensors with no tensor axis, DDP's layout."""
+        return self.program in (ProgramKind.DATA_PARALLEL, ProgramKind.EXPERT_PARALLEL)
 
     @property
     def buckets_all_reduce(self) -> bool:

@@ -5,7 +5,8 @@
 - `data-parallel` (`data_parallel.py`): the whole model per rank, plain tensors, bucketed all-reduce;
 - `sharded` (`sharded.py`): the traced graph on DTensors (tensor axis, ZeRO stages, recompute);
 - `pipeline` (`pipeline.py`): stages over the pp axis with torch.distributed.pipelining schedules;
-- `offload` (`offload.py`): ZeRO-3 chunks whose states (and weights) partly live on the host.
+- `offload` (`offload.py`): ZeRO-3 chunks whose states (and weights) partly live on the host;
+- `expert-parallel` (`experts.py`): data-parallel, a mixture of experts' experts split over ep groups.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from autopar.runtime.base import (
     sum_in_buckets,
 )
 from autopar.runtime.data_parallel import DataParallelProgram
+from autopar.runtime.experts import ExpertParallelProgram
 from autopar.runtime.offload import OffloadProgram
 from autopar.runtime.pipeline import PipelineProgram
 from autopar.runtime.sharded import ShardedProgram
@@ -34,6 +36,7 @@ PROGRAMS: dict[ProgramKind, type[Program]] = {
     ProgramKind.SHARDED: ShardedProgram,
     ProgramKind.PIPELINE: PipelineProgram,
     ProgramKind.OFFLOAD: OffloadProgram,
+    ProgramKind.EXPERT_PARALLEL: ExpertParallelProgram,
 }
 
 
@@ -45,6 +48,7 @@ def program_class(plan: Plan) -> type[Program]:
 __all__ = [
     "PROGRAMS",
     "DataParallelProgram",
+    "ExpertParallelProgram",
     "OffloadProgram",
     "PipelineProgram",
     "Program",

@@ -156,7 +156,7 @@ class DataParallelProgram(Program):
         groups: list[list[torch.Tensor]] = []
         size = BUCKET_BYTES
         for p in (self._bucketed[i] for i in order if self._bucketed[i].requires_grad):
-            if size >= BUCKET_BYTES or p.dtype != groups[-1][0].dtype:
+            if size >= BUCKET_BYTES or p.dtype != groups[-1][0].dtype or self._group_changes(p, groups[-1][0]):
                 groups.append([])
                 size = 0
             groups[-1].append(p)
@@ -169,6 +169,7 @@ class DataParallelProgram(Program):
                 views.append((p, flat[offset : offset + p.numel()].view_as(p)))
                 offset += p.numel()
             buckets.append((flat, views))
+        self._bucket_groups = [self.reduce_group_of(group[0]) for group in groups]
         bucket_of = {id(p): (i, view) for i, (_, views) in enumerate(buckets) for p, view in views}
         for bucketed, master, copy in zip(self._bucketed, self.params, self._compute, strict=True):
             if id(bucketed) in bucket_of:
@@ -177,6 +178,13 @@ class DataParallelProgram(Program):
                 index, view = bucket_of[id(bucketed)]
                 leaf.register_post_accumulate_grad_hook(self._grad_ready(bucketed, view, index))
         return buckets
+
+    def reduce_group_of(self, tensor: torch.Tensor):  # noqa: ARG002 - the expert-parallel program's hook
+        """The group the bucket holding `tensor` is all-reduced over (None: no other rank holds it)."""
+        return self.group
+
+    def _group_changes(self, tensor: torch.Tensor, other: torch.Tensor) -> bool:
+        return self.reduce_group_of(tensor) is not self.reduce_group_of(other)
 
     def _grad_ready(self, bucketed: torch.Tensor, view: torch.Tensor, index: int):
         """A post-accumulate hook: the step's first gradient goes into the bucket view, which becomes the
@@ -212,8 +220,9 @@ class DataParallelProgram(Program):
                 view.zero_()
                 p.grad = view
         flat.mul_(1.0 / self._step_divisor())
-        if self.dp > 1:
-            self._works.append((index, dist.all_reduce(flat, group=self.group, async_op=True)))
+        group = self._bucket_groups[index]
+        if self.dp > 1 and group is not None:
+            self._works.append((index, dist.all_reduce(flat, group=group, async_op=True)))
 
     def _step_divisor(self) -> float:
         """The global label count times the loss scale, from the totals all-reduce `_arm` launched (done by now:

@@ -1,0 +1,70 @@
+"""Expert parallelism trains a tiny Hugging Face Mixtral on gloo ranks as it trains in one process.
+
+ep=2 on two ranks (each rank holds 2 of the 4 experts of each layer, tokens dispatched and combined by
+all-to-all), and ep=2 on four ranks (two ep groups; each expert's gradient all-reduced over the two ranks holding
+it, not the whole data axis: a reduction over the wrong group mixes different experts' gradients and moves the
+weights by about lr). Two steps of SGD with momentum against the single-process reference (the second step's update
+carries the first gradient through the momentum, so a wrong gradient scale shows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.plan import Plan
+from tests.distributed.harness import run_distributed
+from tests.families import family_batch, make_family
+from tests.models import train_locally
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 2
+LR = 1e-2
+# fp32: the ranks sum each token's k expert outputs, and each expert's gradient over its tokens, in another order
+# than one process does (~1e-7 relative per step, as in tests/distributed/test_family_matrix.py); a gradient off by
+# a factor or reduced over the wrong ranks moves the second loss by ~1e-3 and the weights by ~lr
+LOSS_RTOL = 1e-4
+# parameters relative to max(|reference|, 1e-2): rounding moves them by ~1e-6 of lr-sized steps, a wrong update ~lr
+PARAM_RTOL, PARAM_FLOOR = 1e-4, 1e-2
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _train(rank: int, world_size: int, plan_json: str, batch: int) -> dict:
+    del rank
+    model = make_family("mixtral")
+    args, kwargs = family_batch("mixtral", batch=batch)
+    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer, plan=Plan.from_json(plan_json))
+    losses = [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    return {
+        "losses": losses,
+        "state": pm.state_dict(),
+        "program": str(pm.plan.program),
+        "held": sum(p.numel() for p in pm.parameters()),
+        "full": sum(p.numel() for p in model.parameters()),
+        "experts": experts,
+    }
+
+
+@pytest.mark.parametrize("world, batch", [(2, 4), pytest.param(4, 8, marks=pytest.mark.slow)], ids=["ep2", "ep2xdp4"])
+def test_expert_parallel_trains_as_in_one_process(world, batch):
+    args, kwargs = family_batch("mixtral", batch=batch)
+    plan = autopar.plan(make_family("mixtral"), f"cpu:{world}", args, kwargs, constraints={"ep": 2})
+    assert plan.program == "expert-parallel" and plan.mesh["dp"] == world
+    ranks = run_distributed(_train, world, plan.to_json(), batch, timeout_s=600)
+    model = make_family("mixtral")
+    ref_losses, ref_state = train_locally(model, args, kwargs, _optimizer(model.parameters()), STEPS)
+    for res in ranks:
+        assert res["program"] == "expert-parallel"
+        # each rank holds half of the experts and the whole rest of the model
+        assert res["held"] == res["full"] - res["experts"] // 2
+        assert res["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL)
+        assert set(res["state"]) == set(ref_state)
+        for key, ref in ref_state.items():
+            err = ((res["state"][key] - ref).abs() / ref.abs().clamp_min(PARAM_FLOOR)).max().item()
+            assert err <= PARAM_RTOL, (key, err)
