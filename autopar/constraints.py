@@ -49,6 +49,12 @@ class Constraints(Mapping):
         kind="count",
         default="searched on long sequences, else 1",
     )
+    ep: int | None = _pin(
+        "expert-parallel group size: each mixture-of-experts layer's experts split over groups of this many "
+        "data-parallel ranks; must divide dp and the number of experts ([mixture of experts](moe.md))",
+        kind="count",
+        default="1",
+    )
     cp_attention: str | None = _pin(
         "cp attention algorithm", kind="name", choices=CP_ATTENTIONS, default="the cheapest that fits"
     )

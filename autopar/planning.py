@@ -21,8 +21,10 @@ import time
 import warnings
 
 from autopar.cluster import ClusterSpec
+from autopar.constraints import Constraints
 from autopar.cp_search import cp_degrees, search_cp
 from autopar.errors import InfeasiblePlanError
+from autopar.expert_parallel import check_ep, layout_pins, with_expert_parallel
 from autopar.input_validation import PlanRequest, batch_size, check_cp, resolve_estimator
 from autopar.ir import OpGraph
 from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
@@ -44,6 +46,12 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
             next to it, and it is never replaced by one of them.
     """
     rq = request
+    ep = rq.constraints.get("ep", 1)
+    if ep > 1:  # solved as the data-parallel layout the expert-parallel program runs, then priced with the axis
+        moe = check_ep(ep, rq.module, rq.cluster.world_size, rq.constraints.get("dp"))
+        rq = dataclasses.replace(
+            rq, constraints=Constraints.of({k: v for k, v in layout_pins(rq.constraints).items() if k != "ep"})
+        )
     searched = traced is None and against is None
     degrees = cp_degrees(rq.constraints, rq.cluster.world_size, rq.args, rq.kwargs) if searched else []
     jobs = Jobs(rq, traced=traced)
@@ -51,6 +59,8 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
         chosen, runner_up, _ = search_cp(functools.partial(_plan_at, jobs, rq.constraints), degrees)
     else:
         chosen, runner_up, _ = _plan_at(jobs, rq.constraints, rq.cp, against=against)
+    if ep > 1 and against is None:
+        chosen = with_expert_parallel(chosen, moe, ep)
     alternatives = rq.alternatives
     if alternatives is None:
         alternatives = traced is None  # compile's own planning builds a program, never a report

@@ -34,6 +34,7 @@ FIRST_EXAMPLE = {
     "docs/cost-model.md": "run",
     "docs/gpu.md": "shell",
     "docs/long-sequences.md": "run",
+    "docs/moe.md": "run",
     "docs/programs.md": "run",
     "docs/solver.md": "run",
     "docs/testing.md": "shell",

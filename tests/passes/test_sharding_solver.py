@@ -163,7 +163,7 @@ def test_bad_constraints_and_batch():
     with pytest.raises(ConfigError, match="does not divide over the data axis"):
         autopar.plan(model, "8xA100-80GB", *args, constraints={"dp": 4})
     with pytest.raises(ConfigError, match="unknown constraints"):
-        autopar.plan(model, "8xA100-80GB", *args, constraints={"ep": 2, "tp": 2})
+        autopar.plan(model, "8xA100-80GB", *args, constraints={"sp": 2, "tp": 2})
 
 
 @pytest.mark.slow
