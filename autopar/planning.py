@@ -57,6 +57,11 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
     jobs = Jobs(rq, traced=traced)
     if len(degrees) > 1:
         chosen, runner_up, _ = search_cp(functools.partial(_plan_at, jobs, rq.constraints), degrees)
+    elif ep > 1:
+        try:
+            chosen, runner_up, _ = _plan_at(jobs, rq.constraints, rq.cp, against=against)
+        except InfeasiblePlanError as e:
+            raise InfeasiblePlanError(f"{e} ({EP_MEMORY_NOTE.format(ep=ep)})") from e
     else:
         chosen, runner_up, _ = _plan_at(jobs, rq.constraints, rq.cp, against=against)
     if ep > 1 and against is None:
@@ -171,6 +176,13 @@ def _price_layout(jobs: Jobs, pins: dict) -> Plan:
     cp = check_cp(pins, rq.cluster, rq.args, rq.kwargs)
     return solve(jobs(cp), pins | ({"cp": cp} if cp > 1 else {}), quiet=True)[0]
 
+
+# why a pinned ep may not fit where its own price would: the layout is solved before ep divides the experts
+EP_MEMORY_NOTE = (
+    "with ep={ep} pinned, the layout is solved as data parallelism with ZeRO-0 and every expert on each device, "
+    "and the experts split by ep are priced after; a model that fits only with its experts split cannot be "
+    "planned with ep yet"
+)
 
 # why a layout `compare` prices faster than the plan did not replace it (`rationale.loss_reason`)
 PLANNED_BEFORE = "which was planned before this layout was priced"

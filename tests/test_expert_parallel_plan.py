@@ -6,7 +6,7 @@ import pytest
 
 import autopar
 from autopar.cost_model.experts import estimate_expert_parallel
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.expert_parallel import moe_shape
 from tests.families import family_batch, make_family
 from tests.models import make_batch, tiny_llama
@@ -80,3 +80,17 @@ def test_pinned_ep_prices_the_all_to_alls_and_the_expert_memory():
         dense.predicted.peak_memory_bytes - info["memory_saved_bytes"]
     )
     assert autopar.Plan.from_json(plan.to_json()).expert_parallel == info
+
+
+def test_a_pinned_ep_that_does_not_fit_says_why():
+    args, kwargs = family_batch("mixtral", batch=4)
+    with pytest.raises(InfeasiblePlanError, match="with ep=2 pinned, the layout is solved as data parallelism"):
+        autopar.plan(
+            make_family("mixtral"),
+            "cpu:2",
+            args,
+            kwargs,
+            constraints={"ep": 2},
+            memory_budget="1MB",
+            alternatives=False,
+        )

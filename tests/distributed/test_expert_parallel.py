@@ -4,7 +4,7 @@ ep=2 on two ranks (each rank holds 2 of the 4 experts of each layer, tokens disp
 all-to-all), and ep=2 on four ranks (two ep groups; each expert's gradient all-reduced over the two ranks holding
 it, not the whole data axis: a reduction over the wrong group mixes different experts' gradients and moves the
 weights by about lr). Two steps of SGD with momentum against the single-process reference (the second step's update
-carries the first gradient through the momentum, so a wrong gradient scale shows).
+carries the first gradient through the momentum, so a wrong gradient scale shows), and of AdamW on two ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import autopar
 from autopar.plan import Plan
 from tests.distributed.harness import run_distributed
+from tests.distributed.test_train_numerics import ADAM_EPS, PARAM_ATOL, PARAM_MEAN_ATOL
 from tests.families import family_batch, make_family
 from tests.models import train_locally
 
@@ -30,15 +31,18 @@ LOSS_RTOL = 1e-4
 PARAM_RTOL, PARAM_FLOOR = 1e-4, 1e-2
 
 
-def _optimizer(params):
-    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+def _optimizer(name: str):
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
+    return lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def _train(rank: int, world_size: int, plan_json: str, batch: int) -> dict:
+def _train(rank: int, world_size: int, plan_json: str, batch: int, optimizer: str) -> dict:
     del rank
     model = make_family("mixtral")
     args, kwargs = family_batch("mixtral", batch=batch)
-    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=_optimizer, plan=Plan.from_json(plan_json))
+    make = _optimizer(optimizer)
+    pm = autopar.compile(model, f"cpu:{world_size}", args, kwargs, optimizer=make, plan=Plan.from_json(plan_json))
     losses = [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     return {
@@ -51,14 +55,23 @@ def _train(rank: int, world_size: int, plan_json: str, batch: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("world, batch", [(2, 4), pytest.param(4, 8, marks=pytest.mark.slow)], ids=["ep2", "ep2xdp4"])
-def test_expert_parallel_trains_as_in_one_process(world, batch):
+# ep2 on SGD stays in `make test` (the issue asks for its smallest form there): on the warm pool of two ranks it took
+# 14 s, plus 3.5 s of planning (44 s on a cold pool: spawning the ranks); the others are slow
+CASES = [
+    pytest.param(2, 4, "sgd", id="ep2"),
+    pytest.param(2, 4, "adamw", id="ep2-adamw", marks=pytest.mark.slow),
+    pytest.param(4, 8, "sgd", id="ep2xdp4", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("world, batch, optimizer", CASES)
+def test_expert_parallel_trains_as_in_one_process(world, batch, optimizer):
     args, kwargs = family_batch("mixtral", batch=batch)
-    plan = autopar.plan(make_family("mixtral"), f"cpu:{world}", args, kwargs, constraints={"ep": 2})
+    plan = autopar.plan(make_family("mixtral"), f"cpu:{world}", args, kwargs, constraints={"ep": 2}, alternatives=False)
     assert plan.program == "expert-parallel" and plan.mesh["dp"] == world
-    ranks = run_distributed(_train, world, plan.to_json(), batch, timeout_s=600)
+    ranks = run_distributed(_train, world, plan.to_json(), batch, optimizer, timeout_s=600)
     model = make_family("mixtral")
-    ref_losses, ref_state = train_locally(model, args, kwargs, _optimizer(model.parameters()), STEPS)
+    ref_losses, ref_state = train_locally(model, args, kwargs, _optimizer(optimizer)(model.parameters()), STEPS)
     for res in ranks:
         assert res["program"] == "expert-parallel"
         # each rank holds half of the experts and the whole rest of the model
@@ -66,5 +79,9 @@ def test_expert_parallel_trains_as_in_one_process(world, batch):
         assert res["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL)
         assert set(res["state"]) == set(ref_state)
         for key, ref in ref_state.items():
+            if optimizer == "adamw":  # AdamW's tolerances and their reason: tests/distributed/test_train_numerics.py
+                torch.testing.assert_close(res["state"][key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL)
+                assert (res["state"][key] - ref).abs().mean().item() <= PARAM_MEAN_ATOL, key
+                continue
             err = ((res["state"][key] - ref).abs() / ref.abs().clamp_min(PARAM_FLOOR)).max().item()
             assert err <= PARAM_RTOL, (key, err)
