@@ -18,6 +18,7 @@ import html
 
 from autopar.report_choice import appendix_blocks, assumptions_blocks, why_blocks, yours_blocks
 from autopar.report_costs import context_parallel_blocks, memory_blocks, summary_blocks, time_blocks
+from autopar.report_experts import expert_parallel_blocks
 from autopar.report_layers import layer_blocks, pipeline_blocks
 
 # ------------------------------------------------------------------------------------------ blocks
@@ -31,6 +32,7 @@ def report_blocks(plan) -> list:
         *summary_blocks(plan),
         *memory_blocks(plan),
         *context_parallel_blocks(plan),
+        *expert_parallel_blocks(plan),
         *time_blocks(plan),
         *layer_blocks(plan),
         *pipeline_blocks(plan),

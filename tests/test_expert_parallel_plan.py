@@ -80,6 +80,9 @@ def test_pinned_ep_prices_the_all_to_alls_and_the_expert_memory():
         dense.predicted.peak_memory_bytes - info["memory_saved_bytes"]
     )
     assert autopar.Plan.from_json(plan.to_json()).expert_parallel == info
+    report = plan.explain()
+    assert "## Expert parallelism" in report and "| bytes each re-splits over the group | 32,768 |" in report
+    assert "Expert parallelism" not in dense.explain()
 
 
 def test_a_pinned_ep_that_does_not_fit_says_why():

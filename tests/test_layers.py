@@ -46,6 +46,7 @@ LAYERS = (
         "autopar.explain",
         "autopar.report_charts",
         "autopar.report_costs",
+        "autopar.report_experts",
         "autopar.report_layers",
         "autopar.report_choice",
         "autopar.report_figures",
