@@ -26,7 +26,7 @@ LR = 1e-2
 # fp32: the ranks sum each token's k expert outputs, and each expert's gradient over its tokens, in another order
 # than one process does (~1e-7 relative per step, as in tests/distributed/test_family_matrix.py). Two steps at lr
 # 1e-2 move the loss little: halving the gradients that come back through the all-to-alls moved the second loss by
-# 1.6e-4 relative (seen), so the loss is held to 1e-4 and the weights, which such errors move by ~lr, decide
+# 1.6e-4 relative but the embedding by 3.9e-2 (seen): the weights, checked first, decide; the losses are held to 1e-4
 LOSS_RTOL = 1e-4
 # parameters relative to max(|reference|, 1e-2): rounding moves them by ~1e-6 of lr-sized steps, a wrong update ~lr
 PARAM_RTOL, PARAM_FLOOR = 1e-4, 1e-2
@@ -81,8 +81,6 @@ def test_expert_parallel_trains_as_in_one_process(world, batch, optimizer):
         assert res["program"] == "expert-parallel"
         # each rank holds half of the experts and the whole rest of the model
         assert res["held"] == res["full"] - res["experts"] // 2
-        assert res["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL)
-        assert res["eval_loss"] == pytest.approx(ref_eval, rel=LOSS_RTOL)  # the trained weights, the eval graph
         assert set(res["state"]) == set(ref_state)
         for key, ref in ref_state.items():
             if optimizer == "adamw":  # AdamW's tolerances and their reason: tests/distributed/test_train_numerics.py
@@ -91,3 +89,5 @@ def test_expert_parallel_trains_as_in_one_process(world, batch, optimizer):
                 continue
             err = ((res["state"][key] - ref).abs() / ref.abs().clamp_min(PARAM_FLOOR)).max().item()
             assert err <= PARAM_RTOL, (key, err)
+        assert res["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL)
+        assert res["eval_loss"] == pytest.approx(ref_eval, rel=LOSS_RTOL)  # the trained weights, the eval graph
