@@ -1,8 +1,9 @@
 """Plan a mixture of experts and estimate what expert parallelism would change in its predicted step.
 
-autopar has no expert parallelism: a mixture of experts' weights are parameters like any other (split by
-ZeRO over dp, or stored split over tp and gathered whole for each use), and its routed matmuls run on the
-tokens each rank holds, replicated on a tensor axis (no sharding rule splits a grouped matmul). This script
+autopar's expert axis (`constraints={"ep": N}`, docs/moe.md) runs so far on the data-parallel layout alone (ZeRO-0,
+no tensor or pipeline axis), where a model of this size does not fit; in the layouts that fit, a mixture of
+experts' weights are parameters like any other (split by ZeRO over dp, or stored split over tp and gathered whole
+for each use), and its routed matmuls run on the tokens each rank holds, replicated on a tensor axis. This script
 plans a preset, then prices expert parallelism over the axis that holds the experts now (dp without a
 tensor axis, else tp) from the cost model's own figures:
 
