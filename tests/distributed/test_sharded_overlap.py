@@ -78,14 +78,21 @@ def _train(rank: int, world_size: int, cases, opt: str):
     return out
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_overlapped_zero_stages_match_single_process(opt):
-    got = run_distributed(_train, 2, ZERO, opt)[0]
+# `make test` trains AdamW at each ZeRO stage once; the micro-batched cases (the last three) differ from their
+# stage's first case in the gradients the step is handed, which SGD checks there (its update is linear in the
+# gradient: AdamW's hides a wrong scale), not in what the optimizer does with them; `make test-all` adds them
+CASES_OF = {"sgd": ZERO, "adamw": ZERO[:4], "adamw-micro-batched": ZERO[4:]}
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw", pytest.param("adamw-micro-batched", marks=pytest.mark.slow)])
+def test_overlapped_zero_stages_match_single_process(name):
+    opt, cases = name.split("-")[0], CASES_OF[name]
+    got = run_distributed(_train, 2, cases, opt)[0]
     model = make_model("llama")
     args, kwargs = make_batch("llama")
     ref_losses, ref_state = train_locally(model, args, kwargs, _optimizer(opt)(model.parameters()), 2)
     atol = SGD_ATOL if opt == "sgd" else ADAMW_ATOL
-    for constraints, run in zip(ZERO, got, strict=True):
+    for constraints, run in zip(cases, got, strict=True):
         assert run["program"] == "sharded" and run["zero"] == constraints["zero"] and run["overlap"], constraints
         assert constraints["zero"] == 0 or run["buckets"] > 2, run["buckets"]  # more than the window holds
         assert run["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (constraints, run["losses"], ref_losses)
