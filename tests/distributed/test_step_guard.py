@@ -158,19 +158,21 @@ def _nonfinite_runs(rank: int, world_size: int, cases):
     out = []
     for _, constraints, offload, precision in cases:
         args, kwargs = make_batch("llama")
-        got = {}
+        got, plan = {}, None
         for policy in ("raise", "skip"):
+            # the policy is a training-loop option, not the plan's: the second program takes the first one's plan
+            # (`plan=`), so that the ranks solve each layout once
             pm = autopar.compile(
                 make_model("llama"),
                 f"cpu:{world_size}",
                 args,
                 kwargs,
                 optimizer=_adamw,
-                constraints=constraints,
-                offload=offload,
-                precision=precision,
+                plan=plan,
                 on_nonfinite=policy,
+                **({} if plan else {"constraints": constraints, "offload": offload, "precision": precision}),
             )
+            plan = pm.plan
             pm.train_step(*args, **kwargs)
             before = pm.state_dict()
             undo = _poison(pm, float("inf"))
