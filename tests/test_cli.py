@@ -13,8 +13,19 @@ def _run(*args):
     return subprocess.run([sys.executable, "-m", "autopar", *args], capture_output=True, text=True, timeout=300)
 
 
+def _main(capsys, *args) -> tuple[int, str]:
+    """`autopar ARGS` run by `autopar.cli.main` in this process: its exit status, and its stdout on success or its
+    stderr otherwise (a subprocess costs an interpreter, torch and transformers: seconds on two shared cores)."""
+    from autopar.cli import main
+
+    capsys.readouterr()
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out if rc == 0 else err
+
+
 @pytest.mark.subprocess
-def test_plan_json_and_explain(tmp_path):
+def test_plan_json_and_explain(tmp_path, capsys):
     out = tmp_path / "plan.json"
     report = tmp_path / "plan.html"
     r = _run(
@@ -38,22 +49,33 @@ def test_plan_json_and_explain(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["mesh"]["dp"] * doc["mesh"]["tp"] == 8
     assert report.read_text().startswith("<!doctype html>")
-    r = _run("explain", str(out))
-    assert r.returncode == 0 and "Why this plan" in r.stdout
+    # in this process: the command above showed the process's exit status and output are main()'s
+    rc, text = _main(capsys, "explain", str(out))
+    assert rc == 0 and "Why this plan" in text
 
 
 @pytest.mark.subprocess
-def test_user_errors_exit_with_a_message(tmp_path):
+def test_user_errors_exit_with_a_message(tmp_path, capsys):
     r = _run("plan", "--model", "gpt2", "--cluster", "8xB999", "--global-batch-size", "8", "--seq-len", "128")
     assert r.returncode == 2 and "autopar: error:" in r.stderr and "A100-80GB" in r.stderr
-    r = _run(
-        "plan", "--model", "no-such-model", "--cluster", "8xA100-80GB", "--global-batch-size", "8", "--seq-len", "128"
+    # the others in this process: the command above showed that main()'s status and stderr are the process's
+    rc, err = _main(
+        capsys,
+        "plan",
+        "--model",
+        "no-such-model",
+        "--cluster",
+        "8xA100-80GB",
+        "--global-batch-size",
+        "8",
+        "--seq-len",
+        "128",
     )
-    assert r.returncode == 2 and "preset" in r.stderr
+    assert rc == 2 and "autopar: error:" in err and "preset" in err
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    r = _run("explain", str(bad))
-    assert r.returncode == 2 and "invalid JSON" in r.stderr
+    rc, err = _main(capsys, "explain", str(bad))
+    assert rc == 2 and "invalid JSON" in err
 
 
 # The flags that pin pipeline and memory choices: each reaches autopar.plan as the keyword or constraint it
