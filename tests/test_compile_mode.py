@@ -24,13 +24,17 @@ def _optimizer(params):
     return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
 
 
-def _losses(**options):
+def _run(steps: int, evaluate: bool, **options):
     args, kwargs = make_batch("llama")
     pm = autopar.compile(
         make_model("llama"), "cpu:1", args, kwargs, optimizer=_optimizer, constraints={"recompute": "full"}, **options
     )
-    losses = [pm.train_step(*args, **kwargs) for _ in range(3)]
-    return pm, losses + [pm.eval_step(*args, **kwargs)]
+    losses = [pm.train_step(*args, **kwargs) for _ in range(steps)]
+    return pm, losses + ([pm.eval_step(*args, **kwargs)] if evaluate else [])
+
+
+def _losses(**options):
+    return _run(3, False, **options)
 
 
 @pytest.mark.subprocess  # Inductor runs the C++ compiler
@@ -40,6 +44,18 @@ def test_compiled_sharded_graph_trains_as_the_plain_one():
     compiled, got = _losses(compile_mode="default")
     assert compiled.plan.program == plain.plan.program == "sharded"
     assert compiled._interp.runs is not compiled._interp.gm  # the step ran what torch.compile made
+    assert got == pytest.approx(want, rel=LOSS_RTOL)
+
+
+# slow: Inductor compiles the eval graph apart from the training one (a minute on a busy 2-core machine, as long as
+# the training graph); `make test` compiles a graph of the program in this mode in the test above
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor on the CPU needs a C++ compiler")
+def test_compiled_eval_graph_gives_the_plain_eval_loss():
+    plain, want = _run(1, True)
+    compiled, got = _run(1, True, compile_mode="default")
+    assert compiled._eval_interp.runs is not compiled._eval_interp.gm  # the eval step ran what torch.compile made
     assert got == pytest.approx(want, rel=LOSS_RTOL)
 
 
