@@ -126,7 +126,10 @@ def _run(cases: list) -> dict:
     for family, layout in cases:
         args, kwargs = family_batch(family)
         plans.append(
-            autopar.plan(make_family(family), f"cpu:{WORLD}", args, kwargs, constraints=LAYOUTS[layout]).to_json()
+            # as compile plans: the layouts not chosen are not priced (as long again as planning)
+            autopar.plan(
+                make_family(family), f"cpu:{WORLD}", args, kwargs, constraints=LAYOUTS[layout], alternatives=False
+            ).to_json()
         )
     ranks = run_distributed(_train, WORLD, cases, plans, timeout_s=900)
     return {case: [r[case] for r in ranks] for case in cases}

@@ -49,7 +49,7 @@ def _train(rank: int, world_size: int, name: str, constraints: dict, shard_fused
     model = make_model(name)
     args, kwargs = make_batch(name, batch=BATCH, seq=SEQ)
     cluster = f"cpu:{world_size}"
-    plan = autopar.plan(model, cluster, args, kwargs, constraints=constraints, fuse_kernels=True)
+    plan = autopar.plan(model, cluster, args, kwargs, constraints=constraints, fuse_kernels=True, alternatives=False)
     if shard_fused_ops:
         plan = _with_sharded_fused_ops(plan, model, args, kwargs)
     pm = autopar.compile(model, cluster, args, kwargs, optimizer=_optimizer, plan=plan)
