@@ -62,7 +62,7 @@ LAYOUTS = {"free": {}, "tp2": {"tp": 2}, "zero3": {"dp": 2, "zero": 3}, "pp2": {
 # train their whole graph on the tensor axis and the pipeline there, and the data-parallel program trains GPT-2 and
 # BERT in tests/distributed/test_train_numerics.py. BERT's and Falcon's pipelines cut a plain stack of layers, as
 # GPT-2's (a tied head across the cut) and LLaMA's do in `make test`; Bloom's keeps its ALiBi bias across the cut.
-# Planning these tiny models in the test process is most of the file's time (1 to 8 s a plan on a busy 2-core machine)
+# A case costs its plan (about 1 s of CPU in the test process) and its compile and steps on both ranks
 SLOW = (
     {
         ("mixtral", "free"),
