@@ -4,6 +4,7 @@ checkpoints, export, generation.
     torchrun --standalone --nproc_per_node 2 examples/finetune.py --workdir /tmp/ft --steps 20
     torchrun --standalone --nproc_per_node 2 examples/finetune.py --workdir /tmp/ft-lora --steps 20 --lora
     # run it again with more --steps and the same --workdir: it resumes from the newest checkpoint
+    # smaller: --layers 1 --hidden-size 32 --max-length 16 --steps 4 (the test's form, tests/distributed)
 
 1. A tokenizer trained on a local text file with `tokenizers` (byte-level BPE, no network): `--text FILE`, or a
    built-in text written to `<workdir>/corpus.txt`.
@@ -20,7 +21,8 @@ checkpoints, export, generation.
 5. AdamW with a linear warm-up and a cosine decay (`LambdaLR` on `pm.optimizer`); `pm.last_step` gives each step's
    loss, gradient norm and tokens.
 6. A checkpoint every `--save-every` steps (`pm.save_checkpoint`, with the schedule's state in `extra`); at start the
-   newest one under `<workdir>/checkpoints` is resumed from (`--stop-at` stops a run early, as an interruption would).
+   newest one under `<workdir>/checkpoints` is resumed from (`--stop-at` stops a run early, as an interruption would),
+   on the plan the first start made and kept in `<workdir>/plan.json` (`compile(..., plan=)`: no planning again).
 7. `pm.save_pretrained(<workdir>/final)`: Hugging Face weights (with `--lora`: the adapters, as PEFT saves them, and
    the merged model in `<workdir>/merged`). Rank 0 loads them with transformers (and peft) and generates a few tokens.
 """
@@ -112,7 +114,7 @@ def collate(rows: list[list[int]], pad_id: int, max_length: int, length: int | N
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def base_weights(workdir: Path, vocab_size: int, max_length: int) -> Path:
+def base_weights(workdir: Path, vocab_size: int, max_length: int, hidden_size: int, layers: int) -> Path:
     """A small LLaMA written by transformers (rank 0 writes, the others wait)."""
     path = workdir / "base"
     if dist.get_rank() == 0 and not (path / "config.json").exists():
@@ -121,9 +123,9 @@ def base_weights(workdir: Path, vocab_size: int, max_length: int) -> Path:
         torch.manual_seed(0)
         config = LlamaConfig(
             vocab_size=vocab_size,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=layers,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=max_length,
@@ -193,6 +195,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=4, help="the global batch (rows per step)")
     ap.add_argument("--max-length", type=int, default=32, help="the longest batch, the length planned for")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers of the small LLaMA written at the start")
+    ap.add_argument("--hidden-size", type=int, default=64, help="its hidden size (4 heads, 2 key-value heads)")
     ap.add_argument("--vocab-size", type=int, default=384, help="the tokenizer's (256 bytes, 3 specials, merges)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=2)
@@ -209,19 +213,29 @@ def main() -> None:
 
     corpus = write_corpus(workdir, args.text)
     tokenizer = train_tokenizer(corpus, workdir, args.vocab_size)
-    weights = Path(args.weights) if args.weights else base_weights(workdir, len(tokenizer), args.max_length)
+    weights = (
+        Path(args.weights)
+        if args.weights
+        else base_weights(workdir, len(tokenizer), args.max_length, args.hidden_size, args.layers)
+    )
     dataset = Lines(corpus, tokenizer, args.max_length)
     pad = tokenizer.pad_token_id
 
     # plan for the longest batch: one of max_length tokens (shorter ones run on its layout)
     example = collate([dataset[i] for i in range(args.batch_size)], pad, args.max_length, length=args.max_length)
+    # planned at the first start and kept: a resumed run runs the layout its checkpoints were written on
+    plan_file = workdir / "plan.json"
+    plan = autopar.Plan.from_json(plan_file.read_text()) if plan_file.exists() else None
     pm = autopar.compile(
         build_model(weights, args.lora),
         cluster,
         example_kwargs=example,
         optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0),
+        plan=plan,
         max_grad_norm=1.0,
     )
+    if plan is None and dist.get_rank() == 0:
+        plan_file.write_text(pm.plan.to_json())
     schedule = torch.optim.lr_scheduler.LambdaLR(pm.optimizer, warmup_cosine(args.warmup, args.steps))
     loader = pm.data_loader(dataset, seed=0, collate_fn=lambda rows: collate(rows, pad, args.max_length))
 
