@@ -75,11 +75,6 @@ class LoopOptions:
 
     def apply(self, program, plan) -> None:
         """Set the program's loop (the plan's own `max_grad_norm` unless `compile` was given one)."""
-        if self.loss is not None and plan.mesh.get("cp", 1) > 1:
-            raise ConfigError(
-                "loss_fn with a cp plan: the sequence is split over the cp ranks and labels arrive pre-shifted, "
-                "which a user's loss cannot see; plan without cp (constraints={'cp': 1}) or use the model's loss"
-            )
         clip = self.max_grad_norm if self.max_grad_norm is not None else getattr(plan, "max_grad_norm", None)
         program.configure_loop(
             max_grad_norm=clip, on_nonfinite=self.on_nonfinite, local_batch=self.local_batch, loss=self.loss

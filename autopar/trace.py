@@ -138,6 +138,10 @@ def trace_model(
     try:
         exported = torch.export.export(subject, args, kwargs, strict=False)
     except Exception as e:
+        # the traced code's own word on bad input (a user's loss, `autopar.loss`) says more than a trace failure
+        said = next((c for c in _exception_chain(e) if isinstance(c, ConfigError)), None)
+        if said is not None:
+            raise said from said.__cause__  # its own cause kept (a KeyError of the loss)
         raise TraceError(_describe_failure(e, model)) from e
     compat.inline_grad_mode_regions(exported.graph_module)
     if subject is not model:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 
-from autopar.context_parallel.inputs import is_causal_lm, local_batch, traced_batch
+from autopar.context_parallel.inputs import is_causal_lm, local_batch, splitting_sequences, traced_batch
 from autopar.ir import OpGraph
 from autopar.passes.context_parallel import drop_causal_masks
 from autopar.passes.fused_ops import fuse_traced
@@ -31,7 +31,9 @@ def trace_in_format(model, args, kwargs, precision: str, cp: int = 1):
     traced batch) without the model's causal masks (`passes.context_parallel.drop_causal_masks`)."""
     from autopar.runtime.base import compute_dtype  # the runtime (and Triton): not for `autopar --help`
 
-    return _cp_graph(trace_model(model, args, kwargs, compute_dtype=compute_dtype(precision)), cp)
+    with splitting_sequences(cp > 1):  # a user's loss takes a chunk's labels from its shift_labels
+        traced = trace_model(model, args, kwargs, compute_dtype=compute_dtype(precision))
+    return _cp_graph(traced, cp)
 
 
 def _cp_graph(traced, cp: int):

@@ -16,9 +16,16 @@ must be handed to it from the *global* sequence instead:
 `local_batch` gives one cp rank its share; `traced_batch` the batch the model is traced with for a cp plan:
 the cp ranks' shares stacked on the batch dimension, ``(cp·batch, seq/cp)``, so one sequence's chunks are
 rows of the data axis and every per-token op needs no rewriting (`passes.context_parallel`).
+
+`splitting_sequences()` marks a trace of such chunks: code that runs inside the traced forward (a user's loss,
+`autopar.loss`) asks `sequences_are_split()` whether the labels it sees are a chunk's, whose shift must come
+from ``shift_labels``.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,24 @@ from autopar.errors import ConfigError
 
 IGNORE_INDEX = -100
 LAYOUT = SequenceLayout.ZIGZAG  # the layout cp plans run: causal attention costs every rank the same
+
+
+_SPLIT = contextvars.ContextVar("autopar_sequences_split", default=False)
+
+
+@contextlib.contextmanager
+def splitting_sequences(split: bool = True):
+    """Within it, a forward being traced runs on cp chunks of the sequences (`split`), or on whole ones."""
+    token = _SPLIT.set(split)
+    try:
+        yield
+    finally:
+        _SPLIT.reset(token)
+
+
+def sequences_are_split() -> bool:
+    """Whether the forward being traced runs on cp chunks of its sequences (`splitting_sequences`)."""
+    return _SPLIT.get()
 
 
 def is_causal_lm(model: torch.nn.Module) -> bool:
