@@ -170,6 +170,9 @@ def check_meta(meta) -> dict:
     step = meta.get("step", 0)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise DataError(f"autopar.meta gives the step as {step!r}, not a count of steps")
+    skipped = meta.get("skipped_steps", 0)
+    if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+        raise DataError(f"autopar.meta gives the skipped steps as {skipped!r}, not a count of steps")
     scaler = meta.get("scaler")
     if scaler is not None and not (
         isinstance(scaler, dict)

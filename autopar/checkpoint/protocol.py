@@ -16,6 +16,9 @@ test double implements them too (tests/test_checkpoint_hf.py). Nothing here impo
 - `checkpoint_meta()` / `restore_checkpoint_meta(meta)`: plain data (JSON: numbers, strings, lists, dicts) of the
   step, loss scale, optimizer hyperparameters and layout; restored after a load;
 - `after_checkpoint_load()`: make what the program computes with agree with masters and buffers just written into.
+
+A program may also hold a step guard as `guard` (`autopar.runtime.step_guard.StepGuard`): its `skipped_steps` is
+saved and restored, and its `accumulating` calls (gradients waiting for their step) refuse a save or a load.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ What is in one checkpoint directory (keys of the DCP state dict):
   AdamW's exp_avg, exp_avg_sq and step), so a checkpoint moves between program kinds;
 - `buffer.<name>`: the persistent buffers (BatchNorm's running statistics and the like), whole, written once;
 - `autopar.meta`, `autopar.extra` (and its tensors), `autopar.rng.rank<r>`: plain data as JSON in uint8
-  tensors, generator states as tensors (`autopar.checkpoint.data`). Nothing in a checkpoint is a pickle, and
+  tensors, generator states as tensors (`autopar.checkpoint.data`). The meta holds the step guard's count of
+  skipped steps (`skipped_steps`) beside the program's own meta. Nothing in a checkpoint is a pickle, and
   DCP's own index is read by an unpickler that builds only its own classes (`autopar.checkpoint.reader`):
   loading a checkpoint never runs code from it.
 
@@ -33,6 +34,10 @@ their own (`new_group`, made at the first asynchronous save), as two threads mus
 the commit, the folder is `<dir>.partial`, which nothing loads. One save is in flight at a time: the next save,
 a load, or `wait_checkpoint` waits for it; so does the interpreter's exit (`autopar.checkpoint.exits`). The copy
 costs one rank's share of the state in memory for as long as the writes take.
+
+Gradients accumulated by `train_step(..., accumulate=True)` calls whose step has not run yet are not part of a
+checkpoint: a save (or a load) while such calls are pending is refused, with nothing written (or changed), on
+every rank. Save after the step that takes them, as one saves after an optimizer step.
 
 A load reads everything, checks it, and agrees with the other ranks before it changes the program: the
 tensors DCP reads in place are copied to CPU memory first (one rank's share of masters and optimizer states,
@@ -106,10 +111,11 @@ def save(program, path, *, extra: dict | None = None, keep_last: int | None = No
     Every rank must call it with the same path, on a file system every rank sees."""
     wait_checkpoint(program)  # one save at a time: the previous one commits (and retains) before this one starts
     path, encoded, problem = _arguments(path, extra, keep_last, async_save)
+    problem = problem or _pending_accumulation(program, f"save_checkpoint({path})")
     if problem is None and rank() == 0:
         problem = _prepare_folder(path)
     _agreed(agree(problem), f"save_checkpoint({path})", "nothing was written; the checkpoints there are as they were")
-    meta = program.checkpoint_meta()
+    meta = {**program.checkpoint_meta(), **_guard_meta(program)}
     state = _state(program, meta, encoded)
     marker = {
         "format": FORMAT,
@@ -131,6 +137,33 @@ def save(program, path, *, extra: dict | None = None, keep_last: int | None = No
     committer.shutdown(wait=False)
     _pending[program] = future
     return future
+
+
+def _guard_meta(program) -> dict:
+    """The step guard's part of the meta: its count of skipped steps (a program without a guard: none)."""
+    guard = getattr(program, "guard", None)
+    return {"skipped_steps": int(guard.skipped_steps)} if guard is not None else {}
+
+
+def _restore_guard(program, meta: dict) -> None:
+    guard = getattr(program, "guard", None)
+    if guard is not None:
+        guard.skipped_steps = int(meta.get("skipped_steps", 0))  # a checkpoint older than the count: none
+
+
+def _pending_accumulation(program, what: str) -> tuple[str, str] | None:
+    """The problem of a save or load while accumulated gradients wait for their step (the same on every rank:
+    every rank makes the same calls), or None."""
+    guard = getattr(program, "guard", None)
+    calls = guard.accumulating if guard is not None else 0
+    if not calls:
+        return None
+    return (
+        "ConfigError",
+        f"the gradients of {calls} train_step(..., accumulate=True) call(s) wait for their step, and accumulated "
+        f"gradients are not part of a checkpoint: call train_step without accumulate=True first (it steps on them "
+        f"and its own rows), then {what.split('(')[0]}",
+    )
 
 
 def _partial(path: Path) -> Path:
@@ -314,6 +347,7 @@ def load(program, path) -> dict:
     path = checkpoint_path(path, "load_checkpoint(path)")
     wait_checkpoint(program)  # a save of this program in flight may be the checkpoint asked for
     index, problem = _opened(path)
+    problem = _pending_accumulation(program, f"load_checkpoint({path})") or problem
     metadata = index.state_dict_metadata if index is not None else {}
     _agreed(agree(problem), f"load_checkpoint({path})", "the program is as it was")
     fresh = not any(key.startswith("optim.") for key in metadata)  # saved before a first step: start afresh
@@ -475,6 +509,7 @@ def _apply(program, plan: dict, fresh: bool) -> None:
     if fresh:
         program.reset_optimizer_state()
     program.restore_checkpoint_meta(plan["meta"])
+    _restore_guard(program, plan["meta"])
     if plan["rng"] is not None:
         data.set_rng_state(plan["rng"])
     program.after_checkpoint_load()
