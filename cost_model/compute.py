@@ -8,7 +8,9 @@ moved. Per-op knowledge lives in one registry keyed by ATen `OpOverload`, filled
 Conventions (per op, M·N·K for a product of an M x K and a K x N matrix):
 
 - matmuls (linear, addmm, mm, bmm, matmul, baddbmm): 2·M·N·K forward; backward 2x forward
-  (dX = dY·Wᵀ and dW = Xᵀ·dY). A bias add rides in the GEMM epilogue and is not counted.
+  (dX = dY·Wᵀ and dW = Xᵀ·dY); 1x where the weight is frozen, dX alone (`input_gradient_only`, applied by the
+  planner to the products `passes.sharding.graph.frozen_weight_matmuls` finds). A bias add rides in the GEMM
+  epilogue and is not counted.
 - grouped matmuls of a mixture of experts (`aten._grouped_mm`, and `transformers::grouped_mm_fallback`
   that Hugging Face's "grouped_mm" experts trace to on CPU and meta): x [S, K] holds the routed
   (token, expert) pairs sorted by expert, w [E, K, N] every expert's matrix; each row meets its own
@@ -50,6 +52,7 @@ of eager AdamW on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -89,6 +92,18 @@ class OpCost:
     is_view: bool = False
     gemm: tuple[int, int, int, int] | None = None
     attention: str | None = None
+    weight_gradient: bool = True  # a GEMM's backward computes dW (False: its weight is frozen, dX only)
+
+
+def input_gradient_only(cost: OpCost) -> OpCost:
+    """The cost of a matrix product whose weight takes no gradient (a frozen parameter): its backward is the one
+    GEMM dX = dY·Wᵀ, of the forward's FLOPs, reading dY and W and writing dX (the forward's bytes), where a
+    trained weight's backward adds dW = Xᵀ·dY (`matmul_cost`). Other costs are returned as they are."""
+    if not cost.is_matmul or cost.gemm is None or cost.attention is not None:
+        return cost
+    return dataclasses.replace(
+        cost, backward_flops=cost.flops, backward_bytes=cost.bytes_accessed, weight_gradient=False
+    )
 
 
 FREE = OpCost(0.0, 0.0, 0.0, 0.0, is_matmul=False, is_view=True)
@@ -659,7 +674,7 @@ def _matmul_share(cost: OpCost, device: DeviceSpec, dtype: DType, divisor: float
     """The share of the matrix peak the op runs at: its attention kernel's, its GEMM shape's, or the plateau.
 
     A GEMM's backward is two GEMMs of the forward's FLOPs each, dX (m x k, contracting n) and dW (k x n,
-    contracting m): their harmonic mean.
+    contracting m): their harmonic mean; dX's alone where the weight is frozen (`input_gradient_only`).
     """
     if cost.attention is not None:
         kernel = device.attention_kernel(cost.attention)
@@ -671,6 +686,8 @@ def _matmul_share(cost: OpCost, device: DeviceSpec, dtype: DType, divisor: float
     if not backward:
         return device.matmul_efficiency_at(dtype, (batch, m, n, k))
     dx = device.matmul_efficiency_at(dtype, (batch, m, k, n))
+    if not cost.weight_gradient:
+        return dx
     dw = device.matmul_efficiency_at(dtype, (batch, k, n, m))
     return 2.0 / (1.0 / dx + 1.0 / dw)
 
@@ -719,6 +736,11 @@ class AnalyticEstimator:
         cost = self.cost(node)
         return estimate_compute_time(cost, self.device, self.matmul_dtype(node), divisor=divisor, backward=True)
 
+    def input_gradient_time_s(self, node: fx.Node, divisor: float) -> float:
+        """The backward of a matrix product whose weight is frozen: dX only (`input_gradient_only`)."""
+        cost = input_gradient_only(self.cost(node))
+        return estimate_compute_time(cost, self.device, self.matmul_dtype(node), divisor=divisor, backward=True)
+
     def optimizer_step_time_s(self, num_tensors: int, num_param_bytes: float) -> float:
         """Seconds of one AdamW step over `num_tensors` local parameter tensors of `num_param_bytes` in all."""
         return estimate_adamw_step_time(num_tensors, num_param_bytes, self.device)
@@ -740,6 +762,7 @@ __all__ = [
     "estimate_node_cost",
     "estimate_optimizer_step_time",
     "gemm_shape",
+    "input_gradient_only",
     "matmul_cost",
     "node_arg",
     "norm_cost",

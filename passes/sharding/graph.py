@@ -165,6 +165,31 @@ def matmul_weights(graph: OpGraph) -> frozenset[str]:
     return out
 
 
+def frozen_weight_matmuls(graph: OpGraph) -> frozenset[str]:
+    """Matrix products (node names) whose weight is a frozen parameter (`requires_grad=False`): their backward
+    computes the input's gradient only, no weight gradient. A product of two parameters counts when both are
+    frozen; of two activations (attention's scores), never."""
+    cache = analysis(graph)
+    if "frozen_weight_matmuls" in cache:
+        return cache["frozen_weight_matmuls"]
+    found: set[str] = set()
+    for node in graph.graph.nodes:
+        if node.op != "call_function" or str(node.target) not in _MATMUL_WEIGHT_ARG:
+            continue
+        args = tensor_args(node)
+        idx = _MATMUL_WEIGHT_ARG[str(node.target)]
+        params = []
+        for a in args if idx is None else args[idx : idx + 1]:
+            while a.op == "call_function" and str(a.target) in _WEIGHT_PATH_OPS and tensor_args(a):
+                a = tensor_args(a)[0]
+            if graph.kinds.get(a.name) == NodeKind.PARAM:
+                params.append(graph.params[a.name])
+        if params and not any(p.requires_grad for p in params):
+            found.add(node.name)
+    out = cache["frozen_weight_matmuls"] = frozenset(found)
+    return out
+
+
 def layer_matmul_weights(graph: OpGraph) -> frozenset[str]:
     """The matmul weights a pinned tensor axis must split: those of the repeated layers (all of them in a model
     without layers). The LM head is left to the solver: splitting it pays only where the vocabulary is large."""

@@ -22,7 +22,7 @@ from autopar.ir import NodeKind, OpGraph, output_meta, tensor_args
 from autopar.passes import sharding_rules as rules
 from autopar.passes.context_parallel import CPPricing, is_attention
 from autopar.passes.parallelize import launches_early, local_op_targets
-from autopar.passes.sharding.graph import analysis, batch_split_nodes, layer_matmul_weights
+from autopar.passes.sharding.graph import analysis, batch_split_nodes, frozen_weight_matmuls, layer_matmul_weights
 from autopar.passes.sharding.reshard import R, grad_layout, redistribute_time
 from autopar.passes.sharding_rules import OpStrategy
 
@@ -185,6 +185,10 @@ class MeshGroups:
         d = (self.batch_div if self._carries_batch(node) else 1) * divisor
         fwd = self.estimator.forward_time_s(node, d)
         bwd = self.estimator.backward_time_s(node, d) if meta is not None and meta.dtype.is_floating_point else 0.0
+        if bwd and node.name in frozen_weight_matmuls(self.graph):  # a frozen weight: no dW GEMM
+            only_dx = getattr(self.estimator, "input_gradient_time_s", None)
+            # an estimator that times whole backwards (a profile) halves them: dX is one of two equal GEMMs
+            bwd = only_dx(node, d) if only_dx is not None else bwd / 2
         return self.mb * fwd, self.mb * bwd
 
     def _carries_batch(self, node: fx.Node) -> bool:
