@@ -247,8 +247,6 @@ class Program(ProgramCheckpoints, torch.nn.Module):
     # the attributes that depend on the trace, kept per sequence length (`autopar.runtime.shapes`, `_bind_trace`);
     # none for a program that runs the model eagerly
     _per_length: ClassVar[tuple[str, ...]] = ()
-    # why the program runs the planned sequence length only (None: it runs every shorter one)
-    _planned_length_only: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -343,12 +341,6 @@ class Program(ProgramCheckpoints, torch.nn.Module):
         """Run batches of sequences of `length` from now on (traced the first time: `autopar.runtime.shapes`)."""
         if length is None or length == self.lengths.current:
             return
-        if self._planned_length_only is not None:
-            raise ConfigError(
-                f"the batch holds sequences of {length} tokens but the {self.kind} program runs the planned "
-                f"{self.lengths.planned} only ({self._planned_length_only}); pad the batch to {self.lengths.planned} "
-                f"tokens (labels -100, attention_mask 0 where padded), or plan without a pipeline"
-            )
         parts = self.trace_parts(self.plan) or 1
         self.lengths.use(self, length, lambda: micro_batches(args, kwargs, self.plan.global_batch_size, parts)[0])
 

@@ -81,10 +81,9 @@ from autopar.checkpoint.pieces import contiguous_stride, dtensor_piece
 from autopar.cluster import ClusterSpec
 from autopar.context_parallel.inputs import is_causal_lm, local_batch
 from autopar.errors import LoweringError
-from autopar.ir import OpGraph
 from autopar.passes.lower import TensorAxis, lower_pass
 from autopar.passes.parallelize import dp_placement, local_shard
-from autopar.passes.pipeline_split import StageGraph, split_stages, stack_layers, values_needing_grad
+from autopar.passes.pipeline_split import StageGraph
 from autopar.passes.program_graph import copy_graph_module, eval_pass, sum_loss_pass
 from autopar.passes.sharding_rules import parse_placement, placement_str
 from autopar.plan import Plan, ProgramKind
@@ -97,7 +96,14 @@ from autopar.runtime.base import (
 )
 from autopar.runtime.collectives import device_mesh, waiting_for
 from autopar.runtime.pipeline_reductions import StepReductions, WholeWeight
-from autopar.runtime.pipeline_stages import Stage, make_schedule, make_tie_groups, stage_placements
+from autopar.runtime.pipeline_stages import (
+    Stage,
+    StageCut,
+    cut_stages,
+    make_schedule,
+    make_tie_groups,
+    stage_placements,
+)
 from autopar.runtime.sharded import LoweredRun
 from autopar.trace import TracedModel
 
@@ -117,7 +123,6 @@ class PipelineProgram(StepReductions, Program):
     """
 
     kind = ProgramKind.PIPELINE
-    _planned_length_only = "its stages' send and receive buffers are shaped for it when they are built"
 
     @classmethod
     def trace_parts(cls, plan: Plan) -> int:
@@ -129,8 +134,6 @@ class PipelineProgram(StepReductions, Program):
         self, model: torch.nn.Module, plan: Plan, traced: TracedModel, cluster: ClusterSpec, *, optimizer=None
     ):
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
-        from autopar.compat import PipelineStage
-
         info = plan.pipeline
         pp, tp, cp = plan.mesh["pp"], plan.mesh["tp"], plan.mesh.get("cp", 1)
         # the data axis: dp·cp ranks (with a cp axis each sequence is cp rows of the traced batch)
@@ -150,21 +153,11 @@ class PipelineProgram(StepReductions, Program):
             self.cp_knobs = dict(cp_group=self.cp_mesh.get_group("cp"), cp_algorithm=plan.context_parallel["algorithm"])
         self.pp_group = self.world.get_group("pp")
         self.pp_rank = self.world.get_local_rank("pp")
-        sig = traced.exported.graph_signature
         if traced.num_mutated_outputs:
             raise LoweringError(
                 "the model updates buffers or inputs in place, which pipeline stages do not "
                 "support; plan with constraints={'pp': 1}"
             )
-
-        # what each placeholder is
-        self._kind: dict[str, tuple[str, object]] = {}
-        params, buffers, inputs = iter(traced.param_names), iter(traced.buffer_names), iter(range(10**9))
-        consts = iter(s.target for s in sig.input_specs if s.kind.name in ("CONSTANT_TENSOR", "CUSTOM_OBJ"))
-        source = {"param": params, "buffer": buffers, "constant": consts, "input": inputs}
-        phs = [n for n in traced.exported.graph.nodes if n.op == "placeholder"]
-        for ph, kind in zip(phs, traced.placeholder_kinds, strict=True):
-            self._kind[ph.name] = (kind, next(source[kind]))
 
         # the stages: layer ranges in pipeline order (virtual stage j = chunk j // pp on device j % pp)
         v = int(info.get("virtual_stages", 1) or 1)
@@ -172,39 +165,23 @@ class PipelineProgram(StepReductions, Program):
         per_device = [st.layers for st in stage_plans]
         if len(per_device) != pp or any(len(r) != v for r in per_device):
             raise LoweringError(f"the plan's pipeline does not list {v} layer ranges on each of {pp} stages")
-        stage_layers = [[tuple(per_device[j % pp][j // pp])] for j in range(pp * v)]
+        self._stage_layers = [[tuple(per_device[j % pp][j // pp])] for j in range(pp * v)]
         self.num_stages = pp * v
-        frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
-        graph = OpGraph.from_traced(traced, frozen_params=frozen)
-        self.grad_values = values_needing_grad(
-            traced.exported.graph, {n for n, p in graph.params.items() if p.requires_grad}
-        )
-        if all(c is None for c, _ in graph.node_layer.values()):
-            raise LoweringError("pipeline stages need a stack of layers to cut; the model has none")
-        # several stacks (an encoder and a decoder) are cut as one sequence of layers
-        node_layer, container, _ = stack_layers(graph.node_layer)
-        param_nodes = set(graph.params)
-        self.param_nodes = frozenset(param_nodes)  # the stages' interpreters gather those split by ZeRO-3
-        stages = split_stages(
-            traced.graph_module,
-            node_layer,
-            container,
-            stage_layers,
-            param_nodes=param_nodes,
-            loss_output=traced.num_mutated_outputs,
-        )
-        mine = [sg for sg in stages if sg.index % pp == self.pp_rank]
+        self._frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+        cut = cut_stages(self, traced)
+        self._kind = cut.kind
+        self.param_nodes = frozenset(cut.graph.params)  # the stages' interpreters gather those split by ZeRO-3
+        # what a trace at another length must have: the same operations, each stage reading the same parameters
+        self._node_names, self._stage_params = cut.node_names, cut.stage_params
 
         # this rank's parameter shards: one per name, shared by its stages
         named = dict(model.named_parameters(remove_duplicate=False))
         buffers_by_name = dict(model.named_buffers(remove_duplicate=False))
         zero = {st.index: st.zero_stage for st in stage_plans}
         holders: dict[str, set[int]] = {}  # parameter -> devices (pp ranks) whose stages read it
-        for sg in stages:
-            for name in sg.placeholders:
-                kind, key = self._kind[name]
-                if kind == "param":
-                    holders.setdefault(key, set()).add(sg.index % pp)
+        for index, keys in cut.stage_params.items():
+            for key in keys:
+                holders.setdefault(key, set()).add(index % pp)
         self._param_names = sorted(k for k, devs in holders.items() if self.pp_rank in devs)
         self._placements: dict[str, tuple] = {}
         # ZeRO-1 with overlap: split weights gathered once a step, gradients reduce-scattered once (module docstring)
@@ -224,23 +201,57 @@ class PipelineProgram(StepReductions, Program):
         self._shapes = {k: tuple(named[k].shape) for k in self._param_names}
         self._buffers = {k: b.detach().to(self.device_type) for k, b in buffers_by_name.items()}
         self._run_buffers = {k: self.in_compute_format(b) for k, b in self._buffers.items()}
+        self._tie_groups = make_tie_groups(self, holders)
+        self._dp_summed = [k for k in self._param_names if dp > 1 and self._placements[k][0] == R]
+
+        self._compile_mode: str | None = None  # `compile_graphs`: applied to the stages of every length
+        self._bind_cut(traced, cut)
+        self._setup_reductions()
+        self._build_schedule()
+        self._micro_inputs: list[list] = []
+        self._build_optimizer([shards[k] for k in self._param_names])
+
+    # what depends on the trace: kept per sequence length (`autopar.runtime.shapes`); the parameters, buckets, tie
+    # groups and hooks are the program's and stay
+    _per_length = ("traced", "_kind", "grad_values", "_constants", "stages")
+
+    def _bind_trace(self, traced: TracedModel) -> None:
+        """Run the model as `traced`, a trace at another sequence length: its stages cut and lowered as at the
+        planned one; their send and receive buffers are the next schedule's (`_at_length`)."""
+        cut = cut_stages(self, traced)
+        if cut.stage_params != self._stage_params or cut.node_names != self._node_names:
+            raise LoweringError(
+                "the model traced at this sequence length cuts into stages that read other parameters, or holds "
+                "other operations, than at the planned one; compile with an example batch of this length"
+            )
+        self._bind_cut(traced, cut)
+
+    def _bind_cut(self, traced: TracedModel, cut: StageCut) -> None:
+        """This rank's stages of `cut` (the stage graphs of `traced`), lowered with their stage plans' placements."""
+        self.traced, self._kind, self.grad_values = traced, cut.kind, cut.grad_values
         self._constants = {
             k: self.in_compute_format(c.to(self.device_type)) if isinstance(c, torch.Tensor) else c
             for k, c in traced.exported.constants.items()
         }
-        self._tie_groups = make_tie_groups(self, holders)
-        self._dp_summed = [k for k in self._param_names if dp > 1 and self._placements[k][0] == R]
-
-        by_device = {st.index: st for st in stage_plans}
+        by_device = {st.index: st for st in self.plan.stage_plans}
         self.stages = [
             Stage(
                 self,
                 sg,
-                by_device[sg.index % pp].recompute,
-                stage_placements(self, by_device[sg.index % pp], sg, graph),
+                by_device[sg.index % self.pp].recompute,
+                stage_placements(self, by_device[sg.index % self.pp], sg, cut.graph),
             )
-            for sg in mine
+            for sg in cut.stages
+            if sg.index % self.pp == self.pp_rank
         ]
+        if self._compile_mode is not None:
+            self.compile_graphs(self._compile_mode)
+
+    def _build_schedule(self) -> None:
+        """The `PipelineStage`s of the current stages over the pp group, their receive buffers shaped (at the first
+        step) by the current sequence length, and the schedule running them."""
+        from autopar.compat import PipelineStage
+
         self._pipe_stages = [
             PipelineStage(
                 st,
@@ -253,10 +264,15 @@ class PipelineProgram(StepReductions, Program):
             )
             for st in self.stages
         ]
-        self._setup_reductions()
-        self.schedule = make_schedule(self, str(info.get("schedule", "1f1b")), v)
-        self._micro_inputs: list[list] = []
-        self._build_optimizer([shards[k] for k in self._param_names])
+        self.schedule = make_schedule(self, str(self.plan.pipeline.get("schedule", "1f1b")), self.num_stages // self.pp)
+
+    def _at_length(self, length: int | None, args, kwargs) -> None:
+        # every rank of a pp group has the same batch, so every stage switches at the same step and a sender's
+        # activations have the shape its receiver's new buffers take; only the current length's buffers are held
+        before = self.lengths.current
+        super()._at_length(length, args, kwargs)
+        if self.lengths.current != before:
+            self._build_schedule()
 
     # -------------------------------------------------------------------------------- execution
 
@@ -418,6 +434,7 @@ class PipelineProgram(StepReductions, Program):
         return loss_sum, weight
 
     def compile_graphs(self, mode: str) -> None:
+        self._compile_mode = mode
         for st in self.stages:
             st.train_interp.compile(mode)
             st.eval_interp.compile(mode)

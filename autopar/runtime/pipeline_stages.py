@@ -1,12 +1,14 @@
 """The stages of a pipeline program on this rank, and how the program sets them up.
 
 `Stage` runs one (virtual) stage's lowered graph as a `torch.nn.Module` for `torch.distributed.pipelining`;
-`stage_placements`, `make_schedule` and `make_tie_groups` are steps of `autopar.runtime.pipeline.PipelineProgram`'s
-construction, taking the program.
+`cut_stages`, `stage_placements`, `make_schedule` and `make_tie_groups` are steps of
+`autopar.runtime.pipeline.PipelineProgram`'s construction, taking the program; `cut_stages` and the `Stage`s also run
+for each other sequence length the program traces (`autopar.runtime.shapes`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +16,7 @@ import torch.distributed as dist
 
 from autopar.errors import LoweringError
 from autopar.ir import OpGraph
-from autopar.passes.pipeline_split import StageGraph
+from autopar.passes.pipeline_split import StageGraph, split_stages, stack_layers, values_needing_grad
 from autopar.plan import StagePlan
 from autopar.runtime import pipeline_schedule
 from autopar.runtime.base import check_scalar_loss
@@ -22,6 +24,59 @@ from autopar.runtime.collectives import new_group
 
 if TYPE_CHECKING:
     from autopar.runtime.pipeline import PipelineProgram
+    from autopar.trace import TracedModel
+
+
+@dataclass(frozen=True, slots=True)
+class StageCut:
+    """A trace cut into the plan's stages (every device's), with what the program reads of it.
+
+    kind: traced placeholder name -> (kind, key): ("param", fqn), ("buffer", fqn), ("constant", name) or ("input",
+        position among the flattened inputs).
+    graph: the trace's `OpGraph` (its representatives name the stage plans' placements).
+    grad_values: names of the values a gradient flows through.
+    stages: the stage graphs in pipeline order.
+    stage_params: stage index -> the parameters its graph reads (sorted).
+    node_names: every node of the trace.
+    """
+
+    kind: dict[str, tuple[str, object]]
+    graph: OpGraph
+    grad_values: frozenset[str]
+    stages: tuple[StageGraph, ...]
+    stage_params: dict[int, tuple[str, ...]]
+    node_names: frozenset[str]
+
+
+def cut_stages(program: PipelineProgram, traced: TracedModel) -> StageCut:
+    """`traced` cut into `program`'s stages (`passes.pipeline_split`): several stacks of layers (an encoder and a
+    decoder) as one sequence of layers."""
+    kind: dict[str, tuple[str, object]] = {}
+    sig = traced.exported.graph_signature
+    params, buffers, inputs = iter(traced.param_names), iter(traced.buffer_names), iter(range(10**9))
+    consts = iter(s.target for s in sig.input_specs if s.kind.name in ("CONSTANT_TENSOR", "CUSTOM_OBJ"))
+    source = {"param": params, "buffer": buffers, "constant": consts, "input": inputs}
+    phs = [n for n in traced.exported.graph.nodes if n.op == "placeholder"]
+    for ph, k in zip(phs, traced.placeholder_kinds, strict=True):
+        kind[ph.name] = (k, next(source[k]))
+    graph = OpGraph.from_traced(traced, frozen_params=program._frozen)
+    grad_values = values_needing_grad(traced.exported.graph, {n for n, p in graph.params.items() if p.requires_grad})
+    if all(c is None for c, _ in graph.node_layer.values()):
+        raise LoweringError("pipeline stages need a stack of layers to cut; the model has none")
+    node_layer, container, _ = stack_layers(graph.node_layer)
+    stages = split_stages(
+        traced.graph_module,
+        node_layer,
+        container,
+        program._stage_layers,
+        param_nodes=set(graph.params),
+        loss_output=traced.num_mutated_outputs,
+    )
+    stage_params = {
+        sg.index: tuple(sorted({kind[n][1] for n in sg.placeholders if kind[n][0] == "param"})) for sg in stages
+    }
+    names = frozenset(n.name for n in traced.exported.graph.nodes)
+    return StageCut(kind, graph, frozenset(grad_values), tuple(stages), stage_params, names)
 
 
 class Stage(torch.nn.Module):
@@ -134,4 +189,4 @@ def make_tie_groups(
     return out
 
 
-__all__ = ["Stage", "make_schedule", "make_tie_groups", "stage_placements"]
+__all__ = ["Stage", "StageCut", "cut_stages", "make_schedule", "make_tie_groups", "stage_placements"]

@@ -11,8 +11,12 @@ ZeRO stage, micro-batches, buckets, optimizer. What a program needs for the new 
   nodes differ is refused with what to do); buckets, prefetch groups and released weights belong to the
   parameters and stay. With a cp axis the new length must split into the zig-zag chunks (2 cp of them);
 - offload: the model runs eagerly over its chunks: any length, nothing traced;
-- pipeline: not supported: its stages' send and receive buffers (`PipelineStage`) are shaped at construction for the
-  planned length, so a shorter batch is refused with what to do (pad it, or plan without a pipeline).
+- pipeline: the model traced again and cut into the plan's stages, each lowered with its stage plan's placements as
+  at compile (a trace whose nodes differ, or whose stages read other parameters, is refused); the stages' send and
+  receive buffers (`PipelineStage`) and the schedule are made anew whenever the length changes, shaped by it, so
+  only the current length's buffers are held. Every rank of a pp group has the same rows, so a sender and its
+  receiver switch at the same step and agree on the shape without exchanging it. Parameters, buckets, gradient
+  hooks and tie groups belong to the parameters and stay.
 
 Each length is traced the first time a batch of it comes, with the program's own tracer (`compile` hands it one
 over a copy of the model whose parameters are fake tensors, so nothing of the model's size is held), and kept:

@@ -1,5 +1,5 @@
-"""Sequence lengths up to the planned one run on the plan's layout (each traced once and kept); longer ones, and
-shorter ones on a pipeline, are refused with what to do."""
+"""Sequence lengths up to the planned one run on the plan's layout (each traced once and kept), pipelines included;
+longer ones are refused with what to do."""
 
 from __future__ import annotations
 
@@ -99,19 +99,88 @@ def test_shorter_sequences_run_on_the_planned_layout():
                 torch.testing.assert_close(runs[0][i]["state"][key], value, atol=PARAM_ATOL, rtol=0)
 
 
-def _pipeline(rank: int, world_size: int):
-    args, kwargs = make_batch("llama")
-    pm = autopar.compile(
-        make_model("llama"), f"cpu:{world_size}", args, kwargs, constraints={"pp": 2, "num_microbatches": 2}
-    )
-    short = make_batch("llama", seq=8)
-    try:
-        pm.train_step(*short[0], **short[1])
-    except autopar.ConfigError as e:
-        return str(e)
-    return None
+# A pipeline (pp=2, two micro-batches) at 16, 8, 12, 8, 16 tokens: its stages cut again at each new length, the
+# activations and gradients between them sent at that length. SGD with momentum as above, and AdamW (lr 1e-3 and
+# eps 1e-6 on both sides: `ADAM_EPS` of the numerics tests, which damps rounding-level gradients near eps).
+PIPELINE = {"pp": 2, "tp": 1, "num_microbatches": 2}
+ADAM_EPS = 1e-6
+# AdamW over five steps: each element's update is about lr = 1e-3 whatever its gradient's size, so a wrong stage
+# boundary or scale moves most elements by ~1e-3; rounding-level differences of gradients near eps move single ones
+# by far less. 1e-5 (1% of lr) per element.
+ADAM_PARAM_ATOL = 1e-5
 
 
-def test_a_pipeline_refuses_shorter_sequences_saying_what_to_do():
-    for message in run_distributed(_pipeline, 2):
-        assert message is not None and "pad the batch to 16" in message, message
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, eps=ADAM_EPS)
+
+
+def _pipeline_runs(rank: int, world_size: int):
+    out = []
+    for optimizer in (_sgd, _adamw):
+        args, kwargs = make_batch("llama", seq=LENGTHS[0])
+        pm = autopar.compile(
+            make_model("llama"), f"cpu:{world_size}", args, kwargs, optimizer=optimizer, constraints=PIPELINE
+        )
+        losses = []
+        for seq in LENGTHS:
+            a, k = make_batch("llama", seq=seq)
+            losses.append(pm.train_step(*a, **k))
+        short = make_batch("llama", seq=8)
+        evaluated = pm.eval_step(*short[0], **short[1])
+        longer = make_batch("llama", seq=32)
+        try:
+            pm.train_step(*longer[0], **longer[1])
+            refused = None
+        except autopar.ConfigError as e:
+            refused = str(e)
+        out.append(
+            {
+                "kind": str(pm.plan.program),
+                "losses": losses,
+                "eval": evaluated,
+                "lengths": pm.lengths.traced,
+                "refused": refused,
+                "state": pm.state_dict(),
+            }
+        )
+    return out
+
+
+def _pipeline_reference(optimizer):
+    model = make_model("llama")
+    opt = optimizer(model.parameters())
+    losses = []
+    for seq in LENGTHS:
+        a, k = make_batch("llama", seq=seq)
+        opt.zero_grad()
+        loss = model(*a, **k).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    a, k = make_batch("llama", seq=8)
+    with torch.no_grad():
+        evaluated = float(model.eval()(*a, **k).loss)
+    return losses, evaluated, model.state_dict()
+
+
+def test_a_pipeline_runs_shorter_sequences_on_its_stages():
+    runs = run_distributed(_pipeline_runs, 2)
+    for i, optimizer in enumerate((_sgd, _adamw)):
+        ref_losses, ref_eval, ref_state = _pipeline_reference(optimizer)
+        for r in range(2):
+            got = runs[r][i]
+            assert got["kind"] == "pipeline", got["kind"]
+            # fp32: the same sums in another order (rounding only), every rank reporting the last stage's loss
+            assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (optimizer.__name__, r)
+            assert got["eval"] == pytest.approx(ref_eval, rel=LOSS_RTOL), (optimizer.__name__, r)
+            assert got["lengths"] == [8, 12, 16], got["lengths"]
+            assert got["refused"] is not None and "longer than the 16" in got["refused"], got["refused"]
+        atol = PARAM_ATOL if optimizer is _sgd else ADAM_PARAM_ATOL
+        for key, value in ref_state.items():
+            torch.testing.assert_close(
+                runs[0][i]["state"][key],
+                value,
+                atol=atol,
+                rtol=0,
+                msg=lambda m, k=key, o=optimizer.__name__: f"{o} {k}: {m}",
+            )
