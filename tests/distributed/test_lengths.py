@@ -8,6 +8,7 @@ import torch
 
 import autopar
 from tests.distributed.harness import run_distributed
+from tests.families import family_batch, make_family
 from tests.models import make_batch, make_model
 
 pytestmark = pytest.mark.distributed
@@ -100,8 +101,9 @@ def test_shorter_sequences_run_on_the_planned_layout():
 
 
 # A pipeline (pp=2, two micro-batches) at 16, 8, 12, 8, 16 tokens: its stages cut again at each new length, the
-# activations and gradients between them sent at that length. SGD with momentum as above, and AdamW (lr 1e-3 and
-# eps 1e-6 on both sides: `ADAM_EPS` of the numerics tests, which damps rounding-level gradients near eps).
+# activations and gradients between them sent at that length. The LLaMA with SGD with momentum as above, and with
+# AdamW (lr 1e-3 and eps 1e-6 on both sides: `ADAM_EPS` of the numerics tests, which damps rounding-level gradients
+# near eps); a T5, whose encoder and decoder stacks are cut as one sequence of layers, with SGD.
 PIPELINE = {"pp": 2, "tp": 1, "num_microbatches": 2}
 ADAM_EPS = 1e-6
 # AdamW over five steps: each element's update is about lr = 1e-3 whatever its gradient's size, so a wrong stage
@@ -114,20 +116,24 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=ADAM_EPS)
 
 
+PIPELINE_CASES = [("llama", _sgd), ("llama", _adamw), ("t5", _sgd)]
+
+
+def _model_and_batch(name: str):
+    if name == "t5":
+        return make_family("t5"), lambda seq: family_batch("t5", seq=seq)
+    return make_model(name), lambda seq: make_batch(name, seq=seq)
+
+
 def _pipeline_runs(rank: int, world_size: int):
     out = []
-    for optimizer in (_sgd, _adamw):
-        args, kwargs = make_batch("llama", seq=LENGTHS[0])
-        pm = autopar.compile(
-            make_model("llama"), f"cpu:{world_size}", args, kwargs, optimizer=optimizer, constraints=PIPELINE
-        )
-        losses = []
-        for seq in LENGTHS:
-            a, k = make_batch("llama", seq=seq)
-            losses.append(pm.train_step(*a, **k))
-        short = make_batch("llama", seq=8)
+    for name, optimizer in PIPELINE_CASES:
+        model, batch = _model_and_batch(name)
+        pm = autopar.compile(model, f"cpu:{world_size}", *batch(LENGTHS[0]), optimizer=optimizer, constraints=PIPELINE)
+        losses = [pm.train_step(*a, **k) for a, k in map(batch, LENGTHS)]
+        short = batch(8)
         evaluated = pm.eval_step(*short[0], **short[1])
-        longer = make_batch("llama", seq=32)
+        longer = batch(32)
         try:
             pm.train_step(*longer[0], **longer[1])
             refused = None
@@ -146,18 +152,18 @@ def _pipeline_runs(rank: int, world_size: int):
     return out
 
 
-def _pipeline_reference(optimizer):
-    model = make_model("llama")
+def _pipeline_reference(name: str, optimizer):
+    model, batch = _model_and_batch(name)
     opt = optimizer(model.parameters())
     losses = []
     for seq in LENGTHS:
-        a, k = make_batch("llama", seq=seq)
+        a, k = batch(seq)
         opt.zero_grad()
         loss = model(*a, **k).loss
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    a, k = make_batch("llama", seq=8)
+    a, k = batch(8)
     with torch.no_grad():
         evaluated = float(model.eval()(*a, **k).loss)
     return losses, evaluated, model.state_dict()
@@ -165,22 +171,19 @@ def _pipeline_reference(optimizer):
 
 def test_a_pipeline_runs_shorter_sequences_on_its_stages():
     runs = run_distributed(_pipeline_runs, 2)
-    for i, optimizer in enumerate((_sgd, _adamw)):
-        ref_losses, ref_eval, ref_state = _pipeline_reference(optimizer)
+    for i, (name, optimizer) in enumerate(PIPELINE_CASES):
+        case = (name, optimizer.__name__)
+        ref_losses, ref_eval, ref_state = _pipeline_reference(name, optimizer)
         for r in range(2):
             got = runs[r][i]
-            assert got["kind"] == "pipeline", got["kind"]
+            assert got["kind"] == "pipeline", (case, got["kind"])
             # fp32: the same sums in another order (rounding only), every rank reporting the last stage's loss
-            assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (optimizer.__name__, r)
-            assert got["eval"] == pytest.approx(ref_eval, rel=LOSS_RTOL), (optimizer.__name__, r)
-            assert got["lengths"] == [8, 12, 16], got["lengths"]
-            assert got["refused"] is not None and "longer than the 16" in got["refused"], got["refused"]
+            assert got["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL), (case, r)
+            assert got["eval"] == pytest.approx(ref_eval, rel=LOSS_RTOL), (case, r)
+            assert got["lengths"] == [8, 12, 16], (case, got["lengths"])
+            assert got["refused"] is not None and "longer than the 16" in got["refused"], (case, got["refused"])
         atol = PARAM_ATOL if optimizer is _sgd else ADAM_PARAM_ATOL
         for key, value in ref_state.items():
             torch.testing.assert_close(
-                runs[0][i]["state"][key],
-                value,
-                atol=atol,
-                rtol=0,
-                msg=lambda m, k=key, o=optimizer.__name__: f"{o} {k}: {m}",
+                runs[0][i]["state"][key], value, atol=atol, rtol=0, msg=lambda m, k=key, c=case: f"{c} {k}: {m}"
             )
