@@ -9,6 +9,7 @@ group to a consumer's, with their multiplicity.
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from autopar.passes import sharding_rules as rules
 from autopar.passes.context_parallel import CPPricing, is_attention
 from autopar.passes.parallelize import launches_early, local_op_targets
 from autopar.passes.sharding.graph import analysis, batch_split_nodes, frozen_weight_matmuls, layer_matmul_weights
-from autopar.passes.sharding.reshard import R, grad_layout, redistribute_time
+from autopar.passes.sharding.reshard import R, grad_layout, reshard_memo
 from autopar.passes.sharding_rules import OpStrategy
 
 
@@ -43,6 +44,22 @@ class Group:
     extra_s: list[float] = field(default_factory=list)
     # per follower: per strategy k, the forward part of extra_s (a gather before it), which recompute repeats
     follow_fwd_s: dict[str, list[float]] = field(default_factory=dict)
+
+
+_OP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _estimator_memo(estimator) -> dict:
+    """The (node, divisor) -> (forward, backward) seconds `estimator` gave, kept while it lives: an estimator is a
+    pure function of the node and the divisor, and one plan's programs (meshes, stage views, micro-batch counts) ask
+    it the same questions again and again. A fresh dict (no sharing) for an estimator that takes no weak reference."""
+    try:
+        found = _OP_TIMES.get(estimator)
+        if found is None:
+            found = _OP_TIMES[estimator] = {}
+    except TypeError:
+        return {}
+    return found
 
 
 class MeshGroups:
@@ -70,6 +87,7 @@ class MeshGroups:
         cp: CPPricing | None = None,
     ):
         self.graph, self.tp, self.tp_link = graph, tp, tp_link
+        self._reshard = reshard_memo(tp_link)  # redistribute_time on this link, shared with every equal link's
         self.batch, self.mb = batch, num_microbatches
         self.estimator, self.cp = estimator, cp
         self.batch_split = batch_split_nodes(graph, batch)
@@ -77,6 +95,8 @@ class MeshGroups:
         self.groups: dict[str, Group] = {}
         self.group_of: dict[str, str] = {}
         self._cp_costs: dict = {}  # (attention node, head divisor) -> CPAttentionCost
+        # (node, divisor) -> the estimator's (forward, backward) seconds, shared by every program priced with it
+        self._op_times = _estimator_memo(estimator)
         self._build_groups()
 
     def rep(self, name: str) -> str:
@@ -150,7 +170,7 @@ class MeshGroups:
         for k, src in enumerate(grp.out[arg.name]):
             o = rules.follow(node, src, self.tp)
             if o is None:  # the follower cannot keep this layout: gather first, then run replicated
-                gather = redistribute_time(src, R, nbytes, self.tp, self.tp_link) * grp.count * self.mb
+                gather = self._reshard.time(src, R, nbytes, self.tp) * grp.count * self.mb
                 grp.extra_s[k] += gather
                 grp.follow_fwd_s.setdefault(node.name, [0.0] * len(grp.strategies))[k] += gather
                 o, src = R, R
@@ -183,13 +203,17 @@ class MeshGroups:
             fwd, bwd = self.cp.times(node, self.batch // self.batch_div, divisor)
             return self.mb * fwd, self.mb * bwd
         d = (self.batch_div if self._carries_batch(node) else 1) * divisor
-        fwd = self.estimator.forward_time_s(node, d)
-        bwd = self.estimator.backward_time_s(node, d) if meta is not None and meta.dtype.is_floating_point else 0.0
-        if bwd and node.name in frozen_weight_matmuls(self.graph):  # a frozen weight: no dW GEMM
-            only_dx = getattr(self.estimator, "input_gradient_time_s", None)
-            # an estimator that times whole backwards (a profile) halves them: dX is one of two equal GEMMs
-            bwd = only_dx(node, d) if only_dx is not None else bwd / 2
-        return self.mb * fwd, self.mb * bwd
+        key = (node, d)
+        times = self._op_times.get(key)
+        if times is None:
+            fwd = self.estimator.forward_time_s(node, d)
+            bwd = self.estimator.backward_time_s(node, d) if meta is not None and meta.dtype.is_floating_point else 0.0
+            if bwd and node.name in frozen_weight_matmuls(self.graph):  # a frozen weight: no dW GEMM
+                only_dx = getattr(self.estimator, "input_gradient_time_s", None)
+                # an estimator that times whole backwards (a profile) halves them: dX is one of two equal GEMMs
+                bwd = only_dx(node, d) if only_dx is not None else bwd / 2
+            times = self._op_times[key] = (fwd, bwd)
+        return self.mb * times[0], self.mb * times[1]
 
     def _carries_batch(self, node: fx.Node) -> bool:
         return node.name in self.batch_split or any(a.name in self.batch_split for a in tensor_args(node))
@@ -248,14 +272,15 @@ class MeshGroups:
         cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
         fwd_cost = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
         hidden = [[0.0] * len(gcr.strategies) for _ in gpr.strategies]
+        reshard, tp = self._reshard.time, self.tp
         for k, src in enumerate(gpr.out[p]):
             for m in range(len(gcr.strategies)):
                 need, grad = gcr.need[c][m][i], gcr.grads[c][m][i]
-                fwd = redistribute_time(src, need, nbytes, self.tp, self.tp_link)
-                bwd = redistribute_time(grad, grad_layout(src), nbytes, self.tp, self.tp_link)
+                fwd = reshard(src, need, nbytes, tp)
+                bwd = reshard(grad, grad_layout(src), nbytes, tp)
                 hid = 0.0
                 if window and fwd:
-                    fix = redistribute_time(src, need, 1.0, self.tp, self.tp_link)
+                    fix = reshard(src, need, 1.0, tp)
                     hid = eta * min(max(fwd - fix, 0.0), window)
                 cost[k][m] = mult * self.mb * (fwd + bwd - hid)
                 fwd_cost[k][m] = mult * self.mb * fwd

@@ -33,8 +33,47 @@ def redistribute_kind(src: Placement, dst: Placement) -> Collective | None:
 
 def redistribute_time(src: Placement, dst: Placement, nbytes: float, tp: int, link: LinkSpec) -> float:
     """Time to turn a tensor of `nbytes` (full size) from placement `src` into `dst` on the tensor axis."""
-    if tp == 1:
-        return 0.0
+    return reshard_memo(link).time(src, dst, nbytes, tp)
+
+
+class ReshardMemo:
+    """`redistribute_time` on one link, each (src, dst, nbytes, tp) priced once: the programs of one plan (meshes,
+    stage views, micro-batch counts) price the same conversions of the same values again and again, and the price is
+    a pure function of them."""
+
+    __slots__ = ("link", "_times")
+
+    def __init__(self, link: LinkSpec):
+        self.link = link
+        self._times: dict[tuple, float] = {}
+
+    def time(self, src: Placement, dst: Placement, nbytes: float, tp: int) -> float:
+        if tp == 1:
+            return 0.0
+        key = (src, dst, nbytes, tp)
+        found = self._times.get(key)
+        if found is None:
+            if len(self._times) >= _MAX_ENTRIES:
+                self._times.clear()
+            found = self._times[key] = _redistribute_time(src, dst, nbytes, tp, self.link)
+        return found
+
+
+def reshard_memo(link: LinkSpec) -> ReshardMemo:
+    """The memo of `link` (equal links share one: a cluster makes a new link object for every mesh it is asked)."""
+    memo = _MEMOS.get(link)
+    if memo is None:
+        if len(_MEMOS) >= _MAX_LINKS:
+            _MEMOS.clear()
+        memo = _MEMOS[link] = ReshardMemo(link)
+    return memo
+
+
+_MEMOS: dict[LinkSpec, ReshardMemo] = {}
+_MAX_LINKS, _MAX_ENTRIES = 256, 1 << 18
+
+
+def _redistribute_time(src: Placement, dst: Placement, nbytes: float, tp: int, link: LinkSpec) -> float:
     try:
         kind = redistribute_kind(src, dst)
     except ValueError:
