@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from autopar.cluster import ClusterSpec
 from autopar.passes.pipeline.pins import divisors
 from autopar.passes.pipeline.schedules import Schedule, activation_copies, schedule_choices, schedule_slots
-from autopar.passes.pipeline.stage_cost import PricedStage, StackPricer, StagePricer
+from autopar.passes.pipeline.stage_cost import FLOOR_MARGIN, PricedStage, StackPricer, StagePricer
 from autopar.passes.pipeline.step_cost import (
     Overlap,
     Transfer,
@@ -137,7 +137,8 @@ class LayoutSearch:
         self.cluster, self.structure = pricer.cluster, pricer.structure
         self.L, self.B, self.budget = pricer.structure.num_layers, pricer.batch, pricer.budget
         self.overlap = Overlap(bool(constraints.get("overlap", True)), overlap_efficiency(pricer.cluster))
-        self.num_configurations = 0
+        self.num_configurations = 0  # configurations estimated
+        self.num_unestimated = 0  # configurations left unestimated when the search stopped (`run`)
         self.num_programs = 0  # stage programs this search solved (its pricer may hold others' too)
         self.least_memory: tuple[float, Configuration] | None = None
         self.dropped = False  # whether some configuration fit no cut at the memory floors (memory bound the search)
@@ -162,35 +163,48 @@ class LayoutSearch:
 
     def configurations(self) -> list[tuple[float, Configuration, list[int]]]:
         """(estimate, configuration, cut) of every allowed configuration where some cut fits the floors."""
-        pps = [self.c["pp"]] if self.c.get("pp") else [p for p in divisors(self.cluster.world_size) if 2 <= p <= self.L]
         out = []
-        for pp in pps:
-            for dp, tp in _meshes(self.c, self.cluster, pp, self.B, self.pricer.cp.degree):
-                if self.pricer.runs_cp_algorithm(tp):
-                    out += self._micro_batches(pp, dp, tp)
+        for walk in self.walks():
+            while not walk.done:
+                out += walk.step()
         return out
+
+    def walks(self) -> list[MicroBatchWalk]:
+        """The micro-batch walk of every allowed sub-mesh (pp, dp, tp), in the order of the configurations."""
+        pps = [self.c["pp"]] if self.c.get("pp") else [p for p in divisors(self.cluster.world_size) if 2 <= p <= self.L]
+        return [
+            MicroBatchWalk(self, pp, dp, tp)
+            for pp in pps
+            for dp, tp in _meshes(self.c, self.cluster, pp, self.B, self.pricer.cp.degree)
+            if self.pricer.runs_cp_algorithm(tp)
+        ]
 
     def _micro_batches(self, pp: int, dp: int, tp: int) -> list[tuple[float, Configuration, list[int]]]:
-        """The configurations of one sub-mesh, micro-batch sizes ascending.
-
-        Stops at a micro-batch size where nothing fits (larger ones need more memory), and once the best
-        estimate is more than MICRO_BATCH_STOP above the best at a smaller size: past the size where the
-        time per sample stops falling, larger micro-batches only lengthen the bubble.
-        """
-        out, best = [], math.inf
-        for m in reversed(ss._microbatch_choices(self.B // dp, self.c)):
-            tried = [Configuration(pp, dp, tp, m, s, v) for s, v in schedule_choices(self.c, pp, m, self.L)]
-            self.num_configurations += len(tried)
-            fits = [(est[0], cfg, est[1]) for cfg in tried if (est := self.estimate(cfg)) is not None]
-            out += fits
-            self.dropped |= len(fits) < len(tried)
-            if tried and not fits:
-                break
-            here = min((f[0] for f in fits), default=math.inf)
-            if here > best * (1 + MICRO_BATCH_STOP):
-                break
-            best = min(best, here)
+        """The configurations of one sub-mesh, micro-batch sizes ascending (`MicroBatchWalk`)."""
+        walk, out = MicroBatchWalk(self, pp, dp, tp), []
+        while not walk.done:
+            out += walk.step()
         return out
+
+    def compute_bound(self, cfg: Configuration) -> float:
+        """A lower bound of `estimate(cfg)` from compute alone, without solving a program: the least bottleneck
+        over the cuts of slots x (t_end + (k - 1) t_mid), each t the least compute of a one-layer view
+        (`StagePricer.compute_floor`), below the estimate's own stage cost term by term (its t is the floors'
+        solved optimum, and transfers, gradient sync and recompute only add), so its least bottleneck too."""
+        b, floor = self.micro_batch(cfg), self.pricer.compute_floor
+        slots = schedule_slots(cfg.schedule, cfg.pp, cfg.m, cfg.v)
+        mid = floor(False, False, cfg.tp, b)
+        ends = {s: floor(s == 0, s == cfg.pp - 1, cfg.tp, b) for s in (0, cfg.pp - 1)}
+
+        def cost(s: int, k: int) -> float:
+            if k < self.kmin(cfg) or k > self.L:
+                return math.inf
+            return slots * (ends.get(s, mid) + (k - 1) * mid)
+
+        alloc = _allocate(cost, [self.kmin(cfg)] * cfg.pp, self.L)
+        if alloc is None:
+            return math.inf  # no cut at all: the estimate finds none either
+        return max(cost(s, k) for s, k in enumerate(alloc)) * (1 - FLOOR_MARGIN)
 
     def estimate(self, cfg: Configuration) -> tuple[float, list[int]] | None:
         """T under the affine stage costs of `StageFloors` (see the module docstring), and its cut."""
@@ -270,17 +284,22 @@ class LayoutSearch:
         price = step_price(slots, stages, transfers, self.overlap, cfg.v)
         return price.step_s, alloc, stages, transfers, price
 
+    # configurations are estimated lazily, in order of their compute bound (`run`); the searches whose estimates
+    # are exact prices or whose memory decides a search of its own (cp) estimate every one first
+    lazy = True
+
     def run(self, bound: float = math.inf) -> tuple[list[dict], tuple | None]:
         """Estimate every configuration, price them exactly in order while they can still win (against each
-        other and against `bound`, a step found elsewhere)."""
+        other and against `bound`, a step found elsewhere).
+
+        Without a cp axis the estimates are made lazily (`_ranked`): a sub-mesh's remaining micro-batch sizes are
+        estimated only once the least compute bound among them (`compute_bound`) comes up in the order of the
+        estimates, so that those whose compute alone cannot beat the best exact step are never estimated. The
+        configurations priced, their order and the answer are those of estimating every one first.
+        """
         t0 = time.perf_counter()
-        ranked = sorted(self.configurations(), key=lambda r: (r[0], r[1].pp, r[1].v))
-        self.say(
-            f"pipeline: {len(ranked)} of {self.num_configurations} configurations fit the memory floors "
-            f"({time.perf_counter() - t0:.1f} s, {self.pricer.num_programs} programs)"
-        )
         records, best = [], None
-        for est, cfg, guess in ranked:
+        for est, cfg, guess in self._ranked():
             if est * (1 - ESTIMATE_SLACK) >= min(bound, best[0] if best is not None else math.inf):
                 break
             got = self.evaluate(cfg, guess)
@@ -307,7 +326,39 @@ class LayoutSearch:
             )
             if best is None or got[0] < best[0]:
                 best = (got[0], cfg, *got[1:])
+        self.say(
+            f"pipeline: {self.num_configurations} configurations estimated, {self.num_unestimated} left unestimated "
+            f"(their compute alone cannot win), {len(records)} priced exactly ({time.perf_counter() - t0:.1f} s, "
+            f"{self.pricer.num_programs} programs)"
+        )
         return records, best
+
+    def _ranked(self):
+        """(estimate, configuration, cut) in ascending order of the estimate (ties: fewer stages, fewer chunks,
+        then the order of `configurations`), made as they are asked for."""
+        if not self.lazy or self.pricer.cp.on:
+            yield from sorted(self.configurations(), key=lambda r: (r[0], r[1].pp, r[1].v))
+            return
+        walks = self.walks()
+        # (value, 0, walk) for a walk's unestimated sizes, at their least compute bound; (estimate, 1, pp, v,
+        # position) for an estimated configuration: at equal values a walk is resumed first, as its estimates
+        # are no lower than its bound
+        heap: list[tuple] = [(w.bound(), 0, i) for i, w in enumerate(walks) if not w.done]
+        heapq.heapify(heap)
+        while heap:
+            item = heapq.heappop(heap)
+            if item[1] == 0:
+                i = item[2]
+                walk = walks[i]
+                j = walk.j
+                for pos, (est, cfg, cut) in enumerate(walk.step()):
+                    heapq.heappush(heap, (est, 1, cfg.pp, cfg.v, (i, j, pos), cfg, cut))
+                if not walk.done:
+                    heapq.heappush(heap, (walk.bound(), 0, i))
+                continue
+            self.num_unestimated = sum(w.unestimated() for w in walks)
+            yield item[0], item[5], item[6]
+        self.num_unestimated = 0
 
     # ------------------------------------------------------------------------------- when nothing fits
 
@@ -330,6 +381,54 @@ class LayoutSearch:
             bound = self.pricer.program(key, first, last, cfg.dp, cfg.tp, cfg.m, copies).memory_lower_bound()
             return ShortStage(cfg, s, layers, copies, bound, fastest.memory_at(copies))
         return None
+
+
+class MicroBatchWalk:
+    """The configurations of one sub-mesh (pp, dp, tp), micro-batch sizes ascending, one size per `step`.
+
+    Stops at a micro-batch size where nothing fits (larger ones need more memory), and once the best
+    estimate is more than MICRO_BATCH_STOP above the best at a smaller size: past the size where the
+    time per sample stops falling, larger micro-batches only lengthen the bubble.
+    """
+
+    def __init__(self, search: LayoutSearch, pp: int, dp: int, tp: int):
+        self.search, self.pp, self.dp, self.tp = search, pp, dp, tp
+        self.ms = list(reversed(ss._microbatch_choices(search.B // dp, search.c)))
+        self.j = 0  # the next size
+        self.best = math.inf
+        self.done = not self.ms
+        self._bounds: list[float] | None = None
+
+    def _tried(self, m: int) -> list[Configuration]:
+        s = self.search
+        return [Configuration(self.pp, self.dp, self.tp, m, sc, v) for sc, v in schedule_choices(s.c, self.pp, m, s.L)]
+
+    def step(self) -> list[tuple[float, Configuration, list[int]]]:
+        """(estimate, configuration, cut) of the next size's configurations where some cut fits the floors."""
+        s = self.search
+        tried = self._tried(self.ms[self.j])
+        self.j += 1
+        s.num_configurations += len(tried)
+        fits = [(est[0], cfg, est[1]) for cfg in tried if (est := s.estimate(cfg)) is not None]
+        s.dropped |= len(fits) < len(tried)
+        here = min((f[0] for f in fits), default=math.inf)
+        if (tried and not fits) or here > self.best * (1 + MICRO_BATCH_STOP) or self.j == len(self.ms):
+            self.done = True
+        self.best = min(self.best, here)
+        return fits
+
+    def bound(self) -> float:
+        """The least compute bound (`LayoutSearch.compute_bound`) of the configurations of the sizes left."""
+        if self._bounds is None:  # suffix minima over the sizes
+            per = [min((self.search.compute_bound(c) for c in self._tried(m)), default=math.inf) for m in self.ms]
+            for j in range(len(per) - 2, -1, -1):
+                per[j] = min(per[j], per[j + 1])
+            self._bounds = per
+        return self._bounds[self.j]
+
+    def unestimated(self) -> int:
+        """Configurations of the sizes not walked yet (some of which the walk may never have reached)."""
+        return 0 if self.done else sum(len(self._tried(m)) for m in self.ms[self.j :])
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,6 +458,8 @@ class StackLayoutSearch(LayoutSearch):
     The estimate is the exact price (stage programs of a few unlike layers cannot be extrapolated from one
     layer), and each boundary's transfer is priced from the values that cross it.
     """
+
+    lazy = False
 
     def __init__(self, pricer: StackPricer, constraints: dict, say):
         super().__init__(pricer, constraints, say)

@@ -58,10 +58,13 @@ from autopar.passes.context_parallel import CPPricing, CPSpec, check_cp_graph, p
 from autopar.passes.pipeline.layers import LayerStructure, crossing_bytes, range_view, stage_view
 from autopar.passes.pipeline_split import stack_layers
 from autopar.passes.sharding.graph import TensorSplit
+from autopar.passes.sharding.groups import MeshGroups
 from autopar.passes.sharding.precision import Precision
 from autopar.passes.sharding.program import ShardingProgram
 from autopar.passes.sharding.solution import MeshResult
 from autopar.plan import PIPELINE_ZERO_STAGES
+
+FLOOR_MARGIN = 1e-6  # see StagePricer.compute_floor
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,7 @@ class StagePricer:
         self._bound: dict[tuple, PricedStage] = {}
         self._act_floor: dict[tuple, tuple[dict[str, float], dict[str, float], dict[str, float], float]] = {}
         self._state_floor: dict[tuple, tuple[dict[int, float], dict[int, float]]] = {}
+        self._compute_floor: dict[tuple, float] = {}
         self.num_programs = 0
 
     def view(self, k: int, first: bool, last: bool) -> OpGraph:
@@ -297,6 +301,34 @@ class StagePricer:
                     sync[z] += grp.count * min(prog.sync_time(name, j, z) + prog.optimizer_time(name, j, z) for j in ks)
             self._state_floor[skey] = (states, sync)
         return StageFloors(*self._act_floor[akey], *self._state_floor[skey])
+
+    def compute_floor(self, first: bool, last: bool, tp: int, b: int) -> float:
+        """A lower bound of the floors' t_mb (`floors`) of a one-layer stage view on tp devices at micro-batch size b,
+        without building its program: every group at the strategy of least compute, each on its own; no
+        resharding, no recompute (both only add). Without a cp axis (its attention is priced apart)."""
+        key = (first, last, tp, b)
+        if key not in self._compute_floor:
+            m = self.batch // b
+            groups = MeshGroups(
+                self.view(1, first, last),
+                tp=tp,
+                tp_link=self.cluster.link_for_axis(tp, 1),
+                data_ranks=1,
+                batch=self.batch,
+                num_microbatches=m,
+                estimator=self.estimator,
+            )
+            total = 0.0
+            for grp in groups.groups.values():
+                if grp.count:
+                    ks = range(len(grp.strategies))
+                    total += grp.count * min(
+                        sum(sum(groups.op_times(groups.graph.node(n), grp.divisor[n][k])) for n in grp.members)
+                        for k in ks
+                    )
+            # the solver's binaries may sit a hair below 1: a bound a hair below the sum keeps it a bound
+            self._compute_floor[key] = total / m * (1 - FLOOR_MARGIN)
+        return self._compute_floor[key]
 
     @staticmethod
     def _record(prog: ShardingProgram, res: MeshResult, copies: float) -> PricedStage:
