@@ -90,6 +90,14 @@ def _bench_cmd(args) -> int:
         exits.run(args.out, launches=args.launches or 200, kinds=kinds, show_progress=not args.quiet)
         print(f"[autopar] wrote exits.json and exits.md to {args.out}", file=sys.stderr)
         return 0
+    if args.suite == "compile" and args.matrix:
+        from autopar.bench import compile_matrix
+
+        compile_matrix.run(args.out, show_progress=not args.quiet)
+        print(f"[autopar] wrote compile-matrix.json and compile-matrix.md to {args.out}", file=sys.stderr)
+        return 0
+    if args.matrix:
+        warnings.warn(f"--matrix applies to the compile suite only; the {args.suite} suite ignores it", stacklevel=1)
     if args.rows is not None:
         warnings.warn(f"--rows applies to the calibrate suite only; the {args.suite} suite ignores it", stacklevel=1)
     if args.cluster is not None and args.suite not in ("run", "overhead", "soak", "checkpoint"):
@@ -189,6 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(e.g. 1.7b,18.4b); default all",
     )
     b.add_argument("--quick", action="store_true", help="a subset that runs in about a minute")
+    b.add_argument(
+        "--matrix",
+        action="store_true",
+        help="compile suite: the wide matrix instead (dense and MoE presets, 8 to 4,096 devices, 4K to 128K "
+        "sequences, pinned layouts), each case planned in a fresh process",
+    )
     b.add_argument(
         "--cluster",
         help="run, overhead, soak and checkpoint suites: local CPU ranks, cpu:N (default cpu:2; cpu:4 for soak)",
