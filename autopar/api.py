@@ -26,6 +26,7 @@ from autopar.input_validation import (
 )
 from autopar.plan import Plan
 from autopar.planning import plan_model, plan_to_compile, solve_placements
+from autopar.time_limit import limited
 from autopar.tracing import length_tracer, program_trace
 
 
@@ -48,6 +49,7 @@ def plan(
     compare=(),
     alternatives: bool | None = None,
     max_grad_norm: float | None = None,
+    time_limit_s: float | None = None,
     _traced=None,
 ) -> Plan:
     """Trace `model`, price every layout on `cluster`, and return the fastest plan that fits.
@@ -80,6 +82,9 @@ def plan(
             the plans `compile` makes for itself and those of a trace handed in (`_traced`).
         max_grad_norm: the global gradient norm the program will clip to (`compile`'s, which a plan given to it
             brings): priced as its passes over the gradients (`autopar.cost_model.step_guard`).
+        time_limit_s: seconds planning may take: past them the searches try no more candidates and the best plan
+            found so far comes back (each search solves one at least), with `plan.stats["time_limit"]` saying
+            whether the search was cut short and what it did not try (`autopar.time_limit`). Default: none.
         _traced: the TracedModel of `model` when the caller has one already (tests and benchmarks that plan one
             trace under many settings); its graph is fused in place when fusion is on.
     """
@@ -102,7 +107,11 @@ def plan(
         alternatives=alternatives,
         max_grad_norm=max_grad_norm,
     )
-    return plan_model(request, traced=_traced)
+    with limited(time_limit_s) as limit:
+        chosen = plan_model(request, traced=_traced)
+    if limit is None:
+        return chosen
+    return dataclasses.replace(chosen, stats=chosen.stats | {"time_limit": limit.record()})
 
 
 def compile(

@@ -20,6 +20,7 @@ import functools
 import time
 import warnings
 
+from autopar import time_limit
 from autopar.cluster import ClusterSpec
 from autopar.constraints import Constraints
 from autopar.cp_search import cp_degrees, search_cp
@@ -69,6 +70,9 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
     alternatives = rq.alternatives
     if alternatives is None:
         alternatives = traced is None  # compile's own planning builds a program, never a report
+    if alternatives and time_limit.expired():
+        time_limit.skipped("the layouts a report prices next to the plan (DDP, ZeRO-3, Megatron-style, runner-up)")
+        alternatives = False
     if alternatives or rq.compare:
         t_alt = time.perf_counter()
         chosen = with_rationale(

@@ -102,6 +102,16 @@ def summary_blocks(plan) -> list:
         ["kernel fusion", _fusion_words(plan.fusion)],
         ["planning time", f"{st['total_time_s']:,.2f} s" if "total_time_s" in st else _NO_PLANNING_TIME],
     ]
+    limit = st.get("time_limit")
+    if isinstance(limit, dict) and limit.get("cut_short"):
+        not_tried = "; ".join(str(x) for x in limit.get("not_tried", []))
+        rows.append(
+            [
+                "time limit",
+                f"{limit.get('limit_s')} s passed: the best plan found by then, not the search's answer "
+                f"(not tried: {not_tried})",
+            ]
+        )
     return [("h1", f"autopar plan: {plan.model_name}"), ("h2", "Summary"), ("table", ["", ""], rows)]
 
 

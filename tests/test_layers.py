@@ -3,7 +3,7 @@ import sits at the top of the file or inside a function, and packages of one lay
 
 The layers, bottom up (`docs/architecture.md` draws them):
 
-0. base: errors, units, compat, constraints, presets, the Triton kernels, and the collectives with a timeout
+0. base: errors, units, compat, constraints, the planning time limit, presets, the Triton kernels, and the collectives with a timeout
    (`runtime/collectives.py` imports only compat and errors; it lives beside the programs that use most of it)
 1. cost model and the model's graph: cost_model, cluster, trace, ir, the context-parallel algorithms
 2. plans and what describes them: plan, rationale, explain and the report_* sections and charts, program_comm,
@@ -35,6 +35,7 @@ LAYERS = (
         "autopar.compat",
         "autopar.constraints",
         "autopar.guard_options",
+        "autopar.time_limit",
         "autopar.presets",
         "autopar.triton_kernels",
         "autopar.runtime.collectives",

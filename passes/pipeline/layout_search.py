@@ -46,6 +46,7 @@ import math
 import time
 from dataclasses import dataclass
 
+from autopar import time_limit
 from autopar.cluster import ClusterSpec
 from autopar.passes.pipeline.pins import divisors
 from autopar.passes.pipeline.schedules import Schedule, activation_copies, schedule_choices, schedule_slots
@@ -301,6 +302,12 @@ class LayoutSearch:
         records, best = [], None
         for est, cfg, guess in self._ranked():
             if est * (1 - ESTIMATE_SLACK) >= min(bound, best[0] if best is not None else math.inf):
+                break
+            if time_limit.expired():
+                time_limit.skipped(
+                    f"pipeline layouts from {cfg.describe(self.pricer.cp.degree)} (estimate {est * 1e3:.2f} ms) on, "
+                    f"in order of their estimates"
+                )
                 break
             got = self.evaluate(cfg, guess)
             records.append(

@@ -22,6 +22,7 @@ import math
 import time
 import warnings
 
+from autopar import time_limit
 from autopar.cluster import ClusterSpec
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
@@ -129,6 +130,10 @@ def solve_sharding(
     results, bounds, candidates = [], [], []
     for dp, tp in _pinned(constraints, cluster.world_size, batch_size):
         if dp % cp.degree:
+            continue
+        if candidates and time_limit.expired():  # one mesh is solved at least, so that a plan comes back
+            results.append(_refused(dp, tp, "not solved: the time limit had passed"))
+            time_limit.skipped(f"mesh dp={dp // cp.degree} tp={tp}")
             continue
         pricing = None
         if cp.on:
@@ -256,6 +261,10 @@ def _solve_candidates(candidates: list, results: list, batch_size: int, constrai
     candidates.sort(key=lambda c: c[0].step_time_s)
     best, best_prog = None, None
     for free, prog, make in candidates:
+        if best is not None and time_limit.expired() and free.step_time_s < best.step_time_s:
+            results.append(dataclasses.replace(free, feasible=False, reason="not solved: the time limit had passed"))
+            time_limit.skipped(f"mesh dp={free.dp} tp={free.tp} (at least {free.step_time_s * 1e3:.2f} ms)")
+            continue
         if best is not None and free.step_time_s >= best.step_time_s:
             results.append(
                 dataclasses.replace(
