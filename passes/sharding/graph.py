@@ -150,29 +150,14 @@ def matmul_weights(graph: OpGraph) -> frozenset[str]:
     cache = analysis(graph)
     if "matmul_weights" in cache:
         return cache["matmul_weights"]
-    found: set[str] = set()
-    for node in graph.graph.nodes:
-        if node.op != "call_function" or str(node.target) not in _MATMUL_WEIGHT_ARG:
-            continue
-        args = tensor_args(node)
-        idx = _MATMUL_WEIGHT_ARG[str(node.target)]
-        for a in args if idx is None else args[idx : idx + 1]:
-            while a.op == "call_function" and str(a.target) in _WEIGHT_PATH_OPS and tensor_args(a):
-                a = tensor_args(a)[0]
-            if graph.kinds.get(a.name) == NodeKind.PARAM:
-                found.add(graph.representative[a.name])
+    found = {graph.representative[p] for _, params in _matmul_params(graph) for p in params}
     out = cache["matmul_weights"] = frozenset(found)
     return out
 
 
-def frozen_weight_matmuls(graph: OpGraph) -> frozenset[str]:
-    """Matrix products (node names) whose weight is a frozen parameter (`requires_grad=False`): their backward
-    computes the input's gradient only, no weight gradient. A product of two parameters counts when both are
-    frozen; of two activations (attention's scores), never."""
-    cache = analysis(graph)
-    if "frozen_weight_matmuls" in cache:
-        return cache["frozen_weight_matmuls"]
-    found: set[str] = set()
+def _matmul_params(graph: OpGraph):
+    """(matrix product node, the parameter nodes it reads as its weight), for every product of the graph; a weight
+    is followed back through the ops that only select or reshape it (an expert by index, a transpose)."""
     for node in graph.graph.nodes:
         if node.op != "call_function" or str(node.target) not in _MATMUL_WEIGHT_ARG:
             continue
@@ -183,9 +168,22 @@ def frozen_weight_matmuls(graph: OpGraph) -> frozenset[str]:
             while a.op == "call_function" and str(a.target) in _WEIGHT_PATH_OPS and tensor_args(a):
                 a = tensor_args(a)[0]
             if graph.kinds.get(a.name) == NodeKind.PARAM:
-                params.append(graph.params[a.name])
-        if params and not any(p.requires_grad for p in params):
-            found.add(node.name)
+                params.append(a.name)
+        yield node, params
+
+
+def frozen_weight_matmuls(graph: OpGraph) -> frozenset[str]:
+    """Matrix products (node names) whose weight is a frozen parameter (`requires_grad=False`): their backward
+    computes the input's gradient only, no weight gradient. A product of two parameters counts when both are
+    frozen; of two activations (attention's scores), never."""
+    cache = analysis(graph)
+    if "frozen_weight_matmuls" in cache:
+        return cache["frozen_weight_matmuls"]
+    found = {
+        node.name
+        for node, params in _matmul_params(graph)
+        if params and not any(graph.params[p].requires_grad for p in params)
+    }
     out = cache["frozen_weight_matmuls"] = frozenset(found)
     return out
 
