@@ -219,8 +219,10 @@ class _GatherSplit(torch.autograd.Function):
     `split_gather` lays them out); the backward reduce-scatters the whole gradient back to this rank's piece."""
 
     @staticmethod
-    def forward(ctx, local, dim, size, group):
+    def forward(ctx, local, dim, size, group, whole):
         ctx.dim, ctx.size, ctx.group, ctx.length = dim, size, group, local.shape[dim]
+        if whole is not None:  # gathered already, with its layer (`autopar.runtime.layer_gather`)
+            return whole
         parts = dist.get_world_size(group)
         chunk = -(-size // parts)
         whole = compat.funcol_all_gather(_padded(local, dim, chunk).contiguous(), 0, group)
@@ -233,13 +235,13 @@ class _GatherSplit(torch.autograd.Function):
         chunk = -(-ctx.size // parts)
         piece = compat.funcol_reduce_scatter(_padded(grad, ctx.dim, parts * chunk).contiguous(), 0, ctx.group)
         piece = piece.wait() if hasattr(piece, "wait") else piece
-        return piece[: ctx.length].movedim(0, ctx.dim).contiguous(), None, None, None
+        return piece[: ctx.length].movedim(0, ctx.dim).contiguous(), None, None, None, None
 
 
-def gather_split(local: torch.Tensor, dim: int, size: int, group) -> torch.Tensor:
+def gather_split(local: torch.Tensor, dim: int, size: int, group, *, whole: torch.Tensor | None = None) -> torch.Tensor:
     """`local`, this rank's piece of a tensor split on `dim` (whole length `size`) over `group`, gathered whole; the
     gradient of the whole comes back reduce-scattered (ZeRO's gather without overlap, as DTensor's Shard ->
-    Replicate does it)."""
+    Replicate does it). `whole`: the tensor whole, gathered already (with others, in one collective)."""
     if dist.get_world_size(group) == 1:
         return local
-    return _GatherSplit.apply(local, dim, size, group)
+    return _GatherSplit.apply(local, dim, size, group, whole)

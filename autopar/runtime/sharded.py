@@ -22,7 +22,8 @@ cp group with the plan's algorithm.
 
 Overlap (`plan.overlap`, with more than one rank on the data axis) and its prefetch of gathers:
 `autopar.runtime.sharded_overlap`. Gathered weights (ZeRO >= 1), kept for the step or released after the forward
-(ZeRO-3): `autopar.runtime.sharded_release`. `plan.overlap` False keeps the synchronous path: a split weight
+(ZeRO-3): `autopar.runtime.sharded_release`; a layer's split weights are gathered in one all-gather
+(`autopar.runtime.layer_gather`). `plan.overlap` False keeps the synchronous path: a split weight
 gathered at each use (its gradient reduce-scattered by that gather's backward), a replicated one's gradient
 all-reduced in the backward of its first read, and one bucketed all-reduce after backward when micro-batches are
 accumulated.
@@ -60,6 +61,7 @@ from autopar.runtime.base import (
     sum_in_buckets,
 )
 from autopar.runtime.collectives import device_mesh, waiting_for
+from autopar.runtime.layer_gather import LayerGathers
 from autopar.runtime.sharded_overlap import GradientOverlap
 from autopar.runtime.sharded_release import ReleasedWeights
 from autopar.trace import TracedModel
@@ -121,7 +123,7 @@ class LoweredRun:
         self._compiled = compiled(self.gm, mode)
 
 
-class ShardedProgram(GradientOverlap, ReleasedWeights, Program):
+class ShardedProgram(GradientOverlap, ReleasedWeights, LayerGathers, Program):
     """The sharded program of one plan on this rank (see the module docstring)."""
 
     kind = ProgramKind.SHARDED
@@ -176,6 +178,7 @@ class ShardedProgram(GradientOverlap, ReleasedWeights, Program):
         self._in_backward = False
         self._param_ptrs: set[int] = set()  # storages activation offload keeps where they are
         self._setup_release()
+        self._setup_layer_gathers(placeholders, traced.placeholder_kinds)
         if self.overlap:
             self._setup_overlap(placeholders, traced.placeholder_kinds)
         self._compile_mode: str | None = None  # `compile_graphs`
@@ -303,8 +306,8 @@ class ShardedProgram(GradientOverlap, ReleasedWeights, Program):
         out = []
         for i, shard in enumerate(self.shards):
             out.append(self.in_compute_format(shard) if self._split_dim[i] is not None else shard)
-        if self.overlap:  # what a gather issued ahead sends: the pieces the graph's own gathers would
-            self._sources = [v.detach() if d is not None else None for v, d in zip(out, self._split_dim, strict=True)]
+        # what a layer's gather (or one issued ahead) sends: the pieces the graph's own gathers would
+        self._sources = [v.detach() if d is not None else None for v, d in zip(out, self._split_dim, strict=True)]
         if self._interp.activation_offload is not None:
             self._param_ptrs = {v.untyped_storage().data_ptr() for v in out} | {
                 s.untyped_storage().data_ptr() for s in self.shards
@@ -327,6 +330,7 @@ class ShardedProgram(GradientOverlap, ReleasedWeights, Program):
         ]
 
     def _run(self, args, kwargs, interp: LoweredRun) -> list:
+        self._new_pass()
         values = placeholder_values(
             self.traced, self._param_values(), self._run_buffers, self._constants.get, self._inputs(args, kwargs)
         )

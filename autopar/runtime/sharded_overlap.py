@@ -21,14 +21,14 @@ micro-batches' backwards issue them:
 Each micro-batch's end issues the buckets its backward left unfilled (a parameter without a gradient) and waits
 for every bucket it launched, so the optimizer (after the last) sees complete gradients.
 
-Prefetch (`plan.prefetch_depth` d > 0, with overlap): the split parameters are grouped by layer (the
-`...layers.<i>.` prefix of their names; a parameter outside numbered layers is a group of its own), in the order
-the graph first reads them. When the forward gathers the first parameter of a group, it issues asynchronous
-gathers of the next d groups' parameters; a parameter's next gather then waits on its prefetched one instead of
-starting its own, so the number of gathers is unchanged. The backward gathers layers again in the reverse order (a
-recompute's segments, a ZeRO-3 weight released after the forward): there the first gather of a group issues those
-of the d previous ones (of the parameters a recompute or a released weight will need). At most d groups' gathered
-parameters are in flight beyond the one being used: the plan's memory counts them.
+Prefetch (`plan.prefetch_depth` d > 0, with overlap): the split parameters are gathered a layer group at a time
+(`autopar.runtime.layer_gather`: one all-gather per group, in the order the graph first reads them). When the
+forward gathers the first parameter of a group, it issues the asynchronous gathers of the next d groups; a
+parameter's next gather then takes its prefetched whole instead of starting its own, so the number of gathers is
+unchanged: one per group and pass. The backward gathers layers again in the reverse order (a recompute's segments,
+a ZeRO-3 weight released after the forward): there the first gather of a group issues those of the d previous ones
+(of the parameters a recompute or a released weight will need). At most d groups' gathered parameters are in
+flight beyond the one being used: the plan's memory counts them.
 
 `GradientOverlap` holds the buckets, the prefetch groups and the per-step state for
 `autopar.runtime.sharded.ShardedProgram`, which calls `_setup_overlap` at construction and `_arm` and
@@ -100,31 +100,14 @@ class GradientOverlap:
                 self.shards[i].register_post_accumulate_grad_hook(lambda _, i=i: self._grad_ready(i))
         self._launched: list[int] = []  # buckets launched in this micro-batch's backward
         self._in_flight: list[int] = []  # reduce-scatter buckets launched and not yet waited for, oldest first
-        self._setup_prefetch(placeholders, kinds)
+        self._setup_prefetch()
         self._uses = [0] * n  # forward gathers of a split parameter not yet differentiated
         # whole gradients of split parameters, this rank's sums (until their bucket is launched)
         self._full: list[torch.Tensor | None] = [None] * n
 
-    def _setup_prefetch(self, placeholders: list[str], kinds) -> None:
-        """Groups of split trainable parameters by layer, in the order the graph first reads them."""
-        import re
-
+    def _setup_prefetch(self) -> None:
+        """The prefetch depth and the per-step state of the prefetch (the layer groups: `LayerGathers`)."""
         self.prefetch_depth = self.comm.prefetch_depth
-        self._prefetched: dict[int, tuple] = {}
-        self._sources: list[torch.Tensor | None] = [None] * len(self._param_names)  # this step's local pieces
-        graph = self.traced.graph_module.graph
-        position = {node: k for k, node in enumerate(graph.nodes)}
-        first_use = {}
-        for node, kind in zip((n for n in graph.nodes if n.op == "placeholder"), kinds, strict=True):
-            i = self._index_of.get(node.name) if kind == "param" else None
-            if i is not None and node.users and self._split_dim[i] is not None and self.shards[i].requires_grad:
-                first_use[i] = min(position[u] for u in node.users)
-        groups: dict[str, list[int]] = {}
-        for i in sorted(first_use, key=first_use.get):
-            found = re.match(r"(.*?\.\d+)\.", self._param_names[i])
-            groups.setdefault(found.group(1) if found else self._param_names[i], []).append(i)
-        self._groups = list(groups.values())
-        self._group_of = {i: g for g, members in enumerate(self._groups) for i in members}
         self._ahead_done: set[int] = set()  # groups whose backward gathers have issued the previous groups'
 
     def _prefetch_after(self, i: int) -> None:
@@ -145,24 +128,9 @@ class GradientOverlap:
             h = g + step * k
             if not 0 <= h < len(self._groups):
                 break
-            for j in self._groups[h]:
-                if j in self._prefetched or j in self._held or self._sources[j] is None:
-                    continue
-                if self._in_backward and j not in self._recomputed and not self._handles.get(j):
-                    continue
-                d = self._split_dim[j]
-                self._record("prefetch", self._param_names[j])
-                self._prefetched[j] = overlap.split_gather(
-                    self._sources[j], d, self._shapes[j][d], self._dp_group, async_op=True
-                )
-
-    def _drop_prefetched(self) -> None:
-        """Wait for gathers issued ahead that nothing used (a forward that stopped early) and forget them."""
-        if not getattr(self, "_prefetched", None):  # a program without split parameters prefetches nothing
-            return
-        for work, _ in self._prefetched.values():
-            work.wait()
-        self._prefetched.clear()
+            members = self._group_members(h)
+            if members:
+                self._issue_gather(members, "prefetch", async_op=True)
 
     def _gather(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """The graph's gather of a parameter split over the data axis: deferred reduce-scatter."""
@@ -175,20 +143,12 @@ class GradientOverlap:
         return full
 
     def _gather_now(self, i: int, local: torch.Tensor) -> torch.Tensor:
-        """Parameter i whole on the data axis: its gather issued ahead, else one issued now; then the gathers of the
+        """Parameter i whole on the data axis: from its group's gather (issued ahead, or now); then the gathers of the
         next groups go out, while this one's layer computes. ZeRO-1 and 2 gather a weight once a step and keep it."""
         held = self._held.get(i)
         if held is not None:
             return held.detach()
-        ahead = self._prefetched.pop(i, None)
-        if ahead is not None:
-            work, finish = ahead
-            work.wait()
-            full = finish()
-        else:
-            self._record("gather", self._param_names[i])
-            d = self._split_dim[i]
-            full = overlap.split_gather(local, d, self._shapes[i][d], self._dp_group)
+        full = self._whole(i, local)
         self._record("gathered", self._param_names[i])
         if self._hold:
             self._held[i] = full.detach()

@@ -3,8 +3,9 @@
 Gathered weights (ZeRO >= 1, more than one rank on the data axis). ZeRO-3 keeps no whole weight from a forward to
 its backward, as FSDP reshards after forward: while a step runs, a saved-tensor hook turns what autograd saves of a
 gathered weight (the weight, or a view of it) into a handle, and the backward gathers that weight again when it
-first unpacks one (once per micro-batch, for all its saved uses). So a step gathers each weight twice per
-micro-batch, in its forward and in its backward, and holds whole only the weights of the op running and those
+first unpacks one (once per micro-batch, for all its saved uses; with the other weights of its layer the backward
+needs again, in one all-gather: `autopar.runtime.layer_gather`). So a step gathers each weight twice per
+micro-batch, in its forward and in its backward, and holds whole only the weights of the layer running and those
 gathered ahead: what the plan prices. ZeRO-1 and 2 (with overlap) hold every weight whole anyway (the plan counts
 them so): each is gathered in the step's first forward and kept until the step ends, one gather per weight per
 step, as priced.
@@ -77,11 +78,7 @@ class ReleasedWeights:
         full = self._regathered.get(i)
         if full is None:
             source = self._regather_from[i]
-            if self.overlap:
-                full = self._gather_now(i, source)
-            else:
-                self._record("gather", self._param_names[i])
-                full = self._gather_sync(i, source)
+            full = self._gather_now(i, source) if self.overlap else self._gather_sync(i, source)
             self._regathered[i] = full
         self._handles[i] -= 1
         if not self._handles[i]:
@@ -96,6 +93,7 @@ class ReleasedWeights:
 
     def _forget_gathers(self) -> None:
         """End of a step (or a forward outside one): no gathered weight is kept or awaited any more."""
+        self._drop_prefetched()
         self._held.clear()
         self._gathered_by.clear()
         self._regather_from.clear()
@@ -103,9 +101,10 @@ class ReleasedWeights:
         self._regathered.clear()
 
     def _gather_sync(self, i: int, local: torch.Tensor) -> torch.Tensor:
-        """Split parameter i whole, its gradient (if any) reduce-scattered by the gather's backward."""
+        """Split parameter i whole (from its layer group's gather: `LayerGathers`), its gradient (if any)
+        reduce-scattered by the gather's backward."""
         d = self._split_dim[i]
-        return overlap.gather_split(local, d, self._shapes[i][d], self._dp_group)
+        return overlap.gather_split(local, d, self._shapes[i][d], self._dp_group, whole=self._whole(i, local))
 
     def _gather_plain(self, i: int, local: torch.Tensor) -> torch.Tensor:
         """The gather without overlap, its weight released at ZeRO-3."""

@@ -284,10 +284,18 @@ def _kept(rank: int, world_size: int, cases):
     for constraints in cases:
         pm, args, kwargs, _ = _stepped(constraints, world_size)
         gathered, kept = [], []  # gathered weights kept alive here, so that no other tensor reuses their storage
+        calls = []
+        released = pm._released
 
-        def counting(output, *a, gathered=gathered, **k):
-            gathered.append(output)
-            return real(output, *a, **k)
+        def counting(*a, calls=calls, **k):
+            calls.append(1)
+            return real(*a, **k)
+
+        def collecting(i, full, source, gathered=gathered, released=released):
+            gathered.append(full)  # every weight a forward gathers whole is handed here
+            return released(i, full, source)
+
+        pm._released = collecting
 
         def recording(pm=pm, kept=kept):
             def pack(saved):
@@ -306,7 +314,8 @@ def _kept(rank: int, world_size: int, cases):
         locals_ = [t._local_tensor if isinstance(t, DTensor) else t for t in kept if isinstance(t, torch.Tensor)]
         out.append(
             {
-                "gathers": len(gathered),
+                "gathers": len(calls),
+                "groups": len(pm._groups),
                 "weights_kept": sum(t.untyped_storage().data_ptr() in storages for t in locals_),
                 "handles": sum(type(t).__name__ == "_Released" for t in kept),
                 "events": [e for e, _ in pm.comm_events],
@@ -320,7 +329,8 @@ def test_zero3_releases_gathered_weights_after_forward_and_zero12_gather_once_a_
     """ZeRO-3 keeps no gathered weight from a forward to its backward: what autograd saves of one becomes a handle,
     and the backward gathers the weight again, once per micro-batch for all its saved uses (FSDP's reshard after
     forward; the plan prices two gathers per micro-batch, and no whole weight between them). ZeRO-1 and 2 keep a
-    weight gathered for the whole step: one gather per weight per step, whatever the micro-batches, as priced."""
+    weight gathered for the whole step: one gather per weight per step, whatever the micro-batches, as priced. A
+    layer's weights go in one all-gather (`runtime.layer_gather`): the counts are of layer groups."""
     cases = [
         {"dp": 2, "tp": 1, "zero": 3},
         {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 2},
@@ -330,15 +340,17 @@ def test_zero3_releases_gathered_weights_after_forward_and_zero12_gather_once_a_
         {"dp": 2, "tp": 1, "zero": 3, "overlap": False},
     ]
     z3, z3_two, z2, z2_two, z1_two, z3_sync = run_distributed(_kept, 2, cases)[0]
-    split = z3["split"]
+    split, groups = z3["split"], z3["groups"]
     assert split == 21  # the tiny LLaMA: every weight splits over the data axis
-    # every weight but the embedding table (its backward reads only the token ids) is saved by the forward
+    assert groups == 5  # its two layers, the embedding, the final norm and the output projection
+    # every weight but the embedding table (its backward reads only the token ids) is saved by the forward, so the
+    # backward gathers every group again but the embedding's
     assert z3["handles"] == z3_two["handles"] / 2 > 0 and z3["weights_kept"] == z3_two["weights_kept"] == 0
-    assert z3["gathers"] == split + (split - 1) and z3_two["gathers"] == 2 * z3["gathers"]
-    assert z3_sync["weights_kept"] == 0 and z3_sync["events"].count("gather") == split - 1
+    assert z3["gathers"] == groups + (groups - 1) and z3_two["gathers"] == 2 * z3["gathers"]
+    assert z3_sync["weights_kept"] == 0 and z3_sync["events"].count("gather") == z3_sync["gathers"] == 2 * groups - 1
     # the control: without release the forward keeps gathered weights, which is what makes the check above fail
     assert z2["weights_kept"] > 0 and z2["handles"] == 0
-    assert z2["gathers"] == z2_two["gathers"] == z1_two["gathers"] == split
+    assert z2["gathers"] == z2_two["gathers"] == z1_two["gathers"] == groups
 
 
 def _gathers(rank: int, world_size: int, cases):
@@ -361,7 +373,15 @@ def _gathers(rank: int, world_size: int, cases):
             pm.train_step(*args, **kwargs)
         finally:
             dist.all_gather_single = real
-        out.append({"events": pm.comm_events, "gathers": len(calls), "depth": pm.plan.prefetch_depth, "loss": first})
+        out.append(
+            {
+                "events": pm.comm_events,
+                "gathers": len(calls),
+                "depth": pm.plan.prefetch_depth,
+                "loss": first,
+                "groups": [[pm._param_names[i] for i in members] for members in pm._groups],
+            }
+        )
     return out
 
 
@@ -379,7 +399,7 @@ def test_zero3_gathers_the_next_layer_while_the_current_one_computes():
     """Depth 1: layer 1's gathers go out before layer 0's last weight (its MLP down projection) is handed to its
     op, so they overlap layer 0's compute; depth 0 gathers layer by layer. Under full recompute the backward
     gathers layer 0 ahead while layer 1 is recomputed. The number of gathers per step is the same at every
-    depth, one per gathered weight handed to an op, and so is the loss."""
+    depth, one per layer group gathered, and so is the loss."""
     last = ("gathered", "model.layers.0.mlp.down_proj.weight")
     cases = [{"dp": 2, "tp": 1, "zero": 3, "prefetch_depth": d} for d in (0, 1)]
     cases.append({"dp": 2, "tp": 1, "zero": 3, "recompute": "full"})
@@ -389,7 +409,8 @@ def test_zero3_gathers_the_next_layer_while_the_current_one_computes():
     assert _issued(on_demand["events"], 1) > on_demand["events"].index(last), on_demand["events"]
     assert _issued(ahead["events"], 1) < ahead["events"].index(last), ahead["events"]
     for got in (on_demand, ahead, recomputed):
-        assert got["gathers"] == [e for e, _ in got["events"]].count("gathered") > 0
+        issued = sum(e in ("gather", "prefetch") for e, _ in got["events"])
+        assert got["gathers"] == issued < [e for e, _ in got["events"]].count("gathered")
     assert ahead["gathers"] == on_demand["gathers"]
     assert ahead["loss"] == on_demand["loss"]  # the same gathers, earlier: bit for bit the same step
     # backward: layer 1 is recomputed first (its weights gathered again), and layer 0's gathers go out before
@@ -418,3 +439,30 @@ def test_zero3_overlaps_by_default_holding_only_its_buckets_in_flight():
     assert default.predicted.memory_breakdown["grads"] - off.predicted.memory_breakdown["grads"] == pytest.approx(
         bucket * (1 + 1 / 2), rel=1e-12
     )
+
+
+def test_sharded_program_gathers_a_layer_in_one_all_gather():
+    """ZeRO-3 issues one all-gather per layer group and pass, not one per parameter (FSDP's one flat buffer a
+    layer, as the plan prices it): each micro-batch's forward gathers every group once, its backward every group
+    whose weights it needs again (all but the embedding's), with or without overlap and prefetch; and the losses are
+    the same bit for bit."""
+    cases = [
+        {"dp": 2, "tp": 1, "zero": 3, "prefetch_depth": 0},
+        {"dp": 2, "tp": 1, "zero": 3, "prefetch_depth": 1},
+        {"dp": 2, "tp": 1, "zero": 3, "overlap": False},
+        {"dp": 2, "tp": 1, "zero": 3, "num_microbatches": 2},
+    ]
+    results = run_distributed(_gathers, 2, cases)[0]
+    groups = results[0]["groups"]
+    params = sum(len(members) for members in groups)
+    assert (len(groups), params) == (5, 21)  # two layers of 9 weights, the embedding, the final norm, the output
+    group_of = {name: g for g, members in enumerate(groups) for name in members}
+    for got, micro in zip(results, (1, 1, 1, 2), strict=True):
+        assert got["groups"] == groups
+        assert got["gathers"] == micro * (2 * len(groups) - 1), got["events"]
+        # each gather event names a parameter of the group it brings: every group twice a micro-batch, the
+        # embedding's once
+        named = [group_of[name] for e, name in got["events"] if e in ("gather", "prefetch")]
+        assert len(named) == got["gathers"], got["events"]
+        assert sorted(named) == sorted([0] * micro + list(range(1, len(groups))) * 2 * micro), got["events"]
+    assert results[0]["loss"] == results[1]["loss"] == results[2]["loss"]
