@@ -183,6 +183,12 @@ class ProgramComm:
         return self.data_ranks > 1 and self.zero_stage in (1, 2) and not once
 
     @property
+    def gathers_by_layer(self) -> bool:
+        """The sharded program gathers a layer's split weights in one all-gather (`autopar.runtime.layer_gather`, one
+        flat buffer a layer as FSDP sends it): each gather's latency is paid once per layer, not per weight."""
+        return self.program == ProgramKind.SHARDED and self.data_ranks > 1 and self.zero_stage >= 1
+
+    @property
     def launches_early(self) -> bool:
         """Tensor-axis collectives are issued where their value is made, not where it is used
         (`passes.parallelize.launches_early`)."""

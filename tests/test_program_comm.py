@@ -75,6 +75,7 @@ def test_the_sharded_program_with_overlap(stage):
     assert comm.releases_gathered_weights == (stage == 3)
     assert comm.accumulates_whole_grads == (stage == 1)
     assert not comm.gathers_at_each_use and not comm.runs_chunks and comm.launches_early
+    assert comm.gathers_by_layer == (stage >= 1)  # a layer's split weights in one all-gather
 
 
 def test_the_sharded_program_without_overlap_or_on_one_rank():
@@ -82,9 +83,10 @@ def test_the_sharded_program_without_overlap_or_on_one_rank():
     axis has nothing to overlap."""
     sync = ProgramComm(SHARDED, 1, data_ranks=2, overlap=False, num_microbatches=2)
     assert not sync.overlaps_data_axis and sync.gathers_at_each_use and not sync.holds_gathered_weights
-    assert not sync.accumulates_whole_grads and not sync.launches_early
+    assert not sync.accumulates_whole_grads and not sync.launches_early and sync.gathers_by_layer
     alone = ProgramComm(SHARDED, 2, data_ranks=1, overlap=True, prefetch_depth=1)
     assert not alone.overlaps_data_axis and not alone.gathers_at_each_use and not alone.releases_gathered_weights
+    assert not alone.gathers_by_layer
 
 
 def test_a_pipeline_all_reduces_at_zero0_and_gathers_once_a_step_at_zero1():
@@ -95,6 +97,7 @@ def test_a_pipeline_all_reduces_at_zero0_and_gathers_once_a_step_at_zero1():
     assert not zero1.gathers_at_each_use
     sync = dataclasses.replace(zero1, overlap=False)
     assert not sync.gathers_once_a_step and sync.gathers_at_each_use
+    assert not (zero1.gathers_by_layer or sync.gathers_by_layer)  # a pipeline gathers each weight on its own
     assert not ProgramComm(PIPELINE, 1, data_ranks=1).gathers_once_a_step
 
 

@@ -95,6 +95,22 @@ class MeshPrices:
     def _trainable(self, name: str) -> bool:
         return self.graph.params[name].requires_grad
 
+    @functools.cached_property
+    def _layer_sizes(self) -> dict[tuple, int]:
+        """Trainable weights per repeated layer (`ParamInfo.layer`): what one of the sharded program's layer
+        gathers brings (`SyncPricing.gather_latency`)."""
+        sizes: dict[tuple, int] = defaultdict(int)
+        for info in self.graph.params.values():
+            if info.requires_grad and info.layer[0] is not None:
+                sizes[info.layer] += 1
+        return dict(sizes)
+
+    def _members(self, name: str) -> int:
+        """The trainable weights gathered with parameter `name` in one all-gather: those of its layer (itself alone
+        outside numbered layers)."""
+        layer = self.graph.params[name].layer
+        return self._layer_sizes.get(layer, 1) if layer[0] is not None else 1
+
     # ------------------------------------------------------------------ memory
 
     def state_bytes(self, name: str, k: int, stage: int) -> tuple[float, float, float]:
@@ -169,7 +185,7 @@ class MeshPrices:
         (`SyncPricing.sync_time`)."""
         if not self._trainable(name):
             return 0.0
-        return self.sync.sync_time(self.comm(stage), self._numel(name, k))
+        return self.sync.sync_time(self.comm(stage), self._numel(name, k), self._members(name))
 
     def step_gather_time(self, name: str, k: int, stage: int) -> float:
         """The part of `sync_time` that gathers a pipeline's ZeRO-1 weight before its schedule starts."""
@@ -179,7 +195,7 @@ class MeshPrices:
 
     def sharded_sync_parts(self, name: str, k: int, stage: int) -> tuple[float, float, float, float]:
         """(G_bw, G_fix, A_bw, A_fix) of one parameter in the sharded program with overlap (`SyncPricing`)."""
-        return self.sync.sharded_parts(self.comm(stage), self._numel(name, k))
+        return self.sync.sharded_parts(self.comm(stage), self._numel(name, k), self._members(name))
 
     def bucket_latency_s(self, name: str, k: int, stage: int) -> float:
         """The latency part of `sync_time` where gradients go out in buckets once a step (`SyncPricing`)."""
@@ -195,7 +211,7 @@ class MeshPrices:
         """Seconds a step spends gathering parameter group `name` (strategy k) again in its recomputed forwards at
         ZeRO stage `stage` (`SyncPricing.regather_s`)."""
         count = self.mesh_groups.groups[name].count
-        return self.sync.regather_s(self.comm(stage), self._numel(name, k), count)
+        return self.sync.regather_s(self.comm(stage), self._numel(name, k), count, self._members(name))
 
     def grad_bytes(self, stage: int) -> float:
         """The step's gradient bytes at `stage`, every trainable parameter whole."""

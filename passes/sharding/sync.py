@@ -10,7 +10,16 @@ program that runs the layout sends them (`autopar.program_comm.ProgramComm`).
 
 Gradients travel in buckets of `bucket_bytes` (as DDP and FSDP send them), so a small tensor pays a share of one
 collective's latency in proportion to its bytes, not a whole one; a step pays at least one bucket's latency
-(`floor`). The prices split each collective into its bandwidth part, which compute may hide, and its fixed latency,
+(`floor`). The sharded program gathers a layer's split weights in one all-gather (`ProgramComm.gathers_by_layer`:
+one flat buffer a layer, as FSDP gathers them), so a weight that is one of the `members` trainable weights of its
+layer pays 1/members of each gather's latency: a layer of P weights gathered r times a step pays r latencies, not
+r·P,
+
+    AG_one(w) = (T_AG(bytes_w) - L_AG) + L_AG / members(w),    L_AG = T_AG(1 byte),
+
+its bandwidth part as before (the flat buffer's bytes are the sum of its members'). A weight outside numbered layers
+is a group of its own (members = 1). The reduce-scatters of the synchronous path (one per weight, in its gather's
+backward) still pay a whole latency each. The prices split each collective into its bandwidth part, which compute may hide, and its fixed latency,
 which nothing hides.
 
 `SyncPricing` takes explicit facts (the data axis's size and link, the precision, the bucket size, a parameter's
@@ -68,33 +77,46 @@ class SyncPricing:
         adds the latency of the one bucket every step pays at least)."""
         return self.time(kind, nbytes) - self.latency(kind) + self.latency_share(kind, nbytes)
 
-    def sync_time(self, comm: ProgramComm, numel: float) -> float:
+    def gather_latency(self, comm: ProgramComm, members: int = 1) -> float:
+        """A weight's share of one gather's fixed latency: 1/members of it where the program gathers a layer's
+        `members` weights in one collective (`ProgramComm.gathers_by_layer`), a whole one elsewhere."""
+        share = 1.0 / max(members, 1) if comm.gathers_by_layer else 1.0
+        return self.latency(AG) * share
+
+    def gather_time(self, comm: ProgramComm, numel: float, members: int = 1) -> float:
+        """AG_one: one gather of a weight of `numel` elements: its bytes at full bandwidth and its share of the
+        latency (`gather_latency`)."""
+        one, latency = self.time(AG, numel * self.precision.param_bytes), self.latency(AG)
+        share = self.gather_latency(comm, members)
+        return one if share == latency else one - latency + share
+
+    def sync_time(self, comm: ProgramComm, numel: float, members: int = 1) -> float:
         """Sync: gradient synchronisation (and ZeRO weight gathers) of one parameter per step.
 
         Gradients accumulate over micro-batches and are reduced once, unless they are sharded (stages 2, 3): then
         every micro-batch's gradient is reduce-scattered; stage 3 also gathers the weights for every micro-batch's
-        forward and backward.
+        forward and backward. `members`: the trainable weights of its layer, gathered together (`gather_latency`).
         """
         if self.data_ranks == 1:
             return 0.0
         stage, m = comm.zero_stage, comm.num_microbatches
-        grad_bytes, param_bytes = numel * self.precision.grad_bytes_at(stage), numel * self.precision.param_bytes
+        grad_bytes = numel * self.precision.grad_bytes_at(stage)
         if comm.buckets_all_reduce:
             return self.bucketed(AR, grad_bytes)
         if comm.overlaps_data_axis:
-            return sum(self.sharded_parts(comm, numel))
+            return sum(self.sharded_parts(comm, numel, members))
         if stage == 0:  # the sharded runtime reduces each gradient on its own (the backward of its from_local)
             return self.time(AR, grad_bytes)
-        # From stage 1 the sharded runtime without overlap gathers and reduce-scatters each parameter on its own (one
-        # DTensor redistribution per parameter, no buckets): every one pays a whole collective's latency. Each
-        # micro-batch's forward gathers it and that gather's backward reduce-scatters its gradient, at every stage;
-        # stage 3 gathers it again for the backward (its weights are released after the forward).
+        # From stage 1 the sharded runtime without overlap reduce-scatters each parameter's gradient on its own (no
+        # buckets: a whole latency each) and gathers a layer's weights together (`gather_time`). Each micro-batch's
+        # forward gathers it and that gather's backward reduce-scatters its gradient, at every stage; stage 3 gathers
+        # it again for the backward (its weights are released after the forward).
         if comm.runs_chunks:  # the offload program: its share of the chunks' collectives
             rs_bw, rs_fix, ag_bw, ag_fix = self.chunks.collectives(numel)
             return (rs_bw + rs_fix + 2 * (ag_bw + ag_fix)) * m
         if comm.gathers_once_a_step:  # once a step: the bucketed reduce-scatter, then the weights' gather
             return self.bucketed(RS, grad_bytes) + self.step_gather_time(comm, numel)
-        rs, ag = self.time(RS, grad_bytes), self.time(AG, param_bytes)
+        rs, ag = self.time(RS, grad_bytes), self.gather_time(comm, numel, members)
         return rs * m + ag * (2 * m if stage == 3 else m)
 
     def step_gather_time(self, comm: ProgramComm, numel: float) -> float:
@@ -105,7 +127,7 @@ class SyncPricing:
             return 0.0
         return self.time(AG, numel * self.precision.param_bytes)
 
-    def sharded_parts(self, comm: ProgramComm, numel: float) -> tuple[float, float, float, float]:
+    def sharded_parts(self, comm: ProgramComm, numel: float, members: int = 1) -> tuple[float, float, float, float]:
         """(G_bw, G_fix, A_bw, A_fix): one parameter's collectives in the sharded program with overlap, split into
         what compute can hide (bandwidth) and what it cannot (a collective's fixed latency).
 
@@ -113,8 +135,9 @@ class SyncPricing:
         micro-batch's backward issues them), reduce-scatter at stages 2 and 3 once per micro-batch (every backward
         issues them); its share of a bucket's latency is pro rata, as in `bucketed`; stage 3's gathers for the
         backward (one per micro-batch) share the link with them during backward, so their bandwidth part is in G_bw
-        too. A: its forward gathers (stage 1, 2: once; stage 3: each micro-batch's), one collective each; with
-        prefetch depth 0 no gather hides (their bandwidth in A_fix). The offload program (`ProgramComm.runs_chunks`)
+        too. A: its forward gathers (stage 1, 2: once; stage 3: each micro-batch's), each its share of one layer's
+        collective (`gather_latency`: 1/members of a latency); with prefetch depth 0 no gather hides (their bandwidth
+        in A_fix). The offload program (`ProgramComm.runs_chunks`)
         makes them per chunk: the parameter's share of `ChunkPricing.collectives`, a reduce-scatter and two gathers
         each micro-batch, split the same way.
         """
@@ -124,7 +147,7 @@ class SyncPricing:
             if not comm.prefetches_chunk:  # backward's gathers wait too
                 return rs_bw, rs_fix + 2 * (ag_bw + ag_fix), 0.0, 0.0
             return rs_bw + ag_bw, rs_fix + ag_fix, ag_bw, ag_fix
-        grad_bytes, param_bytes = numel * self.precision.grad_bytes_at(stage), numel * self.precision.param_bytes
+        grad_bytes = numel * self.precision.grad_bytes_at(stage)
         kind = AR if stage == 0 else RS
         full, latency = self.time(kind, grad_bytes), self.latency(kind)
         per = comm.reductions_per_step
@@ -132,7 +155,7 @@ class SyncPricing:
         if stage == 0:
             return g_bw, g_fix, 0.0, 0.0
         runs = m if stage == 3 else 1  # forward gathers; stage 3 gathers as many again for the backward
-        one, ag_latency = self.time(AG, param_bytes), self.latency(AG)
+        one, ag_latency = self.gather_time(comm, numel, members), self.gather_latency(comm, members)
         if stage == 3:
             if comm.prefetch_depth:
                 g_bw, g_fix = g_bw + (one - ag_latency) * runs, g_fix + ag_latency * runs
@@ -203,13 +226,13 @@ class SyncPricing:
         one = self.time(AG, numel * self.precision.param_bytes)
         return max(one - self.latency(AG), 0.0) * comm.num_microbatches
 
-    def regather_s(self, comm: ProgramComm, numel: float, count: int = 1) -> float:
+    def regather_s(self, comm: ProgramComm, numel: float, count: int = 1, members: int = 1) -> float:
         """Seconds a step spends gathering a weight again in its recomputed forwards, for `count` layers: one
-        all-gather per layer and micro-batch where the program gathers a weight at each use
-        (`ProgramComm.gathers_at_each_use`), 0 elsewhere."""
+        gather per layer and micro-batch (`gather_time`: its share of its layer's all-gather) where the program
+        gathers a weight at each use (`ProgramComm.gathers_at_each_use`), 0 elsewhere."""
         if not comm.gathers_at_each_use:
             return 0.0
-        return count * self.time(AG, numel * self.precision.param_bytes) * comm.num_microbatches
+        return count * self.gather_time(comm, numel, members) * comm.num_microbatches
 
     def unbucketed_extra_s(self, grad_bytes: float) -> float:
         """What one gradient's all-reduce costs more on its own than in a bucket (the sharded runtime reduces each

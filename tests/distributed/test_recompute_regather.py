@@ -58,8 +58,9 @@ def test_recompute_gathers_its_layers_weights_again_at_zero1_without_overlap():
 @pytest.mark.integration
 def test_the_plan_prices_recompute_s_second_gathers():
     # The same layouts planned: full recompute costs its forwards at every stage, and at ZeRO-1 without overlap
-    # also one all-gather of each layer weight (fp32 on CPU, one micro-batch) on the data axis's link; with overlap
-    # (each weight held for the step) and at ZeRO-3 nothing more. 1e-9: the figures are sums of the same terms.
+    # also the all-gather of each layer's weights (fp32 on CPU, one micro-batch) on the data axis's link: each
+    # weight's bytes, and one latency per layer (the program gathers a layer in one collective); with overlap (each
+    # weight held for the step) and at ZeRO-3 nothing more. 1e-9: the figures are sums of the same terms.
     args, kwargs = make_batch("llama")
 
     def step(**pins) -> float:
@@ -74,6 +75,9 @@ def test_the_plan_prices_recompute_s_second_gathers():
     forwards = recompute_cost(zero=1, overlap=True)
     assert forwards > 0
     link = autopar.ClusterSpec.parse("cpu:2").link_for_axis(2, 1)
-    gathers = sum(estimate_collective_time(Collective.ALL_GATHER, 4 * n, 2, link) for n in _layer_params())
+    latency = estimate_collective_time(Collective.ALL_GATHER, 1.0, 2, link)
+    layers = 2  # of nine weights each
+    gathers = sum(estimate_collective_time(Collective.ALL_GATHER, 4 * n, 2, link) - latency for n in _layer_params())
+    gathers += layers * latency
     assert recompute_cost(zero=1, overlap=False) == pytest.approx(forwards + gathers, rel=1e-9)
     assert recompute_cost(zero=3, overlap=False) == pytest.approx(forwards, rel=1e-9)

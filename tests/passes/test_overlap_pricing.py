@@ -205,7 +205,8 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     """ZeRO-1 on dp=2, two gradient buckets: the formula by hand, from the link's collective times and the known
     op times. Gradients: E_g = max(sum RS_bw - B, T_last) (the backward after each bucket hides it, the last
     bucket nothing); gathers (prefetch depth 1): E_a = max(sum AG_bw - F, T_first) (the forward of the layers
-    before each gather); every collective's latency stays exposed. With overlap off, the old price."""
+    before each gather); every collective's latency stays exposed, the gathers' one per layer (the program gathers
+    a layer's weights in one all-gather). With overlap off, the synchronous price."""
     model, x = _stack()
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
     params = list(model.parameters())
@@ -224,8 +225,10 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
         return estimate_collective_time(kind, nbytes, 2, link)
 
     rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
-    # overlap off: one reduce-scatter and one gather per parameter, each paying its whole latency
-    old = sum(t(rs, g) + t(ag, p) for g, p in zip(grad_bytes, param_bytes, strict=True))
+    layers = len(model.layers)  # every weight is in one of them: one gather's latency per layer
+    # overlap off: one reduce-scatter per parameter, paying its whole latency, and one gather per layer
+    old = sum(t(rs, g) + t(ag, p) - t(ag, 1.0) for g, p in zip(grad_bytes, param_bytes, strict=True))
+    old += layers * t(ag, 1.0)
     assert off.predicted.grad_sync_s == pytest.approx(old, rel=1e-6) and off.predicted.grad_sync_hidden_s == 0.0
     ops = sum(
         1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
@@ -234,7 +237,7 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     forward, backward = ops * est.forward_time_s(None), ops * est.backward_time_s(None)
     rs_bw = sum(t(rs, g) - t(rs, 1.0) for g in grad_bytes)
     ag_bw = sum(t(ag, p) - t(ag, 1.0) for p in param_bytes)
-    fixed = sum(t(rs, 1.0) * g / bucket for g in grad_bytes) + len(params) * t(ag, 1.0) + t(rs, 1.0)
+    fixed = sum(t(rs, 1.0) * g / bucket for g in grad_bytes) + layers * t(ag, 1.0) + t(rs, 1.0)
     last = t(rs, bucket) - t(rs, 1.0)
     first = t(ag, param_bytes[0]) - t(ag, 1.0)
     e_g, e_a = max(rs_bw - backward, last), max(ag_bw - forward, first)
@@ -246,8 +249,8 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     assert on.hidden_communication == ({"comm_dp": hidden} if hidden > 0 else {})
     # depth 0: the gathers wait where they are used, whole; the gradient buckets still hide
     flat = _sharded_plan(model, x, traced, estimator, per_collective, prefetch_depth=0)
-    gathers = sum(t(ag, p) for p in param_bytes)
-    depth0 = e_g + gathers + fixed - len(params) * t(ag, 1.0)
+    gathers = sum(t(ag, p) - t(ag, 1.0) for p in param_bytes) + layers * t(ag, 1.0)
+    depth0 = e_g + gathers + fixed - layers * t(ag, 1.0)
     assert flat.predicted.grad_sync_s == pytest.approx(depth0, rel=1e-6, abs=1e-7)
     # the gathered weights in flight ahead of use: one layer's (the largest), in the compute format
     layer = sum(p.numel() for p in model.layers[0].parameters()) * prec.param_bytes
@@ -323,7 +326,7 @@ def test_zero2_each_micro_batch_hides_its_own_buckets(monkeypatch, kind):
     """ZeRO-2 on dp=2 with m = 2 micro-batches and two gradient buckets: each micro-batch's backward reduce-scatters
     its buckets (2 x the reduce-scatters of a step at ZeRO-1) and hides them behind its own backward, so the step's
     whole backward B hides them: E_g = max(m sum RS_bw - B, m T_last); every bucket's latency, m times. The gathers
-    are priced as at ZeRO-1 (once per step, behind the step's forward)."""
+    are priced as at ZeRO-1 (once per step, behind the step's forward, one latency per layer)."""
     model, x = _stack()
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
     params = list(model.parameters())
@@ -352,7 +355,8 @@ def test_zero2_each_micro_batch_hides_its_own_buckets(monkeypatch, kind):
     # every op runs once per micro-batch (the estimators' times do not depend on the shape)
     forward, backward = m * ops * est.forward_time_s(None), m * ops * est.backward_time_s(None)
     ag_bw = sum(t(ag, p) - t(ag, 1.0) for p in param_bytes)
-    fixed = m * sum(t(rs, 1.0) * g / bucket for g in grad_bytes) + len(params) * t(ag, 1.0) + m * t(rs, 1.0)
+    # the gathers' latency: one per layer (a layer's weights in one all-gather)
+    fixed = m * sum(t(rs, 1.0) * g / bucket for g in grad_bytes) + len(model.layers) * t(ag, 1.0) + m * t(rs, 1.0)
     last = t(rs, bucket) - t(rs, 1.0)
     first = m * (t(ag, param_bytes[0]) - t(ag, 1.0))
     e_g, e_a = max(rs_bw - backward, m * last), max(ag_bw - forward, first)

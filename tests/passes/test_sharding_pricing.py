@@ -67,7 +67,8 @@ def test_the_data_parallel_program_pays_its_bytes_and_a_share_of_a_bucket_latenc
 
 def test_the_sharded_program_without_overlap_pays_whole_collectives_per_parameter():
     """Each micro-batch gathers the weight and reduce-scatters its gradient, ZeRO-3 gathers again for the backward;
-    ZeRO-0 all-reduces each gradient on its own: every collective pays its whole latency."""
+    ZeRO-0 all-reduces each gradient on its own: every collective of a weight alone in its layer pays its whole
+    latency."""
     rs = ag = half(4e6)  # 2.01 ms each
     assert SYNC.sync_time(comm(SHARDED, 3, overlap=False, m=2), NUMEL) == pytest.approx(2 * rs + 4 * ag, rel=REL)
     assert SYNC.sync_time(comm(SHARDED, 3, overlap=False, m=2), NUMEL) == pytest.approx(6 * 2.01e-3, rel=REL)
@@ -92,6 +93,30 @@ def test_the_overlapping_sharded_program_splits_bandwidth_from_latency():
     # one bucket's latency per reducing backward: once a step at ZeRO-0/1, per micro-batch from ZeRO-2
     assert SYNC.reduction_latency(comm(SHARDED, 0, m=4)) == pytest.approx(AR_LAT, rel=REL)
     assert SYNC.reduction_latency(comm(SHARDED, 2, m=4)) == pytest.approx(4 * HALF_LAT, rel=REL)
+
+
+def test_the_sharded_program_pays_one_gather_latency_per_layer():
+    """A weight one of 9 in its layer pays 1/9 of each gather's latency (the sharded program gathers the layer in
+    one all-gather), its bandwidth whole; 9 such weights pay exactly the latencies of one weight alone. The
+    reduce-scatters of the synchronous path stay per weight; a pipeline gathers each weight on its own."""
+    bw, lat = 2e-3 - 0.5e-9, HALF_LAT  # a 4e6-byte gather: bandwidth part, latency
+    zero3 = comm(SHARDED, 3, m=2)
+    assert zero3.gathers_by_layer and not comm(PIPELINE, 1, m=2).gathers_by_layer
+    assert SYNC.sharded_parts(zero3, NUMEL, members=9) == pytest.approx(
+        (4 * bw, lat + 2 * lat / 9, 2 * bw, 2 * lat / 9), rel=REL
+    )
+    alone, layer = SYNC.sharded_parts(zero3, NUMEL), SYNC.sharded_parts(zero3, NUMEL / 9, members=9)
+    assert 9 * (layer[1] - lat / 9) == pytest.approx(alone[1] - lat, rel=1e-9)  # gathers' latency: one per layer
+    assert 9 * layer[3] == pytest.approx(alone[3], rel=1e-9)
+    flat = comm(SHARDED, 3, m=2, depth=0)
+    one = bw + lat / 9
+    assert SYNC.sharded_parts(flat, NUMEL, members=9) == pytest.approx((2 * bw, lat + 2 * one, 0.0, 2 * one), rel=REL)
+    sync3 = comm(SHARDED, 3, overlap=False, m=2)
+    assert SYNC.sync_time(sync3, NUMEL, members=9) == pytest.approx(2 * half(4e6) + 4 * one, rel=REL)
+    again = comm(SHARDED, 1, overlap=False, m=2)
+    assert SYNC.regather_s(again, NUMEL, count=3, members=9) == pytest.approx(3 * one * 2, rel=REL)
+    step = comm(PIPELINE, 1, m=8)
+    assert SYNC.sync_time(step, NUMEL, members=9) == SYNC.sync_time(step, NUMEL)
 
 
 def test_a_pipelines_zero1_reduces_in_buckets_and_gathers_once_a_step():
