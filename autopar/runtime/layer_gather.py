@@ -53,6 +53,7 @@ class GroupGather:
             piece[: moved.shape[0]].copy_(moved)
             piece[moved.shape[0] :].zero_()  # the padding, as `split_gather` pads
         self.out = send.new_empty(self.parts * self.total)
+        self._left = len(self.layout)  # members not taken yet: the gathered buffer is freed with the last
         self.work = compat.all_gather_single(self.out, send, group=group, async_op=async_op)
 
     def wait(self) -> None:
@@ -62,11 +63,16 @@ class GroupGather:
             self.work = None
 
     def whole(self, k: int) -> torch.Tensor:
-        """Member k whole: every rank's padded piece in rank order, cut to its length, the split dim put back."""
+        """Member k whole (each member taken once): every rank's padded piece in rank order, cut to its length, the
+        split dim put back; a tensor of its own unless the gather had one member."""
         self.wait()
         offset, width, dim, size, shape = self.layout[k]
         rows = self.out.view(self.parts, self.total)[:, offset : offset + width]
-        return rows.reshape(self.parts * shape[0], *shape[1:])[:size].movedim(0, dim).contiguous()
+        whole = rows.reshape(self.parts * shape[0], *shape[1:])[:size].movedim(0, dim).contiguous()
+        self._left -= 1
+        if not self._left:
+            self.out = None
+        return whole
 
 
 class LayerGathers:

@@ -6,7 +6,7 @@ gathered weight (the weight, or a view of it) into a handle, and the backward ga
 first unpacks one (once per micro-batch, for all its saved uses; with the other weights of its layer the backward
 needs again, in one all-gather: `autopar.runtime.layer_gather`). So a step gathers each weight twice per
 micro-batch, in its forward and in its backward, and holds whole only the weights of the layer running and those
-gathered ahead: what the plan prices. ZeRO-1 and 2 (with overlap) hold every weight whole anyway (the plan counts
+gathered ahead (the plan prices the gathers, and counts the layers gathered ahead). ZeRO-1 and 2 (with overlap) hold every weight whole anyway (the plan counts
 them so): each is gathered in the step's first forward and kept until the step ends, one gather per weight per
 step, as priced.
 

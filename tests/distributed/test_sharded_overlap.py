@@ -466,3 +466,34 @@ def test_sharded_program_gathers_a_layer_in_one_all_gather():
         assert len(named) == got["gathers"], got["events"]
         assert sorted(named) == sorted([0] * micro + list(range(1, len(groups))) * 2 * micro), got["events"]
     assert results[0]["loss"] == results[1]["loss"] == results[2]["loss"]
+
+
+def _group_against_split(rank: int, world_size: int):
+    """Tensors split as the program splits them (`torch.chunk`'s pieces: uneven, one rank's piece empty), gathered
+    in one group all-gather and each on its own (`split_gather`)."""
+    import torch.distributed as dist
+
+    from autopar.runtime import overlap
+    from autopar.runtime.layer_gather import GroupGather
+
+    torch.manual_seed(0)
+    wholes = [(torch.randn(5, 3), 0), (torch.randn(4, 7), 1), (torch.randn(1, 2, 3), 0), (torch.randn(6), 0)]
+    locals_ = [w.narrow(d, *overlap.piece_rows(w.shape[d], world_size, rank)) for w, d in wholes]
+    group = dist.group.WORLD
+    dims, sizes = [d for _, d in wholes], [w.shape[d] for w, d in wholes]
+    gathered = GroupGather(locals_, dims, sizes, group, async_op=True)
+    together = [gathered.whole(k) for k in range(len(wholes))]
+    alone = [
+        overlap.split_gather(loc.contiguous(), d, n, group) for loc, d, n in zip(locals_, dims, sizes, strict=True)
+    ]
+    return [
+        (torch.equal(a, b), torch.equal(a, w), a.is_contiguous())
+        for a, b, (w, _) in zip(together, alone, wholes, strict=True)
+    ]
+
+
+def test_a_group_gather_gives_split_gathers_values_bit_for_bit():
+    """One all-gather of several tensors' padded pieces gives each tensor exactly as its own `split_gather` does,
+    and as it was before it was split: uneven pieces, a rank whose piece is empty, a split on dim 1."""
+    for got in run_distributed(_group_against_split, 2):
+        assert got == [(True, True, True)] * 4, got
