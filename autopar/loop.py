@@ -75,12 +75,6 @@ class LoopOptions:
 
     def apply(self, program, plan) -> None:
         """Set the program's loop (the plan's own `max_grad_norm` unless `compile` was given one)."""
-        if self.loss is not None and plan.mesh.get("cp", 1) > 1 and plan.mesh.get("pp", 1) > 1:
-            # cp alone and pp alone are checked against one process; their product is not yet
-            raise ConfigError(
-                "loss_fn on a plan with both a cp and a pp axis is not supported yet; plan without one of them "
-                "(constraints={'cp': 1} or {'pp': 1}) or use the model's loss"
-            )
         clip = self.max_grad_norm if self.max_grad_norm is not None else getattr(plan, "max_grad_norm", None)
         program.configure_loop(
             max_grad_norm=clip, on_nonfinite=self.on_nonfinite, local_batch=self.local_batch, loss=self.loss

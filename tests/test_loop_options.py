@@ -1,4 +1,4 @@
-"""The loop options `compile` takes: what each plan refuses before any rank runs a step."""
+"""The loop options `compile` takes: what each plan sets on its program before any rank runs a step."""
 
 from types import SimpleNamespace
 
@@ -21,16 +21,21 @@ class _Program:
         self.loop = kwargs
 
 
-@pytest.mark.parametrize("mesh", [{"cp": 2}, {"pp": 2}, {"dp": 2}])
-def test_a_loss_fn_is_set_on_plans_it_is_checked_on(mesh):
+@pytest.mark.parametrize("mesh", [{"cp": 2}, {"pp": 2}, {"dp": 2}, {"pp": 2, "cp": 2}])
+def test_a_loss_fn_is_set_on_every_plan(mesh):
     program = _Program()
     LoopOptions(loss=LossSpec(_loss)).apply(program, SimpleNamespace(mesh=mesh, max_grad_norm=None))
-    assert program.loop["loss"].fn is _loss
+    assert program.loop["loss"].fn is _loss and program.loop["max_grad_norm"] is None
 
 
-def test_a_loss_fn_on_a_cp_and_pp_plan_is_refused_before_the_program_is_set():
+def test_compile_max_grad_norm_wins_over_the_plans():
     program = _Program()
-    plan = SimpleNamespace(mesh={"pp": 2, "cp": 2}, max_grad_norm=None)
-    with pytest.raises(ConfigError, match="both a cp and a pp axis"):
-        LoopOptions(loss=LossSpec(_loss)).apply(program, plan)
-    assert program.loop is None
+    LoopOptions(max_grad_norm=0.5).apply(program, SimpleNamespace(mesh={"dp": 2}, max_grad_norm=1.0))
+    assert program.loop["max_grad_norm"] == 0.5
+    LoopOptions().apply(program, SimpleNamespace(mesh={"dp": 2}, max_grad_norm=1.0))
+    assert program.loop["max_grad_norm"] == 1.0
+
+
+def test_bad_loop_options_are_refused():
+    with pytest.raises(ConfigError, match="local_batch"):
+        LoopOptions(local_batch="yes")

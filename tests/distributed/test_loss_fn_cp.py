@@ -86,7 +86,8 @@ def _runs(rank: int, world_size: int, cases):
             loss_fn=shifted_token_mean,
         )
         losses = [pm.train_step(*args, **kwargs) for _ in range(2)]
-        out.append({"mesh": dict(pm.plan.mesh), "losses": losses, "state": pm.state_dict() if rank == 0 else None})
+        state = pm.state_dict()  # a collective on some programs (a pipeline gathers its stages): every rank calls it
+        out.append({"mesh": dict(pm.plan.mesh), "losses": losses, "state": state if rank == 0 else None})
     try:
         autopar.compile(
             make_model("llama"), f"cpu:{world_size}", args, kwargs, constraints=cases[0][0], loss_fn=labels_token_mean
@@ -156,3 +157,10 @@ def test_a_token_mean_loss_fn_under_cp_with_adamw_is_one_process_loss():
 def test_a_token_mean_loss_fn_under_cp_and_dp_counts_every_rank_tokens():
     # dp 2 x cp 2: the data-parallel ranks hold rows 0-1 (few tokens) and rows 2-3, each split over 2 cp ranks
     _check(4, {"cp": 2, "dp": 2, "tp": 1, "cp_attention": "allgather"}, "sgd")
+
+
+# about 25 s on two cores, 4 ranks: with `make test-all`
+@pytest.mark.slow
+def test_a_token_mean_loss_fn_under_cp_and_pp_is_one_process_loss():
+    # pp 2 x cp 2: each stage's cp ranks hold chunks of every micro-batch; the last stage computes the loss
+    _check(4, {"pp": 2, "cp": 2, "tp": 1, "num_microbatches": 2, "cp_attention": "allgather"}, "sgd")
