@@ -2,7 +2,8 @@
 
 The solvers tell `autopar.plan(progress=...)` about every mesh and pipeline layout they price. On a
 terminal, `PlanProgress` turns those messages into one line rewritten in place (the phase, the meshes and
-pipeline layouts priced so far, the alternatives priced, seconds elapsed); when stderr is not a terminal
+pipeline layouts priced so far, the alternatives priced, seconds elapsed), drawn once planning has taken more than
+a second (`after_s`: a plan found sooner leaves the terminal as it was); when stderr is not a terminal
 it writes one line per phase and the totals at the end. `verbose=True` writes every message, as the solvers say it. Nothing goes
 to stdout, so `--json` files and piped reports never hold progress.
 """
@@ -16,9 +17,10 @@ import time
 class PlanProgress:
     """A `progress` callable for `autopar.plan` that draws one status line on `stream` (default stderr)."""
 
-    def __init__(self, stream=None, *, verbose: bool = False):
+    def __init__(self, stream=None, *, verbose: bool = False, after_s: float = 1.0):
         self.stream = stream if stream is not None else sys.stderr
         self.verbose = verbose
+        self.after_s = after_s
         self.live = bool(getattr(self.stream, "isatty", lambda: False)())
         self.t0 = time.perf_counter()
         self.phase = "starting"
@@ -31,7 +33,8 @@ class PlanProgress:
             return
         phase = self._classify(msg)
         if self.live:
-            self._draw()
+            if self._width or time.perf_counter() - self.t0 >= self.after_s:
+                self._draw()
         elif phase == "tracing":
             print(f"[autopar] {msg}", file=self.stream, flush=True)
         elif phase != self.phase:
@@ -69,6 +72,8 @@ class PlanProgress:
         if self.verbose:
             return
         if self.live:
+            if not self._width and time.perf_counter() - self.t0 < self.after_s:
+                return  # done within the first second: no line was drawn, none is left behind
             self._draw()
             self.stream.write("\n")
             self.stream.flush()

@@ -364,8 +364,14 @@ def test_progress_line_updates_in_place_on_a_terminal():
         "pipeline pp=2 dp=1 tp=1: 3 ms",
         "pricing alternative dp: tp=1",
     ]
+    quick = Tty()
+    bar = PlanProgress(quick, after_s=3600.0)  # a plan found before the line is due draws nothing
+    for m in msgs:
+        bar(m)
+    bar.close()
+    assert quick.getvalue() == ""
     tty = Tty()
-    bar = PlanProgress(tty)
+    bar = PlanProgress(tty, after_s=0.0)
     for m in msgs:
         bar(m)
     assert "\n" not in tty.getvalue() and tty.getvalue().count("\r") == len(msgs)
