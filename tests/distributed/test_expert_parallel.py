@@ -91,3 +91,51 @@ def test_expert_parallel_trains_as_in_one_process(world, batch, optimizer):
             assert err <= PARAM_RTOL, (key, err)
         assert res["losses"] == pytest.approx(ref_losses, rel=LOSS_RTOL)
         assert res["eval_loss"] == pytest.approx(ref_eval, rel=LOSS_RTOL)  # the trained weights, the eval graph
+
+
+# clipping: the norm of the step guard counts each expert's gradient once (held by dp/ep ranks) and the rest of
+# the model once (held by every rank); `clip_grad_norm_` in one process is the reference. Same bounds as
+# tests/distributed/test_step_guard.py: float32 rounding of the norm (~1e-7 relative; a missed or doubly counted
+# half of the experts moves it by far more), SGD updates after two clipped steps equal to rounding.
+MAX_NORM = 0.05
+NORM_RTOL = 1e-6
+
+
+def _train_clipped(rank: int, world_size: int, plan_json: str, batch: int) -> dict:
+    del rank
+    args, kwargs = family_batch("mixtral", batch=batch)
+    pm = autopar.compile(
+        make_family("mixtral"),
+        f"cpu:{world_size}",
+        args,
+        kwargs,
+        optimizer=_optimizer("sgd"),
+        plan=Plan.from_json(plan_json),
+        max_grad_norm=MAX_NORM,
+    )
+    norms = []
+    for _ in range(STEPS):
+        pm.train_step(*args, **kwargs)
+        norms.append(pm.last_step.grad_norm)
+    return {"norms": norms, "state": pm.state_dict()}
+
+
+def test_expert_parallel_clips_by_the_global_norm_of_one_process():
+    args, kwargs = family_batch("mixtral", batch=4)
+    plan = autopar.plan(make_family("mixtral"), "cpu:2", args, kwargs, constraints={"ep": 2}, alternatives=False)
+    ranks = run_distributed(_train_clipped, 2, plan.to_json(), 4, timeout_s=600)
+    model = make_family("mixtral")
+    opt = _optimizer("sgd")(model.parameters())
+    norms = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        model(*args, **kwargs).loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+    assert norms[0] > 2 * MAX_NORM  # the clip is active, so a wrong norm changes the update
+    ref_state = model.state_dict()
+    for res in ranks:
+        assert res["norms"] == pytest.approx(norms, rel=NORM_RTOL)
+        for key, ref in ref_state.items():
+            err = ((res["state"][key] - ref).abs() / ref.abs().clamp_min(PARAM_FLOOR)).max().item()
+            assert err <= PARAM_RTOL, (key, err)
