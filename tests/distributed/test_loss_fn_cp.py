@@ -13,6 +13,7 @@ import autopar
 from autopar.context_parallel.inputs import local_batch
 from autopar.errors import ConfigError
 from tests.distributed.harness import run_distributed
+from tests.distributed.test_loss_fn import token_mean as labels_token_mean  # over `labels`: refused under cp
 from tests.models import make_batch, make_model
 
 pytestmark = pytest.mark.distributed
@@ -41,15 +42,6 @@ def shifted_token_mean(outputs, batch):
     per_token = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.clamp(min=0).reshape(-1), reduction="none"
     )
-    return (per_token * kept.reshape(-1)).sum() / kept.sum().clamp(min=1)
-
-
-def labels_token_mean(outputs, batch):
-    """The same mean written over `labels`, shifted here: one process's reference (refused under cp)."""
-    logits = outputs.logits[:, :-1].float()
-    labels = batch["labels"][:, 1:]
-    kept = labels != -100
-    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.clamp(min=0).reshape(-1), reduction="none")
     return (per_token * kept.reshape(-1)).sum() / kept.sum().clamp(min=1)
 
 
