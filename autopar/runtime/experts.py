@@ -31,7 +31,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 
+from autopar.checkpoint.pieces import dtensor_piece
 from autopar.cluster import ClusterSpec
 from autopar.errors import LoweringError
 from autopar.plan import Plan, ProgramKind
@@ -193,6 +196,10 @@ class ExpertParallelProgram(DataParallelProgram):
         object.__setattr__(self, "_expert_names", frozenset(info["params"]))
         super().__init__(model, plan, traced, cluster, optimizer=optimizer)
         self.ep, self.ep_rank, self.ep_group = ep, ep_rank, ep_groups[rank // ep]
+        self.num_experts = info["num_experts"]
+        object.__setattr__(
+            self, "_expert_mesh", _expert_mesh(self.device_type, dp, ep, self.ep_group, replicas[ep_rank])
+        )
 
     def master(self, tensor: torch.Tensor) -> torch.Tensor:
         """A parameter's master: this rank's experts only, for an expert weight."""
@@ -244,7 +251,24 @@ class ExpertParallelProgram(DataParallelProgram):
         return out
 
     def checkpoint_masters(self) -> dict:
-        raise NotImplementedError(
-            "checkpoints of an expert-parallel program are not written yet (each rank holds a share of the experts); "
-            "save the full weights with state_dict()"
-        )
+        """The data-parallel program's pieces, but for an expert weight: this rank's block of experts on dim 0, the
+        local shard of a DTensor sharded over ep and replicated over the ranks holding the same experts (so DCP
+        writes each block once and reshards it on load, and Hugging Face weights assemble the blocks)."""
+        out = super().checkpoint_masters()
+        replicated = (Replicate(),) if self._expert_mesh.ndim == 2 else ()
+        for name in self._expert_names:
+            piece = out[name]
+            shape = (self.num_experts, *piece.tensor.shape[1:])
+            out[name] = dtensor_piece(
+                piece.tensor, shape, self._expert_mesh, (*replicated, Shard(0)), param=piece.param
+            )
+        return out
+
+
+def _expert_mesh(device_type: str, dp: int, ep: int, ep_group, replica_group) -> DeviceMesh:
+    """The (replica, ep) mesh of the groups the program made (rank g·ep + j: row g, column j), 1-D over ep when
+    dp == ep: what the expert weights are DTensors over in a checkpoint. No new process group."""
+    if replica_group is None:
+        return DeviceMesh.from_group(ep_group, device_type, mesh_dim_names=("ep",))
+    layout = torch.arange(dp).view(dp // ep, ep)
+    return DeviceMesh.from_group([replica_group, ep_group], device_type, layout, mesh_dim_names=("replica", "ep"))
