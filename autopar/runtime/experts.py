@@ -40,6 +40,11 @@ from autopar.errors import LoweringError
 from autopar.plan import Plan, ProgramKind
 from autopar.runtime.collectives import new_group, waiting_for
 from autopar.runtime.data_parallel import DataParallelProgram
+from autopar.runtime.expert_routing import (
+    global_label_count_pass,
+    global_routing_counts_pass,
+    warn_local_aux_loss,
+)
 from autopar.trace import TracedModel, module_path_of
 
 
@@ -213,6 +218,11 @@ class ExpertParallelProgram(DataParallelProgram):
         expert_parallel_pass(
             self._gm, None, dispatch=self._dispatch, param_nodes=dict(zip(traced.param_names, params, strict=True))
         )
+        num_experts = next(iter(self._dispatch.values())).num_experts
+        global_routing_counts_pass(self._gm, None, num_experts=num_experts, group=self.group, num_ranks=self.dp)
+        if not self._counted:  # a loss of more than the cross-entropy: averaged over the ranks (`expert_routing`)
+            global_label_count_pass(self._gm, None, group=self.group, num_ranks=self.dp)
+        warn_local_aux_loss(self._model_box[0], self._gm.meta["autopar_routing_counts"], self.plan.num_microbatches)
 
     def _is_expert(self, tensor: torch.Tensor) -> bool:
         return any(tensor is t for t in self._expert_tensors())
