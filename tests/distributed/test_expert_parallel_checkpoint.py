@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 import autopar
 from autopar.plan import Plan
 from tests.distributed.harness import run_distributed
-from tests.distributed.test_train_numerics import ADAM_EPS
+from tests.distributed.test_train_numerics import ADAM_EPS, PARAM_ATOL, PARAM_MEAN_ATOL
 from tests.families import family_batch, make_family
 from tests.models import train_locally
 
@@ -102,6 +102,10 @@ def _check(tmp_path, optimizers: list[str]) -> None:
         model = make_family("mixtral")
         _, ref_state = train_locally(model, args, kwargs, _optimizer(opt)(model.parameters()), 2 * STEPS)
         for key, ref in ref_state.items():
+            if opt == "adamw":  # AdamW's bounds and their reason: tests/distributed/test_train_numerics.py
+                torch.testing.assert_close(state[key], ref, atol=PARAM_ATOL, rtol=PARAM_RTOL, msg=key)
+                assert (state[key] - ref).abs().mean().item() <= PARAM_MEAN_ATOL, key
+                continue
             err = ((state[key] - ref).abs() / ref.abs().clamp_min(PARAM_FLOOR)).max().item()
             assert err <= PARAM_RTOL, (opt, key, err)
 
