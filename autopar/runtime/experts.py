@@ -3,8 +3,9 @@
 A plan with `expert_parallel["degree"] = ep > 1` runs the whole model on every rank, as the data-parallel
 program does, except the experts: the data axis's ranks are cut into groups of ep consecutive ranks (Megatron-Core
 carves its expert groups from the data-parallel ranks the same way), and rank j of a group holds experts
-[j·E/ep, (j+1)·E/ep) of every MoE layer, whole. The router, its top-k and its weights, and any auxiliary loss read
-from the router, run on each rank's own tokens exactly as in one process; only the experts' computation moves:
+[j·E/ep, (j+1)·E/ep) of every MoE layer, whole. The router, its top-k and its weights run on each rank's own tokens
+exactly as in one process (an auxiliary balancing loss read from the router counts the routed tokens of every rank:
+`autopar.runtime.expert_routing`); only the experts' computation moves:
 
 1. dispatch: each (token, chosen expert) pair is sorted by expert and sent, by an all-to-all over the ep group
    with the counts of each pair (dropless: every routed token is computed, however uneven the routing), to the
@@ -22,6 +23,9 @@ The rewrite (`expert_parallel_pass`) replaces each experts module's nodes in the
 `call_module` of an `ExpertDispatch`: the graph keeps running plain tensors, and the expert weights stay
 placeholders (this rank's slices).
 
+In checkpoints (`checkpoint_masters`) an expert weight is the local shard of a DTensor over the (replica, ep) mesh of
+the program's groups, sharded on dim 0; Hugging Face weights assemble the blocks whole.
+
 Not yet: a tensor, pipeline or context axis, ZeRO, recompute or offload with ep (the planner refuses them); a
 capacity factor; `forward()` outside a step (the experts are split).
 """
@@ -37,6 +41,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autopar.checkpoint.pieces import dtensor_piece
 from autopar.cluster import ClusterSpec
 from autopar.errors import LoweringError
+from autopar.loss import LOSS_SCALE
 from autopar.plan import Plan, ProgramKind
 from autopar.runtime.collectives import new_group, waiting_for
 from autopar.runtime.data_parallel import DataParallelProgram
@@ -220,7 +225,10 @@ class ExpertParallelProgram(DataParallelProgram):
         )
         num_experts = next(iter(self._dispatch.values())).num_experts
         global_routing_counts_pass(self._gm, None, num_experts=num_experts, group=self.group, num_ranks=self.dp)
-        if not self._counted:  # a loss of more than the cross-entropy: averaged over the ranks (`expert_routing`)
+        # a model's loss of more than the cross-entropy, averaged over the ranks (`expert_routing`); a user's loss
+        # is weighed by its own token counts (`autopar.loss`)
+        user_loss = any(LOSS_SCALE in path for path in traced.user_input_paths)
+        if not self._counted and not user_loss:
             global_label_count_pass(self._gm, None, group=self.group, num_ranks=self.dp)
         warn_local_aux_loss(self._model_box[0], self._gm.meta["autopar_routing_counts"], self.plan.num_microbatches)
 
