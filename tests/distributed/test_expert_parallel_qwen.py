@@ -96,5 +96,6 @@ def _check(aux: bool) -> None:
         assert res["eval"] == pytest.approx(ref_eval, rel=LOSS_RTOL)
 
 
+# in `make test` (the smallest Qwen2-MoE case): 15.8 s as the first test of a run on a pool of two ranks (2 cores)
 def test_qwen2_moe_expert_parallel_trains_as_in_one_process():
     _check(aux=True)
