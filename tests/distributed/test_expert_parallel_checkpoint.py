@@ -4,7 +4,8 @@ rank holding 2 of the 4 experts of each layer) trains two steps, saves a checkpo
 losses and weights of the uninterrupted run (the experts' blocks and their optimizer states read back on the ranks
 that hold them); transformers' `from_pretrained` reads the weights written into one process, equal to the trained
 ones. SGD with momentum, and AdamW (its moments of the experts round-trip too); the AdamW checkpoint is read by the
-data-parallel program as well (every rank holding every expert), which resumes with the same losses."""
+data-parallel program as well (every rank holding every expert), which resumes with the same losses. A Qwen2-MoE
+(shared expert, balancing loss in the loss) round-trips the same way with SGD."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 import autopar
 from autopar.plan import Plan
 from tests.distributed.harness import run_distributed
+from tests.distributed.test_expert_parallel_qwen import tiny_qwen2_moe
 from tests.distributed.test_train_numerics import ADAM_EPS, PARAM_ATOL, PARAM_MEAN_ATOL
 from tests.families import family_batch, make_family
 from tests.models import train_locally
@@ -42,10 +44,16 @@ def _optimizer(name: str):
     return lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
-def _compile(world: int, plan_json: str, opt: str, seed: int):
+def _model(family: str, seed: int) -> torch.nn.Module:
+    if family == "qwen2_moe":
+        return tiny_qwen2_moe(seed=seed)  # with the balancing loss in its loss
+    return make_family("mixtral", seed=seed)
+
+
+def _compile(world: int, plan_json: str, opt: str, seed: int, family: str):
     args, kwargs = family_batch("mixtral")
     pm = autopar.compile(
-        make_family("mixtral", seed=seed),
+        _model(family, seed),
         f"cpu:{world}",
         args,
         kwargs,
@@ -56,12 +64,12 @@ def _compile(world: int, plan_json: str, opt: str, seed: int):
     return pm, args, kwargs
 
 
-def _first(rank: int, world: int, root: str, plan_json: str, optimizers: list[str]) -> dict:
+def _first(rank: int, world: int, root: str, plan_json: str, optimizers: list[str], family: str) -> dict:
     """Per optimizer: 2 steps, a checkpoint, 2 steps, the Hugging Face weights."""
     del rank
     out = {}
     for opt in optimizers:
-        pm, args, kwargs = _compile(world, plan_json, opt, seed=0)
+        pm, args, kwargs = _compile(world, plan_json, opt, seed=0, family=family)
         straight = [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
         pm.save_checkpoint(f"{root}/{opt}/step{STEPS}", extra={"opt": opt})
         straight += [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
@@ -70,11 +78,13 @@ def _first(rank: int, world: int, root: str, plan_json: str, optimizers: list[st
     return out
 
 
-def _resume(rank: int, world: int, root: str, plan_json: str, optimizers: list[str]) -> dict:
+def _resume(rank: int, world: int, root: str, plan_json: str, optimizers: list[str], family: str) -> dict:
     del rank
     out = {}
     for opt in optimizers:
-        pm, args, kwargs = _compile(world, plan_json, opt, seed=7)  # other initial weights: the load replaces them
+        pm, args, kwargs = _compile(
+            world, plan_json, opt, seed=7, family=family
+        )  # other initial weights: the load replaces them
         extra = pm.load_checkpoint(autopar.latest_checkpoint(f"{root}/{opt}"))
         losses = [pm.train_step(*args, **kwargs) for _ in range(STEPS)]
         out[opt] = {"extra": extra, "step": pm.num_steps - STEPS, "losses": losses, "state": pm.state_dict()}
@@ -91,19 +101,19 @@ def _resume_data_parallel(rank: int, world: int, root: str, opt: str) -> dict:
     return {"program": str(pm.plan.program), "losses": [pm.train_step(*args, **kwargs) for _ in range(STEPS)]}
 
 
-def _plan_json() -> str:
+def _plan_json(family: str) -> str:
     args, kwargs = family_batch("mixtral")
-    plan = autopar.plan(make_family("mixtral"), "cpu:2", args, kwargs, constraints={"ep": 2}, alternatives=False)
+    plan = autopar.plan(_model(family, 0), "cpu:2", args, kwargs, constraints={"ep": 2}, alternatives=False)
     assert plan.program == "expert-parallel"
     return plan.to_json()
 
 
-def _check(tmp_path, optimizers: list[str]) -> dict[str, list[float]]:
+def _check(tmp_path, optimizers: list[str], family: str = "mixtral") -> dict[str, list[float]]:
     """Run and check the above; the uninterrupted run's losses by optimizer."""
     args, kwargs = family_batch("mixtral")
-    plan_json = _plan_json()
-    first = run_distributed(_first, 2, str(tmp_path), plan_json, optimizers, timeout_s=600)
-    resumed = run_distributed(_resume, 2, str(tmp_path), plan_json, optimizers, timeout_s=600)
+    plan_json = _plan_json(family)
+    first = run_distributed(_first, 2, str(tmp_path), plan_json, optimizers, family, timeout_s=600)
+    resumed = run_distributed(_resume, 2, str(tmp_path), plan_json, optimizers, family, timeout_s=600)
     for opt in optimizers:
         straight, trained = first[0][opt]["straight"], first[0][opt]["state"]
         for r in range(2):
@@ -116,12 +126,12 @@ def _check(tmp_path, optimizers: list[str]) -> dict[str, list[float]]:
         files = sorted(p.name for p in (tmp_path / opt / "hf").glob("*.safetensors"))
         assert len(files) > 1, files
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / opt / "hf")
-        assert type(loaded).__name__ == "MixtralForCausalLM"
+        assert type(loaded).__name__ == type(_model(family, 0)).__name__
         state = loaded.state_dict()
         assert set(state) == set(trained)
         for key, value in trained.items():
             assert torch.equal(state[key], value), key  # written as held: no arithmetic between
-        model = make_family("mixtral")
+        model = _model(family, 0)
         _, ref_state = train_locally(model, args, kwargs, _optimizer(opt)(model.parameters()), 2 * STEPS)
         for key, ref in ref_state.items():
             if opt == "adamw":  # AdamW's bounds and their reason: tests/distributed/test_train_numerics.py
@@ -147,3 +157,8 @@ def test_expert_parallel_checkpoint_resumes_adamw(tmp_path):
     for run in runs:
         assert run["program"] == "data-parallel"
         assert run["losses"] == pytest.approx(straight[STEPS:], rel=RESHARD_RTOL), (run["losses"], straight)
+
+
+@pytest.mark.slow
+def test_qwen2_moe_checkpoint_resumes_and_exports(tmp_path):
+    _check(tmp_path, ["sgd"], family="qwen2_moe")  # its shared expert, gate and balancing loss beside the experts
