@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import autopar
+from autopar.checkpoint.reader import read_index
 from autopar.plan import Plan
 from tests.distributed.harness import run_distributed
 from tests.distributed.test_expert_parallel_qwen import tiny_qwen2_moe
@@ -101,22 +102,26 @@ def _resume_data_parallel(rank: int, world: int, root: str, opt: str) -> dict:
     return {"program": str(pm.plan.program), "losses": [pm.train_step(*args, **kwargs) for _ in range(STEPS)]}
 
 
-def _plan_json(family: str) -> str:
+def _plan_json(family: str, world: int) -> str:
     args, kwargs = family_batch("mixtral")
-    plan = autopar.plan(_model(family, 0), "cpu:2", args, kwargs, constraints={"ep": 2}, alternatives=False)
+    plan = autopar.plan(_model(family, 0), f"cpu:{world}", args, kwargs, constraints={"ep": 2}, alternatives=False)
     assert plan.program == "expert-parallel"
     return plan.to_json()
 
 
-def _check(tmp_path, optimizers: list[str], family: str = "mixtral") -> dict[str, list[float]]:
+def _check(tmp_path, optimizers: list[str], family: str = "mixtral", world: int = 2) -> dict[str, list[float]]:
     """Run and check the above; the uninterrupted run's losses by optimizer."""
     args, kwargs = family_batch("mixtral")
-    plan_json = _plan_json(family)
-    first = run_distributed(_first, 2, str(tmp_path), plan_json, optimizers, family, timeout_s=600)
-    resumed = run_distributed(_resume, 2, str(tmp_path), plan_json, optimizers, family, timeout_s=600)
+    plan_json = _plan_json(family, world)
+    first = run_distributed(_first, world, str(tmp_path), plan_json, optimizers, family, timeout_s=600)
+    resumed = run_distributed(_resume, world, str(tmp_path), plan_json, optimizers, family, timeout_s=600)
+    for opt in optimizers:  # each expert weight stored as its ep blocks of experts, each once
+        index = read_index(tmp_path / opt / f"step{STEPS}").state_dict_metadata
+        expert = index["model.model.layers.0.mlp.experts.down_proj"]
+        assert sorted(tuple(c.offsets)[0] for c in expert.chunks) == [0, expert.size[0] // 2], expert.chunks
     for opt in optimizers:
         straight, trained = first[0][opt]["straight"], first[0][opt]["state"]
-        for r in range(2):
+        for r in range(world):
             got = resumed[r][opt]
             assert got["extra"] == {"opt": opt} and got["step"] == STEPS
             assert got["losses"] == pytest.approx(straight[STEPS:], rel=RESUME_RTOL), (opt, r, got["losses"], straight)
@@ -162,3 +167,9 @@ def test_expert_parallel_checkpoint_resumes_adamw(tmp_path):
 @pytest.mark.slow
 def test_qwen2_moe_checkpoint_resumes_and_exports(tmp_path):
     _check(tmp_path, ["sgd"], family="qwen2_moe")  # its shared expert, gate and balancing loss beside the experts
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoint_of_two_expert_groups(tmp_path):
+    # four ranks, two ep groups: each block of experts held by two ranks (the mesh's replica dim), written once
+    _check(tmp_path, ["sgd"], world=4)
