@@ -29,6 +29,7 @@ and what to do; the original exception is chained.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import linecache
 import os
@@ -44,8 +45,9 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 
-from autopar import compat
+from autopar import compat, trace_cache
 from autopar.errors import ConfigError, TraceError
+from autopar.trace_cache import tensor_at
 
 _PLACEHOLDER_KIND = {
     InputKind.PARAMETER: "param",
@@ -134,6 +136,21 @@ def trace_model(
             exception from ``torch.export`` is its ``__cause__``.
     """
     args, kwargs = _normalize_inputs(example_inputs, example_kwargs)
+    described = trace_cache.structure_key(model, args, kwargs, compute_dtype) if trace_cache.enabled() else None
+    if described is not None:
+        found = trace_cache.CACHE.get(described[0], model, (args, kwargs))
+        if found is not None:
+            exported, facts = found
+            return TracedModel(exported=exported, **facts)
+    traced = _export(model, args, kwargs, compute_dtype)
+    if described is not None:
+        facts = {f.name: getattr(traced, f.name) for f in dataclasses.fields(traced) if f.name != "exported"}
+        trace_cache.CACHE.put(described[0], described[1], traced.exported, model, (args, kwargs), facts)
+    return traced
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, compute_dtype: torch.dtype | None) -> TracedModel:
+    """`trace_model` without the cache."""
     subject = _in_format(model, compute_dtype) if compute_dtype is not None else model
     try:
         exported = torch.export.export(subject, args, kwargs, strict=False)
@@ -191,22 +208,13 @@ def _take_real_constants(exported: ExportedProgram, model: torch.nn.Module, dtyp
     for name, value in list(exported.constants.items()):
         if not isinstance(value, FakeTensor):
             continue
-        real = _tensor_at(model, name)
+        real = tensor_at(model, name)
         if real is None:
             raise TraceError(
                 f"the traced constant {name!r} has no value in the model: trace the model in its own "
                 f"format (precision matching its dtype)"
             )
         exported.constants[name] = real.detach().to(dtype) if real.is_floating_point() else real.detach()
-
-
-def _tensor_at(model: torch.nn.Module, path: str) -> torch.Tensor | None:
-    owner, _, attr = path.rpartition(".")
-    try:
-        value = getattr(model.get_submodule(owner) if owner else model, attr)
-    except AttributeError:
-        return None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 @functools.lru_cache(maxsize=65536)

@@ -40,7 +40,14 @@ LAYERS = (
         "autopar.triton_kernels",
         "autopar.runtime.collectives",
     ),
-    ("autopar.cost_model", "autopar.cluster", "autopar.trace", "autopar.ir", "autopar.context_parallel"),
+    (
+        "autopar.cost_model",
+        "autopar.cluster",
+        "autopar.trace",
+        "autopar.trace_cache",
+        "autopar.ir",
+        "autopar.context_parallel",
+    ),
     (
         "autopar.plan",
         "autopar.rationale",
