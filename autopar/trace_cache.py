@@ -23,7 +23,9 @@ in its state dict, and constants taken from the caller's model the way the trace
 values, module stacks) is shared between copies, as ``copy.deepcopy`` of a graph module shares it; nothing in
 autopar changes it in place.
 
-``AUTOPAR_TRACE_CACHE=0`` turns the cache off (every call exports).
+What the key does not see: a function the forward calls, replaced in place where it lives (a module-level helper
+of the model's library patched at run time); after such a patch call ``CACHE.clear()``, or set
+``AUTOPAR_TRACE_CACHE=0`` to turn the cache off (every call exports).
 """
 
 from __future__ import annotations
@@ -259,10 +261,11 @@ class TraceCache:
         memo: dict[int, object] = {}
         slots: dict[int, tuple] = {}
 
-        def standin(value: torch.Tensor, slot: tuple) -> None:
-            meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
+        def standin(value: torch.Tensor, slot: tuple | None) -> None:
+            meta = _meta_like(value)
             memo[id(value)] = meta
-            slots[id(meta)] = slot
+            if slot is not None:
+                slots[id(meta)] = slot
 
         for name, value in [*exported.state_dict.items(), *exported.constants.items()]:
             if not isinstance(value, torch.Tensor) or id(value) in memo:
@@ -273,7 +276,7 @@ class TraceCache:
             elif own is not None and _is_real(value):  # a constant the trace took from it in the traced format
                 standin(value, ("path", name, value.dtype))
             elif not _is_real(value):  # the compute-format stand-in's fake: its shape is all it says
-                memo[id(value)] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+                standin(value, None)
         for i, leaf in enumerate(pytree.tree_leaves(inputs)):
             if isinstance(leaf, torch.Tensor) and id(leaf) not in memo:
                 standin(leaf, ("input", i, None))
@@ -283,6 +286,12 @@ class TraceCache:
             self._entries.move_to_end(key)
             while len(self._entries) > self.keep:
                 self._entries.popitem(last=False)
+
+
+def _meta_like(value: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of `value`'s shape and dtype, a parameter where it is one (the program's verifier checks)."""
+    meta = torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return torch.nn.Parameter(meta, value.requires_grad) if isinstance(value, torch.nn.Parameter) else meta
 
 
 def _copied(exported, memo: dict):

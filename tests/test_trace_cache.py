@@ -56,6 +56,7 @@ def test_a_model_built_alike_gets_the_graph_bound_to_its_own_tensors(monkeypatch
     hits = CACHE.hits
     traced = trace_model(second, args, kwargs, compute_dtype=compute_dtype)
     assert CACHE.hits == hits + 1
+    traced.exported.validate()  # the program's own checks (a parameter's entry must be a Parameter)
     reference = _uncached(monkeypatch, second, args, kwargs, compute_dtype=compute_dtype)
     assert traced.graph_module.code == reference.graph_module.code
     for field in ("param_names", "buffer_names", "placeholder_kinds", "user_input_paths", "num_layers"):
