@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autopar.trace import TracedModel, layer_of
+from autopar.trace import TracedModel, layer_of, layer_of_param
 
 
 class NodeKind(StrEnum):
@@ -64,7 +64,7 @@ class ParamInfo:
     node_name: str
     meta: TensorMeta
     requires_grad: bool
-    layer: tuple[str | None, int | None]
+    layer: tuple[str | None, int | None]  # `autopar.trace.layer_of_param` of its name
 
 
 def tensor_meta_of(value) -> TensorMeta | None:
@@ -228,7 +228,7 @@ class OpGraph:
             if kind == "param":
                 fqn = next(param_iter)
                 params[ph.name] = ParamInfo(
-                    fqn, ph.name, output_meta(ph), fqn not in frozen_params, _layer_of_fqn(fqn, traced)
+                    fqn, ph.name, output_meta(ph), fqn not in frozen_params, layer_of_param(fqn)
                 )
             elif kind == "input":
                 inputs.append(ph.name)
@@ -251,15 +251,6 @@ class OpGraph:
             num_layers = max(num_layers, n)
             dedup += n - k
         return cls(traced, kinds, params, tuple(inputs), rep, count, num_layers, dedup, nodes, node_layer, repeats)
-
-
-def _layer_of_fqn(fqn: str, traced: TracedModel) -> tuple[str | None, int | None]:
-    """Layer of a parameter from its name ("model.layers.3.mlp.up_proj.weight" -> ("model.layers", 3))."""
-    parts = fqn.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        if parts[i].isdigit():
-            return ".".join(parts[:i]), int(parts[i])
-    return None, None
 
 
 def _node_layer(node: fx.Node, params: dict[str, ParamInfo]) -> tuple[str | None, int | None]:

@@ -260,6 +260,25 @@ def layer_of(node: fx.Node) -> tuple[str | None, int | None]:
     return None, None
 
 
+def layer_of_param(fqn: str) -> tuple[str | None, int | None]:
+    """The repeated layer the parameter named ``fqn`` belongs to, as ``(container path, index)``: :func:`layer_of`'s
+    rule applied to the modules on the parameter's path, so that a parameter is in the layer of the ops that read
+    it. The planner prices a layer's weights as one gather (``OpGraph`` parameters' ``layer``) and the sharded
+    program gathers them as one (``autopar.runtime.layer_gather``) by this function alone.
+
+    The layer is the *outermost* module on the path whose path ends in an integer:
+    ``"encoder.block.0.layer.1.DenseReluDense.wi.weight"`` gives ``("encoder.block", 0)`` (T5's numbered sub-layers
+    are part of their block), ``"model.layers.0.block_sparse_moe.experts.3.w1.weight"`` ``("model.layers", 0)`` (an
+    expert is part of its layer). The last part names the tensor, not a module, so a ``ParameterList`` entry
+    (``"w.3"``) is not a layer. Names outside repeated layers (embeddings, final norm, head) give ``(None, None)``.
+    """
+    modules = fqn.split(".")[:-1]
+    for i in range(1, len(modules)):
+        if modules[i].isdigit():
+            return ".".join(modules[:i]), int(modules[i])
+    return None, None
+
+
 def _module_paths(node: fx.Node) -> list[str]:
     """Normalised module paths of the node's stack, outermost first."""
     stack = node.meta.get("nn_module_stack") or {}

@@ -2,12 +2,13 @@
 
 A parameter split over the data axis (ZeRO >= 1) is gathered whole where an op reads it. The program gathers a
 layer's split parameters together, as FSDP gathers one flat buffer per layer: the split trainable parameters are
-grouped by layer (the `...layers.<i>.` prefix of their names; a parameter outside numbered layers is a group of
-its own), in the order the graph first reads them. When an op needs a parameter that no gather has brought yet,
-one all-gather brings its whole group (`GroupGather`): each member's padded local piece (`split_gather`'s layout:
-`torch.chunk`'s pieces padded to the longest, the split dim first) is packed into one flat send buffer, the ranks'
-buffers are gathered into one, and each member's whole is copied out of it when its op takes it. The gathered
-values are those `split_gather` gives, bit for bit.
+grouped by layer (`layer_groups`: the repeated layer of `autopar.trace.layer_of_param`, the one the planner prices a
+layer's gather for; a parameter outside repeated layers is a group of its own), in the order the graph first reads
+them. When an op needs a parameter that no gather has brought yet, one all-gather brings its whole group
+(`GroupGather`): each member's padded local piece (`split_gather`'s layout: `torch.chunk`'s pieces padded to the
+longest, the split dim first) is packed into one flat send buffer, the ranks' buffers are gathered into one, and
+each member's whole is copied out of it when its op takes it. The gathered values are those `split_gather` gives,
+bit for bit.
 
 Which members a gather brings (the same on every rank, so every rank issues the same collectives in the same
 order): in a forward, those of the group not gathered yet in this forward; in a backward, those whose weight it
@@ -22,12 +23,24 @@ the prefetch of the next groups (`autopar.runtime.sharded_overlap`) issues the s
 from __future__ import annotations
 
 import math
-import re
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from autopar import compat
+from autopar.trace import layer_of_param
+
+
+def layer_groups(names: Sequence[str]) -> list[list[int]]:
+    """Positions in `names` (parameter names) grouped by the repeated layer each belongs to, the layer the planner
+    prices one gather for (`autopar.trace.layer_of_param`); a name outside repeated layers is a group of its own.
+    Groups come in the order of their first member, members in the order of `names`."""
+    groups: dict[object, list[int]] = {}
+    for k, name in enumerate(names):
+        layer = layer_of_param(name)
+        groups.setdefault(layer if layer[0] is not None else name, []).append(k)
+    return list(groups.values())
 
 
 class GroupGather:
@@ -87,11 +100,8 @@ class LayerGathers:
             i = self._index_of.get(node.name) if kind == "param" else None
             if i is not None and node.users and self._split_dim[i] is not None and self.shards[i].requires_grad:
                 first_use[i] = min(position[u] for u in node.users)
-        groups: dict[str, list[int]] = {}
-        for i in sorted(first_use, key=first_use.get):
-            found = re.match(r"(.*?\.\d+)\.", self._param_names[i])
-            groups.setdefault(found.group(1) if found else self._param_names[i], []).append(i)
-        self._groups = list(groups.values())
+        order = sorted(first_use, key=first_use.get)
+        self._groups = [[order[k] for k in group] for group in layer_groups([self._param_names[i] for i in order])]
         self._group_of = {i: g for g, members in enumerate(self._groups) for i in members}
         # parameter index -> (its group's gather, its place in it): gathered (or in flight) and not taken yet
         self._prefetched: dict[int, tuple[GroupGather, int]] = {}
@@ -167,4 +177,4 @@ class LayerGathers:
         self._prefetched.clear()
 
 
-__all__ = ["GroupGather", "LayerGathers"]
+__all__ = ["GroupGather", "LayerGathers", "layer_groups"]
