@@ -5,10 +5,10 @@ layer's split parameters together, as FSDP gathers one flat buffer per layer: th
 grouped by layer (`layer_groups`: the repeated layer of `autopar.trace.layer_of_param`, the one the planner prices a
 layer's gather for; a parameter outside repeated layers is a group of its own), in the order the graph first reads
 them. When an op needs a parameter that no gather has brought yet, one all-gather brings its whole group
-(`GroupGather`): each member's padded local piece (`split_gather`'s layout: `torch.chunk`'s pieces padded to the
-longest, the split dim first) is packed into one flat send buffer, the ranks' buffers are gathered into one, and
-each member's whole is copied out of it when its op takes it. The gathered values are those `split_gather` gives,
-bit for bit.
+(`GroupGather`): each member's padded local piece (`split_gather`'s layout, `autopar.runtime.overlap.padded_piece`:
+`torch.chunk`'s pieces padded to the longest, the split dim first) is packed into one flat send buffer, the ranks'
+buffers are gathered into one, and each member's whole is cut out of it (`whole_from_pieces`) when its op takes
+it. The gathered values are those `split_gather` gives, bit for bit.
 
 Which members a gather brings (the same on every rank, so every rank issues the same collectives in the same
 order): in a forward, those of the group not gathered yet in this forward; in a backward, those whose weight it
@@ -22,13 +22,13 @@ the prefetch of the next groups (`autopar.runtime.sharded_overlap`) issues the s
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from autopar import compat
+from autopar.runtime import overlap
 from autopar.trace import layer_of_param
 
 
@@ -50,21 +50,16 @@ class GroupGather:
 
     def __init__(self, locals_: list[torch.Tensor], dims: list[int], sizes: list[int], group, *, async_op: bool):
         self.parts = dist.get_world_size(group)
-        self.layout: list[tuple[int, int, int, int, torch.Size]] = []  # (offset, width, dim, size, piece shape)
+        pieces = [overlap.padded_piece(t, d, n, self.parts) for t, d, n in zip(locals_, dims, sizes, strict=True)]
+        self.layout: list[tuple[int, int, int, torch.Size]] = []  # (offset, dim, size, padded piece shape)
         offset = 0
-        for local, dim, size in zip(locals_, dims, sizes, strict=True):
-            chunk = -(-size // self.parts)
-            shape = torch.Size((chunk, *local.movedim(dim, 0).shape[1:]))
-            width = math.prod(shape)
-            self.layout.append((offset, width, dim, size, shape))
-            offset += width
+        for piece, dim, size in zip(pieces, dims, sizes, strict=True):
+            self.layout.append((offset, dim, size, piece.shape))
+            offset += piece.numel()
         self.total = offset
         send = locals_[0].new_empty(self.total)
-        for local, (offset, width, dim, _, shape) in zip(locals_, self.layout, strict=True):
-            piece = send[offset : offset + width].view(shape)
-            moved = local.movedim(dim, 0)
-            piece[: moved.shape[0]].copy_(moved)
-            piece[moved.shape[0] :].zero_()  # the padding, as `split_gather` pads
+        for piece, (offset, _, _, shape) in zip(pieces, self.layout, strict=True):
+            send[offset : offset + piece.numel()].view(shape).copy_(piece)
         self.out = send.new_empty(self.parts * self.total)
         self._left = len(self.layout)  # members not taken yet: the gathered buffer is freed with the last
         self.work = compat.all_gather_single(self.out, send, group=group, async_op=async_op)
@@ -79,9 +74,9 @@ class GroupGather:
         """Member k whole (each member taken once): every rank's padded piece in rank order, cut to its length, the
         split dim put back; a tensor of its own unless the gather had one member."""
         self.wait()
-        offset, width, dim, size, shape = self.layout[k]
-        rows = self.out.view(self.parts, self.total)[:, offset : offset + width]
-        whole = rows.reshape(self.parts * shape[0], *shape[1:])[:size].movedim(0, dim).contiguous()
+        offset, dim, size, shape = self.layout[k]
+        rows = self.out.view(self.parts, self.total)[:, offset : offset + shape.numel()]
+        whole = overlap.whole_from_pieces(rows.reshape(self.parts * shape[0], *shape[1:]), dim, size)
         self._left -= 1
         if not self._left:
             self.out = None

@@ -52,17 +52,29 @@ def _padded(t: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
     return moved
 
 
+def padded_piece(local: torch.Tensor, dim: int, size: int, parts: int) -> torch.Tensor:
+    """`local`, one rank's piece of a tensor split on `dim` (whole length `size`) over `parts` ranks, as a gather of
+    split pieces sends it: `dim` first, zero rows appended up to the longest piece's ceil(size / parts) (a view of
+    `local` where it has them all)."""
+    return _padded(local, dim, -(-size // parts))
+
+
+def whole_from_pieces(pieces: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """The whole tensor of length `size` on `dim` from every rank's `padded_piece`, in rank order along dim 0: cut
+    to `size`, `dim` put back, contiguous (a view of `pieces` only where that already is)."""
+    return pieces[:size].movedim(0, dim).contiguous()
+
+
 def split_gather(local: torch.Tensor, dim: int, size: int, group, *, async_op: bool = False):
     """All-gather over `group` the pieces of a tensor split on `dim` (whole length `size`), `local` being this
     rank's. Returns the whole tensor, or with `async_op` (work, finish) where finish() gives it after the wait."""
     parts = dist.get_world_size(group)
-    chunk = -(-size // parts)
-    sent = _padded(local, dim, chunk).contiguous()
-    out = sent.new_empty((parts * chunk, *sent.shape[1:]))
+    sent = padded_piece(local, dim, size, parts).contiguous()
+    out = sent.new_empty((parts * sent.shape[0], *sent.shape[1:]))
     work = compat.all_gather_single(out, sent, group=group, async_op=async_op)
 
     def finish() -> torch.Tensor:
-        return out[:size].movedim(0, dim).contiguous()
+        return whole_from_pieces(out, dim, size)
 
     return (work, finish) if async_op else finish()
 
@@ -224,10 +236,9 @@ class _GatherSplit(torch.autograd.Function):
         if whole is not None:  # gathered already, with its layer (`autopar.runtime.layer_gather`)
             return whole
         parts = dist.get_world_size(group)
-        chunk = -(-size // parts)
-        whole = compat.funcol_all_gather(_padded(local, dim, chunk).contiguous(), 0, group)
+        whole = compat.funcol_all_gather(padded_piece(local, dim, size, parts).contiguous(), 0, group)
         whole = whole.wait() if hasattr(whole, "wait") else whole
-        return whole[:size].movedim(0, dim).contiguous()
+        return whole_from_pieces(whole, dim, size)
 
     @staticmethod
     def backward(ctx, grad):
