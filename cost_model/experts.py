@@ -14,7 +14,9 @@ skewed batch moves more to some ranks than this prices.
 
 Memory: the experts' weights, gradients and optimizer states per device are divided by ep (each rank holds its
 E / ep experts); the rest of the model keeps its layout. The experts' gradients are all-reduced over the dp / ep
-ranks that hold the same experts, not over the whole data axis.
+ranks that hold the same experts, not over the whole data axis. `ExpertSplit` names the weights so split and the
+degree: the sharding solver's prices read it (`passes.sharding.prices.MeshPrices`), so that the memory a plan is
+checked against and the gradient sync it pays are those of the program that runs it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,26 @@ from autopar.errors import ConfigError
 
 # all-to-alls per MoE layer and micro-batch: dispatch and combine, forward and backward
 ALL_TO_ALLS_PER_LAYER = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSplit:
+    """The weights an ep group splits (`params`: their names, each stacking one tensor per expert on dim 0) and
+    the group's size (`degree`): a rank holds 1 / degree of each, and sums its gradient with the dp / degree ranks
+    holding the same experts (stride `degree` on the data axis: one rank of each ep group)."""
+
+    degree: int
+    params: frozenset[str]
+
+    def __post_init__(self):
+        if self.degree < 1:
+            raise ConfigError(f"expert parallelism needs ep >= 1, got {self.degree}")
+
+    def replicas(self, data_ranks: int) -> int:
+        """Ranks holding the same experts on a data axis of `data_ranks`: data_ranks / degree."""
+        if data_ranks % self.degree:
+            raise ConfigError(f"ep={self.degree} does not divide the data axis (dp={data_ranks})")
+        return data_ranks // self.degree
 
 
 @dataclass(frozen=True, slots=True)

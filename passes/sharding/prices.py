@@ -4,6 +4,12 @@ Each ZeRO stage the program considers runs as one program (`comm`: its `ProgramC
 objects (`sync.SyncPricing`, `memory.StateMemory`, `offload.ChunkPricing`) about a group's local elements under that
 declaration. The families of `program.ShardingProgram` read these figures; the pipeline search and the per-layer
 activation plan read them too.
+
+Experts split over an ep group (`cost_model.experts.ExpertSplit`, the expert-parallel program): an expert weight's
+local elements are 1 / ep of its own, so its states, its optimizer step and its gradient sync shrink with them; its
+gradient is all-reduced over the dp / ep ranks holding the same experts (`expert_sync`, their link), in buckets of
+its own (the program starts a bucket where the group changes), whose one latency a step pays besides the dense
+weights' (`sync_floor`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections import defaultdict
 from autopar import units
 from autopar.cluster import ClusterSpec
 from autopar.cost_model.compute import optimizer_step_time_s
+from autopar.cost_model.experts import ExpertSplit
 from autopar.passes.sharding.groups import MeshGroups
 from autopar.passes.sharding.memory import StateMemory
 from autopar.passes.sharding.offload import ChunkPricing, model_param_specs
@@ -39,6 +46,7 @@ class MeshPrices:
         offload: whether states may go to the host (False, None: the solver decides, True: all of them).
         pipeline_stage: priced as a pipeline's stage; `step_gathers`: its ZeRO-1 gathers weights once a step.
         cp: the cp degree (the data axis counts its ranks).
+        experts: the expert weights split over an ep group of the data axis, and its size (None: none).
     """
 
     def __init__(
@@ -57,6 +65,7 @@ class MeshPrices:
         pipeline_stage: bool,
         step_gathers: bool,
         cp: int = 1,
+        experts: ExpertSplit | None = None,
     ):
         self.mesh_groups, self.graph, self.cluster = groups, groups.graph, cluster
         self.dp, self.tp, self.mb, self.cp = dp, tp, groups.mb, cp
@@ -71,6 +80,12 @@ class MeshPrices:
             chunk_budget = budget if math.isfinite(budget) else cluster.device.memory_bytes
             chunks = ChunkPricing(tuple(model_param_specs(self.graph)), dp, self.dp_link, precision, chunk_budget)
         self.sync = SyncPricing(dp, self.dp_link, precision, units.PRICED_BUCKET_BYTES, chunks)
+        self.experts = experts if experts is not None and experts.degree > 1 else None
+        self.expert_sync = None
+        if self.experts is not None:  # the ranks holding the same experts: one of each ep group, stride ep·tp
+            replicas = self.experts.replicas(dp)
+            link = cluster.link_for_axis(replicas, self.experts.degree * tp)
+            self.expert_sync = SyncPricing(replicas, link, precision, units.PRICED_BUCKET_BYTES)
 
     def comm(self, stage: int) -> ProgramComm:
         """The declaration of the program that runs this mesh's layout at ZeRO stage `stage`, as it is priced: the
@@ -89,8 +104,19 @@ class MeshPrices:
             self._comms[stage] = found
         return found
 
-    def _numel(self, name: str, k: int) -> float:
-        return self.mesh_groups.tp_numel(name, k)
+    def is_expert(self, name: str) -> bool:
+        """Whether parameter group `name` is an expert weight split over the ep group."""
+        return self.experts is not None and self.graph.params[name].name in self.experts.params
+
+    def local_numel(self, name: str, k: int) -> float:
+        """Elements of parameter group `name`'s local shard under strategy k: split on the tensor axis as k says, and
+        over the ep group for an expert weight."""
+        numel = self.mesh_groups.tp_numel(name, k)
+        return numel / self.experts.degree if self.is_expert(name) else numel
+
+    def _sync(self, name: str) -> SyncPricing:
+        """The pricing of parameter group `name`'s gradient sync: over the expert replicas for an expert weight."""
+        return self.expert_sync if self.is_expert(name) else self.sync
 
     def _trainable(self, name: str) -> bool:
         return self.graph.params[name].requires_grad
@@ -115,11 +141,11 @@ class MeshPrices:
 
     def state_bytes(self, name: str, k: int, stage: int) -> tuple[float, float, float]:
         """M_state[w,k,s]: (parameter, gradient, optimizer) bytes of one parameter's local shard under `stage`."""
-        return self.state_memory.state_bytes(self._numel(name, k), stage, self._trainable(name))
+        return self.state_memory.state_bytes(self.local_numel(name, k), stage, self._trainable(name))
 
     def overlap_grad_bytes(self, name: str, k: int, stage: int) -> float:
         """The whole fp32 gradient a ZeRO-1 layout that reduces once a step holds (`StateMemory.overlap_grad_bytes`)."""
-        return self.state_memory.overlap_grad_bytes(self.comm(stage), self._numel(name, k), self._trainable(name))
+        return self.state_memory.overlap_grad_bytes(self.comm(stage), self.local_numel(name, k), self._trainable(name))
 
     def in_flight_grad_bytes(self, stage: int) -> float:
         """The gradient buckets ZeRO-2/3 with overlap hold in flight (`StateMemory.in_flight_grad_bytes`): the
@@ -185,33 +211,37 @@ class MeshPrices:
         (`SyncPricing.sync_time`)."""
         if not self._trainable(name):
             return 0.0
-        return self.sync.sync_time(self.comm(stage), self._numel(name, k), self._members(name))
+        return self._sync(name).sync_time(self.comm(stage), self.local_numel(name, k), self._members(name))
 
     def step_gather_time(self, name: str, k: int, stage: int) -> float:
         """The part of `sync_time` that gathers a pipeline's ZeRO-1 weight before its schedule starts."""
         if not self._trainable(name):
             return 0.0
-        return self.sync.step_gather_time(self.comm(stage), self._numel(name, k))
+        return self._sync(name).step_gather_time(self.comm(stage), self.local_numel(name, k))
 
     def sharded_sync_parts(self, name: str, k: int, stage: int) -> tuple[float, float, float, float]:
         """(G_bw, G_fix, A_bw, A_fix) of one parameter in the sharded program with overlap (`SyncPricing`)."""
-        return self.sync.sharded_parts(self.comm(stage), self._numel(name, k), self._members(name))
+        return self._sync(name).sharded_parts(self.comm(stage), self.local_numel(name, k), self._members(name))
 
     def bucket_latency_s(self, name: str, k: int, stage: int) -> float:
         """The latency part of `sync_time` where gradients go out in buckets once a step (`SyncPricing`)."""
         if not self._trainable(name):
             return 0.0
-        return self.sync.bucket_latency_s(self.comm(stage), self._numel(name, k))
+        return self._sync(name).bucket_latency_s(self.comm(stage), self.local_numel(name, k))
 
     def sync_floor(self, stage: int) -> float:
-        """Latency of the one bucket a step with any gradient pays (`SyncPricing.floor`)."""
-        return self.sync.floor(self.comm(stage))
+        """Latency of the one bucket a step with any gradient pays (`SyncPricing.floor`); with experts split, one
+        of their own buckets besides."""
+        floor = self.sync.floor(self.comm(stage))
+        if self.expert_sync is not None:
+            floor += self.expert_sync.floor(self.comm(stage))
+        return floor
 
     def regather_s(self, name: str, k: int, stage: int) -> float:
         """Seconds a step spends gathering parameter group `name` (strategy k) again in its recomputed forwards at
         ZeRO stage `stage` (`SyncPricing.regather_s`)."""
         count = self.mesh_groups.groups[name].count
-        return self.sync.regather_s(self.comm(stage), self._numel(name, k), count, self._members(name))
+        return self._sync(name).regather_s(self.comm(stage), self.local_numel(name, k), count, self._members(name))
 
     def grad_bytes(self, stage: int) -> float:
         """The step's gradient bytes at `stage`, every trainable parameter whole."""
@@ -241,7 +271,7 @@ class MeshPrices:
         """Opt[w,k,s]: the device's optimizer step over one parameter's local shard (its fp32 weights)."""
         if not self._trainable(name):
             return 0.0
-        local = self._numel(name, k) / (self.dp if stage >= 1 else 1)
+        local = self.local_numel(name, k) / (self.dp if stage >= 1 else 1)
         return optimizer_step_time_s(self.estimator, self.cluster.device, 1, local * FP32_BYTES)
 
     @functools.cached_property

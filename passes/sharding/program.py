@@ -127,6 +127,7 @@ import pulp
 from torch.distributed.tensor import Shard
 
 from autopar.cluster import ClusterSpec
+from autopar.cost_model.experts import ExpertSplit
 from autopar.errors import ConfigError
 from autopar.ir import OpGraph
 from autopar.passes.context_parallel import CPPricing
@@ -197,6 +198,7 @@ class ShardingProgram:
         pipeline_stage: bool = False,
         step_gathers: bool = False,
         tp_overlap: bool | None = None,
+        experts: ExpertSplit | None = None,
     ):
         if batch_dim_size % (dp * num_microbatches):
             raise ConfigError(
@@ -209,6 +211,7 @@ class ShardingProgram:
             memory_budget_bytes,
             batch_dim_size,
         )
+        self.experts = experts  # expert weights split over an ep group of the data axis (`MeshPrices`)
         self.cp = cp  # a cp plan: dp counts the data axis's dp·cp ranks, and attention is priced by `cp`
         # priced as a pipeline's stage (`runtime.pipeline`), whose ZeRO-1 with overlap gathers weights once a step
         self.pipeline_stage, self.step_gathers = pipeline_stage, pipeline_stage and step_gathers
@@ -281,6 +284,7 @@ class ShardingProgram:
             pipeline_stage=self.pipeline_stage,
             step_gathers=self.step_gathers,
             cp=cp,
+            experts=self.experts,
         )
 
     # ------------------------------------------------------------ the mesh's prices, for the searches that read them

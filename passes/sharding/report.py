@@ -198,8 +198,7 @@ def _data_axis_collectives(prog: ShardingProgram, name: str, k: int, stage: int,
         t = sum(prog.prices.sharded_sync_parts(name, k, stage))  # as the overlapping sharded program runs them
     if not t:
         return []
-    out = prog.groups[name].out[name][k]
-    local = prog.graph.params[name].meta.numel / (prog.tp if isinstance(out, Shard) else 1)
+    local = prog.prices.local_numel(name, k)
     words = (
         "all_reduce of the gradient (bucketed)"
         if comm.buckets_all_reduce

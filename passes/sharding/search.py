@@ -24,6 +24,7 @@ import warnings
 
 from autopar import time_limit
 from autopar.cluster import ClusterSpec
+from autopar.cost_model.experts import ExpertSplit
 from autopar.errors import ConfigError, InfeasiblePlanError
 from autopar.ir import OpGraph
 from autopar.passes import sharding_rules as rules
@@ -94,6 +95,7 @@ def solve_sharding(
     batch_size: int,
     progress=None,
     offload: bool | None = False,
+    experts: ExpertSplit | None = None,
 ) -> ShardingSolution:
     """Solve every allowed (dp, tp) mesh and return the fastest feasible layout.
 
@@ -112,6 +114,9 @@ def solve_sharding(
         offload: False keeps every state on the device; None lets each program put optimizer states and
             gradients on the host where memory requires it; True puts all of them there. Only meshes without
             a tensor axis (tp=1) offload: that is what the offload program runs.
+        experts: expert weights split over an ep group of the data axis (the expert-parallel program): their
+            states and gradient sync priced as it holds and sends them; meshes whose data axis ep does not divide
+            are refused.
     Raises:
         InfeasiblePlanError: no mesh fits, with the memory the best layout needs.
     """
@@ -144,6 +149,9 @@ def solve_sharding(
         if offload is True and tp > 1:
             results.append(_refused(dp, tp, "offload=True: host offload runs on meshes without a tensor axis"))
             continue
+        if experts is not None and dp % experts.degree:
+            results.append(_refused(dp, tp, f"ep={experts.degree} does not divide the data axis"))
+            continue
         factory = functools.partial(
             _program_factory,
             graph,
@@ -161,6 +169,7 @@ def solve_sharding(
             pinned_placements=pins,
             overlap=bool(constraints.get("overlap", True)),
             prefetch_depth=constraints.get("prefetch_depth"),
+            experts=experts,
         )
         if tp == 1 and any(v != "R" for v in pins.values()):
             results.append(_refused(dp, tp, "param_placements splits parameters, and this mesh has no tensor axis"))
@@ -324,6 +333,7 @@ def _program_factory(
     overlap: bool = True,
     cp: CPPricing | None = None,
     prefetch_depth: int | None = None,
+    experts: ExpertSplit | None = None,
 ):
     def make(m: int) -> ShardingProgram:
         return ShardingProgram(
@@ -344,6 +354,7 @@ def _program_factory(
             overlap=overlap,
             cp=cp,
             prefetch_depth=prefetch_depth,
+            experts=experts,
         )
 
     return make
