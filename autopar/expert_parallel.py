@@ -7,11 +7,12 @@ tensor per expert on dim 0 (Hugging Face's Mixtral, Qwen-MoE, ...); a shared exp
 
 What runs it is the expert-parallel program (`autopar.runtime.experts`): the data-parallel program with its
 experts split. So a pinned ep pins the layout that program runs (tp 1, pp 1, ZeRO-0, no recompute: `layout_pins`),
-and a pin that contradicts it is refused. The plan is solved as that data-parallel layout, then priced with the
-axis (`with_expert_parallel`, from `cost_model.experts`): the all-to-alls join the data axis's communication
-(they run over its ranks) and the step; the experts' weights, gradients and optimizer states per device shrink
-to 1 / ep. The experts' gradient all-reduce, which runs over dp / ep ranks on 1 / ep of the bytes, keeps its
-price over the whole data axis (an overestimate); the search does not weigh ep yet.
+and a pin that contradicts it is refused. The plan is solved as that data-parallel layout with the experts split
+(`expert_split`: the solver holds each device to 1 / ep of the experts' weights, gradients and optimizer states, the
+rest of the model whole, and prices the experts' gradient all-reduce over the dp / ep ranks holding the same
+experts, on 1 / ep of the bytes), then priced with the axis's traffic (`with_expert_parallel`, from
+`cost_model.experts`): the all-to-alls join the data axis's communication (they run over its ranks) and the step.
+A free search weighs ep degrees the same way (`autopar.ep_search`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import dataclasses
 import torch
 
 from autopar.constraints import Constraints
-from autopar.cost_model.experts import estimate_expert_parallel
+from autopar.cost_model.experts import ExpertSplit, estimate_expert_parallel
 from autopar.errors import ConfigError
+from autopar.passes.sharding.precision import Precision
 from autopar.plan import Plan, ProgramKind
 
 # the layout the expert-parallel program runs: what a pinned ep pins besides
@@ -96,8 +98,30 @@ def check_ep(ep: int, model: torch.nn.Module, world_size: int, dp: int | None) -
     return shape
 
 
+def expert_split(shape: MoeShape, ep: int) -> ExpertSplit:
+    """The solver's view of the axis: `shape`'s expert weights, split over `ep` ranks."""
+    return ExpertSplit(ep, frozenset(shape.params))
+
+
+def expert_state_bytes(plan: Plan, shape: MoeShape) -> float:
+    """Bytes of the experts' weights, gradients and optimizer states a device would hold whole under `plan`'s
+    precision at ZeRO-0 (the layout ep runs on): 1 / ep of them is what it holds with ep."""
+    pr = Precision.get(plan.precision, plan.grad_reduce)
+    return shape.num_expert_elements * (pr.param_bytes + pr.grad_bytes_at(0) + pr.optimizer_bytes)
+
+
+# why a pinned (or searched) ep does not fit: what the memory it was checked against holds
+EP_MEMORY_NOTE = (
+    "with ep={ep}, the layout is the one the expert-parallel program runs: data parallelism with ZeRO-0 and no "
+    "recompute, each device holding 1/{ep} of every MoE layer's experts with their gradients and optimizer states "
+    "and the rest of the model whole; expert parallelism does not run with ZeRO, recompute, offload or a tensor or "
+    "pipeline axis yet"
+)
+
+
 def with_expert_parallel(plan: Plan, shape: MoeShape, ep: int) -> Plan:
-    """`plan` (the data-parallel layout, solved) with an expert axis of `ep`, priced (module docstring)."""
+    """`plan` (the data-parallel layout, solved with `expert_split`) with an expert axis of `ep`, priced (module
+    docstring): its all-to-alls added to the step and the data axis's communication."""
     if plan.program != ProgramKind.DATA_PARALLEL:
         raise ConfigError(
             f"constraints ep={ep}: the plan came out {plan.program} (mesh {plan.mesh}, ZeRO-{plan.zero_stage}, "
@@ -117,7 +141,6 @@ def with_expert_parallel(plan: Plan, shape: MoeShape, ep: int) -> Plan:
         num_microbatches=m,
         link=plan.cluster.link_for_axis(ep, 1),
     )
-    predicted, saved = _priced(plan, cost.all_to_all_s, shape.num_expert_elements / plan.num_parameters, ep)
     info = {
         "degree": ep,
         "num_experts": shape.num_experts,
@@ -126,25 +149,20 @@ def with_expert_parallel(plan: Plan, shape: MoeShape, ep: int) -> Plan:
         "all_to_all_bytes": cost.all_to_all_bytes,
         "all_to_alls_per_step": cost.num_all_to_alls,
         "all_to_all_s": cost.all_to_all_s,
-        "memory_saved_bytes": saved,
+        "memory_saved_bytes": expert_state_bytes(plan, shape) * (1 - 1 / ep),
     }
     breakdown = dict(plan.time_breakdown) | {"comm_dp": plan.time_breakdown.get("comm_dp", 0.0) + cost.all_to_all_s}
-    return dataclasses.replace(plan, predicted=predicted, time_breakdown=breakdown, expert_parallel=info)
+    return dataclasses.replace(
+        plan, predicted=_with_all_to_alls(plan, cost.all_to_all_s), time_breakdown=breakdown, expert_parallel=info
+    )
 
 
-def _priced(plan: Plan, all_to_all_s: float, expert_fraction: float, ep: int):
-    """(predicted figures with the all-to-alls added and the experts' states divided by ep, bytes saved)."""
+def _with_all_to_alls(plan: Plan, all_to_all_s: float):
+    """`plan`'s predicted figures with the all-to-alls added to the step (the memory is the solver's, split)."""
     old = plan.predicted
-    memory = dict(old.memory_breakdown)
-    saved = 0.0
-    for key in ("params", "grads", "optimizer"):
-        if key in memory:
-            cut = memory[key] * expert_fraction * (1 - 1 / ep)
-            memory[key] -= cut
-            saved += cut
     step = old.step_time_s + all_to_all_s
     speed = old.step_time_s / step
-    predicted = dataclasses.replace(
+    return dataclasses.replace(
         old,
         step_time_s=step,
         grad_sync_s=old.grad_sync_s + all_to_all_s,
@@ -152,7 +170,4 @@ def _priced(plan: Plan, all_to_all_s: float, expert_fraction: float, ep: int):
         mfu=old.mfu * speed,
         hardware_flops_utilization=old.hardware_flops_utilization * speed,
         tokens_per_s=old.tokens_per_s * speed,
-        peak_memory_bytes=old.peak_memory_bytes - saved,
-        memory_breakdown=memory,
     )
-    return predicted, saved

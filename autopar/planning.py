@@ -25,7 +25,13 @@ from autopar.cluster import ClusterSpec
 from autopar.constraints import Constraints
 from autopar.cp_search import cp_degrees, search_cp
 from autopar.errors import InfeasiblePlanError
-from autopar.expert_parallel import check_ep, layout_pins, with_expert_parallel
+from autopar.expert_parallel import (
+    EP_MEMORY_NOTE,
+    check_ep,
+    expert_split,
+    layout_pins,
+    with_expert_parallel,
+)
 from autopar.input_validation import PlanRequest, batch_size, check_cp, resolve_estimator
 from autopar.ir import OpGraph
 from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
@@ -47,8 +53,8 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
             next to it, and it is never replaced by one of them.
     """
     rq = request
-    ep = rq.constraints.get("ep", 1)
-    if ep > 1:  # solved as the data-parallel layout the expert-parallel program runs, then priced with the axis
+    ep = rq.constraints.get("ep") or 1
+    if ep > 1:  # solved as the data-parallel layout the expert-parallel program runs, with the experts split
         moe = check_ep(ep, rq.module, rq.cluster.world_size, rq.constraints.get("dp"))
         rq = dataclasses.replace(
             rq, constraints=Constraints.of({k: v for k, v in layout_pins(rq.constraints).items() if k != "ep"})
@@ -58,15 +64,10 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
     jobs = Jobs(rq, traced=traced)
     if len(degrees) > 1:
         chosen, runner_up, _ = search_cp(functools.partial(_plan_at, jobs, rq.constraints), degrees)
-    elif ep > 1:
-        try:
-            chosen, runner_up, _ = _plan_at(jobs, rq.constraints, rq.cp, against=against)
-        except InfeasiblePlanError as e:
-            raise InfeasiblePlanError(f"{e} ({EP_MEMORY_NOTE.format(ep=ep)})") from e
+    elif ep > 1 and against is None:
+        chosen, runner_up = _plan_ep(jobs, rq.constraints, moe, ep)
     else:
         chosen, runner_up, _ = _plan_at(jobs, rq.constraints, rq.cp, against=against)
-    if ep > 1 and against is None:
-        chosen = with_expert_parallel(chosen, moe, ep)
     alternatives = rq.alternatives
     if alternatives is None:
         alternatives = traced is None  # compile's own planning builds a program, never a report
@@ -181,21 +182,25 @@ def _price_layout(jobs: Jobs, pins: dict) -> Plan:
     return solve(jobs(cp), pins | ({"cp": cp} if cp > 1 else {}), quiet=True)[0]
 
 
-# why a pinned ep may not fit where its own price would: the layout is solved before ep divides the experts
-EP_MEMORY_NOTE = (
-    "with ep={ep} pinned, the layout is solved as data parallelism with ZeRO-0 and every expert on each device, "
-    "and the experts split by ep are priced after; a model that fits only with its experts split cannot be "
-    "planned with ep yet"
-)
+def _plan_ep(jobs: Jobs, constraints: dict, moe, ep: int, *, quiet: bool = False):
+    """(plan, runner-up) of the expert-parallel layout at degree `ep` (`constraints`: its layout pinned, without
+    ep): solved with the experts split (`expert_split`), then priced with the axis (`with_expert_parallel`)."""
+    try:
+        chosen, runner_up = solve(jobs(1), constraints, quiet=quiet, experts=expert_split(moe, ep))
+    except InfeasiblePlanError as e:
+        raise InfeasiblePlanError(f"{e} ({EP_MEMORY_NOTE.format(ep=ep)})") from e
+    return with_expert_parallel(chosen, moe, ep), runner_up
+
 
 # why a layout `compare` prices faster than the plan did not replace it (`rationale.loss_reason`)
 PLANNED_BEFORE = "which was planned before this layout was priced"
 
 
-def solve(job: Job, constraints: dict, *, quiet: bool = False):
+def solve(job: Job, constraints: dict, *, quiet: bool = False, experts=None):
     """The fastest plan under `constraints`, and the search's runner-up: a Plan, constraints to price, or None.
 
-    `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan.
+    `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan. `experts`
+    (`cost_model.experts.ExpertSplit`): expert weights split over an ep group, priced so (no pipeline is searched).
     """
     from autopar.passes.sharding.search import solve_sharding  # PuLP and HiGHS: not for `autopar --help`
 
@@ -253,7 +258,8 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False):
             memory_budget_bytes=budget,
             batch_size=batch,
             progress=say,
-            offload=job.offload,
+            offload=job.offload if experts is None else False,  # the expert-parallel program keeps states on device
+            experts=experts,
         )
     overlap = bool(constraints.get("overlap", True))
     chosen = dataclasses.replace(
