@@ -53,7 +53,7 @@ class Constraints(Mapping):
         "expert-parallel group size: each mixture-of-experts layer's experts split over groups of this many "
         "data-parallel ranks; must divide dp and the number of experts ([mixture of experts](moe.md))",
         kind="count",
-        default="1",
+        default="searched for models with experts, else 1",
     )
     cp_attention: str | None = _pin(
         "cp attention algorithm", kind="name", choices=CP_ATTENTIONS, default="the cheapest that fits"

@@ -24,12 +24,14 @@ from autopar import time_limit
 from autopar.cluster import ClusterSpec
 from autopar.constraints import Constraints
 from autopar.cp_search import cp_degrees, search_cp
+from autopar.ep_search import ep_degrees, ep_record, search_ep
 from autopar.errors import InfeasiblePlanError
 from autopar.expert_parallel import (
     EP_MEMORY_NOTE,
     check_ep,
     expert_split,
     layout_pins,
+    moe_shape,
     with_expert_parallel,
 )
 from autopar.input_validation import PlanRequest, batch_size, check_cp, resolve_estimator
@@ -68,6 +70,9 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
         chosen, runner_up = _plan_ep(jobs, rq.constraints, moe, ep)
     else:
         chosen, runner_up, _ = _plan_at(jobs, rq.constraints, rq.cp, against=against)
+    weighed = None
+    if "ep" not in request.constraints and against is None:  # a free ep: weighed against the search's plan
+        chosen, weighed = _weigh_ep(jobs, chosen)
     alternatives = rq.alternatives
     if alternatives is None:
         alternatives = traced is None  # compile's own planning builds a program, never a report
@@ -94,6 +99,10 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
                 "total_time_s": round(time.perf_counter() - rq.t0, 3),
             },
         )
+    if weighed is not None:  # after the alternatives: each degree's line says why it lost to the plan that stands
+        searched_plan, priced, why_not = weighed
+        record = ep_record(chosen, searched_plan, priced, why_not)
+        chosen = dataclasses.replace(chosen, expert_parallel=chosen.expert_parallel | {"search": record})
     config = getattr(rq.module, "config", None)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     stats = chosen.stats | ({"hidden_size": int(hidden)} if isinstance(hidden, int) else {})
@@ -190,6 +199,26 @@ def _plan_ep(jobs: Jobs, constraints: dict, moe, ep: int, *, quiet: bool = False
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e} ({EP_MEMORY_NOTE.format(ep=ep)})") from e
     return with_expert_parallel(chosen, moe, ep), runner_up
+
+
+def _weigh_ep(jobs: Jobs, searched: Plan):
+    """The search's plan or, where one is faster and fits, the fastest expert-parallel plan of a model with experts
+    (`ep_search`), and what was weighed: (searched plan, [(degree, Plan or error)], why none was) or None for a
+    model without experts."""
+    rq = jobs.request
+    moe = moe_shape(rq.module)
+    if moe is None:
+        return searched, None
+    degrees, why_not = ep_degrees(moe, rq.constraints, rq.cluster.world_size, rq.offload)
+    if degrees:
+        rq.say(f"weighing expert parallelism: ep in {degrees}")
+
+    def price(d: int) -> Plan:
+        pins = {k: v for k, v in layout_pins(dict(rq.constraints) | {"ep": d}).items() if k != "ep"}
+        return _plan_ep(jobs, pins, moe, d, quiet=True)[0]
+
+    chosen, priced = search_ep(searched, price, degrees)
+    return chosen, (searched, priced, why_not)
 
 
 # why a layout `compare` prices faster than the plan did not replace it (`rationale.loss_reason`)

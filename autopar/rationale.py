@@ -169,7 +169,9 @@ def megatron_tp_sizes(cluster) -> list[int]:
 
 def layout_words(plan) -> str:
     """'pp=8 dp=16 tp=4, ZeRO-1, 96 micro-batches, 1f1b, selective recompute' for a plan."""
-    words = [" ".join(f"{k}={v}" for k, v in plan.mesh.items()), f"ZeRO-{plan.zero_stage}"]
+    ep = plan.expert_parallel.get("degree", 1)
+    mesh = " ".join(f"{k}={v}" for k, v in plan.mesh.items()) + (f" ep={ep}" if ep > 1 else "")
+    words = [mesh, f"ZeRO-{plan.zero_stage}"]
     if plan.num_microbatches > 1:
         words.append(f"{plan.num_microbatches} micro-batches")
     if plan.pipeline:
@@ -249,6 +251,7 @@ def loss_reason(alt, chosen, kept: str = PINNED) -> str:
 def _same_layout(a, b) -> bool:
     return (
         a.mesh == b.mesh
+        and a.expert_parallel.get("degree", 1) == b.expert_parallel.get("degree", 1)
         and a.zero_stage == b.zero_stage
         and a.num_microbatches == b.num_microbatches
         and a.recompute == b.recompute
@@ -388,7 +391,8 @@ def _best_grid_point(chosen, price, say, *, searched: bool) -> tuple:
     sizes = megatron_tp_sizes(chosen.cluster)
     label = f"best Megatron-style grid point (tp in {{{', '.join(map(str, sizes))}}} x pp searched)"
     tp = chosen.mesh.get("tp", 1)
-    if searched and tp in sizes and chosen.mesh.get("cp", 1) == 1:  # a cp plan is no point of the grid
+    # a cp plan is no point of the grid, nor an ep plan
+    if searched and tp in sizes and chosen.mesh.get("cp", 1) == 1 and chosen.expert_parallel.get("degree", 1) == 1:
         say(f"alternative megatron: the search's own plan (tp={tp})")
         return "megatron", label, {"tp": tp}, chosen
     priced = [_price_one("megatron", label, {"tp": t}, price, say) for t in sizes]

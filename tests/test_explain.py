@@ -257,6 +257,7 @@ def _priced(step_s: float, dp_s: float, zero: int):
         num_microbatches=1,
         recompute="none",
         layer_modes=None,
+        expert_parallel={},
         offload=None,
         pipeline={},
         cluster=SimpleNamespace(devices_per_node=8, num_nodes=1),

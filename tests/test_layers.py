@@ -8,7 +8,7 @@ The layers, bottom up (`docs/architecture.md` draws them):
 1. cost model and the model's graph: cost_model, cluster, trace, ir, the context-parallel algorithms
 2. plans and what describes them: plan, rationale, explain and the report_* sections and charts, program_comm,
    the memory manager
-3. passes: the solvers and rewrites, flops, cp_search, expert_parallel
+3. passes: the solvers and rewrites, flops, cp_search, expert_parallel, ep_search
 4. programs: runtime, checkpoint, data, loss, loop
 5. planning: input_validation, tracing, plan_build, planning, progress
 6. the surface and the tools that run everything: api, the package itself, cli, bench, and the memory checks
@@ -61,7 +61,7 @@ LAYERS = (
         "autopar.program_comm",
         "autopar.memory",
     ),
-    ("autopar.passes", "autopar.flops", "autopar.cp_search", "autopar.expert_parallel"),
+    ("autopar.passes", "autopar.flops", "autopar.cp_search", "autopar.expert_parallel", "autopar.ep_search"),
     ("autopar.runtime", "autopar.checkpoint", "autopar.data", "autopar.loss", "autopar.loop"),
     ("autopar.input_validation", "autopar.tracing", "autopar.plan_build", "autopar.planning", "autopar.progress"),
     (
