@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed.pool import run_pooled
+from tests.distributed.pool import rank_context, run_pooled
 
 POLL_S = 1.0  # how often the parent checks for a finished or failed rank
 STACK_WAIT_S = 2.0  # how long a stuck rank gets to write its stack before it is killed
@@ -67,9 +67,11 @@ def join_group(rank: int, world_size: int, folder: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=world_size)
 
 
-def _entry(rank: int, world_size: int, folder: str, fn, args) -> None:
+def _entry(rank: int, world_size: int, folder: str, fn, args, env: dict) -> None:
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's environment, not the fork server's
+    os.environ.update(env)
     join_group(rank, world_size, folder)
     try:
         result = fn(rank, world_size, *args)
@@ -132,8 +134,13 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 600.0, fresh:
     if not fresh and os.environ.get("AUTOPAR_TEST_RANK_POOL", "1") != "0":
         return run_pooled(fn, world_size, args, timeout_s)
     with tempfile.TemporaryDirectory() as folder:
+        rank_context()  # the fork server's imports
         ctx = mp.start_processes(
-            _entry, args=(world_size, folder, fn, args), nprocs=world_size, join=False, start_method="spawn"
+            _entry,
+            args=(world_size, folder, fn, args, dict(os.environ)),
+            nprocs=world_size,
+            join=False,
+            start_method="forkserver",
         )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=POLL_S):

@@ -46,6 +46,18 @@ ORPHAN_CHECK_S = 5.0  # how often an idle rank checks that the test process stil
 KEEP = 2
 # modules whose attributes a task must put back as it found them: every attribute of autopar's modules and of the
 # classes they define (a constant set for a test is a patch too), the functions of torch.distributed's
+# what the fork server imports before it forks ranks: what every rank imports to join a group and train a model
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "autopar",
+    "autopar.api",
+    "autopar.runtime",
+    "tests.models",
+    "tests.distributed.harness",
+)
 WATCHED = {"autopar": lambda value: True, "torch.distributed": callable}
 
 
@@ -77,6 +89,27 @@ def _changed(before: dict, after: dict) -> list[str]:
     return sorted(".".join(k) for k, v in before.items() if after.get(k, v) != v)
 
 
+def _alive(pid: int) -> bool:
+    """Whether process `pid` lives (a rank's parent is the fork server, not the test process it serves)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def rank_context():
+    """The start method of every rank: forked from a server that has imported torch, transformers and autopar once
+    (a rank starts in a fraction of a second instead of several seconds of imports), never from the test process
+    itself (whose threads and state a fork would copy). A rank sees the environment of its caller, not the
+    server's: the pool sends it with each task, `harness.run_distributed` with its world."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def _serve(rank: int, world_size: int, folder: str, tasks, done, parent: int) -> None:
     """A rank of the pool: join the group, then run tasks until told to stop or orphaned."""
     from tests.distributed.harness import join_group, undo_for_this_run
@@ -88,7 +121,7 @@ def _serve(rank: int, world_size: int, folder: str, tasks, done, parent: int) ->
         try:
             item = tasks.get(timeout=ORPHAN_CHECK_S)
         except queue.Empty:
-            if os.getppid() != parent:  # the test process is gone (killed): nobody will stop us
+            if not _alive(parent):  # the test process is gone (killed): nobody will stop us
                 break
             continue
         if item is None:
@@ -125,7 +158,7 @@ class RankPool:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.folder = tempfile.mkdtemp(prefix="autopar-ranks-")
-        ctx = multiprocessing.get_context("spawn")
+        ctx = rank_context()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.done = ctx.Queue()
         self.processes = [
