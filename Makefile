@@ -20,7 +20,8 @@ demo: $(STAMP)
 # check: the unit tests, which start no process (under a minute on 2 cores): the loop while developing.
 # test: adds whole models planned and trained in process and on gloo ranks, the CLI, the golden plans (what CI runs).
 # test-all: adds the tests marked slow.
-# test and test-all run JOBS pytest workers (pytest-xdist), each test file on one worker; JOBS=0: in one process.
+# test and test-all run JOBS pytest workers (pytest-xdist), each test file on one worker, the longest files first
+# (tests/conftest.py); JOBS=0: in one process.
 PYTEST := TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests --durations=15
 JOBS ?= 2
 
@@ -28,10 +29,10 @@ check: $(STAMP)
 	$(PYTEST) -m "not distributed and not subprocess and not integration and not slow" $(PYTEST_ARGS)
 
 test: $(STAMP)
-	$(PYTEST) -n $(JOBS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -n $(JOBS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PYTEST) -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(PYTEST) -n $(JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The smoke tier (tests marked smoke) on another torch release, in its own environment .venv-torch-<release>:
 # `make test-torch TORCH=2.11.0`. The registry's Linux wheels of torch are CUDA builds (several GB; they run on
