@@ -119,6 +119,24 @@ EP_MEMORY_NOTE = (
 )
 
 
+def ep_memory_advice(ep: int):
+    """What an ep layout that does not fit can do instead (`passes.sharding.report.infeasible_message`'s `advice`):
+    not host offload or ZeRO, which the expert-parallel program does not run, but less memory per device within
+    the layout, or a layout without ep where the search may use them."""
+
+    def advice(parts: dict, budget: float) -> str:
+        without_ep = "or plan without ep (drop the pin), where ZeRO, host offload and recompute are open to the search"
+        larger_ep = "use a larger ep where the experts and devices allow one (each device then holds fewer experts)"
+        if parts["states"] >= budget:  # no batch or sequence makes the states smaller
+            return (
+                f"the model states alone exceed the budget at ep={ep}, which a shorter sequence or a smaller batch "
+                f"does not change: raise memory_budget, {larger_ep}, {without_ep}"
+            )
+        return f"use a shorter sequence or a smaller batch, raise memory_budget, {larger_ep}, {without_ep}"
+
+    return advice
+
+
 def with_expert_parallel(plan: Plan, shape: MoeShape, ep: int) -> Plan:
     """`plan` (the data-parallel layout, solved with `expert_split`) with an expert axis of `ep`, priced (module
     docstring): its all-to-alls added to the step and the data axis's communication."""

@@ -29,6 +29,7 @@ from autopar.errors import InfeasiblePlanError
 from autopar.expert_parallel import (
     EP_MEMORY_NOTE,
     check_ep,
+    ep_memory_advice,
     expert_split,
     layout_pins,
     moe_shape,
@@ -289,6 +290,7 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False, experts=None):
             progress=say,
             offload=job.offload if experts is None else False,  # the expert-parallel program keeps states on device
             experts=experts,
+            memory_advice=None if experts is None else ep_memory_advice(experts.degree),
         )
     overlap = bool(constraints.get("overlap", True))
     chosen = dataclasses.replace(

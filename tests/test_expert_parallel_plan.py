@@ -129,3 +129,31 @@ def test_a_pinned_ep_that_does_not_fit_says_why():
             memory_budget="1MB",
             alternatives=False,
         )
+
+
+@pytest.mark.parametrize("budget, states_short", [("1MB", True), ("6MB", False)])
+def test_a_pinned_ep_that_does_not_fit_gives_advice_that_applies_to_ep(budget, states_short):
+    """The expert-parallel program keeps every state on the device at ZeRO-0: the refusal does not advise host
+    offload (the dense advice) but what does apply; it says a smaller batch does not help where the model states
+    alone exceed the budget (1 MB: below this model's states), and advises it where activations push it over."""
+    args, kwargs = family_batch("mixtral", batch=4)
+    with pytest.raises(InfeasiblePlanError) as refused:
+        autopar.plan(
+            make_family("mixtral"),
+            "cpu:2",
+            args,
+            kwargs,
+            constraints={"ep": 2},
+            memory_budget=budget,
+            alternatives=False,
+        )
+    message = str(refused.value)
+    assert "offload=None" not in message and "plan without ep (drop the pin)" in message
+    assert ("the model states alone exceed the budget at ep=2" in message) == states_short
+    assert ("use a shorter sequence or a smaller batch" in message) == (not states_short)
+
+
+def test_a_dense_plan_that_does_not_fit_still_advises_host_offload():
+    (ids,), kw = make_batch("llama", batch=4, seq=16)
+    with pytest.raises(InfeasiblePlanError, match=r"smaller batch, or allow host offload \(offload=None\)$"):
+        autopar.plan(tiny_llama(), "cpu:2", (ids,), kw, offload=False, memory_budget="64KB", alternatives=False)

@@ -275,11 +275,13 @@ def mesh_words(data: int, tp: int, cp: int) -> str:
     return f"dp={data // cp} cp={cp} tp={tp}" if cp > 1 else f"dp={data} tp={tp}"
 
 
-def infeasible_message(bounds, budget, offload=False) -> str:
-    """Say how much memory the leanest layout needs per device, next to the budget.
+def infeasible_message(bounds, budget, offload=False, advice=None) -> str:
+    """Say how much memory the leanest layout needs per device, next to the budget, and what to do.
 
     `bounds` holds (bytes, mesh words, micro-batches, parts, recompute mode) of every program considered;
-    the figure is each program's lower bound (every choice at its leanest), so "at least" is exact.
+    the figure is each program's lower bound (every choice at its leanest), so "at least" is exact. `advice`:
+    a caller whose program rules out some of the usual remedies (host offload, ZeRO) says what to do instead,
+    as `advice(parts, budget)` of the leanest layout's memory parts; None gives the advice of a free layout.
     """
     if not bounds:
         return "no layout satisfies the constraints"
@@ -299,6 +301,11 @@ def infeasible_message(bounds, budget, offload=False) -> str:
         f"{format_bytes(parts['states'])}, activations {format_bytes(parts['activations'])}, working memory "
         f"{format_bytes(parts['transient'])}, at {mesh} with {m} micro-batch(es), states sharded "
         f"as far as allowed and {recompute}), but the budget is {format_bytes(budget)} per device: "
-        f"{format_bytes(total - budget)} short; raise memory_budget, use more devices or a smaller batch"
-        + ("" if offload is not False else ", or allow host offload (offload=None)")
+        f"{format_bytes(total - budget)} short; "
+        + (
+            advice(parts, budget)
+            if advice is not None
+            else "raise memory_budget, use more devices or a smaller batch"
+            + ("" if offload is not False else ", or allow host offload (offload=None)")
+        )
     )

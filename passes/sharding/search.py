@@ -96,6 +96,7 @@ def solve_sharding(
     progress=None,
     offload: bool | None = False,
     experts: ExpertSplit | None = None,
+    memory_advice=None,
 ) -> ShardingSolution:
     """Solve every allowed (dp, tp) mesh and return the fastest feasible layout.
 
@@ -117,6 +118,8 @@ def solve_sharding(
         experts: expert weights split over an ep group of the data axis (the expert-parallel program): their
             states and gradient sync priced as it holds and sends them; meshes whose data axis ep does not divide
             are refused.
+        memory_advice: what the error says to do when no mesh fits in memory, `advice(parts, budget)` of
+            `report.infeasible_message` (None: the advice of a free layout).
     Raises:
         InfeasiblePlanError: no mesh fits, with the memory the best layout needs.
     """
@@ -183,7 +186,7 @@ def solve_sharding(
         candidates.append((free, fits, make))
     best, best_prog = _solve_candidates(candidates, results, batch_size, constraints, progress)
     if best is None:
-        raise InfeasiblePlanError(infeasible_message(bounds, budget, offload))
+        raise InfeasiblePlanError(infeasible_message(bounds, budget, offload, memory_advice))
     unruled = tuple(sorted(rules.UNRULED_OPS))
     if unruled and best.tp > 1:
         warnings.warn(
