@@ -4,8 +4,10 @@ offloading), Context parallelism, Time breakdown. `explain.py` puts the sections
 
 from __future__ import annotations
 
+from autopar.cost_model.experts import EXPERT_SYNC_AXIS
 from autopar.rationale import COMM_TERMS, TERM_LABELS, format_flops_rate
 from autopar.report_charts import bars_svg, bars_text
+from autopar.report_experts import expert_sync_s
 from autopar.report_figures import fmt_gib, fmt_ms, index_ranges
 from autopar.units import GIB
 
@@ -270,6 +272,18 @@ def context_parallel_blocks(plan) -> list:
     return blocks
 
 
+def _expert_words(plan, axes) -> str:
+    """What the dp term holds of an expert axis ("" without one): its all-to-alls and, where ranks share
+    experts, the experts' gradient sync over the dp / ep ranks holding the same experts."""
+    ep = plan.expert_parallel
+    if ep.get("degree", 1) == 1 or "comm_dp" not in axes:
+        return ""
+    sync = expert_sync_s(plan)
+    return f" (dp holds the ep all-to-alls, {fmt_ms(ep['all_to_all_s'])} ms" + (
+        f", and the experts' gradient sync over {EXPERT_SYNC_AXIS}, {fmt_ms(sync)} ms before overlap)" if sync else ")"
+    )
+
+
 def time_blocks(plan) -> list:
     hidden = plan.hidden_communication
     terms = {k: v for k, v in plan.time_breakdown.items() if v or hidden.get(k)}
@@ -291,7 +305,7 @@ def time_blocks(plan) -> list:
         f"{k.removeprefix('comm_')}: {fmt_ms(terms[k])} ms exposed, "
         + (f"{fmt_ms(hidden[k])} ms hidden ({_HIDING[k]})" if hidden.get(k) else "nothing hidden")
         for k in axes
-    )
+    ) + _expert_words(plan, axes)
     overlap = (
         "Communication per mesh axis, exposed (the step waits for it: its term above) and hidden behind compute "
         f"(overlapped, not counted in the step): {per_axis}."

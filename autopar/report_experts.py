@@ -4,6 +4,7 @@ not chosen. Empty for a plan without experts."""
 
 from __future__ import annotations
 
+from autopar.cost_model.experts import EXPERT_SYNC_AXIS
 from autopar.report_figures import fmt_gib, fmt_ms
 
 
@@ -31,7 +32,8 @@ def _axis_blocks(plan, ep: dict) -> list:
         f"balanced; the run is dropless. The memory checked against the budget holds 1/{degree} of the experts' "
         f"weights, gradients and optimizer states; "
         + (
-            f"their gradients are all-reduced over the {groups} ranks holding the same experts, "
+            f"their gradients are all-reduced over the {groups} ranks holding the same experts (axis "
+            f"{EXPERT_SYNC_AXIS} in the layer tables), "
             if groups > 1
             else "their gradients are not reduced (each expert is on one rank), "
         )
@@ -43,7 +45,26 @@ def _axis_blocks(plan, ep: dict) -> list:
         ["time per step (ms), in dp communication", fmt_ms(ep["all_to_all_s"])],
         ["experts' weights, gradients and optimizer states saved per device (GiB)", fmt_gib(ep["memory_saved_bytes"])],
     ]
+    if groups > 1:
+        rows.append(
+            [
+                f"experts' gradient sync per step (ms), axis {EXPERT_SYNC_AXIS}, in dp communication",
+                fmt_ms(expert_sync_s(plan)),
+            ]
+        )
     return [("p", words), ("table", ["", ""], rows)]
+
+
+def expert_sync_s(plan) -> float:
+    """Seconds a step spends on the experts' gradient sync over the dp / ep ranks holding the same experts: the
+    layer tables' rows of axis `EXPERT_SYNC_AXIS`, each run times its runs per step (before overlap)."""
+    return sum(
+        c["time_s"] * c["per_step"]
+        for entry in plan.layer_ops
+        for op in entry["ops"]
+        for c in op["collectives"]
+        if c["axis"] == EXPERT_SYNC_AXIS
+    )
 
 
 def _search_blocks(plan, search: dict) -> list:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from autopar.cost_model.experts import EXPERT_SYNC_AXIS
 from autopar.report_charts import gantt_svg, gantt_text, schedule_order, simulate
 from autopar.report_figures import fmt_gib, fmt_ms, index_ranges
 
@@ -60,7 +61,10 @@ def layer_blocks(plan) -> list:
                 "for one micro-batch), time of one run, runs per step (layers x micro-batches) and time per "
                 "step, and the part of it the step waits for (exposed). Views and elementwise ops that keep their "
                 "producer's layout and need no collective are left out; a parameter's dp row is its "
-                "gradient sync (and ZeRO gathers) in one step." + _apportion_words(plan),
+                "gradient sync (and ZeRO gathers) in one step"
+                + _expert_sync_words(plan)
+                + "."
+                + _apportion_words(plan),
             )
         )
         for entry in plan.layer_ops:
@@ -74,12 +78,25 @@ def layer_blocks(plan) -> list:
     return blocks
 
 
+def _expert_sync_words(plan) -> str:
+    """What an expert weight's row is, in a plan with an expert axis ("" without one)."""
+    degree = plan.expert_parallel.get("degree", 1)
+    if degree == 1:
+        return ""
+    return (
+        f"; an expert weight's row names axis {EXPERT_SYNC_AXIS}: its gradient is all-reduced over the "
+        f"{EXPERT_SYNC_AXIS} ranks holding the same experts (one of each ep={degree} group), and its bytes are the "
+        f"1/{degree} of the experts a rank holds"
+    )
+
+
 def _apportion_words(plan) -> str:
     """How the layer table's dp rows share the data axis's hidden sync ("" where nothing is hidden)."""
     if not plan.hidden_communication.get("comm_dp"):
         return ""
+    rows = "dp row's" if plan.expert_parallel.get("degree", 1) == 1 else f"dp or {EXPERT_SYNC_AXIS} row's"
     return (
-        " Overlap hides part of the gradient sync, priced for the step as a whole, not per bucket: each dp row's "
+        f" Overlap hides part of the gradient sync, priced for the step as a whole, not per bucket: each {rows} "
         "exposed part is its share of the step's exposed sync, pro rata to its sync time (the same fraction for "
         "every row); the one bucket latency a step pays is in no row."
     )

@@ -31,6 +31,9 @@ from autopar.errors import ConfigError
 # all-to-alls per MoE layer and micro-batch: dispatch and combine, forward and backward
 ALL_TO_ALLS_PER_LAYER = 4
 
+# the axis the report names for an expert weight's gradient sync: the dp / ep ranks holding the same experts
+EXPERT_SYNC_AXIS = "dp/ep"
+
 
 @dataclass(frozen=True, slots=True)
 class ExpertSplit:

@@ -157,3 +157,32 @@ def test_a_dense_plan_that_does_not_fit_still_advises_host_offload():
     (ids,), kw = make_batch("llama", batch=4, seq=16)
     with pytest.raises(InfeasiblePlanError, match=r"smaller batch, or allow host offload \(offload=None\)$"):
         autopar.plan(tiny_llama(), "cpu:2", (ids,), kw, offload=False, memory_budget="64KB", alternatives=False)
+
+
+@pytest.fixture(scope="module")
+def ep2_of_dp4():
+    """Mixtral (4 experts) on 4 ranks with ep=2: two ranks hold each expert, so its gradient is all-reduced."""
+    model = make_family("mixtral")
+    return model, _plan(model, 4, {"ep": 2})
+
+
+def test_the_expert_gradient_sync_is_named_dp_ep_not_dp(ep2_of_dp4):
+    model, plan = ep2_of_dp4
+    syncs = [
+        (op["node"], c) for e in plan.layer_ops for op in e["ops"] for c in op["collectives"] if c["pass"] == "step"
+    ]
+    expert = [(n, c) for n, c in syncs if ".experts." in n]
+    dense = [(n, c) for n, c in syncs if ".experts." not in n]
+    assert expert and dense
+    assert {c["axis"] for _, c in expert} == {"dp/ep"} and {c["axis"] for _, c in dense} == {"dp"}
+    # an expert row's bytes are the fp32 gradient of the half of the experts a rank holds
+    assert all(c["bytes"] == model.get_parameter(n).numel() / 2 * 4 for n, c in expert)
+    sync_s = sum(c["time_s"] * c["per_step"] for _, c in expert)
+    report = plan.explain()
+    expert_lines = [line for line in report.splitlines() if line.startswith("| `model.layers.0.mlp.experts.")]
+    assert expert_lines and all("| dp/ep | step |" in line for line in expert_lines)
+    # one layer table holds the experts: its per-axis line names dp/ep with their time
+    assert f"; dp/ep step {sync_s * 1e3:,.3f} ms." in report
+    assert "| experts' gradient sync per step (ms), axis dp/ep, in dp communication |" in report
+    assert "the experts' gradient sync over dp/ep" in report
+

@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar.cost_model.comm import Collective
+from autopar.cost_model.experts import EXPERT_SYNC_AXIS
 from autopar.ir import NodeKind, tensor_args
 from autopar.passes.context_parallel import CPPricing
 from autopar.passes.sharding.graph import layer_matmul_weights, matmul_weights
@@ -115,7 +116,7 @@ def layer_ops_report(
     for one micro-batch), "time_s" (one run), "per_step" (runs per step: layers x micro-batches)}. Followers
     (views, elementwise ops that keep their producer's layout) without a collective are left out.
 
-    `exposed` (`exposed_fraction`): where overlap hides part of the data axis's sync, each parameter's dp
+    `exposed` (`exposed_fraction`): where overlap hides part of the data axis's sync, each parameter's dp (or dp/ep)
     collective also carries "exposed_s", the part of one run the step waits for. The program prices the overlap
     for the step as a whole (E of `add_overlap_constraint`), not per bucket, so the exposed time is apportioned
     pro rata to each parameter's sync time: exposed_s = time_s x E / sum(Sync). The one bucket latency a step
@@ -208,7 +209,7 @@ def _data_axis_collectives(prog: ShardingProgram, name: str, k: int, stage: int,
     )
     row = {
         "kind": words,
-        "axis": "dp",
+        "axis": EXPERT_SYNC_AXIS if prog.prices.is_expert(name) else "dp",
         "pass": "step",
         "arg": None,
         "from": _source(prog, name),
