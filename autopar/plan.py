@@ -491,6 +491,8 @@ class Plan:
     def _summary(self) -> str:
         p = self.predicted
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
+        if (ep := self.expert_parallel.get("degree", 1)) > 1:  # carved from dp, not a factor of the mesh
+            mesh += f" (ep={ep} within dp)"
         accum = (
             f", {self.num_microbatches} micro-batches of {self.micro_batch_size}" if self.num_microbatches > 1 else ""
         )

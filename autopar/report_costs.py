@@ -84,7 +84,7 @@ def summary_blocks(plan) -> list:
     rows = [
         ["model", f"{plan.model_name}: {model}"],
         ["cluster", plan.cluster.describe()],
-        ["mesh", " x ".join(f"{k}={v}" for k, v in plan.mesh.items()) + f" ({_mapping_words(plan)})"],
+        ["mesh", " x ".join(f"{k}={v}" for k, v in plan.mesh.items()) + f" ({_mapping_words(plan)})" + _ep_words(plan)],
         ["program", f"{plan.program}"],
         ["ZeRO stage (over dp)", str(plan.zero_stage)],
         [
@@ -270,6 +270,12 @@ def context_parallel_blocks(plan) -> list:
     elif degree > 1:
         blocks.append(("p", "cp was pinned, so the layout without it was not priced; plan without the pin to compare."))
     return blocks
+
+
+def _ep_words(plan) -> str:
+    """The expert axis of the summary's mesh ("" without one): its groups are carved from dp, not a mesh factor."""
+    degree = plan.expert_parallel.get("degree", 1)
+    return "" if degree == 1 else f", ep={degree} within dp (the experts split over groups of {degree} dp ranks)"
 
 
 def _expert_words(plan, axes) -> str:

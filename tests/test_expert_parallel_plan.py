@@ -186,3 +186,11 @@ def test_the_expert_gradient_sync_is_named_dp_ep_not_dp(ep2_of_dp4):
     assert "| experts' gradient sync per step (ms), axis dp/ep, in dp communication |" in report
     assert "the experts' gradient sync over dp/ep" in report
 
+
+def test_the_summary_names_the_ep_degree(ep2_of_dp4):
+    _, plan = ep2_of_dp4
+    assert "mesh dp=4 x tp=1 (ep=2 within dp), ZeRO-0" in plan.summary()
+    assert "| mesh | dp=4 x tp=1 (" in plan.explain() and ", ep=2 within dp (" in plan.explain()
+    (ids,), kw = make_batch("llama", batch=4, seq=16)
+    dense = autopar.plan(tiny_llama(), "cpu:4", (ids,), kw, constraints={"tp": 1}, alternatives=False)
+    assert "ep=" not in dense.summary() and "ep=" not in dense.explain() and "dp/ep" not in dense.explain()
