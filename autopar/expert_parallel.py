@@ -119,20 +119,23 @@ EP_MEMORY_NOTE = (
 )
 
 
-def ep_memory_advice(ep: int):
+def ep_memory_advice(ep: int, num_experts: int):
     """What an ep layout that does not fit can do instead (`passes.sharding.report.infeasible_message`'s `advice`):
     not host offload or ZeRO, which the expert-parallel program does not run, but less memory per device within
     the layout, or a layout without ep where the search may use them."""
 
     def advice(parts: dict, budget: float) -> str:
-        without_ep = "or plan without ep (drop the pin), where ZeRO, host offload and recompute are open to the search"
-        larger_ep = "use a larger ep where the experts and devices allow one (each device then holds fewer experts)"
+        options = ["raise memory_budget"]
+        if ep < num_experts:  # at ep = num_experts each rank already holds one expert
+            options.append("use a larger ep where the devices allow one (each device then holds fewer experts)")
+        options.append("plan without ep (drop the pin), where ZeRO, host offload and recompute are open to the search")
+        remedies = ", ".join(options[:-1]) + ", or " + options[-1]
         if parts["states"] >= budget:  # no batch or sequence makes the states smaller
             return (
                 f"the model states alone exceed the budget at ep={ep}, which a shorter sequence or a smaller batch "
-                f"does not change: raise memory_budget, {larger_ep}, {without_ep}"
+                f"does not change: {remedies}"
             )
-        return f"use a shorter sequence or a smaller batch, raise memory_budget, {larger_ep}, {without_ep}"
+        return f"use a shorter sequence or a smaller batch, {remedies}"
 
     return advice
 

@@ -196,7 +196,13 @@ def _plan_ep(jobs: Jobs, constraints: dict, moe, ep: int, *, quiet: bool = False
     """(plan, runner-up) of the expert-parallel layout at degree `ep` (`constraints`: its layout pinned, without
     ep): solved with the experts split (`expert_split`), then priced with the axis (`with_expert_parallel`)."""
     try:
-        chosen, runner_up = solve(jobs(1), constraints, quiet=quiet, experts=expert_split(moe, ep))
+        chosen, runner_up = solve(
+            jobs(1),
+            constraints,
+            quiet=quiet,
+            experts=expert_split(moe, ep),
+            memory_advice=ep_memory_advice(ep, moe.num_experts),
+        )
     except InfeasiblePlanError as e:
         raise InfeasiblePlanError(f"{e} ({EP_MEMORY_NOTE.format(ep=ep)})") from e
     return with_expert_parallel(chosen, moe, ep), runner_up
@@ -226,11 +232,12 @@ def _weigh_ep(jobs: Jobs, searched: Plan):
 PLANNED_BEFORE = "which was planned before this layout was priced"
 
 
-def solve(job: Job, constraints: dict, *, quiet: bool = False, experts=None):
+def solve(job: Job, constraints: dict, *, quiet: bool = False, experts=None, memory_advice=None):
     """The fastest plan under `constraints`, and the search's runner-up: a Plan, constraints to price, or None.
 
     `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan. `experts`
     (`cost_model.experts.ExpertSplit`): expert weights split over an ep group, priced so (no pipeline is searched).
+    `memory_advice`: what the error says to do when nothing fits in memory (`solve_sharding`; None: the default).
     """
     from autopar.passes.sharding.search import solve_sharding  # PuLP and HiGHS: not for `autopar --help`
 
@@ -290,7 +297,7 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False, experts=None):
             progress=say,
             offload=job.offload if experts is None else False,  # the expert-parallel program keeps states on device
             experts=experts,
-            memory_advice=None if experts is None else ep_memory_advice(experts.degree),
+            memory_advice=memory_advice,
         )
     overlap = bool(constraints.get("overlap", True))
     chosen = dataclasses.replace(

@@ -7,7 +7,7 @@ import pytest
 import autopar
 from autopar.cost_model.experts import estimate_expert_parallel
 from autopar.errors import ConfigError, InfeasiblePlanError
-from autopar.expert_parallel import moe_shape
+from autopar.expert_parallel import ep_memory_advice, moe_shape
 from tests.families import family_batch, make_family
 from tests.models import make_batch, tiny_llama
 
@@ -151,6 +151,16 @@ def test_a_pinned_ep_that_does_not_fit_gives_advice_that_applies_to_ep(budget, s
     assert "offload=None" not in message and "plan without ep (drop the pin)" in message
     assert ("the model states alone exceed the budget at ep=2" in message) == states_short
     assert ("use a shorter sequence or a smaller batch" in message) == (not states_short)
+
+
+def test_the_ep_advice_offers_a_larger_ep_only_where_the_experts_allow_one():
+    parts = {"states": 2.0, "activations": 1.0, "transient": 0.0}
+    assert "use a larger ep" in ep_memory_advice(2, 4)(parts, 1.0)
+    assert "use a larger ep" not in ep_memory_advice(4, 4)(parts, 1.0)
+    assert ep_memory_advice(4, 4)(parts, 1.0).endswith(
+        "does not change: raise memory_budget, or plan without ep (drop the pin), where ZeRO, host offload and "
+        "recompute are open to the search"
+    )
 
 
 def test_a_dense_plan_that_does_not_fit_still_advises_host_offload():
