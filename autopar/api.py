@@ -17,6 +17,7 @@ import torch
 
 from autopar.checkpoint import hf
 from autopar.constraints import Constraints
+from autopar.errors import ConfigError
 from autopar.input_validation import (
     as_cluster,
     check_batch_of_plan,
@@ -153,6 +154,12 @@ def compile(
     from autopar import runtime  # torch.distributed programs and Triton: imported when a program is built
     from autopar.loop import LoopOptions  # it reads the runtime's loss and data helpers
 
+    if "time_limit_s" in plan_kwargs:
+        raise ConfigError(
+            "compile takes no time_limit_s: each rank plans, and ranks stopped by a clock could stop at different "
+            "plans; plan once with a limit (`autopar.plan(..., time_limit_s=...)`, or `autopar plan` and "
+            "`Plan.from_json`) and pass it as compile(..., plan=...)"
+        )
     loop = LoopOptions.take(plan_kwargs, model)
     cluster = as_cluster(cluster)
     check_compile_inputs(model, optimizer)

@@ -49,3 +49,11 @@ def test_a_limit_that_does_not_bind_changes_nothing(unlimited):
 def test_a_bad_limit_says_what_it_takes(bad):
     with pytest.raises(ConfigError, match="time_limit_s"):
         _plan(time_limit_s=bad)
+
+
+def test_compile_refuses_a_time_limit_that_ranks_could_read_differently():
+    model = make_model("llama")
+    args, kwargs = make_batch("llama")
+    with pytest.raises(ConfigError, match="compile takes no time_limit_s.*plan=") as raised:
+        autopar.compile(model, "cpu:1", args, kwargs, time_limit_s=5.0)
+    assert "unexpected keyword" not in str(raised.value)
