@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from autopar.rationale import COMM_TERMS, TERM_LABELS, TERMS, format_flops_rate, layout_words
 from autopar.report_charts import bars_svg, bars_text
-from autopar.report_figures import fmt_gib, fmt_ms
+from autopar.report_figures import fmt_gib, fmt_ms, priced_rows
 from autopar.units import GIB
 
 
@@ -18,18 +18,7 @@ def why_blocks(plan) -> list:
         rows = [
             ["**chosen**", layout_words(plan), fmt_ms(step), "-", fmt_gib(plan.predicted.peak_memory_bytes), "yes", ""]
         ]
-        for b in sorted(plan.baselines, key=lambda b: (not b["feasible"], b["step_time_s"] or 0.0)):
-            rows.append(
-                [
-                    b["label"],
-                    b["layout"],
-                    fmt_ms(b["step_time_s"]),
-                    f"{b['step_time_s'] / step:.2f}x" if b["feasible"] and step else "-",
-                    fmt_gib(b["peak_memory_bytes"]),
-                    "yes" if b["feasible"] else "no",
-                    b["reason"],
-                ]
-            )
+        rows += priced_rows(plan.baselines, step)
         blocks += [
             (
                 "p",

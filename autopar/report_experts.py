@@ -5,7 +5,7 @@ not chosen. Empty for a plan without experts."""
 from __future__ import annotations
 
 from autopar.cost_model.experts import EXPERT_SYNC_AXIS
-from autopar.report_figures import fmt_gib, fmt_ms
+from autopar.report_figures import fmt_gib, fmt_ms, priced_rows
 
 
 def expert_parallel_blocks(plan) -> list:
@@ -87,17 +87,5 @@ def _search_blocks(plan, search: dict) -> list:
             f"plan, so it has no expert axis. Each row says why."
         )
     step = plan.predicted.step_time_s
-    rows = []
-    for e in sorted(search["entries"], key=lambda e: (not e["feasible"], e["step_time_s"] or 0.0)):
-        rows.append(
-            [
-                e["label"],
-                e["layout"],
-                fmt_ms(e["step_time_s"]),
-                f"{e['step_time_s'] / step:.2f}x" if e["feasible"] and step else "-",
-                fmt_gib(e["peak_memory_bytes"]),
-                "yes" if e["feasible"] else "no",
-                e["reason"],
-            ]
-        )
+    rows = priced_rows(search["entries"], step)
     return [("p", words), ("table", ["weighed", "layout", "step ms", "vs chosen", "peak GiB", "fits", "why not"], rows)]

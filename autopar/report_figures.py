@@ -24,3 +24,15 @@ def fmt_ms(s) -> str:
 
 def fmt_gib(b) -> str:
     return "-" if b is None else f"{b / GIB:,.2f}"
+
+
+def priced_rows(entries, step_s: float) -> list[list]:
+    """Table rows of priced layouts (label, layout, step, its ratio to `step_s`, peak memory, fits, why not), the
+    ones that fit first, fastest first: the report's alternatives and the expert degrees weighed."""
+    rows = []
+    for e in sorted(entries, key=lambda e: (not e["feasible"], e["step_time_s"] or 0.0)):
+        ratio = f"{e['step_time_s'] / step_s:.2f}x" if e["feasible"] and step_s else "-"
+        fits = "yes" if e["feasible"] else "no"
+        rows.append([e["label"], e["layout"], fmt_ms(e["step_time_s"]), ratio, fmt_gib(e["peak_memory_bytes"]), fits,
+                     e["reason"]])  # fmt: skip
+    return rows
