@@ -20,6 +20,8 @@ EXACT_COUNTS = {
     "llama2-70b": 68_976_648_192,  # Llama 2 model card, 68.98e9
     "llama3-8b": 8_030_261_248,  # Llama 3 model card, 8.03e9
     "llama3-70b": 70_553_706_496,  # Llama 3 model card, 70.55e9
+    # Llama 3.1 model card, "405B"; by hand: 126 layers of 3,187,703,808, two 128256 x 16384 tables, final norm
+    "llama3-405b": 405_853_388_800,
     "gpt3-175b": 174_604_259_328,  # GPT-3 paper, "175B"
     "mixtral-8x7b": 46_702_792_704,  # Mixtral of Experts paper, 47B (13B active)
 }
@@ -69,6 +71,13 @@ def test_shapes_of_the_big_presets():
     llama3 = load_config("llama3-70b")
     assert llama3.vocab_size == 128256 and llama3.num_key_value_heads == 8
     assert llama3.rope_parameters["rope_theta"] == 500000.0
+    llama405 = load_config("llama3-405b")
+    assert (llama405.hidden_size, llama405.num_hidden_layers, llama405.intermediate_size) == (16384, 126, 53248)
+    assert (llama405.num_attention_heads, llama405.num_key_value_heads, llama405.vocab_size) == (128, 8, 128256)
+    assert llama405.max_position_embeddings == 131072 and llama405.rms_norm_eps == 1e-5
+    rope = llama405.rope_parameters
+    assert (rope["rope_type"], rope["rope_theta"], rope["factor"]) == ("llama3", 500000.0, 8.0)
+    assert (rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]) == (1, 4, 8192)
     assert load_config("bert-large").architectures == ["BertForMaskedLM"]
     mixtral = load_config("mixtral-8x7b")
     assert (mixtral.hidden_size, mixtral.intermediate_size, mixtral.num_hidden_layers) == (4096, 14336, 32)

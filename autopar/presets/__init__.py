@@ -13,6 +13,10 @@ Presets:
   Megatron-LM we use 16 heads and a width of 5120.
 - ``llama2-7b``, ``llama2-13b``, ``llama2-70b`` (grouped-query attention, 8 key/value heads),
   ``llama3-8b``, ``llama3-70b`` (vocabulary 128256, rope theta 500000, 8 key/value heads).
+- ``llama3-405b``: Llama 3.1 405B as published (its Hugging Face ``config.json``; shapes as in Table 3 of "The
+  Llama 3 Herd of Models", 2024): 126 layers of width 16384, 128 heads with 8 key/value heads, feed-forward width
+  53248, vocabulary 128256, rope theta 500000 with Llama 3.1's rope scaling (factor 8 over 8192 original
+  positions) to 131072 positions; 405.85B parameters.
 - ``mixtral-8x7b``: Mixtral 8x7B as published (46.7B parameters, 12.9B active: 8 experts per layer, 2 per
   token; grouped-query attention with 8 key/value heads, rope theta 1e6). Its experts run as Hugging
   Face's default "grouped_mm" (tokens sorted by expert, one grouped matmul per projection), which the
@@ -51,6 +55,7 @@ PRESET_NAMES: tuple[str, ...] = (
     "llama2-70b",
     "llama3-8b",
     "llama3-70b",
+    "llama3-405b",
     "mixtral-8x7b",
     "bert-large",
     "tiny-llama",
