@@ -20,6 +20,7 @@ def test_the_matrix_spans_what_the_suite_promises():
     assert {c.seq_len for c in cm.CASES} >= {4096, 32768, 131072}
     assert any(c.pins for c in cm.CASES) and any(not c.pins for c in cm.CASES)
     assert any(c.model.startswith("mixtral") for c in cm.CASES)
+    assert {c.seq_len for c in cm.CASES if c.model == "llama3-405b" and not c.pins} >= {8192, 131072}
     assert len(cm.BY_NAME) == len(cm.CASES)  # names are unique
 
 

@@ -10,7 +10,7 @@ the limit it ran past. Process CPU time is recorded next to wall time: on a mach
 wall time says more about the machine than about planning.
 
 The suite's targets (issue "Planning in seconds at any scale"): every case under 10 s, the median under 5 s, on 2
-cores. The presets stop at 175B (gpt3-175b): no 405B preset ships with autopar.
+cores. The dense presets go from 7B to 405B (llama3-405b, free search at 8K on 1,024 devices and at 128K on 4,096).
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ CASES = (
     Case("70b-1024", "llama2-70b", "128x8xH100-80GB", 1024, 4096),
     Case("70b-4096", "llama3-70b", "512x8xH100-80GB", 2048, 4096),
     Case("175b-1024", "gpt3-175b", "128x8xH100-80GB", 1536, 2048),
+    Case("405b-1024", "llama3-405b", "128x8xH100-80GB", 2048, 8192),
     Case("8b-64-32k", "llama3-8b", "8x8xH100-80GB", 32, 32768),
     Case("8b-256-128k", "llama3-8b", "32x8xH100-80GB", 8, 131072),
+    # 128 x 128K, like 2048 x 8K above: 16M tokens a step, as Llama 3 405B trained (Table 4 of its paper).
+    Case("405b-4096-128k", "llama3-405b", "512x8xH100-80GB", 128, 131072),
     Case("moe-64", "mixtral-8x7b", "8x8xH100-80GB", 256, 4096),
     Case("moe-512", "mixtral-8x7b", "64x8xH100-80GB", 1024, 4096),
     Case("70b-64-pinned", "llama2-70b", "8x8xH100-80GB", 256, 4096, {"tp": 8, "pp": 4}),
