@@ -331,6 +331,11 @@ class Plan:
 
     # --------------------------------------------------------------------------- serialisation
 
+    def _hidden_written(self) -> bool:
+        """Whether `to_json` writes hidden_communication: where something is hidden, and where it is empty but a
+        file without it would be read as hiding the data axis's (`_hidden_communication`'s reading of older files)."""
+        return bool(self.hidden_communication) or self.predicted.grad_sync_hidden_s != 0
+
     def to_json(self, indent: int | None = 1, *, timings: bool = False) -> str:
         """The plan file: deterministic, without the wall-clock figures unless `timings` (module docstring)."""
         d = {
@@ -370,8 +375,9 @@ class Plan:
             "stats": self.stats,
             "fusion": self.fusion,
             "time_breakdown": self.time_breakdown,
-            # written only where something is hidden: plans without overlap keep their old text
-            **({"hidden_communication": self.hidden_communication} if self.hidden_communication else {}),
+            # written only where something is hidden, or where a reader of an older file would make it up: plans
+            # without overlap keep their old text
+            **({"hidden_communication": self.hidden_communication} if self._hidden_written() else {}),
             "baselines": list(self.baselines),
             "comparisons": list(self.comparisons),
             "assumptions": self.assumptions,
