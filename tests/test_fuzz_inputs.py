@@ -10,6 +10,7 @@ load a checkpoint take a few hundred milliseconds on a loaded two-core machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import shutil
@@ -323,6 +324,7 @@ def test_checkpoint_markers_load_or_raise_autopar_errors(saved, tmp_path_factory
 @pytest.mark.integration
 @SLOW_FUZZ
 @given(st.sampled_from([".metadata", "__0_0.distcp"]), st.integers(0, 4000), st.binary(max_size=16))
+@pytest.mark.usefixtures("traced_allocations")
 def test_damaged_checkpoint_files_load_or_raise_autopar_errors(saved, tmp_path_factory, name, at, junk):
     pm, good = saved
     copy = tmp_path_factory.mktemp("damaged") / "ckpt"
@@ -343,18 +345,29 @@ CASE_S = 5.0
 CASE_PEAK_BYTES = 256 * 2**20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _tracing_allocations():
-    """Trace Python allocations for the whole module, started and stopped once: `tracemalloc.stop()` races with a
-    thread outside Python taking the GIL (CPython gh-128679, fixed in 3.12.9 and 3.13.2; a worker that ran gloo
-    ranks has such threads), and stopping it after every case crashed a test process with a segmentation fault."""
+@contextlib.contextmanager
+def _tracing():
     tracemalloc.start()
-    yield
-    tracemalloc.stop()
+    try:
+        yield
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.fixture
+def traced_allocations():
+    """Trace Python allocations for the whole test, started and stopped once, not around each case: `tracemalloc.stop()`
+    races with a thread outside Python taking the GIL (CPython gh-128679, fixed in 3.12.9 and 3.13.2; a worker that
+    ran gloo ranks has such threads), and stopping it after every case crashed a test process with a segmentation
+    fault. Only the tests that bound their cases trace (tracing slows the others several times)."""
+    with _tracing():
+        yield
 
 
 def bounded(fn, *args):
-    """works_or_autopar_error(fn, *args) within CASE_S CPU seconds and CASE_PEAK_BYTES of Python allocations."""
+    """works_or_autopar_error(fn, *args) within CASE_S CPU seconds and CASE_PEAK_BYTES of Python allocations (in a
+    test that uses `traced_allocations`)."""
+    assert tracemalloc.is_tracing(), "a test that calls bounded() uses the traced_allocations fixture"
     tracemalloc.reset_peak()
     before = tracemalloc.get_traced_memory()[0]
     start = time.process_time()
@@ -405,6 +418,7 @@ def _read_and_render(text: str):
 
 @FUZZ
 @given(counted_plans())
+@pytest.mark.usefixtures("traced_allocations")
 def test_plan_files_with_huge_counts_are_read_or_refused_within_bounds(text):
     bounded(_read_and_render, text)
 
@@ -415,6 +429,7 @@ def test_plan_files_with_huge_counts_are_read_or_refused_within_bounds(text):
     st.sampled_from(_COUNT_PATHS[:1] + [("param_placements",)]),
     st.integers(1, 3000),
 )
+@pytest.mark.usefixtures("traced_allocations")
 def test_deeply_nested_plan_files_are_refused_within_bounds(name, path, depth):
     doc = json.loads(GOLDEN_TEXTS[name])
     text = json.dumps(_mutated(doc, path, "NEST", delete=False)).replace('"NEST"', "[" * depth + "0" + "]" * depth)
@@ -426,7 +441,8 @@ def test_an_oversized_plan_file_is_refused_before_it_is_parsed(tmp_path):
     doc["param_placements"] = {f"p{i}": ["R"] * 8 for i in range(800_000)}  # about 40 MB of placements
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
-    assert bounded(autopar.Plan.from_file, path) is None
+    with _tracing():  # the reading only: tracing the 40 MB the test writes would take most of its time
+        assert bounded(autopar.Plan.from_file, path) is None
     with pytest.raises(autopar.PlanFormatError, match="more than the .* a plan file is read up to"):
         autopar.Plan.from_file(path)
 
@@ -436,6 +452,7 @@ _ALIAS_BOMB_LEVELS = st.integers(1, 12)
 
 @FUZZ
 @given(_ALIAS_BOMB_LEVELS, st.integers(2, 10), st.booleans())
+@pytest.mark.usefixtures("traced_allocations")
 def test_yaml_alias_bombs_are_refused_within_bounds(tmp_path_factory, levels, fan_out, in_an_error):
     """Anchors that alias the one before `fan_out` times: 10 levels of 9 make a billion values when expanded.
     The bomb sits in the cluster string (rendered into an error) or in an override."""
@@ -450,6 +467,7 @@ def test_yaml_alias_bombs_are_refused_within_bounds(tmp_path_factory, levels, fa
 
 @FUZZ
 @given(st.integers(1, 20000), st.sampled_from(["[", "{a: ", "- "]))
+@pytest.mark.usefixtures("traced_allocations")
 def test_deeply_nested_cluster_files_are_refused_within_bounds(tmp_path_factory, depth, opener):
     closer = {"[": "]", "{a: ": "}", "- ": ""}[opener]
     if opener == "- ":
@@ -479,6 +497,7 @@ _HEADER_ENTRY = st.fixed_dictionaries(
     st.one_of(st.none(), st.sampled_from([0, 1, 7, 2**62, 2**64 - 1, 100_000_001]), st.integers(0, 10**9)),
     st.integers(0, 3000),
 )
+@pytest.mark.usefixtures("traced_allocations")
 def test_safetensors_headers_are_read_or_refused_within_bounds(tmp_path_factory, header, declared, depth):
     from autopar.checkpoint.hf import WeightFiles
 
@@ -492,6 +511,7 @@ def test_safetensors_headers_are_read_or_refused_within_bounds(tmp_path_factory,
 
 @SLOW_FUZZ
 @given(st.integers(1, 5000), st.integers(0, 3 * 2**20))
+@pytest.mark.usefixtures("traced_allocations")
 def test_checkpoint_markers_of_any_depth_or_size_are_skipped_within_bounds(tmp_path_factory, depth, padding):
     from autopar.checkpoint.marker import latest_checkpoint, marker_problem
 
@@ -514,6 +534,7 @@ _INDEX_MUTATIONS = ["size", "chunk offsets", "chunk sizes", "chunk count", "entr
 
 @SLOW_FUZZ
 @given(st.sampled_from(_INDEX_MUTATIONS), HUGE, st.sampled_from([0, 1, 2, 2**10, 2**16]), st.integers(0, 3))
+@pytest.mark.usefixtures("traced_allocations")
 def test_checkpoint_indexes_with_huge_counts_are_read_or_refused_within_bounds(
     saved, tmp_path_factory, how, n, count, i
 ):
