@@ -17,15 +17,15 @@ import autopar
 from autopar.checkpoint.reader import read_index
 from autopar.plan import Plan
 from tests.distributed.harness import run_distributed
+from tests.distributed.test_expert_parallel import _optimizer
 from tests.distributed.test_expert_parallel_qwen import tiny_qwen2_moe
-from tests.distributed.test_train_numerics import ADAM_EPS, PARAM_ATOL, PARAM_MEAN_ATOL
+from tests.distributed.test_train_numerics import PARAM_ATOL, PARAM_MEAN_ATOL
 from tests.families import family_batch, make_family
 from tests.models import train_locally
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 2
-LR = 1e-2
 # The same program on the same layout runs the same operations in the same order before and after the load, so the
 # losses agree to the last bit in practice (as in tests/distributed/test_checkpoint.py); an expert block or a
 # moment read into the wrong rank moves the next loss by ~lr times a gradient, far more.
@@ -37,12 +37,6 @@ RESHARD_RTOL = 1e-5
 # The written weights against one process trained the same way: the ranks sum in another order (~1e-7 relative per
 # step in fp32; tests/distributed/test_expert_parallel.py), relative to max(|reference|, 1e-2).
 PARAM_RTOL, PARAM_FLOOR = 1e-4, 1e-2
-
-
-def _optimizer(name: str):
-    if name == "adamw":
-        return lambda params: torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
-    return lambda params: torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
 def _model(family: str, seed: int) -> torch.nn.Module:
