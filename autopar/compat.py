@@ -28,10 +28,14 @@ tier (`make test-torch TORCH=2.11.0`) on 2.11, 2.13 and 2.15; "2.11" below is th
   ``torch.no_grad()`` / ``torch.autocast(enabled=False)`` (Hugging Face's rotary embedding is one) in a
   higher-order op calling a submodule; 2.13's leaves the region's ops inline in the graph. The planner prices and
   shards ATen ops, so the trace inlines such regions, and every release hands it the same kind of graph.
+- ``without_stack_traces``: tracing that records no Python stack on each graph node (``torch.fx.config``'s
+  ``do_not_emit_stack_traces``; nothing in autopar reads a node's ``stack_trace``, and capturing one per node is
+  about a quarter of an export of the tiny LLaMA). Where the flag is missing, stacks are recorded as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 
@@ -48,6 +52,7 @@ __all__ = [
     "funcol_reduce_scatter",
     "inline_grad_mode_regions",
     "reduce_scatter_single",
+    "without_stack_traces",
 ]
 
 
@@ -204,6 +209,21 @@ def _pipeline_stage() -> type:
                 return tuple(None if info is None else info.buffer for info in self.grad_recv_info[bwd_chunk_id])
 
     return PipelineStage
+
+
+@contextlib.contextmanager
+def without_stack_traces():
+    """Trace within this block without recording a Python stack on each FX node; the flag is restored after."""
+    config = getattr(fx, "config", None)
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 def __getattr__(name: str):

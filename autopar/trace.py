@@ -153,7 +153,8 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, compute_dtype: to
     """`trace_model` without the cache."""
     subject = _in_format(model, compute_dtype) if compute_dtype is not None else model
     try:
-        exported = torch.export.export(subject, args, kwargs, strict=False)
+        with compat.without_stack_traces():  # no node's stack is read; recording them is a quarter of an export
+            exported = torch.export.export(subject, args, kwargs, strict=False)
     except Exception as e:
         # the traced code's own word on bad input (a user's loss, `autopar.loss`) says more than a trace failure
         said = next((c for c in _exception_chain(e) if isinstance(c, ConfigError)), None)

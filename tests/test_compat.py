@@ -86,3 +86,27 @@ def test_grad_mode_regions_are_inlined_to_the_same_result():
     assert torch.sin in targets and torch.ops.higher_order.wrap_with_set_grad_enabled not in targets
     assert not hasattr(gm, "submod_1") and not any(n.op == "get_attr" for n in gm.graph.nodes)
     assert compat.inline_grad_mode_regions(gm) == 0  # nothing left: a graph 2.13's export gives is left alone
+
+
+def test_a_trace_records_no_node_stacks_and_leaves_the_flag_as_it_was():
+    from autopar.trace import trace_model
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu().sum()
+
+    before = fx.config.do_not_emit_stack_traces
+    with compat.without_stack_traces():
+        assert fx.config.do_not_emit_stack_traces is True
+    assert fx.config.do_not_emit_stack_traces == before
+    # an export outside autopar records each op's stack; autopar's trace of the same module records none
+    plain = torch.export.export(Tiny(), (torch.randn(2, 4),), strict=False)
+    assert any(n.meta.get("stack_trace") for n in plain.graph.nodes if n.op == "call_function")
+    traced = trace_model(Tiny(), (torch.randn(2, 4),))
+    ops = [n for n in traced.exported.graph.nodes if n.op == "call_function"]
+    assert ops and not any(n.meta.get("stack_trace") for n in ops)
+    assert fx.config.do_not_emit_stack_traces == before
