@@ -17,7 +17,6 @@ import torch
 
 from autopar.checkpoint import hf
 from autopar.constraints import Constraints
-from autopar.errors import ConfigError
 from autopar.input_validation import (
     as_cluster,
     check_batch_of_plan,
@@ -130,7 +129,8 @@ def compile(
     """Plan (unless `plan` is given) and build the parallel program; call inside torchrun.
 
     Every rank must call it with the same model (same initial parameters) and inputs. The world
-    size of the process group must equal the cluster's. The model is traced once for planning (at the
+    size of the process group must equal the cluster's. Rank 0 plans; the other ranks wait for its plan
+    (`AUTOPAR_PLAN_WAIT_S`, an hour by default) and every rank runs that plan. The model is traced once for planning (at the
     global batch) and at most once more, at the shape the program runs (`Program.trace_parts`), both in the
     plan's compute format. Without a cp pin, where the sequence allows a cp axis (`cp_search.cp_degrees`),
     the cp degree is searched as `plan` searches it: one planning trace per degree priced.
@@ -147,19 +147,15 @@ def compile(
         compile_mode: hand the graphs the program runs to `torch.compile` in this mode ("default",
             "reduce-overhead", "max-autotune", ...); None runs them as they are. The offload program, which runs
             the model eagerly, refuses it.
-        plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, max_grad_norm=, ...), but for the
+        plan_kwargs: passed to `autopar.plan` (constraints=, memory_budget=, max_grad_norm=, time_limit_s=, ...), but for the
             training loop's options (`autopar.loop`): on_nonfinite=, local_batch=, loss_fn=, loss_reduction=,
             loss_inputs=, loss_tokens=.
     """
     from autopar import runtime  # torch.distributed programs and Triton: imported when a program is built
     from autopar.loop import LoopOptions  # it reads the runtime's loss and data helpers
+    from autopar.runtime.shared_plan import plan_on_rank_zero
 
-    if "time_limit_s" in plan_kwargs:
-        raise ConfigError(
-            "compile takes no time_limit_s: each rank plans, and ranks stopped by a clock could stop at different "
-            "plans; plan once with a limit (`autopar.plan(..., time_limit_s=...)`, or `autopar plan` and "
-            "`Plan.from_json`) and pass it as compile(..., plan=...)"
-        )
+    time_limit_s = plan_kwargs.pop("time_limit_s", None)
     loop = LoopOptions.take(plan_kwargs, model)
     cluster = as_cluster(cluster)
     check_compile_inputs(model, optimizer)
@@ -174,9 +170,9 @@ def compile(
             model = hf.traceable_stand_in(model)
     args, kwargs = tuple(example_inputs), dict(example_kwargs or {})
     planning_trace = None
-    if plan is None:
+    if plan is None:  # rank 0 plans; every rank runs its plan (`runtime.shared_plan`)
         request = read_plan_request(model, cluster, args, kwargs, **({"alternatives": False} | plan_kwargs))
-        plan, planning_trace = plan_to_compile(request)
+        plan, planning_trace = plan_on_rank_zero(lambda: _limited_plan(request, time_limit_s))
     check_batch_of_plan(plan, args, kwargs)
     program = runtime.program_class(plan)
     parts = program.trace_parts(plan)
@@ -199,6 +195,15 @@ def compile(
     if compile_mode is not None:
         pm.compile_graphs(compile_mode)
     return pm
+
+
+def _limited_plan(request, time_limit_s: float | None):
+    """`plan_to_compile` under `plan`'s time limit: one rank plans, so a limit cannot part the ranks' plans."""
+    with limited(time_limit_s) as limit:
+        chosen, traced = plan_to_compile(request)
+    if limit is not None:
+        chosen = dataclasses.replace(chosen, stats=chosen.stats | {"time_limit": limit.record()})
+    return chosen, traced
 
 
 def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=None, **plan_kwargs) -> Plan:
