@@ -37,6 +37,8 @@ def _losses(**options):
     return _run(3, False, **options)
 
 
+# slow: Inductor compiles the training graph with the C++ compiler (about 50 s on a busy 2-core machine)
+@pytest.mark.slow
 @pytest.mark.subprocess  # Inductor runs the C++ compiler
 @pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor on the CPU needs a C++ compiler")
 def test_compiled_sharded_graph_trains_as_the_plain_one():
@@ -48,7 +50,7 @@ def test_compiled_sharded_graph_trains_as_the_plain_one():
 
 
 # slow: Inductor compiles the eval graph apart from the training one (a minute on a busy 2-core machine, as long as
-# the training graph); `make test` compiles a graph of the program in this mode in the test above
+# the training graph)
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor on the CPU needs a C++ compiler")

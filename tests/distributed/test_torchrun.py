@@ -20,6 +20,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# slow: two torchrun agents and their ranks start, import and rendezvous (70 s on a busy 2-core machine); `make test`
+# launches through torchrun in tests/distributed/test_finetune_example.py
+@pytest.mark.slow
 def test_two_nodes_on_localhost():
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
