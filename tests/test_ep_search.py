@@ -132,6 +132,7 @@ def test_a_dense_model_weighs_no_expert_axis():
     assert plan.expert_parallel == {} and "Expert parallelism" not in plan.explain()
 
 
+@pytest.mark.integration  # plans the tiny Mixtral (about 2 s)
 def test_pins_that_rule_ep_out_are_said():
     args, kwargs = family_batch("mixtral", batch=4)
     from tests.families import make_family

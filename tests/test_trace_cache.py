@@ -47,6 +47,7 @@ def _empty_cache():
     CACHE.clear()
 
 
+@pytest.mark.integration  # two exports of the tiny LLaMA (1.5-4 s)
 @pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16], ids=["own-dtype", "bf16"])
 def test_a_model_built_alike_gets_the_graph_bound_to_its_own_tensors(monkeypatch, compute_dtype):
     config = load_config("tiny-llama")

@@ -41,6 +41,7 @@ def test_a_plan_prices_clipping_and_records_it():
     assert "max_grad_norm" not in plain.to_json()  # plans without clipping keep their text
 
 
+@pytest.mark.integration  # plans the tiny LLaMA through the CLI (1-2 s)
 def test_the_cli_prices_and_records_max_grad_norm(tmp_path):
     import json
 
