@@ -24,15 +24,18 @@ demo: $(STAMP)
 # (tests/conftest.py); JOBS=0: in one process.
 PYTEST := TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q tests --durations=15
 JOBS ?= 2
+# A worker that crashes (a segmentation fault in a test) fails the run at once, naming the test it ran: with workers
+# restarted after a crash, pytest-xdist's loadfile scheduling waited for ever (tests/test_tiers.py).
+XDIST := -n $(JOBS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0
 
 check: $(STAMP)
 	$(PYTEST) -m "not distributed and not subprocess and not integration and not slow" $(PYTEST_ARGS)
 
 test: $(STAMP)
-	$(PYTEST) -n $(JOBS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PYTEST) -n $(JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) $(PYTEST_ARGS)
 
 # The smoke tier (tests marked smoke) on another torch release, in its own environment .venv-torch-<release>:
 # `make test-torch TORCH=2.11.0`. The registry's Linux wheels of torch are CUDA builds (several GB; they run on
