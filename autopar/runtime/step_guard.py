@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from autopar.errors import NonFiniteError
 from autopar.guard_options import check_guard_options
-from autopar.runtime.collectives import waiting_for
+from autopar.runtime.collectives import collective_timeout, waiting_for
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 MIN_LOSS_SCALE = 1.0  # below it, an fp16 step that is still non-finite raises (on_nonfinite="raise")
@@ -213,7 +213,9 @@ class StepGuard:
         bad = (~torch.isfinite(q)).double()
         totals = torch.stack([q, bad, torch.tensor(tokens_share, dtype=torch.float64, device=device)])
         if dist.is_initialized() and dist.get_world_size() > 1:
+            # on the world group, whose own timeout is the launcher's (gloo's 30 minutes unless autopar made it):
+            # waited here for autopar's, so a rank that never joins is named as the programs' groups name it
             with waiting_for("the step guard's all-reduce of the gradient norm, the non-finite flag and the tokens"):
-                dist.all_reduce(totals)
+                dist.all_reduce(totals, async_op=True).wait(timeout=collective_timeout())
         q_all, bad_all, tokens = totals.tolist()
         return math.sqrt(q_all) if q_all >= 0 else float("nan"), bad_all == 0 and math.isfinite(q_all), tokens

@@ -348,3 +348,40 @@ def test_fp16_clips_the_unscaled_norm_and_raises_once_the_scale_is_exhausted():
             assert applied.grad_norm == pytest.approx(ref_norm, rel=2e-2), (kind, applied)
             step, message = got["raised"]
             assert step == applied.step + 1 and "loss scale down to 0.5" in message, message
+
+
+class _Program:
+    """What the guard's reduction reads of a program: where its tensors live and the gradient divisor."""
+
+    device_type = "cpu"
+
+    def _gradient_divisor(self) -> float:
+        return 1.0
+
+
+def _rank_1_never_joins_the_guard(rank: int, world_size: int):
+    import os
+    import time
+
+    from autopar.errors import LoweringError
+    from autopar.runtime.collectives import TIMEOUT_ENV
+    from autopar.runtime.step_guard import StepGuard
+
+    os.environ[TIMEOUT_ENV] = "2"
+    if rank == 1:
+        time.sleep(4)  # past rank 0's limit, well inside the world group's own (the harness's: gloo's 30 minutes)
+        return None
+    start = time.monotonic()
+    try:
+        StepGuard()._reduce(_Program(), [(torch.ones(3), 1)], 1.0)
+    except LoweringError as e:
+        return str(e), time.monotonic() - start
+    return None
+
+
+# slow: a fresh world and a wait (10 s); tests/distributed/test_stopped_rank.py stops a rank of each program kind
+@pytest.mark.slow
+def test_the_guards_all_reduce_waits_autopars_timeout_not_the_world_groups():
+    message, waited = run_distributed(_rank_1_never_joins_the_guard, 2, fresh=True, timeout_s=120)[0]
+    assert "rank 0 waited more than 2 s for the step guard's all-reduce" in message, message
+    assert waited < 6  # 2 s and the error; the world group's own limit is 30 minutes
