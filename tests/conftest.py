@@ -20,13 +20,15 @@ STARTS_PROCESSES = ("distributed", "subprocess")
 # more tests first (xdist's own order).
 LONGEST_FIRST = (
     "tests/distributed/test_finetune_example.py",
-    "tests/distributed/test_train_numerics.py",
-    "tests/test_compile_mode.py",
-    "tests/test_plan_snapshots.py",
     "tests/passes/test_sharding_solver.py",
+    "tests/distributed/test_sharded_overlap.py",
+    "tests/test_plan_snapshots.py",
+    "tests/passes/test_context_parallel_pipeline.py",
+    "tests/distributed/test_step_guard.py",
     "tests/distributed/test_programs.py",
-    "tests/distributed/test_torchrun.py",
     "tests/distributed/test_family_matrix.py",
+    "tests/distributed/test_pipeline_numerics.py",
+    "tests/distributed/test_train_numerics.py",
 )
 
 
