@@ -778,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks must be at least 2: an all-reduce among one process moves nothing")
     result = _round(calibrate(args.ranks, args.repeats, max(args.runs, 1)))
     print(
-        f"# measured {datetime.date.today().isoformat()} on {platform.node()} ({platform.processor() or 'cpu'}, "
+        f"# measured {datetime.date.today().isoformat()} on {platform.node()} ({platform.machine() or 'cpu'}, "
         f"{os.cpu_count()} cores), torch {torch.__version__}",
         file=sys.stderr,
         flush=True,

@@ -33,9 +33,10 @@ def environment() -> dict:
         "autopar_version": autopar_version,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
-        "platform": platform.platform(),
+        # not platform.platform() / processor(): on Linux they run `uname -p` in a child process
+        "platform": f"{platform.system()}-{platform.release()}-{platform.machine()}",
         "machine": platform.machine(),
-        "processor": _cpu_model() or platform.processor(),
+        "processor": _cpu_model() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "memory_bytes": _total_memory_bytes(),
         "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],

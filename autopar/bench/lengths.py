@@ -97,7 +97,7 @@ def run(out_dir, *, quick: bool = False, show_progress: bool = True) -> dict:
         "batch": BATCH,
         "planned_length": LENGTH,
         "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
+        "machine": platform.machine(),  # processor() runs `uname -p` in a child process
         "rows": rows,
     }
     (out / "lengths.json").write_text(json.dumps(doc, indent=1))
