@@ -24,6 +24,7 @@ from autopar.input_validation import (
     check_given_plan,
     read_plan_request,
 )
+from autopar.passes.fused_ops import fusion_setting
 from autopar.plan import Plan
 from autopar.planning import plan_model, plan_to_compile, solve_placements
 from autopar.time_limit import limited
@@ -45,7 +46,7 @@ def plan(
     estimator=None,
     progress: Callable[[str], None] | None = None,
     pipeline: bool | None = None,
-    fuse_kernels: bool | None = None,
+    fuse_kernels=None,
     compare=(),
     alternatives: bool | None = None,
     max_grad_norm: float | None = None,
@@ -74,7 +75,8 @@ def plan(
             pinned; never when "pp": 1 is.
         fuse_kernels: replace attention, norms and the LM-head loss by autopar's Triton ops before planning
             (`passes.fused_ops`), so the plan prices and names the fused graph. Default: on for GPU clusters,
-            off on CPUs (where the kernels only run interpreted).
+            off on CPUs (where the kernels only run interpreted). Some of "attention", "norms" and
+            "cross_entropy" (a name or a collection) fuse those kinds only and leave the rest as eager ops.
         compare: layouts to price next to the plan, for the report's "Your layout" section: strings like
             "tp=8,pp=4,zero=1" or constraint dicts (`autopar.compare` adds them to a plan afterwards).
         alternatives: price the layouts a user would pick by hand (DDP, ZeRO-3, the best Megatron-style
@@ -221,7 +223,7 @@ def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=N
         layouts = [layouts]
     kw = {
         "precision": plan.precision,
-        "fuse_kernels": bool(plan.fusion.get("enabled", False)),
+        "fuse_kernels": fusion_setting(plan.fusion),
         "memory_budget": plan.assumptions.get("memory_budget_bytes"),
         "max_grad_norm": plan.max_grad_norm,
     } | plan_kwargs

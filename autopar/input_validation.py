@@ -23,7 +23,7 @@ from autopar.cost_model import AnalyticEstimator, DType, ProfiledEstimator
 from autopar.errors import ConfigError
 from autopar.guard_options import check_guard_options
 from autopar.passes.context_parallel import CPSpec
-from autopar.passes.fused_ops import default_fusion
+from autopar.passes.fused_ops import FUSION_KINDS, default_fusion, fusion_kinds
 from autopar.plan import Plan
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -205,6 +205,9 @@ class PlanRequest:
     say: Callable[[str], None]
     t0: float  # when planning started: the plan's total planning time counts from here
     max_grad_norm: float | None = None  # the program clips to it: the step guard's passes are priced
+    # the kinds of fusion that run where `fuse` is on (`passes.fused_ops.FUSION_KINDS`): all of them unless the
+    # caller named some (a program that runs its attention fused and its norms and loss as eager ops)
+    fuse_kinds: tuple[str, ...] = FUSION_KINDS
 
 
 def read_plan_request(
@@ -222,7 +225,7 @@ def read_plan_request(
     estimator=None,
     progress: Callable[[str], None] | None = None,
     pipeline: bool | None = None,
-    fuse_kernels: bool | None = None,
+    fuse_kernels=None,
     compare=(),
     alternatives: bool | None = None,
     max_grad_norm: float | None = None,
@@ -239,6 +242,7 @@ def read_plan_request(
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     say = progress or _quiet
     t0 = time.perf_counter()
+    kinds = FUSION_KINDS if fuse_kernels is None else fusion_kinds(fuse_kernels)
     module, args, kwargs, name = resolve_model(
         model, precision, example_inputs, example_kwargs, global_batch_size, seq_len
     )
@@ -256,12 +260,13 @@ def read_plan_request(
         budget=budget,
         offload=offload,
         pipeline=pipeline,
-        fuse=default_fusion(cluster.device.kind) if fuse_kernels is None else bool(fuse_kernels),
+        fuse=default_fusion(cluster.device.kind) if fuse_kernels is None else bool(kinds),
         compare=compare or (),
         alternatives=alternatives,
         say=say,
         t0=t0,
         max_grad_norm=max_grad_norm,
+        fuse_kinds=kinds or FUSION_KINDS,
     )
 
 

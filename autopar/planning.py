@@ -37,7 +37,15 @@ from autopar.expert_parallel import (
 )
 from autopar.input_validation import PlanRequest, batch_size, check_cp, resolve_estimator
 from autopar.ir import OpGraph
-from autopar.passes.fused_ops import fuse_traced, fusion_report, fusion_summary
+from autopar.passes.fused_ops import (
+    FUSION_KINDS,
+    fuse_traced,
+    fusion_kinds,
+    fusion_knobs,
+    fusion_report,
+    fusion_setting,
+    fusion_summary,
+)
 from autopar.plan import Plan, ProgramKind
 from autopar.plan_build import Job, assumptions, pipeline_plan, pipeline_runner_up, sharded_plan, sharded_runner_up
 from autopar.program_comm import resolved_prefetch_depth
@@ -141,14 +149,14 @@ class Jobs:
         rq.say(f"tracing {rq.name}" + (f" for cp={cp}" if cp > 1 else ""))
         traced, graph = self._traced.get(cp), None
         if traced is None and isinstance(rq.model, str):
-            graph = trace_shortened(module, args, kwargs, rq.say, rq.fuse, cp)
+            graph = trace_shortened(module, args, kwargs, rq.say, rq.fuse, cp, rq.fuse_kinds)
         if graph is None:
             traced = traced if traced is not None else trace_in_format(module, args, kwargs, rq.precision, cp)
-            traced = fuse_traced(traced) if rq.fuse else traced
+            traced = fuse_traced(traced, **fusion_knobs(rq.fuse_kinds)) if rq.fuse else traced
             frozen = frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
             graph = OpGraph.from_traced(traced, frozen_params=frozen)
         t_trace = time.perf_counter() - t_start
-        fusion = fusion_summary(rq.fuse, fusion_report(graph.traced), graph.layer_count)
+        fusion = fusion_summary(rq.fuse, fusion_report(graph.traced), graph.layer_count, rq.fuse_kinds)
         rq.say(
             f"traced {len(graph.graph.nodes)} nodes, {graph.num_layers} layers ({graph.deduplicated_layers} "
             f"deduplicated)"
@@ -404,7 +412,7 @@ def solve_placements(plan: Plan, model, cluster: ClusterSpec, traced, args, kwar
         pins,
         precision=plan.precision,
         budget=float("inf"),
-        fuse=bool(plan.fusion.get("enabled", False)),
+        fuse=fusion_setting(plan.fusion),
         offload=False,
     )
     return dataclasses.replace(
@@ -426,7 +434,7 @@ def _solved_on(
     *,
     precision: str,
     budget: float,
-    fuse: bool,
+    fuse,
     offload=None,
 ) -> Plan:
     """The plan of `model` on `traced` under `pins` (a whole layout): what `plan` gives with these settings."""
@@ -445,10 +453,11 @@ def _solved_on(
         budget=budget,
         offload=offload,
         pipeline=None,
-        fuse=fuse,
+        fuse=bool(fusion_kinds(fuse)),
         compare=(),
         alternatives=False,
         say=lambda msg: None,
         t0=time.perf_counter(),
+        fuse_kinds=fusion_kinds(fuse) or FUSION_KINDS,
     )
     return plan_model(request, traced=traced)

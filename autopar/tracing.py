@@ -14,7 +14,7 @@ import functools
 from autopar.context_parallel.inputs import is_causal_lm, local_batch, splitting_sequences, traced_batch
 from autopar.ir import OpGraph
 from autopar.passes.context_parallel import drop_causal_masks
-from autopar.passes.fused_ops import fuse_traced
+from autopar.passes.fused_ops import FUSION_KINDS, fuse_traced, fusion_knobs
 from autopar.plan import Plan
 from autopar.trace import trace_model
 
@@ -60,7 +60,7 @@ def program_trace(model, plan: Plan, args, kwargs):
         args, kwargs = cp_rank_batch(model, args, kwargs, cp)
     traced = trace_in_format(model, args, kwargs, plan.precision, cp)
     if plan.fusion.get("enabled"):  # the program runs the graph the plan priced
-        traced = fuse_traced(traced)
+        traced = fuse_traced(traced, **fusion_knobs(plan.fusion.get("kinds", FUSION_KINDS)))
     return traced
 
 
@@ -74,7 +74,7 @@ def length_tracer(model, plan: Plan, traced):
     return functools.partial(program_trace, fake_copy(model), plan)
 
 
-def trace_shortened(module, args, kwargs, say, fuse: bool = False, cp: int = 1) -> OpGraph | None:
+def trace_shortened(module, args, kwargs, say, fuse: bool = False, cp: int = 1, kinds=FUSION_KINDS) -> OpGraph | None:
     """Trace a preset with two of its identical layers standing for all of them; None when that is not valid."""
     from autopar import presets  # transformers: imported when a preset is traced, not for `autopar --help`
 
@@ -92,7 +92,7 @@ def trace_shortened(module, args, kwargs, say, fuse: bool = False, cp: int = 1) 
     short = presets.build_model(short_config, device="meta", dtype=dtype)
     traced = _cp_graph(trace_model(short, args, kwargs), cp)
     if fuse:
-        traced = fuse_traced(traced)
+        traced = fuse_traced(traced, **fusion_knobs(kinds))
     probe = OpGraph.from_traced(traced)
     containers = {c for c, _ in probe.node_layer.values() if c is not None}
     if len(containers) != 1:

@@ -122,6 +122,42 @@ def default_fusion(device_kind: str) -> bool:
     raise ConfigError(f"default_fusion: unknown device kind {device_kind!r}; expected 'gpu', 'cuda' or 'cpu'")
 
 
+# the kinds of fusion `fuse_kernels_pass` has a switch for, by the switch's name
+FUSION_KINDS = ("attention", "norms", "cross_entropy")
+
+
+def fusion_kinds(setting) -> tuple[str, ...]:
+    """The kinds of fusion a `fuse_kernels` setting asks for, in `FUSION_KINDS` order: True all, False none, or a
+    kind's name or a collection of them (a program that runs some fused kernels and the rest as eager ops)."""
+    if isinstance(setting, bool):
+        return FUSION_KINDS if setting else ()
+    names = (setting,) if isinstance(setting, str) else setting
+    try:
+        wanted = {str(n) for n in names}
+    except TypeError:
+        raise ConfigError(
+            f"fuse_kernels: expected True, False or some of {list(FUSION_KINDS)}, got {setting!r}"
+        ) from None
+    unknown = sorted(wanted - set(FUSION_KINDS))
+    if unknown:
+        raise ConfigError(f"fuse_kernels: unknown kinds {unknown}; expected some of {list(FUSION_KINDS)}")
+    return tuple(k for k in FUSION_KINDS if k in wanted)
+
+
+def fusion_knobs(kinds) -> dict[str, bool]:
+    """`fuse_kernels_pass`'s switches for `kinds` (a collection of `FUSION_KINDS`)."""
+    return {k: k in kinds for k in FUSION_KINDS}
+
+
+def fusion_setting(fusion: dict):
+    """The `fuse_kernels` setting that plans again as a plan's `fusion` record says: False, True (every kind), or the
+    kinds it fused where it fused only some."""
+    if not fusion.get("enabled", False):
+        return False
+    kinds = fusion.get("kinds")
+    return True if kinds is None else tuple(kinds)
+
+
 def fuse_kernels_pass(
     gm: fx.GraphModule, example_inputs, *, attention: bool = True, norms: bool = True, cross_entropy: bool = True
 ) -> fx.GraphModule:
@@ -198,7 +234,9 @@ def fusion_report(traced: TracedModel) -> FusionReport | None:
     return traced.graph_module.meta.get(FUSED_META_KEY)
 
 
-def fusion_summary(enabled: bool, report: FusionReport | None, layer_count: dict | None = None) -> dict:
+def fusion_summary(
+    enabled: bool, report: FusionReport | None, layer_count: dict | None = None, kinds=FUSION_KINDS
+) -> dict:
     """What a plan records of fusion: on or off, fused ops per kind, and the skipped sites with their reasons.
 
     Args:
@@ -206,6 +244,7 @@ def fusion_summary(enabled: bool, report: FusionReport | None, layer_count: dict
         report: its report (None when it did not run).
         layer_count: node name -> how many nodes of the whole model it stands for (`OpGraph.layer_count`; a
             trace of a few identical layers stands for all of them), so counts are the whole model's.
+        kinds: the kinds of fusion the pass ran; recorded (as "kinds") only where they are not all of them.
     """
     counts = dict.fromkeys(FUSED_OPS, 0)
     skipped: list[dict] = []
@@ -214,7 +253,10 @@ def fusion_summary(enabled: bool, report: FusionReport | None, layer_count: dict
         for site in report.fused:
             counts[site.op] += times.get(site.node, 1)
         skipped = [{"kind": s.kind, "node": s.node, "reason": s.reason} for s in report.skipped]
-    return {"enabled": bool(enabled), "counts": counts, "skipped": skipped}
+    summary = {"enabled": bool(enabled), "counts": counts, "skipped": skipped}
+    if enabled and tuple(kinds) != FUSION_KINDS:
+        summary["kinds"] = list(kinds)
+    return summary
 
 
 def emit_fused_loss_sum(graph: fx.Graph, loss: fx.Node) -> tuple[fx.Node, fx.Node] | None:

@@ -45,6 +45,20 @@ def test_rows_name_their_skus_and_what_is_not_modelled():
             assert torchtitan.GAP_COMPILE in row.gaps, row.name
 
 
+def test_rows_price_the_kernels_their_runs_called():
+    # eager runs: SDPA's flash kernel for attention, every other op an ATen kernel of its own (norms, rotary
+    # embedding, SwiGLU, the fp32 loss); compiled runs: autopar's fused norms and loss stand for Inductor's fusions
+    assert {r.name: r.fuse_kernels for r in torchtitan.ROWS} == {
+        "tt-8b-fsdp8-h100": ("attention",),
+        "tt-8b-fsdp128-h100": ("attention",),
+        "tt-8b-fsdp8-tp8-h100": True,
+        "tt-70b-fsdp32-tp8-h100": True,
+        "tt-8b-fsdp64-a100": ("attention",),
+        "tt-70b-fsdp64-a100": ("attention",),
+        "tt-13b-fsdp64-a100": ("attention",),
+    }
+
+
 def test_row_selection_across_both_sets():
     titan, meg = calibrate.select("tt-13b-fsdp64-a100,1.7b")
     assert [r.name for r in titan] == ["tt-13b-fsdp64-a100"] and [r.name for r in meg] == ["1.7b"]

@@ -75,3 +75,31 @@ def test_cpu_plans_do_not_fuse_unless_asked():
     on = autopar.plan(model, "cpu:1", args, kwargs, fuse_kernels=True)
     assert on.fusion["counts"] == {"flash_attention": 1, "rms_norm": 3, "layer_norm": 0, "linear_cross_entropy": 1}
     assert torch.isfinite(torch.tensor(on.predicted.step_time_s))
+
+
+@pytest.mark.integration
+def test_plan_fuses_only_the_kinds_named():
+    # a program that calls flash attention and runs its norms and loss as eager ATen ops (torchtitan's eager runs)
+    model = make_model("llama", num_layers=1)
+    args, kwargs = make_batch("llama", batch=2, seq=8)
+    plan = autopar.plan(model, "cpu:1", args, kwargs, fuse_kernels=("attention",))
+    assert plan.fusion["counts"] == {"flash_attention": 1, "rms_norm": 0, "layer_norm": 0, "linear_cross_entropy": 0}
+    assert plan.fusion["kinds"] == ["attention"]
+    assert any(name.startswith("flash_attention") for name in plan.node_strategy)
+    assert autopar.Plan.from_json(plan.to_json()).fusion == plan.fusion
+    every = autopar.plan(model, "cpu:1", args, kwargs, fuse_kernels=True)
+    assert "kinds" not in every.fusion
+
+
+def test_fusion_kinds_read_every_form_of_the_setting():
+    from autopar.errors import ConfigError
+    from autopar.passes.fused_ops import FUSION_KINDS, fusion_kinds, fusion_setting
+
+    assert fusion_kinds(True) == FUSION_KINDS and fusion_kinds(False) == ()
+    assert fusion_kinds("norms") == ("norms",)
+    assert fusion_kinds(["cross_entropy", "attention"]) == ("attention", "cross_entropy")  # in FUSION_KINDS order
+    with pytest.raises(ConfigError, match="unknown kinds"):
+        fusion_kinds(["attention", "rope"])
+    assert fusion_setting({"enabled": False}) is False
+    assert fusion_setting({"enabled": True, "counts": {}}) is True
+    assert fusion_setting({"enabled": True, "kinds": ["attention"]}) == ("attention",)

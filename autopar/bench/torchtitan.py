@@ -26,6 +26,13 @@ op's output but every second matmul's) is no autopar policy, so those rows pin a
 (attention internals only); torch.compile's fusions are not priced (autopar prices eager kernels); the
 tensor axis's op-level strategy is autopar's choice, not torchtitan's column/row split with sequence
 parallelism.
+
+Kernels: each row is priced on the kernels its run called. The eager runs call `F.scaled_dot_product_attention`
+with `is_causal=True` (its flash backend: FlashAttention-2) and run everything else as ATen ops, one kernel and one
+pass over HBM each: RMSNorm upcast to fp32, squared, averaged, scaled and cast back; the rotary embedding; SwiGLU's
+silu and product; the residual adds; the loss over the fp32 logits. They are planned with attention fused
+(`fuse_kernels=("attention",)`: the fused op prices causal flash attention) and the rest as traced. The compiled runs
+are planned with autopar's fused norms and loss standing for Inductor's fusions.
 """
 
 from __future__ import annotations
@@ -72,6 +79,14 @@ class TorchtitanRow:
     @property
     def global_batch(self) -> int:
         return self.dp * self.local_batch
+
+    @property
+    def fuse_kernels(self):
+        """The kernels the run fused, as `autopar.plan`'s `fuse_kernels`: an eager run calls SDPA's flash kernel
+        for attention and runs its RMSNorm, rotary embedding, SwiGLU and fp32 cross-entropy as separate ATen ops,
+        each a kernel with its own pass over HBM ("attention" only); a compiled run fuses those, which autopar's
+        fused norms and loss stand for (every kind)."""
+        return True if self.compiled else ("attention",)
 
     def constraints(self) -> dict:
         # FSDP2 reshards after forward: ZeRO-3; one micro-batch of the local batch per step
@@ -229,6 +244,7 @@ def plan_row(row: TorchtitanRow, *, budget: str | None = None, free: bool = Fals
         constraints={} if free else row.constraints(),
         memory_budget=budget,
         offload=None if free else False,
+        fuse_kernels=None if free else row.fuse_kernels,
         alternatives=False,
         pipeline=False if not free else None,
         progress=progress,
