@@ -101,3 +101,21 @@ def test_one_torchtitan_row_end_to_end(tmp_path):
     md = (tmp_path / "calibrate.md").read_text()
     assert "| tt-13b-fsdp64-a100 |" in md and "## Collectives: nccl-tests" in md
     assert json.loads((tmp_path / "calibrate.json").read_text())["torchtitan"][0]["row"]["name"] == r["row"]["name"]
+
+
+@pytest.mark.integration  # traces a preset (two layers standing for 32)
+def test_compute_terms_count_every_layer_of_the_model():
+    from autopar.bench.compute_terms import compute_terms, markdown
+
+    terms = compute_terms("llama3-8b", "H100-96GB-500W", 1, 512, ("attention",))
+    linear = [t for t in terms if t.name.startswith("linear.default")]
+    # Llama 3 8B's matmul weights, by hand: 32 layers of q, o (4096 x 4096), k, v (1024 x 4096), gate, up, down
+    # (14336 x 4096), and the head (128256 x 4096); forward and backward 6 FLOPs per weight and token
+    weights = 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096) + 128256 * 4096
+    assert sum(t.flops for t in linear) == pytest.approx(6 * weights * 512, rel=1e-12)
+    assert sum(t.count for t in linear) == 32 * 7 + 1
+    flash = next(t for t in terms if "flash_attention" in t.name)
+    assert flash.count == 32
+    # eager: the norms run as their ATen ops, none fused
+    assert not any("rms_norm" in t.name for t in terms) and any(t.name.startswith("pow") for t in terms)
+    assert "| total |" in markdown(terms, 884e12)
