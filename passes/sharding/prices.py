@@ -79,13 +79,15 @@ class MeshPrices:
         if offload is True and dp > 1:  # the offload program may run the layout: its chunks' prices
             chunk_budget = budget if math.isfinite(budget) else cluster.device.memory_bytes
             chunks = ChunkPricing(tuple(model_param_specs(self.graph)), dp, self.dp_link, precision, chunk_budget)
-        self.sync = SyncPricing(dp, self.dp_link, precision, units.PRICED_BUCKET_BYTES, chunks)
+        device = cluster.device
+        hbm = device.memory_bandwidth_bytes_per_s * device.memory_efficiency  # what unpacking a gather copies at
+        self.sync = SyncPricing(dp, self.dp_link, precision, units.PRICED_BUCKET_BYTES, chunks, hbm)
         self.experts = experts if experts is not None and experts.degree > 1 else None
         self.expert_sync = None
         if self.experts is not None:  # the ranks holding the same experts: one of each ep group, stride ep·tp
             replicas = self.experts.replicas(dp)
             link = cluster.link_for_axis(replicas, self.experts.degree * tp)
-            self.expert_sync = SyncPricing(replicas, link, precision, units.PRICED_BUCKET_BYTES)
+            self.expert_sync = SyncPricing(replicas, link, precision, units.PRICED_BUCKET_BYTES, hbm_bytes_per_s=hbm)
 
     def comm(self, stage: int) -> ProgramComm:
         """The declaration of the program that runs this mesh's layout at ZeRO stage `stage`, as it is priced: the

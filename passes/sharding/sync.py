@@ -17,7 +17,9 @@ r·P,
 
     AG_one(w) = (T_AG(bytes_w) - L_AG) + L_AG / members(w),    L_AG = T_AG(1 byte),
 
-its bandwidth part as before (the flat buffer's bytes are the sum of its members'). A weight outside numbered layers
+its bandwidth part as before (the flat buffer's bytes are the sum of its members'), plus U(w), the copy that takes
+the weight out of the gathered buffer (`unpack_time`: 2 · bytes_w read and written at the device's HBM bandwidth, on
+the compute stream, so nothing hides it; FSDP2's copy-out is the same pass). A weight outside numbered layers
 is a group of its own (members = 1). The reduce-scatters of the synchronous path (one per weight, in its gather's
 backward) still pay a whole latency each. The prices split each collective into its bandwidth part, which compute may hide, and its fixed latency,
 which nothing hides.
@@ -28,6 +30,7 @@ elements) and no program, so each price can be checked by hand.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.cost_model.comm import Collective, estimate_collective_time
@@ -59,6 +62,9 @@ class SyncPricing:
     precision: Precision
     bucket_bytes: float
     chunks: ChunkPricing | None = None
+    # the device's achievable HBM bandwidth (bytes read plus written per second) that unpacking a gather runs at;
+    # unbounded: unpacking is free (`unpack_time`)
+    hbm_bytes_per_s: float = math.inf
 
     def time(self, kind: Collective, nbytes: float) -> float:
         """One collective of `nbytes` over the data axis."""
@@ -83,12 +89,23 @@ class SyncPricing:
         share = 1.0 / max(members, 1) if comm.gathers_by_layer else 1.0
         return self.latency(AG) * share
 
+    def unpack_time(self, comm: ProgramComm, numel: float, members: int = 1) -> float:
+        """U: unpacking one gather of a weight of `numel` elements, a copy on the compute stream that reads the
+        gathered buffer and writes the whole weight (2 · numel · param bytes at the HBM bandwidth). A layer's
+        gather holds its members rank by rank (`runtime.layer_gather.GroupGather.whole` copies each out); a
+        weight gathered alone is concatenated from its pieces (`split_gather`); a layer gather of one member
+        gives it as a view of the buffer, no copy."""
+        if comm.gathers_by_layer and members <= 1:
+            return 0.0
+        return 2.0 * numel * self.precision.param_bytes / self.hbm_bytes_per_s
+
     def gather_time(self, comm: ProgramComm, numel: float, members: int = 1) -> float:
-        """AG_one: one gather of a weight of `numel` elements: its bytes at full bandwidth and its share of the
-        latency (`gather_latency`)."""
+        """AG_one: one gather of a weight of `numel` elements: its bytes at full bandwidth, its share of the
+        latency (`gather_latency`) and its unpacking (`unpack_time`)."""
         one, latency = self.time(AG, numel * self.precision.param_bytes), self.latency(AG)
         share = self.gather_latency(comm, members)
-        return one if share == latency else one - latency + share
+        wire = one if share == latency else one - latency + share
+        return wire + self.unpack_time(comm, numel, members)
 
     def sync_time(self, comm: ProgramComm, numel: float, members: int = 1) -> float:
         """Sync: gradient synchronisation (and ZeRO weight gathers) of one parameter per step.
@@ -125,7 +142,7 @@ class SyncPricing:
         backward hides it."""
         if not comm.gathers_once_a_step:
             return 0.0
-        return self.time(AG, numel * self.precision.param_bytes)
+        return self.time(AG, numel * self.precision.param_bytes) + self.unpack_time(comm, numel)
 
     def sharded_parts(self, comm: ProgramComm, numel: float, members: int = 1) -> tuple[float, float, float, float]:
         """(G_bw, G_fix, A_bw, A_fix): one parameter's collectives in the sharded program with overlap, split into
@@ -156,14 +173,16 @@ class SyncPricing:
             return g_bw, g_fix, 0.0, 0.0
         runs = m if stage == 3 else 1  # forward gathers; stage 3 gathers as many again for the backward
         one, ag_latency = self.gather_time(comm, numel, members), self.gather_latency(comm, members)
+        # the unpacking runs on the compute stream after the gather's wait: nothing hides it, like the latency
+        fixed = ag_latency + self.unpack_time(comm, numel, members)
         if stage == 3:
             if comm.prefetch_depth:
-                g_bw, g_fix = g_bw + (one - ag_latency) * runs, g_fix + ag_latency * runs
+                g_bw, g_fix = g_bw + (one - fixed) * runs, g_fix + fixed * runs
             else:
                 g_fix += one * runs
         if not comm.prefetch_depth:
             return g_bw, g_fix, 0.0, one * runs
-        return g_bw, g_fix, (one - ag_latency) * runs, ag_latency * runs
+        return g_bw, g_fix, (one - fixed) * runs, fixed * runs
 
     def reduction_latency(self, comm: ProgramComm) -> float:
         """One bucket's latency per reducing backward of the sharded program with overlap (an all-reduce at stage

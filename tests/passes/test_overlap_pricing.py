@@ -206,7 +206,8 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     op times. Gradients: E_g = max(sum RS_bw - B, T_last) (the backward after each bucket hides it, the last
     bucket nothing); gathers (prefetch depth 1): E_a = max(sum AG_bw - F, T_first) (the forward of the layers
     before each gather); every collective's latency stays exposed, the gathers' one per layer (the program gathers
-    a layer's weights in one all-gather). With overlap off, the synchronous price."""
+    a layer's weights in one all-gather), and so does each weight's copy out of the gathered buffer. With overlap off,
+    the synchronous price."""
     model, x = _stack()
     traced = trace_model(model, (x,), compute_dtype=torch.bfloat16)
     params = list(model.parameters())
@@ -226,9 +227,12 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
 
     rs, ag = Collective.REDUCE_SCATTER, Collective.ALL_GATHER
     layers = len(model.layers)  # every weight is in one of them: one gather's latency per layer
+    # each weight copied out of its layer's gathered buffer (several weights a layer): its bytes read and written
+    device = on.cluster.device
+    unpack = sum(2 * p for p in param_bytes) / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
     # overlap off: one reduce-scatter per parameter, paying its whole latency, and one gather per layer
     old = sum(t(rs, g) + t(ag, p) - t(ag, 1.0) for g, p in zip(grad_bytes, param_bytes, strict=True))
-    old += layers * t(ag, 1.0)
+    old += layers * t(ag, 1.0) + unpack
     assert off.predicted.grad_sync_s == pytest.approx(old, rel=1e-6) and off.predicted.grad_sync_hidden_s == 0.0
     ops = sum(
         1 for n in traced.exported.graph.nodes if n.op == "call_function" and n.meta["val"].dtype.is_floating_point
@@ -237,7 +241,7 @@ def test_zero1_two_buckets_and_prefetch_price_what_compute_does_not_hide(monkeyp
     forward, backward = ops * est.forward_time_s(None), ops * est.backward_time_s(None)
     rs_bw = sum(t(rs, g) - t(rs, 1.0) for g in grad_bytes)
     ag_bw = sum(t(ag, p) - t(ag, 1.0) for p in param_bytes)
-    fixed = sum(t(rs, 1.0) * g / bucket for g in grad_bytes) + layers * t(ag, 1.0) + t(rs, 1.0)
+    fixed = sum(t(rs, 1.0) * g / bucket for g in grad_bytes) + layers * t(ag, 1.0) + t(rs, 1.0) + unpack
     last = t(rs, bucket) - t(rs, 1.0)
     first = t(ag, param_bytes[0]) - t(ag, 1.0)
     e_g, e_a = max(rs_bw - backward, last), max(ag_bw - forward, first)
@@ -355,8 +359,11 @@ def test_zero2_each_micro_batch_hides_its_own_buckets(monkeypatch, kind):
     # every op runs once per micro-batch (the estimators' times do not depend on the shape)
     forward, backward = m * ops * est.forward_time_s(None), m * ops * est.backward_time_s(None)
     ag_bw = sum(t(ag, p) - t(ag, 1.0) for p in param_bytes)
-    # the gathers' latency: one per layer (a layer's weights in one all-gather)
+    # the gathers' latency: one per layer (a layer's weights in one all-gather); each weight's copy out of it
+    device = on.cluster.device
+    unpack = sum(2 * p for p in param_bytes) / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
     fixed = m * sum(t(rs, 1.0) * g / bucket for g in grad_bytes) + len(model.layers) * t(ag, 1.0) + m * t(rs, 1.0)
+    fixed += unpack
     last = t(rs, bucket) - t(rs, 1.0)
     first = m * (t(ag, param_bytes[0]) - t(ag, 1.0))
     e_g, e_a = max(rs_bw - backward, m * last), max(ag_bw - forward, first)

@@ -203,8 +203,8 @@ def zero1_stage():
 
 
 def test_a_zero1_stage_gathers_and_reduce_scatters_once_a_step(zero1_stage):
-    """Priced by hand from the link: once a step, each weight's gather (a collective of its own) and its share of the
-    bucketed reduce-scatter (bandwidth whole, latency pro rata, one bucket's latency at least); without overlap, both
+    """Priced by hand from the link: once a step, each weight's gather (a collective of its own, and the copy that
+    concatenates its pieces) and its share of the bucketed reduce-scatter (bandwidth whole, latency pro rata, one bucket's latency at least); without overlap, both
     per micro-batch, per weight.
     The step's memory holds each weight's whole fp32 gradient sum (4 bytes an element) where the synchronous
     stage counts the bf16 gradient (2)."""
@@ -223,10 +223,12 @@ def test_a_zero1_stage_gathers_and_reduce_scatters_once_a_step(zero1_stage):
         for name, info in graph.params.items()
         if graph.layer_count.get(name, 1)
     ]
-    gathers = sum(n * t(ag, b) for b, n in sizes)
+    # each gathered weight is concatenated from its pieces: its bytes read and written at the device's HBM bandwidth
+    hbm = cluster.device.memory_bandwidth_bytes_per_s * cluster.device.memory_efficiency
+    gathers = sum(n * (t(ag, b) + 2 * b / hbm) for b, n in sizes)
     # a step pays at least one bucket's latency (`sync_floor`)
     once = sum(n * (t(rs, b) - t(rs, 1.0) + t(rs, 1.0) * b / BUCKET_BYTES) for b, n in sizes) + gathers + t(rs, 1.0)
-    every = 4 * sum(n * (t(rs, b) + t(ag, b)) for b, n in sizes)
+    every = 4 * sum(n * (t(rs, b) + t(ag, b) + 2 * b / hbm) for b, n in sizes)
     (_, on), (_, off) = out[True], out[False]
     assert on.grad_sync_s == pytest.approx(once, rel=1e-6)
     assert on.step_gather_s == pytest.approx(gathers, rel=1e-6)

@@ -208,3 +208,27 @@ def test_chunk_collectives_are_shared_by_elements():
     expected = half(4 * first) - 1e-5  # a chunk collective's latency is one of no bytes: 1e-5 s
     assert chunks.last_bucket_bw_s(prefetch=False) == pytest.approx(expected, rel=REL)
     assert chunks.prefetch_bytes() == max(c.capacity for c in chunks.chunks) * 2
+
+
+def test_unpacking_a_gathered_weight_is_a_copy_nothing_hides():
+    """The program copies each weight out of its layer's gathered buffer: 4e6 bytes read and 4e6 written at an HBM
+    of 1e12 bytes/s, 8 us, on the compute stream (in the fixed parts of the overlapping program's prices)."""
+    sync = SyncPricing(2, LINK, FP32, BUCKET, hbm_bytes_per_s=1e12)
+    unpack = 8e-6
+    layer = comm(SHARDED, 3)  # gathers a layer's weights in one all-gather
+    assert sync.unpack_time(layer, NUMEL, members=4) == pytest.approx(unpack, rel=REL)
+    # one of 4 weights of its layer: its bytes at full bandwidth, a quarter of the latency, its copy
+    expected = half(4e6) - HALF_LAT + HALF_LAT / 4 + unpack
+    assert sync.gather_time(layer, NUMEL, members=4) == pytest.approx(expected, rel=REL)
+    # alone in its layer's gather, the weight is a view of the gathered buffer
+    assert sync.unpack_time(layer, NUMEL, members=1) == 0.0
+    # overlapping ZeRO-3: forward's gather and backward's each copy once, and nothing hides the copies
+    g_bw, g_fix, a_bw, a_fix = sync.sharded_parts(layer, NUMEL, members=4)
+    b_bw, b_fix, c_bw, c_fix = SYNC.sharded_parts(layer, NUMEL, members=4)  # unbounded HBM: no copy
+    assert (g_bw, a_bw) == (pytest.approx(b_bw, rel=REL), pytest.approx(c_bw, rel=REL))
+    assert g_fix == pytest.approx(b_fix + unpack, rel=REL) and a_fix == pytest.approx(c_fix + unpack, rel=REL)
+    # the synchronous program gathers twice per micro-batch at ZeRO-3
+    plain = comm(SHARDED, 3, overlap=False)
+    assert sync.sync_time(plain, NUMEL, members=4) == pytest.approx(
+        SYNC.sync_time(plain, NUMEL, members=4) + 2 * unpack, rel=REL
+    )
