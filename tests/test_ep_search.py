@@ -66,8 +66,9 @@ def _big_experts():
 
 def _each_layout(model, budget):
     """The free plan, and each layout it weighs planned on its own: without ep (ep=1 pinned) and at every ep degree
-    (a Plan, or the autopar error that says why it has none)."""
-    args, kwargs = family_batch("mixtral", batch=8)
+    (a Plan, or the autopar error that says why it has none). 16 sequences: enough tokens that ep's all-to-alls
+    outweigh ZeRO-1's gathers of the experts (their collectives and their unpacking) on the whole device."""
+    args, kwargs = family_batch("mixtral", batch=16)
 
     def plan(constraints):
         try:
