@@ -59,7 +59,8 @@ def test_recompute_gathers_its_layers_weights_again_at_zero1_without_overlap():
 def test_the_plan_prices_recompute_s_second_gathers():
     # The same layouts planned: full recompute costs its forwards at every stage, and at ZeRO-1 without overlap
     # also the all-gather of each layer's weights (fp32 on CPU, one micro-batch) on the data axis's link: each
-    # weight's bytes, and one latency per layer (the program gathers a layer in one collective); with overlap (each
+    # weight's bytes, one latency per layer (the program gathers a layer in one collective) and the copies out of the
+    # gathered buffers; with overlap (each
     # weight held for the step) and at ZeRO-3 nothing more. 1e-9: the figures are sums of the same terms.
     args, kwargs = make_batch("llama")
 
@@ -79,5 +80,11 @@ def test_the_plan_prices_recompute_s_second_gathers():
     layers = 2  # of nine weights each
     gathers = sum(estimate_collective_time(Collective.ALL_GATHER, 4 * n, 2, link) - latency for n in _layer_params())
     gathers += layers * latency
+    # and each weight's copy out of its layer's gathered buffer: its bytes read and written at the rank's memory
+    # bandwidth
+    device = autopar.ClusterSpec.parse("cpu:2").device
+    gathers += sum(2 * 4 * n for n in _layer_params()) / (
+        device.memory_bandwidth_bytes_per_s * device.memory_efficiency
+    )
     assert recompute_cost(zero=1, overlap=False) == pytest.approx(forwards + gathers, rel=1e-9)
     assert recompute_cost(zero=3, overlap=False) == pytest.approx(forwards, rel=1e-9)
