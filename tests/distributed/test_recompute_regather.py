@@ -59,9 +59,9 @@ def test_recompute_gathers_its_layers_weights_again_at_zero1_without_overlap():
 def test_the_plan_prices_recompute_s_second_gathers():
     # The same layouts planned: full recompute costs its forwards at every stage, and at ZeRO-1 without overlap
     # also the all-gather of each layer's weights (fp32 on CPU, one micro-batch) on the data axis's link: each
-    # weight's bytes, one latency per layer (the program gathers a layer in one collective) and the copies out of the
-    # gathered buffers; with overlap (each
-    # weight held for the step) and at ZeRO-3 nothing more. 1e-9: the figures are sums of the same terms.
+    # weight's bytes, one latency per layer (the program gathers a layer in one collective) and the copies out of
+    # the gathered buffers; with overlap (each weight held for the step) and at ZeRO-3 nothing more. 1e-9: the
+    # figures are sums of the same terms.
     args, kwargs = make_batch("llama")
 
     def step(**pins) -> float:
