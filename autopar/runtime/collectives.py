@@ -46,17 +46,23 @@ _TIMEOUT_WORDS = ("timed out", "timeout")
 def collective_timeout() -> timedelta:
     """How long a rank waits in one collective of a group autopar created: `AUTOPAR_COLLECTIVE_TIMEOUT_S`
     seconds (a positive number), 300 when unset."""
-    raw = os.environ.get(TIMEOUT_ENV)
+    return env_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, example=600)
+
+
+def env_seconds(name: str, default_s: float, *, example: float) -> timedelta:
+    """The positive number of seconds the environment variable `name` holds, `default_s` when it is unset or
+    empty; anything else is a ConfigError naming the variable (`example` is the value it suggests)."""
+    raw = os.environ.get(name)
     if raw is None or not raw.strip():
-        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+        return timedelta(seconds=default_s)
     try:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
         raise ConfigError(
-            f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set it to e.g. 600, or "
-            f"unset it for {DEFAULT_TIMEOUT_S:g}"
+            f"{name}={raw!r} is not a positive number of seconds; set it to e.g. {example:g}, or unset it for "
+            f"{default_s:g}"
         )
     return timedelta(seconds=seconds)
 

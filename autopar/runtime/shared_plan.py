@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from autopar import errors
-from autopar.errors import AutoparError, ConfigError, LoweringError
+from autopar.errors import AutoparError, LoweringError
 from autopar.plan import Plan
+from autopar.runtime.collectives import env_seconds
 
 WAIT_ENV = "AUTOPAR_PLAN_WAIT_S"
 DEFAULT_WAIT_S = 3600.0
@@ -34,16 +34,7 @@ _CALLS = itertools.count()
 
 def plan_wait() -> timedelta:
     """How long a rank other than 0 waits for rank 0's plan: `AUTOPAR_PLAN_WAIT_S` seconds, 3600 when unset."""
-    raw = os.environ.get(WAIT_ENV)
-    if raw is None or not raw.strip():
-        return timedelta(seconds=DEFAULT_WAIT_S)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ConfigError(f"{WAIT_ENV}={raw!r} is not a positive number of seconds; set it to e.g. 1800, or unset it")
-    return timedelta(seconds=seconds)
+    return env_seconds(WAIT_ENV, DEFAULT_WAIT_S, example=1800)
 
 
 def plan_on_rank_zero(make_plan: Callable[[], tuple[Plan, object]]) -> tuple[Plan, object | None]:
