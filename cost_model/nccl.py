@@ -348,7 +348,13 @@ class GroupLink:
         `num_bytes` is the full tensor's size (the all-reduced tensor, the gathered result, the scattered
         input), NCCL's own `nBytes` for these collectives.
         """
-        return min(t for t, _, _ in self.choices(kind, num_bytes, num_ranks))
+        key = (self, kind, num_bytes, num_ranks)
+        found = _TIMES.get(key)
+        if found is None:
+            if len(_TIMES) >= _MAX_TIMES:
+                _TIMES.clear()
+            found = _TIMES[key] = min(t for t, _, _ in self.choices(kind, num_bytes, num_ranks))
+        return found
 
     def choices(self, kind: str, num_bytes: float, num_ranks: int) -> list[tuple[float, Algorithm, Protocol]]:
         """(seconds, algorithm, protocol) of every pair NCCL would weigh, cheapest first."""
@@ -434,6 +440,12 @@ class GroupLink:
             return base + 2 * ((ppn - 1) * intra + math.log2(nodes) * inter)
         return base + math.log2(nodes) * inter / 3.5 + 2.8 * _US * n
 
+
+# `GroupLink.collective_time_s`, each (link, kind, bytes, ranks) priced once: the programs of one plan price the same
+# collectives of the same parameters on equal links again and again (every mesh, stage view and micro-batch count),
+# and the price is a pure function of them; equal links (a cluster makes one for every mesh it is asked) share entries
+_TIMES: dict[tuple, float] = {}
+_MAX_TIMES = 1 << 18
 
 __all__ = [
     "NCCL_AMPERE_AMD",

@@ -214,3 +214,17 @@ def test_a_measured_collective_replaces_the_model():
     assert estimate_collective_time(Collective.ALL_REDUCE, 1e9, 2, link) == pytest.approx(
         link.collective_time_s("all_reduce", 1e9, 2)
     )
+
+
+def test_collective_times_are_priced_once_per_equal_link_and_stay_the_model_s():
+    from autopar.cost_model import nccl
+
+    nccl._TIMES.clear()
+    a, b = _link("4x8xH100-80GB", 16, 1), _link("4x8xH100-80GB", 16, 1)
+    assert a == b and a is not b  # a cluster makes a new link for every mesh it is asked
+    for nbytes in (1.0, 3e6, GIB8):
+        cheapest = min(t for t, _, _ in a.choices("all_gather", nbytes, 16))
+        assert a.collective_time_s("all_gather", nbytes, 16) == cheapest  # exact: the same float, kept
+        assert b.collective_time_s("all_gather", nbytes, 16) == cheapest
+    assert len(nccl._TIMES) == 3  # equal links share the entries
+    assert a.collective_time_s("all_reduce", 3e6, 16) != a.collective_time_s("all_gather", 3e6, 16)
