@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import pulp
 
 from autopar.cost_model.compute import optimizer_step_time_s
+from autopar.passes.sharding.lp_terms import scaled
 from autopar.passes.sharding.offload import offload_prices
 from autopar.units import FP32_BYTES
 
@@ -33,17 +34,17 @@ def add_compute_cost(prog: ShardingProgram) -> None:
                 comm, hid = comm + exposed, hid + hidden
                 prog.recompute_terms.forward_s[name].setdefault(m, [0.0] * len(grp.strategies))[k] = grp.count * fwd
             # cp attention's exposed communication is a term of its own (the cp axis's), not compute
-            prog.terms.cost["compute"].append(grp.count * (t - comm) * prog.x[name][k])
+            prog.terms.cost["compute"].append(scaled(grp.count * (t - comm), prog.x[name][k]))
             if comm:
-                prog.terms.cost["cp_comm"].append(grp.count * comm * prog.x[name][k])
+                prog.terms.cost["cp_comm"].append(scaled(grp.count * comm, prog.x[name][k]))
             if hid:
-                prog.terms.cp_hidden.append(grp.count * hid * prog.x[name][k])
+                prog.terms.cp_hidden.append(scaled(grp.count * hid, prog.x[name][k]))
             if back:
-                prog.terms.backward.append(grp.count * back * prog.x[name][k])
+                prog.terms.backward.append(scaled(grp.count * back, prog.x[name][k]))
             if t - back:
-                prog.terms.forward.append(grp.count * (t - back) * prog.x[name][k])
+                prog.terms.forward.append(scaled(grp.count * (t - back), prog.x[name][k]))
             if grp.extra_s[k]:
-                prog.terms.cost["reshard"].append(grp.extra_s[k] * prog.x[name][k])
+                prog.terms.cost["reshard"].append(scaled(grp.extra_s[k], prog.x[name][k]))
 
 
 def add_edge_constraint(prog: ShardingProgram) -> None:
@@ -57,8 +58,8 @@ def add_edge_constraint(prog: ShardingProgram) -> None:
         if not any(v for row in cost + hidden for v in row):
             continue
         if gp == gc:  # both ends in one group: the strategy index is shared
-            prog.terms.cost["reshard"] += [cost[k][k] * prog.x[gp][k] for k in range(len(cost)) if cost[k][k]]
-            prog.terms.tp_hidden += [hidden[k][k] * prog.x[gp][k] for k in range(len(cost)) if hidden[k][k]]
+            prog.terms.cost["reshard"] += [scaled(cost[k][k], prog.x[gp][k]) for k in range(len(cost)) if cost[k][k]]
+            prog.terms.tp_hidden += [scaled(hidden[k][k], prog.x[gp][k]) for k in range(len(cost)) if hidden[k][k]]
             prog.recompute_terms.edge_forward += [
                 (c, fwd_cost[k][k], prog.x[gp][k], ((gp, k),)) for k in range(len(cost)) if fwd_cost[k][k]
             ]
@@ -68,9 +69,9 @@ def add_edge_constraint(prog: ShardingProgram) -> None:
                 for m, v in enumerate(row):
                     var = prog.x[gc][m] if len(gpr.strategies) == 1 else prog.x[gp][k]
                     if v:
-                        prog.terms.cost["reshard"].append(v * var)
+                        prog.terms.cost["reshard"].append(scaled(v, var))
                     if hidden[k][m]:
-                        prog.terms.tp_hidden.append(hidden[k][m] * var)
+                        prog.terms.tp_hidden.append(scaled(hidden[k][m], var))
                     if fwd_cost[k][m]:
                         prog.recompute_terms.edge_forward.append((c, fwd_cost[k][m], var, ((gp, k), (gc, m))))
             continue
@@ -86,10 +87,10 @@ def add_edge_constraint(prog: ShardingProgram) -> None:
                 f"edge_dst_{idx}_{m}",
             )
         prog.terms.cost["reshard"] += [
-            cost[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if cost[k][m]
+            scaled(cost[k][m], y[k][m]) for k in range(len(cost)) for m in range(len(cost[0])) if cost[k][m]
         ]
         prog.terms.tp_hidden += [
-            hidden[k][m] * y[k][m] for k in range(len(cost)) for m in range(len(cost[0])) if hidden[k][m]
+            scaled(hidden[k][m], y[k][m]) for k in range(len(cost)) for m in range(len(cost[0])) if hidden[k][m]
         ]
         prog.recompute_terms.edge_forward += [
             (c, fwd_cost[k][m], y[k][m], ((gp, k), (gc, m)))

@@ -19,6 +19,7 @@ from autopar.passes.context_parallel import is_attention
 from autopar.passes.recompute import recompute_segments, recomputed_nodes
 from autopar.passes.sharding.graph import VIEW_OPS, analysis, loss_ancestors, saved_for_backward
 from autopar.passes.sharding.groups import MeshGroups
+from autopar.passes.sharding.lp_terms import scaled
 from autopar.passes.sharding.precision import Precision
 from autopar.program_comm import ProgramComm
 from autopar.units import BUCKETS_IN_FLIGHT, FP32_BYTES
@@ -260,8 +261,8 @@ class RecomputeTerms:
                 for k, t in enumerate(fwd):
                     t += gather[k] if gather else 0.0
                     if t:
-                        terms.append(t * x[name][k])
-        terms += [coef * var for c, coef, var, _ in self.edge_forward if c in rec]
+                        terms.append(scaled(t, x[name][k]))
+        terms += [scaled(coef, var) for c, coef, var, _ in self.edge_forward if c in rec]
         return terms
 
     def fixed_forward_s(self, choice: dict[str, int], recompute: str) -> float:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import pulp
 
+from autopar.passes.sharding.lp_terms import scaled
+
 if TYPE_CHECKING:
     from autopar.passes.sharding.program import ShardingProgram
 
@@ -40,9 +42,9 @@ def add_memory_constraint(prog: ShardingProgram, recompute: str | None = None) -
         for (name, k, s), u in prog.u.items():
             count = prog.groups[name].count
             p, g, o = prog.prices.state_bytes(name, k, s)
-            prog.terms.memory["params"].append(count * p * u)
-            prog.terms.memory["grads"].append(count * g * u)
-            prog.terms.memory["optimizer"].append(count * o * u)
+            prog.terms.memory["params"].append(scaled(count * p, u))
+            prog.terms.memory["grads"].append(scaled(count * g, u))
+            prog.terms.memory["optimizer"].append(scaled(count * o, u))
         prog._add_overlap_grads()
         prog.transient = prog.activations.transient_bytes()
         ahead = prog.prices.prefetch_bytes(prog.z)
@@ -91,11 +93,11 @@ def mode_terms(prog: ShardingProgram, recompute: str) -> ModeTerms:
         for k in range(len(grp.strategies)):
             b = prog.activations.saved_bytes(name, k, recompute) * prog.activation_copies
             if b:
-                acts.append(grp.count * b * prog.x[name][k])
+                acts.append(scaled(grp.count * b, prog.x[name][k]))
     rows, peak = {}, []
     segs = [
         pulp.lpSum(
-            prog.mesh_groups.member_bytes(prog.groups[g], m, k) * prog.x[g][k]
+            scaled(prog.mesh_groups.member_bytes(prog.groups[g], m, k), prog.x[g][k])
             for g, m in seg
             for k in range(len(prog.groups[g].strategies))
         )
