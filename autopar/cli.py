@@ -90,14 +90,16 @@ def _bench_cmd(args) -> int:
         exits.run(args.out, launches=args.launches or 200, kinds=kinds, show_progress=not args.quiet)
         print(f"[autopar] wrote exits.json and exits.md to {args.out}", file=sys.stderr)
         return 0
-    if args.suite == "compile" and args.matrix:
+    if args.suite == "compile" and (args.matrix or args.cases):
         from autopar.bench import compile_matrix
 
-        compile_matrix.run(args.out, show_progress=not args.quiet)
+        names = [n.strip() for n in args.cases.split(",") if n.strip()] if args.cases else None
+        compile_matrix.run(args.out, names=names, show_progress=not args.quiet)
         print(f"[autopar] wrote compile-matrix.json and compile-matrix.md to {args.out}", file=sys.stderr)
         return 0
-    if args.matrix:
-        warnings.warn(f"--matrix applies to the compile suite only; the {args.suite} suite ignores it", stacklevel=1)
+    if args.matrix or args.cases:
+        flag = "--matrix" if args.matrix else "--cases"
+        warnings.warn(f"{flag} applies to the compile suite only; the {args.suite} suite ignores it", stacklevel=1)
     if args.rows is not None:
         warnings.warn(f"--rows applies to the calibrate suite only; the {args.suite} suite ignores it", stacklevel=1)
     if args.cluster is not None and args.suite not in ("run", "overhead", "soak", "checkpoint"):
@@ -202,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="compile suite: the wide matrix instead (dense and MoE presets, 8 to 4,096 devices, 4K to 128K "
         "sequences, pinned layouts), each case planned in a fresh process",
+    )
+    b.add_argument(
+        "--cases",
+        help="compile suite: matrix cases by name, comma-separated (e.g. 405b-1024,70b-256; implies --matrix; "
+        "default all)",
     )
     b.add_argument(
         "--cluster",

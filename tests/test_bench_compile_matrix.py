@@ -29,6 +29,16 @@ def test_unknown_case_names_are_refused(tmp_path):
         cm.run(tmp_path, names=["nope"], show_progress=False)
 
 
+def test_cases_picked_on_the_command_line_reach_the_suite(monkeypatch, tmp_path):
+    from autopar.cli import main
+
+    calls = []
+    monkeypatch.setattr(cm, "run", lambda out, **kw: calls.append(kw))
+    assert main(["bench", "compile", "--cases", "405b-1024, 7b-8", "--out", str(tmp_path), "--quiet"]) == 0
+    assert main(["bench", "compile", "--matrix", "--out", str(tmp_path), "--quiet"]) == 0
+    assert [c["names"] for c in calls] == [["405b-1024", "7b-8"], None]
+
+
 # what `bench.common.environment` records (it asks the system, a process on some platforms)
 ENV = dict.fromkeys(
     ("autopar_version", "torch_version", "python_version", "processor", "cpu_count", "platform", "time_utc"), "x"
