@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 import warnings
 
@@ -96,7 +95,6 @@ def plan_model(request: PlanRequest, *, traced=None, against: Plan | None = None
             runner_up,
             functools.partial(_price_layout, jobs),
             say=rq.say,
-            bounded=functools.partial(_price_layout, jobs),
             baselines=alternatives,
             compare=rq.compare,
             adopt=not rq.constraints and against is None,
@@ -194,13 +192,12 @@ def _plan_at(jobs: Jobs, constraints: dict, cp: int, *, against: Plan | None = N
     return chosen, runner_up, job
 
 
-def _price_layout(jobs: Jobs, pins: dict, *, beat_s: float = math.inf) -> Plan:
+def _price_layout(jobs: Jobs, pins: dict) -> Plan:
     """A layout priced next to the plan (`rationale.with_rationale`): solved on the job of its cp degree, none
-    where it pins none (the hand layouts are without cp); a cp it cannot run is the autopar error that says why.
-    `beat_s`: only a plan faster than that step is asked for (`solve`)."""
+    where it pins none (the hand layouts are without cp); a cp it cannot run is the autopar error that says why."""
     rq = jobs.request
     cp = check_cp(pins, rq.cluster, rq.args, rq.kwargs)
-    return solve(jobs(cp), pins | ({"cp": cp} if cp > 1 else {}), quiet=True, beat_s=beat_s)[0]
+    return solve(jobs(cp), pins | ({"cp": cp} if cp > 1 else {}), quiet=True)[0]
 
 
 def _plan_ep(jobs: Jobs, constraints: dict, moe, ep: int, *, quiet: bool = False):
@@ -243,17 +240,12 @@ def _weigh_ep(jobs: Jobs, searched: Plan):
 PLANNED_BEFORE = "which was planned before this layout was priced"
 
 
-def solve(
-    job: Job, constraints: dict, *, quiet: bool = False, experts=None, memory_advice=None, beat_s: float = math.inf
-):
+def solve(job: Job, constraints: dict, *, quiet: bool = False, experts=None, memory_advice=None):
     """The fastest plan under `constraints`, and the search's runner-up: a Plan, constraints to price, or None.
 
     `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan. `experts`
     (`cost_model.experts.ExpertSplit`): expert weights split over an ep group, priced so (no pipeline is searched).
     `memory_advice`: what the error says to do when nothing fits in memory (`solve_sharding`; None: the default).
-    `beat_s`: a step only a faster plan is asked to beat: the pipeline configurations that cannot are not priced
-    (`search_pipeline`). The plan is the one without it wherever that is faster than `beat_s`; elsewhere it is some
-    plan no faster than `beat_s`, or the error that none fits.
     """
     from autopar.passes.sharding.search import solve_sharding  # PuLP and HiGHS: not for `autopar --help`
 
@@ -279,7 +271,6 @@ def solve(
             batch_size=batch,
             progress=say,
             pricers=job.pricers,
-            beat_s=beat_s,
         )
         if job.offload and not quiet:
             warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=3)

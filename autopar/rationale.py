@@ -21,7 +21,6 @@ planning (`autopar.plan` stores it in the plan, so a plan read back from JSON re
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 from autopar.errors import AutoparError, ConfigError
@@ -314,16 +313,7 @@ def layout_name(constraints: dict) -> str:
 
 
 def with_rationale(
-    chosen,
-    runner_up,
-    price,
-    *,
-    say=None,
-    baselines: bool = True,
-    compare=(),
-    adopt: bool = True,
-    kept: str = PINNED,
-    bounded=None,
+    chosen, runner_up, price, *, say=None, baselines: bool = True, compare=(), adopt: bool = True, kept: str = PINNED
 ):
     """`chosen` with its `baselines` and `comparisons` priced; the fastest plan of all when one beats it.
 
@@ -338,16 +328,13 @@ def with_rationale(
         adopt: let a faster alternative replace `chosen` (False when the user pinned the layout: the
             alternatives are then listed next to the pinned plan, not put in its place).
         kept: why a faster alternative did not replace `chosen`, as its one line says it (adopt=False).
-        bounded: callable(constraints, beat_s=step) -> Plan, `price` asked only for a plan faster than `step`: the
-            plan `price` gives wherever that is faster than `step`, else some plan no faster, or the error. The
-            Megatron-style grid prices its second tensor axis so (`_best_grid_point`).
     """
     say = say or (lambda msg: None)
     rows = []  # (name, label, constraints, Plan or error)
     if baselines:
         hand = standard_layouts(chosen.cluster)
         rows += [_price_one(name, *hand[name], price, say) for name in REPORTED_LAYOUTS]
-        rows.append(_best_grid_point(chosen, price, say, searched=adopt, bounded=bounded))
+        rows.append(_best_grid_point(chosen, price, say, searched=adopt))
         if isinstance(runner_up, dict):
             rows.append(_price_one("runner_up", "the search's runner-up", runner_up, price, say))
         elif runner_up is not None:
@@ -358,7 +345,7 @@ def with_rationale(
         _price_one(layout_name(pins), "your layout", pins, price, say) for pins in (parse_layout(c) for c in compare)
     ]
     if adopt and _fastest(rows + mine, chosen) is not chosen:
-        chosen = _adopt(chosen, rows, mine, price, say, bounded)
+        chosen = _adopt(chosen, rows, mine, price, say)
     return dataclasses.replace(
         chosen,
         baselines=tuple(entry(*r, chosen, kept) for r in rows),
@@ -373,7 +360,7 @@ def _fastest(rows: list[tuple], chosen):
     return best if best.predicted.step_time_s < chosen.predicted.step_time_s * (1 - 1e-9) else chosen
 
 
-def _adopt(searched, rows: list[tuple], mine: list[tuple], price, say, bounded=None):
+def _adopt(searched, rows: list[tuple], mine: list[tuple], price, say):
     """The fastest alternative in place of the search's plan `searched`, which a layout its pruning passed over
     beats under the same cost model; `rows` gains the search's answer as an alternative.
 
@@ -384,7 +371,7 @@ def _adopt(searched, rows: list[tuple], mine: list[tuple], price, say, bounded=N
     """
     at = next((i for i, r in enumerate(rows) if r[0] == "megatron" and r[3] is searched), None)
     if at is not None:
-        rows[at] = _best_grid_point(searched, price, say, searched=False, bounded=bounded)
+        rows[at] = _best_grid_point(searched, price, say, searched=False)
     best = _fastest(rows + mine, searched)
     name = next(r[0] for r in rows + mine if r[3] is best)
     say(f"an alternative beats the search's plan: {name}: {layout_words(best)}")
@@ -392,7 +379,7 @@ def _adopt(searched, rows: list[tuple], mine: list[tuple], price, say, bounded=N
     return dataclasses.replace(best, alternatives=searched.alternatives, stats=searched.stats | {"adopted": name})
 
 
-def _best_grid_point(chosen, price, say, *, searched: bool, bounded=None) -> tuple:
+def _best_grid_point(chosen, price, say, *, searched: bool) -> tuple:
     """The fastest point of the Megatron-style grid: tp inside a node, pp (and micro-batches) searched.
 
     `searched`: `chosen` is the search's optimum over a space that holds the whole grid (a free plan: the
@@ -400,10 +387,6 @@ def _best_grid_point(chosen, price, say, *, searched: bool, bounded=None) -> tup
     faster than `chosen`, and when its tensor axis is one of the grid's (and it splits no sequence over a cp
     axis, which the grid does not) it is the best grid point itself: nothing is priced again. Otherwise each of
     the grid's tensor axes is searched with tp pinned (and no cp).
-
-    Only the fastest point is reported, the first on a tie, so a tensor axis after one that fits needs only to
-    beat it: with `bounded` it is asked for that alone (its pipeline configurations whose compute cannot are not
-    priced), and priced in full only where it does beat it, so that the point reported is the same.
     """
     sizes = megatron_tp_sizes(chosen.cluster)
     label = f"best Megatron-style grid point (tp in {{{', '.join(map(str, sizes))}}} x pp searched)"
@@ -412,16 +395,7 @@ def _best_grid_point(chosen, price, say, *, searched: bool, bounded=None) -> tup
     if searched and tp in sizes and chosen.mesh.get("cp", 1) == 1 and chosen.expert_parallel.get("degree", 1) == 1:
         say(f"alternative megatron: the search's own plan (tp={tp})")
         return "megatron", label, {"tp": tp}, chosen
-    priced = []
-    for t in sizes:
-        beat = min((r[3].predicted.step_time_s for r in priced if not isinstance(r[3], Exception)), default=None)
-        if bounded is None or beat is None:
-            priced.append(_price_one("megatron", label, {"tp": t}, price, say))
-            continue
-        row = _price_one("megatron", label, {"tp": t}, functools.partial(bounded, beat_s=beat), say)
-        if not isinstance(row[3], Exception) and row[3].predicted.step_time_s < beat:
-            row = _price_one("megatron", label, {"tp": t}, price, say)  # it wins: the point as `price` gives it
-        priced.append(row)
+    priced = [_price_one("megatron", label, {"tp": t}, price, say) for t in sizes]
     fitting = [r for r in priced if not isinstance(r[3], Exception)]
     if fitting:
         return min(fitting, key=lambda r: r[3].predicted.step_time_s)

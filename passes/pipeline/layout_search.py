@@ -289,16 +289,9 @@ class LayoutSearch:
     # are exact prices or whose memory decides a search of its own (cp) estimate every one first
     lazy = True
 
-    def run(self, bound: float = math.inf, *, beat_s: float = math.inf) -> tuple[list[dict], tuple | None]:
+    def run(self, bound: float = math.inf) -> tuple[list[dict], tuple | None]:
         """Estimate every configuration, price them exactly in order while they can still win (against each
         other and against `bound`, a step found elsewhere).
-
-        `beat_s`: a step found elsewhere that only a faster layout is asked to beat (the report's Megatron-style grid
-        point). A configuration whose compute alone reaches it (`compute_bound`, a lower bound of its exact step:
-        each stage's compute is at least its groups' least compute, and the step adds resharding, recompute, sends
-        and sync to the slowest stage's) cannot beat it and is not priced. Unlike `bound`, it does not end the
-        search: the configurations priced otherwise, and so the best step where it is below `beat_s`, are those of
-        the search without it. Not with a cp axis or several stacks, which have no compute bound.
 
         Without a cp axis the estimates are made lazily (`_ranked`): a sub-mesh's remaining micro-batch sizes are
         estimated only once the least compute bound among them (`compute_bound`) comes up in the order of the
@@ -307,7 +300,6 @@ class LayoutSearch:
         """
         t0 = time.perf_counter()
         records, best = [], None
-        exact_cut = math.isfinite(beat_s) and not self.pricer.cp.on and not self.structure.stacks
         for est, cfg, guess in self._ranked():
             if est * (1 - ESTIMATE_SLACK) >= min(bound, best[0] if best is not None else math.inf):
                 break
@@ -317,8 +309,6 @@ class LayoutSearch:
                     f"in order of their estimates"
                 )
                 break
-            if exact_cut and self.compute_bound(cfg) >= beat_s:
-                continue  # its compute alone is no faster than the step it would have to beat
             got = self.evaluate(cfg, guess)
             records.append(
                 {

@@ -70,7 +70,6 @@ def search_pipeline(
     batch_size: int,
     progress=None,
     pricers: dict | None = None,
-    beat_s: float = math.inf,
 ) -> PipelineSolution:
     """Choose pp, the stage cuts, the sub-mesh, the micro-batches and the schedule by predicted step time.
 
@@ -89,9 +88,6 @@ def search_pipeline(
             cluster, estimator, precision and batch (`autopar.plan` prices its alternatives with it: a layout
             the search priced is then read back, not solved again). Only the pins a stage program depends on
             (ZeRO stage, recompute, tp_min_split, the budget) tell its entries apart.
-        beat_s: a step only a faster layout is asked to beat: pipeline configurations whose compute alone reaches
-            it are not priced (`LayoutSearch.run`). The answer is the search's without it wherever that is faster
-            than `beat_s`; elsewhere it is some layout no faster than `beat_s`, or the error that none fits.
     Raises:
         ConfigError: a pin that cannot hold (the message says which values would).
         InfeasiblePlanError: no layout fits the memory budget, with the least memory one needs.
@@ -109,7 +105,7 @@ def search_pipeline(
     pipeline_zero = c.get("zero") in (None, *PIPELINE_ZERO_STAGES)
     if structure is not None and c.get("pp") != 1 and num_layers >= 2 and pipeline_zero:
         pricer = _stage_pricer(graph, structure, cluster, c, estimator, precision, budget, batch_size, pricers)
-        records, best, search = _search_layouts(pricer, c, say, beat_s)
+        records, best, search = _search_layouts(pricer, c, say)
     single_ok = single is not None and not wants_pipeline(c)
     if best is None or (single_ok and single.step_time_s <= best[0]):
         if single_ok:
@@ -177,9 +173,7 @@ def _stage_pricer(
     return pricer
 
 
-def _search_layouts(
-    pricer: StagePricer, c: dict, say, beat_s: float = math.inf
-) -> tuple[list[dict], tuple | None, LayoutSearch]:
+def _search_layouts(pricer: StagePricer, c: dict, say) -> tuple[list[dict], tuple | None, LayoutSearch]:
     """The records of the configurations priced, the best (None if none fits) and the search it came from.
 
     With a cp axis, where memory binds (nothing fits, a configuration fits no cut, or a stage of the best is
@@ -187,7 +181,7 @@ def _search_layouts(
     """
     programs_before = pricer.num_programs
     search = (StackLayoutSearch if pricer.structure.stacks else LayoutSearch)(pricer, c, say)
-    records, best = search.run(beat_s=beat_s)
+    records, best = search.run()
     if (
         pricer.cp.on
         and pricer.cp.algorithm is None
