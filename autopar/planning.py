@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 import warnings
 
@@ -240,12 +241,17 @@ def _weigh_ep(jobs: Jobs, searched: Plan):
 PLANNED_BEFORE = "which was planned before this layout was priced"
 
 
-def solve(job: Job, constraints: dict, *, quiet: bool = False, experts=None, memory_advice=None):
+def solve(
+    job: Job, constraints: dict, *, quiet: bool = False, experts=None, memory_advice=None, beat_s: float = math.inf
+):
     """The fastest plan under `constraints`, and the search's runner-up: a Plan, constraints to price, or None.
 
     `quiet` (pricing alternatives) keeps the warnings about ignored settings to the user's own plan. `experts`
     (`cost_model.experts.ExpertSplit`): expert weights split over an ep group, priced so (no pipeline is searched).
     `memory_advice`: what the error says to do when nothing fits in memory (`solve_sharding`; None: the default).
+    `beat_s`: a step only a faster plan is asked to beat (the synchronous program's solve next to the overlapping
+    one's): the meshes without a pipeline that cannot are not solved (`solve_sharding`). The plan is the one without
+    it wherever that is faster than `beat_s`, though its runner-up and its table of meshes may not be.
     """
     from autopar.passes.sharding.search import solve_sharding  # PuLP and HiGHS: not for `autopar --help`
 
@@ -271,6 +277,7 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False, experts=None, mem
             batch_size=batch,
             progress=say,
             pricers=job.pricers,
+            beat_s=beat_s,
         )
         if job.offload and not quiet:
             warnings.warn("offload=True: pipeline layouts keep every state on the device", stacklevel=3)
@@ -306,6 +313,7 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False, experts=None, mem
             offload=job.offload if experts is None else False,  # the expert-parallel program keeps states on device
             experts=experts,
             memory_advice=memory_advice,
+            beat_s=beat_s,
         )
     overlap = bool(constraints.get("overlap", True))
     chosen = dataclasses.replace(
@@ -325,12 +333,15 @@ def solve(job: Job, constraints: dict, *, quiet: bool = False, experts=None, mem
         # from ZeRO-1 the weights gathered ahead): where that memory costs more than the overlap hides (more
         # micro-batches, recompute, offload), the synchronous program is the faster plan. A plan that offloads runs
         # the offload program, which overlaps or not as its plan says, and is priced so.
+        # only a synchronous plan faster than this one is asked for: its meshes that cannot be are not solved (the
+        # bound a hair above the step, past the searches' own 1e-9 tolerance, so that none that could is left out)
+        sync = constraints | {"overlap": False}
         try:
-            without = solve(job, constraints | {"overlap": False}, quiet=True)
+            without = solve(job, sync, quiet=True, beat_s=chosen.predicted.step_time_s * (1 + 4e-9))
         except InfeasiblePlanError:
             without = None
         if without is not None and without[0].predicted.step_time_s < chosen.predicted.step_time_s:
-            return without
+            return solve(job, sync, quiet=True)  # it wins: solved in full, for its runner-up and table of meshes
     return chosen, sharded_runner_up(sol)
 
 

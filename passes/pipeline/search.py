@@ -70,6 +70,7 @@ def search_pipeline(
     batch_size: int,
     progress=None,
     pricers: dict | None = None,
+    beat_s: float = math.inf,
 ) -> PipelineSolution:
     """Choose pp, the stage cuts, the sub-mesh, the micro-batches and the schedule by predicted step time.
 
@@ -88,6 +89,7 @@ def search_pipeline(
             cluster, estimator, precision and batch (`autopar.plan` prices its alternatives with it: a layout
             the search priced is then read back, not solved again). Only the pins a stage program depends on
             (ZeRO stage, recompute, tp_min_split, the budget) tell its entries apart.
+        beat_s: a step only a faster layout is asked to beat, for the plan without a pipeline (`solve_sharding`).
     Raises:
         ConfigError: a pin that cannot hold (the message says which values would).
         InfeasiblePlanError: no layout fits the memory budget, with the least memory one needs.
@@ -100,7 +102,9 @@ def search_pipeline(
     budget = float(memory_budget_bytes if memory_budget_bytes is not None else cluster.device.memory_bytes)
     single, single_error = None, None
     if c.get("pp") in (None, 1):
-        single, single_error = _plan_without_pipeline(graph, cluster, c, estimator, precision, budget, batch_size, say)
+        single, single_error = _plan_without_pipeline(
+            graph, cluster, c, estimator, precision, budget, batch_size, say, beat_s
+        )
     records, best, search = [], None, None
     pipeline_zero = c.get("zero") in (None, *PIPELINE_ZERO_STAGES)
     if structure is not None and c.get("pp") != 1 and num_layers >= 2 and pipeline_zero:
@@ -115,7 +119,15 @@ def search_pipeline(
 
 
 def _plan_without_pipeline(
-    graph: OpGraph, cluster: ClusterSpec, c: dict, estimator, precision: str, budget: float, batch_size: int, say
+    graph: OpGraph,
+    cluster: ClusterSpec,
+    c: dict,
+    estimator,
+    precision: str,
+    budget: float,
+    batch_size: int,
+    say,
+    beat_s: float = math.inf,
 ) -> tuple[ShardingSolution | None, Exception | None]:
     """The best plan without stages (`solve_sharding` under the pins less the pipeline's), or why there is none."""
     flat = {k: v for k, v in c.items() if k not in PIPELINE_CONSTRAINT_KEYS}
@@ -129,6 +141,7 @@ def _plan_without_pipeline(
             memory_budget_bytes=budget,
             batch_size=batch_size,
             progress=say,
+            beat_s=beat_s,
         )
     except (InfeasiblePlanError, ConfigError) as e:
         return None, e

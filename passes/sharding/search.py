@@ -97,6 +97,7 @@ def solve_sharding(
     offload: bool | None = False,
     experts: ExpertSplit | None = None,
     memory_advice=None,
+    beat_s: float = math.inf,
 ) -> ShardingSolution:
     """Solve every allowed (dp, tp) mesh and return the fastest feasible layout.
 
@@ -120,6 +121,10 @@ def solve_sharding(
             are refused.
         memory_advice: what the error says to do when no mesh fits in memory, `advice(parts, budget)` of
             `report.infeasible_message` (None: the advice of a free layout).
+        beat_s: a step only a faster layout is asked to beat: meshes and recompute modes whose lower bound reaches
+            it are not solved, as if a plan that fast had been found. The answer is the search's without it wherever
+            that is faster than `beat_s` (the results of the meshes not solved say so); elsewhere a layout no faster
+            than `beat_s`, or the InfeasiblePlanError.
     Raises:
         InfeasiblePlanError: no mesh fits, with the memory the best layout needs.
     """
@@ -184,7 +189,7 @@ def solve_sharding(
         fits.build()
         free = fits.solve_free()
         candidates.append((free, fits, make))
-    best, best_prog = _solve_candidates(candidates, results, batch_size, constraints, progress)
+    best, best_prog = _solve_candidates(candidates, results, batch_size, constraints, progress, beat_s)
     if best is None:
         raise InfeasiblePlanError(infeasible_message(bounds, budget, offload, memory_advice))
     unruled = tuple(sorted(rules.UNRULED_OPS))
@@ -265,11 +270,13 @@ def _first_fit(factory, pricing: CPPricing | None, dp, tp, cp: int, batch_size, 
     return fits, make, None
 
 
-def _solve_candidates(candidates: list, results: list, batch_size: int, constraints: dict, progress):
+def _solve_candidates(
+    candidates: list, results: list, batch_size: int, constraints: dict, progress, beat_s: float = math.inf
+):
     """(best result, its program) over the meshes that fit, each (memory-free optimum, program, factory), in the
-    order of their memory-free optimum (a lower bound of anything they can reach): once the best plan found is
-    faster than a mesh's bound, that mesh cannot win and is not solved. Every mesh's result is added to
-    `results`."""
+    order of their memory-free optimum (a lower bound of anything they can reach): once the best plan found (or
+    `beat_s`, a step found elsewhere) is faster than a mesh's bound, that mesh cannot win and is not solved. Every
+    mesh's result is added to `results`."""
     candidates.sort(key=lambda c: c[0].step_time_s)
     best, best_prog = None, None
     for free, prog, make in candidates:
@@ -277,7 +284,8 @@ def _solve_candidates(candidates: list, results: list, batch_size: int, constrai
             results.append(dataclasses.replace(free, feasible=False, reason="not solved: the time limit had passed"))
             time_limit.skipped(f"mesh dp={free.dp} tp={free.tp} (at least {free.step_time_s * 1e3:.2f} ms)")
             continue
-        if best is not None and free.step_time_s >= best.step_time_s:
+        bar = min(beat_s, best.step_time_s if best is not None else math.inf)  # what a mesh must beat
+        if free.step_time_s >= bar:
             results.append(
                 dataclasses.replace(
                     free,
@@ -294,7 +302,7 @@ def _solve_candidates(candidates: list, results: list, batch_size: int, constrai
             batch_size,
             constraints,
             progress,
-            beat_s=best.step_time_s if best is not None else math.inf,
+            beat_s=bar,
         )
         results.append(res)
         if res.feasible and (best is None or res.step_time_s < best.step_time_s):

@@ -248,6 +248,44 @@ def test_shortened_trace_prices_the_whole_model():
         assert expand_placements(short, a.param_placements) == b.param_placements
 
 
+@pytest.mark.integration
+def test_a_step_to_beat_leaves_the_answer_below_it_and_nothing_else():
+    # `beat_s` (the synchronous program's solve next to the overlapping plan's): a layout faster than it is the
+    # search's own, to the last bit; where none is, the search says so rather than solving what cannot win
+    from autopar import presets, tracing
+    from autopar.cost_model import AnalyticEstimator, DType
+    from autopar.passes.sharding.search import solve_sharding
+
+    config = presets.load_config("tiny-llama", num_hidden_layers=6)
+    model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
+    args, kwargs = presets.example_batch(config, 16, 64, device="meta")
+    graph = tracing.trace_shortened(model, args, kwargs, lambda msg: None)
+    cluster = autopar.ClusterSpec.parse("2x4xA100-40GB")
+    est = AnalyticEstimator(cluster.device, DType("bf16"))
+    kw = dict(estimator=est, precision="bf16", batch_size=16, memory_budget_bytes=2e7)  # memory binds
+
+    free = solve_sharding(graph, cluster, **kw)
+    above = solve_sharding(graph, cluster, beat_s=free.step_time_s * 1.01, **kw)
+    assert (above.dp, above.tp, above.zero_stage, above.num_microbatches, above.recompute) == (
+        free.dp,
+        free.tp,
+        free.zero_stage,
+        free.num_microbatches,
+        free.recompute,
+    )
+    assert above.step_time_s == free.step_time_s and above.memory == free.memory
+    assert above.param_placements == free.param_placements
+    solved = sum(r.reason == "" for r in free.candidates)
+    assert sum(r.reason == "" for r in above.candidates) <= solved
+    try:  # nothing is faster than the answer: no layout, or one no faster than it
+        at = solve_sharding(graph, cluster, beat_s=free.step_time_s, **kw)
+    except InfeasiblePlanError:
+        at = None
+    assert at is None or at.step_time_s >= free.step_time_s
+    with pytest.raises(InfeasiblePlanError):  # every mesh's memory-free optimum reaches it: none is solved
+        solve_sharding(graph, cluster, beat_s=1e-12, **kw)
+
+
 def _meta_llama(hidden=512, layers=4, batch=8, seq=256):
     from transformers import LlamaConfig, LlamaForCausalLM
 
