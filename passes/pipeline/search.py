@@ -162,10 +162,12 @@ def _stage_pricer(
 ) -> StagePricer:
     """The stage pricer for these pins: the one `pricers` kept from an earlier search, else a new one, kept there.
 
-    Only the pins a stage program depends on (ZeRO stage, recompute, tp_min_split, grad_reduce, the budget) tell
-    the kept pricers apart.
+    Only the pins a stage program depends on (ZeRO stage, recompute, tp_min_split, grad_reduce, overlap, the budget)
+    tell the kept pricers apart: the synchronous plan's search (overlap off) gets stage programs priced without
+    overlap, not those of the overlapping search before it.
     """
-    key = (c.get("zero"), c.get("recompute"), c.get("tp_min_split"), c.get("grad_reduce"), budget)
+    key = (c.get("zero"), c.get("recompute"), c.get("tp_min_split"), c.get("grad_reduce"), c.get("overlap", True))
+    key += (budget,)
     pricer = (pricers or {}).get(key)
     if pricer is None:
         pricer_cls = StackPricer if structure.stacks else StagePricer

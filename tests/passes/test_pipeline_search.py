@@ -363,3 +363,16 @@ def test_layers_that_cannot_be_cut_name_their_container():
 
     with pytest.raises(ConfigError, match=r"the layers of layers are not all alike"):
         autopar.plan(Unlike(), "cpu:2", (torch.randn(4, 8),), constraints={"pp": 2})
+
+
+@pytest.mark.integration
+def test_a_search_without_overlap_after_one_with_it_prices_its_stages_without_overlap():
+    # planning searches with overlap, then (for the synchronous plan) without it, on the same graph, keeping the
+    # stage programs of the first search in `pricers`: the second must price its own, as a search of its own does
+    graph = _stack_graph(hidden=2048, num_layers=4, batch=16, seq=512)
+    pins = {"pp": 2, "zero": 1}
+    kept: dict = {}
+    _search(graph, BIG_CLUSTER, 16, constraints={**pins, "overlap": True}, pricers=kept)
+    after = _search(graph, BIG_CLUSTER, 16, constraints={**pins, "overlap": False}, pricers=kept)
+    alone = _search(graph, BIG_CLUSTER, 16, constraints={**pins, "overlap": False})
+    assert after.step_time_s == alone.step_time_s
