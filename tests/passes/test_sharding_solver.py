@@ -211,29 +211,37 @@ def test_bad_micro_batch_constraints():
         autopar.plan(model, "2xA100-80GB", *args, constraints={"num_microbatches": 3})
 
 
+def _six_layer_llama():
+    """The tiny LLaMA with six layers in bf16 on the meta device, its batch of 16 x 64, its shortened trace (two
+    layers standing for six), and 2x4xA100-40GB with its analytic estimator."""
+    from autopar import presets, tracing
+    from autopar.cost_model import AnalyticEstimator, DType
+
+    config = presets.load_config("tiny-llama", num_hidden_layers=6)
+    model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
+    args, kwargs = presets.example_batch(config, 16, 64, device="meta")
+    short = tracing.trace_shortened(model, args, kwargs, lambda msg: None)
+    cluster = autopar.ClusterSpec.parse("2x4xA100-40GB")
+    return config, model, args, kwargs, short, cluster, AnalyticEstimator(cluster.device, DType("bf16"))
+
+
 @pytest.mark.integration
 def test_shortened_trace_prices_the_whole_model():
     # A preset with identical layers is traced with two of them standing for all: the plan must be
     # the one the full trace gives, to the last bit of every figure.
-    from autopar import presets, tracing
-    from autopar.cost_model import AnalyticEstimator, DType
+    from autopar import presets
     from autopar.flops import step_flops
     from autopar.ir import OpGraph
     from autopar.passes.sharding.search import solve_sharding
     from autopar.plan_build import expand_placements
     from autopar.trace import trace_model
 
-    config = presets.load_config("tiny-llama", num_hidden_layers=6)
-    model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
-    args, kwargs = presets.example_batch(config, 16, 64, device="meta")
-    short = tracing.trace_shortened(model, args, kwargs, lambda msg: None)
+    config, model, args, kwargs, short, cluster, est = _six_layer_llama()
     full = OpGraph.from_traced(trace_model(model, args, kwargs))
     assert short is not None and short.repeats == {"model.layers": (2, 6)}
     assert short.num_layers == full.num_layers == 6
     assert short.num_parameters() == full.num_parameters() == presets.count_parameters(config)
     assert step_flops(short, 16 * 64) == pytest.approx(step_flops(full, 16 * 64), rel=1e-12)
-    cluster = autopar.ClusterSpec.parse("2x4xA100-40GB")
-    est = AnalyticEstimator(cluster.device, DType("bf16"))
     for budget in (None, 2e7):  # free, and tight enough to need sharded states
         a, b = (
             solve_sharding(g, cluster, estimator=est, precision="bf16", batch_size=16, memory_budget_bytes=budget)
@@ -252,16 +260,9 @@ def test_shortened_trace_prices_the_whole_model():
 def test_a_step_to_beat_leaves_the_answer_below_it_and_nothing_else():
     # `beat_s` (the synchronous program's solve next to the overlapping plan's): a layout faster than it is the
     # search's own, to the last bit; where none is, the search says so rather than solving what cannot win
-    from autopar import presets, tracing
-    from autopar.cost_model import AnalyticEstimator, DType
     from autopar.passes.sharding.search import solve_sharding
 
-    config = presets.load_config("tiny-llama", num_hidden_layers=6)
-    model = presets.build_model(config, device="meta", dtype=torch.bfloat16)
-    args, kwargs = presets.example_batch(config, 16, 64, device="meta")
-    graph = tracing.trace_shortened(model, args, kwargs, lambda msg: None)
-    cluster = autopar.ClusterSpec.parse("2x4xA100-40GB")
-    est = AnalyticEstimator(cluster.device, DType("bf16"))
+    *_, graph, cluster, est = _six_layer_llama()
     kw = dict(estimator=est, precision="bf16", batch_size=16, memory_budget_bytes=2e7)  # memory binds
 
     free = solve_sharding(graph, cluster, **kw)
