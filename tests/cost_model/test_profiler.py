@@ -359,6 +359,22 @@ def test_forward_is_timed_with_other_ops_between_its_calls(monkeypatch, tmp_path
     assert timed == ["other ops", "op"] * 3
 
 
+def _eager_us_per_op(length: int = 400) -> float:
+    """Microseconds of one one-element product's eager forward and backward, in a chain of `length` (as
+    `calibrate.measure_lowered_overhead` times its eager side)."""
+    from autopar.cost_model.calibrate import median_time_s
+
+    x, w = torch.ones(1), torch.ones(1, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(length):
+            y = torch.ops.aten.mul.Tensor(y, w)
+        y.sum().backward()
+
+    return median_time_s(chain, 5) / length * 1e6
+
+
 def test_lowered_graph_host_time_per_op_is_measured_once_and_scaled(tmp_path, monkeypatch):
     """The sharded and pipeline programs' host time per op beyond eager, measured on a lowered graph for real (no
     figure given): a number of microseconds at most (the lowered graph calls the same ATen ops as eager, plus one
@@ -366,9 +382,10 @@ def test_lowered_graph_host_time_per_op_is_measured_once_and_scaled(tmp_path, mo
     path = tmp_path / "p.json"
     est = ProfiledEstimator(path, repeats=3)
     per_op = est.sharded_op_overhead_s()
-    # bound: a one-element op's eager forward and backward take ~8 us on this machine under load; the lowered graph
-    # adds its own call path, not another dispatch of the op, so 20 us leaves room for a loaded machine's noise
-    assert 0.0 <= per_op < 20e-6
+    # bound: the lowered graph adds its own call path and hooks, not another dispatch of the op, so its extra time per
+    # op stays within a few times the op's own eager forward and backward (~8 us on a quiet 2-core machine), measured
+    # here in the same run: a machine loaded by other tests slows both (seen: 50 us extra where eager took more too)
+    assert 0.0 <= per_op < max(20e-6, 3 * _eager_us_per_op() * 1e-6)
     measured = []
     monkeypatch.setattr(profiler, "measure_lowered_overhead", lambda repeats: measured.append(1) or {"lowered_op_s": 1})
     shared = ProfiledEstimator(path, ranks_per_core=2.0)
