@@ -111,9 +111,7 @@ def plan(
     )
     with limited(time_limit_s) as limit:
         chosen = plan_model(request, traced=_traced)
-    if limit is None:
-        return chosen
-    return dataclasses.replace(chosen, stats=chosen.stats | {"time_limit": limit.record()})
+    return _with_limit_record(chosen, limit)
 
 
 def compile(
@@ -203,9 +201,14 @@ def _limited_plan(request, time_limit_s: float | None):
     """`plan_to_compile` under `plan`'s time limit: one rank plans, so a limit cannot part the ranks' plans."""
     with limited(time_limit_s) as limit:
         chosen, traced = plan_to_compile(request)
-    if limit is not None:
-        chosen = dataclasses.replace(chosen, stats=chosen.stats | {"time_limit": limit.record()})
-    return chosen, traced
+    return _with_limit_record(chosen, limit), traced
+
+
+def _with_limit_record(chosen: Plan, limit) -> Plan:
+    """`chosen` with what its time limit cut short in `stats["time_limit"]` (as it is without a limit)."""
+    if limit is None:
+        return chosen
+    return dataclasses.replace(chosen, stats=chosen.stats | {"time_limit": limit.record()})
 
 
 def compare(plan: Plan, layouts, model=None, example_inputs=(), example_kwargs=None, **plan_kwargs) -> Plan:
